@@ -85,6 +85,10 @@ class GenerateResult:
         return self.choices[0].finish_reason
 
     @property
+    def matched_stop(self) -> str | int | None:
+        return self.choices[0].matched_stop
+
+    @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
 

@@ -69,6 +69,13 @@ LAYER_TENSOR_NAMES: dict[str, str] = {
     "ffn_down": "mlp.down_proj",
 }
 
+# config.json / generation_config.json field -> GGUF metadata key.
+SPECIAL_TOKEN_IDS: dict[str, str] = {
+    "bos_token_id": "tokenizer.ggml.bos_token_id",
+    "eos_token_id": "tokenizer.ggml.eos_token_id",
+    "pad_token_id": "tokenizer.ggml.padding_token_id",
+}
+
 _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
 _GLOBAL_TENSOR_RE = re.compile(r"(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
 
@@ -209,15 +216,16 @@ def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     _apply_rope_scaling(config, arch, meta, tensors)
-    for name, key in (("bos_token_id", "bos_token_id"), ("eos_token_id", "eos_token_id"),
-                      ("pad_token_id", "padding_token_id")):
-        token_id = _field(reader, f"tokenizer.ggml.{key}")
+    for name, key in SPECIAL_TOKEN_IDS.items():
+        token_id = _field(reader, key)
         if token_id is not None:
             config[name] = int(token_id)
     return config
 
 
-def _apply_rope_scaling(config: dict[str, Any], arch: str, meta: Any, tensors: dict[str, ReaderTensor]) -> None:
+def _apply_rope_scaling(
+    config: dict[str, Any], arch: str, meta: Any, tensors: dict[str, ReaderTensor]
+) -> None:
     if "rope_freqs.weight" in tensors:
         # Llama 3.x stores its frequency-dependent scaling as a tensor, not as parameters.
         raise GGUFConversionError("llama3-style rope scaling (rope_freqs tensor) is not supported")
@@ -232,8 +240,7 @@ def _apply_rope_scaling(config: dict[str, Any], arch: str, meta: Any, tensors: d
 
 
 def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    keys = ("bos_token_id", "eos_token_id", "pad_token_id")
-    return {k: config[k] for k in keys if k in config}
+    return {k: config[k] for k in SPECIAL_TOKEN_IDS if k in config}
 
 
 # --------------------------------------------------------------------------------------------
@@ -269,11 +276,7 @@ def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     if rows % (2 * n_head):
         raise GGUFConversionError(f"cannot un-permute {rows} rows over {n_head} heads")
     half_dim = rows // n_head // 2
-    return (
-        weight.reshape(n_head, half_dim, 2, *weight.shape[1:])
-        .swapaxes(1, 2)
-        .reshape(weight.shape)
-    )
+    return weight.reshape(n_head, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
 def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:

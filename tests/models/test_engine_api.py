@@ -1,0 +1,155 @@
+"""Engine behaviour a user sees: sampling semantics end to end, stop handling, n > 1, streaming,
+aborts, rejections and page accounting (tiny random model with a real tokenizer, fp32)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from strata import Engine, SamplingParams
+
+PROMPT = "The quick brown fox jumps over"
+
+
+@pytest.fixture(scope="module")
+def engine(llama_dir) -> Engine:
+    return Engine(str(llama_dir), dtype="float32", kv_cache_tokens=4096, page_size=4)
+
+
+def greedy(n: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=n, ignore_eos=True, **kw)
+
+
+def test_seed_reproducible_regardless_of_batch(engine):
+    params = SamplingParams(temperature=1.0, max_new_tokens=16, seed=1234, ignore_eos=True)
+    alone = engine.generate(PROMPT, params)[0].token_ids
+    others = [SamplingParams(temperature=1.0, max_new_tokens=20, ignore_eos=True) for _ in range(3)]
+    mixed = engine.generate(["Hello", PROMPT, "Radix trees", "Numbers"], [others[0], params, others[1], others[2]])
+    assert mixed[1].token_ids == alone
+    other_seed = engine.generate(PROMPT, SamplingParams(temperature=1.0, max_new_tokens=16, seed=99, ignore_eos=True))
+    assert other_seed[0].token_ids != alone
+
+
+def test_max_new_tokens_gives_length(engine):
+    r = engine.generate(PROMPT, greedy(7))[0]
+    assert len(r.token_ids) == 7 and r.finish_reason == "length"
+
+
+def test_stop_string_truncates_text_and_stream_never_shows_it(engine):
+    full = engine.generate(PROMPT, greedy(30))[0].text
+    assert len(full) > 12
+    stop = full[6:10]
+    cut = full[: full.index(stop)]
+    r = engine.generate(PROMPT, greedy(30, stop=[stop]))[0]
+    assert r.text == cut and r.finish_reason == "stop" and r.matched_stop == stop
+    streamed = "".join(o.text_delta for o in engine.stream(PROMPT, greedy(30, stop=[stop])))
+    assert streamed == cut
+
+
+def test_stop_token_id_and_min_new_tokens(engine):
+    tokens = engine.generate(PROMPT, greedy(12))[0].token_ids
+    stop_tok = tokens[2]
+    first = tokens.index(stop_tok)
+    r = engine.generate(PROMPT, greedy(12, stop_token_ids=[stop_tok]))[0]
+    assert r.finish_reason == "stop" and r.matched_stop == stop_tok and r.token_ids == tokens[: first + 1]
+    held = engine.generate(PROMPT, greedy(12, stop_token_ids=[stop_tok], min_new_tokens=6))[0]
+    assert len(held.token_ids) >= 6
+    assert stop_tok not in held.token_ids[:5]
+
+
+def test_n_greater_than_one_shares_the_prompt(engine):
+    prompt = list(range(10, 90))
+    r = engine.generate(prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_new_tokens=8, ignore_eos=True))[0]
+    assert len(r.choices) == 3
+    assert len({tuple(c.token_ids) for c in r.choices}) > 1
+    assert r.cached_tokens >= 76  # siblings reuse the first one's prompt KV
+    g = engine.generate(prompt + [1], SamplingParams(temperature=0, n=2, max_new_tokens=8, ignore_eos=True))[0]
+    assert g.choices[0].token_ids == g.choices[1].token_ids
+    engine.scheduler.check_no_leaks()
+
+
+def test_logprobs_with_alternatives(engine):
+    r = engine.generate(PROMPT, greedy(5, logprobs=3))[0]
+    assert len(r.choices[0].logprobs) == 5
+    for tok, lp in zip(r.token_ids, r.choices[0].logprobs):
+        assert lp.token_id == tok and len(lp.top) == 3
+        assert lp.top[0].token_id == tok and lp.top[0].logprob == pytest.approx(lp.logprob)
+        assert lp.top[0].logprob >= lp.top[1].logprob >= lp.top[2].logprob
+
+
+def test_stream_concatenation_equals_generate(engine):
+    whole = engine.generate(PROMPT, greedy(20))[0]
+    parts = list(engine.stream(PROMPT, greedy(20)))
+    assert "".join(p.text_delta for p in parts) == whole.text
+    assert [t for p in parts for t in p.new_token_ids] == whole.token_ids
+    assert parts[-1].finished and not any(p.finished for p in parts[:-1])
+
+
+def test_closing_a_stream_aborts_and_frees_kv(engine):
+    it = engine.stream(PROMPT, greedy(50))
+    next(it)
+    next(it)
+    it.close()
+    assert not engine.scheduler.running
+    engine.scheduler.check_no_leaks()
+
+
+def test_abort_frees_kv_at_once(engine):
+    (rid,) = engine.add_request(list(range(5, 105)), greedy(50))
+    for _ in range(3):
+        engine.step()
+    assert engine.scheduler.running
+    assert engine.abort(rid)
+    assert not engine.scheduler.running
+    engine.scheduler.check_no_leaks()
+    outs = engine.step()
+    assert any(o.rid == rid and o.finish_reason == "abort" for o in outs)
+
+
+def test_requests_that_cannot_fit_are_rejected_clearly(llama_dir):
+    small = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="KV cache slots"):
+        small.add_request(list(range(3, 80)), greedy(4))
+    with pytest.raises(ValueError, match="this model accepts 512"):
+        small.add_request(list(range(3, 13)), greedy(600))
+    with pytest.raises(ValueError, match="empty"):
+        small.add_request([], greedy(4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        small.add_request([5, 100000], greedy(4))
+    assert small.generate([5, 6, 7], greedy(4))[0].finish_reason == "length"
+
+
+def test_chat_template(engine):
+    r = engine.chat([{"role": "user", "content": "hi"}], greedy(6))
+    assert len(r.token_ids) == 6
+    with pytest.raises(ValueError, match="non-empty"):
+        engine.chat([], greedy(6))
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_no_page_leaks_under_a_random_workload(llama_dir, page_size):
+    rng = random.Random(page_size)
+    eng = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=256, page_size=page_size, chunked_prefill_size=16)
+    system = [rng.randrange(3, 380) for _ in range(24)]
+    live: list[str] = []
+    for step in range(300):
+        if rng.random() < 0.3 and len(live) < 12:
+            prompt = (system if rng.random() < 0.6 else []) + [rng.randrange(3, 380) for _ in range(rng.randint(1, 40))]
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 1.0]), max_new_tokens=rng.randint(1, 30), ignore_eos=True,
+                n=rng.choice([1, 1, 2]),
+            )
+            live += eng.add_request(prompt, params)
+        if rng.random() < 0.05 and live:
+            eng.abort(rng.choice(live))
+        for out in eng.step():
+            if out.finished and out.rid in live:
+                live.remove(out.rid)
+        eng.scheduler.check_no_leaks()
+    while eng.scheduler.has_work():
+        eng.step()
+    eng.scheduler.check_no_leaks()
+    sched = eng.scheduler
+    assert sched.allocator.num_free_pages + sched.cache.total_pages == sched.allocator.num_pages
+    assert sched.cache.protected_pages == 0
