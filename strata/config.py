@@ -142,7 +142,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
     context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
-    seed: int = 0  # for requests without their own seed
+    random_seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -161,3 +161,37 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_running_requests and max_batch_tokens must be >= 1")
+
+
+# ---------------------------------------------------------------------------- CLI flags
+
+_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
+_HELP = {
+    "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",
+    "kv_cache_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
+    "mem_fraction_static": "fraction of device memory for the KV pool when --kv-cache-tokens is not given",
+    "chunked_prefill_size": "max prefill tokens of one request per step; <= 0 disables chunking",
+    "page_size": "tokens per KV page",
+    "disable_radix_cache": "turn off prefix sharing",
+}
+
+
+def add_engine_args(parser) -> None:
+    """Add one `--kebab-case` flag per EngineConfig field, defaults and choices taken from it."""
+    group = parser.add_argument_group("engine")
+    for f in dataclasses.fields(EngineConfig):
+        if f.name == "extra":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = f.default
+        help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default not in (None, False) else "")
+        if f.type in ("bool", bool):
+            group.add_argument(flag, action="store_true", help=help_text)
+            continue
+        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
+        group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name), help=help_text)
+
+
+def engine_config_from_args(args) -> EngineConfig:
+    names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra"]
+    return EngineConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})

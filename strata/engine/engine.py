@@ -32,6 +32,7 @@ from strata.weights.loader import load_model
 
 logger = logging.getLogger(__name__)
 
+KV_CONTEXTS_CAP = 64  # default pool never exceeds this many full contexts
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -145,9 +146,12 @@ class Engine:
         if cfg.kv_cache_tokens is not None:
             num_tokens, reason = cfg.kv_cache_tokens, "--kv-cache-tokens"
         else:
-            budget = int(total_memory_bytes(device) * cfg.mem_fraction_static)
-            num_tokens = budget // bytes_per_token
-            reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total_memory_bytes(device) / 2**30:.1f} GiB"
+            total = total_memory_bytes(device)
+            num_tokens = int(total * cfg.mem_fraction_static) // bytes_per_token
+            reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total / 2**30:.1f} GiB"
+            cap = KV_CONTEXTS_CAP * context_len
+            if num_tokens > cap:  # small models: more KV than 64 full contexts is memory with no use
+                num_tokens, reason = cap, f"{KV_CONTEXTS_CAP} x the {context_len}-token context (below {reason})"
         num_pages = max(1, num_tokens // cfg.page_size)
         kv_pool = MHAKVPool(
             model_config.num_layers,
@@ -164,7 +168,7 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos.update(_generation_config_eos(model_dir))
-        runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.seed)
+        runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed)
         self.scheduler = Scheduler(cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len)
         self.state = RuntimeState(
             model_dir=model_dir,

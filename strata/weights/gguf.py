@@ -24,15 +24,15 @@ import logging
 import os
 import re
 import shutil
-import struct
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+from safetensors.numpy import save_file
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +80,9 @@ _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<key>[a-z_]+)\.(?P<suffi
 _GLOBAL_TENSOR_RE = re.compile(r"(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
 
 MODEL_FILE = "model.safetensors"
+
+# (HF name, HF shape, thunk producing the float32 values): lets the writer stream one tensor at a time.
+TensorSource = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
 
 
 class GGUFConversionError(ValueError):
@@ -297,10 +300,8 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(_hf_shape(tensor))
 
 
-def _hf_tensors(
-    reader: GGUFReader, arch: str, config: dict[str, Any]
-) -> Iterable[tuple[str, tuple[int, ...], Any]]:
-    """(HF name, shape, thunk producing the float32 array) for every tensor, in file order."""
+def _hf_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> Iterable[TensorSource]:
+    """A `TensorSource` for every tensor of the GGUF, in file order."""
     heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     seen: set[str] = set()
     for tensor in reader.tensors:
@@ -318,31 +319,15 @@ def _hf_tensors(
         yield name, _hf_shape(tensor), load
 
 
-def write_safetensors(path: Path, tensors: Iterable[tuple[str, tuple[int, ...], Any]]) -> None:
-    """Write float32 tensors to a .safetensors file one at a time (peak memory: one tensor).
-
-    Format: u64 little-endian header length, JSON header {name: {dtype, shape, data_offsets}}
-    padded with spaces to a multiple of 8, then the raw little-endian data in header order.
-    """
-    entries = list(tensors)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for name, shape, _ in entries:
-        nbytes = 4 * int(np.prod(shape, dtype=np.int64))
-        header[name] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header_bytes = json.dumps(header, separators=(",", ":")).encode()
-    header_bytes += b" " * (-len(header_bytes) % 8)
-    with open(path, "wb") as f:
-        f.write(struct.pack("<Q", len(header_bytes)))
-        f.write(header_bytes)
-        for name, shape, load in entries:
-            values = np.ascontiguousarray(load(), dtype="<f4")
-            if values.shape != tuple(shape):
-                raise GGUFConversionError(f"{name}: got shape {values.shape}, expected {tuple(shape)}")
-            f.write(values.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+def write_safetensors(path: Path, tensors: Iterable[TensorSource]) -> None:
+    """Dequantize every tensor and write them as one float32 .safetensors file."""
+    arrays: dict[str, np.ndarray] = {}
+    for name, shape, load in tensors:
+        values = np.ascontiguousarray(load(), dtype=np.float32)
+        if values.shape != tuple(shape):
+            raise GGUFConversionError(f"{name}: got shape {values.shape}, expected {tuple(shape)}")
+        arrays[name] = values
+    save_file(arrays, str(path), metadata={"format": "pt"})
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""GGUF -> Hugging Face conversion (`strata.weights.gguf`) and model resolution (`strata.weights.default_model`).
+"""GGUF -> HF conversion (`strata.weights.gguf`) and model resolution (`strata.weights.default_model`).
 
 The fast tests build a tiny random LlamaForCausalLM, write it as a GGUF the way llama.cpp's
 `convert_hf_to_gguf.py` does (q/k rows permuted, 1-D tensors F32, 2-D tensors F32 or Q8_0, gpt2-style
@@ -9,15 +9,25 @@ forward pass. The slow test checks the real default model against transformers' 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from strata.weights import default_model
 from strata.weights.default_model import (
@@ -34,10 +44,14 @@ from strata.weights.gguf import (
 
 CHAT_TEMPLATE = (
     "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-    "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+    "'<|im_end|>' + '\n'}}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-MERGES = ["Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s", "r e", "Ġ w", "o r", "l l", "Ġ h", "e l", "el l", "ell o"]
+MERGES = [
+    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s",
+    "r e", "Ġ w", "o r", "l l", "Ġ h", "e l", "el l", "ell o",
+]
 PROMPT_IDS = [[1, 40, 72, 101, 270, 5, 17, 99, 2, 200, 33, 7]]
 
 # HF name -> llama.cpp name, written out independently of the converter's own table.
@@ -51,6 +65,8 @@ LAYER_NAMES = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
 }
 
 
@@ -120,23 +136,56 @@ def gguf_name(hf_name: str) -> str:
     return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
 
 
-def write_llama_gguf(model: LlamaForCausalLM, path: Path, qtype: GGMLQuantizationType) -> None:
+def write_gguf(
+    model: PreTrainedModel,
+    path: Path,
+    qtype: GGMLQuantizationType,
+    arch: str = "llama",
+    tokenizer: bool = True,
+) -> None:
+    """Write `model` as llama.cpp's convert_hf_to_gguf.py would (F32 1-D tensors, `qtype` 2-D ones)."""
     cfg = model.config
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("tiny-llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"tiny-{arch}")
     writer.add_vocab_size(cfg.vocab_size)
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(cfg.hidden_size)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    writer.add_rope_dimension_count(cfg.head_dim)
+    if arch == "qwen3":
+        writer.add_key_length(cfg.head_dim)
+        writer.add_value_length(cfg.head_dim)
     writer.add_head_count(cfg.num_attention_heads)
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_rope_freq_base(10000.0)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    file_type = gguf.LlamaFileType.MOSTLY_Q8_0 if qtype == GGMLQuantizationType.Q8_0 else gguf.LlamaFileType.ALL_F32
-    writer.add_file_type(file_type)
+    if tokenizer:
+        write_tokenizer_metadata(writer)
+    quantized = qtype == GGMLQuantizationType.Q8_0
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
 
+    for hf, tensor in model.state_dict().items():
+        if tie_skipped(model, hf):
+            continue
+        data = tensor.detach().numpy().astype(np.float32)
+        # llama.cpp permutes q/k only for the llama architecture (qwen2/qwen3 use NEOX rope).
+        if arch == "llama" and hf.endswith("q_proj.weight"):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+        elif arch == "llama" and hf.endswith("k_proj.weight"):
+            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+        if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name(hf), data)
+        else:
+            writer.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def write_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
     tokens = gpt2_vocab()
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
@@ -150,30 +199,16 @@ def write_llama_gguf(model: LlamaForCausalLM, path: Path, qtype: GGMLQuantizatio
     writer.add_add_bos_token(False)
     writer.add_chat_template(CHAT_TEMPLATE)
 
-    for hf, tensor in model.state_dict().items():
-        if tie_skipped(model, hf):
-            continue
-        data = tensor.detach().numpy().astype(np.float32)
-        if hf.endswith("q_proj.weight"):
-            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
-        elif hf.endswith("k_proj.weight"):
-            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf), data)
-        else:
-            writer.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
 
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
-def tie_skipped(model: LlamaForCausalLM, hf_name: str) -> bool:
+def tie_skipped(model: PreTrainedModel, hf_name: str) -> bool:
     return hf_name == "lm_head.weight" and model.config.tie_word_embeddings
 
 
-def logits(model: LlamaForCausalLM) -> torch.Tensor:
+def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
+def logits(model: PreTrainedModel) -> torch.Tensor:
     with torch.no_grad():
         return model(torch.tensor(PROMPT_IDS)).logits
 
@@ -186,7 +221,7 @@ def tiny() -> LlamaForCausalLM:
 @pytest.fixture(scope="module")
 def f32_gguf(tiny: LlamaForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("f32") / "tiny-f32.gguf"
-    write_llama_gguf(tiny, path, GGMLQuantizationType.F32)
+    write_gguf(tiny, path, GGMLQuantizationType.F32)
     return path
 
 
@@ -250,7 +285,7 @@ def test_f32_round_trip_is_exact(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
 
 def test_q8_0_round_trip(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     path = tmp_path / "tiny-q8.gguf"
-    write_llama_gguf(tiny, path, GGMLQuantizationType.Q8_0)
+    write_gguf(tiny, path, GGMLQuantizationType.Q8_0)
     converted = LlamaForCausalLM.from_pretrained(convert_gguf_to_hf(path, tmp_path / "hf")).eval()
     restored = converted.state_dict()
     for name, tensor in tiny.state_dict().items():
@@ -262,6 +297,41 @@ def test_q8_0_round_trip(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     expected, got = logits(tiny), logits(converted)
     assert not torch.equal(got, expected)  # it really was quantized
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_qwen_round_trip_is_exact(arch: str, tmp_path: Path) -> None:
+    """qwen2 carries q/k/v biases, qwen3 per-head q/k norms and a head_dim != hidden / heads."""
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        tie_word_embeddings=False,
+    )
+    if arch == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common, head_dim=16))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common, head_dim=32))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+    model.eval()
+    path = tmp_path / f"{arch}.gguf"
+    write_gguf(model, path, GGMLQuantizationType.F32, arch=arch, tokenizer=False)
+    out = convert_gguf_to_hf(path, tmp_path / "hf")
+
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == arch and config["head_dim"] == model.config.head_dim
+    assert not (out / "tokenizer.json").exists()  # no tokenizer metadata, no tokenizer files
+    converted = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(converted) is type(model)
+    restored = converted.state_dict()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(restored[name], tensor), name
+    with torch.no_grad():
+        ids = torch.tensor([[1, 5, 17, 99, 42, 7]])
+        assert torch.equal(converted(ids).logits, model(ids).logits)
 
 
 def test_config_files(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
@@ -293,7 +363,7 @@ def test_config_files(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
 def test_tied_embeddings(tmp_path: Path) -> None:
     model = tiny_llama(tie=True)
     path = tmp_path / "tied.gguf"
-    write_llama_gguf(model, path, GGMLQuantizationType.F32)
+    write_gguf(model, path, GGMLQuantizationType.F32)
     out = convert_gguf_to_hf(path, tmp_path / "hf")
     assert json.loads((out / "config.json").read_text())["tie_word_embeddings"] is True
     converted = LlamaForCausalLM.from_pretrained(out).eval()
@@ -308,8 +378,8 @@ def test_tokenizer_files(f32_gguf: Path, f32_dir: Path) -> None:
     ours = AutoTokenizer.from_pretrained(f32_dir)
     reference = AutoTokenizer.from_pretrained(f32_gguf.parent, gguf_file=f32_gguf.name)
     messages = [{"role": "user", "content": "hello there, the winner is here"}]
-    ids = ours.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    assert ids == reference.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = chat_ids(ours, messages)
+    assert ids == chat_ids(reference, messages)
     assert ids[0] == 1 and 2 in ids
     assert ours.decode(ours("Ġ hello  world")["input_ids"]) == "Ġ hello  world"
 
@@ -379,9 +449,9 @@ def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
     assert resolve_model_path(str(f32_dir)) == f32_dir
     (tmp_path / "empty").mkdir()
     (tmp_path / "weights.bin").write_bytes(b"")
-    for bad in ["HuggingFaceTB/SmolLM2-135M-Instruct", str(tmp_path / "empty"), str(tmp_path / "weights.bin")]:
+    for bad in ["HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "empty", tmp_path / "weights.bin"]:
         with pytest.raises(ValueError, match="config.json") as info:
-            resolve_model_path(bad)
+            resolve_model_path(str(bad))
         assert ".gguf" in str(info.value) and "not supported" in str(info.value)
 
 
@@ -410,7 +480,9 @@ def _reference_from_gguf(gguf_path: Path, config: LlamaConfig) -> LlamaForCausal
 
 
 @pytest.mark.slow
-def test_default_model_matches_transformers_gguf_loader(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_default_model_matches_transformers_gguf_loader(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     try:
         gguf_path = find_default_gguf()
     except FileNotFoundError as exc:
@@ -432,8 +504,8 @@ def test_default_model_matches_transformers_gguf_loader(tmp_path: Path, monkeypa
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hi! What's 2+2? Ünïcødé 🙂\n  spaces\tand tabs"},
     ]
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
-    expected = gguf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    ids = chat_ids(tokenizer, messages)
+    expected = chat_ids(gguf_tokenizer, messages)
     assert ids == expected
     assert tokenizer.decode(ids) == gguf_tokenizer.decode(expected)
 

@@ -29,7 +29,8 @@ def hf_model(model_dir):
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
-    out = model.generate(torch.tensor([prompt]), generation_config=cfg)
+    ids = torch.tensor([prompt])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
     return out[0, len(prompt) :].tolist()
 
 

@@ -1,0 +1,36 @@
+"""`ServerConfig`: the HTTP server's knobs (the engine's are `strata.config.EngineConfig`).
+
+Each field is one `strata serve` flag (`--max-queued-requests` for `max_queued_requests`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None  # if set, every endpoint but /health needs `Authorization: Bearer <key>`
+    served_model_name: str | None = None  # the `model` name clients use; default: the model directory's name
+    max_queued_requests: int | None = None  # answer 503 + Retry-After while this many requests wait for a first token
+    grace_period: float = 30.0  # seconds in-flight requests may run on after SIGTERM/SIGINT
+    max_request_bytes: int = 16 * 2**20  # larger request bodies get 413
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.api_key is not None and not self.api_key:
+            raise ValueError("api_key must not be empty; omit --api-key to serve without authentication")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.grace_period < 0:
+            raise ValueError(f"grace_period must be >= 0 seconds, got {self.grace_period}")
+        if self.max_request_bytes < 1024:
+            raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.log_level not in LOG_LEVELS:
+            raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
