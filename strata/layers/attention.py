@@ -31,6 +31,7 @@ class SegmentMeta:
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
     pad_index: torch.Tensor | None  # [num_tokens] -> row in the [B * max_q] padded query; None when max_q == 1
     max_q: int
+    causal: bool = False  # a single request with nothing cached: plain causal attention
 
 
 @dataclass
@@ -87,6 +88,7 @@ def _segment(
         mask=mask.unsqueeze(1).to(device),
         pad_index=pad_index,
         max_q=max_q,
+        causal=batch == 1 and max_q > 1 and q_lens[0] == kv_lens[0],
     )
 
 
@@ -119,16 +121,37 @@ def _segment_attention(
     keys = k_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
     values = v_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)
     if seg.pad_index is None:
-        q_pad = q.view(batch, 1, num_heads, head_dim)
-    else:
-        q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
-        q_pad[seg.pad_index] = q
-        q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim)
+        return _decode_attention(q, keys, values, seg.mask, scale)
+    if seg.causal:
+        # one request, no cached prefix: plain causal attention, no mask to read
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0).transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
+        )
+        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
+    q_pad[seg.pad_index] = q
+    q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim)
     out = F.scaled_dot_product_attention(
         q_pad.transpose(1, 2), keys, values, attn_mask=seg.mask, scale=scale, enable_gqa=True
     )  # [B, H, max_q, D]
-    out = out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, head_dim)
-    return out if seg.pad_index is None else out[seg.pad_index]
+    return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, head_dim)[seg.pad_index]
+
+
+def _decode_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One query per request: two batched matmuls (much faster than masked SDPA on CPU for q_len 1).
+
+    q: [B, H, D]; keys/values: [B, Hkv, max_kv, D]; mask: [B, 1, 1, max_kv]. Query heads are grouped
+    by their KV head (head h uses KV head h // (H / Hkv)), so q views as [B, Hkv, group, D].
+    """
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = keys.shape[1]
+    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group, max_kv]
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(-1).to(values.dtype)
+    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
 
 
 def reference_attention(
