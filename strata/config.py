@@ -122,6 +122,9 @@ def _rope_from_hf(text: dict[str, Any]) -> RopeConfig:
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 
 
 @dataclass(frozen=True)
@@ -144,6 +147,16 @@ class EngineConfig:
     context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
     random_seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU
+    # KV cache hierarchy (strata.cache.hicache): L2 host pool and L3 storage behind the radix cache
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0  # L2 pages per L1 page
+    hicache_size: float | None = None  # L2 size in GiB (overrides hicache_ratio)
+    hicache_write_policy: str = "write_through"
+    hicache_storage_backend: str | None = None  # file | redis | mooncake; implies the hierarchy
+    hicache_storage_path: str | None = None  # directory (file), redis:// URL (redis), config (mooncake)
+    hicache_prefetch_policy: str = "best_effort"
+    hicache_prefetch_threshold: int = 256  # tokens: smaller L3 hits are not worth fetching
+    hicache_prefetch_timeout: float = 2.0  # seconds, for the timeout policy
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -161,11 +174,36 @@ class EngineConfig:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
         if self.max_running_requests < 1 or self.max_batch_tokens < 1:
             raise ValueError("max_running_requests and max_batch_tokens must be >= 1")
+        for name, choices in (
+            ("hicache_write_policy", HICACHE_WRITE_POLICIES),
+            ("hicache_prefetch_policy", HICACHE_PREFETCH_POLICIES),
+        ):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+            raise ValueError(
+                f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
+            )
+        if self.hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("the hierarchical cache sits behind the radix cache; drop --disable-radix-cache")
+        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
+            raise ValueError("hicache_ratio and hicache_size must be > 0")
+
+    @property
+    def hierarchical_cache(self) -> bool:
+        return self.enable_hierarchical_cache or self.hicache_storage_backend is not None
 
 
 # ---------------------------------------------------------------------------- CLI flags
 
-_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
+_CHOICES = {
+    "dtype": DTYPES,
+    "kv_cache_dtype": DTYPES,
+    "schedule_policy": SCHEDULE_POLICIES,
+    "hicache_write_policy": HICACHE_WRITE_POLICIES,
+    "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
+    "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
+}
 _HELP = {
     "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",
     "kv_cache_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
@@ -173,6 +211,9 @@ _HELP = {
     "chunked_prefill_size": "max prefill tokens of one request per step; <= 0 disables chunking",
     "page_size": "tokens per KV page",
     "disable_radix_cache": "turn off prefix sharing",
+    "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
+    "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
+    "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",
 }
 
 

@@ -30,7 +30,7 @@ of it is needed, so ``evict(n)`` frees exactly ``min(n, evictable_pages)`` pages
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -110,6 +110,9 @@ class RadixCache:
     def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
+        # called as hook(prefix_tokens, tokens, pages) just before evicted pages are freed, where
+        # prefix_tokens are the tokens before them on their path from the root (HiCache demotes them)
+        self.evict_hook: Callable[[tuple[int, ...], tuple[int, ...], list[int]], None] | None = None
         self._clock = 0
         self._next_id = 0
         self._new_tree()
@@ -242,12 +245,14 @@ class RadixCache:
             want = num_pages - freed
             if len(node.value) > want:  # only part of this leaf is needed: drop its tail pages
                 keep = len(node.value) - want
+                self._before_free(node, keep)
                 self.allocator.free(node.value[keep:])
                 node.value = node.value[:keep]
                 node.key = node.key[: keep * ps]
                 freed += want
                 self._evictable -= want
                 break
+            self._before_free(node, 0)
             self.allocator.free(node.value)
             freed += len(node.value)
             self._evictable -= len(node.value)
@@ -258,6 +263,19 @@ class RadixCache:
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def _before_free(self, node: TreeNode, keep_pages: int) -> None:
+        """Tell the evict hook about node.value[keep_pages:] before those pages are freed."""
+        if self.evict_hook is None:
+            return
+        keys = []
+        n = node.parent
+        while n is not None and n is not self.root:
+            keys.append(n.key)
+            n = n.parent
+        cut = keep_pages * self.page_size
+        prefix = tuple(t for key in reversed(keys) for t in key) + node.key[:cut]
+        self.evict_hook(prefix, node.key[cut:], node.value[keep_pages:])
 
     # -------------------------------------------------------------------------------- accounting
 

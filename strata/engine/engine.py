@@ -8,6 +8,7 @@ the scheduler loop for callers in this process (`generate`, `stream`, `chat`).
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import logging
 import os
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from strata.cache.allocator import PageAllocator
+from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.config import EngineConfig, ModelConfig
@@ -168,8 +170,11 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos.update(_generation_config_eos(model_dir))
+        self.hicache = self._make_hicache(model_dir, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
         runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed)
-        self.scheduler = Scheduler(cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len)
+        self.scheduler = Scheduler(
+            cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, hicache=self.hicache
+        )
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
@@ -196,6 +201,51 @@ class Engine:
             self.state.kv_bytes / 2**20,
             reason,
         )
+
+    def _make_hicache(self, model_dir: Path, kv_pool: MHAKVPool, allocator: PageAllocator, radix) -> HiCache:
+        from strata.cache.storage import make_storage_backend
+
+        cfg = self.config
+        page_bytes = kv_pool.page_size * MHAKVPool.bytes_per_token(
+            len(kv_pool.k), kv_pool.k[0].shape[1], kv_pool.k[0].shape[2], kv_pool.dtype
+        )
+        if cfg.hicache_size is not None:
+            host_pages = int(cfg.hicache_size * 2**30) // page_bytes
+        else:
+            host_pages = int(kv_pool.num_pages * cfg.hicache_ratio)
+        storage = None
+        if cfg.hicache_storage_backend is not None:
+            storage = make_storage_backend(cfg.hicache_storage_backend, cfg.hicache_storage_path)
+        hc = HiCacheConfig(
+            host_pages=max(1, host_pages),
+            write_policy=cfg.hicache_write_policy,
+            prefetch_policy=cfg.hicache_prefetch_policy,
+            prefetch_threshold_tokens=cfg.hicache_prefetch_threshold,
+            prefetch_timeout_s=cfg.hicache_prefetch_timeout,
+        )
+        namespace = kv_namespace(model_dir, kv_pool)
+        logger.info(
+            "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s",
+            hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
+        )
+        return HiCache(hc, kv_pool, allocator, radix, namespace, storage)
+
+    def flush_cache(self) -> None:
+        """Drop every cached prefix (L1 radix tree and L2); refuses while requests are running."""
+        if self.scheduler.running or self.scheduler.waiting:
+            raise RuntimeError(
+                f"cannot flush the cache while {len(self.scheduler.running)} requests run and "
+                f"{len(self.scheduler.waiting)} wait; retry when idle"
+            )
+        self.scheduler.cache.reset()
+        if self.hicache is not None:
+            self.hicache.reset()
+
+    def close(self) -> None:
+        """Stop background threads (the L3 storage worker)."""
+        if self.hicache is not None:
+            self.hicache.flush()
+            self.hicache.close()
 
     def _context_len(self, mc: ModelConfig) -> int:
         context = mc.max_position_embeddings
@@ -308,6 +358,19 @@ class Engine:
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
+
+
+def kv_namespace(model_dir: Path, kv_pool: MHAKVPool) -> bytes:
+    """Identity of a KV page's meaning: model (config + a sample of each weight file) and KV layout."""
+    h = hashlib.sha256((model_dir / "config.json").read_bytes())
+    for path in sorted(model_dir.glob("*.safetensors")):
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            f.seek(size // 2)
+            h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
+    k = kv_pool.k[0]
+    layout = f"layers={len(kv_pool.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};page={kv_pool.page_size}"
+    return h.digest() + layout.encode()
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:

@@ -56,6 +56,7 @@ class RequestOutput(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = msgspec.field(default_factory=dict)  # per cache tier
 
 
 @dataclass(eq=False)
@@ -78,6 +79,7 @@ class Req:
     prefix_node: Any = None
     # reporting
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / storage
     admitted_once: bool = False
     num_retractions: int = 0
     finish_reason: str | None = None
@@ -126,4 +128,5 @@ class Req:
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),
             cached_tokens=self.num_cached_tokens,
+            cached_tokens_details=dict(self.cached_tokens_by_tier),
         )

@@ -21,10 +21,12 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import torch
 
 from strata.cache.allocator import PageAllocator
+from strata.cache.hicache import HiCache
 from strata.cache.radix import PrefixCache
 from strata.config import EngineConfig
 from strata.engine.batch import ScheduleBatch
@@ -50,12 +52,14 @@ class Scheduler:
         tokenizer,
         eos_token_ids: frozenset[int],
         context_len: int,
+        hicache: HiCache | None = None,
     ):
         self.config = config
         self.runner = runner
         self.allocator = allocator
         self.cache = prefix_cache
         self.cache_enabled = not config.disable_radix_cache
+        self.hicache = hicache  # L2/L3 tiers behind the radix cache, or None
         self.page_size = allocator.page_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -137,6 +141,8 @@ class Scheduler:
                 self._finish(req, "length")
                 continue
             self.waiting.append(req)
+        if self.hicache is not None and first is not None and not first.finished:
+            self.hicache.start_prefetch(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
     def abort(self, rid: str) -> bool:
@@ -157,7 +163,11 @@ class Scheduler:
 
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
+        if self.hicache is not None:
+            self.hicache.poll()
         batch = self.schedule()
+        if batch is None and self.hicache is not None and self.hicache.waiting_on_storage():
+            time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
             try:
                 sampled = self.runner.forward(batch)
@@ -272,8 +282,14 @@ class Scheduler:
             dep = req.depends_on
             if dep is not None and not (dep.finished or dep.kv_len >= len(dep.prompt_ids)):
                 continue
+            if self.hicache is not None and not self.hicache.ready(req.rid):
+                continue
             # match at most seq_len - 1 tokens: the last one must be fed to get logits
-            match = self.cache.match_prefix(req.seq_slice(0, req.seq_len - 1))
+            reusable = req.seq_slice(0, req.seq_len - 1)
+            match = self.cache.match_prefix(reusable)
+            device_hit, host_hit, storage_hit = match.cached_len, 0, 0
+            if self.hicache is not None:
+                match, host_hit, storage_hit = self.hicache.promote(reusable, match, self._make_room)
             rest = req.seq_len - match.cached_len
             remaining_new = req.params.max_new_tokens - len(req.output_ids)
             need_pages = math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size)
@@ -288,7 +304,10 @@ class Scheduler:
                 break
             if not req.admitted_once:
                 req.num_cached_tokens = match.cached_len
+                req.cached_tokens_by_tier = {"device": device_hit, "host": host_hit, "storage": storage_hit}
                 req.admitted_once = True
+                if self.hicache is not None:
+                    self.hicache.record_request(len(reusable), device_hit, host_hit, storage_hit)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -342,6 +361,8 @@ class Scheduler:
             self.running.remove(req)
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
+        if self.hicache is not None:
+            self.hicache.forget(req.rid)
         if req.detokenizer is not None and reason != "abort":
             req.detokenizer.flush()
         self.pending_outputs.append(req.make_output())
@@ -370,7 +391,10 @@ class Scheduler:
         own_from = req.cached_len // ps
         if cache_it and self.cache_enabled:
             full = (req.kv_len // ps) * ps
-            present = self.cache.insert(req.seq_slice(0, full), req.pages[: full // ps])
+            tokens = req.seq_slice(0, full)
+            present = self.cache.insert(tokens, req.pages[: full // ps])
+            if self.hicache is not None and present < full:
+                self.hicache.on_insert(tokens, req.pages[: full // ps], present)
             self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
             self.allocator.free(req.pages[full // ps :])
         else:
@@ -389,6 +413,8 @@ class Scheduler:
             return
         tokens = req.seq_slice(0, full)
         present = self.cache.insert(tokens, req.pages[: full // ps])
+        if self.hicache is not None and present < full:
+            self.hicache.on_insert(tokens, req.pages[: full // ps], present)
         self.allocator.free(req.pages[req.cached_len // ps : max(req.cached_len // ps, present // ps)])
         match = self.cache.match_prefix(tokens)
         assert match.cached_len == full, "just inserted"

@@ -1,0 +1,535 @@
+"""The KV cache hierarchy: L1 (the engine's KV pool + radix tree) → L2 (host memory) → L3 (storage).
+
+Pages are named across tiers by a chained hash: the digest of page i covers the layout namespace
+(model identity, dtype, page size, shapes), page i-1's digest and page i's token ids, so a key
+names a whole prefix and never collides across models, dtypes or page sizes.
+
+    L1 radix evicts a leaf ─▶ demote: copy its pages into L2 (host pool, LRU by hash)
+    admission: radix match ends at token m ─▶ promote: consecutive L2 hits after m are copied
+        into fresh L1 pages and inserted into the radix tree, then matched and locked as usual
+    L3 writes (background thread): write_through (when pages enter the tree),
+        write_through_selective (once a page has been hit twice), write_back (when L2 drops it)
+    L3 prefetch (background thread): on arrival, if L3 holds >= threshold tokens beyond L1/L2,
+        its pages are fetched into L2; the request waits per the prefetch policy
+        (best_effort: never, wait_complete: until done, timeout: up to a deadline)
+
+Every stored page carries its key, the layout namespace and a checksum; a corrupt, truncated or
+foreign entry is counted and treated as a miss (the tokens are recomputed). A failing backend is
+treated as a miss too, and after repeated failures it is left alone for a while.
+All tier bookkeeping runs on the scheduler thread; only storage I/O runs on the worker thread.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import struct
+import threading
+import time
+import zlib
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from strata.cache.allocator import PageAllocator
+from strata.cache.kv_pool import MHAKVPool
+from strata.cache.radix import MatchResult, RadixCache
+from strata.cache.storage import StorageBackend
+
+logger = logging.getLogger(__name__)
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    host_pages: int
+    write_policy: str = "write_through"
+    prefetch_policy: str = "best_effort"
+    prefetch_threshold_tokens: int = 256
+    prefetch_timeout_s: float = 2.0
+    storage_failures_before_pause: int = 3
+    storage_pause_s: float = 10.0
+
+
+@dataclass
+class HiCacheStats:
+    """Counters for /metrics and /get_server_info (tokens and bytes, monotonic)."""
+
+    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    query_tokens: int = 0
+    demoted_pages: int = 0
+    promoted_pages: int = 0
+    bytes_to_host: int = 0
+    bytes_from_host: int = 0
+    storage_written_pages: int = 0
+    storage_read_pages: int = 0
+    bytes_to_storage: int = 0
+    bytes_from_storage: int = 0
+    storage_errors: int = 0
+    corrupt_pages: int = 0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d["hit_tokens"] = dict(self.hit_tokens)
+        q = max(self.query_tokens, 1)
+        d["hit_rate"] = {tier: n / q for tier, n in self.hit_tokens.items()}
+        return d
+
+
+class PageHasher:
+    """Chained SHA-256 per page: digest_i = H(digest_{i-1} || tokens of page i), seeded by the namespace."""
+
+    def __init__(self, page_size: int, namespace: bytes):
+        self.page_size = page_size
+        self.seed = hashlib.sha256(namespace).digest()
+
+    def hashes(self, tokens: Sequence[int], prev: bytes | None = None) -> list[bytes]:
+        """Digests of every whole page of `tokens` (which start at a page boundary after `prev`)."""
+        ps = self.page_size
+        out, h = [], prev or self.seed
+        for i in range(len(tokens) // ps):
+            page = np.asarray(tokens[i * ps : (i + 1) * ps], dtype=np.int64).tobytes()
+            h = hashlib.sha256(h + page).digest()
+            out.append(h)
+        return out
+
+
+# --------------------------------------------------------------------------- page codec
+
+_MAGIC = b"STKV"
+_HEADER = struct.Struct("<4s32s32sIQ")  # magic, key digest, namespace digest, crc32, payload bytes
+
+
+class CorruptPage(ValueError):
+    pass
+
+
+def encode_page(key: bytes, namespace: bytes, payload: bytes) -> bytes:
+    return _HEADER.pack(_MAGIC, key, namespace, zlib.crc32(payload), len(payload)) + payload
+
+
+def decode_page(data: bytes, key: bytes, namespace: bytes, expected_len: int) -> bytes:
+    """The payload, or CorruptPage if the entry is truncated, foreign or damaged."""
+    if len(data) < _HEADER.size:
+        raise CorruptPage("truncated header")
+    magic, stored_key, stored_ns, crc, length = _HEADER.unpack_from(data)
+    payload = data[_HEADER.size :]
+    if magic != _MAGIC:
+        raise CorruptPage("bad magic")
+    if stored_key != key or stored_ns != namespace:
+        raise CorruptPage("entry belongs to another key or KV layout")
+    if length != expected_len or len(payload) != length:
+        raise CorruptPage(f"payload is {len(payload)} bytes, expected {expected_len}")
+    if zlib.crc32(payload) != crc:
+        raise CorruptPage("checksum mismatch")
+    return payload
+
+
+# --------------------------------------------------------------------------- L2: host pool
+
+
+class HostKVPool:
+    """Host-memory pages, one contiguous block per page: [num_pages, layers, 2 (k/v), page_size, Hkv, D]."""
+
+    def __init__(self, l1: MHAKVPool, num_pages: int):
+        k0 = l1.k[0]
+        self.num_layers = len(l1.k)
+        self.page_shape = (self.num_layers, 2, l1.page_size, k0.shape[1], k0.shape[2])
+        self.dtype = k0.dtype
+        pin = k0.device.type == "cuda"
+        self.data = torch.empty((num_pages, *self.page_shape), dtype=self.dtype, pin_memory=pin)
+        self.page_bytes = self.data[0].numel() * self.data.element_size()
+
+    def gather_l1(self, l1: MHAKVPool, l1_pages: list[int]) -> torch.Tensor:
+        """A host copy of L1 pages: [n, layers, 2, page_size, Hkv, D]."""
+        n, ps = len(l1_pages), l1.page_size
+        slots = l1.slots_of_pages(l1_pages).to(l1.k[0].device)
+        out = torch.empty((n, *self.page_shape), dtype=self.dtype)
+        for layer in range(self.num_layers):
+            out[:, layer, 0] = l1.k[layer][slots].view(n, ps, *self.page_shape[3:]).cpu()
+            out[:, layer, 1] = l1.v[layer][slots].view(n, ps, *self.page_shape[3:]).cpu()
+        return out
+
+    def copy_from_l1(self, l1: MHAKVPool, l1_pages: list[int], host_pages: list[int]) -> None:
+        self.data[torch.tensor(host_pages)] = self.gather_l1(l1, l1_pages)
+
+    def copy_to_l1(self, l1: MHAKVPool, host_pages: list[int], l1_pages: list[int]) -> None:
+        slots = l1.slots_of_pages(l1_pages).to(l1.k[0].device)
+        idx = torch.tensor(host_pages)
+        for layer in range(self.num_layers):
+            l1.k[layer][slots] = self.data[idx, layer, 0].reshape(-1, *self.page_shape[3:]).to(l1.k[0].device)
+            l1.v[layer][slots] = self.data[idx, layer, 1].reshape(-1, *self.page_shape[3:]).to(l1.v[0].device)
+
+    def page_payload(self, host_page: int) -> bytes:
+        return tensor_bytes(self.data[host_page])
+
+    def load_payload(self, host_page: int, payload: bytes) -> None:
+        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        self.data[host_page] = raw.view(self.dtype).view(self.page_shape)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(torch.uint8).numpy().tobytes()
+
+
+# --------------------------------------------------------------------------- L3 worker
+
+
+@dataclass
+class _Prefetch:
+    rid: str
+    keys: list[bytes]  # page digests after what L1/L2 hold, in order
+    start_page: int  # page index of keys[0] in the request's sequence
+    started: float
+    done: bool = False
+
+
+class _StorageWorker(threading.Thread):
+    """Runs storage I/O off the scheduler thread. Jobs in, results out; never touches L1/L2."""
+
+    def __init__(self, backend: StorageBackend, hicache: HiCache):
+        super().__init__(name="strata-hicache-storage", daemon=True)
+        self.backend = backend
+        self.hicache = hicache
+        self.jobs: queue.Queue = queue.Queue()
+        self.results: queue.Queue = queue.Queue()
+        self.failures = 0
+        self.paused_until = 0.0
+
+    def run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            try:
+                self._run_one(job)
+            finally:
+                self.jobs.task_done()
+
+    def _run_one(self, job: tuple) -> None:
+        if time.monotonic() < self.paused_until:
+            self.results.put(("failed", job))
+            return
+        try:
+            self.results.put(self._do(job))
+            self.failures = 0
+        except Exception as exc:  # a dead or slow backend degrades to recomputation
+            self.failures += 1
+            cfg = self.hicache.config
+            if self.failures >= cfg.storage_failures_before_pause:
+                self.paused_until = time.monotonic() + cfg.storage_pause_s
+            logger.warning("hicache storage %s failed: %s", self.backend.name, exc)
+            self.results.put(("failed", job))
+
+    def _do(self, job: tuple) -> tuple:
+        kind = job[0]
+        if kind == "write":
+            items = job[1]
+            self.backend.set(items)
+            return ("written", items)
+        if kind == "prefetch":
+            pf: _Prefetch = job[1]
+            hc = self.hicache
+            names = [hc.storage_key(k) for k in pf.keys]
+            present = self.backend.exists(names)
+            hits = next((i for i, p in enumerate(present) if not p), len(present))
+            if hits * hc.page_size < hc.config.prefetch_threshold_tokens:
+                return ("prefetched", pf, [])
+            blobs = self.backend.get(names[:hits])
+            return ("prefetched", pf, list(zip(pf.keys[:hits], blobs)))
+        raise ValueError(kind)
+
+
+# --------------------------------------------------------------------------- the controller
+
+
+class HiCache:
+    """Owns L2 and the L3 worker; hooks into the radix tree's eviction and the scheduler's admission."""
+
+    def __init__(
+        self,
+        config: HiCacheConfig,
+        l1: MHAKVPool,
+        l1_allocator: PageAllocator,
+        radix: RadixCache,
+        namespace: bytes,
+        storage: StorageBackend | None = None,
+    ):
+        if config.write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache write policy must be one of {WRITE_POLICIES}, got {config.write_policy!r}")
+        if config.prefetch_policy not in PREFETCH_POLICIES:
+            raise ValueError(f"hicache prefetch policy must be one of {PREFETCH_POLICIES}")
+        self.config = config
+        self.l1, self.l1_allocator, self.radix = l1, l1_allocator, radix
+        self.page_size = l1.page_size
+        self.namespace = hashlib.sha256(namespace).digest()
+        self.hasher = PageHasher(self.page_size, namespace)
+        self.host = HostKVPool(l1, config.host_pages)
+        self.host_allocator = PageAllocator(config.host_pages, self.page_size)
+        self.l2: OrderedDict[bytes, int] = OrderedDict()  # digest -> host page, least recent first
+        self.l2_from_storage: set[bytes] = set()  # L2 entries that came from L3 (for per-tier hit counts)
+        self.pinned: set[bytes] = set()  # being promoted: L2 must not drop them
+        self.stats = HiCacheStats()
+        self.storage = storage
+        self.in_storage: OrderedDict[bytes, None] = OrderedDict()  # digests known to be in L3 (bounded)
+        self.hit_counts: dict[bytes, int] = {}  # write_through_selective
+        self.prefetches: dict[str, _Prefetch] = {}
+        self.worker = _StorageWorker(storage, self) if storage is not None else None
+        if self.worker is not None:
+            self.worker.start()
+        radix.evict_hook = self._demote
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.host.page_bytes
+
+    def storage_key(self, digest: bytes) -> str:
+        return "strata-kv-" + digest.hex()
+
+    # ----------------------------------------------------------------- L1 -> L2
+
+    def _demote(self, prefix: tuple[int, ...], tokens: tuple[int, ...], pages: list[int]) -> None:
+        """Radix eviction hook: back the evicted pages up in L2 before L1 frees them."""
+        prev = self.hasher.hashes(prefix)[-1] if prefix else None
+        digests = self.hasher.hashes(tokens, prev)
+        todo = [(d, p) for d, p in zip(digests, pages) if d not in self.l2]
+        for d in digests:
+            if d in self.l2:
+                self.l2.move_to_end(d)
+        if not todo:
+            return
+        host_pages = self._host_alloc(len(todo))
+        if host_pages is None:
+            return
+        self.host.copy_from_l1(self.l1, [p for _, p in todo], host_pages)
+        for (d, _), hp in zip(todo, host_pages):
+            self.l2[d] = hp
+        self.stats.demoted_pages += len(todo)
+        self.stats.bytes_to_host += len(todo) * self.payload_bytes
+
+    def _host_alloc(self, n: int) -> list[int] | None:
+        if n > self.config.host_pages:
+            return None
+        while self.host_allocator.num_free_pages < n:
+            victim = next((d for d in self.l2 if d not in self.pinned), None)
+            if victim is None:
+                return None
+            hp = self.l2.pop(victim)
+            if self.config.write_policy == "write_back" and victim not in self.in_storage:
+                self._write([(victim, self.host.page_payload(hp))])
+            self.l2_from_storage.discard(victim)
+            self.host_allocator.free([hp])
+        return self.host_allocator.alloc(n)
+
+    # ----------------------------------------------------------------- L2 -> L1 (admission)
+
+    def promote(self, tokens: Sequence[int], match: MatchResult, make_room) -> tuple[MatchResult, int, int]:
+        """Extend an L1 match with the consecutive L2 pages that follow it.
+
+        `tokens` are the tokens the request may reuse (page-aligned use only); `make_room(n)` frees
+        L1 pages (evicting the radix tree, which demotes into L2). Returns (new match, tokens
+        promoted that were already in L2, tokens promoted that came from L3).
+        """
+        ps = self.page_size
+        digests = self.hasher.hashes(tokens[: len(tokens) // ps * ps])
+        start = match.cached_len // ps
+        hits: list[bytes] = []
+        for d in digests[start:]:
+            if d not in self.l2:
+                break
+            hits.append(d)
+        self._count_hits(digests[:start], match.pages, hits)
+        if not hits:
+            return match, 0, 0
+        self.pinned.update(hits)
+        self.radix.inc_lock(match.node)  # keep the matched prefix while making room
+        try:
+            if not make_room(len(hits)):
+                return match, 0, 0
+            l1_pages = self.l1_allocator.alloc(len(hits))
+            if l1_pages is None:
+                return match, 0, 0
+            self.host.copy_to_l1(self.l1, [self.l2[d] for d in hits], l1_pages)
+            end = match.cached_len + len(hits) * ps
+            present = self.radix.insert(tokens[:end], match.pages + l1_pages)
+            # only pages past `present` now belong to the tree; anything before it was already there
+            dup = l1_pages[: max(0, (present - match.cached_len) // ps)]
+            self.l1_allocator.free(dup)
+        finally:
+            self.radix.dec_lock(match.node)
+            self.pinned.difference_update(hits)
+        from_storage = sum(1 for d in hits if d in self.l2_from_storage)
+        for d in hits:
+            self.l2.move_to_end(d)
+        self.stats.promoted_pages += len(hits)
+        self.stats.bytes_from_host += len(hits) * self.payload_bytes
+        new_match = self.radix.match_prefix(tokens[:end])
+        return new_match, (len(hits) - from_storage) * ps, from_storage * ps
+
+    def _count_hits(self, l1_digests: list[bytes], l1_pages: list[int], l2_digests: list[bytes]) -> None:
+        """write_through_selective: a page goes to L3 on its second hit, from whichever tier holds it."""
+        if self.config.write_policy != "write_through_selective" or self.storage is None:
+            return
+        from_l1: list[tuple[bytes, int]] = []
+        from_l2: list[bytes] = []
+        for i, d in enumerate(l1_digests + l2_digests):
+            n = self.hit_counts.get(d, 0) + 1
+            self.hit_counts[d] = n
+            if n == 2 and d not in self.in_storage:
+                if i < len(l1_digests):
+                    from_l1.append((d, l1_pages[i]))
+                else:
+                    from_l2.append(d)
+        if from_l1:
+            data = self.host.gather_l1(self.l1, [p for _, p in from_l1])
+            self._write([(d, tensor_bytes(data[i])) for i, (d, _) in enumerate(from_l1)])
+        self._write([(d, self.host.page_payload(self.l2[d])) for d in from_l2])
+        if len(self.hit_counts) > 1_000_000:
+            self.hit_counts.clear()
+
+    def record_request(self, prompt_len: int, device: int, host: int, storage: int) -> None:
+        self.stats.query_tokens += prompt_len
+        self.stats.hit_tokens["device"] += device
+        self.stats.hit_tokens["host"] += host
+        self.stats.hit_tokens["storage"] += storage
+
+    # ----------------------------------------------------------------- L1 -> L3 (write_through)
+
+    def on_insert(self, tokens: Sequence[int], pages: list[int], new_from: int) -> None:
+        """Pages tokens[new_from:] just entered the radix tree (write_through backs them up in L3)."""
+        if self.storage is None or self.config.write_policy != "write_through":
+            return
+        ps = self.page_size
+        digests = self.hasher.hashes(tokens)
+        first = new_from // ps
+        todo = [(d, p) for d, p in zip(digests[first:], pages[first:]) if d not in self.in_storage]
+        if not todo:
+            return
+        data = self.host.gather_l1(self.l1, [p for _, p in todo])
+        self._write([(d, tensor_bytes(data[i])) for i, (d, _) in enumerate(todo)])
+
+    def _write(self, items: list[tuple[bytes, bytes]]) -> None:
+        if self.worker is None or not items:
+            return
+        encoded = [(self.storage_key(d), encode_page(d, self.namespace, payload)) for d, payload in items]
+        for d, _ in items:
+            self._remember_stored(d)
+        self.worker.jobs.put(("write", encoded))
+
+    def _remember_stored(self, digest: bytes) -> None:
+        self.in_storage[digest] = None
+        self.in_storage.move_to_end(digest)
+        if len(self.in_storage) > 1_000_000:
+            self.in_storage.popitem(last=False)
+
+    # ----------------------------------------------------------------- L3 -> L2 (prefetch)
+
+    def start_prefetch(self, rid: str, tokens: Sequence[int]) -> None:
+        """On arrival: look past what L1 and L2 hold; ask the worker for the rest from L3."""
+        if self.worker is None:
+            return
+        ps = self.page_size
+        digests = self.hasher.hashes(tokens[: len(tokens) // ps * ps])
+        l1_pages = self.radix.match_prefix(tokens).cached_len // ps
+        start = l1_pages
+        while start < len(digests) and digests[start] in self.l2:
+            start += 1
+        rest = digests[start:]
+        if len(rest) * ps < self.config.prefetch_threshold_tokens:
+            return
+        pf = _Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic())
+        self.prefetches[rid] = pf
+        self.worker.jobs.put(("prefetch", pf))
+
+    def ready(self, rid: str) -> bool:
+        """May this request be admitted now, per the prefetch policy?"""
+        pf = self.prefetches.get(rid)
+        if pf is None or pf.done or self.config.prefetch_policy == "best_effort":
+            return True
+        if self.config.prefetch_policy == "timeout":
+            return time.monotonic() - pf.started >= self.config.prefetch_timeout_s
+        return False
+
+    def waiting_on_storage(self) -> bool:
+        return any(not pf.done for pf in self.prefetches.values())
+
+    def forget(self, rid: str) -> None:
+        self.prefetches.pop(rid, None)
+
+    def poll(self) -> None:
+        """Apply finished storage jobs (scheduler thread): prefetched pages land in L2."""
+        if self.worker is None:
+            return
+        while True:
+            try:
+                result = self.worker.results.get_nowait()
+            except queue.Empty:
+                return
+            kind = result[0]
+            if kind == "written":
+                n = len(result[1])
+                self.stats.storage_written_pages += n
+                self.stats.bytes_to_storage += sum(len(b) for _, b in result[1])
+            elif kind == "prefetched":
+                self._land(result[1], result[2])
+            elif kind == "failed":
+                self.stats.storage_errors += 1
+                job = result[1]
+                if job[0] == "prefetch":
+                    job[1].done = True
+                elif job[0] == "write":
+                    for key, _ in job[1]:
+                        self.in_storage.pop(bytes.fromhex(key.removeprefix("strata-kv-")), None)
+
+    def _land(self, pf: _Prefetch, blobs: list[tuple[bytes, bytes | None]]) -> None:
+        pf.done = True
+        expected = self.payload_bytes
+        good: list[tuple[bytes, bytes]] = []
+        for digest, blob in blobs:
+            if blob is None:
+                break
+            try:
+                good.append((digest, decode_page(blob, digest, self.namespace, expected)))
+            except CorruptPage as exc:
+                self.stats.corrupt_pages += 1
+                logger.warning("hicache: ignoring corrupt storage page %s: %s", digest.hex()[:16], exc)
+                break  # a prefix is only usable up to its first bad page
+        todo = [(d, p) for d, p in good if d not in self.l2]
+        host_pages = self._host_alloc(len(todo)) if todo else []
+        if host_pages is None:
+            return
+        for (d, payload), hp in zip(todo, host_pages):
+            self.host.load_payload(hp, payload)
+            self.l2[d] = hp
+            self.l2_from_storage.add(d)
+            self._remember_stored(d)
+        self.stats.storage_read_pages += len(good)
+        self.stats.bytes_from_storage += len(good) * (expected + _HEADER.size)
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.jobs.put(None)
+            self.worker.join(timeout=5)
+            self.storage.close()
+
+    def flush(self, timeout_s: float = 10.0) -> None:
+        """Wait until queued storage writes are done (tests, shutdown)."""
+        if self.worker is None:
+            return
+        deadline = time.monotonic() + timeout_s
+        while self.worker.jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.01)
+            self.poll()
+        self.poll()
+
+    def reset(self) -> None:
+        """Drop L2 (L3 is shared and stays)."""
+        self.l2.clear()
+        self.l2_from_storage.clear()
+        self.host_allocator.reset()

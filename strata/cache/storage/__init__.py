@@ -1,0 +1,47 @@
+"""L3 storage backends for KV pages, behind one small interface, picked by name from a registry.
+
+Contract (`StorageBackend`): keys are hex strings (a page's chained hash plus the KV layout's
+namespace); values are opaque bytes (a serialized, checksummed page, see `strata.cache.hicache`).
+Every method works in batches, may be called from a background thread only, and may raise
+`StorageError` (or anything else) on a slow or dead backend: callers treat a failure as a miss and
+never retry on the scheduler's critical path. Backends never interpret the bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class StorageError(Exception):
+    pass
+
+
+class StorageBackend(Protocol):
+    name: str
+
+    def exists(self, keys: list[str]) -> list[bool]: ...
+    def get(self, keys: list[str]) -> list[bytes | None]: ...
+    def set(self, items: list[tuple[str, bytes]]) -> None: ...
+    def close(self) -> None: ...
+
+
+STORAGE_BACKENDS = ("file", "redis", "mooncake")
+
+
+def make_storage_backend(name: str, target: str | None, timeout_s: float = 2.0) -> StorageBackend:
+    """name: file (target = directory), redis (target = redis://host:port/db), mooncake (target = config)."""
+    if name == "file":
+        from strata.cache.storage.file import FileStorage
+
+        if not target:
+            raise ValueError("--hicache-storage-backend file needs --hicache-storage-path DIR")
+        return FileStorage(target)
+    if name == "redis":
+        from strata.cache.storage.redis import RedisStorage
+
+        return RedisStorage(target or "redis://127.0.0.1:6379/0", timeout_s=timeout_s)
+    if name == "mooncake":
+        from strata.cache.storage.mooncake import MooncakeStorage
+
+        return MooncakeStorage(target)
+    raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(STORAGE_BACKENDS)}")

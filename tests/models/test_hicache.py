@@ -1,0 +1,203 @@
+"""KV cache hierarchy: answers are identical whichever tier a prefix comes from; tiers survive
+restarts and are shared between engines; corrupt entries and dead backends degrade to recompute."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from strata import Engine, SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
+LONG = [(i * 7 + 3) % 370 + 5 for i in range(120)]  # a 120-token "document"
+
+
+def make_engine(model_dir, **kw) -> Engine:
+    opts = dict(dtype="float32", kv_cache_tokens=256, page_size=4, hicache_prefetch_threshold=16)
+    opts.update(kw)
+    return Engine(str(model_dir), **opts)
+
+
+def fill_l1(engine: Engine, seed: int) -> None:
+    """Push everything else out of L1 with unrelated prompts."""
+    rng = random.Random(seed)
+    for _ in range(3):
+        engine.generate([[rng.randrange(5, 380) for _ in range(100)]], GREEDY)
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir):
+    plain = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=256, page_size=4, disable_radix_cache=True)
+    return plain.generate([LONG + [1, 2, 3]], GREEDY)[0].token_ids
+
+
+def check_hierarchy_leaks(engine: Engine) -> None:
+    engine.scheduler.check_no_leaks()
+    hc = engine.hicache
+    assert hc.host_allocator.num_free_pages + len(hc.l2) == hc.config.host_pages
+
+
+def test_l1_l2_l3_hits_give_identical_answers(llama_dir, expected, tmp_path):
+    storage = str(tmp_path / "l3")
+    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    prompt = LONG + [1, 2, 3]
+    assert eng.generate([prompt], GREEDY)[0].token_ids == expected  # cold
+    r = eng.generate([prompt], GREEDY)[0]  # in L1
+    assert r.token_ids == expected and r.cached_tokens >= 116
+    fill_l1(eng, 0)
+    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 116  # evicted from L1 ...
+    outs = []
+    (rid,) = eng.add_request(prompt, GREEDY)
+    while not any(o.finished for o in outs):
+        outs += [o for o in eng.step() if o.rid == rid]
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].cached_tokens_details["host"] > 0  # ... and promoted back from L2
+    check_hierarchy_leaks(eng)
+    eng.close()
+    # a restarted engine finds the prefix only in L3
+    eng2 = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
+                       hicache_prefetch_policy="wait_complete")
+    (rid,) = eng2.add_request(prompt, GREEDY)
+    outs = []
+    while not any(o.finished for o in outs):
+        outs += [o for o in eng2.step() if o.rid == rid]
+    assert [t for o in outs for t in o.new_token_ids] == expected
+    assert outs[-1].cached_tokens_details["storage"] >= 100
+    assert eng2.hicache.stats.storage_read_pages > 0
+    check_hierarchy_leaks(eng2)
+    eng2.close()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+def test_write_policies_reach_storage(llama_dir, expected, tmp_path, policy):
+    storage = str(tmp_path / "l3")
+    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
+                      hicache_write_policy=policy, hicache_ratio=0.5)
+    prompt = LONG + [1, 2, 3]
+    for _ in range(3):  # hit it twice (write_through_selective writes on the second hit)
+        assert eng.generate([prompt], GREEDY)[0].token_ids == expected
+    fill_l1(eng, 0)
+    fill_l1(eng, 1)  # with a small L2 this pushes its pages out of L2 too (write_back writes then)
+    eng.hicache.flush()
+    assert eng.hicache.stats.storage_written_pages > 0
+    assert any(Path(storage).rglob("strata-kv-*"))
+    check_hierarchy_leaks(eng)
+    eng.close()
+
+
+def test_corrupted_storage_entries_are_ignored_and_recomputed(llama_dir, expected, tmp_path):
+    storage = tmp_path / "l3"
+    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage))
+    eng.generate([LONG + [1, 2, 3]], GREEDY)
+    eng.close()
+    files = sorted(storage.rglob("strata-kv-*"))
+    assert files
+    for i, f in enumerate(files):  # damage every entry: flip a byte, truncate, or swap contents
+        data = f.read_bytes()
+        if i % 3 == 0:
+            f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
+        elif i % 3 == 1:
+            f.write_bytes(data[: len(data) // 2])
+        else:
+            f.write_bytes(files[(i + 1) % len(files)].read_bytes())
+    eng2 = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage),
+                       hicache_prefetch_policy="wait_complete")
+    r = eng2.generate([LONG + [1, 2, 3]], GREEDY)[0]
+    assert r.token_ids == expected
+    assert eng2.hicache.stats.corrupt_pages >= 1
+    eng2.close()
+
+
+def test_engines_share_a_file_backend(llama_dir, expected, tmp_path):
+    storage = str(tmp_path / "shared")
+    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
+                    hicache_prefetch_policy="wait_complete")
+    a.generate([LONG + [1, 2, 3]], GREEDY)
+    a.hicache.flush()
+    r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
+    assert r.cached_tokens >= 100
+    assert b.generate([LONG + [1, 2, 3]], GREEDY)[0].token_ids == expected
+    a.close()
+    b.close()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+    )
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield proc, f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()
+
+
+def test_engines_share_a_redis_backend_and_survive_its_death(llama_dir, expected, redis_server):
+    proc, url = redis_server
+    a = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url)
+    b = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url,
+                    hicache_prefetch_policy="wait_complete")
+    a.generate([LONG + [1, 2, 3]], GREEDY)
+    a.hicache.flush()
+    r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
+    assert r.cached_tokens >= 100
+    proc.kill()
+    proc.wait()
+    other = [(i * 11 + 5) % 370 + 5 for i in range(120)]
+    c = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url,
+                    hicache_prefetch_policy="timeout", hicache_prefetch_timeout=5.0)
+    start = time.monotonic()
+    got = c.generate([LONG + [1, 2, 3], other], GREEDY)
+    assert time.monotonic() - start < 30
+    assert got[0].token_ids == expected
+    assert c.hicache.stats.storage_errors >= 1
+    for e in (a, b, c):
+        e.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_no_leaks_across_demote_promote_cycles(llama_dir, tmp_path, page_size):
+    rng = random.Random(page_size)
+    eng = make_engine(llama_dir, page_size=page_size, kv_cache_tokens=160, hicache_ratio=1.5,
+                      hicache_storage_backend="file", hicache_storage_path=str(tmp_path / "l3"),
+                      chunked_prefill_size=24)
+    docs = [[rng.randrange(5, 380) for _ in range(rng.randint(20, 60))] for _ in range(5)]
+    live: list[str] = []
+    for _ in range(250):
+        if rng.random() < 0.3 and len(live) < 6:
+            prompt = rng.choice(docs) + [rng.randrange(5, 380) for _ in range(rng.randint(1, 10))]
+            live += eng.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=rng.randint(1, 12),
+                                                           ignore_eos=True))
+        if rng.random() < 0.03 and live:
+            eng.abort(rng.choice(live))
+        for out in eng.step():
+            if out.finished and out.rid in live:
+                live.remove(out.rid)
+        check_hierarchy_leaks(eng)
+    while eng.scheduler.has_work():
+        eng.step()
+    check_hierarchy_leaks(eng)
+    assert eng.hicache.stats.demoted_pages > 0 and eng.hicache.stats.promoted_pages > 0
+    eng.close()
