@@ -125,6 +125,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,12 @@ class EngineConfig:
     hicache_prefetch_policy: str = "best_effort"
     hicache_prefetch_threshold: int = 256  # tokens: smaller L3 hits are not worth fetching
     hicache_prefetch_timeout: float = 2.0  # seconds, for the timeout policy
+    # prefill/decode disaggregation (strata.disagg)
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    disaggregation_host: str = "127.0.0.1"  # address peers use to reach this worker's KV inbox
+    disaggregation_bootstrap_port: int = 0  # this worker's KV inbox port; 0 = any free port
+    disaggregation_secret: str | None = None  # shared by the workers (or STRATA_DISAGG_SECRET)
+    disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -184,6 +191,8 @@ class EngineConfig:
             raise ValueError(
                 f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
             )
+        if self.disaggregation_mode not in DISAGGREGATION_MODES:
+            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
         if self.hierarchical_cache and self.disable_radix_cache:
             raise ValueError("the hierarchical cache sits behind the radix cache; drop --disable-radix-cache")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
@@ -203,6 +212,7 @@ _CHOICES = {
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
+    "disaggregation_mode": DISAGGREGATION_MODES,
 }
 _HELP = {
     "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",

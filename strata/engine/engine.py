@@ -175,6 +175,7 @@ class Engine:
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, hicache=self.hicache
         )
+        self.disagg = self._make_disagg(model_dir, kv_pool) if cfg.disaggregation_mode != "null" else None
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
@@ -201,6 +202,29 @@ class Engine:
             self.state.kv_bytes / 2**20,
             reason,
         )
+
+    def _make_disagg(self, model_dir: Path, kv_pool: MHAKVPool):
+        from strata.disagg.manager import DecodeManager, PrefillManager
+        from strata.disagg.transport import ZmqTransport
+
+        cfg = self.config
+        secret = cfg.disaggregation_secret or os.environ.get("STRATA_DISAGG_SECRET")
+        if not secret:
+            raise ValueError(
+                "prefill/decode disaggregation needs a shared secret: pass the same --disaggregation-secret "
+                "(or STRATA_DISAGG_SECRET) to every prefill and decode worker"
+            )
+        transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port)
+        namespace = kv_namespace(model_dir, kv_pool).hex()
+        cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
+        manager = cls(self.scheduler, kv_pool, transport, secret.encode(), namespace, cfg.disaggregation_timeout)
+        logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
+        return manager
+
+    @property
+    def disagg_endpoint(self) -> str | None:
+        """host:port of this worker's KV inbox (a prefill worker's bootstrap address), if disaggregated."""
+        return None if self.disagg is None else self.disagg.transport.endpoint.removeprefix("tcp://")
 
     def _make_hicache(self, model_dir: Path, kv_pool: MHAKVPool, allocator: PageAllocator, radix) -> HiCache:
         from strata.cache.storage import make_storage_backend
@@ -242,7 +266,9 @@ class Engine:
             self.hicache.reset()
 
     def close(self) -> None:
-        """Stop background threads (the L3 storage worker)."""
+        """Stop background threads (the L3 storage worker) and sockets."""
+        if self.disagg is not None:
+            self.disagg.transport.close()
         if self.hicache is not None:
             self.hicache.flush()
             self.hicache.close()
@@ -270,12 +296,34 @@ class Engine:
         return ids
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, rid: str | None = None
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        rid: str | None = None,
+        bootstrap_room: int | None = None,
+        bootstrap_addr: str | None = None,
     ) -> list[str]:
-        """Queue one prompt; returns the engine request ids (n of them for n > 1)."""
+        """Queue one prompt; returns the engine request ids (n of them for n > 1).
+
+        Disaggregated workers also take the router's `bootstrap_room` (both sides) and, on a decode
+        worker, `bootstrap_addr` (host:port of the prefill worker's KV inbox).
+        """
         params = params or SamplingParams()
         rid = rid or f"req-{next(self._ids)}"
-        rids = self.scheduler.add_request(rid, self.encode(prompt), params)
+        ids = self.encode(prompt)
+        mode = self.config.disaggregation_mode
+        if mode != "null" and bootstrap_room is None:
+            raise ValueError(f"this is a disaggregated {mode} worker: requests need a bootstrap_room (send them via the router)")
+        if mode == "decode":
+            if not bootstrap_addr:
+                raise ValueError("a decode worker needs bootstrap_addr: the prefill worker's host:port")
+            self.disagg.add(rid, ids, params, bootstrap_room, bootstrap_addr)
+            rids = [rid]
+        elif mode == "prefill":
+            rids = self.scheduler.add_request(rid, ids, self.disagg.prefill_params(params))
+            self.disagg.announce(rid, bootstrap_room)
+        else:
+            rids = self.scheduler.add_request(rid, ids, params)
         for r in rids:
             self._outputs[r] = []
         return rids

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -77,6 +78,12 @@ class Scheduler:
         self.new_token_ratio_decay = 0.001
         self.num_retractions = 0
         self.step_count = 0
+        # PD disaggregation: requests whose prompt KV is being received (decode side), a hook that
+        # copies a finished prefill's KV out before it is released (prefill side), and the manager
+        # polled at every step
+        self.prealloc: dict[str, Req] = {}
+        self.before_release: Callable[[Req], None] | None = None
+        self.disagg = None
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -107,36 +114,14 @@ class Scheduler:
 
         Raises ValueError (nothing queued) if the request is invalid or can never fit.
         """
-        params.validate(self.vocab_size)
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        self.check_fits(len(prompt_ids), params)
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-        for r in rids:
-            if r in self.reqs:
-                raise ValueError(f"request id {r!r} is already in use")
+        self._validate(rids, prompt_ids, params)
         first: Req | None = None
         for i, r in enumerate(rids):
             seed = None if params.seed is None else params.seed + i
-            req = Req(
-                rid=r,
-                prompt_ids=list(prompt_ids),
-                params=params,
-                eos_token_ids=self.eos_token_ids,
-                detokenizer=(
-                    IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
-                    if self.tokenizer is not None
-                    else None
-                ),
-                generator=None if seed is None else torch.Generator().manual_seed(seed),
-                arrival=self.arrivals,
-                # siblings wait for the first to cache the prompt, then share its KV
-                depends_on=first if self.cache_enabled else None,
-            )
-            self.arrivals += 1
+            # siblings wait for the first to cache the prompt, then share its KV
+            req = self._new_req(r, prompt_ids, params, seed, depends_on=first if self.cache_enabled else None)
             first = first or req
-            self.reqs[r] = req
             if params.max_new_tokens == 0:
                 self._finish(req, "length")
                 continue
@@ -145,11 +130,89 @@ class Scheduler:
             self.hicache.start_prefetch(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
+    def _validate(self, rids: list[str], prompt_ids: list[int], params: SamplingParams) -> None:
+        params.validate(self.vocab_size)
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+        self.check_fits(len(prompt_ids), params)
+        for r in rids:
+            if r in self.reqs:
+                raise ValueError(f"request id {r!r} is already in use")
+
+    def _new_req(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int | None, depends_on: Req | None
+    ) -> Req:
+        req = Req(
+            rid=rid,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            detokenizer=(
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+                if self.tokenizer is not None
+                else None
+            ),
+            generator=None if seed is None else torch.Generator().manual_seed(seed),
+            arrival=self.arrivals,
+            depends_on=depends_on,
+        )
+        self.arrivals += 1
+        self.reqs[rid] = req
+        return req
+
+    # ----------------------------------------------------------------- PD disaggregation, decode side
+
+    def reserve_prefilled(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req | None:
+        """Validate a request whose prompt KV will arrive from a prefill worker, and allocate its pages.
+
+        Returns None (nothing held) when the pool has no room now; raises ValueError if it never will.
+        The request is held outside the queues until `add_prefilled` or `abort`.
+        """
+        if params.n != 1:
+            raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
+        self._validate([rid], prompt_ids, params)
+        need = math.ceil(len(prompt_ids) / self.page_size)
+        if not self._make_room(need):
+            return None
+        req = self._new_req(rid, prompt_ids, params, params.seed, depends_on=None)
+        req.pages = self.allocator.alloc(need)
+        req.admitted_once = True
+        self.prealloc[rid] = req
+        return req
+
+    def add_prefilled(self, rid: str, first_token: int, logprob: TokenLogprob | None = None) -> None:
+        """The prompt's KV is now in the request's pages and the prefill worker sampled `first_token`:
+        the request joins the running batch as a decode."""
+        req = self.prealloc.pop(rid)
+        req.kv_len = len(req.prompt_ids)
+        req.status = ReqStatus.RUNNING
+        self.running.append(req)
+        req.output_ids.append(first_token)
+        if logprob is not None and req.params.logprobs is not None:
+            req.pending_logprobs.append(logprob)
+        self._check_finished(req, first_token)
+        if not req.finished:
+            self.pending_outputs.append(req.make_output())
+
+    def fail_prefilled(self, rid: str, error: str) -> None:
+        req = self.prealloc.pop(rid, None)
+        if req is None:
+            return
+        self.allocator.free(req.pages)
+        req.pages = []
+        req.error = error
+        self._finish(req, "error")
+
     def abort(self, rid: str) -> bool:
         """Abort a request now: its KV is released immediately. Returns False if unknown/finished."""
         req = self.reqs.get(rid)
         if req is None or req.finished:
             return False
+        if rid in self.prealloc:
+            self.fail_prefilled(rid, "aborted")
+            req.finish_reason = "abort"
+            return True
         if req.status is ReqStatus.WAITING:
             self.waiting.remove(req)
         req.aborted = True
@@ -157,7 +220,9 @@ class Scheduler:
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_outputs)
+        return bool(self.waiting or self.running or self.pending_outputs or self.prealloc) or (
+            self.disagg is not None and self.disagg.busy()
+        )
 
     # ----------------------------------------------------------------- the step
 
@@ -165,6 +230,8 @@ class Scheduler:
         self.step_count += 1
         if self.hicache is not None:
             self.hicache.poll()
+        if self.disagg is not None:
+            self.disagg.poll()
         batch = self.schedule()
         if batch is None and self.hicache is not None and self.hicache.waiting_on_storage():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
@@ -358,6 +425,8 @@ class Scheduler:
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
         if req.status is ReqStatus.RUNNING:
+            if self.before_release is not None:
+                self.before_release(req)
             self.running.remove(req)
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
@@ -427,6 +496,7 @@ class Scheduler:
     def check_no_leaks(self) -> None:
         """Assert the page-accounting invariant (used by tests and debug runs)."""
         private = sum(len(r.pages) - r.cached_len // self.page_size for r in self.running)
+        private += sum(len(r.pages) for r in self.prealloc.values())
         total = self.allocator.num_free_pages + self.cache.total_pages + private
         if total != self.allocator.num_pages:
             raise AssertionError(
