@@ -52,6 +52,8 @@ class ModelConfig:
     rope: RopeConfig
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    o_proj_bias: bool = False  # Llama/Qwen3 with attention_bias=True; never Qwen2
+    mlp_bias: bool = False
     qk_norm: bool = False  # per-head RMSNorm on q and k (Qwen3)
     hidden_act: str = "silu"
     torch_dtype: str | None = None
@@ -95,6 +97,8 @@ class ModelConfig:
             rope=_rope_from_hf(text),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
             attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
+            o_proj_bias=bool(text.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(text.get("mlp_bias", False)),
             qk_norm=model_type == "qwen3",
             hidden_act=text.get("hidden_act", "silu"),
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),

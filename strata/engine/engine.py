@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import operator
 import logging
 import os
 import time
@@ -290,9 +291,14 @@ class Engine:
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer; pass token ids instead of text")
             return self.tokenizer.encode(prompt, add_special_tokens=True)
-        ids = list(prompt)
-        if not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
-            raise ValueError("a prompt must be a string or a list of int token ids")
+        ids = []
+        for t in prompt:
+            try:
+                if isinstance(t, bool):
+                    raise TypeError
+                ids.append(operator.index(t))  # int, numpy and torch integers
+            except TypeError:
+                raise ValueError(f"a prompt must be a string or a list of int token ids, got {t!r}") from None
         return ids
 
     def add_request(

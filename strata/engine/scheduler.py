@@ -297,8 +297,11 @@ class Scheduler:
             self.retract(victim)
             needy = [r for r in needy if r is not victim]
         for req in needy:
-            pages = self.allocator.alloc(1)
-            assert pages is not None, "room was made above"
+            pages = self.allocator.alloc(1) if self._make_room(1) else None
+            if pages is None:  # only when pages are held outside the running set (PD reservations)
+                req.error = "the KV cache is exhausted; retry the request"
+                self._finish(req, "error")
+                continue
             req.pages.extend(pages)
 
     def _pick_victim(self) -> Req | None:

@@ -16,7 +16,7 @@ class ServerConfig:
     port: int = 30000
     api_key: str | None = None  # if set, every endpoint but /health needs `Authorization: Bearer <key>`
     served_model_name: str | None = None  # the `model` name clients use; default: the model directory's name
-    max_queued_requests: int | None = None  # answer 503 + Retry-After while this many requests wait for a first token
+    max_queued_requests: int | None = None  # 503 + Retry-After once this many requests await a first token
     grace_period: float = 30.0  # seconds in-flight requests may run on after SIGTERM/SIGINT
     max_request_bytes: int = 16 * 2**20  # larger request bodies get 413
     log_level: str = "info"

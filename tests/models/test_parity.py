@@ -144,3 +144,26 @@ def test_retraction_keeps_outputs_exact(llama_dir):
     assert engine.scheduler.num_retractions > 0
     assert got == expected
     engine.scheduler.check_no_leaks()
+
+
+def test_llama_with_attention_and_mlp_bias(tmp_path):
+    from conftest import make_model
+
+    model_dir = make_model(tmp_path / "biased", "llama", attention_bias=True, mlp_bias=True, tokenizer=False)
+    ref = hf_model(model_dir)
+    expected = [hf_greedy(ref, p, GREEDY.max_new_tokens) for p in PROMPTS]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024)
+    assert [r.token_ids for r in engine.generate(PROMPTS, GREEDY)] == expected
+
+
+def test_unsupported_architecture_names_the_supported_ones(tmp_path):
+    import json
+
+    from conftest import make_model
+
+    model_dir = make_model(tmp_path / "m", "llama", tokenizer=False)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="not supported; supported: LlamaForCausalLM"):
+        Engine(str(model_dir), dtype="float32", kv_cache_tokens=64)

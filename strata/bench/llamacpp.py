@@ -1,0 +1,127 @@
+"""The llama.cpp peer, through `llama-cpp-python` (an optional extra, never a test dependency:
+`pip install 'llama-cpp-python[server]==0.3.36'` compiles llama.cpp, several minutes on 2 cores).
+
+    serving    `python -m llama_cpp.server` on the default model's GGUF (or a --model .gguf)
+    one-batch  in-process `llama_cpp.Llama`, batch size 1 only (the binding runs one sequence):
+               one eval() of the prompt, then one eval() per generated token
+
+It runs the GGUF as stored (the default model is Q4_1, 4-bit weights), while Strata and
+transformers run the weights converted from it to bf16/fp32: a different precision, stated next
+to every figure. Threads are set to the CPU count, as Strata's torch threads are.
+Note that llama-cpp-python's server answers one request at a time (llama.cpp's own C++
+`llama-server` batches; it is not what this measures).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from strata.bench.one_batch import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, OneBatchResult, random_batch
+
+INSTALL_HINT = "pip install 'llama-cpp-python[server]==0.3.36' (compiles llama.cpp; several minutes)"
+CONTEXT_LEN = 8192
+
+
+def missing_reason(need_server: bool) -> str | None:
+    """None when llama-cpp-python (and its server, if asked) can be imported; else what to install."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        return f"llama-cpp-python is not installed; {INSTALL_HINT}"
+    if need_server:
+        for mod in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
+            if importlib.util.find_spec(mod) is None:
+                return f"llama-cpp-python's server extra is missing ({mod}); {INSTALL_HINT}"
+    return None
+
+
+def gguf_path(model: str | None) -> Path:
+    """The GGUF llama.cpp runs: `model` if it is a .gguf file, the default model's GGUF if None."""
+    if model is None:
+        from strata.weights.default_model import find_default_gguf
+
+        return find_default_gguf()
+    path = Path(model)
+    if path.suffix.lower() == ".gguf" and path.is_file():
+        return path
+    raise ValueError(
+        f"llama.cpp needs a .gguf file, and --model {model!r} is not one; pass --model FILE.gguf"
+    )
+
+
+def server_argv(gguf: Path, port: int, threads: int | None = None, alias: str = "llamacpp") -> list[str]:
+    threads = threads or os.cpu_count() or 1
+    return [
+        sys.executable, "-m", "llama_cpp.server",
+        "--model", str(gguf),
+        "--model_alias", alias,
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--n_ctx", str(CONTEXT_LEN),
+        "--n_threads", str(threads),
+        "--n_threads_batch", str(threads),
+    ]  # fmt: skip
+
+
+class LlamaCppModel:
+    """`llama_cpp.Llama` on a GGUF, for batch-1 prefill and decode timing."""
+
+    def __init__(self, gguf: Path, threads: int | None = None):
+        from llama_cpp import Llama
+
+        threads = threads or os.cpu_count() or 1
+        self.llm = Llama(
+            model_path=str(gguf),
+            n_ctx=CONTEXT_LEN,
+            n_batch=512,
+            n_threads=threads,
+            n_threads_batch=threads,
+            verbose=False,
+        )
+        self.vocab_size = self.llm.n_vocab()
+
+    def one_batch(
+        self, batch_size: int, input_len: int, output_len: int, seed: int = 0, exclude: set[int] | None = None
+    ) -> OneBatchResult:
+        if batch_size != 1:
+            raise ValueError(
+                "llama-cpp-python's Llama runs one sequence at a time; only --batch-size 1 is measured"
+            )
+        (warm,) = random_batch(
+            self.vocab_size, 1, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude or set()
+        )
+        self._run(warm, WARMUP_OUTPUT_LEN)
+        (prompt,) = random_batch(self.vocab_size, 1, input_len, seed, exclude or set())
+        prefill_s, steps = self._run(prompt, output_len)
+        step_ms = 1000.0 * statistics.median(steps) if steps else None
+        return OneBatchResult(
+            target="llamacpp",
+            batch_size=1,
+            input_len=input_len,
+            output_len=output_len,
+            prefill_s=prefill_s,
+            prefill_tok_s=input_len / prefill_s,
+            decode_step_ms=step_ms,
+            decode_tok_s=1000.0 / step_ms if step_ms else None,
+            num_decode_steps=len(steps),
+        )
+
+    def _run(self, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
+        import numpy as np
+
+        llm = self.llm
+        llm.reset()
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        prefill_s = time.perf_counter() - t0
+        steps = []
+        for _ in range(output_len - 1):
+            t0 = time.perf_counter()
+            llm.eval([token])
+            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            steps.append(time.perf_counter() - t0)
+        return prefill_s, steps

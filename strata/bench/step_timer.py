@@ -1,0 +1,173 @@
+"""Times the pieces of `Engine.step()` from outside, without changing the engine.
+
+One scheduler step is:  schedule() -> runner.forward(batch) -> process_results()
+and runner.forward is:  prepare(batch) -> model(...) -> model.compute_logits(...) -> sample(...)
+
+`StepTimer(engine)` installs timing wrappers as *instance* attributes on the engine's scheduler,
+runner and (through a proxy) model, and removes them on exit; the classes are never touched, so
+other engines in the process are unaffected. `sample_s` is what forward spends outside prepare,
+the model and the logits (sampling and moving the chosen ids to the CPU). On CUDA each clock read
+synchronizes the device first, so the pieces are real durations, not launch times.
+
+If the engine's internals are renamed this module fails loudly at `__enter__` (AttributeError),
+and the bench tests catch it; a first-class hook in the scheduler would make it unnecessary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+PIECES = ("schedule", "prepare", "model", "logits", "sample", "process")
+
+
+@dataclass
+class StepTiming:
+    start: float
+    end: float = 0.0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    model_s: float = 0.0
+    logits_s: float = 0.0
+    sample_s: float = 0.0
+    process_s: float = 0.0
+    num_reqs: int = 0
+    num_decode: int = 0  # requests fed one token (decoding)
+    num_tokens: int = 0  # tokens fed to the forward (decode tokens + prefill chunks)
+    num_sampled: int = 0  # tokens generated
+    num_finished: int = 0  # requests that finished in this step
+
+    @property
+    def duration_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def num_first_tokens(self) -> int:
+        """Requests that finished their prefill in this step (every decode samples one token too)."""
+        return self.num_sampled - self.num_decode
+
+    @property
+    def decode_only(self) -> bool:
+        return self.num_reqs > 0 and self.num_decode == self.num_reqs
+
+    def piece_ms(self) -> dict[str, float]:
+        return {p: 1000.0 * getattr(self, f"{p}_s") for p in PIECES}
+
+
+class _TimedModel:
+    """Stands in for runner.model: times calls and compute_logits, forwards everything else."""
+
+    def __init__(self, model: Any, timer: StepTimer):
+        self._model = model
+        self._timer = timer
+
+    def __call__(self, *args, **kwargs):
+        t0 = self._timer.clock()
+        try:
+            return self._model(*args, **kwargs)
+        finally:
+            self._timer.current.model_s += self._timer.clock() - t0
+
+    def compute_logits(self, *args, **kwargs):
+        t0 = self._timer.clock()
+        try:
+            return self._model.compute_logits(*args, **kwargs)
+        finally:
+            self._timer.current.logits_s += self._timer.clock() - t0
+
+    def __getattr__(self, name: str):
+        return getattr(self._model, name)
+
+
+class StepTimer:
+    """`with StepTimer(engine) as timer: engine.step() ...` -> timer.steps (one StepTiming per step)."""
+
+    def __init__(self, engine: Any):
+        self.engine = engine
+        self.steps: list[StepTiming] = []
+        self.current = StepTiming(start=0.0)
+        device = getattr(getattr(engine, "state", None), "device", None)
+        self._sync = None
+        if device is not None and getattr(device, "type", "cpu") == "cuda":
+            import torch
+
+            self._sync = torch.cuda.synchronize
+
+    def clock(self) -> float:
+        if self._sync is not None:
+            self._sync()
+        return time.perf_counter()
+
+    def __enter__(self):
+        sched = self.engine.scheduler
+        runner = sched.runner
+        orig_step, orig_schedule, orig_process = sched.step, sched.schedule, sched.process_results
+        orig_forward, orig_prepare, orig_model = runner.forward, runner.prepare, runner.model
+
+        def step():
+            self.current = StepTiming(start=self.clock())
+            try:
+                return orig_step()
+            finally:
+                self.current.end = self.clock()
+                if self.current.num_reqs:
+                    self.steps.append(self.current)
+
+        def schedule():
+            t0 = self.clock()
+            batch = orig_schedule()
+            self.current.schedule_s += self.clock() - t0
+            if batch is not None:
+                self.current.num_reqs = len(batch.reqs)
+                self.current.num_decode = batch.num_decode
+                self.current.num_tokens = batch.num_tokens
+                self.current.num_sampled = len(batch.sampled_reqs())
+            return batch
+
+        def forward(batch):
+            cur = self.current
+            t0 = self.clock()
+            before = cur.prepare_s + cur.model_s + cur.logits_s
+            try:
+                return orig_forward(batch)
+            finally:
+                cur.sample_s += self.clock() - t0 - (cur.prepare_s + cur.model_s + cur.logits_s - before)
+
+        def prepare(batch):
+            t0 = self.clock()
+            try:
+                return orig_prepare(batch)
+            finally:
+                self.current.prepare_s += self.clock() - t0
+
+        def process_results(batch, sampled):
+            t0 = self.clock()
+            try:
+                return orig_process(batch, sampled)
+            finally:
+                self.current.process_s += self.clock() - t0
+                self.current.num_finished = sum(1 for r in batch.reqs if r.finished)
+
+        sched.step, sched.schedule, sched.process_results = step, schedule, process_results
+        runner.forward, runner.prepare = forward, prepare
+        runner.model = _TimedModel(orig_model, self)
+        self._restore = (sched, runner, orig_model)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sched, runner, orig_model = self._restore
+        for name in ("step", "schedule", "process_results"):
+            sched.__dict__.pop(name, None)
+        for name in ("forward", "prepare"):
+            runner.__dict__.pop(name, None)
+        runner.model = orig_model
+
+
+def mean_pieces_ms(steps: list[StepTiming]) -> dict[str, float] | None:
+    """Mean milliseconds per piece (and in total) over `steps`; None for no steps."""
+    if not steps:
+        return None
+    out = {p: sum(s.piece_ms()[p] for s in steps) / len(steps) for p in PIECES}
+    out["total"] = 1000.0 * sum(s.duration_s for s in steps) / len(steps)
+    return out

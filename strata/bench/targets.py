@@ -1,0 +1,331 @@
+"""The things `strata bench compare` measures, named on the command line:
+
+    strata[:opt=v,...]        serving: `python -m strata.server` on a free port; offline and
+                              one-batch: the in-process Engine. Options are EngineConfig fields,
+                              e.g. `strata:disable_radix_cache=true`.
+    transformers[:batch_size=N]
+                              offline (static-batch generate(), N per batch, default 16) and
+                              one-batch (greedy loop over the model's forward)
+    transformers-serve[:continuous_batching=true]
+                              serving: `transformers serve` on the same model directory
+    llamacpp[:threads=N]      serving: llama-cpp-python's server on the GGUF; one-batch: batch 1
+    url=http://host:port      serving: any running OpenAI-compatible server
+
+A target that cannot run a mode says why (`unavailable`), and compare skips it with that message.
+Heavy resources (engines, models, servers) start on first use and stop in `close()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from strata.bench.server_process import ServerProcess
+
+MODES = ("serving", "one-batch", "offline")
+KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "url")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    kind: str
+    label: str
+    options: dict[str, str] = field(default_factory=dict)
+    url: str | None = None
+
+
+def parse_target(text: str) -> TargetSpec:
+    """`kind[:k=v,k=v]` or `url=http://...` -> TargetSpec (ValueError with the accepted forms)."""
+    text = text.strip()
+    if text.startswith("url="):
+        url = text[4:].rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"target {text!r}: the url must start with http:// or https://")
+        return TargetSpec("url", url, url=url)
+    kind, _, rest = text.partition(":")
+    if kind not in KINDS or kind == "url":
+        raise ValueError(
+            f"unknown target {text!r}; use one of strata, transformers, transformers-serve, llamacpp "
+            "(optionally with :key=value,...) or url=http://host:port"
+        )
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise ValueError(f"target {text!r}: option {item!r} must be key=value")
+        options[key.strip().replace("-", "_")] = value.strip()
+    return TargetSpec(kind, text, options)
+
+
+@dataclass(frozen=True)
+class BenchContext:
+    """What every target shares: the model and how Strata would run it."""
+
+    model: str | None  # the user's --model (None: the default model)
+    model_dir: Path  # resolved HF directory
+    engine_options: dict[str, Any]  # EngineConfig fields from the command line (other than model)
+    tokenizer: Any
+
+
+class Target:
+    """Base: a target supports some modes; the rest raise via `unavailable`."""
+
+    modes: tuple[str, ...] = ()
+    length_control: str | None = None  # serving: how its server is asked for exact lengths (None: the CLI's)
+
+    def __init__(self, spec: TargetSpec, ctx: BenchContext):
+        self.spec, self.ctx = spec, ctx
+
+    @property
+    def label(self) -> str:
+        return self.spec.label
+
+    def unavailable(self, mode: str) -> str | None:
+        if mode not in self.modes:
+            return f"{self.spec.kind} does not support {mode} (it supports: {', '.join(self.modes) or 'nothing'})"
+        return None
+
+    def serving_url(self) -> str:
+        raise NotImplementedError
+
+    def served_model(self) -> str | None:
+        """The `model` field its requests need; None: ask the server's /v1/models."""
+        return None
+
+    def one_batch(self, batch_size: int, input_len: int, output_len: int, seed: int):
+        raise NotImplementedError
+
+    def offline(self, conversations):
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+def _engine_options(ctx: BenchContext, options: dict[str, str]) -> dict[str, Any]:
+    from strata.config import EngineConfig
+
+    fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
+    out = dict(ctx.engine_options)
+    for key, raw in options.items():
+        if key not in fields or key == "model":
+            raise ValueError(
+                f"strata target option {key!r} is not an EngineConfig field; known: {', '.join(sorted(fields))}"
+            )
+        kind = str(fields[key].type)
+        if "bool" in kind:
+            out[key] = raw.lower() in ("1", "true", "yes", "on")
+        elif "int" in kind:
+            out[key] = int(raw)
+        elif "float" in kind:
+            out[key] = float(raw)
+        else:
+            out[key] = raw
+    return out
+
+
+class StrataTarget(Target):
+    modes = MODES
+    length_control = "ignore_eos"
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        self.options = _engine_options(ctx, spec.options)
+        self._engine = None
+        self._server: ServerProcess | None = None
+
+    def unavailable(self, mode: str) -> str | None:
+        if mode == "serving" and importlib.util.find_spec("strata.server.launch") is None:
+            return "strata serve is not available in this checkout (strata/server/launch.py is missing)"
+        return super().unavailable(mode)
+
+    @property
+    def engine(self):
+        if self._engine is None:
+            from strata.engine.engine import Engine
+
+            self._engine = Engine(model=str(self.ctx.model_dir), **self.options)
+        return self._engine
+
+    def serving_url(self) -> str:
+        if self._server is None:
+            flags: list[str] = []
+            for key, value in self.options.items():
+                if value is None or value is False or key == "extra":
+                    continue
+                flag = "--" + key.replace("_", "-")
+                flags += [flag] if value is True else [flag, str(value)]
+
+            def argv(port: int) -> list[str]:
+                return [sys.executable, "-m", "strata.server", "--host", "127.0.0.1", "--port", str(port),
+                        "--model", str(self.ctx.model_dir), "--log-level", "warning", *flags]  # fmt: skip
+
+            self._server = ServerProcess(argv, "strata").start()
+        return self._server.base_url
+
+    def one_batch(self, batch_size, input_len, output_len, seed):
+        from strata.bench.one_batch import run_strata_one_batch
+
+        return dataclasses.replace(
+            run_strata_one_batch(self.engine, batch_size, input_len, output_len, seed), target=self.label
+        )
+
+    def offline(self, conversations):
+        from strata.bench.offline import run_strata_offline
+
+        return run_strata_offline(self.engine, conversations, target=self.label)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self._engine = None
+
+
+def strata_dtype(ctx: BenchContext):
+    """The torch dtype Strata picks for these options on this machine (the peers use it too)."""
+    from strata.engine.engine import pick_device, pick_dtype
+
+    return pick_dtype(
+        ctx.engine_options.get("dtype", "auto"), pick_device(ctx.engine_options.get("device", "auto"))
+    )
+
+
+class TransformersTarget(Target):
+    modes = ("one-batch", "offline")
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        self.batch_size = int(spec.options.get("batch_size", 16))
+        self._model = None
+
+    @property
+    def model(self):
+        if self._model is None:
+            import torch
+
+            from strata.bench.hf_baseline import HFModel
+
+            torch.set_num_threads(self.ctx.engine_options.get("num_threads") or os.cpu_count() or 1)
+            self._model = HFModel(self.ctx.model_dir, strata_dtype(self.ctx))
+        return self._model
+
+    def one_batch(self, batch_size, input_len, output_len, seed):
+        from strata.bench.one_batch import special_ids
+
+        r = self.model.one_batch(batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer))
+        return dataclasses.replace(r, target=self.label)
+
+    def offline(self, conversations):
+        from strata.bench.offline import run_hf_offline
+
+        return run_hf_offline(
+            self.model, conversations, self.ctx.tokenizer, self.batch_size, target=self.label
+        )
+
+    def close(self) -> None:
+        self._model = None
+
+
+class TransformersServeTarget(Target):
+    modes = ("serving",)
+    length_control = "generation_config"  # it rejects unknown fields such as ignore_eos
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        self._server: ServerProcess | None = None
+
+    def serving_url(self) -> str:
+        if self._server is None:
+            cb = self.spec.options.get("continuous_batching", "false").lower() in ("1", "true", "yes", "on")
+            dtype = str(strata_dtype(self.ctx)).removeprefix("torch.")
+            exe = Path(sys.executable).with_name("transformers")
+
+            def argv(port: int) -> list[str]:
+                return [str(exe), "serve", str(self.ctx.model_dir), "--host", "127.0.0.1", "--port", str(port),
+                        "--dtype", dtype, "--device", "cpu",
+                        "--continuous-batching" if cb else "--no-continuous-batching"]  # fmt: skip
+
+            self._server = ServerProcess(argv, "transformers-serve", env={"HF_HUB_OFFLINE": "1"}).start()
+        return self._server.base_url
+
+    def served_model(self) -> str | None:
+        return str(self.ctx.model_dir)  # `transformers serve` lists hub models only, not the forced one
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+class LlamaCppTarget(Target):
+    modes = ("serving", "one-batch")
+    length_control = "logit_bias"
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        self.threads = int(spec.options["threads"]) if "threads" in spec.options else None
+        self._server: ServerProcess | None = None
+        self._model = None
+
+    def unavailable(self, mode: str) -> str | None:
+        from strata.bench import llamacpp
+
+        reason = super().unavailable(mode) or llamacpp.missing_reason(need_server=mode == "serving")
+        if reason is None:
+            try:
+                llamacpp.gguf_path(self.ctx.model)
+            except (ValueError, FileNotFoundError) as exc:
+                reason = str(exc)
+        return reason
+
+    def serving_url(self) -> str:
+        from strata.bench import llamacpp
+
+        if self._server is None:
+            gguf = llamacpp.gguf_path(self.ctx.model)
+            self._server = ServerProcess(
+                lambda port: llamacpp.server_argv(gguf, port, self.threads), "llamacpp"
+            ).start()
+        return self._server.base_url
+
+    def one_batch(self, batch_size, input_len, output_len, seed):
+        from strata.bench import llamacpp
+        from strata.bench.one_batch import special_ids
+
+        if self._model is None:
+            self._model = llamacpp.LlamaCppModel(llamacpp.gguf_path(self.ctx.model), self.threads)
+        r = self._model.one_batch(batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer))
+        return dataclasses.replace(r, target=self.label)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        self._model = None
+
+
+class UrlTarget(Target):
+    modes = ("serving",)
+
+    def serving_url(self) -> str:
+        assert self.spec.url is not None
+        return self.spec.url
+
+
+_TARGETS = {
+    "strata": StrataTarget,
+    "transformers": TransformersTarget,
+    "transformers-serve": TransformersServeTarget,
+    "llamacpp": LlamaCppTarget,
+    "url": UrlTarget,
+}
+
+
+def make_target(spec: TargetSpec, ctx: BenchContext) -> Target:
+    return _TARGETS[spec.kind](spec, ctx)

@@ -1,0 +1,285 @@
+"""The router's FastAPI app: the workers' API proxied, plus the router's own endpoints.
+
+    POST /v1/chat/completions, /v1/completions, /generate    proxied (SSE streamed through)
+    GET  /v1/models, /health_generate                        proxied to one routable worker
+    GET  /health             200 while at least one worker is routable, else 503 saying why (no key)
+    GET  /get_server_info    the router's config, every worker's state and load, summed counts
+    POST /flush_cache        flushes every healthy worker, and the policy's record of their caches
+    GET  /metrics            the router's Prometheus metrics (strata:router_*)
+    GET  /workers            workers with health, circuit, load, counts
+    POST /workers            {"url": "http://host:port"}: add one (400 bad URL, 409 already there)
+    DELETE /workers          {"url": ...} or ?url=...: remove one (404 if unknown)
+
+Every error has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hmac
+import logging
+import random
+import time
+from typing import Any
+
+import httpx
+import msgspec
+from fastapi import FastAPI, Request, Response
+
+from strata.router.config import RouterConfig
+from strata.router.metrics import RouterMetrics
+from strata.router.pool import WorkerPool, describe_error
+from strata.router.proxy import Forwarder, ProxyResponse, error_body, routing_key
+from strata.router.registry import make_policy
+
+logger = logging.getLogger("strata.router")
+
+PUBLIC_PATHS = frozenset({"/health"})
+PROXIED_POST = ("/v1/chat/completions", "/v1/completions", "/generate")
+PROXIED_GET = ("/v1/models", "/health_generate")
+MAX_CONNECTIONS = 4096
+
+_json = msgspec.json.Encoder()
+
+
+class RouterError(Exception):
+    def __init__(self, status: int, message: str, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code = status, message, code
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status, media_type="application/json")
+
+
+class Gateway:
+    """Everything one router owns; started and stopped with the app (its lifespan)."""
+
+    def __init__(self, config: RouterConfig, launched_urls: frozenset[str] = frozenset(), seed: int | None = None):
+        self.config = config
+        self.launched_urls = launched_urls
+        self.rng = random.Random(seed)
+        self.metrics = RouterMetrics()
+        self.policy = make_policy(config, self.rng)
+        self.client: httpx.AsyncClient | None = None
+        self.pool: WorkerPool | None = None
+        self.forwarder: Forwarder | None = None
+        self.started_at = time.time()
+
+    async def start(self) -> None:
+        cfg = self.config
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
+            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+            trust_env=False,  # workers are reached directly, never through an HTTP proxy
+        )
+        self.pool = WorkerPool(cfg, self.policy, self.metrics, self.client)
+        self.forwarder = Forwarder(cfg, self.pool, self.policy, self.metrics, self.client, self.rng)
+        await asyncio.gather(*(self.pool.add(u, launched=u in self.launched_urls) for u in cfg.worker_urls))
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+        if self.client is not None:
+            await self.client.aclose()
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, app: FastAPI):
+        await self.start()
+        try:
+            yield
+        finally:
+            await self.close()
+
+
+class Guard:
+    """ASGI middleware: the router's API key on every path but /health."""
+
+    def __init__(self, app, api_key: str | None):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
+                body = error_body(401, message, "invalid_api_key")
+                headers = [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                    (b"www-authenticate", b"Bearer"),
+                ]
+                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(gateway: Gateway) -> FastAPI:
+    app = FastAPI(title="Strata router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=gateway.lifespan)
+    app.state.gateway = gateway
+    app.add_middleware(Guard, api_key=gateway.config.api_key)
+    cfg = gateway.config
+
+    @app.exception_handler(RouterError)
+    async def router_error(request: Request, exc: RouterError) -> Response:
+        return Response(error_body(exc.status, exc.message, exc.code), exc.status, media_type="application/json")
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        message = (
+            f"{request.method} {request.url.path}: not found (the router serves {', '.join(PROXIED_POST)}, "
+            f"{', '.join(PROXIED_GET)}, /health, /get_server_info, /flush_cache, /metrics, /workers)"
+        )
+        return Response(error_body(404, message), 404, media_type="application/json")
+
+    async def read_body(request: Request) -> bytes:
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_request_bytes:
+                raise RouterError(
+                    413, f"the request body is larger than {cfg.max_request_bytes} bytes (--max-request-bytes)",
+                    "request_too_large",
+                )  # fmt: skip
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def proxy(request: Request) -> Response:
+        arrived = time.perf_counter()
+        route = request.url.path
+        body = await read_body(request) if request.method == "POST" else b""
+        try:
+            parsed = msgspec.json.decode(body) if body else None
+        except msgspec.DecodeError:
+            parsed = None  # forwarded as is: the worker answers the precise 400
+        path = route + (f"?{request.url.query}" if request.url.query else "")
+        assert gateway.forwarder is not None
+        return ProxyResponse(
+            gateway.forwarder,
+            route=route,
+            method=request.method,
+            path=path,
+            body=body,
+            headers=request.scope["headers"],
+            key=routing_key(route, parsed),
+            arrived=arrived,
+        )
+
+    for route in PROXIED_POST:
+        app.add_api_route(route, proxy, methods=["POST"], include_in_schema=False)
+    for route in PROXIED_GET:
+        app.add_api_route(route, proxy, methods=["GET"], include_in_schema=False)
+
+    @app.get("/health")
+    async def health() -> Response:
+        pool = gateway.pool
+        if pool is None or not pool.routable():
+            message = pool.why_none_routable() if pool is not None else "the router is starting"
+            return Response(error_body(503, message, "no_healthy_workers"), 503, media_type="application/json")
+        return json_response({"status": "ok", "routable_workers": len(pool.routable())})
+
+    def describe_workers() -> list[dict[str, Any]]:
+        assert gateway.pool is not None
+        return [
+            {**w.describe(), **gateway.policy.describe_worker(w.url), "server_info": gateway.pool.server_info.get(w.url)}
+            for w in gateway.pool.workers.values()
+        ]
+
+    @app.get("/workers")
+    async def list_workers() -> Response:
+        return json_response({"policy": cfg.policy, "workers": describe_workers()})
+
+    async def url_from(request: Request) -> str:
+        url = request.query_params.get("url")
+        if url is None:
+            body = await read_body(request)
+            try:
+                data = msgspec.json.decode(body) if body else {}
+            except msgspec.DecodeError as exc:
+                raise RouterError(400, f"the body must be JSON like {{\"url\": \"http://host:port\"}} ({exc})") from None
+            url = data.get("url") if isinstance(data, dict) else None
+        if not isinstance(url, str):
+            raise RouterError(400, 'give the worker as {"url": "http://host:port"} in the body or as ?url=')
+        return url
+
+    @app.post("/workers")
+    async def add_worker(request: Request) -> Response:
+        assert gateway.pool is not None
+        url = await url_from(request)
+        try:
+            worker = await gateway.pool.add(url)
+        except ValueError as exc:
+            raise RouterError(400, str(exc), "invalid_worker_url") from None
+        except KeyError as exc:
+            raise RouterError(409, exc.args[0], "worker_exists") from None
+        return json_response({**worker.describe(), **gateway.policy.describe_worker(worker.url)})
+
+    @app.delete("/workers")
+    async def remove_worker(request: Request) -> Response:
+        assert gateway.pool is not None
+        url = await url_from(request)
+        try:
+            worker = await gateway.pool.remove(url)
+        except ValueError as exc:
+            raise RouterError(400, str(exc), "invalid_worker_url") from None
+        except KeyError:
+            known = ", ".join(gateway.pool.workers) or "none"
+            raise RouterError(404, f"no worker {url} is registered (registered: {known})", "worker_not_found") from None
+        return json_response({"removed": worker.url, "in_flight": worker.in_flight})
+
+    @app.get("/get_server_info")
+    async def server_info() -> Response:
+        assert gateway.pool is not None
+        config = dataclasses.asdict(cfg)
+        for key in ("api_key", "worker_api_key"):
+            if config[key] is not None:
+                config[key] = "<redacted>"
+        workers = describe_workers()
+        infos = [w["server_info"] for w in workers if w["routable"] and w["server_info"]]
+        return json_response(
+            {
+                "role": "router",
+                "router_config": config,
+                "workers": workers,
+                "num_workers": len(workers),
+                "num_routable_workers": sum(w["routable"] for w in workers),
+                "num_running_reqs": sum(i["num_running_reqs"] for i in infos),
+                "num_queue_reqs": sum(i["num_queue_reqs"] for i in infos),
+                "started_at": gateway.started_at,
+            }
+        )
+
+    @app.post("/flush_cache")
+    async def flush_cache() -> Response:
+        pool = gateway.pool
+        assert pool is not None and gateway.client is not None
+        targets = [w for w in pool.workers.values() if w.health.value == "healthy"]
+        if not targets:
+            raise RouterError(503, pool.why_none_routable(), "no_healthy_workers")
+
+        async def flush(url: str) -> tuple[str, int, str]:
+            try:
+                resp = await gateway.client.post(url + "/flush_cache", headers=pool.worker_headers, timeout=30)
+            except httpx.HTTPError as exc:
+                return url, 502, describe_error(exc)
+            if resp.status_code == 200:
+                gateway.policy.reset_worker(url)
+            return url, resp.status_code, resp.text[:300]
+
+        results = await asyncio.gather(*(flush(w.url) for w in targets))
+        status = max(code for _, code, _ in results)
+        body = {"workers": {url: {"status": code, "body": text} for url, code, text in results}}
+        return json_response(body, 200 if status == 200 else status)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        workers = gateway.pool.workers.values() if gateway.pool is not None else []
+        return Response(gateway.metrics.render(workers), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,200 @@
+"""The FastAPI app: the guard (API key, body size), OpenAI-shaped errors, and the admin endpoints.
+
+    GET  /health            200 once the model is loaded, 503 before (never needs the API key)
+    GET  /health_generate   200 after a 1-token generation succeeds, 503 otherwise
+    GET  /get_server_info   config, KV cache usage (free / total / cached pages), load, hit rate
+    POST /flush_cache       empty the prefix cache; 409 while requests are in flight
+    GET  /metrics           Prometheus text format
+    + /v1/* (openai_api.py) and /generate (native_api.py)
+
+Every error a client sees has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import logging
+import os
+
+from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from strata.sampling_params import SamplingParams
+from strata.server import native_api, openai_api
+from strata.server.engine_client import Job
+from strata.server.protocol import APIError, error_body
+from strata.server.serving import ClientGone, ServerState, collect, get_state, json_response, start_generation
+
+logger = logging.getLogger(__name__)
+
+PUBLIC_PATHS = frozenset({"/health"})
+HEALTH_GENERATE_TIMEOUT_S = 60.0
+
+
+class Guard:
+    """ASGI middleware: the API key (all paths but /health) and the declared body size, before any parsing."""
+
+    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                message = (
+                    "invalid API key"
+                    if given
+                    else "missing API key: send the header 'Authorization: Bearer <key>'"
+                )
+                return await _send_error(send, 401, message, code="invalid_api_key", www_authenticate=True)
+        length = headers.get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+            return await _send_error(
+                send,
+                413,
+                f"the request body is {int(length)} bytes; this server accepts at most {self.max_request_bytes} "
+                "(see --max-request-bytes)",
+                code="request_too_large",
+            )
+        await self.app(scope, receive, send)
+
+
+async def _send_error(
+    send: Send, status: int, message: str, *, code: str, www_authenticate: bool = False
+) -> None:
+    body = error_body(status, message, code=code)
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    if www_authenticate:
+        headers.append((b"www-authenticate", b"Bearer"))
+    if status == 413:
+        headers.append((b"connection", b"close"))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+def create_app(state: ServerState) -> FastAPI:
+    app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.strata = state
+    app.add_middleware(Guard, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> Response:
+        return Response(
+            exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers
+        )
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            message += (
+                " (endpoints: /v1/chat/completions, /v1/completions, /v1/models, /generate, /health, ...)"
+            )
+        return Response(
+            error_body(exc.status_code, message), status_code=exc.status_code, media_type="application/json"
+        )
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(request: Request, exc: ClientGone) -> Response:
+        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        logger.exception("internal error serving %s %s", request.method, request.url.path)
+        body = error_body(500, f"internal server error: {type(exc).__name__}: {exc}")
+        return Response(body, status_code=500, media_type="application/json")
+
+    app.include_router(openai_api.router)
+    app.include_router(native_api.router)
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = get_state(request)
+        client = state.client
+        if client.failure is not None:
+            return Response(error_body(503, client.failure), status_code=503, media_type="application/json")
+        if client.info is None:
+            body = error_body(503, "the model is still loading")
+            return Response(
+                body, status_code=503, media_type="application/json", headers={"Retry-After": "5"}
+            )
+        return json_response({"status": "ok"})
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        state = get_state(request)
+        info = state.engine_info()
+        token = info.bos_token_id if info.bos_token_id is not None else 0
+        params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        gen = await start_generation(state, [Job([token], params)])
+        try:
+            results = await asyncio.wait_for(collect(request, gen), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise APIError(
+                503, f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:.0f}s"
+            ) from None
+        finally:
+            gen.close()
+        return json_response({"status": "ok", "output_ids": results[0].token_ids})
+
+    @app.get("/get_server_info")
+    async def get_server_info(request: Request) -> Response:
+        state = get_state(request)
+        client = state.client
+        stats = (
+            await client.fetch_stats() if client.info is not None and client.failure is None else client.stats
+        )
+        server = dataclasses.asdict(state.config)
+        if server["api_key"] is not None:
+            server["api_key"] = "<redacted>"
+        return json_response(
+            {
+                "model": state.model_name,
+                "model_dir": state.model_dir,
+                "ready": client.info is not None and client.failure is None,
+                "failure": client.failure,
+                "engine_config": dataclasses.asdict(state.engine_config),
+                "server_config": server,
+                "engine": client.info,
+                "kv_cache": {
+                    "page_size": stats.page_size,
+                    "total_pages": stats.num_pages,
+                    "free_pages": stats.num_free_pages,
+                    "cached_pages": stats.num_cached_pages,
+                    "evictable_cached_pages": stats.num_evictable_pages,
+                    "token_usage": stats.token_usage,
+                },
+                "num_running_reqs": stats.num_running,
+                "num_queue_reqs": stats.num_waiting,
+                "num_waiting_first_token": client.num_queued,
+                "num_retractions": stats.num_retractions,
+                "num_aborted_requests": client.num_aborted,
+                "cache_hit_rate": state.metrics.hit_rate,
+                "frontend_pid": os.getpid(),
+            }
+        )
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        state = get_state(request)
+        state.engine_info()
+        result = await state.client.flush_cache()
+        if not result.ok:
+            raise APIError(409, result.message, code="requests_in_flight")
+        return json_response({"message": result.message})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

@@ -1,0 +1,248 @@
+"""The engine process: builds the Engine, then loops receiving messages and stepping the scheduler.
+
+Started by `strata.server.launch` as `python -m strata.server.engine_proc --config-json ...`; the
+config travels as JSON (a frozen EngineConfig), the messages as msgspec (see io.py).
+
+Loop: drain every waiting message (add / abort / flush / stats), run one `scheduler.step()` if
+there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
+(waking once a second to check that its parent is alive) instead of spinning.
+
+A request the engine rejects (invalid parameters, prompt too long, can never fit) gets an AddResult
+with the error message; a step that raises fails the requests in flight with an error output and
+the engine keeps serving. The process ignores SIGINT/SIGTERM: the frontend decides when it stops
+(ShutdownReq, after its grace period), and the kernel kills it if the frontend dies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from strata.config import EngineConfig
+from strata.engine.request import RequestOutput
+from strata.server import io
+
+logger = logging.getLogger("strata.engine_proc")
+
+IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent still lives
+MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine gives up and exits (the frontend reports it)
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Ask Linux to SIGKILL us when the parent dies, so no engine outlives its server."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass  # not Linux: the idle loop's parent check still applies
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+class EngineLoop:
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int):
+        self.engine = engine
+        self.scheduler = engine.scheduler
+        self.pull = pull
+        self.push = push
+        self.parent_pid = parent_pid
+        self.live: set[str] = set()  # engine rids added and not yet reported finished
+        self.stopping = False
+        self.step_failures = 0
+
+    def send(self, message: io.FromEngine) -> None:
+        self.push.send(io.encode(message), copy=False)
+
+    def stats(self) -> io.EngineStats:
+        s = self.scheduler
+        return io.EngineStats(
+            num_running=len(s.running),
+            num_waiting=len(s.waiting),
+            num_pages=s.allocator.num_pages,
+            num_free_pages=s.allocator.num_free_pages,
+            num_cached_pages=s.cache.total_pages,
+            num_evictable_pages=s.cache.evictable_pages,
+            page_size=s.page_size,
+            num_retractions=s.num_retractions,
+            num_steps=s.step_count,
+        )
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self) -> None:
+        while not self.stopping:
+            if not self.scheduler.has_work() and not self.pull.poll(IDLE_POLL_MS):
+                if os.getppid() != self.parent_pid:
+                    logger.warning("the server process is gone; engine exiting")
+                    return
+                continue
+            self.drain()
+            if not self.stopping and self.scheduler.has_work():
+                self.step()
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.pull.recv(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                message = io.decode_to_engine(data.buffer)
+            except Exception:  # a malformed message is the frontend's bug; never die of it
+                logger.exception("dropping a malformed message")
+                continue
+            self.handle(message)
+            if self.stopping:
+                return
+
+    def handle(self, message: io.ToEngine) -> None:
+        if isinstance(message, io.GenerateReq):
+            self.add(message)
+        elif isinstance(message, io.AbortReq):
+            for rid in message.rids:
+                self.scheduler.abort(rid)
+        elif isinstance(message, io.StatsReq):
+            self.send(io.StatsResult(message.req_id, self.stats()))
+        elif isinstance(message, io.FlushCacheReq):
+            self.send(self.flush_cache(message.req_id))
+        elif isinstance(message, io.ShutdownReq):
+            self.stopping = True
+
+    def add(self, req: io.GenerateReq) -> None:
+        try:
+            rids = self.scheduler.add_request(req.rid, req.input_ids, req.params)
+        except ValueError as exc:
+            self.send(io.AddResult(req.rid, [], str(exc)))
+            return
+        except Exception as exc:  # e.g. a seed torch cannot take: still the request's fault, not ours
+            logger.exception("rejecting request %s", req.rid)
+            self.send(io.AddResult(req.rid, [], f"invalid request: {exc}"))
+            return
+        self.live.update(rids)
+        self.send(io.AddResult(req.rid, rids))
+
+    def flush_cache(self, req_id: int) -> io.FlushCacheResult:
+        s = self.scheduler
+        if s.running or s.waiting:
+            return io.FlushCacheResult(
+                req_id,
+                False,
+                f"cannot flush the cache while requests are in flight ({len(s.running)} running, "
+                f"{len(s.waiting)} waiting); retry when the server is idle",
+            )
+        num_pages = s.cache.total_pages
+        s.cache.reset()
+        return io.FlushCacheResult(req_id, True, f"flushed {num_pages} cached pages")
+
+    def step(self) -> None:
+        try:
+            outputs = self.scheduler.step()
+        except Exception as exc:
+            self.step_failures += 1
+            logger.exception("engine step failed (%d in a row)", self.step_failures)
+            outputs = self.fail_live(f"internal engine error: {type(exc).__name__}: {exc}")
+            if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
+                self.send(io.OutputBatch(outputs, self.stats()))
+                self.send(io.EngineFailed(f"the engine failed {self.step_failures} steps in a row: {exc}"))
+                self.stopping = True
+                return
+        else:
+            self.step_failures = 0
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.rid)
+        if outputs or not self.scheduler.has_work():
+            self.send(io.OutputBatch(outputs, self.stats()))
+
+    def fail_live(self, message: str) -> list[RequestOutput]:
+        """Abort every request in flight and report each as failed with `message`."""
+        failed = []
+        for rid in sorted(self.live):
+            try:
+                self.scheduler.abort(rid)
+            except Exception:
+                logger.exception("abort of %s failed", rid)
+            failed.append(RequestOutput(rid, [], "", True, finish_reason="error", error=message))
+        self.live.clear()
+        self.scheduler.pending_outputs.clear()  # the aborts' own outputs: already reported above
+        return failed
+
+
+def engine_info(engine) -> io.EngineInfo:
+    st = engine.state
+    tok = engine.tokenizer
+    return io.EngineInfo(
+        pid=os.getpid(),
+        model_dir=str(st.model_dir),
+        architecture=st.model_config.architecture,
+        vocab_size=st.model_config.vocab_size,
+        context_len=st.context_len,
+        num_kv_tokens=st.num_kv_tokens,
+        page_size=engine.config.page_size,
+        dtype=str(st.dtype).removeprefix("torch."),
+        kv_dtype=str(st.kv_dtype).removeprefix("torch."),
+        device=str(st.device),
+        kv_reason=st.kv_reason,
+        load_seconds=st.load_seconds,
+        eos_token_ids=sorted(st.eos_token_ids),
+        bos_token_id=(tok.bos_token_id if tok is not None else None) or st.model_config.bos_token_id,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Strata engine process (started by `strata serve`).")
+    parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
+    parser.add_argument("--in-addr", required=True, help="ZMQ address the frontend pushes requests to")
+    parser.add_argument("--out-addr", required=True, help="ZMQ address the frontend pulls outputs from")
+    parser.add_argument("--parent-pid", type=int, required=True)
+    parser.add_argument("--log-level", default="info")
+    args = parser.parse_args(argv)
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    die_with_parent(args.parent_pid)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s engine %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+    ctx = zmq.Context()
+    pull = ctx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    pull.connect(args.in_addr)
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)  # never block the engine on a slow frontend
+    push.setsockopt(zmq.LINGER, 2000)
+    push.connect(args.out_addr)
+    try:
+        from strata.engine.engine import Engine
+
+        config = EngineConfig(**json.loads(args.config_json))
+        engine = Engine(**{f: getattr(config, f) for f in config.__dataclass_fields__})
+        push.send(io.encode(io.EngineReady(engine_info(engine))))
+    except Exception as exc:  # noqa: BLE001 -- whatever stops the load, the server must hear why
+        logger.error("engine failed to start:\n%s", traceback.format_exc())
+        push.send(io.encode(io.EngineFailed(f"{type(exc).__name__}: {exc}")))
+        push.close()  # lingers up to 2 s to deliver the message
+        pull.close(linger=0)
+        ctx.term()
+        return 1
+    EngineLoop(engine, pull, push, args.parent_pid).run()
+    push.close()
+    pull.close(linger=0)
+    ctx.term()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,140 @@
+"""Messages between the frontend process and the engine process, and their one codec.
+
+Two ZMQ PUSH/PULL pipes, both bound by the frontend (the engine connects):
+
+    frontend ──ToEngine──▶ engine      GenerateReq | AbortReq | FlushCacheReq | StatsReq | ShutdownReq
+    frontend ◀─FromEngine── engine     EngineReady | EngineFailed | AddResult | OutputBatch
+                                       | FlushCacheResult | StatsResult
+
+Every message is a tagged msgspec Struct encoded as msgpack; decoding checks the types, nothing is
+pickled. Order on one pipe is preserved, so a request's AddResult always arrives before its outputs.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from strata.engine.request import RequestOutput
+from strata.sampling_params import SamplingParams
+
+# ------------------------------------------------------------------ frontend -> engine
+
+
+class GenerateReq(msgspec.Struct, tag=True):
+    """Queue one tokenized prompt. The engine answers with an AddResult naming its request ids."""
+
+    rid: str
+    input_ids: list[int]
+    params: SamplingParams
+
+
+class AbortReq(msgspec.Struct, tag=True):
+    rids: list[str]  # engine request ids; unknown or finished ones are ignored
+
+
+class FlushCacheReq(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class StatsReq(msgspec.Struct, tag=True):
+    req_id: int
+
+
+class ShutdownReq(msgspec.Struct, tag=True):
+    pass
+
+
+ToEngine = GenerateReq | AbortReq | FlushCacheReq | StatsReq | ShutdownReq
+
+# ------------------------------------------------------------------ engine -> frontend
+
+
+class EngineStats(msgspec.Struct):
+    """The scheduler's load, sent with every batch of outputs and on request."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_pages: int = 0
+    num_free_pages: int = 0
+    num_cached_pages: int = 0  # held by the prefix cache (locked or not)
+    num_evictable_pages: int = 0  # cached and unlocked: reclaimable at once
+    page_size: int = 1
+    num_retractions: int = 0  # so far
+    num_steps: int = 0
+
+    @property
+    def token_usage(self) -> float:
+        """Fraction of the KV pool held by requests (evictable cache pages count as free)."""
+        if not self.num_pages:
+            return 0.0
+        return 1.0 - (self.num_free_pages + self.num_evictable_pages) / self.num_pages
+
+
+class EngineInfo(msgspec.Struct):
+    """What the engine found at start-up; the frontend validates requests against it."""
+
+    pid: int
+    model_dir: str
+    architecture: str
+    vocab_size: int
+    context_len: int
+    num_kv_tokens: int
+    page_size: int
+    dtype: str
+    kv_dtype: str
+    device: str
+    kv_reason: str
+    load_seconds: float
+    eos_token_ids: list[int]
+    bos_token_id: int | None
+
+
+class EngineReady(msgspec.Struct, tag=True):
+    info: EngineInfo
+
+
+class EngineFailed(msgspec.Struct, tag=True):
+    message: str  # why the engine cannot run (sent before it exits)
+
+
+class AddResult(msgspec.Struct, tag=True):
+    rid: str  # the GenerateReq's rid
+    rids: list[str]  # engine request ids created (n of them), empty if rejected
+    error: str | None = None  # the validation error a user should see (HTTP 400)
+
+
+class OutputBatch(msgspec.Struct, tag=True):
+    outputs: list[RequestOutput]
+    stats: EngineStats
+
+
+class FlushCacheResult(msgspec.Struct, tag=True):
+    req_id: int
+    ok: bool
+    message: str
+
+
+class StatsResult(msgspec.Struct, tag=True):
+    req_id: int
+    stats: EngineStats
+
+
+FromEngine = EngineReady | EngineFailed | AddResult | OutputBatch | FlushCacheResult | StatsResult
+
+# ------------------------------------------------------------------ codec
+
+_encoder = msgspec.msgpack.Encoder()
+_to_engine = msgspec.msgpack.Decoder(ToEngine)
+_from_engine = msgspec.msgpack.Decoder(FromEngine)
+
+
+def encode(message: ToEngine | FromEngine) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_to_engine(data: bytes) -> ToEngine:
+    return _to_engine.decode(data)
+
+
+def decode_from_engine(data: bytes) -> FromEngine:
+    return _from_engine.decode(data)

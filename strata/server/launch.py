@@ -1,0 +1,363 @@
+"""`strata serve`: flags, the engine subprocess, uvicorn, and a clean shutdown.
+
+Start-up, in order: parse flags into a frozen EngineConfig + ServerConfig; resolve the model
+directory (converting a GGUF once); bind the HTTP port (a busy port fails here, before anything
+loads); start the engine process (`python -m strata.server.engine_proc`, the config as JSON); load
+the tokenizer; serve HTTP at once (GET /health answers 503 until the engine reports ready); print
+one line with the URL when the engine is ready.
+
+Shutdown on SIGINT/SIGTERM: stop accepting connections, let requests in flight finish for up to
+--grace-period seconds, abort the rest, tell the engine to stop, wait for it (kill it if it does
+not exit), remove the IPC directory, exit 0. The engine also dies with its parent (PDEATHSIG), so
+no engine outlives its server. If the engine fails or dies, the server exits with status 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from strata.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from strata.server.config import LOG_LEVELS, ServerConfig
+
+logger = logging.getLogger("strata.serve")
+
+ENGINE_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
+ENGINE_STOP_TIMEOUT_S = 10.0
+_SCALARS = {"int": int, "float": float, "str": str}
+
+# ------------------------------------------------------------------ flags
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` lines of a dataclass's source: the comment is the flag's help."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
+
+
+def _add_dataclass_args(
+    group, cls: type, choices: dict[str, tuple[str, ...]], skip: frozenset[str] = frozenset()
+):
+    comments = _field_comments(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        type_name = str(f.type).replace(" | None", "").replace("None | ", "").strip()
+        default = f.default if f.default is not dataclasses.MISSING else None
+        help_text = comments.get(f.name, "")
+        if type_name == "bool":
+            action = "store_true" if default is False else argparse.BooleanOptionalAction
+            group.add_argument(flag, action=action, default=default, help=help_text)
+        elif type_name in _SCALARS:
+            suffix = f" (default: {default})" if default is not None else ""
+            group.add_argument(
+                flag,
+                type=_SCALARS[type_name],
+                default=default,
+                choices=choices.get(f.name),
+                help=help_text + suffix,
+                metavar=None if f.name in choices else f.name.upper(),
+            )
+        elif type_name.startswith("dict"):
+            group.add_argument(
+                flag,
+                type=json.loads,
+                default=None,
+                help="a JSON object" + (f"; {help_text}" if help_text else ""),
+            )
+        else:
+            raise TypeError(
+                f"cannot derive a flag for {cls.__name__}.{f.name} of type {f.type}; add a case here"
+            )
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One `--kebab-case` flag per EngineConfig field, with its type, default and choices."""
+    _add_dataclass_args(parser.add_argument_group("engine"), EngineConfig, ENGINE_CHOICES)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """Raises ValueError (from EngineConfig) for values that do not make sense together."""
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
+    }
+    if values.get("extra") is None:
+        values.pop("extra", None)
+    return EngineConfig(**values)
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    """The HTTP server's flags (ServerConfig fields); the engine's come from add_engine_args."""
+    _add_dataclass_args(parser.add_argument_group("server"), ServerConfig, {"log_level": LOG_LEVELS})
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="strata serve",
+        description="Serve a model over an OpenAI-compatible HTTP API (plus /generate, /metrics, /health).",
+    )
+    add_serve_args(parser)
+    add_engine_args(parser)
+    return parser
+
+
+# ------------------------------------------------------------------ processes
+
+
+class EngineProcess:
+    """The engine subprocess: started with the config as JSON, stopped politely, then by force."""
+
+    def __init__(self, config: EngineConfig, in_addr: str, out_addr: str, log_level: str):
+        cmd = [
+            sys.executable,
+            "-m",
+            "strata.server.engine_proc",
+            "--config-json",
+            json.dumps(dataclasses.asdict(config)),
+            "--in-addr",
+            in_addr,
+            "--out-addr",
+            out_addr,
+            "--parent-pid",
+            str(os.getpid()),
+            "--log-level",
+            log_level,
+        ]
+        # its own process group: a Ctrl-C in the terminal reaches the server, which then decides
+        self.proc = subprocess.Popen(cmd, start_new_session=True)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll()
+
+    def stop(self, timeout: float = ENGINE_STOP_TIMEOUT_S) -> None:
+        """Wait for the engine to exit (after ShutdownReq), then SIGTERM... SIGKILL."""
+        try:
+            self.proc.wait(timeout)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+        logger.warning("engine (pid %d) did not exit in %.0fs; killing it", self.proc.pid, timeout)
+        self.proc.kill()
+        self.proc.wait(5)
+
+
+def served_names(
+    model_arg: str | None, model_dir: Path, served_model_name: str | None
+) -> tuple[str, frozenset[str]]:
+    from strata.weights.default_model import DEFAULT_MODEL_NAME
+
+    if served_model_name:
+        name = served_model_name
+    elif model_arg is None:
+        name = DEFAULT_MODEL_NAME
+    elif Path(model_arg).suffix.lower() == ".gguf":
+        name = Path(model_arg).stem
+    else:
+        name = model_dir.name
+    aliases = {name, model_dir.name, str(model_dir)}
+    if model_arg is not None:
+        aliases.add(model_arg)
+    return name, frozenset(aliases)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+# ------------------------------------------------------------------ serving
+
+
+def _make_uvicorn_server(app, config: ServerConfig):
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the
+        engine is shut down and the process exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    uv_config = uvicorn.Config(
+        app,
+        log_level=config.log_level,
+        access_log=config.log_level == "debug",
+        timeout_graceful_shutdown=config.grace_period,
+        timeout_keep_alive=5,
+        lifespan="off",
+    )
+    return Server(uv_config)
+
+
+async def _serve(
+    server_config: ServerConfig, engine_config: EngineConfig, model_arg: str | None, started: float
+) -> int:
+    from strata.server.app import create_app
+    from strata.server.engine_client import EngineClient, EngineUnavailable
+    from strata.server.metrics import ServerMetrics
+    from strata.server.serving import ServerState
+    from strata.tokenizer import load_tokenizer
+
+    model_dir = Path(engine_config.model)
+    name, aliases = served_names(model_arg, model_dir, server_config.served_model_name)
+    sock = bind_socket(server_config.host, server_config.port)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+    ipc_dir = tempfile.mkdtemp(prefix="strata-")
+    in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
+    metrics = ServerMetrics(name)
+    client = EngineClient(in_addr, out_addr, metrics)
+    engine = EngineProcess(engine_config, in_addr, out_addr, server_config.log_level)
+    exit_code = 0
+    # until uvicorn takes the signals over, a SIGTERM/SIGINT is remembered (and honoured once it has)
+    early_signals: list[int] = []
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda signum, frame: early_signals.append(signum))
+    try:
+        tokenizer = await asyncio.to_thread(load_tokenizer, model_dir)
+        state = ServerState(
+            config=server_config,
+            engine_config=engine_config,
+            client=client,
+            tokenizer=tokenizer,
+            metrics=metrics,
+            model_name=name,
+            model_aliases=aliases,
+            model_dir=str(model_dir),
+            started_at=time.time(),
+        )
+        server = _make_uvicorn_server(create_app(state), server_config)
+        server.should_exit = bool(early_signals)
+
+        def on_failure(message: str) -> None:
+            nonlocal exit_code
+            exit_code = 1
+            server.should_exit = True
+
+        client.on_failure = on_failure
+        client.start()
+
+        async def announce_ready() -> None:
+            try:
+                info = await client.wait_ready()
+            except EngineUnavailable:
+                return  # client.fail() logged why, and the server is exiting
+            print(
+                f"strata serve: ready at http://{url_host}:{port} (model {name!r}, context {info.context_len}, "
+                f"KV cache {info.num_kv_tokens} tokens; {time.perf_counter() - started:.1f}s after start)",
+                flush=True,
+            )
+
+        async def watch_engine() -> None:
+            while True:
+                await asyncio.sleep(0.5)
+                code = engine.exit_code()
+                if code is not None:
+                    client.fail(
+                        f"the engine process exited unexpectedly (exit code {code}); see its log above"
+                    )
+                    return
+
+        tasks = [asyncio.ensure_future(announce_ready()), asyncio.ensure_future(watch_engine())]
+        try:
+            await server.serve(sockets=[sock])
+        finally:
+            for task in tasks:
+                task.cancel()
+            loaded = client.info is not None
+            await client.close()
+            if loaded:
+                await asyncio.to_thread(engine.stop)
+            logger.info("server exiting")
+    finally:
+        if engine.exit_code() is None:  # still loading (it ignores SIGTERM), or failed to stop
+            engine.proc.kill()
+            engine.proc.wait()
+        sock.close()
+        shutil.rmtree(ipc_dir, ignore_errors=True)
+    return exit_code
+
+
+def serve_main(argv: list[str] | None = None) -> int:
+    """Entry point of `strata serve`; returns the process exit status."""
+    started = time.perf_counter()
+    args = build_parser().parse_args(argv)
+    return serve(args, started)
+
+
+def serve(args: argparse.Namespace, started: float | None = None) -> int:
+    """Run the server from parsed flags (the CLI's `serve` subcommand calls this)."""
+    started = time.perf_counter() if started is None else started
+    try:
+        server_config = server_config_from_args(args)
+        engine_config = engine_config_from_args(args)
+    except ValueError as exc:
+        print(f"strata serve: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=server_config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    from strata.weights.default_model import resolve_model_path
+
+    model_arg = engine_config.model
+    try:
+        model_dir = resolve_model_path(model_arg)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"strata serve: error: {exc}", file=sys.stderr)
+        return 2
+    engine_config = dataclasses.replace(engine_config, model=str(model_dir))
+    try:
+        return asyncio.run(_serve(server_config, engine_config, model_arg, started))
+    except OSError as exc:
+        print(f"strata serve: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,102 @@
+"""Prometheus metrics, named as SGLang names them with the `strata:` prefix.
+
+Counters and latency histograms are observed in the frontend as outputs arrive (so latencies
+include the trip through the socket, as a client sees them); gauges mirror the `EngineStats` the
+engine sends with every batch. Each server has its own registry (served at GET /metrics).
+
+    strata:prompt_tokens_total              prompt tokens of finished requests
+    strata:generation_tokens_total          output tokens of finished requests
+    strata:cached_tokens_total              prompt tokens served from the prefix cache
+    strata:num_requests_total               finished engine requests (n > 1 counts n)
+    strata:num_aborted_requests_total       of which aborted (client gone, shutdown)
+    strata:time_to_first_token_seconds      arrival -> first output token
+    strata:inter_token_latency_seconds      between output tokens (per token of each update)
+    strata:e2e_request_latency_seconds      arrival -> finished
+    strata:num_running_reqs / num_queue_reqs  scheduler running / waiting, as of the last step
+    strata:token_usage                      fraction of KV pages held by requests
+    strata:cache_hit_rate                   cached_tokens_total / prompt_tokens_total
+    strata:num_retracted_reqs               retractions so far (KV ran out during decode)
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from strata.engine.request import RequestOutput
+from strata.server.io import EngineStats
+
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 8, 16, 32, 64, 128)
+ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"strata:{name}", doc, labels, registry=r).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"strata:{name}", doc, labels, registry=r).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets) -> Histogram:
+            return Histogram(f"strata:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
+        self.cached_tokens = counter("cached_tokens_total", "Prompt tokens served from the prefix cache.")
+        self.num_requests = counter("num_requests_total", "Finished requests (each of n samples counts).")
+        self.num_aborted = counter(
+            "num_aborted_requests_total", "Requests aborted (client disconnect, shutdown)."
+        )
+        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
+        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = histogram(
+            "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS
+        )
+        self.num_running = gauge("num_running_reqs", "Requests in the running batch.")
+        self.num_queue = gauge("num_queue_reqs", "Requests waiting in the scheduler queue.")
+        self.token_usage = gauge("token_usage", "Fraction of the KV cache held by requests.")
+        self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens, since start.")
+        self.num_retracted = gauge("num_retracted_reqs", "Requests retracted so far to free KV cache.")
+        self._prompt_total = 0
+        self._cached_total = 0
+
+    def on_output(self, route, out: RequestOutput, now: float) -> None:
+        """One update for one engine request (`route` has its arrival and previous-update times)."""
+        num_new = len(out.new_token_ids)
+        if num_new:
+            if route.last_output_at is None:
+                self.ttft.observe(now - route.gen.created)
+            else:
+                gap = (now - route.last_output_at) / num_new
+                for _ in range(num_new):
+                    self.itl.observe(gap)
+        if out.finished:
+            self.e2e.observe(now - route.gen.created)
+            self.num_requests.inc()
+            self.prompt_tokens.inc(out.prompt_tokens)
+            self.generation_tokens.inc(out.completion_tokens)
+            self.cached_tokens.inc(out.cached_tokens)
+            if out.finish_reason == "abort":
+                self.num_aborted.inc()
+            self._prompt_total += out.prompt_tokens
+            self._cached_total += out.cached_tokens
+            if self._prompt_total:
+                self.cache_hit_rate.set(self._cached_total / self._prompt_total)
+
+    @property
+    def hit_rate(self) -> float:
+        return self._cached_total / self._prompt_total if self._prompt_total else 0.0
+
+    def on_stats(self, stats: EngineStats) -> None:
+        self.num_running.set(stats.num_running)
+        self.num_queue.set(stats.num_waiting)
+        self.token_usage.set(stats.token_usage)
+        self.num_retracted.set(stats.num_retractions)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

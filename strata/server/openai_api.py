@@ -1,0 +1,395 @@
+"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+
+Each handler: decode + validate the body (protocol.py), tokenize (chat template for chat), resolve
+max_tokens against the context, submit, then either collect the choices into one response or
+stream SSE chunks ending in `data: [DONE]`. Text comes from the engine already detokenized, with
+stop strings cut; logprob token strings are single-token decodes.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request, Response
+
+from strata.engine.request import TokenLogprob
+from strata.server.engine_client import Generation, Job
+from strata.server.protocol import (
+    MAX_CHOICES,
+    OPENAI_PARAM_NAMES,
+    APIError,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatDelta,
+    ChatLogprobs,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    ModelCard,
+    ModelList,
+    PromptTokensDetails,
+    SamplingFields,
+    TopLogprobEntry,
+    Usage,
+    clamp_logprob,
+    decode_body,
+    make_sampling_params,
+    resolve_max_tokens,
+)
+from strata.server.serving import (
+    SSE_DONE,
+    GenerationStream,
+    ServerState,
+    collect,
+    error_event,
+    get_state,
+    json_response,
+    read_body,
+    sse,
+    start_generation,
+    usage_counts,
+)
+
+router = APIRouter()
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's legacy completions default
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> Response:
+    state = get_state(request)
+    info = state.client.info
+    context = info.context_len if info is not None else 0
+    card = ModelCard(
+        id=state.model_name, created=int(state.started_at), max_model_len=context, root=state.model_dir
+    )
+    return json_response(ModelList([card]))
+
+
+# ------------------------------------------------------------------ shared conversion
+
+
+def sampling_fields(req: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+    fields: dict[str, Any] = {
+        "max_new_tokens": max_tokens,
+        "min_new_tokens": req.min_tokens,
+        "n": req.n,
+        "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
+        "stop_token_ids": list(req.stop_token_ids or []),
+        "ignore_eos": req.ignore_eos,
+        "skip_special_tokens": req.skip_special_tokens,
+        "seed": req.seed,
+        "logprobs": logprobs,
+    }
+    optional = {
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "repetition_penalty": req.repetition_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "presence_penalty": req.presence_penalty,
+    }
+    fields.update({k: v for k, v in optional.items() if v is not None})
+    return fields
+
+
+def usage(results, n: int) -> Usage:
+    prompt, completion, cached = usage_counts(results, n)
+    return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+
+
+def check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise APIError(
+            400,
+            f"{num_prompts} prompts x n={n} is {num_prompts * n} choices; at most {MAX_CHOICES} per request",
+            param="n",
+        )
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+# ------------------------------------------------------------------ chat
+
+
+def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
+    if not req.messages:
+        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+    messages = []
+    for i, m in enumerate(req.messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if part.type != "text" or part.text is None:
+                    raise APIError(
+                        400,
+                        f"messages[{i}] has a {part.type!r} content part; this server accepts text parts only",
+                        param=f"messages[{i}].content",
+                    )
+                texts.append(part.text)
+            content = "".join(texts)
+        message = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            message["name"] = m.name
+        messages.append(message)
+    if state.tokenizer is None:
+        raise APIError(
+            400, "this model has no tokenizer, so chat messages cannot be used; use /generate with input_ids"
+        )
+    if not getattr(state.tokenizer, "chat_template", None):
+        raise APIError(
+            400, "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
+        )
+    from jinja2 import TemplateError
+
+    from strata.tokenizer import apply_chat_template
+
+    try:
+        return apply_chat_template(state.tokenizer, messages)
+    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the template may reject a conversation
+        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+
+
+def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatLogprobs:
+    content = []
+    for lp in lps:
+        text = state.token_text(lp.token_id)
+        top = [
+            TopLogprobEntry(t := state.token_text(a.token_id), clamp_logprob(a.logprob), list(t.encode()))
+            for a in lp.top
+        ]
+        content.append(ChatTokenLogprob(text, clamp_logprob(lp.logprob), list(text.encode()), top))
+    return ChatLogprobs(content)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request) -> Response:
+    state = get_state(request)
+    req: ChatCompletionRequest = decode_body(
+        await read_body(request, state.config.max_request_bytes), ChatCompletionRequest
+    )
+    state.check_model(req.model)
+    if req.tools:
+        raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
+    if req.response_format and req.response_format.get("type", "text") != "text":
+        raise APIError(
+            400, "response_format other than text is not supported by this server", param="response_format"
+        )
+    if req.top_logprobs is not None and not req.logprobs:
+        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+    info = state.engine_info()
+    input_ids = chat_prompt_ids(state, req)
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    max_tokens = resolve_max_tokens(
+        requested, len(input_ids), info.context_len, info.num_kv_tokens, default=None, param=param
+    )
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
+    params = make_sampling_params(sampling_fields(req, max_tokens, logprobs), info.vocab_size, names)
+    gen = await start_generation(state, [Job(input_ids, params)])
+    rid, created = new_id("chatcmpl"), int(time.time())
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return GenerationStream(chat_stream(state, gen, rid, created, req.logprobs, include_usage), gen)
+    results = await collect(request, gen)
+    choices = [
+        ChatChoice(
+            r.index,
+            ChatResponseMessage("assistant", r.text),
+            chat_logprobs(state, r.logprobs) if req.logprobs else None,
+            r.finish_reason,
+            r.matched_stop,
+        )
+        for r in results
+    ]
+    return json_response(
+        ChatCompletionResponse(rid, created, state.model_name, choices, usage(results, req.n))
+    )
+
+
+async def chat_stream(
+    state: ServerState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    model = state.model_name
+    for i in range(gen.num_choices):
+        yield sse(
+            ChatCompletionChunk(
+                rid, created, model, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]
+            )
+        )
+    prompt_tokens = cached_tokens = completion_tokens = 0
+    async for index, out in gen:
+        if out.finish_reason == "error":
+            yield error_event(out.error or "the engine failed this request")
+            break
+        if not (out.text_delta or out.finished or (logprobs and out.logprobs)):
+            continue
+        choice = ChatChunkChoice(
+            index,
+            ChatDelta(content=out.text_delta) if out.text_delta else ChatDelta(),
+            chat_logprobs(state, out.logprobs) if logprobs and out.logprobs else None,
+            out.finish_reason if out.finished else None,
+            out.matched_stop if out.finished else None,
+        )
+        yield sse(ChatCompletionChunk(rid, created, model, [choice]))
+        if out.finished:
+            prompt_tokens = max(prompt_tokens, out.prompt_tokens)
+            cached_tokens = max(cached_tokens, out.cached_tokens)
+            completion_tokens += out.completion_tokens
+    else:
+        if include_usage:
+            total = prompt_tokens + completion_tokens
+            u = Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
+            yield sse(ChatCompletionChunk(rid, created, model, [], u))
+    yield SSE_DONE
+
+
+# ------------------------------------------------------------------ legacy completions
+
+
+def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
+    """A string, a list of strings, a list of token ids, or a list of token-id lists."""
+
+    def is_ids(x: Any) -> bool:
+        return (
+            isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        )
+
+    if isinstance(prompt, str):
+        return [state.encode(prompt)]
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return [state.encode(p) for p in prompt]
+        if is_ids(prompt):
+            return [list(prompt)]
+        if all(is_ids(p) for p in prompt):
+            return [list(p) for p in prompt]
+    raise APIError(
+        400,
+        "prompt must be a non-empty string, a list of strings, a list of token ids, or a list of token-id lists",
+        param="prompt",
+    )
+
+
+class CompletionLogprobBuilder:
+    """Legacy completions logprobs for one choice; text_offset counts characters of the output."""
+
+    def __init__(self, state: ServerState):
+        self.state = state
+        self.offset = 0
+
+    def build(self, lps: list[TokenLogprob]) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        for lp in lps:
+            text = self.state.token_text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(clamp_logprob(lp.logprob))
+            out.top_logprobs.append(
+                {self.state.token_text(a.token_id): clamp_logprob(a.logprob) for a in lp.top}
+            )
+            out.text_offset.append(self.offset)
+            self.offset += len(text)
+        return out
+
+
+@router.post("/v1/completions")
+async def completions(request: Request) -> Response:
+    state = get_state(request)
+    req: CompletionRequest = decode_body(
+        await read_body(request, state.config.max_request_bytes), CompletionRequest
+    )
+    state.check_model(req.model)
+    if req.echo:
+        raise APIError(400, "echo is not supported by this server", param="echo")
+    if req.suffix:
+        raise APIError(400, "suffix is not supported by this server", param="suffix")
+    if req.best_of is not None and req.best_of != req.n:
+        raise APIError(400, "best_of is not supported (use n)", param="best_of")
+    info = state.engine_info()
+    prompts = completion_prompts(state, req.prompt)
+    names = {**OPENAI_PARAM_NAMES, "logprobs": "logprobs"}
+    jobs = []
+    for ids in prompts:
+        max_tokens = resolve_max_tokens(
+            req.max_tokens,
+            len(ids),
+            info.context_len,
+            info.num_kv_tokens,
+            default=COMPLETIONS_DEFAULT_MAX_TOKENS,
+            prompt_param="prompt",
+        )
+        jobs.append(
+            Job(
+                ids,
+                make_sampling_params(sampling_fields(req, max_tokens, req.logprobs), info.vocab_size, names),
+            )
+        )
+    check_choices(len(prompts), req.n)
+    gen = await start_generation(state, jobs)
+    rid, created = new_id("cmpl"), int(time.time())
+    want_logprobs = req.logprobs is not None
+    if req.stream:
+        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        return GenerationStream(
+            completion_stream(state, gen, rid, created, req.n, want_logprobs, include_usage), gen
+        )
+    results = await collect(request, gen)
+    choices = [
+        CompletionChoice(
+            r.index,
+            r.text,
+            CompletionLogprobBuilder(state).build(r.logprobs) if want_logprobs else None,
+            r.finish_reason,
+            r.matched_stop,
+        )
+        for r in results
+    ]
+    return json_response(CompletionResponse(rid, created, state.model_name, choices, usage(results, req.n)))
+
+
+async def completion_stream(
+    state: ServerState, gen: Generation, rid: str, created: int, n: int, logprobs: bool, include_usage: bool
+) -> AsyncIterator[bytes]:
+    model = state.model_name
+    builders = [CompletionLogprobBuilder(state) for _ in range(gen.num_choices)]
+    prompt_tokens = [0] * gen.num_choices
+    cached_tokens = [0] * gen.num_choices
+    completion_tokens = 0
+    async for index, out in gen:
+        if out.finish_reason == "error":
+            yield error_event(out.error or "the engine failed this request")
+            break
+        if not (out.text_delta or out.finished or (logprobs and out.logprobs)):
+            continue
+        choice = CompletionChoice(
+            index,
+            out.text_delta,
+            builders[index].build(out.logprobs) if logprobs else None,
+            out.finish_reason if out.finished else None,
+            out.matched_stop if out.finished else None,
+        )
+        yield sse(CompletionResponse(rid, created, model, [choice]))
+        if out.finished:
+            prompt_tokens[index], cached_tokens[index] = out.prompt_tokens, out.cached_tokens
+            completion_tokens += out.completion_tokens
+    else:
+        if include_usage:
+            prompt = sum(max(prompt_tokens[s : s + n]) for s in range(0, len(prompt_tokens), n))
+            cached = sum(max(cached_tokens[s : s + n]) for s in range(0, len(cached_tokens), n))
+            u = Usage(prompt, completion_tokens, prompt + completion_tokens, PromptTokensDetails(cached))
+            yield sse(CompletionResponse(rid, created, model, [], u))
+    yield SSE_DONE

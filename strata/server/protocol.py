@@ -1,0 +1,371 @@
+"""The HTTP wire format: OpenAI and native request/response schemas, errors, and their validation.
+
+Schemas are msgspec Structs: decoding a body checks its types and names the offending field
+("Expected `float | null`, got `str` - at `$.temperature`"), and responses encode without a
+second serializer. Fields OpenAI defines but Strata does not implement are rejected with a 400
+that says so (tools, response_format, echo, suffix, best_of > n), never silently ignored; other
+unknown fields are ignored, as OpenAI's own server does.
+
+Default max_tokens (as vLLM and SGLang do): chat completions run to the end of the context
+(context length - prompt length, also bounded by the KV pool); legacy completions default to 16,
+as in OpenAI's API; native /generate defaults to max_new_tokens 128 (SGLang's default).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import msgspec
+
+from strata.sampling_params import SamplingParams
+
+MAX_CHOICES = 256  # prompts x n in one request
+LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity)
+SEED_LIMIT = 2**63
+
+# ------------------------------------------------------------------ errors
+
+ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "service_unavailable_error",
+}
+
+
+class APIError(Exception):
+    """An error a client should see, as OpenAI shapes it: {"error": {message, type, param, code}}."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+    def body(self) -> bytes:
+        return error_body(self.status, self.message, param=self.param, code=self.code)
+
+
+class ErrorInfo(msgspec.Struct):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(msgspec.Struct):
+    error: ErrorInfo
+
+
+def error_body(
+    status: int, message: str, *, param: str | None = None, code: str | int | None = None
+) -> bytes:
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    return msgspec.json.encode(ErrorResponse(ErrorInfo(message, kind, param, code)))
+
+
+_PATH = re.compile(r"at `\$\.?([^`]*)`")
+
+
+def decode_body(body: bytes, schema: type[Any]) -> Any:
+    """Decode a JSON request body into `schema`, turning every failure into a 400 that names the field."""
+    if not body.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return msgspec.json.decode(body, type=schema)
+    except UnicodeDecodeError as exc:
+        raise APIError(
+            400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+        ) from None
+    except msgspec.ValidationError as exc:
+        text = str(exc)
+        match = _PATH.search(text)
+        param = match.group(1) if match else None
+        if param is None and (missing := re.search(r"missing required field `(\w+)`", text)):
+            param = missing.group(1)
+        raise APIError(400, f"invalid request: {text}", param=param) from None
+    except msgspec.DecodeError as exc:
+        raise APIError(400, f"the request body is not valid JSON: {exc}") from None
+
+
+# ------------------------------------------------------------------ requests
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class ContentPart(msgspec.Struct, kw_only=True):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(msgspec.Struct, kw_only=True):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class SamplingFields(msgspec.Struct, kw_only=True):
+    """What chat and legacy completions share. top_k .. skip_special_tokens are vLLM/SGLang extensions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    user: str | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+
+class CompletionRequest(SamplingFields, kw_only=True):
+    prompt: Any
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class GenerateRequest(msgspec.Struct, kw_only=True):
+    """SGLang's native /generate: one of text / input_ids (single or batch) and a sampling_params dict."""
+
+    text: str | list[str] | None = None
+    input_ids: list[Any] | None = None
+    sampling_params: dict[str, Any] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    rid: Any = None  # accepted for SGLang compatibility; the server names requests itself
+
+
+# ------------------------------------------------------------------ responses
+
+
+class PromptTokensDetails(msgspec.Struct):
+    cached_tokens: int = 0
+
+
+class Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
+
+
+class TopLogprobEntry(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(msgspec.Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprobEntry]
+
+
+class ChatLogprobs(msgspec.Struct):
+    content: list[ChatTokenLogprob]
+
+
+class ChatResponseMessage(msgspec.Struct):
+    role: str
+    content: str
+
+
+class ChatChoice(msgspec.Struct):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+    matched_stop: str | int | None = None
+
+
+class ChatCompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+    object: str = "chat.completion"
+
+
+class ChatDelta(msgspec.Struct, omit_defaults=True):
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatChunkChoice(msgspec.Struct):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+
+
+class ChatCompletionChunk(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+    object: str = "chat.completion.chunk"
+
+
+class CompletionLogprobs(msgspec.Struct):
+    tokens: list[str] = msgspec.field(default_factory=list)
+    token_logprobs: list[float] = msgspec.field(default_factory=list)
+    top_logprobs: list[dict[str, float]] = msgspec.field(default_factory=list)
+    text_offset: list[int] = msgspec.field(default_factory=list)
+
+
+class CompletionChoice(msgspec.Struct):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    matched_stop: str | int | None = None
+
+
+class CompletionResponse(msgspec.Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    object: str = "text_completion"
+
+
+class ModelCard(msgspec.Struct):
+    id: str
+    created: int
+    max_model_len: int
+    root: str
+    object: str = "model"
+    owned_by: str = "strata"
+
+
+class ModelList(msgspec.Struct):
+    data: list[ModelCard]
+    object: str = "list"
+
+
+# ------------------------------------------------------------------ validation helpers
+
+# SamplingParams field -> the name a client of this API used for it
+OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
+
+
+def make_sampling_params(
+    fields: dict[str, Any], vocab_size: int, param_names: dict[str, str] | None = None
+) -> SamplingParams:
+    """Build and validate SamplingParams; a ValueError becomes a 400 naming the client's own field."""
+    param_names = param_names or {}
+    seed = fields.get("seed")
+    if seed is not None and not -SEED_LIMIT <= seed < SEED_LIMIT:
+        raise APIError(400, f"seed must be a 64-bit integer, got {seed}", param="seed")
+    try:
+        params = SamplingParams(**fields)
+        params.validate(vocab_size)
+    except (TypeError, ValueError) as exc:
+        message = str(exc)
+        field = message.split(" ", 1)[0]
+        name = param_names.get(field, field)
+        if name != field:
+            message = name + message[len(field) :]
+        known = field in SamplingParams.__struct_fields__
+        raise APIError(400, message, param=name if known else None) from None
+    return params
+
+
+def resolve_max_tokens(
+    requested: int | None,
+    prompt_len: int,
+    context_len: int,
+    pool_tokens: int,
+    *,
+    default: int | None,
+    param: str = "max_tokens",
+    prompt_param: str = "messages",
+) -> int:
+    """The output budget of one prompt: `requested`, or `default` (None: to the end of the context).
+
+    A request needs prompt_len + max_tokens <= context_len, and prompt_len + max_tokens - 1 KV slots.
+    """
+    limit = min(context_len - prompt_len, pool_tokens - prompt_len + 1)
+    if limit < 1:
+        if prompt_len >= context_len:
+            raise APIError(
+                400,
+                f"the prompt is {prompt_len} tokens; this model accepts {context_len} tokens in all "
+                f"(prompt + output), so shorten the prompt to at most {context_len - 1} tokens",
+                param=prompt_param,
+                code="context_length_exceeded",
+            )
+        raise APIError(
+            400,
+            f"the prompt is {prompt_len} tokens but the server's KV cache holds {pool_tokens}; "
+            "shorten the prompt or restart the server with a larger --kv-cache-tokens",
+            param=prompt_param,
+            code="context_length_exceeded",
+        )
+    if requested is None:
+        return limit if default is None else min(default, limit)
+    if requested < 1:
+        raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
+    if requested > limit:
+        what = (
+            f"this model accepts {context_len} tokens in all"
+            if context_len - prompt_len <= pool_tokens - prompt_len + 1
+            else f"the server's KV cache holds {pool_tokens} tokens"
+        )
+        raise APIError(
+            400,
+            f"the prompt is {prompt_len} tokens and {param} is {requested} ({prompt_len + requested} in all); "
+            f"{what}: lower {param} to at most {limit} or shorten the prompt",
+            param=param,
+            code="context_length_exceeded",
+        )
+    return requested
+
+
+def clamp_logprob(value: float) -> float:
+    return max(LOGPROB_FLOOR, value)

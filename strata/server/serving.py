@@ -1,0 +1,234 @@
+"""Serving one HTTP request's generation: the server's shared state, submitting jobs under the
+queue limit, collecting or streaming the outputs, and aborting when the client goes away.
+
+Every path that starts a Generation closes it when the HTTP exchange ends, however it ends
+(finished, client disconnected, server shutting down); closing aborts what is still running, so
+the engine frees that request's KV at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+from fastapi import Request
+from starlette.responses import Response, StreamingResponse
+
+from strata.config import EngineConfig
+from strata.engine.request import RequestOutput, TokenLogprob
+from strata.server.config import ServerConfig
+from strata.server.engine_client import EngineClient, EngineUnavailable, Generation, Job, RequestRejected
+from strata.server.io import EngineInfo
+from strata.server.metrics import ServerMetrics
+from strata.server.protocol import APIError, error_body
+
+logger = logging.getLogger(__name__)
+
+SSE_DONE = b"data: [DONE]\n\n"
+LOADING_RETRY_AFTER_S = 5
+QUEUE_FULL_RETRY_AFTER_S = 1
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(obj: Any, status: int = 200) -> Response:
+    return Response(_json.encode(obj), status_code=status, media_type="application/json")
+
+
+def sse(event: Any) -> bytes:
+    return b"data: " + _json.encode(event) + b"\n\n"
+
+
+@dataclass
+class ServerState:
+    """What every handler needs; one per app (request.app.state.strata)."""
+
+    config: ServerConfig
+    engine_config: EngineConfig
+    client: EngineClient
+    tokenizer: Any  # transformers PreTrainedTokenizerBase | None
+    metrics: ServerMetrics
+    model_name: str
+    model_aliases: frozenset[str]
+    model_dir: str
+    started_at: float
+    _token_texts: dict[int, str] = field(default_factory=dict)
+
+    def engine_info(self) -> EngineInfo:
+        try:
+            self.client.check_available()
+        except EngineUnavailable as exc:
+            raise APIError(503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
+        assert self.client.info is not None
+        return self.client.info
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model not in self.model_aliases:
+            raise APIError(
+                404,
+                f"the model {model!r} is not served here; this server serves {self.model_name!r} (see GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
+
+    def encode(self, text: str, param: str = "prompt") -> list[int]:
+        if self.tokenizer is None:
+            raise APIError(
+                400,
+                "this model has no tokenizer, so text prompts cannot be used; send token ids",
+                param=param,
+            )
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            self._token_texts[token_id] = text
+        return text
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.strata
+
+
+async def read_body(request: Request, max_bytes: int) -> bytes:
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise APIError(
+                413,
+                f"the request body is larger than this server accepts ({max_bytes} bytes; see --max-request-bytes)",
+                code="request_too_large",
+            )
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def start_generation(state: ServerState, jobs: list[Job]) -> Generation:
+    """Submit the jobs (after the queue-limit check). The caller must close the Generation."""
+    client = state.client
+    num_choices = sum(job.params.n for job in jobs)
+    limit = state.config.max_queued_requests
+    if limit is not None and client.num_queued >= limit:
+        raise APIError(
+            503,
+            f"the server is at its queue limit ({limit} requests waiting to start; --max-queued-requests); "
+            f"retry in a moment",
+            code="queue_full",
+            headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)},
+        )
+    gen = Generation(client, num_choices)
+    try:
+        await client.submit(gen, jobs)
+    except RequestRejected as exc:
+        gen.close()
+        raise APIError(400, str(exc)) from None
+    except EngineUnavailable as exc:
+        gen.close()
+        raise APIError(503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
+    except BaseException:
+        gen.close()
+        raise
+    return gen
+
+
+@dataclass
+class ChoiceResult:
+    """One choice's outputs, accumulated."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    matched_stop: str | int | None = None
+    error: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+    def add(self, out: RequestOutput) -> None:
+        self.text += out.text_delta
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.logprobs)
+        if out.finished:
+            self.finish_reason = out.finish_reason
+            self.matched_stop = out.matched_stop
+            self.error = out.error
+            self.prompt_tokens = out.prompt_tokens
+            self.cached_tokens = out.cached_tokens
+
+
+async def wait_disconnect(request: Request) -> None:
+    """Returns when the client closes the connection (call after the body was read)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def collect(request: Request, gen: Generation) -> list[ChoiceResult]:
+    """Wait for every choice to finish; abort (and raise ClientGone) if the client disconnects."""
+    results = [ChoiceResult(i) for i in range(gen.num_choices)]
+
+    async def consume() -> None:
+        async for index, out in gen:
+            results[index].add(out)
+
+    consumer = asyncio.ensure_future(consume())
+    watcher = asyncio.ensure_future(wait_disconnect(request))
+    try:
+        await asyncio.wait({consumer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not consumer.done():
+            consumer.cancel()
+        gen.close()
+    if not consumer.done() or consumer.cancelled():
+        raise ClientGone()
+    consumer.result()
+    for r in results:
+        if r.finish_reason == "error":
+            raise APIError(500, r.error or "the engine failed this request")
+    return results
+
+
+def error_event(message: str, status: int = 500) -> bytes:
+    return b"data: " + error_body(status, message) + b"\n\n"
+
+
+class GenerationStream(StreamingResponse):
+    """An SSE response whose Generation is closed (unfinished work aborted) however the response ends."""
+
+    def __init__(self, content: AsyncIterator[bytes], gen: Generation):
+        super().__init__(
+            content,
+            media_type="text/event-stream",
+            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+        )
+        self.gen = gen
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()
+
+
+def usage_counts(results: list[ChoiceResult], n: int) -> tuple[int, int, int]:
+    """(prompt, completion, cached) tokens; the n choices of one prompt count the prompt once."""
+    prompt = cached = 0
+    for start in range(0, len(results), n):
+        group = results[start : start + n]
+        prompt += max(r.prompt_tokens for r in group)
+        cached += max(r.cached_tokens for r in group)
+    return prompt, sum(len(r.token_ids) for r in results), cached
