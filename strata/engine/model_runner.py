@@ -5,6 +5,7 @@ It owns the model and the KV pool; it never decides what runs (the scheduler doe
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from strata.cache.kv_pool import MHAKVPool
@@ -22,39 +23,28 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
 
-    def slots(self, req: Req, start: int, end: int) -> torch.Tensor:
-        """KV slots of positions [start, end) of a request: [end - start] int64."""
-        ps = self.kv.page_size
-        pos = torch.arange(start, end)
-        pages = torch.tensor(req.pages, dtype=torch.int64)
-        return pages[pos // ps] * ps + pos % ps
-
     def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        out_slots: list[torch.Tensor] = []
-        kv_slot_lists: list[torch.Tensor] = []
         kv_lens: list[int] = []
         sample_rows: list[int] = []
+        max_pages = max(len(r.pages) for r in batch.reqs)
+        page_table = np.zeros((len(batch.reqs), max_pages), dtype=np.int64)
         row = 0
-        for req, n in zip(batch.reqs, batch.extend_lens):
-            start, end = req.kv_len, req.kv_len + n
-            ids.extend(req.seq_slice(start, end))
-            positions.append(torch.arange(start, end))
-            slots = self.slots(req, 0, end)
-            out_slots.append(slots[start:])
-            kv_slot_lists.append(slots)
+        for b, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+            end = req.kv_len + n
+            ids.extend(req.seq_slice(req.kv_len, end))
+            page_table[b, : len(req.pages)] = req.pages
             kv_lens.append(end)
             row += n
             if end == req.seq_len:
                 sample_rows.append(row - 1)
         attn = AttentionMetadata.build(
-            batch.extend_lens, kv_lens, kv_slot_lists, torch.cat(out_slots), batch.num_decode, self.device
+            batch.extend_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, batch.num_decode, self.device
         )
         sampled = batch.sampled_reqs()
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
-            positions=torch.cat(positions).to(self.device),
+            positions=attn.positions,
             attn=attn,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sampling=self.sampling_batch(sampled) if sampled else None,

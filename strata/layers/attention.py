@@ -5,8 +5,9 @@ A forward batch is laid out decode-first:
     tokens: [ d0 d1 ... d(B_d-1) | e0 e0 e0 e1 e1 ... ]      (flattened, T tokens)
              one token per decode   a chunk of q_len tokens per extend (prefill) request
 
-Each request's keys live at arbitrary KV slots; `kv_slots[b, :kv_len[b]]` lists them in position
-order (padded with slot 0). The new tokens' K/V are written to `out_slots` first, so a request's
+Each request's keys live in pages at arbitrary places in the pool; `page_table[b, i]` is the page
+of positions [i * page_size, (i + 1) * page_size), so key j is at slot
+page_table[b, j // page_size] * page_size + j % page_size. The new tokens' K/V are written to `out_slots` first, so a request's
 query i (absolute position kv_len - q_len + i) attends to keys 0 .. kv_len - q_len + i.
 
 `AttentionMetadata.build` precomputes the gathers and masks once per step; every layer reuses them.
@@ -36,6 +37,7 @@ class SegmentMeta:
 
 @dataclass
 class AttentionMetadata:
+    positions: torch.Tensor  # [T] absolute position of each new token
     out_slots: torch.Tensor  # [T] slot that each new token's K/V is written to
     decode: SegmentMeta | None
     extend: SegmentMeta | None
@@ -45,50 +47,54 @@ class AttentionMetadata:
         cls,
         q_lens: list[int],
         kv_lens: list[int],
-        kv_slot_lists: list[torch.Tensor],
-        out_slots: torch.Tensor,
+        page_table: torch.Tensor,
+        page_size: int,
         num_decode: int,
         device: torch.device,
     ) -> AttentionMetadata:
-        """q_lens/kv_lens/kv_slot_lists are per request, decodes (q_len 1) first."""
+        """Per request (decodes, q_len 1, first): tokens fed, tokens in KV after this step, and
+        `page_table[b, i]` = the page holding positions [i * page_size, (i + 1) * page_size)."""
+        q = torch.tensor(q_lens)
+        kv = torch.tensor(kv_lens)
+        # token t of request b sits at position kv_len[b] - q_len[b] + (t - first token of b)
+        owner = torch.repeat_interleave(torch.arange(len(q_lens)), q)
+        first = torch.cumsum(q, 0) - q
+        positions = torch.arange(int(q.sum())) - first[owner] + (kv - q)[owner]
+        out_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
         decode = extend = None
         if num_decode:
-            decode = _segment(0, q_lens[:num_decode], kv_lens[:num_decode], kv_slot_lists[:num_decode], device)
+            decode = _segment(0, q[:num_decode], kv[:num_decode], page_table[:num_decode], page_size, device)
         if num_decode < len(q_lens):
-            extend = _segment(
-                num_decode, q_lens[num_decode:], kv_lens[num_decode:], kv_slot_lists[num_decode:], device
-            )
-        return cls(out_slots=out_slots.to(device), decode=decode, extend=extend)
+            extend = _segment(num_decode, q[num_decode:], kv[num_decode:], page_table[num_decode:], page_size, device)
+        return cls(positions=positions.to(device), out_slots=out_slots.to(device), decode=decode, extend=extend)
 
 
 def _segment(
-    token_start: int, q_lens: list[int], kv_lens: list[int], slot_lists: list[torch.Tensor], device: torch.device
+    token_start: int, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, page_size: int,
+    device: torch.device,
 ) -> SegmentMeta:
-    batch = len(q_lens)
-    max_q, max_kv = max(q_lens), max(kv_lens)
-    kv_slots = torch.zeros(batch, max_kv, dtype=torch.int64)
-    for b, slots in enumerate(slot_lists):
-        kv_slots[b, : slots.numel()] = slots
-    q_len_t = torch.tensor(q_lens)
-    kv_len_t = torch.tensor(kv_lens)
+    batch = len(q_len)
+    max_q, max_kv = int(q_len.max()), int(kv_len.max())
+    kj = torch.arange(max_kv)
+    # slot of key j of request b; past kv_len it points at some valid slot and is masked out
+    kv_slots = page_table[:, kj // page_size] * page_size + kj % page_size
     qi = torch.arange(max_q).view(1, max_q, 1)
-    kj = torch.arange(max_kv).view(1, 1, max_kv)
     # query i of request b sits at absolute position kv_len - q_len + i and sees keys up to it
-    query_pos = (kv_len_t - q_len_t).view(batch, 1, 1) + qi
-    mask = (kj <= query_pos) & (qi < q_len_t.view(batch, 1, 1))
-    mask[:, :, 0] |= ~(qi[..., 0] < q_len_t.view(batch, 1))  # padded query rows see key 0: no NaN rows
+    query_pos = (kv_len - q_len).view(batch, 1, 1) + qi
+    real_query = qi < q_len.view(batch, 1, 1)
+    mask = (kj.view(1, 1, max_kv) <= query_pos) & real_query
+    mask[:, :, 0] |= ~real_query[..., 0]  # padded query rows see key 0: no NaN rows
     pad_index = None
     if max_q > 1:
-        rows = [b * max_q + torch.arange(n) for b, n in enumerate(q_lens)]
-        pad_index = torch.cat(rows).to(device)
+        pad_index = torch.nonzero(real_query.view(-1), as_tuple=True)[0].to(device)
     return SegmentMeta(
         token_start=token_start,
-        num_tokens=int(q_len_t.sum()),
+        num_tokens=int(q_len.sum()),
         kv_slots=kv_slots.to(device),
         mask=mask.unsqueeze(1).to(device),
         pad_index=pad_index,
         max_q=max_q,
-        causal=batch == 1 and max_q > 1 and q_lens[0] == kv_lens[0],
+        causal=batch == 1 and max_q > 1 and int(q_len[0]) == int(kv_len[0]),
     )
 
 
