@@ -124,6 +124,11 @@ def build_parser() -> argparse.ArgumentParser:
         serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
         add_serve_args(serve)
         serve.set_defaults(func=serve_main)
+    from strata.router.cli import add_router_args, router_main
+
+    router = sub.add_parser("router", help="cache-aware gateway over data-parallel `strata serve` replicas")
+    add_router_args(router)
+    router.set_defaults(func=router_main)
     return parser
 
 

@@ -27,12 +27,14 @@ from typing import Any
 import httpx
 import msgspec
 from fastapi import FastAPI, Request, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata.router.config import RouterConfig
 from strata.router.metrics import RouterMetrics
 from strata.router.pool import WorkerPool, describe_error
 from strata.router.proxy import Forwarder, ProxyResponse, error_body, routing_key
 from strata.router.registry import make_policy
+from strata.router.worker import Health
 
 logger = logging.getLogger("strata.router")
 
@@ -57,7 +59,9 @@ def json_response(obj: Any, status: int = 200) -> Response:
 class Gateway:
     """Everything one router owns; started and stopped with the app (its lifespan)."""
 
-    def __init__(self, config: RouterConfig, launched_urls: frozenset[str] = frozenset(), seed: int | None = None):
+    def __init__(
+        self, config: RouterConfig, launched_urls: frozenset[str] = frozenset(), seed: int | None = None
+    ):
         self.config = config
         self.launched_urls = launched_urls
         self.rng = random.Random(seed)
@@ -72,7 +76,10 @@ class Gateway:
         cfg = self.config
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
-            limits=httpx.Limits(max_connections=MAX_CONNECTIONS, max_keepalive_connections=256),
+            # idle connections expire before a worker drops them (uvicorn: 5 s), so none is reused half-closed
+            limits=httpx.Limits(
+                max_connections=MAX_CONNECTIONS, max_keepalive_connections=256, keepalive_expiry=2.0
+            ),
             trust_env=False,  # workers are reached directly, never through an HTTP proxy
         )
         self.pool = WorkerPool(cfg, self.policy, self.metrics, self.client)
@@ -105,7 +112,9 @@ class Guard:
         if scope["type"] == "http" and self.expected is not None and scope["path"] not in PUBLIC_PATHS:
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
-                message = "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
+                message = (
+                    "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
+                )
                 body = error_body(401, message, "invalid_api_key")
                 headers = [
                     (b"content-type", b"application/json"),
@@ -119,22 +128,28 @@ class Guard:
 
 
 def create_app(gateway: Gateway) -> FastAPI:
-    app = FastAPI(title="Strata router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=gateway.lifespan)
+    app = FastAPI(
+        title="Strata router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=gateway.lifespan
+    )
     app.state.gateway = gateway
     app.add_middleware(Guard, api_key=gateway.config.api_key)
     cfg = gateway.config
 
     @app.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
-        return Response(error_body(exc.status, exc.message, exc.code), exc.status, media_type="application/json")
-
-    @app.exception_handler(404)
-    async def not_found(request: Request, exc: Exception) -> Response:
-        message = (
-            f"{request.method} {request.url.path}: not found (the router serves {', '.join(PROXIED_POST)}, "
-            f"{', '.join(PROXIED_GET)}, /health, /get_server_info, /flush_cache, /metrics, /workers)"
+        return Response(
+            error_body(exc.status, exc.message, exc.code), exc.status, media_type="application/json"
         )
-        return Response(error_body(404, message), 404, media_type="application/json")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        message = f"{request.method} {request.url.path}: {exc.detail}"
+        if exc.status_code == 404:
+            message += (
+                f" (the router serves {', '.join(PROXIED_POST)}, {', '.join(PROXIED_GET)}, /health, "
+                "/get_server_info, /flush_cache, /metrics, /workers)"
+            )
+        return Response(error_body(exc.status_code, message), exc.status_code, media_type="application/json")
 
     async def read_body(request: Request) -> bytes:
         chunks, size = [], 0
@@ -179,13 +194,19 @@ def create_app(gateway: Gateway) -> FastAPI:
         pool = gateway.pool
         if pool is None or not pool.routable():
             message = pool.why_none_routable() if pool is not None else "the router is starting"
-            return Response(error_body(503, message, "no_healthy_workers"), 503, media_type="application/json")
+            return Response(
+                error_body(503, message, "no_healthy_workers"), 503, media_type="application/json"
+            )
         return json_response({"status": "ok", "routable_workers": len(pool.routable())})
 
     def describe_workers() -> list[dict[str, Any]]:
         assert gateway.pool is not None
         return [
-            {**w.describe(), **gateway.policy.describe_worker(w.url), "server_info": gateway.pool.server_info.get(w.url)}
+            {
+                **w.describe(),
+                **gateway.policy.describe_worker(w.url),
+                "server_info": gateway.pool.server_info.get(w.url),
+            }
             for w in gateway.pool.workers.values()
         ]
 
@@ -200,7 +221,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             try:
                 data = msgspec.json.decode(body) if body else {}
             except msgspec.DecodeError as exc:
-                raise RouterError(400, f"the body must be JSON like {{\"url\": \"http://host:port\"}} ({exc})") from None
+                raise RouterError(
+                    400, f'the body must be JSON like {{"url": "http://host:port"}} ({exc})'
+                ) from None
             url = data.get("url") if isinstance(data, dict) else None
         if not isinstance(url, str):
             raise RouterError(400, 'give the worker as {"url": "http://host:port"} in the body or as ?url=')
@@ -228,7 +251,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise RouterError(400, str(exc), "invalid_worker_url") from None
         except KeyError:
             known = ", ".join(gateway.pool.workers) or "none"
-            raise RouterError(404, f"no worker {url} is registered (registered: {known})", "worker_not_found") from None
+            raise RouterError(
+                404, f"no worker {url} is registered (registered: {known})", "worker_not_found"
+            ) from None
         return json_response({"removed": worker.url, "in_flight": worker.in_flight})
 
     @app.get("/get_server_info")
@@ -257,13 +282,15 @@ def create_app(gateway: Gateway) -> FastAPI:
     async def flush_cache() -> Response:
         pool = gateway.pool
         assert pool is not None and gateway.client is not None
-        targets = [w for w in pool.workers.values() if w.health.value == "healthy"]
+        targets = [w for w in pool.workers.values() if w.health is Health.HEALTHY]
         if not targets:
             raise RouterError(503, pool.why_none_routable(), "no_healthy_workers")
 
         async def flush(url: str) -> tuple[str, int, str]:
             try:
-                resp = await gateway.client.post(url + "/flush_cache", headers=pool.worker_headers, timeout=30)
+                resp = await gateway.client.post(
+                    url + "/flush_cache", headers=pool.worker_headers, timeout=30
+                )
             except httpx.HTTPError as exc:
                 return url, 502, describe_error(exc)
             if resp.status_code == 200:

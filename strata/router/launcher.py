@@ -1,14 +1,16 @@
 """`strata router --launch N`: start N local `strata serve` replicas on free ports, and stop them.
 
 Each replica is `python -m strata.server --host 127.0.0.1 --port P <engine flags> <--replica-args>`
-in its own process group (its engine dies with it). The router waits until every replica answers
-GET /health with 200, then serves; on exit it stops them (SIGTERM, then SIGKILL). A replica that
-dies while the router runs is ejected by the health checks like any worker; it is not restarted.
+in its own process group (its engine dies with it), and gets SIGTERM if the router dies (Linux
+PDEATHSIG). The router waits until every replica answers GET /health with 200, then serves; on exit
+it stops them (SIGTERM, then SIGKILL). A replica that dies while the router runs is ejected by the
+health checks like any worker; it is not restarted.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import logging
 import os
@@ -25,6 +27,24 @@ from strata.config import EngineConfig
 logger = logging.getLogger("strata.router")
 
 STOP_TIMEOUT_S = 30.0
+PR_SET_PDEATHSIG = 1
+
+
+def _prctl():
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl  # looked up in the parent: no dlopen after fork
+    except (OSError, AttributeError):
+        return None
+
+
+_PRCTL = _prctl() if sys.platform == "linux" else None
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: Linux sends it SIGTERM when the router dies, even by SIGKILL,
+    so no replica outlives the router that launched it. Only a foreign call: no locks taken."""
+    if _PRCTL is not None:
+        _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -77,6 +97,7 @@ class LocalReplica:
         self.proc = subprocess.Popen(
             self.command(), stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
             env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 — see _die_with_parent
         )  # fmt: skip
 
     def alive(self) -> bool:

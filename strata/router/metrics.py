@@ -1,5 +1,7 @@
 """The router's Prometheus metrics (GET /metrics of the router), one registry per router.
 
+Name{labels}, and what it counts:
+
     strata:router_requests_total{worker,route}            attempts sent to a worker (retries included)
     strata:router_request_errors_total{worker,kind}       failed attempts: connect | disconnect | timeout
                                                           | status_5xx | stream_broken
@@ -41,7 +43,9 @@ class RouterMetrics:
             registry=r,
         )
         self.failed = Counter(
-            "strata:router_requests_failed_total", "Requests the router answered with an error.", ["reason"],
+            "strata:router_requests_failed_total",
+            "Requests the router answered with an error.",
+            ["reason"],
             registry=r,
         )
         self.ttfb = Histogram(
@@ -52,9 +56,14 @@ class RouterMetrics:
             registry=r,
         )
         self.healthy = Gauge("strata:router_worker_healthy", "1 if routable.", ["worker"], registry=r)
-        self.load = Gauge("strata:router_worker_load", "Worker load as policies see it.", ["worker"], registry=r)
+        self.load = Gauge(
+            "strata:router_worker_load", "Worker load as policies see it.", ["worker"], registry=r
+        )
         self.in_flight = Gauge(
-            "strata:router_worker_in_flight", "This router's requests open on the worker.", ["worker"], registry=r
+            "strata:router_worker_in_flight",
+            "This router's requests open on the worker.",
+            ["worker"],
+            registry=r,
         )
 
     def forget_worker(self, url: str) -> None:

@@ -56,10 +56,10 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, workers: Sequence[Worker], key: RoutingKey) -> Choice: ...
 
-    def remove_worker(self, url: str) -> None:  # noqa: B027 — optional hook
+    def remove_worker(self, url: str) -> None:
         pass
 
-    def reset_worker(self, url: str) -> None:  # noqa: B027 — optional hook
+    def reset_worker(self, url: str) -> None:
         pass
 
     def describe_worker(self, url: str) -> dict:

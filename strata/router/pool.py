@@ -41,7 +41,9 @@ def describe_error(exc: BaseException) -> str:
 
 
 class WorkerPool:
-    def __init__(self, config: RouterConfig, policy: Policy, metrics: RouterMetrics, client: httpx.AsyncClient):
+    def __init__(
+        self, config: RouterConfig, policy: Policy, metrics: RouterMetrics, client: httpx.AsyncClient
+    ):
         self.config = config
         self.policy = policy
         self.metrics = metrics
@@ -97,7 +99,7 @@ class WorkerPool:
 
     def why_none_routable(self) -> str:
         if not self.workers:
-            return "no workers are registered; add one with POST /workers {\"url\": \"http://host:port\"}"
+            return 'no workers are registered; add one with POST /workers {"url": "http://host:port"}'
         reasons = "; ".join(f"{w.url}: {w.why_not_routable()}" for w in self.workers.values())
         return f"no healthy workers ({len(self.workers)} registered: {reasons})"
 
@@ -138,7 +140,9 @@ class WorkerPool:
     async def poll_load(self, worker: Worker) -> None:
         try:
             resp = await self.client.get(
-                worker.url + "/get_server_info", headers=self.worker_headers, timeout=self.config.health_check_timeout
+                worker.url + "/get_server_info",
+                headers=self.worker_headers,
+                timeout=self.config.health_check_timeout,
             )
             if resp.status_code != 200:
                 logger.debug("GET %s/get_server_info answered %d", worker.url, resp.status_code)

@@ -47,7 +47,7 @@ def common_prefix_len(a: str, b: str) -> int:
 
 
 class _Node:
-    __slots__ = ("edge", "children", "parent", "last_access")
+    __slots__ = ("children", "edge", "last_access", "parent")
 
     def __init__(self, edge: str, parent: _Node | None, last_access: int):
         self.edge = edge

@@ -161,7 +161,11 @@ class Forwarder:
         if self.config.worker_api_key:
             out.append(("authorization", f"Bearer {self.config.worker_api_key}"))
         elif not self.config.api_key:
-            out.extend((k.decode("latin-1"), v.decode("latin-1")) for k, v in headers if k.lower() == b"authorization")
+            out.extend(
+                (k.decode("latin-1"), v.decode("latin-1"))
+                for k, v in headers
+                if k.lower() == b"authorization"
+            )
         out.append(("accept-encoding", "identity"))
         return out
 
@@ -191,7 +195,7 @@ class ProxyResponse(Response):
         self.method = method
         self.path = path  # with the query string
         self.body = body
-        self.headers = fwd.upstream_headers(headers)
+        self.forward_headers = fwd.upstream_headers(headers)
         self.key = key
         self.arrived = arrived
         self.started = False  # response start sent to the client
@@ -257,7 +261,7 @@ class ProxyResponse(Response):
     async def _exchange(self, worker: Worker, send) -> Failure | None:
         fwd = self.fwd
         request = fwd.client.build_request(
-            self.method, worker.url + self.path, content=self.body or None, headers=self.headers
+            self.method, worker.url + self.path, content=self.body or None, headers=self.forward_headers
         )
         try:
             resp = await fwd.client.send(request, stream=True)
@@ -297,7 +301,9 @@ class ProxyResponse(Response):
                 fwd.metrics.errors.labels(worker.url, "stream_broken").inc()
                 worker.on_failure(message)
                 logger.warning("%s %s: %s", self.method, self.route, message)
-                await _send_body(send, b"data: " + error_body(502, message, "worker_failed") + b"\n\n", more=True)
+                await _send_body(
+                    send, b"data: " + error_body(502, message, "worker_failed") + b"\n\n", more=True
+                )
             await _send_body(send, b"", more=False)
             return None
         finally:
@@ -318,7 +324,9 @@ class ProxyResponse(Response):
         fwd = self.fwd
         if not failures:
             fwd.metrics.failed.labels("no_worker").inc()
-            await self._send_error(send, 503, fwd.pool.why_none_routable(), "no_healthy_workers", retry_after=1)
+            await self._send_error(
+                send, 503, fwd.pool.why_none_routable(), "no_healthy_workers", retry_after=1
+            )
             return
         fwd.metrics.failed.labels("all_attempts_failed").inc()
         last = failures[-1]

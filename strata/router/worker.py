@@ -20,7 +20,7 @@ Everything here runs on the router's event loop; nothing is locked.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 
 
@@ -34,6 +34,13 @@ class BreakerState(str, Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+_BREAKER_STATUS = {
+    BreakerState.CLOSED: "healthy",
+    BreakerState.OPEN: "circuit_open",
+    BreakerState.HALF_OPEN: "half_open",
+}
 
 
 @dataclass
@@ -97,7 +104,6 @@ class Worker:
     reported_at: float | None = None
     num_requests: int = 0  # attempts sent (including retries)
     num_errors: int = 0
-    added_at: float = field(default_factory=time.time)
 
     # ---------------------------------------------------------------- routing
 
@@ -114,10 +120,7 @@ class Worker:
         """One word for humans and GET /workers: healthy | pending | unhealthy | circuit_open | half_open."""
         if self.health is not Health.HEALTHY:
             return self.health.value
-        state = self.breaker.state(now)
-        return "healthy" if state is BreakerState.CLOSED else (
-            "circuit_open" if state is BreakerState.OPEN else "half_open"
-        )
+        return _BREAKER_STATUS[self.breaker.state(now)]
 
     def why_not_routable(self, now: float | None = None) -> str:
         status = self.status(now)
@@ -162,7 +165,9 @@ class Worker:
         self.in_flight_at_report = self.in_flight
         self.reported_at = time.monotonic()
 
-    def on_health_check(self, ok: bool, error: str | None, success_threshold: int, failure_threshold: int) -> bool:
+    def on_health_check(
+        self, ok: bool, error: str | None, success_threshold: int, failure_threshold: int
+    ) -> bool:
         """Record one check; True when the worker just became healthy (admitted or re-admitted)."""
         if ok:
             self.health_failures = 0

@@ -1,0 +1,220 @@
+"""`strata router`: flags (defaults from RouterConfig), optional local replicas, uvicorn, shutdown.
+
+Wired into the main CLI as a subcommand:
+    from strata.router.cli import add_router_args, router_main
+    p = sub.add_parser("router", help="cache-aware gateway over data-parallel replicas")
+    add_router_args(p); p.set_defaults(func=router_main)
+`python -m strata.router [flags]` is the same.
+
+Start-up: check flags; bind the port (a busy port fails before anything starts); with --launch N,
+start N `strata serve` replicas and wait until they are ready; register every worker (one health
+check each); serve; print one line with the URL. SIGINT/SIGTERM: stop serving (requests in flight
+get --grace-period seconds), stop the launched replicas, exit 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import inspect
+import logging
+import re
+import shlex
+import signal
+import socket
+import sys
+import time
+
+from strata.router.config import LOG_LEVELS, RouterConfig
+
+logger = logging.getLogger("strata.router")
+
+_SCALARS = {"int": int, "float": float, "str": str}
+_SPECIAL = frozenset({"worker_urls", "policy", "log_level"})
+GRACE_PERIOD_S = 30.0
+
+
+def _field_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` lines of the dataclass source: each comment is its flag's help."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    """Every `strata router` flag: RouterConfig's fields, --launch and its engine flags."""
+    from strata.config import add_engine_args
+    from strata.router.registry import POLICIES
+
+    defaults = RouterConfig()
+    comments = _field_comments(RouterConfig)
+    g = parser.add_argument_group("router")
+    g.add_argument(
+        "--worker-urls", nargs="+", default=[], metavar="URL",
+        help="workers to route to, e.g. http://127.0.0.1:30000 (more can join via POST /workers)",
+    )  # fmt: skip
+    g.add_argument(
+        "--policy", choices=tuple(POLICIES), default=defaults.policy, help=f"(default: {defaults.policy})"
+    )
+    g.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
+    g.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S,
+                   help=f"seconds requests in flight may run on after SIGTERM (default: {GRACE_PERIOD_S:.0f})")  # fmt: skip
+    for f in dataclasses.fields(RouterConfig):
+        if f.name in _SPECIAL:
+            continue
+        type_name = str(f.type).replace(" | None", "").strip()
+        default = getattr(defaults, f.name)
+        suffix = f" (default: {default})" if default is not None else ""
+        g.add_argument(
+            "--" + f.name.replace("_", "-"), type=_SCALARS[type_name], default=default,
+            help=comments.get(f.name, "") + suffix, metavar=f.name.upper(),
+        )  # fmt: skip
+    launch = parser.add_argument_group("local replicas")
+    launch.add_argument("--launch", type=int, default=0, metavar="N",
+                        help="start N local `strata serve` replicas on free ports (with the engine flags below)")  # fmt: skip
+    launch.add_argument(
+        "--launch-timeout", type=float, default=600.0, help="seconds to wait for them to be ready"
+    )
+    launch.add_argument("--replica-args", default="", metavar="ARGS",
+                        help="more `strata serve` flags for each replica, as one string, e.g. '--max-queued-requests 64'")  # fmt: skip
+    add_engine_args(parser)  # group "engine": used only with --launch
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """Raises ValueError (from RouterConfig) for bad values, e.g. a malformed worker URL."""
+    values = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig) if hasattr(args, f.name)
+    }
+    values["worker_urls"] = tuple(values.get("worker_urls") or ())
+    return RouterConfig(**values)
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(
+            f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host"
+        ) from None
+    sock.listen(2048)
+    sock.set_inheritable(False)
+    return sock
+
+
+def make_server(app, log_level: str, grace_period: float):
+    """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the
+    launched replicas are stopped and the process exits 0."""
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self):
+            import threading
+
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in previous.items():
+                    signal.signal(sig, handler)
+
+    config = uvicorn.Config(
+        app,
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=grace_period,
+        timeout_keep_alive=30,
+        lifespan="on",
+    )
+    return Server(config)
+
+
+def router_main(args: argparse.Namespace) -> int:
+    """Entry point of `strata router`; returns the process exit status."""
+    started = time.perf_counter()
+    try:
+        config = config_from_args(args)
+        if args.launch < 0:
+            raise ValueError(f"--launch must be >= 0, got {args.launch}")
+        replica_args = shlex.split(args.replica_args or "")
+    except ValueError as exc:
+        print(f"strata router: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=config.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    logger.setLevel(config.log_level.upper())  # also when the main CLI configured logging first
+    if not config.worker_urls and not args.launch:
+        logger.warning("no workers yet: give --worker-urls or --launch N, or add them with POST /workers")
+    from strata.router.launcher import engine_flags, launch_replicas, stop_replicas
+
+    try:
+        sock = _bind(config.host, config.port)
+    except OSError as exc:
+        print(f"strata router: error: {exc}", file=sys.stderr)
+        return 2
+    replicas = []
+    try:
+        if args.launch:
+            logger.info("starting %d local replicas", args.launch)
+            try:
+                replicas = launch_replicas(
+                    args.launch, engine_flags(args) + replica_args, api_key=config.worker_api_key,
+                    timeout=args.launch_timeout, log_level="warning" if config.log_level != "debug" else "debug",
+                )  # fmt: skip
+            except (RuntimeError, TimeoutError) as exc:
+                print(f"strata router: error: {exc}", file=sys.stderr)
+                return 1
+            config = dataclasses.replace(
+                config, worker_urls=config.worker_urls + tuple(r.url for r in replicas)
+            )
+        return asyncio.run(
+            _serve(config, sock, frozenset(r.url for r in replicas), args.grace_period, started)
+        )
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        stop_replicas(replicas)
+        sock.close()
+
+
+async def _serve(
+    config: RouterConfig, sock: socket.socket, launched: frozenset[str], grace: float, started: float
+) -> int:
+    from strata.router.app import Gateway, create_app
+
+    gateway = Gateway(config, launched_urls=launched)
+    server = make_server(create_app(gateway), config.log_level, grace)
+    host, port = sock.getsockname()[:2]
+    url_host = f"[{host}]" if ":" in host else host
+
+    async def announce() -> None:
+        while not server.started:
+            await asyncio.sleep(0.05)
+        assert gateway.pool is not None
+        n, ok = len(gateway.pool.workers), len(gateway.pool.routable())
+        print(
+            f"strata router: ready at http://{url_host}:{port} (policy {config.policy}, {ok}/{n} workers healthy; "
+            f"{time.perf_counter() - started:.1f}s after start)",
+            flush=True,
+        )
+
+    task = asyncio.ensure_future(announce())
+    try:
+        await server.serve(sockets=[sock])
+    finally:
+        task.cancel()
+    return 0
