@@ -116,6 +116,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     chat.set_defaults(func=cmd_chat)
 
+    from strata.bench.cli import add_bench_args
+
+    add_bench_args(sub)
+
     try:
         from strata.server.launch import add_serve_args, serve_main
     except ImportError:

@@ -17,7 +17,8 @@ What lives here (one concept per file):
   targets.py         the things `compare` measures: strata, transformers, llamacpp, url=...
   compare.py         the same workload on several targets, alternating round by round; medians, ratios
   report.py          terminal tables and JSON; progress.py the progress bar; plots.py PNGs
-  cli.py             `strata bench serving | one-batch | offline | compare`
+  cli.py             `strata bench serving | one-batch | offline | compare` (flags, commands);
+                     compare_cli.py what one compare run measures in each mode
 
 Nothing here is imported by the engine or the server; the engine is only driven through its public
 API (`Engine.add_request` / `Engine.step`) and, for timing, wrapped from outside (step_timer.py).

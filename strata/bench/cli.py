@@ -1,4 +1,5 @@
-"""`strata bench serving | one-batch | offline | compare` — flags, and the glue to run and report.
+"""`strata bench serving | one-batch | offline | compare` — flags, and the glue to run and report
+(`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
     from strata.bench.cli import add_bench_args; add_bench_args(sub)
@@ -11,9 +12,8 @@ import dataclasses
 import json
 import math
 import sys
-from typing import Any
 
-from strata.config import EngineConfig, add_engine_args, engine_config_from_args
+from strata.config import add_engine_args, engine_config_from_args
 
 # ----------------------------------------------------------------- flags
 
@@ -51,7 +51,7 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def _dataset_config(args: argparse.Namespace, seed_offset: int = 0):
+def dataset_config_from_args(args: argparse.Namespace, seed_offset: int = 0):
     from strata.bench.datasets import DatasetConfig
 
     return DatasetConfig(
@@ -182,7 +182,7 @@ def add_bench_args(subparsers) -> None:
 # ----------------------------------------------------------------- commands
 
 
-def _tokenizer_for(model: str | None):
+def load_bench_tokenizer(model: str | None):
     from strata.tokenizer import load_tokenizer
     from strata.weights.default_model import resolve_model_path
 
@@ -195,7 +195,7 @@ def _tokenizer_for(model: str | None):
     return model_dir, tokenizer
 
 
-def _serving_config(
+def serving_config_from_args(
     args: argparse.Namespace,
     base_url: str,
     rate: float,
@@ -223,11 +223,11 @@ def _serving_config(
     )
 
 
-def _sweep(args: argparse.Namespace) -> list[tuple[float, int | None]]:
+def sweep_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
     return [(rate, conc) for rate in args.request_rate for conc in (args.max_concurrency or [None])]
 
 
-def _sweep_label(rate: float, conc: int | None) -> str:
+def sweep_label(rate: float, conc: int | None) -> str:
     parts = [f"c={conc}"] if conc else []
     if not math.isinf(rate) or not parts:
         parts.append(f"rate={rate:g}")
@@ -239,14 +239,16 @@ def cmd_serving(args: argparse.Namespace) -> int:
     from strata.bench.datasets import make_dataset
     from strata.bench.serving import run_serving
 
-    _, tokenizer = _tokenizer_for(args.tokenizer)
+    _, tokenizer = load_bench_tokenizer(args.tokenizer)
     results = []
-    for i, (rate, conc) in enumerate(_sweep(args)):
+    for i, (rate, conc) in enumerate(sweep_points(args)):
         # each sweep point gets its own prompts (seed + i), so none is served from the previous one's cache
-        conversations = make_dataset(_dataset_config(args, seed_offset=i), tokenizer)
+        conversations = make_dataset(dataset_config_from_args(args, seed_offset=i), tokenizer)
         try:
             r = run_serving(
-                _serving_config(args, args.base_url, rate, conc, args.model), conversations, tokenizer
+                serving_config_from_args(args, args.base_url, rate, conc, args.model),
+                conversations,
+                tokenizer,
             )
         except RuntimeError as exc:
             print(f"error: {exc}", file=sys.stderr)
@@ -256,7 +258,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
         results.append(r)
     if len(results) > 1:
         rows = [
-            [_sweep_label(r.config.request_rate, r.config.max_concurrency), report.fmt(r.summary.request_throughput, 3),
+            [sweep_label(r.config.request_rate, r.config.max_concurrency), report.fmt(r.summary.request_throughput, 3),
              report.fmt(r.summary.output_throughput), report.fmt(r.summary.ttft.median_ms), report.fmt(r.summary.itl.median_ms),
              report.fmt(r.window.output_throughput if r.window else None), str(r.summary.failed)]
             for r in results
@@ -336,7 +338,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     from strata.bench.offline import run_strata_offline
 
     engine = _make_engine(args)
-    conversations = make_dataset(_dataset_config(args), engine.tokenizer)
+    conversations = make_dataset(dataset_config_from_args(args), engine.tokenizer)
     result = run_strata_offline(engine, conversations)
     print(report.offline_text(result))
     if args.output_json:
@@ -344,160 +346,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
     return 0
 
 
-# ----------------------------------------------------------------- compare
-
-
-def _context(args: argparse.Namespace):
-    from strata.bench.targets import BenchContext
-
-    cfg = engine_config_from_args(args)
-    defaults = EngineConfig()
-    options = {
-        f.name: getattr(cfg, f.name)
-        for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "extra") and getattr(cfg, f.name) != getattr(defaults, f.name)
-    }
-    model_dir, tokenizer = _tokenizer_for(args.model)
-    return BenchContext(model=args.model, model_dir=model_dir, engine_options=options, tokenizer=tokenizer)
-
-
-def _one_batch_run(args: argparse.Namespace, details: dict[str, list]):
-    def run(target, round_index: int) -> dict[str, float | None]:
-        figures: dict[str, float | None] = {}
-        results = []
-        for input_len in args.input_len:
-            for bs in args.batch_size:
-                key = f"bs={bs} in={input_len}"
-                try:
-                    r = target.one_batch(bs, input_len, args.output_len, args.seed + round_index)
-                except ValueError as exc:
-                    print(f"  {target.label} {key}: not measured ({exc})", file=sys.stderr)
-                    figures[f"{key}: prefill (tok/s)"] = figures[f"{key}: decode step (ms)"] = None
-                    continue
-                figures[f"{key}: prefill (tok/s)"] = r.prefill_tok_s
-                figures[f"{key}: decode step (ms)"] = r.decode_step_ms
-                results.append(r)
-        details[target.label] = results
-        return figures
-
-    return run
-
-
-def _offline_run(args: argparse.Namespace, ctx, details: dict[str, list]):
-    from strata.bench.datasets import make_dataset
-
-    datasets: dict[int, Any] = {}
-
-    def run(target, round_index: int) -> dict[str, float | None]:
-        if round_index not in datasets:
-            datasets[round_index] = make_dataset(
-                _dataset_config(args, seed_offset=round_index), ctx.tokenizer
-            )
-        r = target.offline(datasets[round_index])
-        details[target.label] = [r]
-        return {
-            "total (tok/s)": r.total_tok_s,
-            "output (tok/s)": r.output_tok_s,
-            "requests (req/s)": r.request_throughput,
-            "steady output (tok/s)": r.window.output_throughput if r.window else None,
-            "steady decode step (ms)": r.window.mean_step_ms if r.window else None,
-            "cache hit rate": r.cache_hit_rate,
-        }
-
-    return run
-
-
-def _serving_run(args: argparse.Namespace, ctx, details: dict[str, list]):
-    from strata.bench import server_info
-    from strata.bench.datasets import make_dataset
-    from strata.bench.serving import run_serving
-
-    datasets: dict[tuple[int, int], Any] = {}
-    sweep = _sweep(args)
-
-    def run(target, round_index: int) -> dict[str, float | None]:
-        url = target.serving_url()
-        figures: dict[str, float | None] = {}
-        results = []
-        for i, (rate, conc) in enumerate(sweep):
-            key = (round_index, i)
-            if key not in datasets:  # same prompts for every target within a round, fresh ones per round
-                datasets[key] = make_dataset(
-                    _dataset_config(args, seed_offset=1000 * round_index + i), ctx.tokenizer
-                )
-            server_info.flush_cache(url)  # best effort: peers without /flush_cache keep theirs
-            config = _serving_config(args, url, rate, conc, target.served_model(), target.length_control)
-            r = run_serving(config, datasets[key], ctx.tokenizer)
-            results.append(r)
-            s, w, label = r.summary, r.window, _sweep_label(rate, conc)
-            hit = s.usage_cache_hit_rate if s.usage_cache_hit_rate is not None else r.server_cache_hit_rate
-            figures.update({
-                f"{label}: output (tok/s)": s.output_throughput,
-                f"{label}: requests (req/s)": s.request_throughput,
-                f"{label}: TTFT median (ms)": s.ttft.median_ms,
-                f"{label}: ITL median (ms)": s.itl.median_ms,
-                f"{label}: TPOT median (ms)": s.tpot.median_ms,
-                f"{label}: E2E median (ms)": s.e2e.median_ms,
-                f"{label}: steady output (tok/s)": w.output_throughput if w else None,
-                f"{label}: steady decode step, mean ITL (ms)": w.mean_step_ms if w else None,
-                f"{label}: cache hit rate": hit,
-                f"{label}: failed requests": float(s.failed),
-            })  # fmt: skip
-        details[target.label] = results
-        return figures
-
-    return run
-
-
 def cmd_compare(args: argparse.Namespace) -> int:
-    from strata.bench import report
-    from strata.bench.compare import run_compare
-    from strata.bench.targets import make_target, parse_target
+    from strata.bench.compare_cli import run_compare_command
 
-    specs = [parse_target(t) for t in args.targets]
-    labels = [s.label for s in specs]
-    if len(set(labels)) != len(labels):
-        raise ValueError(f"targets must differ, got {labels}")
-    ctx = _context(args)
-    targets = [make_target(s, ctx) for s in specs]
-    details: dict[str, list] = {}
-    mode = args.compare_mode
-    if mode == "one-batch":
-        run = _one_batch_run(args, details)
-    elif mode == "offline":
-        run = _offline_run(args, ctx, details)
-    else:
-        run = _serving_run(args, ctx, details)
-    try:
-        result = run_compare(mode, targets, args.rounds, run)
-    finally:
-        for t in targets:
-            t.close()
-    print(report.compare_text(result))
-    if args.output_json:
-        payload = {
-            "mode": result.mode,
-            "rounds": result.rounds,
-            "targets": result.targets,
-            "medians": {t: {f: result.median(t, f) for f in result.figures} for t in result.values},
-            "ratios_vs_first": {t: {f: result.ratio(t, f) for f in result.figures} for t in result.values},
-            "values_per_round": result.values,
-            "skipped": result.skipped,
-            "last_round": {
-                t: [report.serving_json(r)["summary"] if mode == "serving" else r for r in rs]
-                for t, rs in details.items()
-            },
-        }
-        report.write_json(args.output_json, f"compare-{mode}", payload)
-    if args.plot:
-        from strata.bench.plots import plot_one_batch, plot_serving
-
-        if mode == "serving":
-            paths = plot_serving(details, args.plot)
-        elif mode == "one-batch":
-            paths = plot_one_batch([r for rs in details.values() for r in rs], args.plot)
-        else:
-            paths = []
-        for path in paths:
-            print(f"wrote {path}", file=sys.stderr)
-    return 0 if result.values else 1
+    return run_compare_command(args)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,7 +48,7 @@ class CompareResult:
 
 
 def higher_is_better(figure: str) -> bool:
-    return "(ms)" not in figure and "failed" not in figure
+    return "(ms)" not in figure and "failed" not in figure and "short" not in figure
 
 
 def round_order(targets: list[Target], round_index: int) -> list[Target]:
@@ -81,6 +82,10 @@ def run_compare(mode: str, targets: list[Target], rounds: int, run: RunFn, log=N
             except (ValueError, RuntimeError, FileNotFoundError) as exc:
                 result.skipped[t.label] = str(exc)
                 log(f"skipping {t.label}: {exc}")
+                continue
+            except Exception as exc:  # noqa: BLE001 - a broken peer must not lose the other targets' figures
+                result.skipped[t.label] = f"failed: {type(exc).__name__}: {exc}"
+                log(f"skipping {t.label} after an unexpected error:\n{traceback.format_exc()}")
                 continue
             per_target = result.values.setdefault(t.label, {})
             for name, value in figures.items():

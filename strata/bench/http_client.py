@@ -3,7 +3,8 @@
 The client asks for `stream: true` with `stream_options.include_usage`, and records the arrival
 time of every chunk that carries content (the first one is the TTFT). Token counts come from the
 final usage chunk when the server sends one; otherwise the generated text is re-tokenized with the
-benchmark's tokenizer (the prompt length then is the client's own estimate).
+benchmark's tokenizer (or the number of content chunks if larger; the prompt length then is
+the client's own estimate).
 
 A request fails (and is recorded as failed, never dropped) on: a connection error or timeout, an
 HTTP status other than 200, an `{"error": ...}` event in the stream, or a stream that ends with
@@ -93,7 +94,10 @@ class OpenAIClient:
         if usage and usage.get("completion_tokens") is not None:
             rec.output_len = int(usage["completion_tokens"])
         elif self.tokenizer is not None:
-            rec.output_len = len(self.tokenizer.encode(rec.text, add_special_tokens=False))
+            # re-tokenizing generated text merges some tokens, while servers without usage (llama.cpp)
+            # send one chunk per token: take the larger count
+            retokenized = len(self.tokenizer.encode(rec.text, add_special_tokens=False))
+            rec.output_len = max(retokenized, len(rec.chunk_times))
         else:
             rec.output_len = len(rec.chunk_times)
 

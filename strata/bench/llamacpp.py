@@ -63,6 +63,7 @@ def server_argv(gguf: Path, port: int, threads: int | None = None, alias: str = 
         "--n_ctx", str(CONTEXT_LEN),
         "--n_threads", str(threads),
         "--n_threads_batch", str(threads),
+        "--interrupt_requests", "False",  # its default aborts the running stream when another request arrives
     ]  # fmt: skip
 
 
@@ -110,18 +111,26 @@ class LlamaCppModel:
         )
 
     def _run(self, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
-        import numpy as np
-
         llm = self.llm
         llm.reset()
         t0 = time.perf_counter()
         llm.eval(prompt)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = self._greedy()
         prefill_s = time.perf_counter() - t0
         steps = []
         for _ in range(output_len - 1):
             t0 = time.perf_counter()
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = self._greedy()
             steps.append(time.perf_counter() - t0)
         return prefill_s, steps
+
+    def _greedy(self) -> int:
+        """argmax of the last position's logits (Llama.scores holds them only with logits_all)."""
+        import llama_cpp
+        import numpy as np
+
+        logits = np.ctypeslib.as_array(
+            llama_cpp.llama_get_logits_ith(self.llm.ctx, -1), shape=(self.vocab_size,)
+        )
+        return int(np.argmax(logits))

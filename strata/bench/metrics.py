@@ -35,6 +35,7 @@ class RequestRecord:
     cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
     error: str | None = None
     text: str = ""  # the generated text (multi-turn feeds it into the next turn)
+    asked_output_len: int | None = None  # max_tokens requested (a shorter answer is counted as short)
 
     @property
     def ok(self) -> bool:
@@ -109,6 +110,9 @@ class ServingSummary:
     itl: LatencyStats
     e2e: LatencyStats
     usage_cache_hit_rate: float | None  # sum cached_tokens / sum prompt_tokens, if usage reported them
+    short_outputs: int = (
+        0  # successful requests that got fewer tokens than asked (EOS honoured, or truncated)
+    )
     errors: dict[str, int] = field(default_factory=dict)  # error message (first 120 chars) -> count
 
 
@@ -149,6 +153,9 @@ def summarize(
         itl=LatencyStats.of_seconds([x for r in good for x in r.itls]),
         e2e=LatencyStats.of_seconds([r.e2e for r in good]),
         usage_cache_hit_rate=hit_rate,
+        short_outputs=sum(
+            1 for r in good if r.asked_output_len is not None and r.output_len < r.asked_output_len
+        ),
         errors=errors,
     )
 

@@ -49,7 +49,7 @@ def _latency_rows(name: str, s: LatencyStats) -> list[list[str]]:
 
 def _window_rows(w: SteadyWindow | None) -> list[list[str]]:
     if w is None:
-        return [["steady window (20%..90% completed)", "n/a (too few requests)"]]
+        return [["steady window (20%..90% completed)", "n/a (too few requests, or they finished together)"]]
     return [
         [
             f"steady window ({w.low_fraction:.0%}..{w.high_fraction:.0%} completed) duration (s)",
@@ -70,6 +70,7 @@ def serving_text(r: ServingResult) -> str:
         ["request rate / max concurrency", f"{rate} / {c.max_concurrency or 'none'}"],
         ["completed requests", fmt(s.completed)],
         ["failed requests", fmt(s.failed)],
+        ["completed with fewer tokens than asked", fmt(s.short_outputs)],
         ["duration, whole run (s)", fmt(s.duration_s)],
         ["request throughput, whole run (req/s)", fmt(s.request_throughput, 3)],
         ["input token throughput, whole run (tok/s)", fmt(s.input_throughput)],
@@ -218,6 +219,8 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        # OpenMP spin-waiting decides CPU results on a busy machine (see docs/BENCHMARKS.md)
+        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")},
         "argv": sys.argv,
     }
 

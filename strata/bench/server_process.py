@@ -1,7 +1,7 @@
 """Start a server subprocess on a free local port, wait until it answers, stop it.
 
 The server's output goes to a log file (its path is in every error), so a benchmark's terminal
-shows the benchmark. Readiness: GET /health answers 200 (Strata, SGLang, vLLM), or else
+shows the benchmark; the log is removed when a server that started fine is stopped. Readiness: GET /health answers 200 (Strata, SGLang, vLLM), or else
 GET /v1/models does (llama.cpp's Python server has no /health).
 """
 
@@ -43,6 +43,7 @@ class ServerProcess:
         os.close(fd)
         self.log_path = Path(path)
         self.proc: subprocess.Popen | None = None
+        self._keep_log = False  # a failed start keeps its log for the user to read
 
     def start(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
@@ -53,12 +54,14 @@ class ServerProcess:
         while time.monotonic() < deadline:
             code = self.proc.poll()
             if code is not None:
+                self._keep_log = True
                 raise RuntimeError(
                     f"{self.name} server exited with code {code} during start-up:\n{self.log_tail()}"
                 )
             if self._ready():
                 return self
             time.sleep(0.5)
+        self._keep_log = True
         self.stop()
         raise RuntimeError(
             f"{self.name} server did not become ready within {self.startup_timeout_s:.0f}s "
@@ -78,14 +81,15 @@ class ServerProcess:
         return False
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.send_signal(signal.SIGINT)
-        try:
-            self.proc.wait(STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if not self._keep_log:
+            self.log_path.unlink(missing_ok=True)
 
     def log_tail(self, num_lines: int = 30) -> str:
         try:

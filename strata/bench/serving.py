@@ -216,6 +216,7 @@ async def _drive(
                     body, estimate = builder.body(conv, turn, history)
                     async with limit if limit is not None else contextlib.nullcontext():
                         rec = await client.send(config.endpoint, body, estimate)
+                    rec.asked_output_len = conv.turns[turn].output_len
                     records.append(rec)
                     bar.update()
                     if not rec.ok:

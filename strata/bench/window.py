@@ -9,6 +9,10 @@ also report the figures inside the window, and label them as such:
 
 For a remote server the decode step time is estimated as the mean ITL of chunks arriving inside
 the window; for the in-process engine it is the measured mean duration of decode steps inside it.
+There is no window (None, shown as n/a) with fewer than 2 requests, or when the window is shorter
+than MIN_SPAN_FRACTION of the run: requests that finish together (all sent at once with equal
+lengths) have no steady state to measure; spread them with --request-rate, --range-ratio < 1, or
+more prompts than --max-concurrency.
 """
 
 from __future__ import annotations
@@ -21,6 +25,9 @@ from strata.bench.metrics import RequestRecord
 
 LOW_FRACTION = 0.2
 HIGH_FRACTION = 0.9
+# A window shorter than this fraction of the run is degenerate: the requests finished together (one
+# wave of equal lengths), and rates inside it would divide a burst by a few milliseconds.
+MIN_SPAN_FRACTION = 0.1
 
 
 @dataclass(frozen=True)
@@ -40,11 +47,15 @@ class SteadyWindow:
 
 
 def completion_window(
-    finish_times: Sequence[float], low: float = LOW_FRACTION, high: float = HIGH_FRACTION
+    finish_times: Sequence[float],
+    low: float = LOW_FRACTION,
+    high: float = HIGH_FRACTION,
+    run_span: float | None = None,
 ) -> tuple[float, float] | None:
     """(t_low, t_high): the times the ceil(low*n)-th and ceil(high*n)-th requests completed.
 
-    None when the window is empty (too few requests, or they all finished at once).
+    None when the window is empty (too few requests, or they all finished at once), or shorter
+    than MIN_SPAN_FRACTION of `run_span` (seconds, when given).
     """
     if not 0 <= low < high <= 1:
         raise ValueError(f"window fractions must satisfy 0 <= low < high <= 1, got {low}, {high}")
@@ -55,7 +66,7 @@ def completion_window(
     i_low = max(math.ceil(low * n), 1) - 1  # 0-based index of the request that crosses `low`
     i_high = max(math.ceil(high * n), 1) - 1
     t_low, t_high = times[i_low], times[i_high]
-    if t_high <= t_low:
+    if t_high <= t_low or (run_span is not None and t_high - t_low < MIN_SPAN_FRACTION * run_span):
         return None
     return t_low, t_high
 
@@ -65,7 +76,8 @@ def serving_window(
 ) -> SteadyWindow | None:
     """The window over a serving run's successful requests (see the module docstring)."""
     good = [r for r in records if r.ok]
-    edges = completion_window([r.end for r in good], low, high)
+    span = max((r.end for r in good), default=0.0) - min((r.start for r in good), default=0.0)
+    edges = completion_window([r.end for r in good], low, high, run_span=span)
     if edges is None:
         return None
     t_low, t_high = edges
@@ -113,7 +125,8 @@ def engine_window(
     high: float = HIGH_FRACTION,
 ) -> SteadyWindow | None:
     """The window over an in-process engine run: measured step durations, tokens per step."""
-    edges = completion_window(finish_times, low, high)
+    span = (steps[-1].end - steps[0].end + steps[0].duration_s) if steps else None
+    edges = completion_window(finish_times, low, high, run_span=span)
     if edges is None:
         return None
     t_low, t_high = edges

@@ -1,0 +1,112 @@
+"""`strata bench ...` end to end on a tiny model: the commands run, print tables, write JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from strata.bench.cli import add_bench_args
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_bench_args(parser.add_subparsers(dest="command"))
+    return parser.parse_args(["bench", *argv])
+
+
+def test_one_batch_command(llama_dir, tmp_path, capsys):
+    out = tmp_path / "one.json"
+    args = parse(["one-batch", "--model", str(llama_dir), "--dtype", "float32", "--batch-size", "1", "4",
+                  "--input-len", "24", "--output-len", "4", "--output-json", str(out)])  # fmt: skip
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "prefill tok/s" in text and "decode step ms" in text and "per-step breakdown" in text
+    data = json.loads(out.read_text())
+    assert [r["batch_size"] for r in data["results"]] == [1, 4]
+    assert all(r["decode_step_ms"] > 0 for r in data["results"])
+
+
+def test_one_batch_says_when_the_kv_pool_is_too_small(llama_dir):
+    import pytest
+
+    args = parse(
+        [
+            "one-batch",
+            "--model",
+            str(llama_dir),
+            "--kv-cache-tokens",
+            "64",
+            "--batch-size",
+            "4",
+            "--input-len",
+            "32",
+        ]
+    )
+    with pytest.raises(ValueError, match="--kv-cache-tokens"):
+        args.func(args)
+
+
+def test_offline_command(llama_dir, capsys):
+    args = parse(
+        [
+            "offline",
+            "--model",
+            str(llama_dir),
+            "--dtype",
+            "float32",
+            "--num-prompts",
+            "5",
+            "--input-len",
+            "12",
+            "--output-len",
+            "3",
+        ]
+    )
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "total throughput (tok/s)" in text and "steady" in text
+
+
+def test_compare_offline_reports_medians_and_ratios(llama_dir, tmp_path, capsys):
+    out = tmp_path / "cmp.json"
+    args = parse(["compare", "offline", "--model", str(llama_dir), "--dtype", "float32", "--targets", "strata", "transformers",
+                  "--rounds", "2", "--num-prompts", "4", "--input-len", "10", "--output-len", "3", "--output-json", str(out)])  # fmt: skip
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "transformers / strata" in text and "total (tok/s)" in text
+    data = json.loads(out.read_text())["results"]
+    assert data["targets"] == ["strata", "transformers"]
+    assert len(data["values_per_round"]["strata"]["total (tok/s)"]) == 2
+    assert data["ratios_vs_first"]["strata"]["total (tok/s)"] == 1.0
+    assert data["ratios_vs_first"]["transformers"]["total (tok/s)"] > 0
+
+
+def test_compare_one_batch_and_serving_against_url_targets(llama_dir, fake_server, tmp_path, capsys):
+    fake_server.reset()
+    args = parse(["compare", "serving", "--model", str(llama_dir), "--targets", f"url={fake_server.base_url}", "transformers",
+                  "--rounds", "2", "--num-prompts", "4", "--input-len", "8", "--output-len", "3", "--max-concurrency", "2",
+                  "--disable-progress"])  # fmt: skip
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "c=2: output (tok/s)" in text
+    assert "skipped transformers: transformers does not support serving" in text
+    # 2 rounds x (1 warm-up + 4 requests); each round has fresh prompts (the warm-up prompt is the same)
+    assert fake_server.state.count == 10
+    assert len({json.dumps(b["prompt"]) for b in fake_server.state.bodies}) == 9
+
+
+def test_server_process_reports_a_failed_start_with_its_log():
+    import sys
+
+    import pytest
+
+    from strata.bench.server_process import ServerProcess
+
+    srv = ServerProcess(
+        lambda port: [sys.executable, "-c", "print('boom: no model'); raise SystemExit(3)"], "broken"
+    )
+    with pytest.raises(RuntimeError, match="exited with code 3") as info:
+        srv.start()
+    assert "boom: no model" in str(info.value)
+    assert srv.log_path.exists()
+    srv.log_path.unlink()
