@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 
 LPM_MAX_WAITING = 128  # past this many waiting requests, lpm falls back to fcfs (matching all costs too much)
 RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at this
+IN_BATCH_PREFIX_TOKENS = 32  # a new prefix shared with a request admitted this step defers the second
 
 
 class Scheduler:
@@ -335,6 +336,19 @@ class Scheduler:
             return sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival))
         return sorted(self.waiting, key=lambda r: r.arrival)
 
+    def _shares_uncached_prefix(self, tokens: list[int], cached_len: int, admitted_now: list[Req]) -> bool:
+        """True if a request admitted in this step starts with the same IN_BATCH_PREFIX_TOKENS tokens
+        after `cached_len`: admitting both now would compute that shared prefix twice (SGLang's
+        in-batch prefix check). Costs O(IN_BATCH_PREFIX_TOKENS) per admitted request."""
+        if not self.cache_enabled or len(tokens) - cached_len < IN_BATCH_PREFIX_TOKENS:
+            return False
+        window = tokens[cached_len : cached_len + IN_BATCH_PREFIX_TOKENS]
+        end = cached_len + IN_BATCH_PREFIX_TOKENS
+        return any(
+            r.seq_len > end and r.seq_slice(cached_len, end) == window and r.seq_slice(0, cached_len) == tokens[:cached_len]
+            for r in admitted_now
+        )
+
     def _reserved_pages(self) -> int:
         """Pages kept back for the future tokens of running requests."""
         tokens = 0.0
@@ -346,6 +360,7 @@ class Scheduler:
     def _admit(self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool) -> None:
         prefill_budget = self.config.max_prefill_tokens
         available = self.allocator.num_free_pages + self.cache.evictable_pages - self._reserved_pages()
+        admitted_now: list[Req] = []
         for req in self._waiting_order():
             if len(self.running) >= self.config.max_running_requests or budget <= 0 or prefill_budget <= 0:
                 break
@@ -357,6 +372,8 @@ class Scheduler:
             # match at most seq_len - 1 tokens: the last one must be fed to get logits
             reusable = req.seq_slice(0, req.seq_len - 1)
             match = self.cache.match_prefix(reusable)
+            if self._shares_uncached_prefix(reusable, match.cached_len, admitted_now):
+                continue  # next step it reuses what the other request is computing now
             device_hit, host_hit, storage_hit = match.cached_len, 0, 0
             if self.hicache is not None:
                 match, host_hit, storage_hit = self.hicache.promote(reusable, match, self._make_room)
@@ -382,6 +399,7 @@ class Scheduler:
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             extends.append((req, n))
+            admitted_now.append(req)
             available -= need_pages
             budget -= n
             prefill_budget -= n

@@ -153,3 +153,16 @@ def test_no_page_leaks_under_a_random_workload(llama_dir, page_size):
     sched = eng.scheduler
     assert sched.allocator.num_free_pages + sched.cache.total_pages == sched.allocator.num_pages
     assert sched.cache.protected_pages == 0
+
+
+def test_requests_arriving_together_share_a_new_prefix(llama_dir):
+    """Four prompts with one 64-token system prompt, none cached yet, submitted at once: only the
+    first computes the shared prefix; the others wait one step and reuse it."""
+    eng = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=2048)
+    system = [(i * 13) % 370 + 5 for i in range(64)]
+    prompts = [system + [100 + i, 7, 8] for i in range(4)]
+    results = eng.generate(prompts, greedy(6))
+    assert results[0].cached_tokens == 0
+    assert all(r.cached_tokens >= 64 for r in results[1:])
+    alone = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=2048, disable_radix_cache=True)
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone.generate(prompts, greedy(6))]
