@@ -141,7 +141,10 @@ class Engine:
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
-        self.model = load_model(model_dir, model_config, dtype, device, max_positions=context_len)
+        self.model = load_model(
+            model_dir, model_config, dtype, device, max_positions=context_len,
+            quantization=cfg.quantization, group_size=cfg.quantization_group_size,
+        )
 
         bytes_per_token = MHAKVPool.bytes_per_token(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype

@@ -23,9 +23,16 @@ def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_model(
-    model_dir: Path, cfg: ModelConfig, dtype: torch.dtype, device: torch.device, max_positions: int
+    model_dir: Path,
+    cfg: ModelConfig,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str | None = None,
+    group_size: int = 32,
 ) -> torch.nn.Module:
-    """Build the model without initialising weights (meta device), then fill it from the checkpoint."""
+    """Build the model without initialising weights (meta device), fill it from the checkpoint, and
+    quantize its linear weights if asked (`strata.layers.quant`)."""
     cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -37,4 +44,8 @@ def load_model(
     model = model.to_empty(device=device)
     with torch.no_grad():
         model.load_weights((name, t.to(dtype)) for name, t in iter_safetensors(model_dir))
+    if quantization is not None:
+        from strata.layers.quant import quantize_model
+
+        model = quantize_model(model, quantization, group_size)
     return model.eval()

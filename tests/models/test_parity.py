@@ -10,7 +10,7 @@ from strata import Engine, SamplingParams
 from strata.engine.batch import ScheduleBatch
 from strata.engine.request import Req
 
-from conftest import FAMILIES
+from tiny_models import FAMILIES
 
 PROMPTS = [
     [5, 17, 33, 91, 120, 7, 64, 200, 13],
@@ -147,7 +147,7 @@ def test_retraction_keeps_outputs_exact(llama_dir):
 
 
 def test_llama_with_attention_and_mlp_bias(tmp_path):
-    from conftest import make_model
+    from tiny_models import make_model
 
     model_dir = make_model(tmp_path / "biased", "llama", attention_bias=True, mlp_bias=True, tokenizer=False)
     ref = hf_model(model_dir)
@@ -159,7 +159,7 @@ def test_llama_with_attention_and_mlp_bias(tmp_path):
 def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     import json
 
-    from conftest import make_model
+    from tiny_models import make_model
 
     model_dir = make_model(tmp_path / "m", "llama", tokenizer=False)
     cfg = json.loads((model_dir / "config.json").read_text())

@@ -42,7 +42,7 @@ def free_port() -> int:
 def model_dir(name: str) -> tuple[Path, list[str]]:
     if name == "tiny":
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/conftest.py: make_model
-        from conftest import make_model
+        from tiny_models import make_model
 
         return make_model(Path(tempfile.mkdtemp(prefix="router-bench-")) / "tiny-llama", "llama"), [
             "--dtype",

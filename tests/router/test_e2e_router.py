@@ -80,7 +80,7 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from conftest import make_model  # tests/conftest.py
+    from tiny_models import make_model  # tests/conftest.py
 
     c = Cluster(make_model(tmp_path_factory.mktemp("router") / "tiny-llama", "llama"))
     try:
