@@ -33,7 +33,8 @@ from strata.router.config import RouterConfig
 from strata.router.metrics import RouterMetrics
 from strata.router.pool import WorkerPool, describe_error
 from strata.router.proxy import Forwarder, ProxyResponse, error_body, routing_key
-from strata.router.registry import make_policy
+from strata.router.pd import PDProxyResponse
+from strata.router.registry import POLICIES, make_policy
 from strata.router.worker import Health
 
 logger = logging.getLogger("strata.router")
@@ -68,8 +69,11 @@ class Gateway:
         self.metrics = RouterMetrics()
         self.policy = make_policy(config, self.rng)
         self.client: httpx.AsyncClient | None = None
-        self.pool: WorkerPool | None = None
+        self.pool: WorkerPool | None = None  # the workers that answer clients (decode workers in PD mode)
         self.forwarder: Forwarder | None = None
+        # PD mode: prefill workers, with their own policy
+        self.prefill_policy = POLICIES[config.prefill_policy](config, self.rng) if config.prefill_urls else None
+        self.prefill_pool: WorkerPool | None = None
         self.started_at = time.time()
 
     async def start(self) -> None:
@@ -85,8 +89,13 @@ class Gateway:
         self.pool = WorkerPool(cfg, self.policy, self.metrics, self.client)
         self.forwarder = Forwarder(cfg, self.pool, self.policy, self.metrics, self.client, self.rng)
         await asyncio.gather(*(self.pool.add(u, launched=u in self.launched_urls) for u in cfg.worker_urls))
+        if self.prefill_policy is not None:
+            self.prefill_pool = WorkerPool(cfg, self.prefill_policy, self.metrics, self.client)
+            await asyncio.gather(*(self.prefill_pool.add(u) for u in cfg.prefill_urls))
 
     async def close(self) -> None:
+        if self.prefill_pool is not None:
+            await self.prefill_pool.close()
         if self.pool is not None:
             await self.pool.close()
         if self.client is not None:
@@ -173,6 +182,19 @@ def create_app(gateway: Gateway) -> FastAPI:
             parsed = None  # forwarded as is: the worker answers the precise 400
         path = route + (f"?{request.url.query}" if request.url.query else "")
         assert gateway.forwarder is not None
+        if gateway.prefill_pool is not None and request.method == "POST":
+            return PDProxyResponse(
+                gateway.forwarder,
+                route=route,
+                method=request.method,
+                path=path,
+                body=body,
+                headers=request.scope["headers"],
+                key=routing_key(route, parsed),
+                arrived=arrived,
+                prefill_pool=gateway.prefill_pool,
+                prefill_policy=gateway.prefill_policy,
+            )
         return ProxyResponse(
             gateway.forwarder,
             route=route,

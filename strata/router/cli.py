@@ -32,7 +32,7 @@ from strata.router.config import LOG_LEVELS, RouterConfig
 logger = logging.getLogger("strata.router")
 
 _SCALARS = {"int": int, "float": float, "str": str}
-_SPECIAL = frozenset({"worker_urls", "policy", "log_level"})
+_SPECIAL = frozenset({"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy"})
 GRACE_PERIOD_S = 30.0
 
 
@@ -60,6 +60,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--policy", choices=tuple(POLICIES), default=defaults.policy, help=f"(default: {defaults.policy})"
     )
+    pd = parser.add_argument_group("prefill/decode disaggregation")
+    pd.add_argument("--prefill", nargs="+", default=[], metavar="URL", dest="prefill_urls",
+                    help="prefill workers (`strata serve --disaggregation-mode prefill`); turns on PD dispatch")  # fmt: skip
+    pd.add_argument("--decode", nargs="+", default=[], metavar="URL", dest="decode_urls",
+                    help="decode workers (`strata serve --disaggregation-mode decode`); same as --worker-urls")  # fmt: skip
+    pd.add_argument("--prefill-policy", choices=tuple(POLICIES), default=defaults.prefill_policy,
+                    help=f"how to pick the prefill worker (default: {defaults.prefill_policy})")  # fmt: skip
     g.add_argument("--log-level", choices=LOG_LEVELS, default=defaults.log_level)
     g.add_argument("--grace-period", type=float, default=GRACE_PERIOD_S,
                    help=f"seconds requests in flight may run on after SIGTERM (default: {GRACE_PERIOD_S:.0f})")  # fmt: skip
@@ -89,7 +96,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     values = {
         f.name: getattr(args, f.name) for f in dataclasses.fields(RouterConfig) if hasattr(args, f.name)
     }
-    values["worker_urls"] = tuple(values.get("worker_urls") or ())
+    values["worker_urls"] = tuple(values.get("worker_urls") or ()) + tuple(getattr(args, "decode_urls", ()) or ())
+    values["prefill_urls"] = tuple(values.get("prefill_urls") or ())
+    if values["prefill_urls"] and not values["worker_urls"]:
+        raise ValueError("PD dispatch needs decode workers too: give --decode URL ...")
     return RouterConfig(**values)
 
 

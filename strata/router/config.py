@@ -51,6 +51,9 @@ class RouterConfig:
     port: int = 8000
     worker_urls: tuple[str, ...] = ()  # workers at start-up; more via POST /workers
     policy: str = "cache_aware"  # see strata.router.registry.POLICIES
+    # PD disaggregation: with prefill workers, worker_urls are the decode workers
+    prefill_urls: tuple[str, ...] = ()
+    prefill_policy: str = "least_load"
     api_key: str | None = None  # clients must send `Authorization: Bearer <key>` (all but /health)
     worker_api_key: str | None = None  # sent to workers as `Authorization: Bearer <key>`
     # health and load
@@ -82,6 +85,11 @@ class RouterConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         if self.policy not in POLICIES:
             raise ValueError(f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}")
+        if self.prefill_policy not in POLICIES:
+            raise ValueError(f"prefill_policy must be one of {tuple(POLICIES)}, got {self.prefill_policy!r}")
+        object.__setattr__(self, "prefill_urls", tuple(normalize_worker_url(u) for u in self.prefill_urls))
+        if set(self.prefill_urls) & set(normalize_worker_url(u) for u in self.worker_urls):
+            raise ValueError("a worker cannot be both a prefill and a decode worker")
         for name in ("api_key", "worker_api_key"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ValueError(f"{name} must not be empty; omit the flag instead")

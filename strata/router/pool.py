@@ -160,6 +160,8 @@ class WorkerPool:
                 "num_queue_reqs": queued,
                 "cache_hit_rate": info.get("cache_hit_rate"),
                 "token_usage": (info.get("kv_cache") or {}).get("token_usage"),
+                # a disaggregated prefill worker's KV inbox (host:port), for PD dispatch
+                "bootstrap_addr": (info.get("disaggregation") or {}).get("bootstrap_addr"),
             }
 
     async def _health_loop(self, worker: Worker) -> None:
