@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -57,17 +57,25 @@ class _PrefillRoom:
     failed: str | None = None
 
 
-class PrefillManager:
+class _Side:
+    """What both sides hold: the scheduler and KV pool they serve, the transport, the shared secret,
+    the KV-layout namespace both must agree on, and how long a room may wait for its peer."""
+
     def __init__(self, scheduler, kv: MHAKVPool, transport: KVTransport, secret: bytes, namespace: str,
                  timeout_s: float = 30.0):
         self.scheduler, self.kv, self.transport = scheduler, kv, transport
         self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
+        scheduler.disagg = self
+
+
+class PrefillManager(_Side):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.rooms: dict[int, _PrefillRoom] = {}
         self.room_of: dict[str, int] = {}
         self.early_hellos: dict[int, tuple[float, protocol.Hello]] = {}  # Hello before the request
         self.stats = {"sent": 0, "failed": 0, "rejected": 0, "timed_out": 0, "bytes_sent": 0}
-        scheduler.before_release = self._on_release
-        scheduler.disagg = self
+        self.scheduler.before_release = self._on_release
 
     def announce(self, rid: str, room: int) -> None:
         """The router sent this request with `room`: only announced rooms may be served."""
@@ -164,18 +172,14 @@ class _DecodeRoom:
     bootstrap: str  # tcp://host:port of the prefill worker's inbox
     created: float
     reserved: bool = False
-    state: str = "bootstrapping"  # bootstrapping | waiting | done | failed
-    extra: dict = field(default_factory=dict)
+    state: str = "bootstrapping"  # bootstrapping | waiting (Hello sent); then removed: done or failed
 
 
-class DecodeManager:
-    def __init__(self, scheduler, kv: MHAKVPool, transport: KVTransport, secret: bytes, namespace: str,
-                 timeout_s: float = 30.0):
-        self.scheduler, self.kv, self.transport = scheduler, kv, transport
-        self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
+class DecodeManager(_Side):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
         self.rooms: dict[int, _DecodeRoom] = {}
         self.stats = {"received": 0, "failed": 0, "rejected": 0, "timed_out": 0, "bytes_received": 0}
-        scheduler.disagg = self
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int, bootstrap: str) -> None:
         """Accept a request whose prompt KV comes from the prefill worker at `bootstrap` (host:port).

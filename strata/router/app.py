@@ -182,21 +182,7 @@ def create_app(gateway: Gateway) -> FastAPI:
             parsed = None  # forwarded as is: the worker answers the precise 400
         path = route + (f"?{request.url.query}" if request.url.query else "")
         assert gateway.forwarder is not None
-        if gateway.prefill_pool is not None and request.method == "POST":
-            return PDProxyResponse(
-                gateway.forwarder,
-                route=route,
-                method=request.method,
-                path=path,
-                body=body,
-                headers=request.scope["headers"],
-                key=routing_key(route, parsed),
-                arrived=arrived,
-                prefill_pool=gateway.prefill_pool,
-                prefill_policy=gateway.prefill_policy,
-            )
-        return ProxyResponse(
-            gateway.forwarder,
+        common = dict(
             route=route,
             method=request.method,
             path=path,
@@ -205,6 +191,11 @@ def create_app(gateway: Gateway) -> FastAPI:
             key=routing_key(route, parsed),
             arrived=arrived,
         )
+        if gateway.prefill_pool is not None and request.method == "POST":
+            return PDProxyResponse(
+                gateway.forwarder, prefill_pool=gateway.prefill_pool, prefill_policy=gateway.prefill_policy, **common
+            )
+        return ProxyResponse(gateway.forwarder, **common)
 
     for route in PROXIED_POST:
         app.add_api_route(route, proxy, methods=["POST"], include_in_schema=False)
