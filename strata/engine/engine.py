@@ -311,11 +311,14 @@ class Engine:
         rid: str | None = None,
         bootstrap_room: int | None = None,
         bootstrap_addr: str | None = None,
+        buffer_outputs: bool = True,
     ) -> list[str]:
         """Queue one prompt; returns the engine request ids (n of them for n > 1).
 
         Disaggregated workers also take the router's `bootstrap_room` (both sides) and, on a decode
-        worker, `bootstrap_addr` (host:port of the prefill worker's KV inbox).
+        worker, `bootstrap_addr` (host:port of the prefill worker's KV inbox). With
+        buffer_outputs=False the caller consumes `step()`'s outputs itself (a server), and nothing
+        is kept for `generate`/`stream`.
         """
         params = params or SamplingParams()
         rid = rid or f"req-{next(self._ids)}"
@@ -333,8 +336,9 @@ class Engine:
             self.disagg.announce(rid, bootstrap_room)
         else:
             rids = self.scheduler.add_request(rid, ids, params)
-        for r in rids:
-            self._outputs[r] = []
+        if buffer_outputs:
+            for r in rids:
+                self._outputs[r] = []
         return rids
 
     def abort(self, rid: str) -> bool:

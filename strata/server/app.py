@@ -172,6 +172,12 @@ def create_app(state: ServerState) -> FastAPI:
                     "evictable_cached_pages": stats.num_evictable_pages,
                     "token_usage": stats.token_usage,
                 },
+                "disaggregation": {
+                    "mode": client.info.disaggregation_mode
+                    if client.info
+                    else state.engine_config.disaggregation_mode,
+                    "bootstrap_addr": client.info.bootstrap_addr if client.info else None,
+                },
                 "num_running_reqs": stats.num_running,
                 "num_queue_reqs": stats.num_waiting,
                 "num_waiting_first_token": client.num_queued,

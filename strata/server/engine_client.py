@@ -44,6 +44,8 @@ class EngineUnavailable(Exception):
 class Job:
     input_ids: list[int]
     params: SamplingParams
+    bootstrap_room: int | None = None  # PD disaggregation (see io.GenerateReq)
+    bootstrap_addr: str | None = None
 
 
 @dataclass
@@ -196,7 +198,8 @@ class EngineClient:
             index += job.params.n
             self.num_queued += job.params.n
             gen.pending_adds += 1
-            await self.push.send(io.encode(io.GenerateReq(rid, job.input_ids, job.params)))
+            message = io.GenerateReq(rid, job.input_ids, job.params, job.bootstrap_room, job.bootstrap_addr)
+            await self.push.send(io.encode(message))
         errors = []
         for pending in pendings:
             result = await pending.future

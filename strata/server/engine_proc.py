@@ -3,7 +3,7 @@
 Started by `strata.server.launch` as `python -m strata.server.engine_proc --config-json ...`; the
 config travels as JSON (a frozen EngineConfig), the messages as msgspec (see io.py).
 
-Loop: drain every waiting message (add / abort / flush / stats), run one `scheduler.step()` if
+Loop: drain every waiting message (add / abort / flush / stats), run one `Engine.step()` if
 there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
 (waking once a second to check that its parent is alive) instead of spinning.
 
@@ -33,6 +33,7 @@ from strata.server import io
 logger = logging.getLogger("strata.engine_proc")
 
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent still lives
+BACKGROUND_POLL_MS = 1  # the pause between steps that can only make background progress
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine gives up and exits (the frontend reports it)
 PR_SET_PDEATHSIG = 1
 
@@ -80,11 +81,16 @@ class EngineLoop:
 
     def run(self) -> None:
         while not self.stopping:
-            if not self.scheduler.has_work() and not self.pull.poll(IDLE_POLL_MS):
+            s = self.scheduler
+            if not s.has_work() and not self.pull.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:
                     logger.warning("the server process is gone; engine exiting")
                     return
                 continue
+            if not (s.running or s.waiting or s.pending_outputs):
+                # only background work is pending (a PD KV transfer, an L3 prefetch): wait a little
+                # for a message instead of spinning on empty steps
+                self.pull.poll(BACKGROUND_POLL_MS)
             self.drain()
             if not self.stopping and self.scheduler.has_work():
                 self.step()
@@ -109,7 +115,7 @@ class EngineLoop:
             self.add(message)
         elif isinstance(message, io.AbortReq):
             for rid in message.rids:
-                self.scheduler.abort(rid)
+                self.engine.abort(rid)
         elif isinstance(message, io.StatsReq):
             self.send(io.StatsResult(message.req_id, self.stats()))
         elif isinstance(message, io.FlushCacheReq):
@@ -119,7 +125,14 @@ class EngineLoop:
 
     def add(self, req: io.GenerateReq) -> None:
         try:
-            rids = self.scheduler.add_request(req.rid, req.input_ids, req.params)
+            rids = self.engine.add_request(
+                req.input_ids,
+                req.params,
+                req.rid,
+                bootstrap_room=req.bootstrap_room,
+                bootstrap_addr=req.bootstrap_addr,
+                buffer_outputs=False,  # the server streams outputs as they come
+            )
         except ValueError as exc:
             self.send(io.AddResult(req.rid, [], str(exc)))
             return
@@ -140,12 +153,15 @@ class EngineLoop:
                 f"{len(s.waiting)} waiting); retry when the server is idle",
             )
         num_pages = s.cache.total_pages
-        s.cache.reset()
+        try:
+            self.engine.flush_cache()  # the radix tree and, with --enable-hierarchical-cache, L2
+        except RuntimeError as exc:
+            return io.FlushCacheResult(req_id, False, str(exc))
         return io.FlushCacheResult(req_id, True, f"flushed {num_pages} cached pages")
 
     def step(self) -> None:
         try:
-            outputs = self.scheduler.step()
+            outputs = self.engine.step()
         except Exception as exc:
             self.step_failures += 1
             logger.exception("engine step failed (%d in a row)", self.step_failures)
@@ -168,7 +184,7 @@ class EngineLoop:
         failed = []
         for rid in sorted(self.live):
             try:
-                self.scheduler.abort(rid)
+                self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
             failed.append(RequestOutput(rid, [], "", True, finish_reason="error", error=message))
@@ -195,6 +211,8 @@ def engine_info(engine) -> io.EngineInfo:
         load_seconds=st.load_seconds,
         eos_token_ids=sorted(st.eos_token_ids),
         bos_token_id=(tok.bos_token_id if tok is not None else None) or st.model_config.bos_token_id,
+        disaggregation_mode=getattr(engine.config, "disaggregation_mode", "null"),
+        bootstrap_addr=getattr(engine, "disagg_endpoint", None),  # a property: host:port or None
     )
 
 
@@ -237,7 +255,10 @@ def main(argv: list[str] | None = None) -> int:
         pull.close(linger=0)
         ctx.term()
         return 1
-    EngineLoop(engine, pull, push, args.parent_pid).run()
+    try:
+        EngineLoop(engine, pull, push, args.parent_pid).run()
+    finally:
+        engine.close()  # background storage threads, PD sockets
     push.close()
     pull.close(linger=0)
     ctx.term()

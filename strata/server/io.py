@@ -26,6 +26,8 @@ class GenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
     params: SamplingParams
+    bootstrap_room: int | None = None  # PD disaggregation: set by the router for both workers
+    bootstrap_addr: str | None = None  # PD disaggregation, decode worker: the prefill worker's KV inbox
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -87,6 +89,8 @@ class EngineInfo(msgspec.Struct):
     load_seconds: float
     eos_token_ids: list[int]
     bos_token_id: int | None
+    disaggregation_mode: str = "null"  # null | prefill | decode
+    bootstrap_addr: str | None = None  # a disaggregated worker's KV inbox (host:port)
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -8,7 +8,7 @@ one line with the URL when the engine is ready.
 
 Shutdown on SIGINT/SIGTERM: stop accepting connections, let requests in flight finish for up to
 --grace-period seconds, abort the rest, tell the engine to stop, wait for it (kill it if it does
-not exit), remove the IPC directory, exit 0. The engine also dies with its parent (PDEATHSIG), so
+not exit), exit 0. The engine also dies with its parent (PDEATHSIG), so
 no engine outlives its server. If the engine fails or dies, the server exits with status 1.
 """
 
@@ -30,14 +30,14 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 
-from strata.config import DTYPES, SCHEDULE_POLICIES, EngineConfig
+from strata.config import EngineConfig, add_engine_args, engine_config_from_args
 from strata.server.config import LOG_LEVELS, ServerConfig
 
 logger = logging.getLogger("strata.serve")
 
-ENGINE_CHOICES = {"dtype": DTYPES, "kv_cache_dtype": DTYPES, "schedule_policy": SCHEDULE_POLICIES}
 ENGINE_STOP_TIMEOUT_S = 10.0
 _SCALARS = {"int": int, "float": float, "str": str}
 
@@ -53,61 +53,34 @@ def _field_comments(cls: type) -> dict[str, str]:
     return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
 
 
-def _add_dataclass_args(
-    group, cls: type, choices: dict[str, tuple[str, ...]], skip: frozenset[str] = frozenset()
-):
-    comments = _field_comments(cls)
-    for f in dataclasses.fields(cls):
-        if f.name in skip:
-            continue
+def _add_server_args(group) -> None:
+    """One flag per ServerConfig field; the field's trailing comment is its help."""
+    comments = _field_comments(ServerConfig)
+    choices = {"log_level": LOG_LEVELS}
+    for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
-        type_name = str(f.type).replace(" | None", "").replace("None | ", "").strip()
-        default = f.default if f.default is not dataclasses.MISSING else None
-        help_text = comments.get(f.name, "")
-        if type_name == "bool":
-            action = "store_true" if default is False else argparse.BooleanOptionalAction
-            group.add_argument(flag, action=action, default=default, help=help_text)
-        elif type_name in _SCALARS:
-            suffix = f" (default: {default})" if default is not None else ""
-            group.add_argument(
-                flag,
-                type=_SCALARS[type_name],
-                default=default,
-                choices=choices.get(f.name),
-                help=help_text + suffix,
-                metavar=None if f.name in choices else f.name.upper(),
-            )
-        elif type_name.startswith("dict"):
-            group.add_argument(
-                flag,
-                type=json.loads,
-                default=None,
-                help="a JSON object" + (f"; {help_text}" if help_text else ""),
-            )
-        else:
+        type_name = str(f.type).replace(" | None", "").strip()
+        if type_name not in _SCALARS:
             raise TypeError(
-                f"cannot derive a flag for {cls.__name__}.{f.name} of type {f.type}; add a case here"
+                f"cannot derive a flag for ServerConfig.{f.name} of type {f.type}; add a case here"
             )
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One `--kebab-case` flag per EngineConfig field, with its type, default and choices."""
-    _add_dataclass_args(parser.add_argument_group("engine"), EngineConfig, ENGINE_CHOICES)
-
-
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """Raises ValueError (from EngineConfig) for values that do not make sense together."""
-    values = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)
-    }
-    if values.get("extra") is None:
-        values.pop("extra", None)
-    return EngineConfig(**values)
+        suffix = f" (default: {f.default})" if f.default is not None else ""
+        group.add_argument(
+            flag,
+            type=_SCALARS[type_name],
+            default=f.default,
+            choices=choices.get(f.name),
+            help=comments.get(f.name, "") + suffix,
+            metavar=None if f.name in choices else f.name.upper(),
+        )
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    """The HTTP server's flags (ServerConfig fields); the engine's come from add_engine_args."""
-    _add_dataclass_args(parser.add_argument_group("server"), ServerConfig, {"log_level": LOG_LEVELS})
+    """Every `strata serve` flag: the ServerConfig fields, then the EngineConfig fields
+    (`strata.config.add_engine_args`) unless the parser has them already."""
+    _add_server_args(parser.add_argument_group("server"))
+    if "--model" not in parser._option_string_actions:
+        add_engine_args(parser)
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -122,7 +95,6 @@ def build_parser() -> argparse.ArgumentParser:
         description="Serve a model over an OpenAI-compatible HTTP API (plus /generate, /metrics, /health).",
     )
     add_serve_args(parser)
-    add_engine_args(parser)
     return parser
 
 
@@ -170,6 +142,19 @@ class EngineProcess:
         self.proc.wait(5)
 
 
+def engine_threads() -> int:
+    """Torch threads for the engine when --num-threads is not given: every core the process may use
+    but one, which is left to the frontend (vLLM's CPU backend also reserves one). Measured on 2
+    cores, SmolLM2-135M: on an idle machine both cores decode ~25% faster (batch 1: 38 vs 47
+    ms/token), but as soon as anything else wants CPU the engine's OpenMP threads spin against it
+    and decode collapses ~10x (batch 1: 510 vs 49 ms/token); one core for the frontend avoids that."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
 def served_names(
     model_arg: str | None, model_dir: Path, served_model_name: str | None
 ) -> tuple[str, frozenset[str]]:
@@ -187,6 +172,19 @@ def served_names(
     if model_arg is not None:
         aliases.add(model_arg)
     return name, frozenset(aliases)
+
+
+def ipc_addresses() -> tuple[str | None, str, str]:
+    """(directory to remove at exit or None, frontend->engine address, engine->frontend address).
+
+    On Linux the sockets live in the abstract namespace: no files, so nothing is left behind
+    even when the server is SIGKILLed. Elsewhere they go in a temporary directory.
+    """
+    if sys.platform.startswith("linux"):
+        name = f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        return None, f"ipc://@{name}-in", f"ipc://@{name}-out"
+    ipc_dir = tempfile.mkdtemp(prefix="strata-")
+    return ipc_dir, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -249,8 +247,7 @@ async def _serve(
     sock = bind_socket(server_config.host, server_config.port)
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
-    ipc_dir = tempfile.mkdtemp(prefix="strata-")
-    in_addr, out_addr = f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
+    ipc_dir, in_addr, out_addr = ipc_addresses()
     metrics = ServerMetrics(name)
     client = EngineClient(in_addr, out_addr, metrics)
     engine = EngineProcess(engine_config, in_addr, out_addr, server_config.log_level)
@@ -320,14 +317,16 @@ async def _serve(
             engine.proc.kill()
             engine.proc.wait()
         sock.close()
-        shutil.rmtree(ipc_dir, ignore_errors=True)
+        if ipc_dir is not None:
+            shutil.rmtree(ipc_dir, ignore_errors=True)
     return exit_code
 
 
-def serve_main(argv: list[str] | None = None) -> int:
-    """Entry point of `strata serve`; returns the process exit status."""
+def serve_main(argv: list[str] | argparse.Namespace | None = None) -> int:
+    """Entry point of `strata serve`: command-line arguments, or flags the CLI already parsed with
+    a parser set up by `add_serve_args`. Returns the process exit status."""
     started = time.perf_counter()
-    args = build_parser().parse_args(argv)
+    args = argv if isinstance(argv, argparse.Namespace) else build_parser().parse_args(argv)
     return serve(args, started)
 
 
@@ -353,7 +352,9 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"strata serve: error: {exc}", file=sys.stderr)
         return 2
-    engine_config = dataclasses.replace(engine_config, model=str(model_dir))
+    engine_config = dataclasses.replace(
+        engine_config, model=str(model_dir), num_threads=engine_config.num_threads or engine_threads()
+    )
     try:
         return asyncio.run(_serve(server_config, engine_config, model_arg, started))
     except OSError as exc:

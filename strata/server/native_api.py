@@ -40,6 +40,7 @@ from strata.server.serving import (
     error_event,
     get_state,
     json_response,
+    off_loop,
     read_body,
     sse,
     start_generation,
@@ -111,17 +112,16 @@ def logprob_fields(state: ServerState, lps) -> dict[str, Any]:
 @router.post("/generate")
 async def generate(request: Request) -> Response:
     state = get_state(request)
-    req: GenerateRequest = decode_body(
-        await read_body(request, state.config.max_request_bytes), GenerateRequest
-    )
+    body = await read_body(request, state.config.max_request_bytes)
+    req: GenerateRequest = await off_loop(len(body), decode_body, body, GenerateRequest)
     info = state.engine_info()
-    prompts, is_batch = generate_prompts(state, req)
+    prompts, is_batch = await off_loop(len(body), generate_prompts, state, req)
     params = sampling_params(req, info.vocab_size)
     if len(prompts) * params.n > MAX_CHOICES:
         raise APIError(
             400, f"{len(prompts)} prompts x n={params.n} is more than {MAX_CHOICES} choices per request"
         )
-    jobs = [Job(ids, params) for ids in prompts]
+    jobs = [Job(ids, params, req.bootstrap_room, req.bootstrap_addr) for ids in prompts]
     rid = uuid.uuid4().hex
     gen = await start_generation(state, jobs)
     if req.stream:

@@ -53,6 +53,7 @@ from strata.server.serving import (
     error_event,
     get_state,
     json_response,
+    off_loop,
     read_body,
     sse,
     start_generation,
@@ -178,9 +179,8 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatLogprobs:
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
-    req: ChatCompletionRequest = decode_body(
-        await read_body(request, state.config.max_request_bytes), ChatCompletionRequest
-    )
+    body = await read_body(request, state.config.max_request_bytes)
+    req: ChatCompletionRequest = await off_loop(len(body), decode_body, body, ChatCompletionRequest)
     state.check_model(req.model)
     if req.tools:
         raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
@@ -191,7 +191,7 @@ async def chat_completions(request: Request) -> Response:
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     info = state.engine_info()
-    input_ids = chat_prompt_ids(state, req)
+    input_ids = await off_loop(len(body), chat_prompt_ids, state, req)
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = resolve_max_tokens(
@@ -200,7 +200,7 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
     params = make_sampling_params(sampling_fields(req, max_tokens, logprobs), info.vocab_size, names)
-    gen = await start_generation(state, [Job(input_ids, params)])
+    gen = await start_generation(state, [Job(input_ids, params, req.bootstrap_room, req.bootstrap_addr)])
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -309,9 +309,8 @@ class CompletionLogprobBuilder:
 @router.post("/v1/completions")
 async def completions(request: Request) -> Response:
     state = get_state(request)
-    req: CompletionRequest = decode_body(
-        await read_body(request, state.config.max_request_bytes), CompletionRequest
-    )
+    body = await read_body(request, state.config.max_request_bytes)
+    req: CompletionRequest = await off_loop(len(body), decode_body, body, CompletionRequest)
     state.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported by this server", param="echo")
@@ -320,7 +319,7 @@ async def completions(request: Request) -> Response:
     if req.best_of is not None and req.best_of != req.n:
         raise APIError(400, "best_of is not supported (use n)", param="best_of")
     info = state.engine_info()
-    prompts = completion_prompts(state, req.prompt)
+    prompts = await off_loop(len(body), completion_prompts, state, req.prompt)
     names = {**OPENAI_PARAM_NAMES, "logprobs": "logprobs"}
     jobs = []
     for ids in prompts:
@@ -336,6 +335,8 @@ async def completions(request: Request) -> Response:
             Job(
                 ids,
                 make_sampling_params(sampling_fields(req, max_tokens, req.logprobs), info.vocab_size, names),
+                req.bootstrap_room,
+                req.bootstrap_addr,
             )
         )
     check_choices(len(prompts), req.n)

@@ -144,6 +144,8 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    bootstrap_room: int | None = None  # PD disaggregation: injected by the router
+    bootstrap_addr: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -173,6 +175,8 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     return_logprob: bool = False
     top_logprobs_num: int = 0
     rid: Any = None  # accepted for SGLang compatibility; the server names requests itself
+    bootstrap_room: int | None = None  # PD disaggregation: injected by the router
+    bootstrap_addr: str | None = None
 
 
 # ------------------------------------------------------------------ responses

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 from fastapi import Request
@@ -29,10 +30,12 @@ from strata.server.protocol import APIError, error_body
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
+OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are decoded and tokenized off the event loop
 LOADING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1
 
 _json = msgspec.json.Encoder()
+T = TypeVar("T")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
@@ -90,6 +93,17 @@ class ServerState:
             text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
             self._token_texts[token_id] = text
         return text
+
+
+_tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-tokenize")
+
+
+async def off_loop(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
+    """Run `fn` (JSON decoding, chat template, tokenization) on one worker thread when the input is
+    large, so a 10 MB prompt does not stall every other stream; small inputs run inline (cheaper)."""
+    if num_bytes < OFFLOAD_BODY_BYTES:
+        return fn(*args)
+    return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, fn, *args)
 
 
 def get_state(request: Request) -> ServerState:

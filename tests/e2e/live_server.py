@@ -1,0 +1,124 @@
+"""A live `strata serve` (python -m strata.server) on a free port with a tiny random model, for e2e tests."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+_model_dir: Path | None = None
+
+
+def tiny_model_dir() -> Path:
+    """One tiny Llama (random weights, trained byte-level BPE, chat template) per test process."""
+    global _model_dir
+    if _model_dir is None:
+        from tiny_models import make_model
+        root = Path(tempfile.mkdtemp(prefix="strata-e2e-"))
+        atexit.register(shutil.rmtree, root, True)
+        _model_dir = make_model(root / "tiny-llama", "llama")
+    return _model_dir
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pid_alive(pid: int) -> bool:
+    """True if `pid` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+class LiveServer:
+    def __init__(self, *args: str, model_dir: Path | None = None, api_key: str | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.api_key = api_key
+        self.log = tempfile.NamedTemporaryFile(prefix="strata-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        cmd = [
+            sys.executable, "-m", "strata.server",
+            "--model", str(model_dir or tiny_model_dir()),
+            "--dtype", "float32",
+            "--port", str(self.port),
+            "--log-level", "warning",
+            *(["--api-key", api_key] if api_key else []),
+            *args,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+        )
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def client(self, **kw) -> httpx.Client:
+        kw.setdefault("timeout", 60)
+        return httpx.Client(base_url=self.url, headers=self.headers, **kw)
+
+    def health_status(self) -> int | None:
+        try:
+            return httpx.get(self.url + "/health", timeout=2).status_code
+        except httpx.TransportError:
+            return None
+
+    def wait_ready(self, timeout: float = 90) -> list[int | None]:
+        """Poll /health until 200; returns every status seen (None: not listening yet)."""
+        seen: list[int | None] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+            status = self.health_status()
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            if status == 200:
+                return seen
+            time.sleep(0.1)
+        raise TimeoutError(f"server not ready after {timeout}s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def info(self) -> dict:
+        with self.client() as c:
+            return c.get("/get_server_info").raise_for_status().json()
+
+    def stop(self, timeout: float = 30) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise
+
+    def close(self) -> None:
+        try:
+            engine_pid = None
+            if self.proc.poll() is None:
+                with contextlib.suppress(httpx.HTTPError, KeyError, TypeError):
+                    engine_pid = self.info()["engine"]["pid"]
+                self.stop()
+            if engine_pid is not None and pid_alive(engine_pid):
+                os.kill(engine_pid, signal.SIGKILL)
+        finally:
+            self.log.close()
+            os.unlink(self.log.name)

@@ -1,0 +1,118 @@
+"""PD disaggregation through live servers and the router: 1 prefill + 1 decode worker answer like a
+single server; killing the prefill worker fails the affected requests clearly and leaks no slots."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from live_server import LiveServer, free_port
+
+pytestmark = pytest.mark.e2e
+
+SECRET = ["--disaggregation-secret", "pd-test-secret"]
+PROMPTS = ["The quick brown fox", "Radix trees share", "Hello world! This is", "Numbers 0123"]
+
+
+def wait_http(url: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    single = LiveServer()
+    prefill = LiveServer("--disaggregation-mode", "prefill", *SECRET)
+    decode = LiveServer("--disaggregation-mode", "decode", "--disaggregation-timeout", "5", *SECRET)
+    for s in (single, prefill, decode):
+        s.wait_ready()
+    port = free_port()
+    router = subprocess.Popen(
+        [sys.executable, "-m", "strata.router", "--port", str(port), "--prefill", prefill.url,
+         "--decode", decode.url, "--health-check-interval", "0.5", "--log-level", "warning"],
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url)
+    deadline = time.monotonic() + 30  # the router learns the prefill worker's KV address from its info
+    while time.monotonic() < deadline:
+        workers = httpx.get(url + "/get_server_info", timeout=5).json()
+        if "bootstrap_addr" in str(workers):
+            break
+        time.sleep(0.2)
+    yield single, prefill, decode, url
+    router.terminate()
+    router.wait(10)
+    for s in (single, prefill, decode):
+        s.close()
+
+
+def complete(base: str, prompt: str, stream: bool = False) -> str:
+    body = {"model": "x", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+    with httpx.Client(base_url=base, timeout=60) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        body["model"] = model
+        if not stream:
+            r = c.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+        text = ""
+        with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    import json
+
+                    chunk = json.loads(line[6:])
+                    if chunk.get("choices"):
+                        text += chunk["choices"][0].get("text", "")
+        return text
+
+
+def test_pd_answers_equal_a_single_server(cluster):
+    single, prefill, decode, router = cluster
+    expected = [complete(single.url, p) for p in PROMPTS]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: complete(router, p), PROMPTS))
+    assert got == expected
+    assert complete(router, PROMPTS[0], stream=True) == expected[0]
+    info = decode.info()
+    assert info["disaggregation"]["mode"] == "decode"
+
+
+def test_direct_requests_to_a_disaggregated_worker_are_refused(cluster):
+    _, prefill, decode, _ = cluster
+    with decode.client() as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4})
+    assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
+
+
+def test_killing_the_prefill_worker_fails_clearly_without_leaks(cluster):
+    single, prefill, decode, router = cluster
+    total = decode.info()["kv_cache"]
+    prefill.proc.kill()
+    prefill.proc.wait()
+    with httpx.Client(base_url=router, timeout=60) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/completions", json={"model": model, "prompt": "The quick brown fox", "max_tokens": 8})
+    assert r.status_code >= 500
+    assert "prefill" in r.text or "worker" in r.text
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        kv = decode.info()["kv_cache"]
+        if kv == total:
+            break
+        time.sleep(0.3)
+    assert decode.info()["kv_cache"] == total  # no reserved slots left behind
