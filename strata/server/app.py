@@ -182,6 +182,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "num_queue_reqs": stats.num_waiting,
                 "num_waiting_first_token": client.num_queued,
                 "num_retractions": stats.num_retractions,
+                "hicache": stats.hicache,  # per-tier hit tokens and rates, bytes moved (None: off)
                 "num_aborted_requests": client.num_aborted,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),

@@ -75,6 +75,7 @@ class EngineLoop:
             page_size=s.page_size,
             num_retractions=s.num_retractions,
             num_steps=s.step_count,
+            hicache=self.engine.hicache.stats.as_dict() if self.engine.hicache is not None else None,
         )
 
     # ------------------------------------------------------------------ the loop

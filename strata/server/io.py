@@ -12,6 +12,8 @@ pickled. Order on one pipe is preserved, so a request's AddResult always arrives
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from strata.engine.request import RequestOutput
@@ -63,6 +65,7 @@ class EngineStats(msgspec.Struct):
     page_size: int = 1
     num_retractions: int = 0  # so far
     num_steps: int = 0
+    hicache: dict[str, Any] | None = None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
 
     @property
     def token_usage(self) -> float:

@@ -62,6 +62,23 @@ class ServerMetrics:
         self.token_usage = gauge("token_usage", "Fraction of the KV cache held by requests.")
         self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens, since start.")
         self.num_retracted = gauge("num_retracted_reqs", "Requests retracted so far to free KV cache.")
+        # the KV cache hierarchy's own counters are cumulative in the engine, mirrored here as gauges
+        self.hicache_hit_tokens = Gauge(
+            "strata:hicache_hit_tokens", "Prompt tokens served per cache tier, since start.",
+            ["model_name", "tier"], registry=r,
+        )  # fmt: skip
+        self.hicache_hit_rate = Gauge(
+            "strata:hicache_hit_rate", "Per-tier hit tokens / prompt tokens, since start.",
+            ["model_name", "tier"], registry=r,
+        )  # fmt: skip
+        self.hicache_bytes = Gauge(
+            "strata:hicache_bytes", "Bytes moved between tiers, since start.", ["model_name", "direction"], registry=r
+        )
+        self.hicache_events = Gauge(
+            "strata:hicache_events", "Storage errors and corrupt pages ignored, since start.",
+            ["model_name", "kind"], registry=r,
+        )  # fmt: skip
+        self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -97,6 +114,16 @@ class ServerMetrics:
         self.num_queue.set(stats.num_waiting)
         self.token_usage.set(stats.token_usage)
         self.num_retracted.set(stats.num_retractions)
+        h = stats.hicache
+        if h:
+            m = self.model_name
+            for tier, n in h["hit_tokens"].items():
+                self.hicache_hit_tokens.labels(m, tier).set(n)
+                self.hicache_hit_rate.labels(m, tier).set(h["hit_rate"][tier])
+            for direction in ("bytes_to_host", "bytes_from_host", "bytes_to_storage", "bytes_from_storage"):
+                self.hicache_bytes.labels(m, direction.removeprefix("bytes_")).set(h[direction])
+            for kind in ("storage_errors", "corrupt_pages"):
+                self.hicache_events.labels(m, kind).set(h[kind])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

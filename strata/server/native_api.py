@@ -135,6 +135,7 @@ async def generate(request: Request) -> Response:
             "prompt_tokens": r.prompt_tokens,
             "completion_tokens": len(r.token_ids),
             "cached_tokens": r.cached_tokens,
+            "cached_tokens_details": r.cached_tokens_details,
             "finish_reason": finish_reason(r, len(r.token_ids)),
             "e2e_latency": latency,
         }
@@ -161,6 +162,7 @@ async def generate_stream(
             "prompt_tokens": out.prompt_tokens,
             "completion_tokens": out.completion_tokens,
             "cached_tokens": out.cached_tokens,
+            "cached_tokens_details": out.cached_tokens_details,
             "finish_reason": finish_reason(out, out.completion_tokens),
             "e2e_latency": time.perf_counter() - gen.created,
         }

@@ -165,6 +165,7 @@ class ChoiceResult:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_details: dict[str, int] = field(default_factory=dict)  # per cache tier
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text_delta
@@ -176,6 +177,7 @@ class ChoiceResult:
             self.error = out.error
             self.prompt_tokens = out.prompt_tokens
             self.cached_tokens = out.cached_tokens
+            self.cached_tokens_details = out.cached_tokens_details
 
 
 async def wait_disconnect(request: Request) -> None:
