@@ -27,12 +27,10 @@ class MHAKVPool:
         self.num_slots = num_pages * page_size
         self.dtype = dtype
         shape = (self.num_slots, num_kv_heads, head_dim)
-        # empty, not zeros: untouched pages cost no resident memory. Slot 0 is zeroed because padded
-        # attention gathers it for masked positions, and 0 * NaN garbage would still be NaN.
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        for buf in self.k + self.v:
-            buf[0].zero_()
+        # zeros, not empty: padded attention gathers slots it masks out (the unwritten tail of a
+        # request's last page, padding rows), and a masked 0 * NaN from uninitialised memory is NaN
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
