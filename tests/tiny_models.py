@@ -5,7 +5,6 @@ Import it as `from tiny_models import make_model` (tests/ is on sys.path through
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch

@@ -103,22 +103,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(**values)
 
 
-def _bind(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(
-            f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port or --host"
-        ) from None
-    sock.listen(2048)
-    sock.set_inheritable(False)
-    return sock
-
-
 def make_server(app, log_level: str, grace_period: float):
     """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the
     launched replicas are stopped and the process exits 0."""
@@ -172,7 +156,9 @@ def router_main(args: argparse.Namespace) -> int:
     from strata.router.launcher import engine_flags, launch_replicas, stop_replicas
 
     try:
-        sock = _bind(config.host, config.port)
+        from strata.server.launch import bind_socket
+
+        sock = bind_socket(config.host, config.port)
     except OSError as exc:
         print(f"strata router: error: {exc}", file=sys.stderr)
         return 2

@@ -7,7 +7,6 @@ import shutil
 import subprocess
 import time
 
-import httpx
 import pytest
 
 from live_server import LiveServer, free_port
