@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import inspect
 import logging
 import re
 import shlex
-import signal
 import socket
 import sys
 import time
@@ -103,37 +101,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(**values)
 
 
-def make_server(app, log_level: str, grace_period: float):
-    """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the
-    launched replicas are stopped and the process exits 0."""
-    import uvicorn
-
-    class Server(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self):
-            import threading
-
-            if threading.current_thread() is not threading.main_thread():
-                yield
-                return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
-            try:
-                yield
-            finally:
-                for sig, handler in previous.items():
-                    signal.signal(sig, handler)
-
-    config = uvicorn.Config(
-        app,
-        log_level=log_level,
-        access_log=log_level == "debug",
-        timeout_graceful_shutdown=grace_period,
-        timeout_keep_alive=30,
-        lifespan="on",
-    )
-    return Server(config)
-
-
 def router_main(args: argparse.Namespace) -> int:
     """Entry point of `strata router`; returns the process exit status."""
     started = time.perf_counter()
@@ -193,7 +160,9 @@ async def _serve(
     from strata.router.app import Gateway, create_app
 
     gateway = Gateway(config, launched_urls=launched)
-    server = make_server(create_app(gateway), config.log_level, grace)
+    from strata.server.launch import make_uvicorn_server
+
+    server = make_uvicorn_server(create_app(gateway), config.log_level, grace, keep_alive=30, lifespan="on")
     host, port = sock.getsockname()[:2]
     url_host = f"[{host}]" if ":" in host else host
 

@@ -206,15 +206,19 @@ def bind_socket(host: str, port: int) -> socket.socket:
 # ------------------------------------------------------------------ serving
 
 
-def _make_uvicorn_server(app, config: ServerConfig):
+def make_uvicorn_server(app, log_level: str, grace_period: float, keep_alive: int, lifespan: str):
+    """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the caller
+    can shut down what it owns (the engine, launched replicas) and exit 0. Shared with the router."""
+    import threading
+
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the
-        engine is shut down and the process exits 0."""
-
         @contextlib.contextmanager
         def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():  # e.g. run in a test thread
+                yield
+                return
             previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
             try:
                 yield
@@ -224,11 +228,11 @@ def _make_uvicorn_server(app, config: ServerConfig):
 
     uv_config = uvicorn.Config(
         app,
-        log_level=config.log_level,
-        access_log=config.log_level == "debug",
-        timeout_graceful_shutdown=config.grace_period,
-        timeout_keep_alive=5,
-        lifespan="off",
+        log_level=log_level,
+        access_log=log_level == "debug",
+        timeout_graceful_shutdown=grace_period,
+        timeout_keep_alive=keep_alive,
+        lifespan=lifespan,
     )
     return Server(uv_config)
 
@@ -269,7 +273,9 @@ async def _serve(
             model_dir=str(model_dir),
             started_at=time.time(),
         )
-        server = _make_uvicorn_server(create_app(state), server_config)
+        server = make_uvicorn_server(
+            create_app(state), server_config.log_level, server_config.grace_period, keep_alive=5, lifespan="off"
+        )
         server.should_exit = bool(early_signals)
 
         def on_failure(message: str) -> None:
