@@ -481,11 +481,7 @@ class Scheduler:
         own_from = req.cached_len // ps
         if cache_it and self.cache_enabled:
             full = (req.kv_len // ps) * ps
-            tokens = req.seq_slice(0, full)
-            present = self.cache.insert(tokens, req.pages[: full // ps])
-            if self.hicache is not None and present < full:
-                self.hicache.on_insert(tokens, req.pages[: full // ps], present)
-            self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
+            self._insert_computed(req, full)
             self.allocator.free(req.pages[full // ps :])
         else:
             self.allocator.free(req.pages[own_from:])
@@ -494,6 +490,18 @@ class Scheduler:
         req.pages, req.prefix_node = [], None
         req.kv_len = req.cached_len = 0
 
+    def _insert_computed(self, req: Req, full: int) -> list[int]:
+        """Insert the request's first `full` (page-aligned) tokens with their pages into the cache,
+        and free its own pages that duplicate ones the cache already held. Returns those tokens."""
+        ps = self.page_size
+        own_from = req.cached_len // ps
+        tokens = req.seq_slice(0, full)
+        present = self.cache.insert(tokens, req.pages[: full // ps])
+        if self.hicache is not None and present < full:
+            self.hicache.on_insert(tokens, req.pages[: full // ps], present)
+        self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
+        return tokens
+
     def _cache_unfinished(self, req: Req) -> None:
         """Insert a running request's computed pages into the cache and lock them in its place,
         so other requests (n > 1 siblings, a shared system prompt) can reuse them at once."""
@@ -501,11 +509,7 @@ class Scheduler:
         full = (req.kv_len // ps) * ps
         if full <= req.cached_len:
             return
-        tokens = req.seq_slice(0, full)
-        present = self.cache.insert(tokens, req.pages[: full // ps])
-        if self.hicache is not None and present < full:
-            self.hicache.on_insert(tokens, req.pages[: full // ps], present)
-        self.allocator.free(req.pages[req.cached_len // ps : max(req.cached_len // ps, present // ps)])
+        tokens = self._insert_computed(req, full)
         match = self.cache.match_prefix(tokens)
         assert match.cached_len == full, "just inserted"
         self.cache.inc_lock(match.node)
