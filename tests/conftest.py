@@ -9,6 +9,14 @@ import pytest
 from tiny_models import FAMILIES, build_tokenizer, make_model  # noqa: F401  (re-exported for old imports)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def cpu_kernels_built():
+    """Compile the native CPU kernels once, before any test starts a server that would wait on it."""
+    from strata.kernels import cpu_ops
+
+    cpu_ops()
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One tiny model directory per family, built once per session."""

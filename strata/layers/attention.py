@@ -11,6 +11,9 @@ page_table[b, j // page_size] * page_size + j % page_size. The new tokens' K/V a
 query i (absolute position kv_len - q_len + i) attends to keys 0 .. kv_len - q_len + i.
 
 `AttentionMetadata.build` precomputes the gathers and masks once per step; every layer reuses them.
+On the CPU the native kernels (strata.kernels) store the new K/V and run decode attention straight
+from the pool, one pass per (token, KV head) with an online softmax: no gather, no padding. Extend
+(prefill) segments use SDPA, whose matrix-multiply blocks win once a request has many queries.
 `reference_attention` is the per-request loop kept as the test oracle.
 """
 
@@ -20,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from strata.kernels import cpu_ops, token_rows, usable
 
 
 @dataclass
@@ -41,6 +46,11 @@ class AttentionMetadata:
     out_slots: torch.Tensor  # [T] slot that each new token's K/V is written to
     decode: SegmentMeta | None
     extend: SegmentMeta | None
+    # for the native decode kernel (set when it is used; then `decode` is None)
+    num_decode: int = 0
+    page_table: torch.Tensor | None = None  # [B, max_pages] int64
+    owner: torch.Tensor | None = None  # [num_decode] request row of each decode token
+    page_size: int = 1
 
     @classmethod
     def build(
@@ -62,11 +72,18 @@ class AttentionMetadata:
         positions = torch.arange(int(q.sum())) - first[owner] + (kv - q)[owner]
         out_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
         decode = extend = None
-        if num_decode:
+        kernel = device.type == "cpu" and cpu_ops() is not None
+        if num_decode and not kernel:
             decode = _segment(0, q[:num_decode], kv[:num_decode], page_table[:num_decode], page_size, device)
         if num_decode < len(q_lens):
             extend = _segment(num_decode, q[num_decode:], kv[num_decode:], page_table[num_decode:], page_size, device)
-        return cls(positions=positions.to(device), out_slots=out_slots.to(device), decode=decode, extend=extend)
+        meta = cls(positions=positions.to(device), out_slots=out_slots.to(device), decode=decode, extend=extend)
+        if num_decode and kernel:
+            meta.num_decode = num_decode
+            meta.page_table = page_table[:num_decode].contiguous()
+            meta.owner = owner[:num_decode].contiguous()
+            meta.page_size = page_size
+        return meta
 
 
 def _segment(
@@ -108,9 +125,18 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    k_cache[meta.out_slots] = k.to(k_cache.dtype)
-    v_cache[meta.out_slots] = v.to(v_cache.dtype)
-    out = torch.empty_like(q)
+    ops = usable(q, k_cache)
+    if ops and token_rows(k) and token_rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
+        ops.store_kv(k, v, k_cache, v_cache, meta.out_slots)
+    else:
+        k_cache[meta.out_slots] = k.to(k_cache.dtype)
+        v_cache[meta.out_slots] = v.to(v_cache.dtype)
+    out = q.new_empty(q.shape)
+    if meta.page_table is not None:  # decode tokens through the native kernel
+        nd = meta.num_decode
+        ops.paged_attention(
+            out[:nd], q[:nd], k_cache, v_cache, meta.page_table, meta.owner, meta.positions[:nd], meta.page_size, scale
+        )
     for seg in (meta.decode, meta.extend):
         if seg is None:
             continue

@@ -7,6 +7,7 @@ import math
 import torch
 
 from strata.config import RopeConfig
+from strata.kernels import token_rows, usable
 
 
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
@@ -92,7 +93,17 @@ class RotaryEmbedding:
         self.rot_dim = emb.shape[-1]
 
     def __call__(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim]
+        """q: [num_tokens, num_heads, head_dim], k: [num_tokens, num_kv_heads, head_dim].
+
+        With the native kernels q and k are rotated in place (they are fresh projections) and
+        returned; otherwise new tensors are returned."""
+        ops = usable(q, k, self.cos)
+        if ops and token_rows(q) and token_rows(k) and positions.dtype == torch.int64 and positions.is_contiguous():
+            ops.rotary_embedding(q, k, self.cos, self.sin, positions)
+            return q, k
+        return self.reference(positions, q, k)
+
+    def reference(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
         return _apply(q, cos, sin, self.rot_dim), _apply(k, cos, sin, self.rot_dim)

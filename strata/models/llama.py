@@ -13,6 +13,7 @@ from torch import nn
 
 from strata.cache.kv_pool import MHAKVPool
 from strata.config import ModelConfig
+from strata.kernels import usable
 from strata.layers.attention import AttentionMetadata, paged_attention
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
@@ -50,6 +51,9 @@ class Attention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
+SILU_KERNEL_MAX_ROWS = 16
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -60,7 +64,12 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        # the kernel's exp is scalar: it wins where per-op overhead dominates (a few rows), not beyond
+        ops = usable(gate_up) if gate_up.shape[0] <= SILU_KERNEL_MAX_ROWS else None
+        if ops and gate_up.is_contiguous():
+            return self.down_proj(ops.silu_and_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
@@ -72,9 +81,15 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, positions, rope, meta, kv):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, meta, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, rope, meta, kv):
+        """Returns (mlp output, residual stream); the caller adds them (fused into the next norm)."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, rope, meta, kv)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -92,10 +107,10 @@ class LlamaForCausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: MHAKVPool
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer in self.layers:
-            x = layer(x, positions, self.rope, meta, kv)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, self.rope, meta, kv)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""

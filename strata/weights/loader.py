@@ -32,7 +32,8 @@ def load_model(
     group_size: int = 32,
 ) -> torch.nn.Module:
     """Build the model without initialising weights (meta device), fill it from the checkpoint, and
-    quantize its linear weights if asked (`strata.layers.quant`)."""
+    quantize its linear weights if asked (`strata.layers.quant`). On the CPU, bf16 linear weights are
+    then prepacked for oneDNN (`strata.layers.packed`)."""
     cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -48,4 +49,8 @@ def load_model(
         from strata.layers.quant import quantize_model
 
         model = quantize_model(model, quantization, group_size)
+    if torch.device(device).type == "cpu":
+        from strata.layers.packed import pack_linears
+
+        pack_linears(model)
     return model.eval()

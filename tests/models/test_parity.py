@@ -77,6 +77,52 @@ def test_prefill_and_decode_logits_match(tiny_models, family, page_size):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
 
+def prefill_then_decode_logits(engine: Engine, steps: int = 3) -> torch.Tensor:
+    """Logits of a batched prefill of PROMPTS, then `steps` batched decode steps feeding fixed tokens."""
+    reqs = [Req(rid=str(i), prompt_ids=list(p), params=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    out = [forward_logits(engine, reqs, [len(p) for p in PROMPTS], num_decode=0)]
+    for step in range(steps):
+        for i, req in enumerate(reqs):
+            req.output_ids.append(11 + 7 * i + step)
+        out.append(forward_logits(engine, reqs, [1] * len(reqs), num_decode=len(reqs)))
+    return torch.cat(out).float()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_pytorch_path_matches_too(tiny_models, page_size):
+    """The fallback used without the native kernels (no compiler, STRATA_CPU_KERNELS=0, GPUs)."""
+    from strata import kernels
+
+    with kernels.disabled():
+        engine = Engine(str(tiny_models["qwen3"]), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
+        got = prefill_then_decode_logits(engine)
+    with_kernels = Engine(str(tiny_models["qwen3"]), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
+    torch.testing.assert_close(got, prefill_then_decode_logits(with_kernels), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_bf16_fast_paths_are_as_close_to_the_oracle_as_pytorch_bf16(tiny_models, family):
+    """bf16 with the native kernels and packed linears vs bf16 through plain PyTorch ops: both are
+    compared with the float32 engine (itself exact against transformers, above), and the fast path
+    must not add error: within 1.5x the PyTorch path's worst logit error plus 0.02, 1.2x its mean."""
+    from strata import kernels
+
+    model_dir = str(tiny_models[family])
+    exact = prefill_then_decode_logits(Engine(model_dir, dtype="float32", kv_cache_tokens=1024))
+    fast = prefill_then_decode_logits(Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    with kernels.disabled():
+        plain = prefill_then_decode_logits(Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    fast_err = (fast - exact).abs().max().item()
+    plain_err = (plain - exact).abs().max().item()
+    assert fast_err <= 1.5 * plain_err + 0.02, (fast_err, plain_err)
+    fast_mean, plain_mean = (fast - exact).abs().mean().item(), (plain - exact).abs().mean().item()
+    assert fast_mean <= 1.2 * plain_mean + 1e-3, (fast_mean, plain_mean)
+    # and the greedy choice agrees with the exact model about as often as plain bf16 does
+    fast_agree = (fast.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    plain_agree = (plain.argmax(-1) == exact.argmax(-1)).float().mean().item()
+    assert fast_agree >= plain_agree - 0.05, (fast_agree, plain_agree)
+
+
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
 

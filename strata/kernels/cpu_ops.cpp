@@ -1,0 +1,500 @@
+// CPU kernels for the hot path of a forward step: paged attention read straight from the KV pool,
+// residual add + RMSNorm, rotary embedding in place, SiLU(gate) * up.
+//
+// Each kernel reproduces the rounding of the PyTorch code it replaces (strata/kernels/reference.py):
+// values are computed in float and rounded to the tensor's dtype wherever the PyTorch version
+// materialises an intermediate tensor, so the fallback and the kernel agree to the last bit in
+// most elements (exp may differ by one float ulp).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+template <typename T>
+inline float to_f(T v) { return static_cast<float>(v); }
+
+template <typename T>
+inline T round_to(float v) { return static_cast<T>(v); }
+
+template <typename T>
+inline float rounded(float v) { return static_cast<float>(static_cast<T>(v)); }
+
+template <typename T>
+inline void load_row(const T* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Paged attention.
+//
+// Token t (of T) belongs to request owner[t] and sits at absolute position positions[t]; it
+// attends keys 0 .. positions[t] of that request. Key j of request b is at slot
+// page_table[b][j / page_size] * page_size + j % page_size. The new tokens' K/V are first stored
+// at out_slots. Query head h reads KV head h / (H / Hkv). Softmax is online, in float.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kKeyTile = 64;
+
+template <typename QT, typename CT>
+void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
+                   const at::Tensor& out_slots) {
+  const int64_t T = k.size(0), row = k.size(1) * k.size(2);
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  const QT* kp = k.data_ptr<QT>();
+  const QT* vp = v.data_ptr<QT>();
+  CT* kc = k_cache.data_ptr<CT>();
+  CT* vc = v_cache.data_ptr<CT>();
+  const int64_t* slots = out_slots.data_ptr<int64_t>();
+  at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      CT* kd = kc + slots[t] * row;
+      CT* vd = vc + slots[t] * row;
+      for (int64_t i = 0; i < row; ++i) {
+        kd[i] = static_cast<CT>(to_f(kp[t * ks + i]));
+        vd[i] = static_cast<CT>(to_f(vp[t * vs + i]));
+      }
+    }
+  });
+}
+
+// Widen 16 elements to float. The SIMD path covers head_dim % 16 == 0 on AVX-512 machines.
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+inline __m512 load16(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// exp(x) for 16 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
+// polynomial (relative error ~1e-7); inputs below -103 give 0 (scalef underflows).
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.f / 720);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+#if defined(__AVX512F__)
+// Lane i of the result = the sum of all lanes of v[i] (16 horizontal sums as one transpose-add tree).
+inline __m512 reduce16(const __m512* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  // b[i] holds keys 4i..4i+3 in every 128-bit chunk; add the chunks, keeping keys in order
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+#endif
+
+// s[i] = exp(s[i] - shift) for i < n; returns the sum.
+inline float exp_shifted(float* s, int64_t n, float shift) {
+  float sum = 0.f;
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 sh = _mm512_set1_ps(shift);
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + 16 <= n; i += 16) {
+    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh));
+    _mm512_storeu_ps(s + i, e);
+    acc = _mm512_add_ps(acc, e);
+  }
+  sum = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - shift);
+    sum += s[i];
+  }
+  return sum;
+}
+
+template <typename T>
+constexpr bool kHasLoad16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
+
+// scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
+template <typename CT>
+inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
+  int64_t jj = 0;
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<CT>) {
+    if (D % 16 == 0) {
+      for (; jj + 16 <= jn; jj += 16) {  // 16 keys at a time, one reduction tree per query head
+        for (int64_t g = 0; g < G; ++g) {
+          const float* qg = qf + g * D;
+          __m512 acc[16];
+          for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+          for (int64_t d = 0; d < D; d += 16) {
+            const __m512 qv = _mm512_loadu_ps(qg + d);
+            for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, load16(keys[jj + k] + d), acc[k]);
+          }
+          _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
+        }
+      }
+    }
+  }
+#endif
+  std::vector<float> kf(D);
+  for (; jj < jn; ++jj) {
+    load_row(keys[jj], kf.data(), D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float* qg = qf + g * D;
+      float s = 0.f;
+#pragma omp simd reduction(+ : s)
+      for (int64_t d = 0; d < D; ++d) s += qg[d] * kf[d];
+      scores[g * kKeyTile + jj] = s;
+    }
+  }
+}
+
+// acc_g += sum_jj p[g][jj] * value_jj.
+template <typename CT>
+inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* const* values, int64_t jn, float* acc) {
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<CT>) {
+   if (D % 16 == 0) {
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 a[8];
+      const int64_t gs = std::min<int64_t>(G, 8);
+      for (int64_t g0 = 0; g0 < G; g0 += gs) {
+        const int64_t gn = std::min(gs, G - g0);
+        for (int64_t g = 0; g < gn; ++g) a[g] = _mm512_loadu_ps(acc + (g0 + g) * D + d);
+        for (int64_t jj = 0; jj < jn; ++jj) {
+          const __m512 vv = load16(values[jj] + d);
+          for (int64_t g = 0; g < gn; ++g) {
+            a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[(g0 + g) * kKeyTile + jj]), vv, a[g]);
+          }
+        }
+        for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(acc + (g0 + g) * D + d, a[g]);
+      }
+    }
+    return;
+   }
+  }
+#endif
+  std::vector<float> vf(D);
+  for (int64_t jj = 0; jj < jn; ++jj) {
+    load_row(values[jj], vf.data(), D);
+    for (int64_t g = 0; g < G; ++g) {
+      const float p = probs[g * kKeyTile + jj];
+      float* ag = acc + g * D;
+      for (int64_t d = 0; d < D; ++d) ag[d] += p * vf[d];
+    }
+  }
+}
+
+template <typename QT, typename CT>
+void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                    const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& owner,
+                    const at::Tensor& positions, int64_t page_size, double scale) {
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
+  const int64_t Hkv = k_cache.size(1);
+  const int64_t G = H / Hkv;
+  const int64_t pages_per_row = page_table.size(1);
+  const int64_t q_stride = q.stride(0);
+  const QT* qp = q.data_ptr<QT>();
+  QT* op = out.data_ptr<QT>();
+  const CT* kc = k_cache.data_ptr<CT>();
+  const CT* vc = v_cache.data_ptr<CT>();
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  const int64_t* own = owner.data_ptr<int64_t>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(G * D), acc(G * D), scores(G * kKeyTile), m(G), l(G);
+    const CT* keys[kKeyTile];
+    const CT* values[kKeyTile];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t t = item / Hkv, kvh = item % Hkv;
+      const int64_t n = pos[t] + 1;
+      const int64_t* pages = pt + own[t] * pages_per_row;
+      for (int64_t g = 0; g < G; ++g) {
+        const QT* src = qp + t * q_stride + (kvh * G + g) * D;
+        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(src[d]) * fscale;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.end(), 0.f);
+      for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
+        const int64_t jn = std::min(kKeyTile, n - j0);
+        for (int64_t jj = 0; jj < jn; ++jj) {
+          const int64_t j = j0 + jj;
+          const int64_t slot = pages[j / page_size] * page_size + j % page_size;
+          keys[jj] = kc + (slot * Hkv + kvh) * D;
+          values[jj] = vc + (slot * Hkv + kvh) * D;
+        }
+        tile_scores<CT>(qf.data(), G, D, keys, jn, scores.data());
+        for (int64_t g = 0; g < G; ++g) {
+          float* sg = scores.data() + g * kKeyTile;
+          float tile_max = sg[0];
+          for (int64_t jj = 1; jj < jn; ++jj) tile_max = std::max(tile_max, sg[jj]);
+          const float new_max = std::max(m[g], tile_max);
+          const float correction = std::exp(m[g] - new_max);  // exp(-inf) = 0 on the first tile
+          float sum = 0.f;
+          for (int64_t jj = 0; jj < jn; ++jj) {
+            sg[jj] = std::exp(sg[jj] - new_max);
+            sum += sg[jj];
+          }
+          l[g] = l[g] * correction + sum;
+          m[g] = new_max;
+          if (correction != 1.f) {
+            float* ag = acc.data() + g * D;
+            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+          }
+        }
+        tile_values<CT>(scores.data(), G, D, values, jn, acc.data());
+      }
+      for (int64_t g = 0; g < G; ++g) {
+        QT* dst = op + (t * H + kvh * G + g) * D;
+        const float inv = 1.f / l[g];
+        for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[g * D + d] * inv);
+      }
+    }
+  });
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
+}
+
+// [tokens, heads, head_dim] with each token's heads contiguous; tokens may be strided (views of a
+// fused qkv projection).
+void check_token_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.dim() == 3, name, " must be [tokens, heads, head_dim]");
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name, " must have contiguous heads");
+}
+
+void check_index(const at::Tensor& t, const char* name) {
+  check_cpu_contiguous(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
+}
+
+// k_cache[out_slots[t]] = k[t], v_cache[out_slots[t]] = v[t] (converted to the cache dtype).
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor out_slots) {
+  check_token_rows(k, "k");
+  check_token_rows(v, "v");
+  check_cpu_contiguous(k_cache, "k_cache");
+  check_cpu_contiguous(v_cache, "v_cache");
+  check_index(out_slots, "out_slots");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k/v and the two caches must pair up in dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2), "k does not match the cache layout");
+  TORCH_CHECK(out_slots.numel() == k.size(0), "one slot per new token");
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv_k", [&] {
+    using QT = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "store_kv_cache", [&] {
+      store_kv_impl<QT, scalar_t>(k, v, k_cache, v_cache, out_slots);
+    });
+  });
+}
+
+// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t].
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
+                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale) {
+  check_token_rows(q, "q");
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(k_cache, "k_cache");
+  check_cpu_contiguous(v_cache, "v_cache");
+  check_index(page_table, "page_table");
+  check_index(owner, "owner");
+  check_index(positions, "positions");
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == q.size(2), "caches must be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must match q");
+  TORCH_CHECK(owner.numel() == q.size(0) && positions.numel() == q.size(0), "one owner and position per token");
+  const int64_t capacity = page_table.size(1) * page_size;
+  for (int64_t t = 0; t < q.size(0); ++t) {
+    const int64_t o = owner.data_ptr<int64_t>()[t], p = positions.data_ptr<int64_t>()[t];
+    TORCH_CHECK(o >= 0 && o < page_table.size(0), "owner ", o, " is not a row of the page table");
+    TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " is past the request's pages");
+  }
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
+    using QT = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention_kv", [&] {
+      attention_impl<QT, scalar_t>(out, q, k_cache, v_cache, page_table, owner, positions, page_size, scale);
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// RMSNorm: out = w * dtype(x * rsqrt(mean(x^2) + eps)), with an optional residual added first
+// (residual <- x + residual, in the residual's dtype, and the sum is what is normalised).
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual_in,
+                   at::Tensor* residual_out, const at::Tensor& weight, double eps) {
+  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  const T* xp = x.data_ptr<T>();
+  const T* rp = residual_in ? residual_in->data_ptr<T>() : nullptr;
+  T* ro = residual_out ? residual_out->data_ptr<T>() : nullptr;
+  const T* wp = weight.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> buf(n);
+    for (int64_t r = begin; r < end; ++r) {
+      double ss = 0.0;
+      for (int64_t i = 0; i < n; ++i) {
+        float v = to_f(xp[r * n + i]);
+        if (rp) {
+          v = rounded<T>(v + to_f(rp[r * n + i]));
+          ro[r * n + i] = round_to<T>(v);
+        }
+        buf[i] = v;
+        ss += static_cast<double>(v) * v;
+      }
+      const float inv = 1.f / std::sqrt(static_cast<float>(ss / n) + static_cast<float>(eps));
+      for (int64_t i = 0; i < n; ++i) {
+        op[r * n + i] = round_to<T>(to_f(wp[i]) * rounded<T>(buf[i] * inv));
+      }
+    }
+  });
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(weight, "weight");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, nullptr, nullptr, weight, eps);
+  });
+  return out;
+}
+
+// Returns (norm(x + residual), x + residual).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  check_cpu_contiguous(x, "x");
+  check_cpu_contiguous(residual, "residual");
+  check_cpu_contiguous(weight, "weight");
+  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
+              "x, residual and weight must share a dtype");
+  auto out = at::empty_like(x);
+  auto sum = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
+    rms_norm_impl<scalar_t>(out, x, &residual, &sum, weight, eps);
+  });
+  return {out, sum};
+}
+
+// ---------------------------------------------------------------------------------------------
+// Rotary embedding in place on q [T, H, D] and k [T, Hkv, D] ("rotate_half" layout, the first
+// rot_dim dims rotate). cos/sin: float tables [max_positions, rot_dim], rounded to the q dtype
+// first like the PyTorch version.
+// ---------------------------------------------------------------------------------------------
+template <typename T>
+void rope_rows(T* x, int64_t heads, int64_t D, int64_t rot, const float* c, const float* s) {
+  const int64_t half = rot / 2;
+  for (int64_t h = 0; h < heads; ++h) {
+    T* row = x + h * D;
+    for (int64_t i = 0; i < half; ++i) {
+      const float x1 = to_f(row[i]), x2 = to_f(row[i + half]);
+      const float c1 = rounded<T>(c[i]), s1 = rounded<T>(s[i]);
+      const float c2 = rounded<T>(c[i + half]), s2 = rounded<T>(s[i + half]);
+      const float a = rounded<T>(x1 * c1) + rounded<T>(-x2 * s1);
+      const float b = rounded<T>(x2 * c2) + rounded<T>(x1 * s2);
+      row[i] = round_to<T>(a);
+      row[i + half] = round_to<T>(b);
+    }
+  }
+}
+
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin, at::Tensor positions) {
+  check_token_rows(q, "q");
+  check_token_rows(k, "k");
+  check_cpu_contiguous(cos, "cos");
+  check_cpu_contiguous(sin, "sin");
+  check_index(positions, "positions");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
+  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k must share a dtype");
+  const int64_t T = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), rot = cos.size(1);
+  const int64_t qs = q.stride(0), ks = k.stride(0);
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.numel() == T, "q, k and positions disagree");
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t p = positions.data_ptr<int64_t>()[t];
+    TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " is outside the rotary table");
+  }
+  TORCH_CHECK(rot <= D && rot % 2 == 0, "rotary dim must be even and at most head_dim");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const float* cp = cos.data_ptr<float>();
+  const float* sp = sin.data_ptr<float>();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
+    scalar_t* qp = q.data_ptr<scalar_t>();
+    scalar_t* kp = k.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const float* c = cp + pos[t] * rot;
+        const float* s = sp + pos[t] * rot;
+        rope_rows<scalar_t>(qp + t * qs, H, D, rot, c, s);
+        rope_rows<scalar_t>(kp + t * ks, Hkv, D, rot, c, s);
+      }
+    });
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// SiLU(gate) * up for gate_up [T, 2I] -> [T, I].
+// ---------------------------------------------------------------------------------------------
+at::Tensor silu_and_mul(at::Tensor gate_up) {
+  check_cpu_contiguous(gate_up, "gate_up");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto out = at::empty({rows, I}, gate_up.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
+    using T = scalar_t;
+    const T* gp = gate_up.data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    at::parallel_for(0, rows, 4, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const T* g = gp + r * 2 * I;
+        const T* u = g + I;
+        T* o = op + r * I;
+        for (int64_t i = 0; i < I; ++i) {
+          const float x = to_f(g[i]);
+          const float act = rounded<T>(x / (1.f + std::exp(-x)));
+          o[i] = round_to<T>(act * to_f(u[i]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("store_kv", &store_kv);
+  m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("add_rms_norm", &add_rms_norm);
+  m.def("rotary_embedding", &rotary_embedding);
+  m.def("silu_and_mul", &silu_and_mul);
+}
