@@ -208,6 +208,35 @@ inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* 
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 queries and keys: scores with the bf16 dot-product instruction (32 products per
+// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales.
+inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
+                             int64_t jn, float* scores) {
+  int64_t jj = 0;
+  for (; jj + 16 <= jn; jj += 16) {
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 acc[16];
+      for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
+        for (int k = 0; k < 16; ++k) {
+          acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
+        }
+      }
+      _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
+    }
+  }
+  for (; jj < jn; ++jj) {
+    for (int64_t g = 0; g < G; ++g) {
+      float s = 0.f;
+      for (int64_t d = 0; d < D; ++d) s += static_cast<float>(qb[g * D + d]) * static_cast<float>(keys[jj][d]);
+      scores[g * kKeyTile + jj] = s;
+    }
+  }
+}
+#endif
+
 // acc_g += sum_jj p[g][jj] * value_jj.
 template <typename CT>
 inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* const* values, int64_t jn, float* acc) {
@@ -285,7 +314,19 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
         }
-        tile_scores<CT>(qf.data(), G, D, keys, jn, scores.data());
+        bool scored = false;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
+          if (D % 32 == 0) {
+            tile_scores_bf16(qp + t * q_stride + kvh * G * D, G, D, keys, jn, scores.data());
+            for (int64_t g = 0; g < G; ++g) {
+              for (int64_t jj = 0; jj < jn; ++jj) scores[g * kKeyTile + jj] *= fscale;
+            }
+            scored = true;
+          }
+        }
+#endif
+        if (!scored) tile_scores<CT>(qf.data(), G, D, keys, jn, scores.data());
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * kKeyTile;
           float tile_max = sg[0];
