@@ -422,6 +422,200 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 }
 
 // ---------------------------------------------------------------------------------------------
+// Extend (prefill) attention: flash-style over query blocks.
+//
+// Request b feeds q_len[b] tokens starting at flattened token q_start[b]; after this step it has
+// kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that.
+// A work item is (request, KV head, block of kQueryBlock tokens): its QB * G query rows share
+// every 16-key tile, which is widened and transposed once ([D][16] floats) so each row's 16
+// scores are D broadcast-FMAs with no horizontal sums; then an online softmax and P @ V.
+// ---------------------------------------------------------------------------------------------
+constexpr int64_t kQueryBlock = 16;
+
+#if defined(__AVX512F__)
+// R query rows (r0 ..) against one 16-key tile: scores, online-softmax update, P @ V into acc.
+// Independent accumulators (4 per row for the scores, R x 4 d-blocks for P @ V) keep the FMA
+// pipes busy instead of waiting on one dependency chain.
+template <int R>
+inline void extend_rows(const float* qf, float* acc, float* m, float* l, const float* kt, const float* vt, float* p,
+                        int64_t r0, int64_t D, int64_t visible) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1u);
+  __m512 sc[R];
+  for (int r = 0; r < R; ++r) {
+    const float* qr = qf + (r0 + r) * D;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 4) {
+      a0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * 16), a0);
+      a1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), a1);
+      a2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]), _mm512_loadu_ps(kt + (d + 2) * 16), a2);
+      a3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]), _mm512_loadu_ps(kt + (d + 3) * 16), a3);
+    }
+    sc[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
+                               _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+  float corr[R];
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const float new_max = std::max(m[row], _mm512_reduce_max_ps(sc[r]));
+    corr[r] = std::exp(m[row] - new_max);
+    const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[r], _mm512_set1_ps(new_max))));
+    l[row] = l[row] * corr[r] + _mm512_reduce_add_ps(pv);
+    m[row] = new_max;
+    _mm512_storeu_ps(p + r * 16, pv);
+  }
+  for (int64_t d = 0; d < D; d += 64) {
+    const int64_t nb = std::min<int64_t>(4, (D - d) / 16);
+    __m512 a[R][4];
+    for (int r = 0; r < R; ++r) {
+      const __m512 c = _mm512_set1_ps(corr[r]);
+      for (int b = 0; b < nb; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d + 16 * b), c);
+    }
+    for (int64_t k = 0; k < visible; ++k) {
+      __m512 v[4];
+      for (int b = 0; b < nb; ++b) v[b] = _mm512_loadu_ps(vt + k * D + d + 16 * b);
+      for (int r = 0; r < R; ++r) {
+        const __m512 pk = _mm512_set1_ps(p[r * 16 + k]);
+        for (int b = 0; b < nb; ++b) a[r][b] = _mm512_fmadd_ps(pk, v[b], a[r][b]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
+    }
+  }
+}
+
+template <typename QT, typename CT>
+void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT* vc, const int64_t* pages,
+                 int64_t page_size, int64_t Hkv, int64_t kvh, int64_t G, int64_t D, int64_t tok0, int64_t ntok,
+                 int64_t pos0, float scale, float* buf) {
+  const int64_t rows = ntok * G;
+  float* qf = buf;                        // [rows][D]
+  float* acc = qf + rows * D;             // [rows][D]
+  float* m = acc + rows * D;              // [rows]
+  float* l = m + rows;                    // [rows]
+  float* kt = l + rows;                   // [D][16]
+  float* vt = kt + D * 16;                // [16][D]
+  float* p = vt + 16 * D;                 // [4][16]
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const QT* src = qp + (tok0 + i) * q_stride + (kvh * G + g) * D;
+      float* dst = qf + (i * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * scale;
+    }
+  }
+  std::fill(acc, acc + rows * D, 0.f);
+  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
+  std::fill(l, l + rows, 0.f);
+  const int64_t n_keys = pos0 + ntok;  // the last token's position + 1
+  for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
+    const int64_t jn = std::min<int64_t>(16, n_keys - j0);
+    for (int64_t k = 0; k < 16; ++k) {
+      if (k < jn) {
+        const int64_t j = j0 + k;
+        const int64_t slot = pages[j / page_size] * page_size + j % page_size;
+        const CT* krow = kc + (slot * Hkv + kvh) * D;
+        const CT* vrow = vc + (slot * Hkv + kvh) * D;
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = to_f(krow[d]);
+        for (int64_t d = 0; d < D; ++d) vt[k * D + d] = to_f(vrow[d]);
+      } else {
+        for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = 0.f;
+        for (int64_t d = 0; d < D; ++d) vt[k * D + d] = 0.f;
+      }
+    }
+    for (int64_t i = 0; i < ntok; ++i) {
+      const int64_t pos = pos0 + i;
+      if (pos < j0) continue;  // this token sees none of the tile
+      const int64_t visible = std::min<int64_t>(jn, pos - j0 + 1);
+      for (int64_t g0 = 0; g0 < G; g0 += 4) {
+        const int64_t r0 = i * G + g0;
+        switch (std::min<int64_t>(4, G - g0)) {
+          case 4: extend_rows<4>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
+          case 3: extend_rows<3>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
+          case 2: extend_rows<2>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
+          default: extend_rows<1>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
+        }
+      }
+    }
+  }
+  for (int64_t i = 0; i < ntok; ++i) {
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t r = i * G + g;
+      QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
+    }
+  }
+}
+#endif
+
+// out[q_start[b] + i] = attention of request b's token i (see above). Needs AVX-512 and
+// head_dim % 16 == 0 (extend_attention_supported); callers use SDPA otherwise.
+void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
+                      at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale) {
+  check_token_rows(q, "q");
+  check_cpu_contiguous(out, "out");
+  check_cpu_contiguous(k_cache, "k_cache");
+  check_cpu_contiguous(v_cache, "v_cache");
+  check_index(page_table, "page_table");
+  check_index(q_start, "q_start");
+  check_index(q_len, "q_len");
+  check_index(kv_len, "kv_len");
+  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = q_len.numel();
+  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == D && H % Hkv == 0, "caches must be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must match q");
+  TORCH_CHECK(page_table.size(0) == B && q_start.numel() == B && kv_len.numel() == B, "one row per request");
+#if !defined(__AVX512F__)
+  TORCH_CHECK(false, "extend_attention needs AVX-512");
+#else
+  TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0");
+  const int64_t G = H / Hkv;
+  const int64_t* qs = q_start.data_ptr<int64_t>();
+  const int64_t* ql = q_len.data_ptr<int64_t>();
+  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  struct Item { int64_t b, kvh, tok0, ntok, pos0; };
+  std::vector<Item> items;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && qs[b] >= 0 && qs[b] + ql[b] <= T, "bad q_start/q_len/kv_len for request ", b);
+    TORCH_CHECK(kl[b] <= page_table.size(1) * page_size, "request ", b, " has more keys than pages");
+    for (int64_t i0 = 0; i0 < ql[b]; i0 += kQueryBlock) {
+      for (int64_t h = 0; h < Hkv; ++h) {
+        items.push_back({b, h, qs[b] + i0, std::min(kQueryBlock, ql[b] - i0), kl[b] - ql[b] + i0});
+      }
+    }
+  }
+  // costliest first (they see the most keys), dealt round-robin so each thread gets a fair share
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos0 > b.pos0; });
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  const int64_t pages_per_row = page_table.size(1);
+  const float fscale = static_cast<float>(scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
+    using QT = scalar_t;
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "extend_attention_kv", [&] {
+      using CT = scalar_t;
+      {
+        const QT* qp = q.data_ptr<QT>();
+        QT* op = out.data_ptr<QT>();
+        const CT* kc = k_cache.data_ptr<CT>();
+        const CT* vc = v_cache.data_ptr<CT>();
+        at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
+          const int64_t rows = kQueryBlock * G;
+          std::vector<float> buf(2 * rows * D + 2 * rows + 32 * D + 64);
+          for (int64_t tid = begin; tid < end; ++tid) {
+            for (size_t it = tid; it < items.size(); it += nthreads) {
+              const Item& w = items[it];
+              extend_item<QT, CT>(qp, q.stride(0), op, kc, vc, pt + w.b * pages_per_row, page_size, Hkv, w.kvh, G, D,
+                                  w.tok0, w.ntok, w.pos0, fscale, buf.data());
+            }
+          }
+        });
+      }
+    });
+  });
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------
 // RMSNorm: out = w * dtype(x * rsqrt(mean(x^2) + eps)), with an optional residual added first
 // (residual <- x + residual, in the residual's dtype, and the sum is what is normalised).
 // ---------------------------------------------------------------------------------------------
@@ -615,6 +809,14 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_kv", &store_kv);
   m.def("paged_attention", &paged_attention);
+  m.def("extend_attention", &extend_attention);
+  m.def("has_avx512", [] {
+#if defined(__AVX512F__)
+    return true;
+#else
+    return false;
+#endif
+  });
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);
   m.def("rotary_embedding", &rotary_embedding);

@@ -13,7 +13,9 @@ query i (absolute position kv_len - q_len + i) attends to keys 0 .. kv_len - q_l
 `AttentionMetadata.build` precomputes the gathers and masks once per step; every layer reuses them.
 On the CPU the native kernels (strata.kernels) store the new K/V and run decode attention straight
 from the pool, one pass per (token, KV head) with an online softmax: no gather, no padding. Extend
-(prefill) segments use SDPA, whose matrix-multiply blocks win once a request has many queries.
+(prefill) segments whose requests all have at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash
+-style extend attention (2-3x faster than masked SDPA for many short prompts); longer ones use
+SDPA, whose blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes).
 `reference_attention` is the per-request loop kept as the test oracle.
 """
 
@@ -40,6 +42,24 @@ class SegmentMeta:
     causal: bool = False  # a single request with nothing cached: plain causal attention
 
 
+EXTEND_KERNEL_MAX_KV = 256
+
+
+@dataclass
+class ExtendKernelArgs:
+    """The extend segment as the native kernel takes it; `segment()` builds the SDPA view instead
+    (for head dims the kernel does not cover)."""
+
+    token_start: int
+    q_start: torch.Tensor  # [B] first flattened token of each request
+    q_len: torch.Tensor  # [B]
+    kv_len: torch.Tensor  # [B]
+    page_table: torch.Tensor  # [B, max_pages]
+
+    def segment(self, page_size: int, device: torch.device) -> SegmentMeta:
+        return _segment(self.token_start, self.q_len, self.kv_len, self.page_table, page_size, device)
+
+
 @dataclass
 class AttentionMetadata:
     positions: torch.Tensor  # [T] absolute position of each new token
@@ -51,6 +71,7 @@ class AttentionMetadata:
     page_table: torch.Tensor | None = None  # [B, max_pages] int64
     owner: torch.Tensor | None = None  # [num_decode] request row of each decode token
     page_size: int = 1
+    extend_kernel: ExtendKernelArgs | None = None  # set instead of `extend` when the kernel runs it
 
     @classmethod
     def build(
@@ -71,18 +92,24 @@ class AttentionMetadata:
         first = torch.cumsum(q, 0) - q
         positions = torch.arange(int(q.sum())) - first[owner] + (kv - q)[owner]
         out_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
-        decode = extend = None
-        kernel = device.type == "cpu" and cpu_ops() is not None
-        if num_decode and not kernel:
+        decode = extend = extend_kernel = None
+        ops = cpu_ops() if device.type == "cpu" else None
+        if num_decode and not ops:
             decode = _segment(0, q[:num_decode], kv[:num_decode], page_table[:num_decode], page_size, device)
         if num_decode < len(q_lens):
-            extend = _segment(num_decode, q[num_decode:], kv[num_decode:], page_table[num_decode:], page_size, device)
+            eq, ekv, ept = q[num_decode:], kv[num_decode:], page_table[num_decode:]
+            if ops and int(ekv.max()) <= EXTEND_KERNEL_MAX_KV and ops.has_avx512():
+                q_start = torch.cumsum(eq, 0) - eq + num_decode
+                extend_kernel = ExtendKernelArgs(num_decode, q_start, eq, ekv, ept.contiguous())
+            else:
+                extend = _segment(num_decode, eq, ekv, ept, page_size, device)
         meta = cls(positions=positions.to(device), out_slots=out_slots.to(device), decode=decode, extend=extend)
-        if num_decode and kernel:
+        meta.extend_kernel = extend_kernel
+        meta.page_size = page_size
+        if num_decode and ops:
             meta.num_decode = num_decode
             meta.page_table = page_table[:num_decode].contiguous()
             meta.owner = owner[:num_decode].contiguous()
-            meta.page_size = page_size
         return meta
 
 
@@ -137,6 +164,14 @@ def paged_attention(
         ops.paged_attention(
             out[:nd], q[:nd], k_cache, v_cache, meta.page_table, meta.owner, meta.positions[:nd], meta.page_size, scale
         )
+    ek = meta.extend_kernel
+    if ek is not None:
+        if q.shape[2] % 16 == 0:
+            ops.extend_attention(
+                out, q, k_cache, v_cache, ek.page_table, ek.q_start, ek.q_len, ek.kv_len, meta.page_size, scale
+            )
+        elif meta.extend is None:
+            meta.extend = ek.segment(meta.page_size, q.device)  # once per step, shared by the layers
     for seg in (meta.decode, meta.extend):
         if seg is None:
             continue

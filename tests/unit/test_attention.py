@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -13,15 +14,29 @@ from strata.layers.attention import AttentionMetadata, paged_attention, referenc
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("shape", [(4, 4), (8, 2), (6, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_matches_reference(dtype, atol, shape, page_size):
+@pytest.mark.parametrize("long_context", [False, True], ids=["short", "long"])  # long: SDPA for extends
+@pytest.mark.parametrize("backend", ["kernels", "pytorch"])
+def test_matches_reference(dtype, atol, shape, page_size, long_context, backend):
+    from strata import kernels
+
+    with kernels.disabled() if backend == "pytorch" else contextlib.nullcontext():
+        check_against_reference(dtype, atol, shape, page_size, long_context, head_dim=16)
+
+
+@pytest.mark.parametrize("long_context", [False, True], ids=["short", "long"])
+def test_head_dim_the_kernels_do_not_vectorise(long_context):
+    check_against_reference(torch.float32, 1e-5, (4, 2), 1, long_context, head_dim=24)
+
+
+def check_against_reference(dtype, atol, shape, page_size, long_context, head_dim):
     rng = random.Random(0)
     torch.manual_seed(0)
-    num_heads, num_kv_heads, head_dim, num_slots = shape[0], shape[1], 16, 512
+    num_heads, num_kv_heads, num_slots = shape[0], shape[1], 1024
     k_cache = torch.randn(num_slots, num_kv_heads, head_dim, dtype=dtype)
     v_cache = torch.randn(num_slots, num_kv_heads, head_dim, dtype=dtype)
     # decodes first (q_len 1), then extends with and without a cached prefix
-    kv_lens = [9, 40, 1, 7, 20, 5, 64]
-    q_lens = [1, 1, 1, 7, 12, 5, 30]
+    kv_lens = [9, 40, 1, 7, 20, 5, 64] + ([300] if long_context else [])
+    q_lens = [1, 1, 1, 7, 12, 5, 30] + ([45] if long_context else [])
     perm = list(range(num_slots // page_size))
     rng.shuffle(perm)
     page_lists, start = [], 0
@@ -49,8 +64,14 @@ def test_matches_reference(dtype, atol, shape, page_size):
 
 
 def test_single_fresh_prefill_takes_the_causal_path():
-    table = torch.arange(14).view(1, -1)
-    meta = AttentionMetadata.build([10], [10], table, 1, 0, torch.device("cpu"))
-    assert meta.extend.causal
-    meta = AttentionMetadata.build([10], [14], table, 1, 0, torch.device("cpu"))
-    assert not meta.extend.causal
+    from strata import kernels
+
+    table = torch.arange(400).view(1, -1)
+    with kernels.disabled():
+        meta = AttentionMetadata.build([10], [10], table, 1, 0, torch.device("cpu"))
+        assert meta.extend.causal
+        meta = AttentionMetadata.build([10], [14], table, 1, 0, torch.device("cpu"))
+        assert not meta.extend.causal
+    # with the kernels, short extends go to the extend kernel and long ones to (causal) SDPA
+    meta = AttentionMetadata.build([400], [400], table, 1, 0, torch.device("cpu"))
+    assert meta.extend.causal and meta.extend_kernel is None

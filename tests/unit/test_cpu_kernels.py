@@ -176,3 +176,37 @@ def test_packed_linear_matches_linear_and_packs_the_tied_head():
         other = torch.nn.Module()
         other.proj = torch.nn.Linear(24, 40).to(torch.bfloat16)
         assert pack_linears(other) == 0
+
+
+@pytest.mark.parametrize(
+    "dtype,head_dim,heads,kv_heads,page_size",
+    [
+        (torch.float32, 64, 9, 3, 1),
+        (torch.bfloat16, 64, 9, 3, 4),
+        (torch.float16, 32, 4, 4, 1),
+        (torch.float32, 128, 16, 1, 16),  # 16 query rows per KV head: row chunks of 4
+    ],
+)
+def test_extend_attention_matches_oracle(ops, dtype, head_dim, heads, kv_heads, page_size):
+    if not ops.has_avx512():
+        pytest.skip("the extend kernel needs AVX-512")
+    gen = torch.Generator().manual_seed(4)
+    q_lens, kv_lens = [1, 16, 17, 40, 5], [1, 16, 50, 200, 5]  # fresh and cached prefixes, block edges
+    num_slots = 2048
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    pages = random_pages(num_slots, len(kv_lens), max(kv_lens), page_size, gen)
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    q_start = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens))])
+    scale = head_dim**-0.5
+    ops.extend_attention(
+        out, q, k_cache, v_cache, pages, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), page_size, scale
+    )
+    slots = [pages[b, torch.arange(n) // page_size] * page_size + torch.arange(n) % page_size for b, n in enumerate(kv_lens)]
+    expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), q_lens, slots, scale)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=0)
+    with pytest.raises(RuntimeError, match="more keys than pages"):
+        ops.extend_attention(
+            out, q, k_cache, v_cache, pages[:, :1].contiguous(), q_start, torch.tensor(q_lens), torch.tensor(kv_lens), page_size, scale
+        )
