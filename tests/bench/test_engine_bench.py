@@ -137,9 +137,16 @@ def test_parse_target_forms():
     assert spec.options == {"disable_radix_cache": "true", "page_size": "16"}
     assert parse_target("url=http://h:1/").url == "http://h:1"
     with pytest.raises(ValueError, match="unknown target"):
-        parse_target("vllm")
+        parse_target("sglang")
+    assert parse_target("vllm:python=/v/bin/python").options == {"python": "/v/bin/python"}
     with pytest.raises(ValueError, match="key=value"):
         parse_target("strata:oops")
+
+
+def test_vllm_target_says_why_it_cannot_run(llama_dir, tiny_tokenizer):
+    target = make_target(parse_target("vllm:python=/nonexistent/python"), _ctx(llama_dir, tiny_tokenizer))
+    assert "offline" in target.unavailable("offline")
+    assert "cannot be imported by /nonexistent/python" in target.unavailable("serving")
 
 
 def test_strata_target_rejects_unknown_engine_options(llama_dir, tiny_tokenizer):
