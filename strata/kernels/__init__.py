@@ -123,11 +123,12 @@ def disabled():
             os.environ[ENV_VAR] = saved_env
 
 
-def usable(*tensors: torch.Tensor) -> ModuleType | None:
-    """The kernels if every tensor is on the CPU (and they are available), else None."""
-    if all(t.device.type == "cpu" for t in tensors):
-        return cpu_ops()
-    return None
+def usable(x: torch.Tensor) -> ModuleType | None:
+    """The kernels if `x` (and so the step's other tensors) is on the CPU and they are available.
+    Called several times per layer, so the common case is two attribute reads."""
+    if not x.is_cpu:
+        return None
+    return _module if _tried else cpu_ops()
 
 
 def token_rows(x: torch.Tensor) -> bool:

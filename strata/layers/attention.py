@@ -152,7 +152,7 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
-    ops = usable(q, k_cache)
+    ops = usable(q)
     if ops and token_rows(k) and token_rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
         ops.store_kv(k, v, k_cache, v_cache, meta.out_slots)
     else:

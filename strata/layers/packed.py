@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 
 
 def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
 def _pack(weight: torch.Tensor) -> torch.Tensor:

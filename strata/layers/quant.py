@@ -218,7 +218,7 @@ class Int4Linear(QuantLinear):
         return F.linear(x, self.dequantize_t(start, end).to(x.dtype).t())
 
     def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+        return torch.ops.aten._weight_int4pack_mm_for_cpu.default(
             x, self.weight_int4pack, self.group_size, self.scales_and_zeros.to(x.dtype)
         )
 

@@ -97,7 +97,7 @@ class RotaryEmbedding:
 
         With the native kernels q and k are rotated in place (they are fresh projections) and
         returned; otherwise new tensors are returned."""
-        ops = usable(q, k, self.cos)
+        ops = usable(q)
         if ops and token_rows(q) and token_rows(k) and positions.dtype == torch.int64 and positions.is_contiguous():
             ops.rotary_embedding(q, k, self.cos, self.sin, positions)
             return q, k
