@@ -291,13 +291,32 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  at::parallel_for(0, T * Hkv, 1, [&](int64_t begin, int64_t end) {
+  // Few (token, KV head) items for the threads (one long sequence): split each item's keys into
+  // `splits` ranges, attend them in parallel, then merge the partial softmaxes.
+  const int64_t nthreads = at::get_num_threads();
+  int64_t max_n = 0;
+  for (int64_t t = 0; t < T; ++t) max_n = std::max(max_n, pos[t] + 1);
+  int64_t splits = 1;
+  if (T * Hkv < 2 * nthreads) {
+    splits = std::min<int64_t>((2 * nthreads + T * Hkv - 1) / (T * Hkv), std::max<int64_t>(1, max_n / 256));
+  }
+  std::vector<float> part_m, part_l, part_acc;
+  if (splits > 1) {
+    part_m.resize(T * Hkv * splits * G);
+    part_l.resize(T * Hkv * splits * G);
+    part_acc.resize(T * Hkv * splits * G * D);
+  }
+
+  at::parallel_for(0, T * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(G * D), acc(G * D), scores(G * kKeyTile), m(G), l(G);
     const CT* keys[kKeyTile];
     const CT* values[kKeyTile];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t t = item / Hkv, kvh = item % Hkv;
+      const int64_t split = item % splits, tk = item / splits;
+      const int64_t t = tk / Hkv, kvh = tk % Hkv;
       const int64_t n = pos[t] + 1;
+      const int64_t chunk = (n + splits - 1) / splits;
+      const int64_t jbeg = std::min(n, split * chunk), jend = std::min(n, jbeg + chunk);
       const int64_t* pages = pt + own[t] * pages_per_row;
       for (int64_t g = 0; g < G; ++g) {
         const QT* src = qp + t * q_stride + (kvh * G + g) * D;
@@ -306,8 +325,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
-      for (int64_t j0 = 0; j0 < n; j0 += kKeyTile) {
-        const int64_t jn = std::min(kKeyTile, n - j0);
+      for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
+        const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
           const int64_t j = j0 + jj;
           const int64_t slot = pages[j / page_size] * page_size + j % page_size;
@@ -333,12 +352,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           for (int64_t jj = 1; jj < jn; ++jj) tile_max = std::max(tile_max, sg[jj]);
           const float new_max = std::max(m[g], tile_max);
           const float correction = std::exp(m[g] - new_max);  // exp(-inf) = 0 on the first tile
-          float sum = 0.f;
-          for (int64_t jj = 0; jj < jn; ++jj) {
-            sg[jj] = std::exp(sg[jj] - new_max);
-            sum += sg[jj];
-          }
-          l[g] = l[g] * correction + sum;
+          l[g] = l[g] * correction + exp_shifted(sg, jn, new_max);
           m[g] = new_max;
           if (correction != 1.f) {
             float* ag = acc.data() + g * D;
@@ -347,6 +361,15 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         }
         tile_values<CT>(scores.data(), G, D, values, jn, acc.data());
       }
+      if (splits > 1) {
+        const int64_t base = item * G;
+        for (int64_t g = 0; g < G; ++g) {
+          part_m[base + g] = m[g];
+          part_l[base + g] = l[g];
+          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, part_acc.begin() + (base + g) * D);
+        }
+        continue;
+      }
       for (int64_t g = 0; g < G; ++g) {
         QT* dst = op + (t * H + kvh * G + g) * D;
         const float inv = 1.f / l[g];
@@ -354,6 +377,25 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       }
     }
   });
+  if (splits == 1) return;
+  for (int64_t tk = 0; tk < T * Hkv; ++tk) {  // merge: rescale each range to the common max
+    const int64_t t = tk / Hkv, kvh = tk % Hkv;
+    for (int64_t g = 0; g < G; ++g) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, part_m[(tk * splits + sp) * G + g]);
+      float total = 0.f;
+      std::vector<float> sum(D, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t idx = (tk * splits + sp) * G + g;
+        if (part_l[idx] == 0.f) continue;  // an empty range
+        const float w = std::exp(part_m[idx] - top);
+        total += w * part_l[idx];
+        for (int64_t d = 0; d < D; ++d) sum[d] += w * part_acc[idx * D + d];
+      }
+      QT* dst = op + (t * H + kvh * G + g) * D;
+      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(sum[d] / total);
+    }
+  }
 }
 
 void check_cpu_contiguous(const at::Tensor& t, const char* name) {

@@ -210,3 +210,25 @@ def test_extend_attention_matches_oracle(ops, dtype, head_dim, heads, kv_heads, 
         ops.extend_attention(
             out, q, k_cache, v_cache, pages[:, :1].contiguous(), q_start, torch.tensor(q_lens), torch.tensor(kv_lens), page_size, scale
         )
+
+
+@pytest.mark.parametrize("kv_len", [257, 1000, 3001])
+@pytest.mark.parametrize("kv_heads", [1, 3])
+def test_paged_attention_one_long_sequence_splits_keys(ops, kv_len, kv_heads):
+    """Fewer (token, KV head) items than threads x 2: keys are split into ranges and merged."""
+    gen = torch.Generator().manual_seed(5)
+    k_cache = torch.randn(4096, kv_heads, 64, generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(4096, kv_heads, 64, generator=gen).to(torch.bfloat16)
+    pages = torch.randperm(4096, generator=gen)[:kv_len].view(1, kv_len)
+    q = torch.randn(1, 3 * kv_heads, 64, generator=gen).to(torch.bfloat16)
+    out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):  # the split count depends on the thread count
+            torch.set_num_threads(n)
+            ops.paged_attention(out, q, k_cache, v_cache, pages, torch.zeros(1, dtype=torch.int64),
+                                torch.tensor([kv_len - 1]), 1, 0.125)
+            expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), [1], [pages[0]], 0.125)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
