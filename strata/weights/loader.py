@@ -53,4 +53,17 @@ def load_model(
         from strata.layers.packed import pack_linears
 
         pack_linears(model)
+    release_freed_memory()
     return model.eval()
+
+
+def release_freed_memory() -> None:
+    """Hand the heap pages freed while loading (dtype copies of the checkpoint, weights replaced by
+    quantized or packed ones) back to the OS: glibc keeps them otherwise, ~190 MiB of resident
+    memory for the default model. A no-op where there is no glibc."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
