@@ -1,8 +1,9 @@
 """Native CPU kernels for the forward hot path, compiled on first use with torch's extension tools.
 
 `cpu_ops()` returns the compiled module, or None when it cannot be used: no C++ compiler, a failed
-build, or `STRATA_CPU_KERNELS=0` in the environment. Every caller keeps a pure-PyTorch path
-(strata/kernels/reference.py) for that case and for non-CPU tensors; tests check the two agree.
+build, or `STRATA_CPU_KERNELS=0` in the environment. Every caller (strata/layers: norm, rope,
+attention; the llama MLP) keeps its pure-PyTorch path for that case and for non-CPU tensors;
+tests check the two agree.
 
 The build is cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a
 name that hashes the source, the torch version and this CPU's instruction set (the code is compiled

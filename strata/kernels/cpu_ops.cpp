@@ -1,10 +1,13 @@
-// CPU kernels for the hot path of a forward step: paged attention read straight from the KV pool,
-// residual add + RMSNorm, rotary embedding in place, SiLU(gate) * up.
+// CPU kernels for the hot path of a forward step: paged attention read straight from the KV pool
+// (decode, and flash-style extend for short contexts), the K/V store, residual add + RMSNorm,
+// rotary embedding in place, SiLU(gate) * up.
 //
-// Each kernel reproduces the rounding of the PyTorch code it replaces (strata/kernels/reference.py):
-// values are computed in float and rounded to the tensor's dtype wherever the PyTorch version
-// materialises an intermediate tensor, so the fallback and the kernel agree to the last bit in
-// most elements (exp may differ by one float ulp).
+// The elementwise kernels reproduce the rounding of the PyTorch code they replace
+// (RMSNorm.reference, RotaryEmbedding.reference, the MLP's silu * up): values are computed in float
+// and rounded to the tensor's dtype wherever the PyTorch version materialises an intermediate, so
+// the two agree to the last bit in most elements (exp may differ by an ulp). Attention keeps its
+// scores and accumulators in float throughout (more exact than the bf16 PyTorch path); the tests
+// compare it with the float32 oracle, strata.layers.attention.reference_attention.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
