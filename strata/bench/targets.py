@@ -333,7 +333,8 @@ class VllmTarget(Target):
         reason = super().unavailable(mode)
         if reason is None:
             try:
-                ok = subprocess.run([self.python, "-c", "import vllm"], capture_output=True).returncode == 0
+                probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True, check=False)
+                ok = probe.returncode == 0
             except OSError:
                 ok = False
             if not ok:
@@ -411,10 +412,12 @@ class VllmTarget(Target):
             self._server.stop()
             self._server = None
         if self._runner is not None:
+            import subprocess
+
             self._runner.stdin.close()
             try:
                 self._runner.wait(timeout=30)
-            except Exception:
+            except subprocess.TimeoutExpired:
                 self._runner.kill()
             self._runner = None
 

@@ -98,7 +98,9 @@ def _build() -> ModuleType | None:
         )
     except Exception as exc:  # no compiler, missing headers, ...: the PyTorch path still works
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
-        logger.warning("CPU kernels unavailable (%s); using the slower PyTorch path", (errors or [repr(exc)])[-1][:500])
+        logger.warning(
+            "CPU kernels unavailable (%s); using the slower PyTorch path", (errors or [repr(exc)])[-1][:500]
+        )
         return None
     finally:
         os.environ["PATH"] = path

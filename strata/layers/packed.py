@@ -54,7 +54,9 @@ def packing_works() -> bool:
         w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
         b = torch.randn(48, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
-        return torch.allclose(_linear(x, _pack(w), b).float(), F.linear(x, w, b).float(), atol=0.05, rtol=0.02)
+        return torch.allclose(
+            _linear(x, _pack(w), b).float(), F.linear(x, w, b).float(), atol=0.05, rtol=0.02
+        )
     except Exception as exc:  # an op missing from this torch build, an unsupported CPU, ...
         logger.info("oneDNN weight packing unavailable (%s)", exc)
         return False
@@ -67,7 +69,9 @@ def pack_linears(model: nn.Module) -> int:
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear and child.weight.dtype == torch.bfloat16 and child.weight.device.type == "cpu"
+        if type(child) is nn.Linear
+        and child.weight.dtype == torch.bfloat16
+        and child.weight.device.type == "cpu"
     ]
     if not targets or not packing_works():
         return 0
@@ -75,7 +79,11 @@ def pack_linears(model: nn.Module) -> int:
         setattr(parent, name, PackedLinear(child.weight, child.bias))
     count = len(targets)
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", "absent") is None and embed is not None and embed.weight.dtype == torch.bfloat16:
+    if (
+        getattr(model, "lm_head", "absent") is None
+        and embed is not None
+        and embed.weight.dtype == torch.bfloat16
+    ):
         model.lm_head = PackedLinear(embed.weight, None)  # tied: a packed copy of the embedding matrix
         count += 1
     return count
