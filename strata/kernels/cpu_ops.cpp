@@ -478,6 +478,28 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 constexpr int64_t kQueryBlock = 16;
 
 #if defined(__AVX512F__)
+// acc rows r0.. (columns d .. d + 16 NB) = corr * acc + P @ V, accumulators in registers.
+template <int R, int NB>
+inline void pv_block(float* acc, const float* p, const float* corr, const float* vt, int64_t r0, int64_t D, int64_t d,
+                     int64_t visible) {
+  __m512 a[R][NB];
+  for (int r = 0; r < R; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int b = 0; b < NB; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d + 16 * b), c);
+  }
+  for (int64_t k = 0; k < visible; ++k) {
+    __m512 v[NB];
+    for (int b = 0; b < NB; ++b) v[b] = _mm512_loadu_ps(vt + k * D + d + 16 * b);
+    for (int r = 0; r < R; ++r) {
+      const __m512 pk = _mm512_set1_ps(p[r * 16 + k]);
+      for (int b = 0; b < NB; ++b) a[r][b] = _mm512_fmadd_ps(pk, v[b], a[r][b]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
+  }
+}
+
 // R query rows (r0 ..) against one 16-key tile: scores, online-softmax update, P @ V into acc.
 // Independent accumulators (4 per row for the scores, R x 4 d-blocks for P @ V) keep the FMA
 // pipes busy instead of waiting on one dependency chain.
@@ -508,24 +530,10 @@ inline void extend_rows(const float* qf, float* acc, float* m, float* l, const f
     m[row] = new_max;
     _mm512_storeu_ps(p + r * 16, pv);
   }
-  for (int64_t d = 0; d < D; d += 64) {
-    const int64_t nb = std::min<int64_t>(4, (D - d) / 16);
-    __m512 a[R][4];
-    for (int r = 0; r < R; ++r) {
-      const __m512 c = _mm512_set1_ps(corr[r]);
-      for (int b = 0; b < nb; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d + 16 * b), c);
-    }
-    for (int64_t k = 0; k < visible; ++k) {
-      __m512 v[4];
-      for (int b = 0; b < nb; ++b) v[b] = _mm512_loadu_ps(vt + k * D + d + 16 * b);
-      for (int r = 0; r < R; ++r) {
-        const __m512 pk = _mm512_set1_ps(p[r * 16 + k]);
-        for (int b = 0; b < nb; ++b) a[r][b] = _mm512_fmadd_ps(pk, v[b], a[r][b]);
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
-    }
+  if (D % 64 == 0) {
+    for (int64_t d = 0; d < D; d += 64) pv_block<R, 4>(acc, p, corr, vt, r0, D, d, visible);
+  } else {
+    for (int64_t d = 0; d < D; d += 16) pv_block<R, 1>(acc, p, corr, vt, r0, D, d, visible);
   }
 }
 
