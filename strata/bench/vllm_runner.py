@@ -21,11 +21,13 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     model_dir = sys.argv[1]
+    with open(f"{model_dir}/config.json") as f:
+        context = json.load(f).get("max_position_embeddings") or 8192
     llm = LLM(
         model=model_dir,
         dtype="bfloat16",
         enable_prefix_caching="--prefix-caching" in sys.argv,
-        max_model_len=8192,
+        max_model_len=min(8192, context),  # its KV space is sized for this; long enough for the benches
         max_num_seqs=256,
     )
 
