@@ -240,6 +240,22 @@ _HELP = {
 }
 
 
+# Scalar annotations of config dataclass fields -> argparse types (for `strata serve`/`router` flags).
+SCALAR_TYPES = {"int": int, "float": float, "str": str}
+
+
+def field_comments(cls: type) -> dict[str, str]:
+    """`name: type = default  # comment` lines of a dataclass's source: each comment is its flag's help."""
+    import inspect
+    import re
+
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
+
+
 def add_engine_args(parser) -> None:
     """Add one `--kebab-case` flag per EngineConfig field, defaults and choices taken from it."""
     group = parser.add_argument_group("engine")

@@ -17,9 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import inspect
 import logging
-import re
 import shlex
 import socket
 import sys
@@ -29,27 +27,17 @@ from strata.router.config import LOG_LEVELS, RouterConfig
 
 logger = logging.getLogger("strata.router")
 
-_SCALARS = {"int": int, "float": float, "str": str}
 _SPECIAL = frozenset({"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy"})
 GRACE_PERIOD_S = 30.0
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """`name: type = default  # comment` lines of the dataclass source: each comment is its flag's help."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
-
-
 def add_router_args(parser: argparse.ArgumentParser) -> None:
     """Every `strata router` flag: RouterConfig's fields, --launch and its engine flags."""
-    from strata.config import add_engine_args
+    from strata.config import SCALAR_TYPES, add_engine_args, field_comments
     from strata.router.registry import POLICIES
 
     defaults = RouterConfig()
-    comments = _field_comments(RouterConfig)
+    comments = field_comments(RouterConfig)
     g = parser.add_argument_group("router")
     g.add_argument(
         "--worker-urls", nargs="+", default=[], metavar="URL",
@@ -75,7 +63,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
         default = getattr(defaults, f.name)
         suffix = f" (default: {default})" if default is not None else ""
         g.add_argument(
-            "--" + f.name.replace("_", "-"), type=_SCALARS[type_name], default=default,
+            "--" + f.name.replace("_", "-"), type=SCALAR_TYPES[type_name], default=default,
             help=comments.get(f.name, "") + suffix, metavar=f.name.upper(),
         )  # fmt: skip
     launch = parser.add_argument_group("local replicas")

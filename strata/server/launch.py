@@ -18,11 +18,9 @@ import argparse
 import asyncio
 import contextlib
 import dataclasses
-import inspect
 import json
 import logging
 import os
-import re
 import shutil
 import signal
 import socket
@@ -33,41 +31,31 @@ import time
 import uuid
 from pathlib import Path
 
-from strata.config import EngineConfig, add_engine_args, engine_config_from_args
+from strata.config import SCALAR_TYPES, EngineConfig, add_engine_args, engine_config_from_args, field_comments
 from strata.server.config import LOG_LEVELS, ServerConfig
 
 logger = logging.getLogger("strata.serve")
 
 ENGINE_STOP_TIMEOUT_S = 10.0
-_SCALARS = {"int": int, "float": float, "str": str}
 
 # ------------------------------------------------------------------ flags
 
 
-def _field_comments(cls: type) -> dict[str, str]:
-    """`name: type = default  # comment` lines of a dataclass's source: the comment is the flag's help."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    return dict(re.findall(r"^\s+(\w+):[^#\n]*#\s*(.+)$", source, flags=re.MULTILINE))
-
-
 def _add_server_args(group) -> None:
     """One flag per ServerConfig field; the field's trailing comment is its help."""
-    comments = _field_comments(ServerConfig)
+    comments = field_comments(ServerConfig)
     choices = {"log_level": LOG_LEVELS}
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         type_name = str(f.type).replace(" | None", "").strip()
-        if type_name not in _SCALARS:
+        if type_name not in SCALAR_TYPES:
             raise TypeError(
                 f"cannot derive a flag for ServerConfig.{f.name} of type {f.type}; add a case here"
             )
         suffix = f" (default: {f.default})" if f.default is not None else ""
         group.add_argument(
             flag,
-            type=_SCALARS[type_name],
+            type=SCALAR_TYPES[type_name],
             default=f.default,
             choices=choices.get(f.name),
             help=comments.get(f.name, "") + suffix,
