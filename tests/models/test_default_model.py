@@ -10,17 +10,6 @@ from strata import Engine, SamplingParams
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def default_dir():
-    from strata.weights.default_model import default_model_dir, find_default_gguf
-
-    try:
-        find_default_gguf()
-    except (FileNotFoundError, RuntimeError, ValueError) as exc:
-        pytest.skip(f"default model package not installed: {exc}")
-    return default_model_dir()
-
-
 def test_greedy_chat_answer_matches_transformers(default_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -55,17 +55,6 @@ carefully about how to bring him home.
 MAX_PPL_RATIO = {"int8": 1.02, "int4": 1.06}
 
 
-@pytest.fixture(scope="module")
-def default_dir():
-    from strata.weights.default_model import default_model_dir, find_default_gguf
-
-    try:
-        find_default_gguf()
-    except (FileNotFoundError, RuntimeError, ValueError) as exc:
-        pytest.skip(f"default model package not installed: {exc}")
-    return default_model_dir()
-
-
 def perplexity(engine: Engine, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:], from one forward over the whole sequence.
 
