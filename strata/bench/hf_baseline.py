@@ -48,16 +48,8 @@ class HFModel:
         )
         prefill_s, step_s = self._greedy_loop(ids, output_len)
         step_ms = 1000.0 * statistics.median(step_s) if step_s else None
-        return OneBatchResult(
-            target="transformers",
-            batch_size=batch_size,
-            input_len=input_len,
-            output_len=output_len,
-            prefill_s=prefill_s,
-            prefill_tok_s=batch_size * input_len / prefill_s,
-            decode_step_ms=step_ms,
-            decode_tok_s=batch_size / (step_ms / 1000.0) if step_ms else None,
-            num_decode_steps=len(step_s),
+        return OneBatchResult.measured(
+            "transformers", batch_size, input_len, output_len, prefill_s, step_ms, len(step_s)
         )
 
     def _greedy_loop(self, ids, output_len: int) -> tuple[float, list[float]]:

@@ -98,17 +98,7 @@ class LlamaCppModel:
         (prompt,) = random_batch(self.vocab_size, 1, input_len, seed, exclude or set())
         prefill_s, steps = self._run(prompt, output_len)
         step_ms = 1000.0 * statistics.median(steps) if steps else None
-        return OneBatchResult(
-            target="llamacpp",
-            batch_size=1,
-            input_len=input_len,
-            output_len=output_len,
-            prefill_s=prefill_s,
-            prefill_tok_s=input_len / prefill_s,
-            decode_step_ms=step_ms,
-            decode_tok_s=1000.0 / step_ms if step_ms else None,
-            num_decode_steps=len(steps),
-        )
+        return OneBatchResult.measured("llamacpp", 1, input_len, output_len, prefill_s, step_ms, len(steps))
 
     def _run(self, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
         llm = self.llm

@@ -38,6 +38,25 @@ class OneBatchResult:
     prefill_pieces_ms: dict[str, float] | None = None  # mean per prefill step (Strata only)
     decode_pieces_ms: dict[str, float] | None = None  # mean per decode step (Strata only)
 
+    @classmethod
+    def measured(
+        cls, target: str, batch_size: int, input_len: int, output_len: int, prefill_s: float,
+        decode_step_ms: float | None, num_decode_steps: int, **pieces: dict[str, float] | None,
+    ) -> OneBatchResult:
+        """A result from the measured times; the rates follow from them."""
+        return cls(
+            target=target,
+            batch_size=batch_size,
+            input_len=input_len,
+            output_len=output_len,
+            prefill_s=prefill_s,
+            prefill_tok_s=batch_size * input_len / prefill_s,
+            decode_step_ms=decode_step_ms,
+            decode_tok_s=batch_size / (decode_step_ms / 1000.0) if decode_step_ms else None,
+            num_decode_steps=num_decode_steps,
+            **pieces,
+        )
+
 
 def random_batch(
     vocab_size: int, batch_size: int, input_len: int, seed: int, exclude: set[int]
@@ -88,16 +107,7 @@ def run_strata_one_batch(
     decode = [s for s in rest if s.decode_only and s.num_decode == batch_size]
     prefill_s = prefill[-1].end - start
     step_ms = statistics.median(1000.0 * s.duration_s for s in decode) if decode else None
-    return OneBatchResult(
-        target="strata",
-        batch_size=batch_size,
-        input_len=input_len,
-        output_len=output_len,
-        prefill_s=prefill_s,
-        prefill_tok_s=batch_size * input_len / prefill_s,
-        decode_step_ms=step_ms,
-        decode_tok_s=batch_size / (step_ms / 1000.0) if step_ms else None,
-        num_decode_steps=len(decode),
-        prefill_pieces_ms=mean_pieces_ms(prefill),
-        decode_pieces_ms=mean_pieces_ms(decode),
+    return OneBatchResult.measured(
+        "strata", batch_size, input_len, output_len, prefill_s, step_ms, len(decode),
+        prefill_pieces_ms=mean_pieces_ms(prefill), decode_pieces_ms=mean_pieces_ms(decode),
     )

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
+import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -328,8 +330,6 @@ class VllmTarget(Target):
         self._runner = None
 
     def unavailable(self, mode: str) -> str | None:
-        import subprocess
-
         reason = super().unavailable(mode)
         if reason is None:
             try:
@@ -363,9 +363,6 @@ class VllmTarget(Target):
         return self._server.base_url
 
     def one_batch(self, batch_size, input_len, output_len, seed):
-        import json
-        import subprocess
-
         from strata.bench.one_batch import WARMUP_INPUT_LEN, OneBatchResult, random_batch, special_ids
 
         if self._runner is None:
@@ -386,21 +383,11 @@ class VllmTarget(Target):
         self._runner.stdin.flush()
         r = self._read_runner()
         step_ms = r["decode_step_ms"] if output_len > 1 else None
-        return OneBatchResult(
-            target=self.label,
-            batch_size=batch_size,
-            input_len=input_len,
-            output_len=output_len,
-            prefill_s=r["prefill_s"],
-            prefill_tok_s=batch_size * input_len / r["prefill_s"],
-            decode_step_ms=step_ms,
-            decode_tok_s=batch_size / (step_ms / 1000.0) if step_ms else None,
-            num_decode_steps=max(0, output_len - 1),
+        return OneBatchResult.measured(
+            self.label, batch_size, input_len, output_len, r["prefill_s"], step_ms, max(0, output_len - 1)
         )
 
     def _read_runner(self) -> dict:
-        import json
-
         for line in self._runner.stdout:
             if line.startswith("{"):
                 return json.loads(line)
@@ -412,8 +399,6 @@ class VllmTarget(Target):
             self._server.stop()
             self._server = None
         if self._runner is not None:
-            import subprocess
-
             self._runner.stdin.close()
             try:
                 self._runner.wait(timeout=30)
