@@ -438,19 +438,28 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   });
 }
 
-// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t].
-void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
-                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale) {
+// What both attention entry points take: q [T, H, D] (token rows), out like q, the two caches
+// [slots, Hkv, D] alike, H a multiple of Hkv, an int64 page table.
+void check_attention_io(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                        const at::Tensor& v_cache, const at::Tensor& page_table) {
   check_token_rows(q, "q");
   check_cpu_contiguous(out, "out");
   check_cpu_contiguous(k_cache, "k_cache");
   check_cpu_contiguous(v_cache, "v_cache");
   check_index(page_table, "page_table");
-  check_index(owner, "owner");
-  check_index(positions, "positions");
   TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == q.size(2), "caches must be [slots, kv_heads, head_dim]");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "k_cache and v_cache must match");
   TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must match q");
+}
+
+// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t].
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
+                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale) {
+  check_attention_io(out, q, k_cache, v_cache, page_table);
+  check_index(owner, "owner");
+  check_index(positions, "positions");
   TORCH_CHECK(owner.numel() == q.size(0) && positions.numel() == q.size(0), "one owner and position per token");
   const int64_t capacity = page_table.size(1) * page_size;
   for (int64_t t = 0; t < q.size(0); ++t) {
@@ -605,17 +614,11 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 // head_dim % 16 == 0 (extend_attention_supported); callers use SDPA otherwise.
 void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                       at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale) {
-  check_token_rows(q, "q");
-  check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(k_cache, "k_cache");
-  check_cpu_contiguous(v_cache, "v_cache");
-  check_index(page_table, "page_table");
+  check_attention_io(out, q, k_cache, v_cache, page_table);
   check_index(q_start, "q_start");
   check_index(q_len, "q_len");
   check_index(kv_len, "kv_len");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = q_len.numel();
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == D && H % Hkv == 0, "caches must be [slots, kv_heads, head_dim]");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must match q");
   TORCH_CHECK(page_table.size(0) == B && q_start.numel() == B && kv_len.numel() == B, "one row per request");
 #if !defined(__AVX512F__)
   TORCH_CHECK(false, "extend_attention needs AVX-512");
