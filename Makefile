@@ -19,8 +19,13 @@ setup: $(VENV)/.installed
 run: setup
 	$(VENV)/bin/strata generate "$(PROMPT)"
 
+# The second run repeats the kernel-, quantization- and parity-sensitive tests with the AVX2 kernel
+# build and torch's own kernels held to AVX2, so an AVX-512 machine proves the AVX2 paths as well.
+AVX2_TESTS := tests/unit/test_cpu_kernels.py tests/unit/test_quant.py tests/unit/test_attention.py tests/models/test_parity.py
+
 test: setup
 	$(PY) -m pytest -q
+	ATEN_CPU_CAPABILITY=avx2 STRATA_CPU_KERNELS=x86-64-v3 $(PY) -m pytest -q $(AVX2_TESTS)
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow and not e2e"

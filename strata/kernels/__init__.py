@@ -1,14 +1,20 @@
 """Native CPU kernels for the forward hot path, compiled on first use with torch's extension tools.
 
 `cpu_ops()` returns the compiled module, or None when it cannot be used: no C++ compiler, a failed
-build, or `STRATA_CPU_KERNELS=0` in the environment. Every caller (strata/layers: norm, rope,
-attention; the llama MLP) keeps its pure-PyTorch path for that case and for non-CPU tensors;
-tests check the two agree.
+build, a build whose instruction set this CPU lacks, or `STRATA_CPU_KERNELS=0` in the environment.
+Every caller (strata/layers: norm, rope, attention, quant; the llama MLP) keeps its pure-PyTorch path
+for that case and for non-CPU tensors; tests check the two agree.
 
-The build is cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a
-name that hashes the source, the torch version and this CPU's instruction set (the code is compiled
-with -march=native), so a first start on a new machine or after an upgrade compiles once (~30-60 s
-on two cores) and later starts load the cached library in well under a second.
+Builds ("targets"): `native` (-march=native: AVX-512 where the CPU has it, else AVX2, else scalar) and
+`x86-64-v3` (AVX2 + FMA + F16C, the fast path of most x86 CPUs). The default is native;
+`STRATA_CPU_KERNELS=x86-64-v3` selects the other, and the tests run the kernel suite against both, so
+an AVX-512 machine also proves the AVX2 paths. A build is loaded only if every ISA extension it was
+compiled with is in this CPU's flags (checked before building and again on the loaded module).
+
+Builds are cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name
+that hashes the sources, the torch version, the target and this CPU's flags, so a first start on a new
+machine compiles once (~1-2 min on two cores) and later starts load the cached library in well under a
+second.
 """
 
 from __future__ import annotations
@@ -29,55 +35,128 @@ import torch
 logger = logging.getLogger(__name__)
 
 ENV_VAR = "STRATA_CPU_KERNELS"
-_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_DIR = Path(__file__).parent
+SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "quant_ops.cpp")
+DEFAULT_TARGET = "native"
+# target -> (-march value, CPU flags it needs; None: whatever this CPU has)
+TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {
+    "native": ("native", None),
+    "x86-64-v3": ("x86-64-v3", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
+}
+# names the module's compiled_isa() reports -> the /proc/cpuinfo flag each needs
+ISA_FLAGS = {
+    "avx2": "avx2",
+    "fma": "fma",
+    "f16c": "f16c",
+    "avx512f": "avx512f",
+    "avx512bw": "avx512bw",
+    "avx512vl": "avx512vl",
+    "avx512bf16": "avx512_bf16",
+    "avx512vnni": "avx512_vnni",
+    "avxvnni": "avx_vnni",
+}
+
 _lock = threading.Lock()
-_module: ModuleType | None = None
+_modules: dict[str, ModuleType | None] = {}  # target -> built module (None: unavailable)
+_module: ModuleType | None = None  # the selected target's module, once resolved
 _tried = False
 
 
-def _cpu_signature() -> str:
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (/proc/cpuinfo); empty where that file does not exist."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return line
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return frozenset()
 
 
-def _build_name() -> str:
+def _build_name(target: str) -> str:
     digest = hashlib.sha256()
-    for part in (_SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode()):
-        digest.update(part)
-    return f"strata_cpu_ops_{digest.hexdigest()[:12]}"
+    for source in sorted(_DIR.glob("*.cpp")) + sorted(_DIR.glob("*.h")):
+        digest.update(source.read_bytes())
+    flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
+    for part in (torch.__version__, target, flags):
+        digest.update(part.encode())
+    return f"strata_cpu_ops_{target.replace('-', '_')}_{digest.hexdigest()[:12]}"
+
+
+def selected_target() -> str | None:
+    """The build the environment asks for: None when the kernels are switched off."""
+    value = os.environ.get(ENV_VAR, "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return None
+    if value in ("", "1", "true", "yes", "on"):
+        return DEFAULT_TARGET
+    if value == "avx2":
+        return "x86-64-v3"
+    if value not in TARGETS:
+        logger.warning("%s=%s is not one of %s; using %s", ENV_VAR, value, sorted(TARGETS), DEFAULT_TARGET)
+        return DEFAULT_TARGET
+    return value
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+    return selected_target() is not None
 
 
 def cpu_ops() -> ModuleType | None:
-    """The compiled kernels, building them on the first call; None if unavailable (logged once)."""
+    """The selected build, building it on the first call; None if unavailable (logged once)."""
     global _module, _tried
     if _tried:
         return _module
     with _lock:
-        if _tried:
-            return _module
-        if not enabled_by_env():
-            logger.info("CPU kernels disabled by %s=0; using the PyTorch path", ENV_VAR)
-        else:
-            _module = _build()
-        _tried = True
+        if not _tried:
+            target = selected_target()
+            if target is None:
+                logger.info("CPU kernels disabled by %s=0; using the PyTorch path", ENV_VAR)
+            _module = None if target is None else load(target)
+            _tried = True
     return _module
 
 
-def _build() -> ModuleType | None:
+def target_supported(target: str) -> bool:
+    """Whether this CPU can run the `target` build (the native build always can)."""
+    _, needs = TARGETS[target]
+    return needs is None or (platform.machine() in ("x86_64", "AMD64") and needs <= cpu_flags())
+
+
+def load(target: str) -> ModuleType | None:
+    """The `target` build (cached per process); None if this CPU cannot run it or it fails to build."""
+    if target not in _modules:
+        if not target_supported(target):
+            logger.info("CPU kernels: this CPU cannot run the %s build", target)
+            _modules[target] = None
+        else:
+            _modules[target] = _checked(_build(target), target)
+    return _modules[target]
+
+
+def _checked(module: ModuleType | None, target: str) -> ModuleType | None:
+    if module is None:
+        return None
+    flags = cpu_flags()
+    missing = [isa for isa in compiled_isa(module) if flags and ISA_FLAGS.get(isa, isa) not in flags]
+    if missing:
+        logger.warning("CPU kernels (%s) were built for %s, which this CPU lacks; not using them", target, missing)
+        return None
+    return module
+
+
+def compiled_isa(module: ModuleType) -> list[str]:
+    """The ISA extensions a build was compiled with (its preprocessor macros)."""
+    return list(module.compiled_isa())
+
+
+def _build(target: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
     start = time.perf_counter()
-    logger.info("loading CPU kernels (compiled once per machine and torch version, ~30-60 s the first time)")
+    march, _ = TARGETS[target]
+    logger.info("loading CPU kernels (%s; compiled once per machine and torch version, ~1-2 min the first time)", target)
     # the ninja that pip installed next to this interpreter, even when the venv is not activated
     path = os.environ.get("PATH", "")
     extra = [str(Path(sys.executable).parent)]
@@ -90,9 +169,10 @@ def _build() -> ModuleType | None:
     os.environ["PATH"] = os.pathsep.join([*extra, path])
     try:
         module = cpp_extension.load(
-            name=_build_name(),
-            sources=[str(_SOURCE)],
-            extra_cflags=["-O3", "-march=native", "-fopenmp"],
+            name=_build_name(target),
+            sources=[str(s) for s in SOURCES],
+            extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
+            extra_include_paths=[str(_DIR)],
             extra_ldflags=["-fopenmp"],
             verbose=False,
         )
@@ -104,26 +184,51 @@ def _build() -> ModuleType | None:
         return None
     finally:
         os.environ["PATH"] = path
-    logger.info("CPU kernels ready in %.1fs", time.perf_counter() - start)
+    logger.info("CPU kernels (%s: %s) ready in %.1fs", target, " ".join(compiled_isa(module)) or "scalar",
+                time.perf_counter() - start)
     return module
 
 
+def kernel_info() -> dict[str, object]:
+    """Which kernels a forward step runs here, for start-up logs and benchmark records."""
+    module = cpu_ops()
+    target = selected_target()
+    return {
+        "cpu_kernels": None if module is None else target,
+        "kernel_isa": [] if module is None else compiled_isa(module),
+        "cpu_isa": sorted(f for f in cpu_flags() if f in ISA_FLAGS.values()),
+        "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+    }
+
+
+def describe_kernels(info: dict[str, object]) -> str:
+    """One line for logs: "native (avx2 fma f16c) on a CPU with avx2 fma f16c", or "off"."""
+    if not info or info.get("cpu_kernels") is None:
+        return "off"
+    return f"{info['cpu_kernels']} ({' '.join(info['kernel_isa']) or 'scalar'})"
+
+
 @contextmanager
-def disabled():
-    """Within the block, behave as if STRATA_CPU_KERNELS=0 (for A/B comparisons and tests).
-    Models loaded inside keep plain (unpacked) linears; the native kernels return after the block."""
+def using(target: str | None):
+    """Within the block, the kernels are the `target` build (None: none at all, as with
+    STRATA_CPU_KERNELS=0). Models loaded inside keep what they were built with (e.g. plain linears)."""
     global _module, _tried
     saved, saved_env = (_module, _tried), os.environ.get(ENV_VAR)
-    _module, _tried = None, True
-    os.environ[ENV_VAR] = "0"
+    _module, _tried = (None if target is None else load(target)), True
+    os.environ[ENV_VAR] = "0" if target is None else target
     try:
-        yield
+        yield _module
     finally:
         _module, _tried = saved
         if saved_env is None:
             os.environ.pop(ENV_VAR, None)
         else:
             os.environ[ENV_VAR] = saved_env
+
+
+def disabled():
+    """Within the block, behave as if STRATA_CPU_KERNELS=0 (for A/B comparisons and tests)."""
+    return using(None)
 
 
 def usable(x: torch.Tensor) -> ModuleType | None:

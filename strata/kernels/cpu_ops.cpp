@@ -8,15 +8,18 @@
 // the two agree to the last bit in most elements (exp may differ by an ulp). Attention keeps its
 // scores and accumulators in float throughout (more exact than the bf16 PyTorch path); the tests
 // compare it with the float32 oracle, strata.layers.attention.reference_attention.
+//
+// The SIMD paths are written once against the 16-float vector of simd.h (one __m512 with AVX-512,
+// two __m256 with AVX2 + FMA + F16C) under STRATA_SIMD16; the scalar loops are the fallback and
+// the reference.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "simd.h"
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -61,7 +64,21 @@ void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
     for (int64_t t = begin; t < end; ++t) {
       CT* kd = kc + slots[t] * row;
       CT* vd = vc + slots[t] * row;
-      for (int64_t i = 0; i < row; ++i) {
+      if constexpr (std::is_same_v<QT, CT>) {
+        std::memcpy(kd, kp + t * ks, row * sizeof(CT));
+        std::memcpy(vd, vp + t * vs, row * sizeof(CT));
+        continue;
+      }
+      int64_t i = 0;
+#if defined(STRATA_SIMD16)
+      if constexpr (kHasLoad16<QT> && kHasLoad16<CT>) {
+        for (; i + 16 <= row; i += 16) {
+          store16(kd + i, load16(kp + t * ks + i));
+          store16(vd + i, load16(vp + t * vs + i));
+        }
+      }
+#endif
+      for (; i < row; ++i) {
         kd[i] = static_cast<CT>(to_f(kp[t * ks + i]));
         vd[i] = static_cast<CT>(to_f(vp[t * vs + i]));
       }
@@ -69,95 +86,19 @@ void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   });
 }
 
-// Widen 16 elements to float. The SIMD path covers head_dim % 16 == 0 on AVX-512 machines.
-#if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-inline __m512 load16(const c10::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-
-// exp(x) for 16 floats: 2^n * p(r) with x = n ln2 + r, |r| <= ln2 / 2, p a degree-6 Taylor
-// polynomial (relative error ~1e-7); inputs below -103 give 0 (scalef underflows).
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-103.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.f / 720);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 120));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 24));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Round 16 floats to T's precision (round to nearest even, like PyTorch's casts), kept as floats,
-// and store 16 floats as T.
-template <typename T>
-inline __m512 round16(__m512 x);
-template <>
-inline __m512 round16<float>(__m512 x) { return x; }
-template <>
-inline __m512 round16<double>(__m512 x) { return x; }
-template <>
-inline __m512 round16<c10::Half>(__m512 x) {
-  return _mm512_cvtph_ps(_mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline __m512i bf16_bits(__m512 x) {  // upper 16 bits after round-to-nearest-even, in the low half
-  const __m512i bits = _mm512_castps_si512(x);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  return _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-}
-template <>
-inline __m512 round16<c10::BFloat16>(__m512 x) { return _mm512_castsi512_ps(_mm512_slli_epi32(bf16_bits(x), 16)); }
-
-inline void store16(float* p, __m512 x) { _mm512_storeu_ps(p, x); }
-inline void store16(c10::Half* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-}
-inline void store16(c10::BFloat16* p, __m512 x) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
-}
-#endif
-
-#if defined(__AVX512F__)
-// Lane i of the result = the sum of all lanes of v[i] (16 horizontal sums as one transpose-add tree).
-inline __m512 reduce16(const __m512* v) {
-  __m512 a[8], b[4];
-  for (int i = 0; i < 8; ++i) {
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  }
-  for (int i = 0; i < 4; ++i) {
-    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
-  }
-  // b[i] holds keys 4i..4i+3 in every 128-bit chunk; add the chunks, keeping keys in order
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
-}
-#endif
-
 // s[i] = exp(s[i] - shift) for i < n; returns the sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   float sum = 0.f;
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 sh = _mm512_set1_ps(shift);
-  __m512 acc = _mm512_setzero_ps();
+#if defined(STRATA_SIMD16)
+  const V16 sh = vset1(shift);
+  V16 acc = vzero();
   for (; i + 16 <= n; i += 16) {
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(s + i), sh));
-    _mm512_storeu_ps(s + i, e);
-    acc = _mm512_add_ps(acc, e);
+    const V16 e = exp16(vsub(load16(s + i), sh));
+    store16(s + i, e);
+    acc = vadd(acc, e);
   }
-  sum = _mm512_reduce_add_ps(acc);
+  sum = reduce_add(acc);
 #endif
   for (; i < n; ++i) {
     s[i] = std::exp(s[i] - shift);
@@ -166,32 +107,20 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-template <typename T>
-constexpr bool kHasLoad16 = std::is_same_v<T, float> || std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>;
-
 // scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
 template <typename CT>
 inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
   int64_t jj = 0;
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<CT>) {
     if (D % 16 == 0) {
       alignas(64) float kt[16 * 256];
       if (D <= 256) {
         for (; jj + 16 <= jn; jj += 16) {  // 16 keys at a time: widen once, then one reduction tree per head
           for (int k = 0; k < 16; ++k) {
-            for (int64_t d = 0; d < D; d += 16) _mm512_store_ps(kt + k * D + d, load16(keys[jj + k] + d));
+            for (int64_t d = 0; d < D; d += 16) store16(kt + k * D + d, load16(keys[jj + k] + d));
           }
-          for (int64_t g = 0; g < G; ++g) {
-            const float* qg = qf + g * D;
-            __m512 acc[16];
-            for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-            for (int64_t d = 0; d < D; d += 16) {
-              const __m512 qv = _mm512_loadu_ps(qg + d);
-              for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, _mm512_load_ps(kt + k * D + d), acc[k]);
-            }
-            _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
-          }
+          for (int64_t g = 0; g < G; ++g) store16(scores + g * kKeyTile + jj, dot16(qf + g * D, kt, D));
         }
       }
     }
@@ -240,25 +169,45 @@ inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, cons
 }
 #endif
 
+#if defined(STRATA_SIMD16)
+// Columns d .. d + 15 of heads g0 .. g0 + GN - 1: acc_g += sum_jj p[g][jj] * value_jj, the GN
+// accumulators in registers (GN a template argument so they are not kept in memory).
+template <int GN, typename CT>
+inline void values_block(const float* probs, int64_t D, const CT* const* values, int64_t jn, float* acc, int64_t g0,
+                         int64_t d) {
+  V16 a[GN];
+  for (int g = 0; g < GN; ++g) a[g] = load16(acc + (g0 + g) * D + d);
+  for (int64_t jj = 0; jj < jn; ++jj) {
+    const V16 vv = load16(values[jj] + d);
+    for (int g = 0; g < GN; ++g) a[g] = vfmadd(vset1(probs[(g0 + g) * kKeyTile + jj]), vv, a[g]);
+  }
+  for (int g = 0; g < GN; ++g) store16(acc + (g0 + g) * D + d, a[g]);
+}
+
+// Heads per values_block: 8 accumulators with AVX-512's 32 registers, 6 (12 of the 16 ymm) with AVX2.
+constexpr int64_t kValueHeads = kRegsPerV16 == 1 ? 8 : 6;
+#endif
+
 // acc_g += sum_jj p[g][jj] * value_jj.
 template <typename CT>
 inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* const* values, int64_t jn, float* acc) {
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<CT>) {
    if (D % 16 == 0) {
+    const int64_t groups = (G + kValueHeads - 1) / kValueHeads;
+    const int64_t gs = (G + groups - 1) / groups;  // heads per group, as even as possible
     for (int64_t d = 0; d < D; d += 16) {
-      __m512 a[8];
-      const int64_t gs = std::min<int64_t>(G, 8);
       for (int64_t g0 = 0; g0 < G; g0 += gs) {
-        const int64_t gn = std::min(gs, G - g0);
-        for (int64_t g = 0; g < gn; ++g) a[g] = _mm512_loadu_ps(acc + (g0 + g) * D + d);
-        for (int64_t jj = 0; jj < jn; ++jj) {
-          const __m512 vv = load16(values[jj] + d);
-          for (int64_t g = 0; g < gn; ++g) {
-            a[g] = _mm512_fmadd_ps(_mm512_set1_ps(probs[(g0 + g) * kKeyTile + jj]), vv, a[g]);
-          }
+        switch (std::min(gs, G - g0)) {
+          case 1: values_block<1>(probs, D, values, jn, acc, g0, d); break;
+          case 2: values_block<2>(probs, D, values, jn, acc, g0, d); break;
+          case 3: values_block<3>(probs, D, values, jn, acc, g0, d); break;
+          case 4: values_block<4>(probs, D, values, jn, acc, g0, d); break;
+          case 5: values_block<5>(probs, D, values, jn, acc, g0, d); break;
+          case 6: values_block<6>(probs, D, values, jn, acc, g0, d); break;
+          case 7: values_block<7>(probs, D, values, jn, acc, g0, d); break;
+          default: values_block<8>(probs, D, values, jn, acc, g0, d); break;
         }
-        for (int64_t g = 0; g < gn; ++g) _mm512_storeu_ps(acc + (g0 + g) * D + d, a[g]);
       }
     }
     return;
@@ -486,26 +435,26 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kQueryBlock = 16;
 
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
 // acc rows r0.. (columns d .. d + 16 NB) = corr * acc + P @ V, accumulators in registers.
 template <int R, int NB>
 inline void pv_block(float* acc, const float* p, const float* corr, const float* vt, int64_t r0, int64_t D, int64_t d,
                      int64_t visible) {
-  __m512 a[R][NB];
+  V16 a[R][NB];
   for (int r = 0; r < R; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int b = 0; b < NB; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + d + 16 * b), c);
+    const V16 c = vset1(corr[r]);
+    for (int b = 0; b < NB; ++b) a[r][b] = vmul(load16(acc + (r0 + r) * D + d + 16 * b), c);
   }
   for (int64_t k = 0; k < visible; ++k) {
-    __m512 v[NB];
-    for (int b = 0; b < NB; ++b) v[b] = _mm512_loadu_ps(vt + k * D + d + 16 * b);
+    V16 v[NB];
+    for (int b = 0; b < NB; ++b) v[b] = load16(vt + k * D + d + 16 * b);
     for (int r = 0; r < R; ++r) {
-      const __m512 pk = _mm512_set1_ps(p[r * 16 + k]);
-      for (int b = 0; b < NB; ++b) a[r][b] = _mm512_fmadd_ps(pk, v[b], a[r][b]);
+      const V16 pk = vset1(p[r * 16 + k]);
+      for (int b = 0; b < NB; ++b) a[r][b] = vfmadd(pk, v[b], a[r][b]);
     }
   }
   for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < NB; ++b) _mm512_storeu_ps(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
+    for (int b = 0; b < NB; ++b) store16(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
   }
 }
 
@@ -515,31 +464,32 @@ inline void pv_block(float* acc, const float* p, const float* corr, const float*
 template <int R>
 inline void extend_rows(const float* qf, float* acc, float* m, float* l, const float* kt, const float* vt, float* p,
                         int64_t r0, int64_t D, int64_t visible) {
-  const __mmask16 valid = static_cast<__mmask16>((1u << visible) - 1u);
-  __m512 sc[R];
+  const Mask16 valid = first_lanes(visible);
+  V16 sc[R];
   for (int r = 0; r < R; ++r) {
     const float* qr = qf + (r0 + r) * D;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
     for (int64_t d = 0; d < D; d += 4) {
-      a0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_loadu_ps(kt + d * 16), a0);
-      a1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_loadu_ps(kt + (d + 1) * 16), a1);
-      a2 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 2]), _mm512_loadu_ps(kt + (d + 2) * 16), a2);
-      a3 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 3]), _mm512_loadu_ps(kt + (d + 3) * 16), a3);
+      a0 = vfmadd(vset1(qr[d]), load16(kt + d * 16), a0);
+      a1 = vfmadd(vset1(qr[d + 1]), load16(kt + (d + 1) * 16), a1);
+      a2 = vfmadd(vset1(qr[d + 2]), load16(kt + (d + 2) * 16), a2);
+      a3 = vfmadd(vset1(qr[d + 3]), load16(kt + (d + 3) * 16), a3);
     }
-    sc[r] = _mm512_mask_mov_ps(_mm512_set1_ps(-std::numeric_limits<float>::infinity()), valid,
-                               _mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+    sc[r] = vselect(valid, vadd(vadd(a0, a1), vadd(a2, a3)), vset1(-std::numeric_limits<float>::infinity()));
   }
   float corr[R];
   for (int r = 0; r < R; ++r) {
     const int64_t row = r0 + r;
-    const float new_max = std::max(m[row], _mm512_reduce_max_ps(sc[r]));
+    const float new_max = std::max(m[row], reduce_max(sc[r]));
     corr[r] = std::exp(m[row] - new_max);
-    const __m512 pv = _mm512_maskz_mov_ps(valid, exp16(_mm512_sub_ps(sc[r], _mm512_set1_ps(new_max))));
-    l[row] = l[row] * corr[r] + _mm512_reduce_add_ps(pv);
+    const V16 pv = vselect(valid, exp16(vsub(sc[r], vset1(new_max))), vzero());
+    l[row] = l[row] * corr[r] + reduce_add(pv);
     m[row] = new_max;
-    _mm512_storeu_ps(p + r * 16, pv);
+    store16(p + r * 16, pv);
   }
-  if (D % 64 == 0) {
+  // 4 d-blocks per row (up to 16 accumulators) only with AVX-512's 32 registers; AVX2 has 16 ymm,
+  // each V16 taking two
+  if (kRegsPerV16 == 1 && D % 64 == 0) {
     for (int64_t d = 0; d < D; d += 64) pv_block<R, 4>(acc, p, corr, vt, r0, D, d, visible);
   } else {
     for (int64_t d = 0; d < D; d += 16) pv_block<R, 1>(acc, p, corr, vt, r0, D, d, visible);
@@ -578,7 +528,11 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
         const CT* krow = kc + (slot * Hkv + kvh) * D;
         const CT* vrow = vc + (slot * Hkv + kvh) * D;
         for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = to_f(krow[d]);
-        for (int64_t d = 0; d < D; ++d) vt[k * D + d] = to_f(vrow[d]);
+        if constexpr (kHasLoad16<CT>) {  // D % 16 == 0
+          for (int64_t d = 0; d < D; d += 16) store16(vt + k * D + d, load16(vrow + d));
+        } else {
+          for (int64_t d = 0; d < D; ++d) vt[k * D + d] = to_f(vrow[d]);
+        }
       } else {
         for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = 0.f;
         for (int64_t d = 0; d < D; ++d) vt[k * D + d] = 0.f;
@@ -610,8 +564,8 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 }
 #endif
 
-// out[q_start[b] + i] = attention of request b's token i (see above). Needs AVX-512 and
-// head_dim % 16 == 0 (extend_attention_supported); callers use SDPA otherwise.
+// out[q_start[b] + i] = attention of request b's token i (see above). Needs a SIMD build (AVX2 or
+// AVX-512: has_simd()) and head_dim % 16 == 0; callers use SDPA otherwise.
 void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                       at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale) {
   check_attention_io(out, q, k_cache, v_cache, page_table);
@@ -620,8 +574,8 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   check_index(kv_len, "kv_len");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = q_len.numel();
   TORCH_CHECK(page_table.size(0) == B && q_start.numel() == B && kv_len.numel() == B, "one row per request");
-#if !defined(__AVX512F__)
-  TORCH_CHECK(false, "extend_attention needs AVX-512");
+#if !defined(STRATA_SIMD16)
+  TORCH_CHECK(false, "extend_attention needs AVX2 (with FMA and F16C) or AVX-512");
 #else
   TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0");
   const int64_t G = H / Hkv;
@@ -680,19 +634,19 @@ template <typename T>
 void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int64_t n, float eps, float* buf) {
   int64_t i = 0;
   float ss = 0.f;
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<T>) {
-    __m512 acc = _mm512_setzero_ps();
+    V16 acc = vzero();
     for (; i + 16 <= n; i += 16) {
-      __m512 v = load16(x + i);
+      V16 v = load16(x + i);
       if (res) {
-        v = round16<T>(_mm512_add_ps(v, load16(res + i)));
+        v = round16<T>(vadd(v, load16(res + i)));
         store16(res_out + i, v);
       }
-      _mm512_storeu_ps(buf + i, v);
-      acc = _mm512_fmadd_ps(v, v, acc);
+      store16(buf + i, v);
+      acc = vfmadd(v, v, acc);
     }
-    ss = _mm512_reduce_add_ps(acc);
+    ss = reduce_add(acc);
   }
 #endif
   for (; i < n; ++i) {
@@ -706,12 +660,12 @@ void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int6
   }
   const float inv = 1.f / std::sqrt(ss / static_cast<float>(n) + eps);
   i = 0;
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<T>) {
-    const __m512 vinv = _mm512_set1_ps(inv);
+    const V16 vinv = vset1(inv);
     for (; i + 16 <= n; i += 16) {
-      const __m512 normed = round16<T>(_mm512_mul_ps(_mm512_loadu_ps(buf + i), vinv));
-      store16(out + i, _mm512_mul_ps(load16(w + i), normed));
+      const V16 normed = round16<T>(vmul(load16(buf + i), vinv));
+      store16(out + i, vmul(load16(w + i), normed));
     }
   }
 #endif
@@ -765,17 +719,31 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residua
 // ---------------------------------------------------------------------------------------------
 // Rotary embedding in place on q [T, H, D] and k [T, Hkv, D] ("rotate_half" layout, the first
 // rot_dim dims rotate). cos/sin: float tables [max_positions, rot_dim], rounded to the q dtype
-// first like the PyTorch version.
+// first like the PyTorch version (once per token, into c / s, shared by its q and k heads).
 // ---------------------------------------------------------------------------------------------
 template <typename T>
-void rope_rows(T* x, int64_t heads, int64_t D, int64_t rot, const float* c, const float* s) {
+void rope_rows(T* x, int64_t heads, int64_t D, int64_t rot, const float* c, const float* s) {  // c, s rounded
   const int64_t half = rot / 2;
   for (int64_t h = 0; h < heads; ++h) {
     T* row = x + h * D;
-    for (int64_t i = 0; i < half; ++i) {
+    int64_t i = 0;
+#if defined(STRATA_SIMD16)
+    if constexpr (kHasLoad16<T>) {  // the same roundings as below, 16 pairs at a time
+      for (; i + 16 <= half; i += 16) {
+        const V16 x1 = load16(row + i), x2 = load16(row + i + half);
+        const V16 c1 = load16(c + i), s1 = load16(s + i);
+        const V16 c2 = load16(c + i + half), s2 = load16(s + i + half);
+        // round(-x2 * s1) = -round(x2 * s1) (rounding to nearest even is symmetric), and p + -q = p - q
+        const V16 a = vsub(round16<T>(vmul(x1, c1)), round16<T>(vmul(x2, s1)));
+        const V16 b = vadd(round16<T>(vmul(x2, c2)), round16<T>(vmul(x1, s2)));
+        store16(row + i, a);
+        store16(row + i + half, b);
+      }
+    }
+#endif
+    for (; i < half; ++i) {
       const float x1 = to_f(row[i]), x2 = to_f(row[i + half]);
-      const float c1 = rounded<T>(c[i]), s1 = rounded<T>(s[i]);
-      const float c2 = rounded<T>(c[i + half]), s2 = rounded<T>(s[i + half]);
+      const float c1 = c[i], s1 = s[i], c2 = c[i + half], s2 = s[i + half];
       const float a = rounded<T>(x1 * c1) + rounded<T>(-x2 * s1);
       const float b = rounded<T>(x2 * c2) + rounded<T>(x1 * s2);
       row[i] = round_to<T>(a);
@@ -808,9 +776,16 @@ void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin
     scalar_t* qp = q.data_ptr<scalar_t>();
     scalar_t* kp = k.data_ptr<scalar_t>();
     at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+      std::vector<float> cs(2 * rot);
+      float* c = cs.data();
+      float* s = c + rot;
       for (int64_t t = begin; t < end; ++t) {
-        const float* c = cp + pos[t] * rot;
-        const float* s = sp + pos[t] * rot;
+        const float* ct = cp + pos[t] * rot;
+        const float* st = sp + pos[t] * rot;
+        for (int64_t i = 0; i < rot; ++i) {
+          c[i] = rounded<scalar_t>(ct[i]);
+          s[i] = rounded<scalar_t>(st[i]);
+        }
         rope_rows<scalar_t>(qp + t * qs, H, D, rot, c, s);
         rope_rows<scalar_t>(kp + t * ks, Hkv, D, rot, c, s);
       }
@@ -824,13 +799,13 @@ void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin
 template <typename T>
 void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<T>) {
     for (; i + 16 <= I; i += 16) {
-      const __m512 x = load16(g + i);
-      const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
-      const __m512 act = round16<T>(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-      store16(o + i, _mm512_mul_ps(act, load16(u + i)));
+      const V16 x = load16(g + i);
+      const V16 e = exp16(vsub(vzero(), x));
+      const V16 act = round16<T>(vdiv(x, vadd(vset1(1.f), e)));
+      store16(o + i, vmul(act, load16(u + i)));
     }
   }
 #endif
@@ -862,7 +837,10 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 
 }  // namespace
 
+void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  register_quant_ops(m);
   m.def("store_kv", &store_kv);
   m.def("paged_attention", &paged_attention);
   m.def("extend_attention", &extend_attention);
@@ -872,6 +850,55 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
     return false;
 #endif
+  });
+  // Whether the kernels have their SIMD paths (AVX2 + FMA + F16C or AVX-512): extend_attention
+  // needs them; the other kernels fall back to scalar loops without.
+  m.def("has_simd", [] {
+#if defined(STRATA_SIMD16)
+    return true;
+#else
+    return false;
+#endif
+  });
+  // Floats per vector register the SIMD paths use: 16 (AVX-512), 8 (AVX2) or 1 (scalar only).
+  m.def("simd_width", [] {
+#if defined(STRATA_SIMD16)
+    return kSimdWidth;
+#else
+    return 1;
+#endif
+  });
+  // The instruction-set extensions this build was compiled for (from the compiler's macros).
+  m.def("compiled_isa", [] {
+    std::vector<std::string> isa;
+#if defined(__AVX2__)
+    isa.push_back("avx2");
+#endif
+#if defined(__FMA__)
+    isa.push_back("fma");
+#endif
+#if defined(__F16C__)
+    isa.push_back("f16c");
+#endif
+#if defined(__AVX512F__)
+    isa.push_back("avx512f");
+#endif
+#if defined(__AVX512BW__)
+    isa.push_back("avx512bw");
+#endif
+#if defined(__AVX512VL__)
+    isa.push_back("avx512vl");
+#endif
+#if defined(__AVX512BF16__)
+    isa.push_back("avx512bf16");
+#endif
+#if defined(__AVX512VNNI__)
+    isa.push_back("avx512vnni");
+#endif
+#if defined(__AVXVNNI__)
+    isa.push_back("avxvnni");
+#endif
+    return isa;
   });
   m.def("rms_norm", &rms_norm);
   m.def("add_rms_norm", &add_rms_norm);

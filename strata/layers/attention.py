@@ -98,7 +98,7 @@ class AttentionMetadata:
             decode = _segment(0, q[:num_decode], kv[:num_decode], page_table[:num_decode], page_size, device)
         if num_decode < len(q_lens):
             eq, ekv, ept = q[num_decode:], kv[num_decode:], page_table[num_decode:]
-            if ops and int(ekv.max()) <= EXTEND_KERNEL_MAX_KV and ops.has_avx512():
+            if ops and int(ekv.max()) <= EXTEND_KERNEL_MAX_KV and ops.has_simd():
                 q_start = torch.cumsum(eq, 0) - eq + num_decode
                 extend_kernel = ExtendKernelArgs(num_decode, q_start, eq, ekv, ept.contiguous())
             else:

@@ -18,13 +18,19 @@ from strata.layers.rope import RotaryEmbedding
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module")
-def ops():
+@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+def ops(request):
+    """Each build this CPU can run: on an AVX-512 machine the x86-64-v3 build proves the AVX2 paths."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the kernels cannot be built here")
-    module = kernels.cpu_ops()
+    if not kernels.target_supported(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    module = kernels.load(request.param)
     assert module is not None, "a C++ compiler is present but the CPU kernels failed to build (see the log)"
-    return module
+    if request.param == "x86-64-v3":
+        assert "avx2" in module.compiled_isa() and "avx512f" not in module.compiled_isa()
+    with kernels.using(request.param):
+        yield module
 
 
 def random_pages(num_slots: int, batch: int, max_len: int, page_size: int, gen: torch.Generator) -> torch.Tensor:
@@ -188,8 +194,8 @@ def test_packed_linear_matches_linear_and_packs_the_tied_head():
     ],
 )
 def test_extend_attention_matches_oracle(ops, dtype, head_dim, heads, kv_heads, page_size):
-    if not ops.has_avx512():
-        pytest.skip("the extend kernel needs AVX-512")
+    if not ops.has_simd():
+        pytest.skip("the extend kernel needs AVX2 or AVX-512")
     gen = torch.Generator().manual_seed(4)
     q_lens, kv_lens = [1, 16, 17, 40, 5], [1, 16, 50, 200, 5]  # fresh and cached prefixes, block edges
     num_slots = 2048
@@ -232,3 +238,29 @@ def test_paged_attention_one_long_sequence_splits_keys(ops, kv_len, kv_heads):
             torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_build_for_an_isa_this_cpu_lacks_is_never_loaded(monkeypatch):
+    """The check runs before building (target flags) and on the loaded module (its compiled ISA)."""
+
+    class Built:
+        @staticmethod
+        def compiled_isa():
+            return ["avx2", "fma", "avx512f", "avx512bf16"]
+
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx", "avx2", "fma", "f16c"}))
+    assert kernels._checked(Built, "native") is None
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))
+    assert kernels._checked(Built, "native") is Built
+    monkeypatch.setattr(kernels, "cpu_flags", lambda: frozenset({"sse4_2", "avx"}))
+    assert not kernels.target_supported("x86-64-v3")
+    monkeypatch.setattr(kernels, "_modules", {})
+    assert kernels.load("x86-64-v3") is None  # refused before any build
+
+
+def test_kernel_info_names_the_build_and_the_cpu(ops):
+    info = kernels.kernel_info()
+    assert info["cpu_kernels"] in kernels.TARGETS
+    assert info["kernel_isa"] == list(ops.compiled_isa())
+    assert {kernels.ISA_FLAGS[isa] for isa in info["kernel_isa"]} <= set(info["cpu_isa"])
+    assert kernels.describe_kernels(info).startswith(info["cpu_kernels"])

@@ -1,0 +1,341 @@
+// Block-quantized linear layers for the CPU: y = x @ W^T with W stored in blocks of 32 input
+// channels, computed with 8-bit integer dot products, as llama.cpp does.
+//
+// Two weight formats (strata.layers.quant owns them; GGUF types are converted into them losslessly):
+//
+//   q4   qs uint8 [N, K/2], d, m float32 [N, K/32]:   w[n, 32b + j] = d[n, b] * q + m[n, b], q in 0..15,
+//        with q = qs[n, 16b + j] & 15 for j < 16 and qs[n, 16b + j - 16] >> 4 for j >= 16
+//        (ggml's Q4_0 / Q4_1 byte order; Q4_0, Q4_1 and Q4_K all map onto it).
+//   q8   qs int8 [N, K], d float32 [N, K/S] with S = 16 or 32:  w[n, k] = d[n, k / S] * qs[n, k]
+//        (Q8_0 with S = 32; Q6_K with S = 16).
+//
+// Activations are quantized per block of 32 (per row): xd = max|x| / 127, xq = round(x / xd),
+// xs = the block's float sum (for the q4 offset term m * sum(x)) and xc = 8 (xs - xd sum_j xq_j), the
+// rounding error of the block's sum. Then per block
+//
+//   q4:  dot = d * xd * sum_j q_j xq_j + m * xs + d * xc   q8: dot = sum_sub d_sub * xd * sum_j q_j xq_j
+//
+// The d * xc term makes the q4 error that of centred weights, d sum_j (q_j - 8) e_j with e_j the
+// rounding error of x_j, instead of d sum_j q_j e_j (q_j in 0..15 is all positive: 2x the error).
+//
+// The integer sums are exact; only the float accumulation order differs between the SIMD paths
+// and the scalar loop, which stays as the reference. strata.layers.quant.reference_* reproduce the
+// same arithmetic in PyTorch for the tests.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define STRATA_QUANT_AVX2 1
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // input channels per activation block (and per q4 weight block)
+constexpr int64_t kRowTile = 4;    // activation rows sharing one unpacked weight block
+constexpr int64_t kRowBlock = 64;  // activation rows kept in cache while a thread walks its weight rows
+
+// Activation rows quantized: q [M, K] int8; d, s, c [M, K / 32] float.
+struct QuantRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, c;
+};
+
+template <typename T>
+void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, float* c) {
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const T* xb = x + b * kBlock;
+    float amax = 0.f, sum = 0.f;
+    float v[kBlock];
+    for (int64_t j = 0; j < kBlock; ++j) {
+      v[j] = static_cast<float>(xb[j]);
+      amax = std::max(amax, std::fabs(v[j]));
+      sum += v[j];
+    }
+    const float scale = amax / 127.f;
+    const float inv = scale > 0.f ? 1.f / scale : 0.f;
+    int32_t qsum = 0;
+    for (int64_t j = 0; j < kBlock; ++j) {
+      q[b * kBlock + j] = static_cast<int8_t>(std::nearbyint(v[j] * inv));  // |v * inv| <= 127
+      qsum += q[b * kBlock + j];
+    }
+    d[b] = scale;
+    s[b] = sum;
+    c[b] = 8.f * (sum - scale * static_cast<float>(qsum));
+  }
+}
+
+QuantRows quantize_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  QuantRows r;
+  r.q.resize(M * K);
+  r.d.resize(M * K / kBlock);
+  r.s.resize(M * K / kBlock);
+  r.c.resize(M * K / kBlock);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t o = m * K / kBlock;
+        quantize_row(xp + m * K, K, r.q.data() + m * K, r.d.data() + o, r.s.data() + o, r.c.data() + o);
+      }
+    });
+  });
+  return r;
+}
+
+#if defined(STRATA_QUANT_AVX2)
+inline float hsum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  x = _mm_add_ss(x, _mm_movehdup_ps(x));
+  return _mm_cvtss_f32(x);
+}
+
+// 32 unsigned 4-bit weights of one q4 block, in input-channel order, as bytes.
+inline __m256i unpack_q4(const uint8_t* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  const __m256i both = _mm256_set_m128i(_mm_srli_epi16(raw, 4), raw);
+  return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+// Eight int32 partial sums of u[i] * s[i] over 32 bytes (u unsigned <= 128, s signed >= -127):
+// lanes 0-3 cover bytes 0-15, lanes 4-7 bytes 16-31.
+inline __m256 dot_u8s8(__m256i u, __m256i s) {
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // 16 x int16, no saturation for these ranges
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+}
+#endif
+
+// Output columns [n0, n1) of all M rows. Activation rows are taken kRowBlock at a time (kept in
+// cache while the thread walks its weight rows), kRowTile at a time per unpacked weight block.
+template <typename OT>
+void q4_rows(const QuantRows& x, int64_t M, int64_t K, const uint8_t* qs, const float* d, const float* m,
+             int64_t n0, int64_t n1, OT* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  for (int64_t mt = 0; mt < M; mt += kRowBlock) {
+    const int64_t m_end = std::min(M, mt + kRowBlock);
+    for (int64_t n = n0; n < n1; ++n) {
+      const uint8_t* qn = qs + n * (K / 2);
+      const float* dn = d + n * nb;
+      const float* mn = m + n * nb;
+      for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
+        const int64_t rn = std::min(kRowTile, m_end - r0);
+        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
+#if defined(STRATA_QUANT_AVX2)
+        __m256 acc[kRowTile];
+        for (int64_t r = 0; r < rn; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256i w = unpack_q4(qn + b * 16);
+          for (int64_t r = 0; r < rn; ++r) {
+            const int64_t row = r0 + r;
+            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
+            acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xq), _mm256_set1_ps(dn[b] * x.d[row * nb + b]), acc[r]);
+          }
+        }
+        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(acc[r]);
+#else
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* qb = qn + b * 16;
+          for (int64_t r = 0; r < rn; ++r) {
+            const int8_t* xq = x.q.data() + (r0 + r) * K + b * kBlock;
+            int32_t isum = 0;
+            for (int64_t j = 0; j < 16; ++j) isum += (qb[j] & 15) * xq[j] + (qb[j] >> 4) * xq[j + 16];
+            result[r] += static_cast<float>(isum) * (dn[b] * x.d[(r0 + r) * nb + b]);
+          }
+        }
+#endif
+        for (int64_t r = 0; r < rn; ++r) {
+          const float* xs = x.s.data() + (r0 + r) * nb;
+          const float* xc = x.c.data() + (r0 + r) * nb;
+          float offset = 0.f;
+          for (int64_t b = 0; b < nb; ++b) offset += mn[b] * xs[b] + dn[b] * xc[b];
+          out[(r0 + r) * N + n] = static_cast<OT>(result[r] + offset);
+        }
+      }
+    }
+  }
+}
+
+// S: input channels per weight scale (16 or 32). Same walk as q4_rows.
+template <int S, typename OT>
+void q8_rows(const QuantRows& x, int64_t M, int64_t K, const int8_t* qs, const float* d, int64_t n0, int64_t n1,
+             OT* out, int64_t N) {
+  const int64_t nb = K / kBlock;
+  constexpr int64_t kSubs = kBlock / S;  // weight scales per activation block
+  for (int64_t mt = 0; mt < M; mt += kRowBlock) {
+    const int64_t m_end = std::min(M, mt + kRowBlock);
+    for (int64_t n = n0; n < n1; ++n) {
+      const int8_t* qn = qs + n * K;
+      const float* dn = d + n * (K / S);
+      for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
+        const int64_t rn = std::min(kRowTile, m_end - r0);
+        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
+#if defined(STRATA_QUANT_AVX2)
+        __m256 acc[kRowTile];
+        for (int64_t r = 0; r < rn; ++r) acc[r] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nb; ++b) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * kBlock));
+          const __m256i wabs = _mm256_sign_epi8(w, w);
+          // lanes 0-3 hold channels 0-15 of the block, lanes 4-7 channels 16-31
+          const __m256 ws = kSubs == 1 ? _mm256_set1_ps(dn[b])
+                                       : _mm256_set_m128(_mm_set1_ps(dn[b * kSubs + kSubs - 1]), _mm_set1_ps(dn[b * kSubs]));
+          for (int64_t r = 0; r < rn; ++r) {
+            const int64_t row = r0 + r;
+            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
+            const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.d[row * nb + b]));
+            acc[r] = _mm256_fmadd_ps(dot_u8s8(wabs, _mm256_sign_epi8(xq, w)), scale, acc[r]);
+          }
+        }
+        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(acc[r]);
+#else
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t r = 0; r < rn; ++r) {
+            const int8_t* xq = x.q.data() + (r0 + r) * K + b * kBlock;
+            for (int64_t sub = 0; sub < kSubs; ++sub) {
+              int32_t isum = 0;
+              for (int64_t j = sub * S; j < (sub + 1) * S; ++j) isum += qn[b * kBlock + j] * xq[j];
+              result[r] += static_cast<float>(isum) * (dn[b * kSubs + sub] * x.d[(r0 + r) * nb + b]);
+            }
+          }
+        }
+#endif
+        for (int64_t r = 0; r < rn; ++r) out[(r0 + r) * N + n] = static_cast<OT>(result[r]);
+      }
+    }
+  }
+}
+
+void check_x(const at::Tensor& x) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [rows, K] tensor");
+  TORCH_CHECK(x.size(1) % kBlock == 0, "K (", x.size(1), ") must be a multiple of ", kBlock);
+}
+
+void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols, const char* name) {
+  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
+  TORCH_CHECK(t.scalar_type() == dtype, name, " has the wrong dtype (", t.scalar_type(), ")");
+  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [", rows, ", ", cols,
+              "], got ", t.sizes());
+}
+
+// Rows of output columns each thread takes: enough to amortise the dispatch, and an even split.
+int64_t grain(int64_t N, int64_t M) {
+  return std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads()) / std::max<int64_t>(1, M / 16)));
+}
+
+// x [M, K] float/bf16/fp16 -> [M, N] in x's dtype.
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  check_param(qs, at::kByte, N, K / 2, "qs");
+  check_param(d, at::kFloat, N, K / kBlock, "d");
+  check_param(m, at::kFloat, N, K / kBlock, "m");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const QuantRows xq = quantize_rows(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q4_linear", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
+      q4_rows<scalar_t>(xq, M, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), n0, n1, op, N);
+    });
+  });
+  return out;
+}
+
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
+  check_x(x);
+  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
+  check_param(qs, at::kChar, N, K, "qs");
+  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
+  const int64_t S = K / d.size(1);
+  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
+  check_param(d, at::kFloat, N, K / S, "d");
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const QuantRows xq = quantize_rows(x);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
+      if (S == 16) {
+        q8_rows<16, scalar_t>(xq, M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), n0, n1, op, N);
+      } else {
+        q8_rows<32, scalar_t>(xq, M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), n0, n1, op, N);
+      }
+    });
+  });
+  return out;
+}
+
+// Weight rows [start, end) of a q4 weight as `dtype` [end - start, K] (the matmul path for many rows).
+at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t start, int64_t end, at::ScalarType dtype) {
+  const int64_t N = qs.size(0), K = qs.size(1) * 2, nb = K / kBlock;
+  check_param(qs, at::kByte, N, K / 2, "qs");
+  check_param(d, at::kFloat, N, nb, "d");
+  check_param(m, at::kFloat, N, nb, "m");
+  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+  at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const uint8_t* q = qs.data_ptr<uint8_t>();
+    const float* dp = d.data_ptr<float>();
+    const float* mp = m.data_ptr<float>();
+    at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        scalar_t* row = op + (n - start) * K;
+        for (int64_t b = 0; b < nb; ++b) {
+          const uint8_t* qb = q + n * (K / 2) + b * 16;
+          const float db = dp[n * nb + b], mb = mp[n * nb + b];
+          for (int64_t j = 0; j < 16; ++j) {
+            row[b * kBlock + j] = static_cast<scalar_t>(db * static_cast<float>(qb[j] & 15) + mb);
+            row[b * kBlock + 16 + j] = static_cast<scalar_t>(db * static_cast<float>(qb[j] >> 4) + mb);
+          }
+        }
+      }
+    });
+  });
+  return out;
+}
+
+at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end, at::ScalarType dtype) {
+  const int64_t N = qs.size(0), K = qs.size(1);
+  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
+  const int64_t S = K / d.size(1);
+  check_param(qs, at::kChar, N, K, "qs");
+  check_param(d, at::kFloat, N, K / S, "d");
+  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+  at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
+    scalar_t* op = out.data_ptr<scalar_t>();
+    const int8_t* q = qs.data_ptr<int8_t>();
+    const float* dp = d.data_ptr<float>();
+    at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
+      for (int64_t n = n0; n < n1; ++n) {
+        for (int64_t k = 0; k < K; ++k) {
+          op[(n - start) * K + k] = static_cast<scalar_t>(dp[n * (K / S) + k / S] * static_cast<float>(q[n * K + k]));
+        }
+      }
+    });
+  });
+  return out;
+}
+
+}  // namespace
+
+void register_quant_ops(pybind11::module_& m) {
+  m.def("q4_linear", &q4_linear, "x [M, K] @ q4 weight^T -> [M, N] (int8 dot products)");
+  m.def("q8_linear", &q8_linear, "x [M, K] @ q8 weight^T -> [M, N] (int8 dot products)");
+  m.def("q4_dequantize", &q4_dequantize, "q4 weight rows [start, end) -> [end - start, K]");
+  m.def("q8_dequantize", &q8_dequantize, "q8 weight rows [start, end) -> [end - start, K]");
+  m.def("quant_simd", [] {
+#if defined(STRATA_QUANT_AVX2)
+    return std::string("avx2");
+#else
+    return std::string("scalar");
+#endif
+  });
+}
