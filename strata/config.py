@@ -130,7 +130,7 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-QUANTIZATION_METHODS = ("int8", "int4")  # keys of strata.layers.quant.QUANT_METHODS
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")  # strata.weights.loader.QUANTIZATION_CHOICES
 
 
 @dataclass(frozen=True)
@@ -155,8 +155,9 @@ class EngineConfig:
     context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
     random_seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU
-    quantization: str | None = None  # weight-only: int8 (per channel) | int4 (per group); CPU only
-    quantization_group_size: int = 32  # int4 input channels per scale (halved where it does not divide)
+    # weights in blocks of 32 (CPU): auto = a GGUF model's own blocks, else float; none = dequantized;
+    # gguf = the GGUF's blocks or fail; int8 | int4 = quantize a float checkpoint
+    quantization: str = "auto"
     # KV cache hierarchy (strata.cache.hicache): L2 host pool and L3 storage behind the radix cache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # L2 pages per L1 page
@@ -200,7 +201,7 @@ class EngineConfig:
             raise ValueError(
                 f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
             )
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+        if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
@@ -233,7 +234,8 @@ _HELP = {
     "chunked_prefill_size": "max prefill tokens of one request per step; <= 0 disables chunking",
     "page_size": "tokens per KV page",
     "disable_radix_cache": "turn off prefix sharing",
-    "quantization": "weight-only quantization of the linear layers, CPU only: int8 per channel, int4 per group",
+    "quantization": "weights in blocks of 32 on the CPU: auto (a GGUF runs on its own blocks), none "
+    "(dequantize), gguf (require the blocks), int8 / int4 (quantize a float checkpoint)",
     "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
     "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
     "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",

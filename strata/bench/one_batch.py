@@ -37,11 +37,12 @@ class OneBatchResult:
     num_decode_steps: int
     prefill_pieces_ms: dict[str, float] | None = None  # mean per prefill step (Strata only)
     decode_pieces_ms: dict[str, float] | None = None  # mean per decode step (Strata only)
+    path: dict[str, object] | None = None  # what ran: dtype (and why), weight formats, kernel build, ISA
 
     @classmethod
     def measured(
         cls, target: str, batch_size: int, input_len: int, output_len: int, prefill_s: float,
-        decode_step_ms: float | None, num_decode_steps: int, **pieces: dict[str, float] | None,
+        decode_step_ms: float | None, num_decode_steps: int, **extra: dict[str, object] | None,
     ) -> OneBatchResult:
         """A result from the measured times; the rates follow from them."""
         return cls(
@@ -54,7 +55,7 @@ class OneBatchResult:
             decode_step_ms=decode_step_ms,
             decode_tok_s=batch_size / (decode_step_ms / 1000.0) if decode_step_ms else None,
             num_decode_steps=num_decode_steps,
-            **pieces,
+            **extra,
         )
 
 
@@ -110,4 +111,17 @@ def run_strata_one_batch(
     return OneBatchResult.measured(
         "strata", batch_size, input_len, output_len, prefill_s, step_ms, len(decode),
         prefill_pieces_ms=mean_pieces_ms(prefill), decode_pieces_ms=mean_pieces_ms(decode),
+        path=engine_path(engine),
     )
+
+
+def engine_path(engine) -> dict[str, object]:
+    """Which code path an engine's figures come from, for the benchmark record."""
+    st = engine.state
+    return {
+        "dtype": str(st.dtype).removeprefix("torch."),
+        "dtype_reason": st.dtype_reason,
+        "weights": st.weights,
+        "quantization": engine.config.quantization,
+        **st.kernels,
+    }

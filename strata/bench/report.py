@@ -209,6 +209,19 @@ def serving_json(r: ServingResult) -> dict[str, Any]:
     return out
 
 
+def cpu_description() -> dict[str, Any]:
+    """The CPU's model name and the SIMD extensions that decide which kernels can run."""
+    from strata.kernels import ISA_FLAGS, cpu_flags
+
+    model = platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return {"model": model, "isa": sorted(f for f in cpu_flags() if f in ISA_FLAGS.values())}
+
+
 def environment() -> dict[str, Any]:
     import torch
 
@@ -218,6 +231,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),
+        "cpu": cpu_description(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         # OpenMP spin-waiting decides CPU results on a busy machine (see docs/BENCHMARKS.md)
         "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")},

@@ -198,9 +198,10 @@ def strata_dtype(ctx: BenchContext):
     """The torch dtype Strata picks for these options on this machine (the peers use it too)."""
     from strata.engine.engine import pick_device, pick_dtype
 
-    return pick_dtype(
+    dtype, _ = pick_dtype(
         ctx.engine_options.get("dtype", "auto"), pick_device(ctx.engine_options.get("device", "auto"))
     )
+    return dtype
 
 
 class TransformersTarget(Target):

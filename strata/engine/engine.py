@@ -26,6 +26,8 @@ from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.config import EngineConfig, ModelConfig
+from strata.kernels import describe_kernels, kernel_info
+from strata.layers.quant import describe_weights
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
@@ -47,6 +49,9 @@ class RuntimeState:
     model_config: ModelConfig
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str
+    weights: str  # the weight formats the model runs on, e.g. "q4 x210, q8 x1, float x0"
+    kernels: dict[str, Any]  # strata.kernels.kernel_info(): which native build runs, the CPU's ISA
     kv_dtype: torch.dtype
     num_kv_tokens: int
     kv_bytes: int
@@ -111,12 +116,52 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+_measured_cpu_dtype: tuple[torch.dtype, str] | None = None
+
+
+def measure_cpu_dtype() -> tuple[torch.dtype, str]:
+    """bf16 if this CPU's bf16 matmul is clearly faster than fp32 (native bf16: AVX-512 BF16 / AMX),
+    else fp32 (without native bf16, bf16 matmuls are emulated and several times slower). Timed once
+    per process on a decode-sized and a prefill-sized matmul (~0.1 s); returns (dtype, reason)."""
+    global _measured_cpu_dtype
+    if _measured_cpu_dtype is not None:
+        return _measured_cpu_dtype
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.randn(1024, 1024, generator=gen)
+    times = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = weight.to(dtype)
+        xs = [torch.randn(rows, 1024, generator=gen).to(dtype) for rows in (4, 64)]
+        for x in xs:  # warm-up (oneDNN picks and caches its kernels)
+            torch.nn.functional.linear(x, w)
+        best = float("inf")
+        for _ in range(3):
+            start = time.perf_counter()
+            for x in xs:
+                for _ in range(4):
+                    torch.nn.functional.linear(x, w)
+            best = min(best, time.perf_counter() - start)
+        times[dtype] = best
+    ratio = times[torch.float32] / times[torch.bfloat16]
+    native = "native bf16" if cpu_has_fast_bf16() else "no native bf16"
+    if ratio >= 1.2:
+        picked = torch.bfloat16, f"bf16 matmuls {ratio:.1f}x faster than fp32 here ({native})"
+    else:
+        picked = torch.float32, f"bf16 matmuls {1 / ratio:.1f}x slower than fp32 here ({native})"
+    _measured_cpu_dtype = picked
+    return picked
+
+
+def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
+    """The compute dtype and why it was chosen."""
     if name != "auto":
-        return _DTYPES[name]
+        return _DTYPES[name], f"--dtype {name}"
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, "auto: the GPU supports bf16"
+        return torch.float16, "auto: the GPU has no bf16"
+    dtype, reason = measure_cpu_dtype()
+    return dtype, f"auto: {reason}"
 
 
 def total_memory_bytes(device: torch.device) -> int:
@@ -137,13 +182,14 @@ class Engine:
         device = pick_device(cfg.device)
         if device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
-        dtype = pick_dtype(cfg.dtype, device)
+        dtype, dtype_reason = pick_dtype(cfg.dtype, device)
+        self.compute_dtype = dtype
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
         self.model = load_model(
             model_dir, model_config, dtype, device, max_positions=context_len,
-            quantization=cfg.quantization, group_size=cfg.quantization_group_size,
+            quantization=cfg.quantization,
         )
 
         bytes_per_token = MHAKVPool.bytes_per_token(
@@ -185,6 +231,9 @@ class Engine:
             model_config=model_config,
             device=device,
             dtype=dtype,
+            dtype_reason=dtype_reason,
+            weights=describe_weights(self.model),
+            kernels=kernel_info() if device.type == "cpu" else {},
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
             kv_bytes=num_pages * cfg.page_size * bytes_per_token,
@@ -196,10 +245,13 @@ class Engine:
         self._ids = itertools.count()
         self._outputs: dict[str, list[RequestOutput]] = {}
         logger.info(
-            "loaded %s (%s, %s on %s) in %.1fs; KV cache: %d tokens (%.0f MiB, %s)",
+            "loaded %s (%s, %s [%s], weights %s, kernels %s on %s) in %.1fs; KV cache: %d tokens (%.0f MiB, %s)",
             model_dir.name,
             model_config.architecture,
             str(dtype).removeprefix("torch."),
+            dtype_reason,
+            self.state.weights,
+            describe_kernels(self.state.kernels),
             device,
             self.state.load_seconds,
             self.state.num_kv_tokens,
@@ -219,7 +271,7 @@ class Engine:
                 "(or STRATA_DISAGG_SECRET) to every prefill and decode worker"
             )
         transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port)
-        namespace = kv_namespace(model_dir, kv_pool).hex()
+        namespace = kv_namespace(model_dir, kv_pool, describe_weights(self.model), self.compute_dtype).hex()
         cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
         manager = cls(self.scheduler, kv_pool, transport, secret.encode(), namespace, cfg.disaggregation_timeout)
         logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
@@ -251,7 +303,7 @@ class Engine:
             prefetch_threshold_tokens=cfg.hicache_prefetch_threshold,
             prefetch_timeout_s=cfg.hicache_prefetch_timeout,
         )
-        namespace = kv_namespace(model_dir, kv_pool)
+        namespace = kv_namespace(model_dir, kv_pool, describe_weights(self.model), self.compute_dtype)
         logger.info(
             "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s",
             hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
@@ -421,8 +473,9 @@ class Engine:
         return apply_chat_template(self.tokenizer, messages)
 
 
-def kv_namespace(model_dir: Path, kv_pool: MHAKVPool) -> bytes:
-    """Identity of a KV page's meaning: model (config + a sample of each weight file) and KV layout."""
+def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str = "", dtype: torch.dtype | None = None) -> bytes:
+    """Identity of a KV page's meaning: model (config + a sample of each weight file), the weight
+    formats and compute dtype the KV was computed with, and the KV layout."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
     for path in sorted(model_dir.glob("*.safetensors")):
         size = path.stat().st_size
@@ -431,6 +484,7 @@ def kv_namespace(model_dir: Path, kv_pool: MHAKVPool) -> bytes:
             h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
     k = kv_pool.k[0]
     layout = f"layers={len(kv_pool.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};page={kv_pool.page_size}"
+    h.update(f"weights={weights};compute={dtype}".encode())
     return h.digest() + layout.encode()
 
 

@@ -1,20 +1,23 @@
-"""Weight-only quantization of linear layers for CPU decode: int8 per output channel, int4 per group.
+"""Block-quantized weights for CPU linears: q4 and q8 in blocks of 32 input channels, as GGUF stores them.
 
-Decode on a CPU is memory-bandwidth bound: every step reads every weight once for a few rows, so
-8- or 4-bit weights cut the bytes per step about 2x / 4x against bf16. Activations stay in the
-model dtype; only weights are quantized, once, after loading (`quantize_model`).
+Decode on a CPU is memory-bandwidth bound: every step reads every weight once for a few rows, so 4-
+or 8-bit weights cut the bytes per step ~4x / ~2x against bf16 (~6x / ~3x against fp32). Two formats,
+owned here (no private torch layout), into which GGUF's types convert without loss:
 
-A `QuantLinear` has three matmuls over the same stored weight:
+    q4   qs uint8 [N, K/2], d, m float32 [N, K/32]:  w[n, 32b + j] = d[n, b] * q + m[n, b],  q in 0..15
+         (byte 16b + j of a row holds q of channel 32b + j in its low nibble, 32b + 16 + j in its high
+         nibble: ggml's Q4_0/Q4_1 order). Q4_0 (m = -8 d), Q4_1, Q4_K (d = d * scale, m = -dmin * min).
+    q8   qs int8 [N, K], d float32 [N, K/S], S = 32 or 16:  w[n, k] = d[n, k // S] * qs[n, k].
+         Q8_0 (S = 32), Q6_K (S = 16, d = d * scale).
 
-  * packed     torch's CPU weight-only kernels (`torch._weight_int8pack_mm`,
-               `aten._weight_int4pack_mm_for_cpu`): fastest for the few rows of a decode step;
-  * dequant    dequantize into the activation dtype, then `F.linear` (oneDNN): faster from
-               `packed_max_rows` rows on (prefill, big decode batches), where the matmul is
-               compute bound and the weight conversion is amortised over the rows;
-  * reference  pure torch in float32 from the unpacked integers: the test oracle for both.
+`QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
+int8 per block of 32, integer dot products with AVX2, as llama.cpp does) when the kernels are built,
+and otherwise dequantizes in chunks and calls `F.linear`. Two oracles in pure torch: `reference_forward`
+(float32 matmul with the dequantized weight: the quantization error) and `emulated_forward` (the
+kernel's own arithmetic, int8 activations included: the kernel's parity test).
 
-Tied embeddings get a `TiedQuantHead` (a quantized copy of the table for logits of a few rows).
-Methods are picked by name from `QUANT_METHODS`. Nothing here knows about requests or the scheduler.
+Methods for float checkpoints are picked by name from `QUANT_METHODS` (`quantize_model`); GGUF
+checkpoints bring their own blocks (strata.weights.gguf). Nothing here knows about requests.
 """
 
 from __future__ import annotations
@@ -26,267 +29,297 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import kernels
+
 logger = logging.getLogger(__name__)
 
-INT4_GROUP_SIZES = (32, 64, 128, 256)  # what aten._weight_int4pack_mm_for_cpu accepts
-INT4_BLOCK_N = 64  # output rows interleaved per block by aten._convert_weight_to_int4pack_for_cpu
-# the dequant matmul dequantizes this many weights at a time, so the chunk is still in cache when the
-# matmul reads it (a 49152 x 576 lm_head dequantized whole is 3-4x slower than in chunks); weights of
-# up to twice this are done whole
+BLOCK = 32  # input channels per block (weights and activations)
+# the fallback path dequantizes this many weights at a time, so the chunk is still in cache when the
+# matmul reads it; weights of up to twice this are done whole
 DEQUANT_CHUNK_NUMEL = 1 << 20
 
 
-class QuantLinear(nn.Module, ABC):
-    """`y = x @ dequantize().T + bias`, with the weight stored quantized.
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the kernel does to its input, in torch: x [M, K] -> (q float [M, K/32, 32] in -127..127,
+    d [M, K/32] = max|x| / 127, s [M, K/32] = the block's float sum, c = 8 (s - d sum(q)): the sum's
+    rounding error, which lets q4 weights count as centred (q - 8), see quant_ops.cpp)."""
+    xb = x.float().view(x.shape[0], -1, BLOCK)
+    d = xb.abs().amax(dim=2) / 127
+    inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv[..., None])
+    s = xb.sum(dim=2)
+    return q, d, s, 8 * (s - d * q.sum(dim=2))
 
-    Contract: built once from a float weight by `from_weight` (which may raise ValueError for a
-    shape the method cannot store); its buffers never change afterwards. `forward` takes any float
-    dtype, `[..., in_features]`, and returns that dtype, `[..., out_features]`; it mutates nothing.
+
+class QuantLinear(nn.Module, ABC):
+    """`y = x @ dequantize().T + bias`, with the weight stored in blocks (one of the formats above).
+
+    Contract: built once (`from_weight`, or from a checkpoint's blocks); its buffers never change
+    afterwards. `forward` takes any float dtype `[..., in_features]` and returns that dtype
+    `[..., out_features]`; it mutates nothing.
     """
 
-    # Rows up to which the packed kernel is faster than the dequant matmul (`forward`), and than a
-    # dense matmul with a float weight already in memory (`TiedQuantHead`). Both kernels' cost grows
-    # with rows x weights; dequantizing costs weights once. Measured on one AVX-512 (Zen 4) core.
-    packed_max_rows: int = 8
-    dense_max_rows: int = 4
+    format: str
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
+        if in_features % BLOCK:
+            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {in_features}")
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
     @abstractmethod
-    def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
-    ) -> QuantLinear:
-        """Quantize a float weight [out_features, in_features]; scales are kept in its dtype.
-        group_size: input channels per scale, for methods that group (int4)."""
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+        """Quantize a float weight [out_features, in_features] (ValueError if the shape cannot be stored)."""
 
     @abstractmethod
+    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Weight rows [start, end) as `dtype` [end - start, in_features], in pure torch."""
+
+    @abstractmethod
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Weight rows `ids` [T] as float32 [T, in_features] (an embedding lookup)."""
+
+    @abstractmethod
+    def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] contiguous -> [rows, out_features] with the native kernel `ops`."""
+
+    @abstractmethod
+    def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """The native kernel's arithmetic in torch (int8 activations): float32 [rows, out_features]."""
+
+    @abstractmethod
+    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
+        """The layer cut into consecutive row ranges (no bias): the inverse of `concat_rows`."""
+
     def dequantize(self) -> torch.Tensor:
-        """The weight the quantized values stand for, in pure torch: float32 [out_features, in_features]."""
-
-    @abstractmethod
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in_features] contiguous -> [rows, out_features], with torch's packed CPU kernel."""
-
-    @abstractmethod
-    def dequant_mm_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """x: [rows, in_features] -> output columns [start, end): [rows, end - start], by dequantizing
-        weight rows [start, end) into x.dtype and a dense matmul. start and end are multiples of 64
-        (end may be out_features)."""
+        """The weight the blocks stand for: float32 [out_features, in_features]."""
+        return self.dequantize_rows(0, self.out_features)
 
     def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [rows, in_features] -> [rows, out_features], dequantizing DEQUANT_CHUNK_NUMEL weights at a time."""
+        """x [rows, in_features] -> [rows, out_features]: dequantize DEQUANT_CHUNK_NUMEL weights at a
+        time into x.dtype, then a dense matmul (the path without native kernels)."""
         n, k = self.out_features, self.in_features
-        if n * k <= 2 * DEQUANT_CHUNK_NUMEL:
-            return self.dequant_mm_rows(x, 0, n)
-        step = max(INT4_BLOCK_N, DEQUANT_CHUNK_NUMEL // k // INT4_BLOCK_N * INT4_BLOCK_N)
-        return torch.cat([self.dequant_mm_rows(x, i, min(i + step, n)) for i in range(0, n, step)], dim=1)
+        step = n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
+        parts = [F.linear(x, self.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
-        """The oracle: float32 matmul with the dequantized weight, cast back to x.dtype."""
+        """Oracle of the quantization itself: float32 matmul with the dequantized weight, in x.dtype."""
         bias = None if self.bias is None else self.bias.float()
         return F.linear(x.float(), self.dequantize(), bias).to(x.dtype)
 
+    def emulated_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Oracle of the native kernel: `emulated_mm` (+ bias), in x.dtype."""
+        out = self.emulated_mm(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        out = self.packed_mm(x2d) if x2d.shape[0] <= self.packed_max_rows else self.dequant_mm(x2d)
+        ops = kernels.usable(x2d)
+        out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
         if self.bias is not None:
             out = out.add_(self.bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (
-            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"format={self.format}"
         )
 
 
-class Int8Linear(QuantLinear):
-    """Symmetric int8, one scale per output channel: w[n, k] = weight_int8[n, k] * scales[n]."""
+class Q4Linear(QuantLinear):
+    """4-bit, asymmetric, blocks of 32: w = d * q + m (see the module docstring for the byte order)."""
 
-    packed_max_rows = 8  # one SmolLM2 layer: 1.12 vs 1.13 ms at 8 rows, 1.87 vs 1.42 at 16
-    dense_max_rows = 4  # 49152 x 576: 9.6 vs 11.0 ms (bf16) at 4 rows, 15.3 vs 12.1 at 8
+    format = "q4"
 
-    def __init__(self, weight_int8: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None):
-        super().__init__(weight_int8.shape[1], weight_int8.shape[0], bias)
-        self.register_buffer("weight_int8", weight_int8)  # [out_features, in_features] int8 in [-127, 127]
-        self.register_buffer("scales", scales)  # [out_features], the float weight's dtype
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(qs.shape[1] * 2, qs.shape[0], bias)
+        n, nb = self.out_features, self.in_features // BLOCK
+        if qs.dtype != torch.uint8 or d.shape != (n, nb) or m.shape != (n, nb):
+            raise ValueError(f"q4 blocks need qs uint8 [N, K/2], d and m [N, K/32]; got {qs.shape} {d.shape} {m.shape}")
+        self.register_buffer("qs", qs.contiguous())  # [N, K/2] uint8
+        self.register_buffer("d", d.float().contiguous())  # [N, K/32]
+        self.register_buffer("m", m.float().contiguous())  # [N, K/32]
 
     @classmethod
     @torch.no_grad()
-    def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
-    ) -> Int8Linear:
-        w = weight.detach().float()
-        # round the scale to its storage dtype first, so the integers are chosen for the scale kept
-        scales = (w.abs().amax(dim=1) / 127).clamp(min=1e-8).to(weight.dtype)
-        q = torch.round(w / scales.float()[:, None]).clamp_(-127, 127).to(torch.int8)
-        return cls(q, scales, bias)
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4Linear:
+        """Each block's min..max spread over the 16 levels (a block's weights are rarely centred on 0)."""
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {k}")
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, K/32]
+        d = (hi - lo) / 15
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round((w - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+        return cls(pack_nibbles(q.view(n, k)), d, lo, bias)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.weight_int8.float() * self.scales.float()[:, None]
+    def unpacked(self, start: int = 0, end: int | None = None) -> torch.Tensor:
+        """q of rows [start, end): uint8 [rows, K/32, 32]."""
+        qs = self.qs[start:end].view(-1, self.in_features // BLOCK, BLOCK // 2)
+        return torch.cat([qs & 15, qs >> 4], dim=2)
 
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch._weight_int8pack_mm(x, self.weight_int8, self.scales.to(x.dtype))
+    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = self.unpacked(start, end).float()
+        w = q.mul_(self.d[start:end, :, None]).add_(self.m[start:end, :, None])
+        return w.view(end - start, self.in_features).to(dtype)
 
-    def dequant_mm_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        # int8 values are exact in bf16/fp16, so scale the output columns rather than the weight
-        out = F.linear(x, self.weight_int8[start:end].to(x.dtype))
-        return out.mul_(self.scales[start:end].to(x.dtype))
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        nb = self.in_features // BLOCK
+        qs = self.qs[ids].view(-1, nb, BLOCK // 2)
+        q = torch.cat([qs & 15, qs >> 4], dim=2).float()
+        return (q * self.d[ids][..., None] + self.m[ids][..., None]).view(-1, self.in_features)
+
+    def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.q4_linear(x, self.qs, self.d, self.m)
+
+    def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xd, xs, xc = quantize_activations(x)
+        sums = torch.einsum("mbj,nbj->mnb", xq, self.unpacked().float())  # exact integers in float32
+        offsets = self.m[None] * xs[:, None] + self.d[None] * xc[:, None]  # [M, N, K/32]
+        return (sums * (self.d[None] * xd[:, None]) + offsets).sum(-1)
+
+    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
+        return [Q4Linear(qs, d, m) for qs, d, m in zip(*(t.split(sizes) for t in (self.qs, self.d, self.m)))]
 
 
-class Int4Linear(QuantLinear):
-    """Asymmetric int4 in groups of `group_size` input channels, in the layout of torch's CPU kernel:
+class Q8Linear(QuantLinear):
+    """8-bit, symmetric, one scale per `group` (32 or 16) input channels: w = d * q."""
 
-        w[n, k] = (q[n, k] - 8) * scale[k // g, n] + zero[k // g, n],   q in [0, 15]
+    format = "q8"
 
-    (`zero` is the value of q = 8, i.e. the group's min + 8 * scale). Asymmetric because a group's
-    weights are rarely centred on 0: min..max spends all 16 levels on the range actually used.
-    Groups of 32 by default: on the default model (a Q4_1 GGUF, itself in blocks of 32) perplexity
-    rises 3% with groups of 32 and 59% with 64, at the same decode speed.
-    """
-
-    packed_max_rows = 64  # one SmolLM2 layer: 5.5 vs 9.8 ms at 64 rows, 14.7 vs 11.8 at 128
-    dense_max_rows = 12  # 49152 x 576: 7.9 vs 12.1 ms (bf16) at 8 rows, 15.3 vs 14.1 at 16
-
-    def __init__(self, weight_int4pack: torch.Tensor, scales_and_zeros: torch.Tensor, group_size: int, bias):
-        out_features, in_features = weight_int4pack.shape[0], weight_int4pack.shape[1] * 2
-        super().__init__(in_features, out_features, bias)
-        self.group_size = group_size
-        self.register_buffer("weight_int4pack", weight_int4pack)  # [out_features, in_features // 2] uint8
-        self.register_buffer("scales_and_zeros", scales_and_zeros)  # [in_features // g, out_features, 2]
-
-    @staticmethod
-    def pick_group_size(in_features: int, group_size: int) -> int:
-        """`group_size`, halved until it divides in_features (576 = 4.5 x 128 -> 64); ValueError if none."""
-        g = group_size
-        while g > INT4_GROUP_SIZES[0] and in_features % g:
-            g //= 2
-        if g not in INT4_GROUP_SIZES or in_features % g:
-            raise ValueError(
-                f"int4 needs in_features divisible by a group size in {INT4_GROUP_SIZES} (at most the "
-                f"requested {group_size}); {in_features} is not"
-            )
-        return g
+    def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None):
+        super().__init__(qs.shape[1], qs.shape[0], bias)
+        self.group = self.in_features // max(1, d.shape[1])
+        if qs.dtype != torch.int8 or self.group not in (16, 32) or d.shape != (self.out_features, self.in_features // self.group):
+            raise ValueError(f"q8 blocks need qs int8 [N, K], d [N, K/32] or [N, K/16]; got {qs.shape} {d.shape}")
+        self.register_buffer("qs", qs.contiguous())  # [N, K] int8
+        self.register_buffer("d", d.float().contiguous())  # [N, K/group]
 
     @classmethod
     @torch.no_grad()
-    def from_weight(
-        cls, weight: torch.Tensor, bias: torch.Tensor | None = None, group_size: int = 32
-    ) -> Int4Linear:
-        out_features, in_features = weight.shape
-        if out_features % 16:
-            raise ValueError(
-                f"int4 needs out_features divisible by 16 (torch's CPU packing); got {out_features}"
-            )
-        g = cls.pick_group_size(in_features, group_size)
-        w = weight.detach().float().view(out_features, in_features // g, g)  # [N, K/g, g]
-        lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, K/g]
-        scales = ((hi - lo) / 15).clamp(min=1e-6).to(weight.dtype)
-        zeros = (lo + 8 * scales.float()).to(weight.dtype)
-        q = torch.round((w - zeros.float()[..., None]) / scales.float()[..., None] + 8).clamp_(0, 15)
-        packed = torch._convert_weight_to_int4pack_for_cpu(
-            q.view(out_features, in_features).to(torch.int32), 1
-        )
-        scales_and_zeros = torch.stack([scales, zeros], dim=2).transpose(0, 1).contiguous()  # [K/g, N, 2]
-        return cls(packed, scales_and_zeros, g, bias)
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8Linear:
+        n, k = weight.shape
+        if k % BLOCK:
+            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {k}")
+        w = weight.detach().float().view(n, k // BLOCK, BLOCK)
+        d = w.abs().amax(dim=2) / 127
+        inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
+        q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
+        return cls(q.view(n, k), d, bias)
 
-    def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, group_size={self.group_size}"
+    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        q = self.qs[start:end].view(end - start, -1, self.group).float()
+        return q.mul_(self.d[start:end, :, None]).view(end - start, self.in_features).to(dtype)
 
-    def dequantize(self) -> torch.Tensor:
-        return self.dequantize_t(0, self.out_features).t()
+    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        q = self.qs[ids].view(ids.numel(), -1, self.group).float()
+        return (q * self.d[ids][..., None]).view(-1, self.in_features)
 
-    def dequantize_t(self, start: int, end: int) -> torch.Tensor:
-        """Weight rows [start, end) dequantized and transposed: float32 [in_features, end - start].
+    def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
+        return ops.q8_linear(x, self.qs, self.d)
 
-        Transposed because that is the order the packed bytes unpack into cheaply, and the scales
-        are already [in_features // g, out_features]; F.linear takes its `.t()` without a copy.
-        Rows [start, end) of the packed tensor are whole 64-row blocks (start % 64 == 0, and end
-        % 64 == 0 or end == out_features), so they unpack on their own.
-        """
-        n, k, g = end - start, self.in_features, self.group_size
-        qt = unpack_int4_cpu(self.weight_int4pack[start:end], n, k).float().view(k // g, g, n)
-        scales, zeros = self.scales_and_zeros[:, start:end].float().unbind(2)  # 2 x [K/g, n], strided
-        offsets = zeros - 8 * scales  # w = q * scale + (zero - 8 * scale): one pass less over the weight
-        return qt.mul_(scales.contiguous()[:, None]).add_(offsets[:, None]).view(k, n)
+    def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xd, _, _ = quantize_activations(x)
+        rows, subs = x.shape[0], self.in_features // self.group
+        w = self.qs.float().view(self.out_features, subs, self.group)
+        sums = torch.einsum("msj,nsj->mns", xq.view(rows, subs, self.group), w)
+        scale = self.d[None] * xd.repeat_interleave(BLOCK // self.group, dim=1)[:, None]  # [M, N, subs]
+        return (sums * scale).sum(-1)
 
-    def dequant_mm_rows(self, x: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        # dequantize in float32 (bf16 broadcasting ops are ~10x slower on CPU), matmul in x.dtype
-        return F.linear(x, self.dequantize_t(start, end).to(x.dtype).t())
-
-    def packed_mm(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu.default(
-            x, self.weight_int4pack, self.group_size, self.scales_and_zeros.to(x.dtype)
-        )
+    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
+        return [Q8Linear(qs, d) for qs, d in zip(self.qs.split(sizes), self.d.split(sizes))]
 
 
-def unpack_int4_cpu(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    """Inverse of `aten._convert_weight_to_int4pack_for_cpu`, transposed: [N, K/2] uint8 -> qt [K, N] uint8.
-
-    The packed bytes, read flat, hold the full 64-row blocks of q [N, K], then the rest (N % 64 rows):
-
-        block b, input channel k, byte j < 32:  low nibble q[64b + j, k], high nibble q[64b + 32 + j, k]
-        rest,    input channel k, byte j:       low nibble q[n0 + 2j, k], high nibble q[n0 + 2j + 1, k]
-
-    with n0 = N // 64 * 64. Unpacking into [K, N] moves 64-byte runs; [N, K] would need a byte
-    transpose. A layout change in torch breaks the round-trip test, not this silently.
-    """
-    n, k = out_features, in_features
-    n0 = n // INT4_BLOCK_N * INT4_BLOCK_N
-    flat = packed.reshape(-1)
-    head = flat[: n0 * k // 2].view(n // INT4_BLOCK_N, k, INT4_BLOCK_N // 2)  # [blocks, K, 32]
-    head = torch.stack([head & 15, head >> 4], dim=2)  # [blocks, K, 2 (lo, hi), 32]
-    head = head.permute(1, 0, 2, 3).reshape(k, n0)
-    if n0 == n:
-        return head
-    rest = flat[n0 * k // 2 :].view(k, (n - n0) // 2)  # [K, (N - n0) / 2]
-    rest = torch.stack([rest & 15, rest >> 4], dim=2).reshape(k, n - n0)
-    return torch.cat([head, rest], dim=1)
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """q uint8 [N, K] in 0..15 -> qs [N, K/2] in the q4 byte order."""
+    n, k = q.shape
+    blocks = q.view(n, k // BLOCK, BLOCK)
+    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)).reshape(n, k // 2)
 
 
-class TiedQuantHead(nn.Module):
-    """Logits for tied embeddings: a quantized copy of the table for up to `dense_max_rows` rows
-    (decode of a few sequences), the float table itself above that, where a dense matmul beats the
-    packed kernel. The float table is the embedding's own tensor, not a copy."""
+def concat_rows(parts: list[QuantLinear], bias: torch.Tensor | None = None) -> nn.Module:
+    """One layer computing the parts' outputs side by side (a fused qkv or gate/up projection).
 
-    def __init__(self, quantized: QuantLinear, embedding_weight: torch.Tensor):
+    Parts of one format (and, for q8, one group size) merge into a single QuantLinear; a mix (e.g. a
+    Q4_K_M checkpoint's Q4_K q and Q6_K v) becomes a `ConcatLinear` that runs each and joins them."""
+    first = parts[0]
+    if all(type(p) is type(first) and getattr(p, "group", 0) == getattr(first, "group", 0) for p in parts):
+        if isinstance(first, Q4Linear):
+            return Q4Linear(*(torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")), bias)
+        return Q8Linear(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), bias)
+    return ConcatLinear(parts, bias)
+
+
+class ConcatLinear(nn.Module):
+    """Row ranges of one output held in different formats: y = cat([part(x) for part]) + bias."""
+
+    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
         super().__init__()
-        self.quantized = quantized
-        self.embedding_weight = embedding_weight.detach()  # [vocab, hidden], shared; not a parameter here
+        self.parts = nn.ModuleList(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.out_features for p in parts)
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2d = x.reshape(-1, self.quantized.in_features).contiguous()  # [rows, hidden]
-        if x2d.shape[0] <= self.quantized.dense_max_rows:
-            out = self.quantized.packed_mm(x2d)
+        out = torch.cat([p(x) for p in self.parts], dim=-1)
+        return out if self.bias is None else out.add_(self.bias.to(out.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table kept in blocks (a GGUF's Q8_0 token_embd): rows are dequantized on lookup,
+    and the same blocks serve a tied output projection (`head`)."""
+
+    def __init__(self, table: QuantLinear, dtype: torch.dtype):
+        super().__init__()
+        self.head = table  # [vocab, hidden] in blocks; also the tied lm_head
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head.gather_rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, self.embedding_dim)
+
+
+QUANT_METHODS: dict[str, type[QuantLinear]] = {"int8": Q8Linear, "int4": Q4Linear}
+
+
+def describe_weights(model: nn.Module) -> str:
+    """The formats a model's matmul weights are held in, e.g. "q4 x120, q8 x1" or "float x120"."""
+    counts: dict[str, int] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            name = module.format if not isinstance(module, Q8Linear) or module.group == BLOCK else "q8/16"
+        elif isinstance(module, nn.Linear) or type(module).__name__ == "PackedLinear":
+            name = "float"
         else:
-            out = F.linear(x2d, self.embedding_weight.to(x2d.dtype))
-        return out.view(*x.shape[:-1], self.quantized.out_features)
+            continue
+        counts[name] = counts.get(name, 0) + 1
+    return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
 
 
-QUANT_METHODS: dict[str, type[QuantLinear]] = {"int8": Int8Linear, "int4": Int4Linear}
-
-
-def quantize_model(
-    model: nn.Module, method: str, group_size: int = 32, *, tied_lm_head: bool = True
-) -> nn.Module:
+def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) -> nn.Module:
     """Replace the decoder layers' nn.Linear modules and the output projection by `QuantLinear`s, in place.
 
-    With tied embeddings and `tied_lm_head`, `model.lm_head` becomes a `TiedQuantHead`: a quantized
-    copy of the embedding table for small batches (the embedding lookup keeps the float table).
-    The model's `compute_logits` must call `self.lm_head(hidden)` when lm_head is set.
-    A linear the method cannot store (e.g. int4 with out_features % 16) stays float, with a warning.
-    Returns the model.
+    With tied embeddings and `tied_lm_head`, `model.lm_head` becomes a quantized copy of the embedding
+    table (the lookup keeps the float table). A linear the method cannot store (in_features not a
+    multiple of 32) stays float, with a warning. Returns the model.
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"quantization must be one of {tuple(QUANT_METHODS)}, got {method!r}")
     devices = {p.device.type for p in model.parameters()}
-    if devices != {"cpu"}:
+    if devices - {"cpu"}:
         raise ValueError(
-            f"weight-only quantization uses torch's CPU kernels; the model is on {sorted(devices)}. "
-            "Use --device cpu or drop --quantization."
+            f"block quantization runs on the CPU; the model is on {sorted(devices)}. "
+            "Use --device cpu or --quantization none."
         )
     cls = QUANT_METHODS[method]
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -294,17 +327,16 @@ def quantize_model(
     kept: list[str] = []
     for name, linear in targets:
         try:
-            quantized = cls.from_weight(linear.weight, linear.bias, group_size)
+            quantized = cls.from_weight(linear.weight, linear.bias)
         except ValueError as e:
             kept.append(f"{name} ({e})")
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, quantized)
-    tied = getattr(model, "lm_head", "absent") is None and hasattr(model, "embed_tokens")
+    tied = getattr(model, "lm_head", "absent") is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
     if tied and tied_lm_head:
         try:
-            quantized = cls.from_weight(model.embed_tokens.weight, None, group_size)
-            model.lm_head = TiedQuantHead(quantized, model.embed_tokens.weight)
+            model.lm_head = cls.from_weight(model.embed_tokens.weight)
         except ValueError as e:
             kept.append(f"lm_head (tied embedding: {e})")
     if kept:

@@ -115,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()  # a module: may be a quantized copy of tied embeddings
 
     # HF checkpoint name fragment -> (our parameter fragment, index of the shard inside the fused weight)
-    _FUSED = {
+    FUSED = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -123,7 +123,17 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def checkpoint_parts(self, module: str) -> list[str]:
+        """The checkpoint tensors one of our linear/embedding weights is made of, in row order
+        (`layers.0.self_attn.qkv_proj` -> the layer's q_proj, k_proj, v_proj weights)."""
+        parent, _, leaf = module.rpartition(".")
+        frags = sorted((shard, frag) for frag, (fused, shard) in self.FUSED.items() if fused == leaf)
+        prefix = "" if module == "lm_head" else "model."
+        names = [f"{parent}.{frag}" for _, frag in frags] if frags else [module]
+        return [f"{prefix}{name}.weight" for name in names]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], absent: frozenset[str] = frozenset()) -> None:
+        """Copy checkpoint tensors into our parameters; `absent`: parameters the caller fills otherwise."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for hf_name, tensor in weights:
@@ -132,7 +142,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy
-            for frag, (fused, shard) in self._FUSED.items():
+            for frag, (fused, shard) in self.FUSED.items():
                 if f".{frag}." in name:
                     name = name.replace(frag, fused)
                     self._load_shard(params[name], tensor, fused, shard)
@@ -144,7 +154,7 @@ class LlamaForCausalLM(nn.Module):
                     raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
                 params[name].data.copy_(tensor)
             loaded.add(name)
-        missing = set(params) - loaded
+        missing = set(params) - loaded - absent
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
 

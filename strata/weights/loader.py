@@ -9,17 +9,23 @@ import torch
 from safetensors import safe_open
 
 from strata.config import ModelConfig
+from strata.layers.quant import QUANT_METHODS, Q4Linear, Q8Linear, QuantEmbedding, QuantLinear, concat_rows, quantize_model
 from strata.models import get_model_class
+from strata.weights.gguf import BLOCKS_FILE
 
 
-def iter_safetensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    files = sorted(model_dir.glob("*.safetensors"))
+QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
+
+
+def iter_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE)
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                yield name, f.get_tensor(name)
+                if name not in skip:
+                    yield name, f.get_tensor(name)
 
 
 def load_model(
@@ -28,12 +34,23 @@ def load_model(
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
-    quantization: str | None = None,
-    group_size: int = 32,
+    quantization: str = "auto",
 ) -> torch.nn.Module:
-    """Build the model without initialising weights (meta device), fill it from the checkpoint, and
-    quantize its linear weights if asked (`strata.layers.quant`). On the CPU, bf16 linear weights are
-    then prepacked for oneDNN (`strata.layers.packed`)."""
+    """Build the model without initialising weights (meta device) and fill it from the checkpoint.
+
+    quantization: `auto` runs a converted GGUF on its own blocks (strata.layers.quant) and any other
+    checkpoint in float; `gguf` insists on the blocks; `none` loads float weights (a GGUF dequantized);
+    `int8` / `int4` quantize float weights into q8 / q4 blocks. Blocks run on the CPU only. On the CPU,
+    bf16 linear weights left float are then prepacked for oneDNN (`strata.layers.packed`)."""
+    if quantization not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    on_cpu = torch.device(device).type == "cpu"
+    blocks_path = model_dir / BLOCKS_FILE
+    if quantization == "gguf" and not (blocks_path.is_file() and on_cpu):
+        raise ValueError(
+            f"--quantization gguf needs a GGUF model on the CPU; {model_dir} has no GGUF blocks"
+            if on_cpu else "--quantization gguf runs on the CPU only; use --device cpu or --quantization none"
+        )
     cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -42,19 +59,61 @@ def load_model(
             model = cls(cfg, max_positions=max_positions, rope_device=device)
     finally:
         torch.set_default_dtype(default_dtype)
-    model = model.to_empty(device=device)
+    model = model.to_empty(device=device)  # untouched pages: weights replaced by blocks never become resident
+    blocks = {}
+    if quantization in ("auto", "gguf") and on_cpu and blocks_path.is_file():
+        blocks = block_layers(model, blocks_path)
+    covered = frozenset(name for module in blocks for name in model.checkpoint_parts(module))
     with torch.no_grad():
-        model.load_weights((name, t.to(dtype)) for name, t in iter_safetensors(model_dir))
-    if quantization is not None:
-        from strata.layers.quant import quantize_model
-
-        model = quantize_model(model, quantization, group_size)
-    if torch.device(device).type == "cpu":
+        model.load_weights(
+            ((name, t.to(dtype)) for name, t in iter_safetensors(model_dir, covered)),
+            absent=frozenset(f"{module}.weight" for module in blocks),
+        )
+    install_block_layers(model, blocks, dtype)
+    if quantization in QUANT_METHODS:
+        model = quantize_model(model, quantization)
+    if on_cpu:
         from strata.layers.packed import pack_linears
 
         pack_linears(model)
     release_freed_memory()
     return model.eval()
+
+
+def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLinear]:
+    """Our linear layers (and embedding table) whose checkpoint tensors all come in blocks, built
+    from them: {module name: QuantLinear without bias}."""
+    with safe_open(str(blocks_path), framework="pt") as f:
+        keys = set(f.keys())
+        stored = {name.rsplit(".", 1)[0] for name in keys}
+
+        def layer(name: str) -> QuantLinear:
+            if f"{name}.m" in keys:
+                return Q4Linear(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
+            return Q8Linear(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"))
+
+        out = {}
+        for module, sub in model.named_modules():
+            if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
+                parts = model.checkpoint_parts(module)
+                if all(part in stored for part in parts):
+                    out[module] = concat_rows([layer(part) for part in parts])
+    return out
+
+
+def install_block_layers(model: torch.nn.Module, blocks: dict[str, QuantLinear], dtype: torch.dtype) -> None:
+    """Swap the block layers in (a linear keeps its loaded bias); an embedding in blocks becomes a
+    `QuantEmbedding` whose blocks also serve as the tied output projection."""
+    for module, layer in blocks.items():
+        old = model.get_submodule(module)
+        parent, _, leaf = module.rpartition(".")
+        if isinstance(old, torch.nn.Embedding):
+            layer, tied = QuantEmbedding(layer, dtype), layer
+            if getattr(model, "lm_head", "absent") is None:
+                model.lm_head = tied
+        elif old.bias is not None:
+            layer.register_buffer("bias", old.bias.detach().clone())
+        setattr(model.get_submodule(parent) if parent else model, leaf, layer)
 
 
 def release_freed_memory() -> None:

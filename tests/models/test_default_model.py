@@ -25,15 +25,36 @@ def test_greedy_chat_answer_matches_transformers(default_dir):
         expected = ref.generate(
             prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32, pad_token_id=0
         )[0, len(ids) :].tolist()
-    engine = Engine(None, dtype="float32", kv_cache_tokens=4096)
+    engine = Engine(None, dtype="float32", kv_cache_tokens=4096, quantization="none")  # the GGUF dequantized
+    assert engine.state.weights == "float x120"
     got = engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
     assert engine.chat_ids(messages) == ids
     assert got.token_ids == expected
     assert "prim" in got.text.lower() or len(got.text) > 20
 
 
+# Greedy answer of the default model as it ships (Q4_1 blocks, Q8_0 embedding and tied output; int8
+# activations in the kernels), recorded on the native and the AVX2 kernel builds and the PyTorch path.
+# (This prompt's top-2 logit margin stays above 0.18 for 20 tokens on every path: no near-ties.)
+SHIPPED_PROMPT = [{"role": "user", "content": "What is the capital of Japan?"}]
+SHIPPED_TEXT = "The capital of Japan is Tokyo."
+
+
+@pytest.mark.parametrize("target", ["native", "x86-64-v3", None], ids=["native", "avx2", "no-kernels"])
+def test_default_model_runs_as_shipped(default_dir, target):
+    from strata import kernels
+
+    if target is not None and not kernels.target_supported(target):
+        pytest.skip(f"this CPU cannot run the {target} build")
+    with kernels.using(target):
+        engine = Engine(None, dtype="float32", kv_cache_tokens=1024)
+        assert engine.state.weights == "q4 x120, q8 x1"
+        r = engine.chat(SHIPPED_PROMPT, SamplingParams(temperature=0, max_new_tokens=16))
+    assert r.text == SHIPPED_TEXT and r.finish_reason == "stop"
+
+
 def test_bfloat16_default_answers_sensibly(default_dir):
     engine = Engine(None, kv_cache_tokens=4096)
-    r = engine.chat([{"role": "user", "content": "What is the capital of France?"}],
+    r = engine.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
                     SamplingParams(temperature=0, max_new_tokens=24))
     assert "Paris" in r.text

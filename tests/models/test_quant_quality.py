@@ -14,7 +14,6 @@ import torch
 from strata import Engine, SamplingParams
 from strata.engine.batch import ScheduleBatch
 from strata.engine.request import Req
-from strata.layers.quant import quantize_model
 
 pytestmark = pytest.mark.slow
 
@@ -48,18 +47,18 @@ out, a sailor who can still read the pattern of a distant light knows that someo
 carefully about how to bring him home.
 """
 
-# Measured on the default model (bf16 activations, 477 tokens, logits one row at a time):
-#   bf16 ppl 28.13; int8 28.30 (+0.6%); int4 (groups of 32) 29.01 (+3.1%; +0.5% with the tied
-#   output projection left bf16, tied_lm_head=False). Groups of 64 give +59%: the model is a Q4_1
-#   GGUF, quantized in blocks of 32 already, and groups that straddle two blocks quantize twice.
-MAX_PPL_RATIO = {"int8": 1.02, "int4": 1.06}
+# Perplexity against the GGUF dequantized to float32 (quantization="none"), fp32 activations.
+# Measured (477 tokens, logits one row at a time): see MAX_PPL_RATIO's comment in the closing figures
+# of docs/BENCHMARKS.md. "auto" is the model as it ships: its own Q4_1/Q8_0 blocks through the int8
+# kernels (the only difference from "none" is the int8 rounding of the activations); int8 / int4
+# re-quantize the dequantized weights into q8 / q4 blocks.
+MAX_PPL_RATIO = {"auto": 1.02, "int8": 1.02, "int4": 1.06}
 
 
 def perplexity(engine: Engine, token_ids: list[int]) -> float:
     """exp(mean negative log-likelihood) of token_ids[1:], from one forward over the whole sequence.
 
-    Logits are computed one row at a time, as in one-stream decode: a tied output projection then
-    uses its quantized copy (TiedQuantHead switches to the float table for many rows)."""
+    Logits are computed one row at a time, as in one-stream decode."""
     req = Req(rid="ppl", prompt_ids=list(token_ids), params=SamplingParams())
     scheduler, runner = engine.scheduler, engine.scheduler.runner
     assert scheduler._alloc_for(req, len(token_ids))
@@ -76,21 +75,21 @@ def perplexity(engine: Engine, token_ids: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def bf16_ppl(default_dir) -> tuple[list[int], float]:
-    engine = Engine(None, dtype="bfloat16", kv_cache_tokens=2048)
+def float_ppl(default_dir) -> tuple[list[int], float]:
+    engine = Engine(None, dtype="float32", kv_cache_tokens=2048, quantization="none")
     ids = engine.encode(TEXT)
     assert 450 <= len(ids) <= 650
     ppl = perplexity(engine, ids)
-    assert ppl < 40, f"the bf16 model itself is off: ppl {ppl:.2f} on plain English"
+    assert ppl < 40, f"the dequantized model itself is off: ppl {ppl:.2f} on plain English"
     return ids, ppl
 
 
-@pytest.mark.parametrize("method", list(MAX_PPL_RATIO))
-def test_quantized_perplexity_close_to_bf16(bf16_ppl, method):
-    ids, base = bf16_ppl
-    engine = Engine(None, dtype="bfloat16", kv_cache_tokens=2048)
-    quantize_model(engine.model, method)
+@pytest.mark.parametrize("quantization", list(MAX_PPL_RATIO))
+def test_quantized_perplexity_close_to_dequantized(float_ppl, quantization):
+    ids, base = float_ppl
+    engine = Engine(None, dtype="float32", kv_cache_tokens=2048, quantization=quantization)
     ppl = perplexity(engine, ids)
-    assert ppl <= base * MAX_PPL_RATIO[method], (
-        f"{method}: ppl {ppl:.3f} vs bf16 {base:.3f} ({ppl / base:.3f}x)"
+    print(f"{quantization}: ppl {ppl:.3f} vs dequantized {base:.3f} ({ppl / base:.4f}x)")
+    assert ppl <= base * MAX_PPL_RATIO[quantization], (
+        f"{quantization}: ppl {ppl:.3f} vs dequantized {base:.3f} ({ppl / base:.3f}x)"
     )
