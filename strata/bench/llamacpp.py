@@ -5,11 +5,12 @@
     one-batch  in-process `llama_cpp.Llama`, batch size 1 only (the binding runs one sequence):
                one eval() of the prompt, then one eval() per generated token
 
-It runs the GGUF as stored (the default model is Q4_1, 4-bit weights), while Strata and
-transformers run the weights converted from it to bf16/fp32: a different precision, stated next
-to every figure. Threads are set to the CPU count, as Strata's torch threads are.
-Note that llama-cpp-python's server answers one request at a time (llama.cpp's own C++
-`llama-server` batches; it is not what this measures).
+It runs the GGUF as stored (the default model is Q4_1, 4-bit weights), as Strata does by default
+(`--quantization auto`). Threads are set to the CPU count, as Strata's torch threads are.
+llama-cpp-python's server answers one request at a time; llama.cpp's own C++ `llama-server`
+batches (continuous batching over `--parallel` slots) and is the `llama-server` target
+(`llama_server_argv`): a binary built from llama.cpp's sources, found on PATH, in
+`$STRATA_LLAMA_SERVER`, or given as `llama-server:binary=PATH`.
 """
 
 from __future__ import annotations
@@ -64,6 +65,39 @@ def server_argv(gguf: Path, port: int, threads: int | None = None, alias: str = 
         "--n_threads", str(threads),
         "--n_threads_batch", str(threads),
         "--interrupt_requests", "False",  # its default aborts the running stream when another request arrives
+    ]  # fmt: skip
+
+
+LLAMA_SERVER_ENV = "STRATA_LLAMA_SERVER"
+
+
+def llama_server_binary(binary: str | None) -> str | None:
+    """The llama-server executable: the given path, $STRATA_LLAMA_SERVER, or `llama-server` on PATH."""
+    import shutil
+
+    for candidate in (binary, os.environ.get(LLAMA_SERVER_ENV), shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return str(candidate)
+    return None
+
+
+def llama_server_argv(
+    binary: str, gguf: Path, port: int, threads: int | None = None, slots: int = 64, ctx_per_slot: int = 1024
+) -> list[str]:
+    """llama.cpp's C++ server with `slots` parallel sequences of `ctx_per_slot` tokens each
+    (continuous batching is its default)."""
+    threads = threads or os.cpu_count() or 1
+    return [
+        binary,
+        "--model", str(gguf),
+        "--alias", "llama-server",
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--parallel", str(slots),
+        "--ctx-size", str(slots * ctx_per_slot),
+        "--threads", str(threads),
+        "--threads-batch", str(threads),
+        "--no-webui",
     ]  # fmt: skip
 
 

@@ -35,7 +35,7 @@ from typing import Any
 from strata.bench.server_process import ServerProcess
 
 MODES = ("serving", "one-batch", "offline")
-KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "vllm", "url")
+KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "llama-server", "vllm", "url")
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def parse_target(text: str) -> TargetSpec:
     kind, _, rest = text.partition(":")
     if kind not in KINDS or kind == "url":
         raise ValueError(
-            f"unknown target {text!r}; use one of strata, transformers, transformers-serve, llamacpp, vllm "
+            f"unknown target {text!r}; use one of strata, transformers, transformers-serve, llamacpp, llama-server, vllm "
             "(optionally with :key=value,...) or url=http://host:port"
         )
     options = {}
@@ -318,6 +318,57 @@ class LlamaCppTarget(Target):
         self._model = None
 
 
+class LlamaServerTarget(Target):
+    """llama.cpp's C++ `llama-server` (batches requests); options: binary=PATH, threads=N,
+    slots=N (parallel sequences, default 64), ctx_per_slot=N (default 1024)."""
+
+    modes = ("serving",)
+
+    def __init__(self, spec, ctx):
+        super().__init__(spec, ctx)
+        opts = spec.options
+        self.threads = int(opts["threads"]) if "threads" in opts else None
+        self.slots = int(opts.get("slots", 64))
+        self.ctx_per_slot = int(opts.get("ctx_per_slot", 1024))
+        self._server: ServerProcess | None = None
+
+    def unavailable(self, mode: str) -> str | None:
+        from strata.bench import llamacpp
+
+        reason = super().unavailable(mode)
+        if reason is None and llamacpp.llama_server_binary(self.spec.options.get("binary")) is None:
+            reason = (
+                "llama-server not found: build it from llama.cpp's sources (cmake --build build --target "
+                f"llama-server) and pass llama-server:binary=PATH or set ${llamacpp.LLAMA_SERVER_ENV}"
+            )
+        if reason is None:
+            try:
+                llamacpp.gguf_path(self.ctx.model)
+            except (ValueError, FileNotFoundError) as exc:
+                reason = str(exc)
+        return reason
+
+    def serving_url(self) -> str:
+        from strata.bench import llamacpp
+
+        if self._server is None:
+            binary = llamacpp.llama_server_binary(self.spec.options.get("binary"))
+            gguf = llamacpp.gguf_path(self.ctx.model)
+            self._server = ServerProcess(
+                lambda port: llamacpp.llama_server_argv(binary, gguf, port, self.threads, self.slots, self.ctx_per_slot),
+                "llama-server",
+            ).start()
+        return self._server.base_url
+
+    def served_model(self) -> str | None:
+        return "llama-server"
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
 class VllmTarget(Target):
     modes = ("serving", "one-batch")
     length_control = "ignore_eos"
@@ -421,6 +472,7 @@ _TARGETS = {
     "transformers": TransformersTarget,
     "transformers-serve": TransformersServeTarget,
     "llamacpp": LlamaCppTarget,
+    "llama-server": LlamaServerTarget,
     "vllm": VllmTarget,
     "url": UrlTarget,
 }

@@ -32,6 +32,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -128,17 +129,17 @@ void q4_rows(const QuantRows& x, int64_t M, int64_t K, const uint8_t* qs, const 
         const int64_t rn = std::min(kRowTile, m_end - r0);
         float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
 #if defined(STRATA_QUANT_AVX2)
-        __m256 acc[kRowTile];
-        for (int64_t r = 0; r < rn; ++r) acc[r] = _mm256_setzero_ps();
+        __m256 acc[kRowTile][2];  // even and odd blocks: two independent FMA chains per row
+        for (int64_t r = 0; r < rn; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
           const __m256i w = unpack_q4(qn + b * 16);
           for (int64_t r = 0; r < rn; ++r) {
             const int64_t row = r0 + r;
             const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
-            acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xq), _mm256_set1_ps(dn[b] * x.d[row * nb + b]), acc[r]);
+            acc[r][b & 1] = _mm256_fmadd_ps(dot_u8s8(w, xq), _mm256_set1_ps(dn[b] * x.d[row * nb + b]), acc[r][b & 1]);
           }
         }
-        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(acc[r]);
+        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
         for (int64_t b = 0; b < nb; ++b) {
           const uint8_t* qb = qn + b * 16;
@@ -154,7 +155,16 @@ void q4_rows(const QuantRows& x, int64_t M, int64_t K, const uint8_t* qs, const 
           const float* xs = x.s.data() + (r0 + r) * nb;
           const float* xc = x.c.data() + (r0 + r) * nb;
           float offset = 0.f;
-          for (int64_t b = 0; b < nb; ++b) offset += mn[b] * xs[b] + dn[b] * xc[b];
+          int64_t b = 0;
+#if defined(STRATA_QUANT_AVX2)
+          __m256 off = _mm256_setzero_ps();
+          for (; b + 8 <= nb; b += 8) {
+            off = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b), _mm256_loadu_ps(xs + b), off);
+            off = _mm256_fmadd_ps(_mm256_loadu_ps(dn + b), _mm256_loadu_ps(xc + b), off);
+          }
+          offset = hsum8(off);
+#endif
+          for (; b < nb; ++b) offset += mn[b] * xs[b] + dn[b] * xc[b];
           out[(r0 + r) * N + n] = static_cast<OT>(result[r] + offset);
         }
       }
@@ -177,8 +187,8 @@ void q8_rows(const QuantRows& x, int64_t M, int64_t K, const int8_t* qs, const f
         const int64_t rn = std::min(kRowTile, m_end - r0);
         float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
 #if defined(STRATA_QUANT_AVX2)
-        __m256 acc[kRowTile];
-        for (int64_t r = 0; r < rn; ++r) acc[r] = _mm256_setzero_ps();
+        __m256 acc[kRowTile][2];  // even and odd blocks: two independent FMA chains per row
+        for (int64_t r = 0; r < rn; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
         for (int64_t b = 0; b < nb; ++b) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * kBlock));
           const __m256i wabs = _mm256_sign_epi8(w, w);
@@ -189,10 +199,10 @@ void q8_rows(const QuantRows& x, int64_t M, int64_t K, const int8_t* qs, const f
             const int64_t row = r0 + r;
             const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
             const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.d[row * nb + b]));
-            acc[r] = _mm256_fmadd_ps(dot_u8s8(wabs, _mm256_sign_epi8(xq, w)), scale, acc[r]);
+            acc[r][b & 1] = _mm256_fmadd_ps(dot_u8s8(wabs, _mm256_sign_epi8(xq, w)), scale, acc[r][b & 1]);
           }
         }
-        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(acc[r]);
+        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
 #else
         for (int64_t b = 0; b < nb; ++b) {
           for (int64_t r = 0; r < rn; ++r) {
@@ -271,7 +281,65 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   return out;
 }
 
-// Weight rows [start, end) of a q4 weight as `dtype` [end - start, K] (the matmul path for many rows).
+// 32 weights of one block as floats: w[j] = q[j] * scale[j / 8] + offset (the matmul path for many
+// rows dequantizes a chunk of weight rows into float and hands it to the BLAS).
+#if defined(STRATA_QUANT_AVX2)
+inline void store_block(float* dst, __m256i bytes, bool is_signed, const float* scales, float offset) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+  for (int i = 0; i < 4; ++i) {
+    const __m128i eight = (i & 1) ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
+    const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
+    _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scales[i]),
+                                                  _mm256_set1_ps(offset)));
+  }
+}
+#endif
+
+template <typename OT>
+void q4_dequant_rows(const uint8_t* q, const float* dp, const float* mp, int64_t K, int64_t n0, int64_t n1,
+                     int64_t start, OT* op) {
+  const int64_t nb = K / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    OT* row = op + (n - start) * K;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = q + n * (K / 2) + b * 16;
+      const float db = dp[n * nb + b], mb = mp[n * nb + b];
+#if defined(STRATA_QUANT_AVX2)
+      if constexpr (std::is_same_v<OT, float>) {
+        const float scales[4] = {db, db, db, db};
+        store_block(row + b * kBlock, unpack_q4(qb), false, scales, mb);
+        continue;
+      }
+#endif
+      for (int64_t j = 0; j < 16; ++j) {
+        row[b * kBlock + j] = static_cast<OT>(db * static_cast<float>(qb[j] & 15) + mb);
+        row[b * kBlock + 16 + j] = static_cast<OT>(db * static_cast<float>(qb[j] >> 4) + mb);
+      }
+    }
+  }
+}
+
+template <typename OT>
+void q8_dequant_rows(const int8_t* q, const float* dp, int64_t K, int64_t S, int64_t n0, int64_t n1, int64_t start,
+                     OT* op) {
+  for (int64_t n = n0; n < n1; ++n) {
+    OT* row = op + (n - start) * K;
+    const float* dn = dp + n * (K / S);
+    int64_t k = 0;
+#if defined(STRATA_QUANT_AVX2)
+    if constexpr (std::is_same_v<OT, float>) {
+      for (; k < K; k += kBlock) {
+        const float* sub = dn + k / S;
+        const float scales[4] = {sub[0], sub[0], sub[S == 16 ? 1 : 0], sub[S == 16 ? 1 : 0]};
+        store_block(row + k, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + k)), true, scales, 0.f);
+      }
+    }
+#endif
+    for (; k < K; ++k) row[k] = static_cast<OT>(dn[k / S] * static_cast<float>(q[n * K + k]));
+  }
+}
+
+// Weight rows [start, end) of a q4 weight as `dtype` [end - start, K].
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t start, int64_t end, at::ScalarType dtype) {
   const int64_t N = qs.size(0), K = qs.size(1) * 2, nb = K / kBlock;
   check_param(qs, at::kByte, N, K / 2, "qs");
@@ -280,22 +348,9 @@ at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t star
   TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const uint8_t* q = qs.data_ptr<uint8_t>();
-    const float* dp = d.data_ptr<float>();
-    const float* mp = m.data_ptr<float>();
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        scalar_t* row = op + (n - start) * K;
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* qb = q + n * (K / 2) + b * 16;
-          const float db = dp[n * nb + b], mb = mp[n * nb + b];
-          for (int64_t j = 0; j < 16; ++j) {
-            row[b * kBlock + j] = static_cast<scalar_t>(db * static_cast<float>(qb[j] & 15) + mb);
-            row[b * kBlock + 16 + j] = static_cast<scalar_t>(db * static_cast<float>(qb[j] >> 4) + mb);
-          }
-        }
-      }
+      q4_dequant_rows<scalar_t>(qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), K, n0, n1, start,
+                                out.data_ptr<scalar_t>());
     });
   });
   return out;
@@ -303,22 +358,17 @@ at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t star
 
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end, at::ScalarType dtype) {
   const int64_t N = qs.size(0), K = qs.size(1);
+  TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
   TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
   const int64_t S = K / d.size(1);
+  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
   check_param(qs, at::kChar, N, K, "qs");
   check_param(d, at::kFloat, N, K / S, "d");
   TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int8_t* q = qs.data_ptr<int8_t>();
-    const float* dp = d.data_ptr<float>();
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) {
-        for (int64_t k = 0; k < K; ++k) {
-          op[(n - start) * K + k] = static_cast<scalar_t>(dp[n * (K / S) + k / S] * static_cast<float>(q[n * K + k]));
-        }
-      }
+      q8_dequant_rows<scalar_t>(qs.data_ptr<int8_t>(), d.data_ptr<float>(), K, S, n0, n1, start, out.data_ptr<scalar_t>());
     });
   });
   return out;

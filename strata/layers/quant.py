@@ -11,8 +11,9 @@ owned here (no private torch layout), into which GGUF's types convert without lo
          Q8_0 (S = 32), Q6_K (S = 16, d = d * scale).
 
 `QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
-int8 per block of 32, integer dot products with AVX2, as llama.cpp does) when the kernels are built,
-and otherwise dequantizes in chunks and calls `F.linear`. Two oracles in pure torch: `reference_forward`
+int8 per block of 32, integer dot products with AVX2, as llama.cpp does) for up to `kernel_max_rows`
+rows (decode); above that (prefill, big batches) and without the kernels it dequantizes chunks of
+weight rows and calls `F.linear`. Two oracles in pure torch: `reference_forward`
 (float32 matmul with the dequantized weight: the quantization error) and `emulated_forward` (the
 kernel's own arithmetic, int8 activations included: the kernel's parity test).
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -60,6 +62,10 @@ class QuantLinear(nn.Module, ABC):
     """
 
     format: str
+    # From this many rows on, dequantizing chunks for a BLAS matmul beats the int8 kernel (whose cost
+    # grows with rows x weights, while dequantizing costs weights once). Measured on AVX2 (Zen 3),
+    # SmolLM2's layers, fp32: see docs/BENCHMARKS.md.
+    kernel_max_rows: int = 32
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -86,6 +92,10 @@ class QuantLinear(nn.Module, ABC):
         """x [rows, in_features] contiguous -> [rows, out_features] with the native kernel `ops`."""
 
     @abstractmethod
+    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        """`dequantize_rows` with the native kernels `ops`."""
+
+    @abstractmethod
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The native kernel's arithmetic in torch (int8 activations): float32 [rows, out_features]."""
 
@@ -97,12 +107,13 @@ class QuantLinear(nn.Module, ABC):
         """The weight the blocks stand for: float32 [out_features, in_features]."""
         return self.dequantize_rows(0, self.out_features)
 
-    def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
+    def dequant_mm(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]: dequantize DEQUANT_CHUNK_NUMEL weights at a
-        time into x.dtype, then a dense matmul (the path without native kernels)."""
+        time into x.dtype (natively with `ops`, else in torch), then a dense matmul."""
         n, k = self.out_features, self.in_features
         step = n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
-        parts = [F.linear(x, self.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
+        dequantize = self.dequantize_rows if ops is None else partial(self.kernel_dequantize, ops)
+        parts = [F.linear(x, dequantize(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,7 +131,10 @@ class QuantLinear(nn.Module, ABC):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
-        out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
+        if ops is not None and x2d.shape[0] < self.kernel_max_rows:
+            out = self.kernel_mm(ops, x2d)
+        else:
+            out = self.dequant_mm(x2d, ops)
         if self.bias is not None:
             out = out.add_(self.bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
@@ -179,6 +193,9 @@ class Q4Linear(QuantLinear):
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         return ops.q4_linear(x, self.qs, self.d, self.m)
 
+    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return ops.q4_dequantize(self.qs, self.d, self.m, start, end, dtype)
+
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, xs, xc = quantize_activations(x)
         sums = torch.einsum("mbj,nbj->mnb", xq, self.unpacked().float())  # exact integers in float32
@@ -224,6 +241,9 @@ class Q8Linear(QuantLinear):
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         return ops.q8_linear(x, self.qs, self.d)
+
+    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
+        return ops.q8_dequantize(self.qs, self.d, start, end, dtype)
 
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, _, _ = quantize_activations(x)

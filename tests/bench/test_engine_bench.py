@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from strata.bench.compare import round_order, run_compare
@@ -152,3 +154,20 @@ def test_vllm_target_says_why_it_cannot_run(llama_dir, tiny_tokenizer):
 def test_strata_target_rejects_unknown_engine_options(llama_dir, tiny_tokenizer):
     with pytest.raises(ValueError, match="not an EngineConfig field"):
         make_target(parse_target("strata:warp_speed=9"), _ctx(llama_dir, tiny_tokenizer))
+
+
+def test_llama_server_target_says_why_it_cannot_run_and_batches(llama_dir, tiny_tokenizer, tmp_path, monkeypatch):
+    from strata.bench import llamacpp
+
+    monkeypatch.delenv(llamacpp.LLAMA_SERVER_ENV, raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # no llama-server on PATH
+    target = make_target(parse_target("llama-server:binary=/nonexistent"), _ctx(llama_dir, tiny_tokenizer))
+    assert "does not support one-batch" in target.unavailable("one-batch")
+    assert "llama-server not found" in target.unavailable("serving")
+    binary = tmp_path / "llama-server"
+    binary.write_text("#!/bin/sh\n")
+    binary.chmod(0o755)
+    assert llamacpp.llama_server_binary(None) == str(binary)
+    argv = llamacpp.llama_server_argv(str(binary), Path("m.gguf"), 8080, threads=2, slots=64, ctx_per_slot=1024)
+    assert argv[argv.index("--parallel") + 1] == "64" and argv[argv.index("--ctx-size") + 1] == str(64 * 1024)
+    assert argv[argv.index("--threads") + 1] == "2"

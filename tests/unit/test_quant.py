@@ -101,6 +101,23 @@ def test_forward_with_and_without_kernels(build, fmt, dtype):
         assert rel_err(layer(x), layer.reference_forward(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_many_rows_take_the_native_dequant_matmul(build, fmt, monkeypatch):
+    """From kernel_max_rows on, forward dequantizes chunks natively (the torch dequantization up to
+    one fused multiply-add's rounding) for a float matmul: the float reference's result."""
+    monkeypatch.setattr(quant, "DEQUANT_CHUNK_NUMEL", 16 * 192)  # several chunks
+    gen = torch.Generator().manual_seed(5)
+    layer = random_layer(fmt, 100, 192, gen)
+    for start, end in ((0, 100), (3, 40), (99, 100)):
+        got = layer.kernel_dequantize(build, start, end, torch.float32)
+        torch.testing.assert_close(got, layer.dequantize_rows(start, end), atol=1e-7, rtol=1e-6)
+    torch.testing.assert_close(
+        layer.kernel_dequantize(build, 0, 100, torch.bfloat16).float(), layer.dequantize(), atol=1e-7, rtol=8e-3
+    )
+    x = torch.randn(layer.kernel_max_rows, 192, generator=gen)
+    torch.testing.assert_close(layer(x), layer.reference_forward(x), atol=1e-4, rtol=1e-4)
+
+
 def test_kernel_rejects_bad_shapes(build):
     layer = random_layer("q4", 64, 64, torch.Generator().manual_seed(0))
     with pytest.raises(RuntimeError, match="multiple of 32"):
