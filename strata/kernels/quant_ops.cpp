@@ -113,109 +113,141 @@ inline __m256 dot_u8s8(__m256i u, __m256i s) {
 }
 #endif
 
-// Output columns [n0, n1) of all M rows. Activation rows are taken kRowBlock at a time (kept in
-// cache while the thread walks its weight rows), kRowTile at a time per unpacked weight block.
-template <typename OT>
-void q4_rows(const QuantRows& x, int64_t M, int64_t K, const uint8_t* qs, const float* d, const float* m,
-             int64_t n0, int64_t n1, OT* out, int64_t N) {
-  const int64_t nb = K / kBlock;
-  for (int64_t mt = 0; mt < M; mt += kRowBlock) {
-    const int64_t m_end = std::min(M, mt + kRowBlock);
-    for (int64_t n = n0; n < n1; ++n) {
-      const uint8_t* qn = qs + n * (K / 2);
-      const float* dn = d + n * nb;
-      const float* mn = m + n * nb;
-      for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
-        const int64_t rn = std::min(kRowTile, m_end - r0);
-        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
+// Integer dot products of one weight row with RT activation rows (RT a compile-time constant, so
+// the accumulators live in registers), scaled per block: result[r] = sum_b scale_b,r * isum_b,r.
+// Blocks are taken two at a time into separate accumulators (two independent FMA chains).
+template <int RT, typename Weights>
+inline void dot_rows(const Weights& w, const QuantRows& x, int64_t row0, int64_t K, int64_t nb, float* result) {
 #if defined(STRATA_QUANT_AVX2)
-        __m256 acc[kRowTile][2];  // even and odd blocks: two independent FMA chains per row
-        for (int64_t r = 0; r < rn; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const __m256i w = unpack_q4(qn + b * 16);
-          for (int64_t r = 0; r < rn; ++r) {
-            const int64_t row = r0 + r;
-            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
-            acc[r][b & 1] = _mm256_fmadd_ps(dot_u8s8(w, xq), _mm256_set1_ps(dn[b] * x.d[row * nb + b]), acc[r][b & 1]);
-          }
-        }
-        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
-#else
-        for (int64_t b = 0; b < nb; ++b) {
-          const uint8_t* qb = qn + b * 16;
-          for (int64_t r = 0; r < rn; ++r) {
-            const int8_t* xq = x.q.data() + (r0 + r) * K + b * kBlock;
-            int32_t isum = 0;
-            for (int64_t j = 0; j < 16; ++j) isum += (qb[j] & 15) * xq[j] + (qb[j] >> 4) * xq[j + 16];
-            result[r] += static_cast<float>(isum) * (dn[b] * x.d[(r0 + r) * nb + b]);
-          }
-        }
-#endif
-        for (int64_t r = 0; r < rn; ++r) {
-          const float* xs = x.s.data() + (r0 + r) * nb;
-          const float* xc = x.c.data() + (r0 + r) * nb;
-          float offset = 0.f;
-          int64_t b = 0;
-#if defined(STRATA_QUANT_AVX2)
-          __m256 off = _mm256_setzero_ps();
-          for (; b + 8 <= nb; b += 8) {
-            off = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b), _mm256_loadu_ps(xs + b), off);
-            off = _mm256_fmadd_ps(_mm256_loadu_ps(dn + b), _mm256_loadu_ps(xc + b), off);
-          }
-          offset = hsum8(off);
-#endif
-          for (; b < nb; ++b) offset += mn[b] * xs[b] + dn[b] * xc[b];
-          out[(r0 + r) * N + n] = static_cast<OT>(result[r] + offset);
+  __m256 acc0[RT], acc1[RT];
+  for (int r = 0; r < RT; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const int8_t* xq = x.q.data() + row0 * K;
+  const float* xd = x.d.data() + row0 * nb;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    for (int half = 0; half < 2; ++half) {
+      const int64_t bb = b + half;
+      const auto [u, sign, ws] = w.block(bb);
+      for (int r = 0; r < RT; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + bb * kBlock));
+        const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xd[r * nb + bb]));
+        const __m256 dot = dot_u8s8(u, w.signed_x(xv, sign));
+        if (half == 0) {
+          acc0[r] = _mm256_fmadd_ps(dot, scale, acc0[r]);
+        } else {
+          acc1[r] = _mm256_fmadd_ps(dot, scale, acc1[r]);
         }
       }
     }
   }
+  for (; b < nb; ++b) {
+    const auto [u, sign, ws] = w.block(b);
+    for (int r = 0; r < RT; ++r) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
+      const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xd[r * nb + b]));
+      acc0[r] = _mm256_fmadd_ps(dot_u8s8(u, w.signed_x(xv, sign)), scale, acc0[r]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) result[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+#else
+  for (int r = 0; r < RT; ++r) {
+    const int8_t* xq = x.q.data() + (row0 + r) * K;
+    float sum = 0.f;
+    for (int64_t b = 0; b < nb; ++b) sum += w.scalar_block(b, xq + b * kBlock) * x.d[(row0 + r) * nb + b];
+    result[r] = sum;
+  }
+#endif
 }
 
-// S: input channels per weight scale (16 or 32). Same walk as q4_rows.
-template <int S, typename OT>
-void q8_rows(const QuantRows& x, int64_t M, int64_t K, const int8_t* qs, const float* d, int64_t n0, int64_t n1,
-             OT* out, int64_t N) {
+// One q4 weight row: unsigned nibbles, one scale per block.
+struct Q4Row {
+  const uint8_t* q;
+  const float* d;
+#if defined(STRATA_QUANT_AVX2)
+  struct Block {
+    __m256i u, sign;
+    __m256 scale;
+  };
+  Block block(int64_t b) const { return {unpack_q4(q + b * 16), _mm256_setzero_si256(), _mm256_set1_ps(d[b])}; }
+  static __m256i signed_x(__m256i xv, __m256i) { return xv; }
+#endif
+  // d_b * sum_j q_j xq_j (the caller multiplies by the activation scale)
+  float scalar_block(int64_t b, const int8_t* xq) const {
+    const uint8_t* qb = q + b * 16;
+    int32_t isum = 0;
+    for (int64_t j = 0; j < 16; ++j) isum += (qb[j] & 15) * xq[j] + (qb[j] >> 4) * xq[j + 16];
+    return d[b] * static_cast<float>(isum);
+  }
+};
+
+// One q8 weight row with one scale per S input channels: |w| times x with w's sign.
+template <int S>
+struct Q8Row {
+  const int8_t* q;
+  const float* d;
+  static constexpr int64_t kSubs = kBlock / S;
+#if defined(STRATA_QUANT_AVX2)
+  struct Block {
+    __m256i u, sign;
+    __m256 scale;
+  };
+  Block block(int64_t b) const {
+    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
+    // lanes 0-3 of the dot product hold channels 0-15 of the block, lanes 4-7 channels 16-31
+    const __m256 scale = kSubs == 1 ? _mm256_set1_ps(d[b])
+                                    : _mm256_set_m128(_mm_set1_ps(d[b * kSubs + kSubs - 1]), _mm_set1_ps(d[b * kSubs]));
+    return {_mm256_sign_epi8(w, w), w, scale};
+  }
+  static __m256i signed_x(__m256i xv, __m256i sign) { return _mm256_sign_epi8(xv, sign); }
+#endif
+  float scalar_block(int64_t b, const int8_t* xq) const {
+    float sum = 0.f;
+    for (int64_t sub = 0; sub < kSubs; ++sub) {
+      int32_t isum = 0;
+      for (int64_t j = sub * S; j < (sub + 1) * S; ++j) isum += q[b * kBlock + j] * xq[j];
+      sum += d[b * kSubs + sub] * static_cast<float>(isum);
+    }
+    return sum;
+  }
+};
+
+// sum_b m_b xs_b + d_b xc_b: the q4 offset and centring terms of one (weight row, activation row).
+inline float q4_offset(const float* m, const float* d, const float* xs, const float* xc, int64_t nb) {
+  float offset = 0.f;
+  int64_t b = 0;
+#if defined(STRATA_QUANT_AVX2)
+  __m256 off = _mm256_setzero_ps();
+  for (; b + 8 <= nb; b += 8) {
+    off = _mm256_fmadd_ps(_mm256_loadu_ps(m + b), _mm256_loadu_ps(xs + b), off);
+    off = _mm256_fmadd_ps(_mm256_loadu_ps(d + b), _mm256_loadu_ps(xc + b), off);
+  }
+  offset = hsum8(off);
+#endif
+  for (; b < nb; ++b) offset += m[b] * xs[b] + d[b] * xc[b];
+  return offset;
+}
+
+// Output columns [n0, n1) of all M rows: activation rows kRowBlock at a time (kept in cache while
+// the thread walks its weight rows), kRowTile at a time per weight row. make_row(n) gives weight
+// row n; offset(n, r, result) adds what the format adds per (weight row, activation row).
+template <typename OT, typename MakeRow, typename Offset>
+void linear_rows(const QuantRows& x, int64_t M, int64_t K, int64_t n0, int64_t n1, OT* out, int64_t N,
+                 MakeRow make_row, Offset offset) {
   const int64_t nb = K / kBlock;
-  constexpr int64_t kSubs = kBlock / S;  // weight scales per activation block
+  float result[kRowTile];
   for (int64_t mt = 0; mt < M; mt += kRowBlock) {
     const int64_t m_end = std::min(M, mt + kRowBlock);
     for (int64_t n = n0; n < n1; ++n) {
-      const int8_t* qn = qs + n * K;
-      const float* dn = d + n * (K / S);
+      const auto w = make_row(n);
       for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
         const int64_t rn = std::min(kRowTile, m_end - r0);
-        float result[kRowTile] = {0.f, 0.f, 0.f, 0.f};
-#if defined(STRATA_QUANT_AVX2)
-        __m256 acc[kRowTile][2];  // even and odd blocks: two independent FMA chains per row
-        for (int64_t r = 0; r < rn; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t b = 0; b < nb; ++b) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qn + b * kBlock));
-          const __m256i wabs = _mm256_sign_epi8(w, w);
-          // lanes 0-3 hold channels 0-15 of the block, lanes 4-7 channels 16-31
-          const __m256 ws = kSubs == 1 ? _mm256_set1_ps(dn[b])
-                                       : _mm256_set_m128(_mm_set1_ps(dn[b * kSubs + kSubs - 1]), _mm_set1_ps(dn[b * kSubs]));
-          for (int64_t r = 0; r < rn; ++r) {
-            const int64_t row = r0 + r;
-            const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * kBlock));
-            const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(x.d[row * nb + b]));
-            acc[r][b & 1] = _mm256_fmadd_ps(dot_u8s8(wabs, _mm256_sign_epi8(xq, w)), scale, acc[r][b & 1]);
-          }
+        switch (rn) {
+          case 1: dot_rows<1>(w, x, r0, K, nb, result); break;
+          case 2: dot_rows<2>(w, x, r0, K, nb, result); break;
+          case 3: dot_rows<3>(w, x, r0, K, nb, result); break;
+          default: dot_rows<4>(w, x, r0, K, nb, result); break;
         }
-        for (int64_t r = 0; r < rn; ++r) result[r] = hsum8(_mm256_add_ps(acc[r][0], acc[r][1]));
-#else
-        for (int64_t b = 0; b < nb; ++b) {
-          for (int64_t r = 0; r < rn; ++r) {
-            const int8_t* xq = x.q.data() + (r0 + r) * K + b * kBlock;
-            for (int64_t sub = 0; sub < kSubs; ++sub) {
-              int32_t isum = 0;
-              for (int64_t j = sub * S; j < (sub + 1) * S; ++j) isum += qn[b * kBlock + j] * xq[j];
-              result[r] += static_cast<float>(isum) * (dn[b * kSubs + sub] * x.d[(r0 + r) * nb + b]);
-            }
-          }
-        }
-#endif
-        for (int64_t r = 0; r < rn; ++r) out[(r0 + r) * N + n] = static_cast<OT>(result[r]);
+        for (int64_t r = 0; r < rn; ++r) out[(r0 + r) * N + n] = static_cast<OT>(result[r] + offset(n, r0 + r));
       }
     }
   }
@@ -250,8 +282,15 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
   const QuantRows xq = quantize_rows(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q4_linear", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    const uint8_t* q = qs.data_ptr<uint8_t>();
+    const float* dp = d.data_ptr<float>();
+    const float* mp = m.data_ptr<float>();
+    const int64_t nb = K / kBlock;
     at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
-      q4_rows<scalar_t>(xq, M, K, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), m.data_ptr<float>(), n0, n1, op, N);
+      linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q4Row{q + n * (K / 2), dp + n * nb}; },
+                  [&](int64_t n, int64_t row) {
+                    return q4_offset(mp + n * nb, dp + n * nb, xq.s.data() + row * nb, xq.c.data() + row * nb, nb);
+                  });
     });
   });
   return out;
@@ -270,11 +309,14 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   const QuantRows xq = quantize_rows(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
+    const int8_t* q = qs.data_ptr<int8_t>();
+    const float* dp = d.data_ptr<float>();
+    const auto none = [](int64_t, int64_t) { return 0.f; };
     at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
       if (S == 16) {
-        q8_rows<16, scalar_t>(xq, M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), n0, n1, op, N);
+        linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q8Row<16>{q + n * K, dp + n * (K / 16)}; }, none);
       } else {
-        q8_rows<32, scalar_t>(xq, M, K, qs.data_ptr<int8_t>(), d.data_ptr<float>(), n0, n1, op, N);
+        linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q8Row<32>{q + n * K, dp + n * (K / 32)}; }, none);
       }
     });
   });

@@ -162,8 +162,13 @@ def write_gguf(
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if tokenizer:
         write_tokenizer_metadata(writer)
-    quantized = qtype == GGMLQuantizationType.Q8_0
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quantized else gguf.LlamaFileType.ALL_F32)
+    writer.add_file_type(
+        {
+            GGMLQuantizationType.Q8_0: gguf.LlamaFileType.MOSTLY_Q8_0,
+            GGMLQuantizationType.Q4_0: gguf.LlamaFileType.MOSTLY_Q4_0,
+            GGMLQuantizationType.Q4_1: gguf.LlamaFileType.MOSTLY_Q4_1,
+        }.get(qtype, gguf.LlamaFileType.ALL_F32)
+    )
 
     for hf, tensor in model.state_dict().items():
         if tie_skipped(model, hf):
@@ -297,6 +302,43 @@ def test_q8_0_round_trip(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     expected, got = logits(tiny), logits(converted)
     assert not torch.equal(got, expected)  # it really was quantized
     torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_quantized_gguf_runs_on_its_blocks(qtype: str, tie: bool, tmp_path: Path) -> None:
+    """A quantized GGUF loads as blocks (never inflated): every linear and the embedding (and a tied
+    output projection) hold exactly the values the dequantized conversion holds, and the model
+    computes what `--quantization none` computes, up to the int8 rounding of the activations."""
+    from strata import Engine, SamplingParams
+    from strata.layers.quant import QuantEmbedding, QuantLinear
+
+    qt = GGMLQuantizationType[qtype]
+    path = tmp_path / f"tiny-{qtype}.gguf"
+    write_gguf(tiny_llama(tie=tie), path, qt)
+    model_dir = convert_gguf_to_hf(path, tmp_path / "hf")
+    blocks = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256)
+    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256, quantization="none")
+    fmt = "q8" if qt == GGMLQuantizationType.Q8_0 else "q4"
+    assert blocks.state.weights.startswith(f"{fmt} x") and "float" not in blocks.state.weights
+    assert plain.state.weights.startswith("float")
+    assert isinstance(blocks.model.embed_tokens, QuantEmbedding) and isinstance(blocks.model.lm_head, QuantLinear)
+    if tie:
+        assert blocks.model.lm_head is blocks.model.embed_tokens.head
+    with torch.no_grad():
+        for name, module in blocks.model.named_modules():
+            if isinstance(module, QuantLinear) and name.startswith("layers."):
+                assert torch.equal(module.dequantize(), plain.model.get_submodule(name).weight), name
+        ids = torch.tensor(PROMPT_IDS[0])
+        assert torch.equal(blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+    greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    got = blocks.generate([PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5))[0]
+    want = plain.generate([PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5))[0]
+    top = {t.token_id: t.logprob for t in want.choices[0].logprobs[0].top}
+    for t in got.choices[0].logprobs[0].top:
+        if t.token_id in top:
+            assert abs(t.logprob - top[t.token_id]) < 0.05
+    assert len(blocks.generate([PROMPT_IDS[0]], greedy)[0].token_ids) == 6
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
