@@ -53,6 +53,15 @@ def gguf_path(model: str | None) -> Path:
     )
 
 
+def gguf_missing_reason(model: str | None) -> str | None:
+    """None when `gguf_path(model)` has a file for llama.cpp to run; else why not."""
+    try:
+        gguf_path(model)
+    except (ValueError, FileNotFoundError) as exc:
+        return str(exc)
+    return None
+
+
 def server_argv(gguf: Path, port: int, threads: int | None = None, alias: str = "llamacpp") -> list[str]:
     threads = threads or os.cpu_count() or 1
     return [

@@ -285,12 +285,7 @@ class LlamaCppTarget(Target):
         from strata.bench import llamacpp
 
         reason = super().unavailable(mode) or llamacpp.missing_reason(need_server=mode == "serving")
-        if reason is None:
-            try:
-                llamacpp.gguf_path(self.ctx.model)
-            except (ValueError, FileNotFoundError) as exc:
-                reason = str(exc)
-        return reason
+        return reason or llamacpp.gguf_missing_reason(self.ctx.model)
 
     def serving_url(self) -> str:
         from strata.bench import llamacpp
@@ -341,12 +336,7 @@ class LlamaServerTarget(Target):
                 "llama-server not found: build it from llama.cpp's sources (cmake --build build --target "
                 f"llama-server) and pass llama-server:binary=PATH or set ${llamacpp.LLAMA_SERVER_ENV}"
             )
-        if reason is None:
-            try:
-                llamacpp.gguf_path(self.ctx.model)
-            except (ValueError, FileNotFoundError) as exc:
-                reason = str(exc)
-        return reason
+        return reason or llamacpp.gguf_missing_reason(self.ctx.model)
 
     def serving_url(self) -> str:
         from strata.bench import llamacpp
