@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import hashlib
 import itertools
-import operator
 import logging
+import operator
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -26,11 +26,11 @@ from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.config import EngineConfig, ModelConfig
-from strata.kernels import describe_kernels, kernel_info
-from strata.layers.quant import describe_weights
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
+from strata.kernels import describe_kernels, kernel_info
+from strata.layers.quant import describe_weights
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer
 from strata.weights.loader import load_model

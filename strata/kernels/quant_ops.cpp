@@ -18,9 +18,9 @@
 // The d * xc term makes the q4 error that of centred weights, d sum_j (q_j - 8) e_j with e_j the
 // rounding error of x_j, instead of d sum_j q_j e_j (q_j in 0..15 is all positive: 2x the error).
 //
-// The integer sums are exact; only the float accumulation order differs between the SIMD paths
-// and the scalar loop, which stays as the reference. strata.layers.quant.reference_* reproduce the
-// same arithmetic in PyTorch for the tests.
+// The integer sums are exact; only the float accumulation order differs between the AVX2 path and
+// the scalar loop, which stays as the reference. QuantLinear.emulated_mm (strata.layers.quant)
+// reproduces the same arithmetic in PyTorch for the tests. AVX-512 machines run the AVX2 path.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -37,7 +37,7 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;   // input channels per activation block (and per q4 weight block)
+constexpr int64_t kBlock = 32;     // input channels per activation block (and per q4 weight block)
 constexpr int64_t kRowTile = 4;    // activation rows sharing one unpacked weight block
 constexpr int64_t kRowBlock = 64;  // activation rows kept in cache while a thread walks its weight rows
 
@@ -423,11 +423,4 @@ void register_quant_ops(pybind11::module_& m) {
   m.def("q8_linear", &q8_linear, "x [M, K] @ q8 weight^T -> [M, N] (int8 dot products)");
   m.def("q4_dequantize", &q4_dequantize, "q4 weight rows [start, end) -> [end - start, K]");
   m.def("q8_dequantize", &q8_dequantize, "q8 weight rows [start, end) -> [end - start, K]");
-  m.def("quant_simd", [] {
-#if defined(STRATA_QUANT_AVX2)
-    return std::string("avx2");
-#else
-    return std::string("scalar");
-#endif
-  });
 }

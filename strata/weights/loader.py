@@ -9,10 +9,17 @@ import torch
 from safetensors import safe_open
 
 from strata.config import ModelConfig
-from strata.layers.quant import QUANT_METHODS, Q4Linear, Q8Linear, QuantEmbedding, QuantLinear, concat_rows, quantize_model
+from strata.layers.quant import (
+    QUANT_METHODS,
+    Q4Linear,
+    Q8Linear,
+    QuantEmbedding,
+    QuantLinear,
+    concat_rows,
+    quantize_model,
+)
 from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
-
 
 QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 
@@ -84,7 +91,7 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
     """Our linear layers (and embedding table) whose checkpoint tensors all come in blocks, built
     from them: {module name: QuantLinear without bias}."""
     with safe_open(str(blocks_path), framework="pt") as f:
-        keys = set(f.keys())
+        keys = set(f.keys())  # noqa: SIM118 (safe_open has no __contains__)
         stored = {name.rsplit(".", 1)[0] for name in keys}
 
         def layer(name: str) -> QuantLinear:
