@@ -130,7 +130,7 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")  # strata.weights.loader.QUANTIZATION_CHOICES
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")  # strata.weights.loader.load_model
 
 
 @dataclass(frozen=True)

@@ -183,7 +183,6 @@ class Engine:
         if device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
         dtype, dtype_reason = pick_dtype(cfg.dtype, device)
-        self.compute_dtype = dtype
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
@@ -191,6 +190,7 @@ class Engine:
             model_dir, model_config, dtype, device, max_positions=context_len,
             quantization=cfg.quantization,
         )
+        weights = describe_weights(self.model)
 
         bytes_per_token = MHAKVPool.bytes_per_token(
             model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
@@ -220,19 +220,22 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos.update(_generation_config_eos(model_dir))
-        self.hicache = self._make_hicache(model_dir, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
+        # what a KV page means, for pages shared through L3 storage or sent to a PD peer
+        shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
+        namespace = kv_namespace(model_dir, kv_pool, weights, dtype) if shares_kv else b""
+        self.hicache = self._make_hicache(namespace, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
         runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed)
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, hicache=self.hicache
         )
-        self.disagg = self._make_disagg(model_dir, kv_pool) if cfg.disaggregation_mode != "null" else None
+        self.disagg = self._make_disagg(namespace, kv_pool) if cfg.disaggregation_mode != "null" else None
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
             device=device,
             dtype=dtype,
             dtype_reason=dtype_reason,
-            weights=describe_weights(self.model),
+            weights=weights,
             kernels=kernel_info() if device.type == "cpu" else {},
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
@@ -259,7 +262,7 @@ class Engine:
             reason,
         )
 
-    def _make_disagg(self, model_dir: Path, kv_pool: MHAKVPool):
+    def _make_disagg(self, namespace: bytes, kv_pool: MHAKVPool):
         from strata.disagg.manager import DecodeManager, PrefillManager
         from strata.disagg.transport import ZmqTransport
 
@@ -271,9 +274,8 @@ class Engine:
                 "(or STRATA_DISAGG_SECRET) to every prefill and decode worker"
             )
         transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port)
-        namespace = kv_namespace(model_dir, kv_pool, describe_weights(self.model), self.compute_dtype).hex()
         cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
-        manager = cls(self.scheduler, kv_pool, transport, secret.encode(), namespace, cfg.disaggregation_timeout)
+        manager = cls(self.scheduler, kv_pool, transport, secret.encode(), namespace.hex(), cfg.disaggregation_timeout)
         logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
         return manager
 
@@ -282,7 +284,7 @@ class Engine:
         """host:port of this worker's KV inbox (a prefill worker's bootstrap address), if disaggregated."""
         return None if self.disagg is None else self.disagg.transport.endpoint.removeprefix("tcp://")
 
-    def _make_hicache(self, model_dir: Path, kv_pool: MHAKVPool, allocator: PageAllocator, radix) -> HiCache:
+    def _make_hicache(self, namespace: bytes, kv_pool: MHAKVPool, allocator: PageAllocator, radix) -> HiCache:
         from strata.cache.storage import make_storage_backend
 
         cfg = self.config
@@ -303,7 +305,6 @@ class Engine:
             prefetch_threshold_tokens=cfg.hicache_prefetch_threshold,
             prefetch_timeout_s=cfg.hicache_prefetch_timeout,
         )
-        namespace = kv_namespace(model_dir, kv_pool, describe_weights(self.model), self.compute_dtype)
         logger.info(
             "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s",
             hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
@@ -473,7 +474,7 @@ class Engine:
         return apply_chat_template(self.tokenizer, messages)
 
 
-def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str = "", dtype: torch.dtype | None = None) -> bytes:
+def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str, dtype: torch.dtype) -> bytes:
     """Identity of a KV page's meaning: model (config + a sample of each weight file), the weight
     formats and compute dtype the KV was computed with, and the KV layout."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())

@@ -202,7 +202,7 @@ def kernel_info() -> dict[str, object]:
 
 
 def describe_kernels(info: dict[str, object]) -> str:
-    """One line for logs: "native (avx2 fma f16c) on a CPU with avx2 fma f16c", or "off"."""
+    """One line for logs: the build and its ISA, e.g. "native (avx2 fma f16c)", or "off"."""
     if not info or info.get("cpu_kernels") is None:
         return "off"
     return f"{info['cpu_kernels']} ({' '.join(info['kernel_isa']) or 'scalar'})"

@@ -265,6 +265,30 @@ void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
               "], got ", t.sizes());
 }
 
+// A q4 weight over K input channels: qs uint8 [N, K/2], d and m float32 [N, K/32].
+void check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t K) {
+  TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
+  const int64_t N = qs.size(0);
+  check_param(qs, at::kByte, N, K / 2, "qs");
+  check_param(d, at::kFloat, N, K / kBlock, "d");
+  check_param(m, at::kFloat, N, K / kBlock, "m");
+}
+
+// A q8 weight over K input channels: qs int8 [N, K], d float32 [N, K/S]; returns S (16 or 32).
+int64_t check_q8(const at::Tensor& qs, const at::Tensor& d, int64_t K) {
+  TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
+  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
+  const int64_t S = K / d.size(1);
+  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
+  check_param(qs, at::kChar, qs.size(0), K, "qs");
+  check_param(d, at::kFloat, qs.size(0), K / S, "d");
+  return S;
+}
+
+void check_row_range(int64_t start, int64_t end, int64_t N) {
+  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+}
+
 // Rows of output columns each thread takes: enough to amortise the dispatch, and an even split.
 int64_t grain(int64_t N, int64_t M) {
   return std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads()) / std::max<int64_t>(1, M / 16)));
@@ -274,9 +298,7 @@ int64_t grain(int64_t N, int64_t M) {
 at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  check_param(qs, at::kByte, N, K / 2, "qs");
-  check_param(d, at::kFloat, N, K / kBlock, "d");
-  check_param(m, at::kFloat, N, K / kBlock, "m");
+  check_q4(qs, d, m, K);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const QuantRows xq = quantize_rows(x);
@@ -299,11 +321,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
 at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   check_x(x);
   const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  check_param(qs, at::kChar, N, K, "qs");
-  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
-  const int64_t S = K / d.size(1);
-  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
-  check_param(d, at::kFloat, N, K / S, "d");
+  const int64_t S = check_q8(qs, d, K);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const QuantRows xq = quantize_rows(x);
@@ -383,11 +401,9 @@ void q8_dequant_rows(const int8_t* q, const float* dp, int64_t K, int64_t S, int
 
 // Weight rows [start, end) of a q4 weight as `dtype` [end - start, K].
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t start, int64_t end, at::ScalarType dtype) {
-  const int64_t N = qs.size(0), K = qs.size(1) * 2, nb = K / kBlock;
-  check_param(qs, at::kByte, N, K / 2, "qs");
-  check_param(d, at::kFloat, N, nb, "d");
-  check_param(m, at::kFloat, N, nb, "m");
-  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+  const int64_t N = qs.size(0), K = qs.size(1) * 2;
+  check_q4(qs, d, m, K);
+  check_row_range(start, end, N);
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
@@ -400,13 +416,8 @@ at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t star
 
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end, at::ScalarType dtype) {
   const int64_t N = qs.size(0), K = qs.size(1);
-  TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
-  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
-  const int64_t S = K / d.size(1);
-  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
-  check_param(qs, at::kChar, N, K, "qs");
-  check_param(d, at::kFloat, N, K / S, "d");
-  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+  const int64_t S = check_q8(qs, d, K);
+  check_row_range(start, end, N);
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {

@@ -80,12 +80,16 @@ class QuantLinear(nn.Module, ABC):
         """Quantize a float weight [out_features, in_features] (ValueError if the shape cannot be stored)."""
 
     @abstractmethod
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """The weight rows `index` selects (a slice, or row ids) as float32 [rows, in_features], in torch."""
+
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Weight rows [start, end) as `dtype` [end - start, in_features], in pure torch."""
+        return self.rows(slice(start, end)).to(dtype)
 
-    @abstractmethod
     def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Weight rows `ids` [T] as float32 [T, in_features] (an embedding lookup)."""
+        return self.rows(ids.reshape(-1))
 
     @abstractmethod
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
@@ -98,10 +102,6 @@ class QuantLinear(nn.Module, ABC):
     @abstractmethod
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The native kernel's arithmetic in torch (int8 activations): float32 [rows, out_features]."""
-
-    @abstractmethod
-    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
-        """The layer cut into consecutive row ranges (no bias): the inverse of `concat_rows`."""
 
     def dequantize(self) -> torch.Tensor:
         """The weight the blocks stand for: float32 [out_features, in_features]."""
@@ -175,21 +175,14 @@ class Q4Linear(QuantLinear):
         q = torch.round((w - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
         return cls(pack_nibbles(q.view(n, k)), d, lo, bias)
 
-    def unpacked(self, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """q of rows [start, end): uint8 [rows, K/32, 32]."""
-        qs = self.qs[start:end].view(-1, self.in_features // BLOCK, BLOCK // 2)
+    def unpacked(self, index: slice | torch.Tensor = slice(None)) -> torch.Tensor:
+        """q of the rows `index` selects: uint8 [rows, K/32, 32]."""
+        qs = self.qs[index].view(-1, self.in_features // BLOCK, BLOCK // 2)
         return torch.cat([qs & 15, qs >> 4], dim=2)
 
-    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = self.unpacked(start, end).float()
-        w = q.mul_(self.d[start:end, :, None]).add_(self.m[start:end, :, None])
-        return w.view(end - start, self.in_features).to(dtype)
-
-    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        nb = self.in_features // BLOCK
-        qs = self.qs[ids].view(-1, nb, BLOCK // 2)
-        q = torch.cat([qs & 15, qs >> 4], dim=2).float()
-        return (q * self.d[ids][..., None] + self.m[ids][..., None]).view(-1, self.in_features)
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        w = self.unpacked(index).float().mul_(self.d[index][..., None]).add_(self.m[index][..., None])
+        return w.view(-1, self.in_features)
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
@@ -203,9 +196,6 @@ class Q4Linear(QuantLinear):
         sums = torch.einsum("mbj,nbj->mnb", xq, self.unpacked().float())  # exact integers in float32
         offsets = self.m[None] * xs[:, None] + self.d[None] * xc[:, None]  # [M, N, K/32]
         return (sums * (self.d[None] * xd[:, None]) + offsets).sum(-1)
-
-    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
-        return [Q4Linear(qs, d, m) for qs, d, m in zip(*(t.split(sizes) for t in (self.qs, self.d, self.m)))]
 
 
 class Q8Linear(QuantLinear):
@@ -233,13 +223,9 @@ class Q8Linear(QuantLinear):
         q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
         return cls(q.view(n, k), d, bias)
 
-    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        q = self.qs[start:end].view(end - start, -1, self.group).float()
-        return q.mul_(self.d[start:end, :, None]).view(end - start, self.in_features).to(dtype)
-
-    def gather_rows(self, ids: torch.Tensor) -> torch.Tensor:
-        q = self.qs[ids].view(ids.numel(), -1, self.group).float()
-        return (q * self.d[ids][..., None]).view(-1, self.in_features)
+    def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
+        q = self.qs[index].view(-1, self.in_features // self.group, self.group).float()
+        return q.mul_(self.d[index][..., None]).view(-1, self.in_features)
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
@@ -255,9 +241,6 @@ class Q8Linear(QuantLinear):
         sums = torch.einsum("msj,nsj->mns", xq.view(rows, subs, self.group), w)
         scale = self.d[None] * xd.repeat_interleave(BLOCK // self.group, dim=1)[:, None]  # [M, N, subs]
         return (sums * scale).sum(-1)
-
-    def split_rows(self, sizes: list[int]) -> list[QuantLinear]:
-        return [Q8Linear(qs, d) for qs, d in zip(self.qs.split(sizes), self.d.split(sizes))]
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

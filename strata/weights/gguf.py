@@ -306,17 +306,24 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
     return np.array(values, dtype=np.float32).reshape(_hf_shape(tensor))
 
 
+def permuted_heads(gguf_name: str, arch: str, config: dict[str, Any]) -> int | None:
+    """The head count to un-permute a tensor's rows over (see `unpermute_rotary_rows`), or None
+    for tensors llama.cpp stores unpermuted."""
+    if arch not in PERMUTED_ARCHITECTURES:
+        return None
+    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    return heads.get(gguf_name.split(".")[-2])
+
+
 def _hf_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> Iterable[TensorSource]:
     """A `TensorSource` for every tensor of the GGUF, in file order."""
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     seen: set[str] = set()
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name)
         if name in seen:
             raise GGUFConversionError(f"duplicate tensor {name}")
         seen.add(name)
-        key = tensor.name.split(".")[-2]
-        n_head = heads.get(key) if arch in PERMUTED_ARCHITECTURES else None
+        n_head = permuted_heads(tensor.name, arch, config)
 
         def load(tensor: ReaderTensor = tensor, n_head: int | None = n_head) -> np.ndarray:
             values = dequantize_tensor(tensor)
@@ -340,7 +347,6 @@ def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, An
     """Write the 2-D tensors that have a native block format as blocks; returns how many (none: no file)."""
     from strata.weights.gguf_blocks import to_blocks
 
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
     arrays: dict[str, np.ndarray] = {}
     for tensor in reader.tensors:
         shape = _hf_shape(tensor)
@@ -349,7 +355,7 @@ def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, An
         blocks = to_blocks(tensor.data, GGMLQuantizationType(tensor.tensor_type), *shape)
         if blocks is None:
             continue
-        n_head = heads.get(tensor.name.split(".")[-2]) if arch in PERMUTED_ARCHITECTURES else None
+        n_head = permuted_heads(tensor.name, arch, config)
         name = hf_tensor_name(tensor.name)
         for part, values in blocks.items():  # rows permute alike in every part
             arrays[f"{name}.{part}"] = np.ascontiguousarray(

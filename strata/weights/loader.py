@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from strata.config import ModelConfig
+from strata.config import QUANTIZATION_METHODS, ModelConfig
 from strata.layers.quant import (
     QUANT_METHODS,
     Q4Linear,
@@ -20,8 +20,6 @@ from strata.layers.quant import (
 )
 from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
-
-QUANTIZATION_CHOICES = ("auto", "none", "gguf", "int8", "int4")
 
 
 def iter_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
@@ -49,8 +47,8 @@ def load_model(
     checkpoint in float; `gguf` insists on the blocks; `none` loads float weights (a GGUF dequantized);
     `int8` / `int4` quantize float weights into q8 / q4 blocks. Blocks run on the CPU only. On the CPU,
     bf16 linear weights left float are then prepacked for oneDNN (`strata.layers.packed`)."""
-    if quantization not in QUANTIZATION_CHOICES:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_CHOICES}, got {quantization!r}")
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}")
     on_cpu = torch.device(device).type == "cpu"
     blocks_path = model_dir / BLOCKS_FILE
     if quantization == "gguf" and not (blocks_path.is_file() and on_cpu):

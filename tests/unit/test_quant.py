@@ -188,8 +188,6 @@ def test_concat_rows_merges_one_format_and_joins_mixed_ones():
     mixed = concat_rows([a, c], bias=torch.ones(48))
     assert isinstance(mixed, ConcatLinear)
     torch.testing.assert_close(mixed(x), torch.cat([a(x), c(x)], dim=1) + 1)
-    parts = merged.split_rows([32, 16])
-    torch.testing.assert_close(parts[1].dequantize(), b.dequantize())
 
 
 def test_gather_rows_is_an_embedding_lookup():
@@ -362,9 +360,7 @@ def test_engine_quantization_option_quantizes_at_load(tiny_models):
         Engine(str(tiny_models["qwen2"]), quantization="gguf")
 
 
-def test_config_choices_are_the_loaders():
+def test_config_choices_cover_the_quantizers():
     from strata.config import QUANTIZATION_METHODS
-    from strata.weights.loader import QUANTIZATION_CHOICES
 
-    assert set(QUANTIZATION_METHODS) == set(QUANTIZATION_CHOICES)
-    assert set(QUANT_METHODS) < set(QUANTIZATION_CHOICES)
+    assert set(QUANT_METHODS) < set(QUANTIZATION_METHODS)
