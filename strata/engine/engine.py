@@ -27,7 +27,7 @@ from strata.cache.kv_pool import MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.model_runner import ModelRunner
-from strata.engine.request import RequestOutput, TokenLogprob
+from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
 from strata.kernels import describe_kernels, kernel_info
 from strata.layers.quant import describe_weights

@@ -18,45 +18,19 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
 import torch
 
+from strata.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer
+
+__all__ = ["Req", "ReqStatus", "RequestOutput", "TokenLogprob", "TopLogprob"]
 
 
 class ReqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-class TopLogprob(msgspec.Struct, array_like=True):
-    token_id: int
-    logprob: float
-
-
-class TokenLogprob(msgspec.Struct):
-    token_id: int
-    logprob: float
-    top: list[TopLogprob] = msgspec.field(default_factory=list)
-
-
-class RequestOutput(msgspec.Struct):
-    """One update for one request: new tokens/text since the last update, and, at the end, why it ended."""
-
-    rid: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None = None  # stop | length | abort | error
-    matched_stop: str | int | None = None
-    error: str | None = None
-    logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    cached_tokens_details: dict[str, int] = msgspec.field(default_factory=dict)  # per cache tier
 
 
 @dataclass(eq=False)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import zmq
 import zmq.asyncio
 
-from strata.engine.request import RequestOutput
+from strata.engine.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server import io
 

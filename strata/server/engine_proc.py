@@ -27,7 +27,7 @@ import traceback
 import zmq
 
 from strata.config import EngineConfig
-from strata.engine.request import RequestOutput
+from strata.engine.outputs import RequestOutput
 from strata.server import io
 
 logger = logging.getLogger("strata.engine_proc")

@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from strata.engine.request import RequestOutput
+from strata.engine.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 
 # ------------------------------------------------------------------ frontend -> engine

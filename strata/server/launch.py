@@ -329,9 +329,18 @@ def serve_main(argv: list[str] | argparse.Namespace | None = None) -> int:
     return serve(args, started)
 
 
+def keep_torch_out() -> None:
+    """This process never computes: make torch unimportable in it, so transformers (the tokenizer, a
+    GGUF's tokenizer conversion) takes its torch-free paths and the frontend stays ~400 MiB smaller.
+    The engine process imports torch as usual. A stray `import torch` here fails loudly (ImportError)
+    instead of silently loading it. A process that has torch already (a test) keeps it."""
+    sys.modules.setdefault("torch", None)  # None in sys.modules: find_spec says absent, import raises
+
+
 def serve(args: argparse.Namespace, started: float | None = None) -> int:
     """Run the server from parsed flags (the CLI's `serve` subcommand calls this)."""
     started = time.perf_counter() if started is None else started
+    keep_torch_out()
     try:
         server_config = server_config_from_args(args)
         engine_config = engine_config_from_args(args)

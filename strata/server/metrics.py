@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from strata.engine.request import RequestOutput
+from strata.engine.outputs import RequestOutput
 from strata.server.io import EngineStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 8, 16, 32, 64, 128)

@@ -20,7 +20,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from strata.engine.request import RequestOutput
+from strata.engine.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server.engine_client import Generation, Job
 from strata.server.protocol import (

@@ -15,7 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request, Response
 
-from strata.engine.request import TokenLogprob
+from strata.engine.outputs import TokenLogprob
 from strata.server.engine_client import Generation, Job
 from strata.server.protocol import (
     MAX_CHOICES,

@@ -20,7 +20,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from strata.config import EngineConfig
-from strata.engine.request import RequestOutput, TokenLogprob
+from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.server.config import ServerConfig
 from strata.server.engine_client import EngineClient, EngineUnavailable, Generation, Job, RequestRejected
 from strata.server.io import EngineInfo

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -388,6 +389,12 @@ def test_admin_endpoints(server):
             assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
         info = _wait_idle(server)
         assert info["engine"]["context_len"] == 512 and info["server_config"]["api_key"] == "<redacted>"
+
+
+def test_frontend_process_never_loads_torch(server, oai):
+    chat(oai, "Hello")  # tokenized, detokenized and streamed by the frontend
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps, "the HTTP frontend loaded torch"
 
 
 def test_metrics_move_after_traffic(server, oai):

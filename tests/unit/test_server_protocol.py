@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from strata.config import EngineConfig, add_engine_args
-from strata.engine.request import RequestOutput, TokenLogprob, TopLogprob
+from strata.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
 from strata.sampling_params import SamplingParams
 from strata.server import io
 from strata.server.launch import (
