@@ -41,6 +41,79 @@ inline void load_row(const T* src, float* dst, int64_t n) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Argument checks. Every entry point checks the dtypes, devices, layouts and sizes of its tensors
+// and every index it will follow (slots, page-table entries, positions, token ranges) before any
+// pointer arithmetic, so bad metadata raises a RuntimeError that names the argument, the bad value
+// and the valid range instead of reading or writing out of bounds. They take one pass over the
+// index tensors and sit outside the ISA-specific code, so every build and path is covered.
+// ---------------------------------------------------------------------------------------------
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+}
+
+void check_cpu_contiguous(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
+}
+
+// The dtypes the kernels are compiled for (AT_DISPATCH_FLOATING_TYPES_AND2(kBFloat16, kHalf, ...)).
+void check_float(const at::Tensor& t, const char* name) {
+  const at::ScalarType dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, name,
+              " must be float32, bfloat16, float16 or float64, got ", dtype);
+}
+
+// [tokens, heads, head_dim] floats with each token's heads contiguous; tokens may be strided (views
+// of a fused qkv projection).
+void check_token_rows(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  check_float(t, name);
+  TORCH_CHECK(t.dim() == 3, name, " must be [tokens, heads, head_dim], got sizes ", t.sizes());
+  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name,
+              " must have each token's heads contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
+}
+
+// A contiguous int64 CPU tensor of `dim` dims (`shape` names them for the message); returns its data.
+const int64_t* index_data(const at::Tensor& t, int64_t dim, const char* name, const char* shape) {
+  check_cpu_contiguous(t, name);
+  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64, got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must be ", shape, ", got sizes ", t.sizes());
+  return t.data_ptr<int64_t>();
+}
+
+// The two caches: [slots, kv_heads, head_dim] float, contiguous, alike.
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  check_cpu_contiguous(k_cache, "k_cache");
+  check_cpu_contiguous(v_cache, "v_cache");
+  check_float(k_cache, "k_cache");
+  TORCH_CHECK(k_cache.dim() == 3, "k_cache must be [slots, kv_heads, head_dim], got sizes ", k_cache.sizes());
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(), "v_cache (",
+              v_cache.sizes(), ", ", v_cache.scalar_type(), ") must match k_cache (", k_cache.sizes(), ", ",
+              k_cache.scalar_type(), ")");
+}
+
+// Keys a page-table row of `pages_per_row` pages holds (saturating instead of overflowing).
+int64_t key_capacity(int64_t pages_per_row, int64_t page_size) {
+  if (pages_per_row > 0 && page_size > std::numeric_limits<int64_t>::max() / pages_per_row) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return pages_per_row * page_size;
+}
+
+// Keys 0 .. n_keys - 1 of page-table row b are read from pages row[0 .. ceil(n_keys / page_size)):
+// each must be one of the pool's num_pages pages (n_keys <= key_capacity is the caller's check).
+void check_pages_read(const int64_t* page_table, int64_t pages_per_row, int64_t b, int64_t n_keys, int64_t page_size,
+                      int64_t num_pages) {
+  const int64_t* row = page_table + b * pages_per_row;
+  const int64_t used = n_keys == 0 ? 0 : (n_keys - 1) / page_size + 1;
+  for (int64_t i = 0; i < used; ++i) {
+    TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "page_table[", b, "][", i, "] = ", row[i],
+                " is outside the KV pool's pages [0, ", num_pages, ") (read for the request's first ", n_keys,
+                " keys)");
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
 // Paged attention.
 //
 // Token t (of T) belongs to request owner[t] and sits at absolute position positions[t]; it
@@ -350,35 +423,22 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   }
 }
 
-void check_cpu_contiguous(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-}
-
-// [tokens, heads, head_dim] with each token's heads contiguous; tokens may be strided (views of a
-// fused qkv projection).
-void check_token_rows(const at::Tensor& t, const char* name) {
-  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
-  TORCH_CHECK(t.dim() == 3, name, " must be [tokens, heads, head_dim]");
-  TORCH_CHECK(t.stride(2) == 1 && t.stride(1) == t.size(2), name, " must have contiguous heads");
-}
-
-void check_index(const at::Tensor& t, const char* name) {
-  check_cpu_contiguous(t, name);
-  TORCH_CHECK(t.scalar_type() == at::kLong, name, " must be int64");
-}
-
 // k_cache[out_slots[t]] = k[t], v_cache[out_slots[t]] = v[t] (converted to the cache dtype).
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor out_slots) {
   check_token_rows(k, "k");
   check_token_rows(v, "v");
-  check_cpu_contiguous(k_cache, "k_cache");
-  check_cpu_contiguous(v_cache, "v_cache");
-  check_index(out_slots, "out_slots");
-  TORCH_CHECK(v.scalar_type() == k.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k/v and the two caches must pair up in dtype");
-  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2), "k does not match the cache layout");
-  TORCH_CHECK(out_slots.numel() == k.size(0), "one slot per new token");
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(v.sizes() == k.sizes() && v.scalar_type() == k.scalar_type(), "v (", v.sizes(), ", ", v.scalar_type(),
+              ") must match k (", k.sizes(), ", ", k.scalar_type(), ")");
+  TORCH_CHECK(k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2), "k has ", k.size(1), " heads of ",
+              k.size(2), " but the caches hold ", k_cache.size(1), " KV heads of ", k_cache.size(2));
+  const int64_t T = k.size(0), num_slots = k_cache.size(0);
+  const int64_t* slots = index_data(out_slots, 1, "out_slots", "[tokens]");
+  TORCH_CHECK(out_slots.numel() == T, "out_slots has ", out_slots.numel(), " slots for ", T, " new tokens");
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "out_slots[", t, "] = ", slots[t],
+                " is outside the KV pool's slots [0, ", num_slots, ")");
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k.scalar_type(), "store_kv_k", [&] {
     using QT = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "store_kv_cache", [&] {
@@ -387,35 +447,44 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   });
 }
 
-// What both attention entry points take: q [T, H, D] (token rows), out like q, the two caches
-// [slots, Hkv, D] alike, H a multiple of Hkv, an int64 page table.
-void check_attention_io(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                        const at::Tensor& v_cache, const at::Tensor& page_table) {
+// What both attention entry points take: q [T, H, D] (token rows), out [T, H, D] contiguous in q's
+// dtype, the two caches [slots, Hkv, D] alike, H a multiple of Hkv, an int64 page table
+// [requests, max_pages], page_size >= 1. Returns the pool's pages, slots / page_size (the pool is
+// num_pages * page_size slots, strata.cache.kv_pool).
+int64_t check_attention_io(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& page_table, int64_t page_size) {
   check_token_rows(q, "q");
   check_cpu_contiguous(out, "out");
-  check_cpu_contiguous(k_cache, "k_cache");
-  check_cpu_contiguous(v_cache, "v_cache");
-  check_index(page_table, "page_table");
-  TORCH_CHECK(k_cache.dim() == 3 && k_cache.size(2) == q.size(2), "caches must be [slots, kv_heads, head_dim]");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "k_cache and v_cache must match");
-  TORCH_CHECK(q.size(1) % k_cache.size(1) == 0, "query heads must be a multiple of KV heads");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out must match q");
+  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out (", out.sizes(), ", ",
+              out.scalar_type(), ") must match q (", q.sizes(), ", ", q.scalar_type(), ")");
+  check_caches(k_cache, v_cache);
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D, "the caches' head_dim (", k_cache.size(2), ") must be q's (", D, ")");
+  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "q's ", H, " heads must be a multiple of the caches' ", Hkv, " KV heads");
+  index_data(page_table, 2, "page_table", "[requests, max_pages]");
+  TORCH_CHECK(page_size >= 1, "page_size must be at least 1, got ", page_size);
+  return k_cache.size(0) / page_size;
 }
 
 // out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t].
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                      at::Tensor owner, at::Tensor positions, int64_t page_size, double scale) {
-  check_attention_io(out, q, k_cache, v_cache, page_table);
-  check_index(owner, "owner");
-  check_index(positions, "positions");
-  TORCH_CHECK(owner.numel() == q.size(0) && positions.numel() == q.size(0), "one owner and position per token");
-  const int64_t capacity = page_table.size(1) * page_size;
-  for (int64_t t = 0; t < q.size(0); ++t) {
-    const int64_t o = owner.data_ptr<int64_t>()[t], p = positions.data_ptr<int64_t>()[t];
-    TORCH_CHECK(o >= 0 && o < page_table.size(0), "owner ", o, " is not a row of the page table");
-    TORCH_CHECK(p >= 0 && p < capacity, "position ", p, " is past the request's pages");
+  const int64_t num_pages = check_attention_io(out, q, k_cache, v_cache, page_table, page_size);
+  const int64_t T = q.size(0), B = page_table.size(0), pages_per_row = page_table.size(1);
+  const int64_t* own = index_data(owner, 1, "owner", "[tokens]");
+  const int64_t* pos = index_data(positions, 1, "positions", "[tokens]");
+  TORCH_CHECK(owner.numel() == T && positions.numel() == T, "owner (", owner.numel(), ") and positions (",
+              positions.numel(), ") need one entry per query token (", T, ")");
+  const int64_t capacity = key_capacity(pages_per_row, page_size);
+  std::vector<int64_t> keys_read(B, 0);  // per page-table row: its tokens read keys 0 .. keys_read - 1
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(own[t] >= 0 && own[t] < B, "owner[", t, "] = ", own[t], " is not a row of the page table [0, ", B, ")");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < capacity, "positions[", t, "] = ", pos[t], " is past the request's pages [0, ",
+                capacity, ") (", pages_per_row, " pages of ", page_size, ")");
+    keys_read[own[t]] = std::max(keys_read[own[t]], pos[t] + 1);
   }
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) check_pages_read(pt, pages_per_row, b, keys_read[b], page_size, num_pages);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
     using QT = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention_kv", [&] {
@@ -568,25 +637,39 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 // AVX-512: has_simd()) and head_dim % 16 == 0; callers use SDPA otherwise.
 void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                       at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale) {
-  check_attention_io(out, q, k_cache, v_cache, page_table);
-  check_index(q_start, "q_start");
-  check_index(q_len, "q_len");
-  check_index(kv_len, "kv_len");
-  const int64_t T = q.size(0), H = q.size(1), D = q.size(2), Hkv = k_cache.size(1), B = q_len.numel();
-  TORCH_CHECK(page_table.size(0) == B && q_start.numel() == B && kv_len.numel() == B, "one row per request");
+  const int64_t num_pages = check_attention_io(out, q, k_cache, v_cache, page_table, page_size);
+  const int64_t T = q.size(0), D = q.size(2), B = page_table.size(0), pages_per_row = page_table.size(1);
+  const int64_t* qs = index_data(q_start, 1, "q_start", "[requests]");
+  const int64_t* ql = index_data(q_len, 1, "q_len", "[requests]");
+  const int64_t* kl = index_data(kv_len, 1, "kv_len", "[requests]");
+  TORCH_CHECK(q_start.numel() == B && q_len.numel() == B && kv_len.numel() == B, "q_start (", q_start.numel(),
+              "), q_len (", q_len.numel(), ") and kv_len (", kv_len.numel(), ") need one entry per page-table row (",
+              B, ")");
+  TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0 and at most 512, got ", D);
+  // Request b's tokens [q_start, q_start + q_len) lie in [0, T), in order and disjoint: they read
+  // q and write out rows there, and keys 0 .. kv_len - 1 from the first ceil(kv_len / page_size) pages.
+  const int64_t capacity = key_capacity(pages_per_row, page_size);
+  const int64_t* pt = page_table.data_ptr<int64_t>();
+  int64_t tokens_end = 0;  // end of the previous request's tokens
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(ql[b] >= 0 && ql[b] <= T, "q_len[", b, "] = ", ql[b], " is outside [0, ", T, "], the query tokens");
+    TORCH_CHECK(qs[b] >= tokens_end && qs[b] <= T - ql[b], "q_start[", b, "] = ", qs[b], " is outside [", tokens_end,
+                ", ", T - ql[b], "]: request ", b, "'s ", ql[b], " tokens must lie within the ", T,
+                " query tokens, after the previous request's");
+    TORCH_CHECK(kl[b] >= ql[b], "kv_len[", b, "] = ", kl[b], " is less than q_len[", b, "] = ", ql[b],
+                ": the keys include the new tokens");
+    TORCH_CHECK(kl[b] <= capacity, "kv_len[", b, "] = ", kl[b], " is past [0, ", capacity, "]: request ", b,
+                " has more keys than pages (", pages_per_row, " pages of ", page_size, ")");
+    check_pages_read(pt, pages_per_row, b, kl[b], page_size, num_pages);
+    tokens_end = qs[b] + ql[b];
+  }
 #if !defined(STRATA_SIMD16)
   TORCH_CHECK(false, "extend_attention needs AVX2 (with FMA and F16C) or AVX-512");
 #else
-  TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0");
-  const int64_t G = H / Hkv;
-  const int64_t* qs = q_start.data_ptr<int64_t>();
-  const int64_t* ql = q_len.data_ptr<int64_t>();
-  const int64_t* kl = kv_len.data_ptr<int64_t>();
+  const int64_t Hkv = k_cache.size(1), G = q.size(1) / Hkv;
   struct Item { int64_t b, kvh, tok0, ntok, pos0; };
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ql[b] >= 0 && ql[b] <= kl[b] && qs[b] >= 0 && qs[b] + ql[b] <= T, "bad q_start/q_len/kv_len for request ", b);
-    TORCH_CHECK(kl[b] <= page_table.size(1) * page_size, "request ", b, " has more keys than pages");
     for (int64_t i0 = 0; i0 < ql[b]; i0 += kQueryBlock) {
       for (int64_t h = 0; h < Hkv; ++h) {
         items.push_back({b, h, qs[b] + i0, std::min(kQueryBlock, ql[b] - i0), kl[b] - ql[b] + i0});
@@ -596,8 +679,6 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   // costliest first (they see the most keys), dealt round-robin so each thread gets a fair share
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos0 > b.pos0; });
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const int64_t* pt = page_table.data_ptr<int64_t>();
-  const int64_t pages_per_row = page_table.size(1);
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
     using QT = scalar_t;
@@ -675,7 +756,7 @@ void rms_norm_row(const T* x, const T* res, T* res_out, const T* w, T* out, int6
 template <typename T>
 void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* residual_in,
                    at::Tensor* residual_out, const at::Tensor& weight, double eps) {
-  const int64_t rows = x.numel() / x.size(-1), n = x.size(-1);
+  const int64_t n = x.size(-1), rows = n == 0 ? 0 : x.numel() / n;
   const T* xp = x.data_ptr<T>();
   const T* rp = residual_in ? residual_in->data_ptr<T>() : nullptr;
   T* ro = residual_out ? residual_out->data_ptr<T>() : nullptr;
@@ -690,10 +771,20 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor* resid
   });
 }
 
-at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+// x [..., hidden] and weight [hidden]: contiguous CPU tensors of one float dtype.
+void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu_contiguous(x, "x");
+  check_float(x, "x");
+  TORCH_CHECK(x.dim() >= 1, "x must be [..., hidden], got a 0-dim tensor");
   check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight and x must share a dtype");
+  TORCH_CHECK(weight.dim() == 1 && weight.size(0) == x.size(-1), "weight must be [hidden = ", x.size(-1),
+              "] (x's last dim), got ", weight.sizes());
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type(), "weight (", weight.scalar_type(), ") and x (", x.scalar_type(),
+              ") must share a dtype");
+}
+
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
+  check_norm_args(x, weight);
   auto out = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "rms_norm", [&] {
     rms_norm_impl<scalar_t>(out, x, nullptr, nullptr, weight, eps);
@@ -703,11 +794,11 @@ at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
 
 // Returns (norm(x + residual), x + residual).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
-  check_cpu_contiguous(x, "x");
+  check_norm_args(x, weight);
   check_cpu_contiguous(residual, "residual");
-  check_cpu_contiguous(weight, "weight");
-  TORCH_CHECK(residual.scalar_type() == x.scalar_type() && weight.scalar_type() == x.scalar_type(),
-              "x, residual and weight must share a dtype");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(), "residual (",
+              residual.sizes(), ", ", residual.scalar_type(), ") must match x (", x.sizes(), ", ", x.scalar_type(),
+              ")");
   auto out = at::empty_like(x);
   auto sum = at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_rms_norm", [&] {
@@ -755,21 +846,25 @@ void rope_rows(T* x, int64_t heads, int64_t D, int64_t rot, const float* c, cons
 void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin, at::Tensor positions) {
   check_token_rows(q, "q");
   check_token_rows(k, "k");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "k (", k.scalar_type(), ") and q (", q.scalar_type(),
+              ") must share a dtype");
   check_cpu_contiguous(cos, "cos");
   check_cpu_contiguous(sin, "sin");
-  check_index(positions, "positions");
-  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32");
-  TORCH_CHECK(positions.scalar_type() == at::kLong, "positions must be int64");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type(), "q and k must share a dtype");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat, "cos/sin must be float32, got ",
+              cos.scalar_type(), "/", sin.scalar_type());
+  TORCH_CHECK(cos.dim() == 2 && sin.sizes() == cos.sizes(), "cos and sin must be [max_positions, rot_dim] alike, got ",
+              cos.sizes(), " and ", sin.sizes());
   const int64_t T = q.size(0), H = q.size(1), Hkv = k.size(1), D = q.size(2), rot = cos.size(1);
   const int64_t qs = q.stride(0), ks = k.stride(0);
-  TORCH_CHECK(k.size(0) == T && k.size(2) == D && positions.numel() == T, "q, k and positions disagree");
+  TORCH_CHECK(k.size(0) == T && k.size(2) == D, "k ", k.sizes(), " must be [tokens = ", T, ", kv_heads, head_dim = ", D,
+              "] like q");
+  TORCH_CHECK(rot <= D && rot % 2 == 0, "rotary dim (", rot, ") must be even and at most head_dim (", D, ")");
+  const int64_t* pos = index_data(positions, 1, "positions", "[tokens]");
+  TORCH_CHECK(positions.numel() == T, "positions has ", positions.numel(), " entries for ", T, " tokens");
   for (int64_t t = 0; t < T; ++t) {
-    const int64_t p = positions.data_ptr<int64_t>()[t];
-    TORCH_CHECK(p >= 0 && p < cos.size(0), "position ", p, " is outside the rotary table");
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "positions[", t, "] = ", pos[t],
+                " is outside the rotary table [0, ", cos.size(0), ")");
   }
-  TORCH_CHECK(rot <= D && rot % 2 == 0, "rotary dim must be even and at most head_dim");
-  const int64_t* pos = positions.data_ptr<int64_t>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary_embedding", [&] {
@@ -794,7 +889,7 @@ void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin
 }
 
 // ---------------------------------------------------------------------------------------------
-// SiLU(gate) * up for gate_up [T, 2I] -> [T, I].
+// SiLU(gate) * up for gate_up [..., 2I] -> [..., I].
 // ---------------------------------------------------------------------------------------------
 template <typename T>
 void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
@@ -818,8 +913,13 @@ void silu_and_mul_row(const T* g, const T* u, T* o, int64_t I) {
 
 at::Tensor silu_and_mul(at::Tensor gate_up) {
   check_cpu_contiguous(gate_up, "gate_up");
-  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
-  auto out = at::empty({rows, I}, gate_up.options());
+  check_float(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.dim() >= 1 && gate_up.size(-1) % 2 == 0, "gate_up must be [..., 2 * intermediate], got sizes ",
+              gate_up.sizes());
+  const int64_t I = gate_up.size(-1) / 2, rows = I == 0 ? 0 : gate_up.numel() / (2 * I);
+  std::vector<int64_t> out_sizes = gate_up.sizes().vec();
+  out_sizes.back() = I;
+  auto out = at::empty(out_sizes, gate_up.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, gate_up.scalar_type(), "silu_and_mul", [&] {
     using T = scalar_t;
     const T* gp = gate_up.data_ptr<T>();

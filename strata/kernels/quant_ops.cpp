@@ -253,14 +253,28 @@ void linear_rows(const QuantRows& x, int64_t M, int64_t K, int64_t n0, int64_t n
   }
 }
 
+// Every entry point checks dtypes, devices, layouts and that the weight's rows and block columns agree
+// with K before it touches a data pointer: a mismatch raises a RuntimeError naming the argument, the
+// sizes it has and the ones it needs, instead of reading out of bounds.
+
+// A float32/bf16/fp16/fp64 dtype, the ones the kernels are compiled for.
+void check_float_dtype(at::ScalarType dtype, const char* name) {
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kDouble, name,
+              " must be float32, bfloat16, float16 or float64, got ", dtype);
+}
+
 void check_x(const at::Tensor& x) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), "x must be a contiguous CPU [rows, K] tensor");
+  TORCH_CHECK(x.device().is_cpu(), "x must be a CPU tensor, got one on ", x.device());
+  check_float_dtype(x.scalar_type(), "x");
+  TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got sizes ", x.sizes());
+  TORCH_CHECK(x.is_contiguous(), "x must be contiguous, got sizes ", x.sizes(), " with strides ", x.strides());
   TORCH_CHECK(x.size(1) % kBlock == 0, "K (", x.size(1), ") must be a multiple of ", kBlock);
 }
 
 void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols, const char* name) {
-  TORCH_CHECK(t.device().is_cpu() && t.is_contiguous(), name, " must be a contiguous CPU tensor");
-  TORCH_CHECK(t.scalar_type() == dtype, name, " has the wrong dtype (", t.scalar_type(), ")");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [", rows, ", ", cols,
               "], got ", t.sizes());
 }
@@ -268,6 +282,7 @@ void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_
 // A q4 weight over K input channels: qs uint8 [N, K/2], d and m float32 [N, K/32].
 void check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t K) {
   TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
+  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K / 2], got sizes ", qs.sizes());
   const int64_t N = qs.size(0);
   check_param(qs, at::kByte, N, K / 2, "qs");
   check_param(d, at::kFloat, N, K / kBlock, "d");
@@ -277,7 +292,9 @@ void check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, in
 // A q8 weight over K input channels: qs int8 [N, K], d float32 [N, K/S]; returns S (16 or 32).
 int64_t check_q8(const at::Tensor& qs, const at::Tensor& d, int64_t K) {
   TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
-  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S]");
+  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K], got sizes ", qs.sizes());
+  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S] with K = ", K, ", got sizes ",
+              d.sizes());
   const int64_t S = K / d.size(1);
   TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
   check_param(qs, at::kChar, qs.size(0), K, "qs");
@@ -286,7 +303,8 @@ int64_t check_q8(const at::Tensor& qs, const at::Tensor& d, int64_t K) {
 }
 
 void check_row_range(int64_t start, int64_t end, int64_t N) {
-  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") out of range for ", N);
+  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") are not a range within the ", N,
+              " weight rows [0, ", N, ")");
 }
 
 // Rows of output columns each thread takes: enough to amortise the dispatch, and an even split.
@@ -401,9 +419,11 @@ void q8_dequant_rows(const int8_t* q, const float* dp, int64_t K, int64_t S, int
 
 // Weight rows [start, end) of a q4 weight as `dtype` [end - start, K].
 at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t start, int64_t end, at::ScalarType dtype) {
+  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K / 2], got sizes ", qs.sizes());
   const int64_t N = qs.size(0), K = qs.size(1) * 2;
   check_q4(qs, d, m, K);
   check_row_range(start, end, N);
+  check_float_dtype(dtype, "dtype");
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
@@ -415,9 +435,11 @@ at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t star
 }
 
 at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end, at::ScalarType dtype) {
+  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K], got sizes ", qs.sizes());
   const int64_t N = qs.size(0), K = qs.size(1);
   const int64_t S = check_q8(qs, d, K);
   check_row_range(start, end, N);
+  check_float_dtype(dtype, "dtype");
   at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
     at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {

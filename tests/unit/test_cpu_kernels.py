@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -93,19 +94,376 @@ def test_store_kv_from_strided_views(ops):
     assert not k_cache[untouched].any() and not v_cache[untouched].any()
 
 
-def test_bad_indices_raise_instead_of_reading_out_of_bounds(ops):
-    q = torch.randn(2, 4, 16)
-    cache = torch.randn(64, 2, 16)
-    pages = torch.arange(8).view(2, 4)
-    with pytest.raises(RuntimeError, match="past the request's pages"):
-        ops.paged_attention(torch.empty_like(q), q, cache, cache, pages, torch.tensor([0, 1]), torch.tensor([3, 4]), 1, 1.0)
-    with pytest.raises(RuntimeError, match="not a row of the page table"):
-        ops.paged_attention(torch.empty_like(q), q, cache, cache, pages, torch.tensor([0, 2]), torch.tensor([3, 3]), 1, 1.0)
-    with pytest.raises(RuntimeError, match="int64"):
-        ops.paged_attention(torch.empty_like(q), q, cache, cache, pages.int(), torch.tensor([0, 1]), torch.tensor([1, 1]), 1, 1.0)
+# Bad arguments: each kernel checks every shape, dtype, layout and index before any pointer
+# arithmetic and raises a RuntimeError naming the argument, the value and the valid range. A case is
+# (the arguments it replaces, given the valid ones; a fragment of the message).
+
+
+def put(t: torch.Tensor, index, value) -> torch.Tensor:
+    t = t.clone()
+    t[index] = value
+    return t
+
+
+def strided(t: torch.Tensor) -> torch.Tensor:
+    """t's values, not contiguous (its last dim has stride 2)."""
+    return torch.stack([t, t], -1)[..., 0]
+
+
+def store_kv_args() -> dict:
+    """A valid store_kv call: 3 new tokens into a pool of 20 slots."""
+    gen = torch.Generator().manual_seed(6)
+    return {
+        "k": torch.randn(3, 2, 8, generator=gen),
+        "v": torch.randn(3, 2, 8, generator=gen),
+        "k_cache": torch.zeros(20, 2, 8),
+        "v_cache": torch.zeros(20, 2, 8),
+        "out_slots": torch.tensor([3, 19, 0]),
+    }
+
+
+STORE_KV_BAD = {
+    "slot past the pool": (
+        lambda a: {"out_slots": put(a["out_slots"], 1, 20)},
+        "out_slots[1] = 20 is outside the KV pool's slots [0, 20)",
+    ),
+    "negative slot": (
+        lambda a: {"out_slots": put(a["out_slots"], 2, -1)},
+        "out_slots[2] = -1 is outside the KV pool's slots [0, 20)",
+    ),
+    "fewer slots than tokens": (
+        lambda a: {"out_slots": a["out_slots"][:2]},
+        "out_slots has 2 slots for 3 new tokens",
+    ),
+    "heads unlike the cache": (
+        lambda a: {"k": a["k"][:, :1], "v": a["v"][:, :1]},
+        "k has 1 heads of 8 but the caches hold 2 KV heads of 8",
+    ),
+    "v unlike k": (lambda a: {"v": a["v"][:2]}, "v ([2, 2, 8], Float) must match k ([3, 2, 8], Float)"),
+    "caches unlike each other": (
+        lambda a: {"v_cache": a["v_cache"].bfloat16()},
+        "v_cache ([20, 2, 8], BFloat16) must match k_cache ([20, 2, 8], Float)",
+    ),
+    "int32 slots": (lambda a: {"out_slots": a["out_slots"].int()}, "out_slots must be int64, got Int"),
+    "integer k": (
+        lambda a: {"k": a["k"].long()},
+        "k must be float32, bfloat16, float16 or float64, got Long",
+    ),
+    "k not 3-d": (lambda a: {"k": a["k"].view(3, 16)}, "k must be [tokens, heads, head_dim]"),
+    "k heads not contiguous": (lambda a: {"k": strided(a["k"])}, "k must have each token's heads contiguous"),
+    "cache not contiguous": (
+        lambda a: {"k_cache": strided(a["k_cache"]), "v_cache": strided(a["v_cache"])},
+        "k_cache must be contiguous",
+    ),
+    "slots not contiguous": (
+        lambda a: {"out_slots": strided(a["out_slots"])},
+        "out_slots must be contiguous",
+    ),
+    "k not on the CPU": (lambda a: {"k": a["k"].to("meta")}, "k must be a CPU tensor"),
+}
+
+
+@pytest.mark.parametrize("case", STORE_KV_BAD)
+def test_store_kv_rejects_bad_arguments_before_writing(ops, case):
+    change, message = STORE_KV_BAD[case]
+    args = store_kv_args()
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.store_kv(*args.values())
+    assert not args["k_cache"].any() and not args["v_cache"].any()
+
+
+def decode_args() -> dict:
+    """A valid paged_attention call: 3 tokens of requests with 8, 6 and 7 keys; page_size 2, a pool of
+    16 pages. Row 1 is padded with -1 past the 3 pages its keys use: never read, so never checked."""
+    gen = torch.Generator().manual_seed(7)
+    q = torch.randn(3, 4, 16, generator=gen)
+    return {
+        "out": torch.empty_like(q),
+        "q": q,
+        "k_cache": torch.randn(32, 2, 16, generator=gen),
+        "v_cache": torch.randn(32, 2, 16, generator=gen),
+        "page_table": torch.tensor([[3, 5, 7, 9], [0, 1, 2, -1], [15, 14, 13, 12]]),
+        "owner": torch.tensor([0, 1, 2]),
+        "positions": torch.tensor([7, 5, 6]),
+        "page_size": 2,
+        "scale": 0.25,
+    }
+
+
+def test_paged_attention_reads_only_the_pages_it_needs(ops):
+    args = decode_args()
+    ops.paged_attention(*args.values())
+    pages = args["page_table"]
+    slots = [pages[b, torch.arange(n) // 2] * 2 + torch.arange(n) % 2 for b, n in enumerate([8, 6, 7])]
+    expected = reference_attention(args["q"], args["k_cache"], args["v_cache"], [1, 1, 1], slots, 0.25)
+    torch.testing.assert_close(args["out"], expected, atol=2e-5, rtol=0)
+
+
+# what paged_attention and extend_attention both check
+ATTENTION_IO_BAD = {
+    "page entry past the pool": (
+        lambda a: {"page_table": put(a["page_table"], (0, 1), 16)},
+        "page_table[0][1] = 16 is outside the KV pool's pages [0, 16)",
+    ),
+    "negative page entry": (
+        lambda a: {"page_table": put(a["page_table"], (0, 0), -2)},
+        "page_table[0][0] = -2 is outside the KV pool's pages [0, 16)",
+    ),
+    "int32 page table": (
+        lambda a: {"page_table": a["page_table"].int()},
+        "page_table must be int64, got Int",
+    ),
+    "page table not 2-d": (
+        lambda a: {"page_table": a["page_table"].view(-1)},
+        "page_table must be [requests, max_pages]",
+    ),
+    "page table not contiguous": (
+        lambda a: {"page_table": strided(a["page_table"])},
+        "page_table must be contiguous",
+    ),
+    "zero page_size": (lambda a: {"page_size": 0}, "page_size must be at least 1, got 0"),
+    "heads not a multiple of kv heads": (
+        lambda a: {"q": a["q"][:, :3], "out": a["out"][:, :3].contiguous()},
+        "q's 3 heads must be a multiple of the caches' 2 KV heads",
+    ),
+    "cache head_dim unlike q's": (
+        lambda a: {name: a[name][..., :8].contiguous() for name in ("k_cache", "v_cache")},
+        "the caches' head_dim (8) must be q's (16)",
+    ),
+    "caches unlike each other": (
+        lambda a: {"v_cache": a["v_cache"][:16].contiguous()},
+        "v_cache ([16, 2, 16], Float) must match k_cache ([32, 2, 16], Float)",
+    ),
+    "out unlike q": (lambda a: {"out": a["out"].double()}, "Double) must match q ("),
+    "integer q": (
+        lambda a: {"q": a["q"].int(), "out": a["out"].int()},
+        "q must be float32, bfloat16, float16 or float64, got Int",
+    ),
+    "q heads not contiguous": (lambda a: {"q": strided(a["q"])}, "q must have each token's heads contiguous"),
+    "out not contiguous": (lambda a: {"out": strided(a["out"])}, "out must be contiguous"),
+    "cache not contiguous": (
+        lambda a: {"k_cache": strided(a["k_cache"]), "v_cache": strided(a["v_cache"])},
+        "k_cache must be contiguous",
+    ),
+}
+
+DECODE_BAD = {
+    "position past the table": (
+        lambda a: {"positions": put(a["positions"], 0, 8)},
+        "positions[0] = 8 is past the request's pages [0, 8) (4 pages of 2)",
+    ),
+    "negative position": (
+        lambda a: {"positions": put(a["positions"], 2, -1)},
+        "positions[2] = -1 is past the request's pages [0, 8)",
+    ),
+    "position reading a padded entry": (
+        lambda a: {"positions": put(a["positions"], 1, 6)},
+        "page_table[1][3] = -1 is outside the KV pool's pages [0, 16)",
+    ),
+    "owner past the table": (
+        lambda a: {"owner": put(a["owner"], 1, 3)},
+        "owner[1] = 3 is not a row of the page table [0, 3)",
+    ),
+    "negative owner": (
+        lambda a: {"owner": put(a["owner"], 0, -1)},
+        "owner[0] = -1 is not a row of the page table [0, 3)",
+    ),
+    "fewer positions than tokens": (
+        lambda a: {"positions": a["positions"][:2]},
+        "owner (3) and positions (2) need one entry per query token (3)",
+    ),
+    "positions not contiguous": (
+        lambda a: {"positions": strided(a["positions"])},
+        "positions must be contiguous",
+    ),
+    "int32 owner": (lambda a: {"owner": a["owner"].int()}, "owner must be int64, got Int"),
+}
+
+
+@pytest.mark.parametrize("case", [*ATTENTION_IO_BAD, *DECODE_BAD])
+def test_paged_attention_rejects_bad_metadata(ops, case):
+    change, message = {**ATTENTION_IO_BAD, **DECODE_BAD}[case]
+    args = decode_args()
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.paged_attention(*args.values())
+
+
+def extend_args() -> dict:
+    """A valid extend_attention call: requests of 3 new tokens (7 keys) and 2 (2 keys: a fresh
+    prompt), 5 tokens in all; page_size 2, a pool of 16 pages, row 1 padded with -1."""
+    gen = torch.Generator().manual_seed(8)
+    q = torch.randn(5, 4, 16, generator=gen)
+    return {
+        "out": torch.empty_like(q),
+        "q": q,
+        "k_cache": torch.randn(32, 2, 16, generator=gen),
+        "v_cache": torch.randn(32, 2, 16, generator=gen),
+        "page_table": torch.tensor([[3, 5, 7, 9], [0, -1, -1, -1]]),
+        "q_start": torch.tensor([0, 3]),
+        "q_len": torch.tensor([3, 2]),
+        "kv_len": torch.tensor([7, 2]),
+        "page_size": 2,
+        "scale": 0.25,
+    }
+
+
+def test_extend_attention_reads_only_the_pages_it_needs(ops):
+    if not ops.has_simd():
+        pytest.skip("the extend kernel needs AVX2 or AVX-512")
+    args = extend_args()
+    ops.extend_attention(*args.values())
+    pages = args["page_table"]
+    slots = [pages[b, torch.arange(n) // 2] * 2 + torch.arange(n) % 2 for b, n in enumerate([7, 2])]
+    expected = reference_attention(args["q"], args["k_cache"], args["v_cache"], [3, 2], slots, 0.25)
+    torch.testing.assert_close(args["out"], expected, atol=2e-5, rtol=0)
+
+
+EXTEND_BAD = {
+    "kv_len past the table": (
+        lambda a: {"kv_len": put(a["kv_len"], 0, 9)},
+        "kv_len[0] = 9 is past [0, 8]: request 0 has more keys than pages (4 pages of 2)",
+    ),
+    "kv_len reading a padded entry": (
+        lambda a: {"kv_len": put(a["kv_len"], 1, 3)},
+        "page_table[1][1] = -1 is outside the KV pool's pages [0, 16)",
+    ),
+    "kv_len below q_len": (
+        lambda a: {"kv_len": put(a["kv_len"], 1, 1)},
+        "kv_len[1] = 1 is less than q_len[1] = 2",
+    ),
+    "negative q_len": (lambda a: {"q_len": put(a["q_len"], 1, -1)}, "q_len[1] = -1 is outside [0, 5]"),
+    "tokens past the end": (
+        lambda a: {"q_start": put(a["q_start"], 1, 4)},
+        "q_start[1] = 4 is outside [3, 3]",
+    ),
+    "negative q_start": (
+        lambda a: {"q_start": put(a["q_start"], 0, -1)},
+        "q_start[0] = -1 is outside [0, 2]",
+    ),
+    "overlapping requests": (lambda a: {"q_start": torch.tensor([0, 2])}, "q_start[1] = 2 is outside [3, 3]"),
+    "fewer lengths than rows": (
+        lambda a: {"kv_len": a["kv_len"][:1]},
+        "q_start (2), q_len (2) and kv_len (1) need one entry per page-table row (2)",
+    ),
+    "int32 q_len": (lambda a: {"q_len": a["q_len"].int()}, "q_len must be int64, got Int"),
+    "q_start not contiguous": (lambda a: {"q_start": strided(a["q_start"])}, "q_start must be contiguous"),
+    "head_dim not a multiple of 16": (
+        lambda a: {name: a[name][..., :8].contiguous() for name in ("q", "out", "k_cache", "v_cache")},
+        "extend_attention needs head_dim % 16 == 0 and at most 512, got 8",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", [*ATTENTION_IO_BAD, *EXTEND_BAD])
+def test_extend_attention_rejects_bad_metadata(ops, case):
+    """Checked before the kernel's ISA requirement, so on every build."""
+    change, message = {**ATTENTION_IO_BAD, **EXTEND_BAD}[case]
+    args = extend_args()
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.extend_attention(*args.values())
+
+
+NORM_BAD = {
+    "weight shorter than hidden": (
+        lambda a: {"weight": a["weight"][:95]},
+        "weight must be [hidden = 96] (x's last dim), got [95]",
+    ),
+    "residual unlike x": (
+        lambda a: {"residual": a["residual"][:2]},
+        "residual ([2, 96], Float) must match x ([3, 96], Float)",
+    ),
+    "weight dtype unlike x's": (
+        lambda a: {"weight": a["weight"].bfloat16()},
+        "weight (BFloat16) and x (Float) must share a dtype",
+    ),
+    "integer x": (
+        lambda a: {"x": a["x"].long(), "residual": a["residual"].long()},
+        "x must be float32, bfloat16, float16 or float64, got Long",
+    ),
+    "0-dim x": (lambda a: {"x": a["x"][0, 0]}, "x must be [..., hidden], got a 0-dim tensor"),
+    "x not contiguous": (lambda a: {"x": strided(a["x"])}, "x must be contiguous"),
+    "residual not contiguous": (
+        lambda a: {"residual": strided(a["residual"])},
+        "residual must be contiguous",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", NORM_BAD)
+def test_rms_norm_rejects_bad_shapes(ops, case):
+    change, message = NORM_BAD[case]
+    args = {"x": torch.randn(3, 96), "residual": torch.randn(3, 96), "weight": torch.rand(96), "eps": 1e-6}
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.add_rms_norm(*args.values())
+    if "residual" not in case:
+        with pytest.raises(RuntimeError, match=re.escape(message)):
+            ops.rms_norm(args["x"], args["weight"], 1e-6)
+
+
+def test_zero_width_rows_are_empty_not_a_crash(ops):
+    """rms_norm once divided by a zero-width hidden dim (SIGFPE: the whole process went down)."""
+    assert ops.rms_norm(torch.empty(3, 0), torch.empty(0), 1e-6).shape == (3, 0)
+    assert ops.silu_and_mul(torch.empty(3, 0)).shape == (3, 0)
+
+
+@pytest.mark.parametrize(
+    "gate_up,message",
+    [
+        (torch.randn(5, 81), "gate_up must be [..., 2 * intermediate], got sizes [5, 81]"),
+        (torch.tensor(1.0), "gate_up must be [..., 2 * intermediate], got sizes []"),
+        (torch.ones(5, 80, dtype=torch.int32), "gate_up must be float32, bfloat16, float16 or float64"),
+        (strided(torch.randn(5, 80)), "gate_up must be contiguous"),
+    ],
+    ids=["odd width", "0-dim", "integer", "not contiguous"],
+)
+def test_silu_and_mul_rejects_bad_shapes(ops, gate_up, message):
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.silu_and_mul(gate_up)
+
+
+ROPE_BAD = {
+    "position past the table": (
+        lambda a: {"positions": put(a["positions"], 1, 8)},
+        "positions[1] = 8 is outside the rotary table [0, 8)",
+    ),
+    "negative position": (
+        lambda a: {"positions": put(a["positions"], 0, -1)},
+        "positions[0] = -1 is outside the rotary table [0, 8)",
+    ),
+    "fewer positions than tokens": (
+        lambda a: {"positions": a["positions"][:1]},
+        "positions has 1 entries for 2 tokens",
+    ),
+    "k tokens unlike q's": (
+        lambda a: {"k": a["k"][:1]},
+        "k [1, 2, 16] must be [tokens = 2, kv_heads, head_dim = 16] like q",
+    ),
+    "sin unlike cos": (
+        lambda a: {"sin": a["sin"][:4].contiguous()},
+        "cos and sin must be [max_positions, rot_dim] alike, got [8, 16] and [4, 16]",
+    ),
+    "int32 positions": (lambda a: {"positions": a["positions"].int()}, "positions must be int64, got Int"),
+}
+
+
+@pytest.mark.parametrize("case", ROPE_BAD)
+def test_rotary_embedding_rejects_bad_positions(ops, case):
+    change, message = ROPE_BAD[case]
     rope = RotaryEmbedding(RopeConfig(), 16, 8, 8)
-    with pytest.raises(RuntimeError, match="outside the rotary table"):
-        ops.rotary_embedding(torch.randn(1, 4, 16), torch.randn(1, 2, 16), rope.cos, rope.sin, torch.tensor([8]))
+    args = {
+        "q": torch.randn(2, 4, 16),
+        "k": torch.randn(2, 2, 16),
+        "cos": rope.cos,
+        "sin": rope.sin,
+        "positions": torch.tensor([0, 7]),
+    }
+    args.update(change(args))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        ops.rotary_embedding(*args.values())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -148,7 +506,10 @@ def test_rotary_embedding_in_place_matches_pytorch(ops, dtype, partial):
 def test_silu_and_mul_matches_pytorch(ops, dtype):
     gate_up = (torch.randn(5, 2 * 40) * 4).to(dtype)
     expected = F.silu(gate_up[:, :40]) * gate_up[:, 40:]
-    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, atol=TOL[dtype], rtol=TOL[dtype])
+    tol = {"atol": TOL[dtype], "rtol": TOL[dtype]}
+    torch.testing.assert_close(ops.silu_and_mul(gate_up), expected, **tol)
+    batched = gate_up.view(1, 5, 80)  # [..., 2I]: leading dims are kept
+    torch.testing.assert_close(ops.silu_and_mul(batched), expected.view(1, 5, 40), **tol)
 
 
 def test_disabled_falls_back_to_pytorch():

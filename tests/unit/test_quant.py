@@ -4,6 +4,8 @@ loss, and quantized tiny models that still compute what their dequantized weight
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -118,14 +120,83 @@ def test_many_rows_take_the_native_dequant_matmul(build, fmt, monkeypatch):
     torch.testing.assert_close(layer(x), layer.reference_forward(x), atol=1e-4, rtol=1e-4)
 
 
-def test_kernel_rejects_bad_shapes(build):
-    layer = random_layer("q4", 64, 64, torch.Generator().manual_seed(0))
-    with pytest.raises(RuntimeError, match="multiple of 32"):
-        build.q4_linear(torch.randn(1, 48), layer.qs[:, :24].contiguous(), layer.d[:, :1].contiguous(), layer.m[:, :1].contiguous())
-    with pytest.raises(RuntimeError, match="must be"):
-        build.q4_linear(torch.randn(1, 64), layer.qs, layer.d[:10].contiguous(), layer.m)
-    with pytest.raises(RuntimeError, match="16 or 32"):
-        build.q8_linear(torch.randn(1, 64), torch.zeros(8, 64, dtype=torch.int8), torch.zeros(8, 8))
+# Bad arguments: each raises a RuntimeError naming the argument and the sizes it needs, before any
+# pointer arithmetic. A case: the call, given a valid q4 and q8 layer of 64 x 64, and a message fragment.
+BAD_CALLS = {
+    "K not a multiple of 32": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 48), q4.qs, q4.d, q4.m),
+        "K (48) must be a multiple of 32",
+    ),
+    "x's K unlike the weight's": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 96), q4.qs, q4.d, q4.m),
+        "qs must be [64, 48], got [64, 32]",
+    ),
+    "scale rows unlike the weight's": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs, q4.d[:10].contiguous(), q4.m),
+        "d must be [64, 2], got [10, 2]",
+    ),
+    "q8 scales per 8 channels": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs, torch.zeros(64, 8)),
+        "one scale per 16 or 32 input channels, got 8",
+    ),
+    "q8 weight columns unlike K": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs[:, :32].contiguous(), q8.d),
+        "qs must be [64, 64], got [64, 32]",
+    ),
+    "q4 blocks stored as int8": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs.view(torch.int8), q4.d, q4.m),
+        "qs must be Byte, got Char",
+    ),
+    "float64 scales": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs, q8.d.double()),
+        "d must be Float, got Double",
+    ),
+    "integer x": (
+        lambda ops, q4, q8: ops.q8_linear(torch.ones(1, 64, dtype=torch.int32), q8.qs, q8.d),
+        "x must be float32, bfloat16, float16 or float64, got Int",
+    ),
+    "x not 2-d": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(64), q4.qs, q4.d, q4.m),
+        "x must be [rows, K], got sizes [64]",
+    ),
+    "x not contiguous": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(64, 2).t(), q4.qs, q4.d, q4.m),
+        "x must be contiguous",
+    ),
+    "weight not contiguous": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs.t(), q8.d),
+        "qs must be contiguous",
+    ),
+    "rows before 0": (
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.d, q4.m, -1, 10, torch.float32),
+        "rows [-1, 10) are not a range within the 64 weight rows [0, 64)",
+    ),
+    "rows past the weight": (
+        lambda ops, q4, q8: ops.q8_dequantize(q8.qs, q8.d, 60, 65, torch.float32),
+        "rows [60, 65) are not a range within the 64 weight rows [0, 64)",
+    ),
+    "rows reversed": (
+        lambda ops, q4, q8: ops.q8_dequantize(q8.qs, q8.d, 10, 5, torch.float32),
+        "rows [10, 5) are not a range within the 64 weight rows",
+    ),
+    "dequantized to int32": (
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.d, q4.m, 0, 64, torch.int32),
+        "dtype must be float32, bfloat16, float16 or float64, got Int",
+    ),
+    "dequantizing a 1-d weight": (
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qs[0], q4.d, q4.m, 0, 1, torch.float32),
+        "qs must be [N, K / 2], got sizes [32]",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", BAD_CALLS)
+def test_kernel_rejects_bad_arguments(build, case):
+    call, message = BAD_CALLS[case]
+    gen = torch.Generator().manual_seed(0)
+    q4, q8 = random_layer("q4", 64, 64, gen), random_layer("q8", 64, 64, gen)
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        call(build, q4, q8)
 
 
 @pytest.mark.parametrize("chunked", [False, True], ids=["whole", "chunked"])
