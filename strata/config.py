@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.redact import CREDENTIALS, secret, with_env_secrets
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -127,10 +129,52 @@ def _rope_from_hf(text: dict[str, Any]) -> RopeConfig:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-HICACHE_PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")  # strata.cache.hicache
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")  # strata.weights.loader.load_model
+
+
+INT64_MAX = 2**63 - 1
+TINY = 1e-9  # the lower end of ranges open at zero
+# numeric EngineConfig fields -> (low, high), both inclusive; None: unbounded. A bound keeps a value
+# from hanging the engine (max_prefill_tokens 0 admits nothing, ever) or overflowing a tensor.
+NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
+    "page_size": (1, 1 << 16),
+    "kv_cache_tokens": (1, 1 << 40),
+    "mem_fraction_static": (TINY, 1 - TINY),
+    "max_running_requests": (1, 1 << 20),
+    "max_batch_tokens": (1, 1 << 24),
+    "chunked_prefill_size": (None, 1 << 24),  # <= 0 disables chunking
+    "max_prefill_tokens": (1, 1 << 24),
+    "context_length": (2, 1 << 24),
+    "random_seed": (-INT64_MAX - 1, INT64_MAX),
+    "num_threads": (1, 4096),
+    "hicache_ratio": (TINY, 1e6),
+    "hicache_size": (TINY, 1 << 20),
+    "hicache_prefetch_threshold": (0, 1 << 40),
+    "hicache_prefetch_timeout": (0, 86400),
+    "hicache_storage_max_gib": (TINY, 1 << 30),
+    "hicache_storage_ttl": (TINY, 10 * 365 * 86400),
+    "disaggregation_bootstrap_port": (0, 65535),
+    "disaggregation_timeout": (TINY, 86400),
+}
+
+
+def check_range(name: str, value: Any, low: float | None, high: float | None) -> None:
+    """ValueError naming the field, its flag and the accepted range, unless low <= value <= high
+    (None passes: the field is unset). NaN never passes."""
+    if value is None:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (low is None or value >= low) and (high is None or value <= high)
+    if not ok:
+        flag = "--" + name.replace("_", "-")
+        lo = "-inf" if low is None else (0 if low == TINY else low)
+        bracket = "(" if low == TINY else "["
+        hi = "inf" if high is None else (1 if high == 1 - TINY else high)
+        close = ")" if high == 1 - TINY else "]"
+        raise ValueError(f"{name} ({flag}) must be in {bracket}{lo}, {hi}{close}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -164,21 +208,23 @@ class EngineConfig:
     hicache_size: float | None = None  # L2 size in GiB (overrides hicache_ratio)
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None  # file | redis | mooncake; implies the hierarchy
-    hicache_storage_path: str | None = None  # directory (file), redis:// URL (redis), config (mooncake)
-    hicache_prefetch_policy: str = "best_effort"
+    hicache_storage_path: str | None = field(default=None, metadata=CREDENTIALS)  # directory (file), redis:// URL (redis), config (mooncake)
+    hicache_prefetch_policy: str = "auto"  # auto: wait for L3 while fetching beats recomputing
     hicache_prefetch_threshold: int = 256  # tokens: smaller L3 hits are not worth fetching
     hicache_prefetch_timeout: float = 2.0  # seconds, for the timeout policy
+    hicache_storage_max_gib: float = 32.0  # file backend: size bound of the directory (LRU eviction)
+    hicache_storage_ttl: float = 86400.0  # seconds an L3 page may go unused before it expires (file, redis)
     # prefill/decode disaggregation (strata.disagg)
     disaggregation_mode: str = "null"  # null | prefill | decode
     disaggregation_host: str = "127.0.0.1"  # address peers use to reach this worker's KV inbox
     disaggregation_bootstrap_port: int = 0  # this worker's KV inbox port; 0 = any free port
-    disaggregation_secret: str | None = None  # shared by the workers (or STRATA_DISAGG_SECRET)
+    disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        for name, (low, high) in NUMERIC_RANGES.items():
+            check_range(name, getattr(self, name), low, high)
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
@@ -186,11 +232,10 @@ class EngineConfig:
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
-            raise ValueError(f"kv_cache_tokens must be at least one page ({self.page_size}), got {self.kv_cache_tokens}")
-        if not 0 < self.mem_fraction_static < 1:
-            raise ValueError(f"mem_fraction_static must be in (0, 1), got {self.mem_fraction_static}")
-        if self.max_running_requests < 1 or self.max_batch_tokens < 1:
-            raise ValueError("max_running_requests and max_batch_tokens must be >= 1")
+            raise ValueError(
+                f"kv_cache_tokens (--kv-cache-tokens) must be at least one page ({self.page_size}), "
+                f"got {self.kv_cache_tokens}"
+            )
         for name, choices in (
             ("hicache_write_policy", HICACHE_WRITE_POLICIES),
             ("hicache_prefetch_policy", HICACHE_PREFETCH_POLICIES),
@@ -207,8 +252,6 @@ class EngineConfig:
             raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
         if self.hierarchical_cache and self.disable_radix_cache:
             raise ValueError("the hierarchical cache sits behind the radix cache; drop --disable-radix-cache")
-        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
-            raise ValueError("hicache_ratio and hicache_size must be > 0")
 
     @property
     def hierarchical_cache(self) -> bool:
@@ -239,6 +282,15 @@ _HELP = {
     "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
     "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
     "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",
+    "hicache_prefetch_policy": "how long a request waits for its prefix to come from L3 storage: auto "
+    "(while the fetch, at the measured L3 read rate, is expected to beat recomputing at the measured "
+    "prefill rate; at most the recompute time), best_effort (never), wait_complete (until done), "
+    "timeout (up to --hicache-prefetch-timeout)",
+    "hicache_storage_max_gib": "file backend: GiB the L3 directory may hold; the least recently used pages "
+    "are deleted beyond it (each replica sharing the directory bounds all of it, learning the others' pages "
+    "every few minutes; redis: bound the server with its maxmemory)",
+    "hicache_storage_ttl": "seconds an L3 page may go unused before it is deleted (file) or expires (redis); "
+    "a hit renews it",
 }
 
 
@@ -275,5 +327,6 @@ def add_engine_args(parser) -> None:
 
 
 def engine_config_from_args(args) -> EngineConfig:
+    """The flags' values; a secret flag not given comes from its STRATA_<NAME> environment variable."""
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra"]
-    return EngineConfig(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+    return EngineConfig(**with_env_secrets(EngineConfig, {n: getattr(args, n) for n in names if hasattr(args, n)}))

@@ -1,8 +1,20 @@
-"""Per-request sampling parameters, validated once when a request arrives."""
+"""Per-request sampling parameters, validated once when a request arrives.
+
+Every numeric field is bounded by what the model and the sampler's tensors can hold (top_k and
+token ids by the vocabulary, seeds by 64 bits, floats finite and within float32, counts within
+int32), so a request that passes validation cannot fail a batch it joins later.
+"""
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import msgspec
+
+INT32_MAX = 2**31 - 1
+SEED_LIMIT = 2**63  # seeds are signed 64-bit integers
+FLOAT32_MAX = 3.4028234663852886e38
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -25,6 +37,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     MAX_N = 16
     MAX_TOP_LOGPROBS = 20
+    MAX_STOP_TOKEN_IDS = 1024
+    REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
+    @classmethod
+    def from_dict(cls, fields: dict[str, Any]) -> SamplingParams:
+        """Typed conversion of a JSON object (e.g. /generate's sampling_params): a wrong type raises
+        ValueError naming the field ("logprobs: Expected `int | null`, got `float`")."""
+        if isinstance(fields.get("stop"), str):
+            fields = {**fields, "stop": [fields["stop"]]}
+        try:
+            return msgspec.convert(fields, cls)
+        except msgspec.ValidationError as exc:
+            text = str(exc)
+            field = text.rsplit("at `$.", 1)[-1].rstrip("`").split("[")[0] if "at `$." in text else ""
+            raise ValueError(f"{field} has the wrong type: {text}" if field else text) from None
 
     @property
     def is_greedy(self) -> bool:
@@ -34,8 +61,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         """Raise ValueError naming the offending field and the accepted range."""
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and abs(value) <= FLOAT32_MAX):
+                raise ValueError(f"{name} must be a finite number, got {value}")
+        low, high = self.REPETITION_PENALTY_RANGE
         checks = [
-            (self.max_new_tokens >= 0, f"max_new_tokens must be >= 0, got {self.max_new_tokens}"),
+            (0 <= self.max_new_tokens <= INT32_MAX, f"max_new_tokens must be in [0, {INT32_MAX}], got {self.max_new_tokens}"),
             (self.min_new_tokens >= 0, f"min_new_tokens must be >= 0, got {self.min_new_tokens}"),
             (
                 self.min_new_tokens <= self.max_new_tokens,
@@ -43,15 +75,30 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             ),
             (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k == -1 or self.top_k >= 0, f"top_k must be -1 (disabled) or >= 0, got {self.top_k}"),
+            (
+                self.top_k == -1 or 0 <= self.top_k <= (vocab_size or INT32_MAX),
+                f"top_k must be -1 or 0 (disabled) or at most the vocabulary size ({vocab_size or INT32_MAX}), "
+                f"got {self.top_k}",
+            ),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (
+                low <= self.repetition_penalty <= high,
+                f"repetition_penalty must be in [{low}, {high}], got {self.repetition_penalty}",
+            ),
             (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
             (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
             (1 <= self.n <= self.MAX_N, f"n must be in [1, {self.MAX_N}], got {self.n}"),
             (
-                self.logprobs is None or 0 <= self.logprobs <= self.MAX_TOP_LOGPROBS,
-                f"logprobs must be in [0, {self.MAX_TOP_LOGPROBS}], got {self.logprobs}",
+                self.seed is None or -SEED_LIMIT <= self.seed < SEED_LIMIT,
+                f"seed must be a 64-bit signed integer, got {self.seed}",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= min(self.MAX_TOP_LOGPROBS, vocab_size or INT32_MAX),
+                f"logprobs must be in [0, {min(self.MAX_TOP_LOGPROBS, vocab_size or INT32_MAX)}], got {self.logprobs}",
+            ),
+            (
+                len(self.stop_token_ids) <= self.MAX_STOP_TOKEN_IDS,
+                f"at most {self.MAX_STOP_TOKEN_IDS} stop_token_ids, got {len(self.stop_token_ids)}",
             ),
             (all(isinstance(s, str) and s for s in self.stop), "stop must be a list of non-empty strings"),
             (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
@@ -62,4 +109,4 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
-                raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+                raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

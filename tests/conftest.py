@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-
 from tiny_models import FAMILIES, build_tokenizer, make_model  # noqa: F401  (re-exported for old imports)
 
 
@@ -41,3 +40,33 @@ def default_dir() -> Path:
     except (FileNotFoundError, RuntimeError, ValueError) as exc:
         pytest.skip(f"default model package not installed: {exc}")
     return default_model_dir()
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A private redis-server on a free port: (process, redis:// URL); skips where none is installed."""
+    import shutil
+    import socket
+    import subprocess
+    import time
+
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    proc = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    import redis
+
+    client = redis.Redis(port=port)
+    for _ in range(100):
+        try:
+            client.ping()
+            break
+        except redis.ConnectionError:
+            time.sleep(0.05)
+    yield proc, f"redis://127.0.0.1:{port}/0"
+    proc.kill()
+    proc.wait()

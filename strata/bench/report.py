@@ -19,6 +19,7 @@ from strata.bench.one_batch import OneBatchResult
 from strata.bench.serving import ServingResult
 from strata.bench.step_timer import PIECES
 from strata.bench.window import SteadyWindow
+from strata.redact import redacted
 
 PIECE_NAMES = [*PIECES, "total"]
 
@@ -174,7 +175,7 @@ def compare_text(c: CompareResult) -> str:
 
 def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _jsonable(v) for k, v in dataclasses.asdict(obj).items()}
+        return {k: _jsonable(v) for k, v in redacted(obj).items()}  # secret fields never reach a file
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -205,7 +206,6 @@ def serving_json(r: ServingResult) -> dict[str, Any]:
             for x in r.records
         ],
     }
-    out["config"].pop("api_key", None)
     return out
 
 

@@ -31,6 +31,7 @@ from strata.bench.http_client import ENDPOINTS, OpenAIClient
 from strata.bench.metrics import RequestRecord, ServingSummary, summarize
 from strata.bench.progress import Progress
 from strata.bench.window import SteadyWindow, serving_window
+from strata.redact import SECRET
 
 WARMUP_INPUT_LEN = 32
 WARMUP_OUTPUT_LEN = 8
@@ -55,7 +56,7 @@ class ServingConfig:
     length_control: str = "ignore_eos"  # how to ask for exactly output_len tokens; see LENGTH_CONTROLS
     send_token_ids: bool = False  # completions: send the prompt as token ids (exact lengths)
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
-    api_key: str | None = None
+    api_key: str | None = field(default=None, metadata=SECRET)
     timeout_s: float = 600.0
     seed: int = 0
     progress: bool = True

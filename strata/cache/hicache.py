@@ -11,11 +11,24 @@ names a whole prefix and never collides across models, dtypes or page sizes.
         write_through_selective (once a page has been hit twice), write_back (when L2 drops it)
     L3 prefetch (background thread): on arrival, if L3 holds >= threshold tokens beyond L1/L2,
         its pages are fetched into L2; the request waits per the prefetch policy
-        (best_effort: never, wait_complete: until done, timeout: up to a deadline)
+        (auto: while fetching is expected to beat recomputing, best_effort: never,
+        wait_complete: until done, timeout: up to a fixed deadline)
+
+The auto policy is a rent-or-buy decision. Before a request waits it compares
+
+    fetch_s     = (bytes of prefetches queued ahead + its own bytes) / L3 read bytes/s
+    recompute_s = its tokens / prefill tokens/s
+
+both rates measured on this engine (recent L3 reads; admission to cached prompt for prefills of
+>= 64 tokens), with priors (a slow disk, a CPU's prefill) until the first measurement. It waits only if
+fetch_s < recompute_s, and at most recompute_s: a fetch that overruns its estimate then costs at
+most twice the recomputation, and one that keeps its estimate saves recompute_s - fetch_s.
 
 Every stored page carries its key, the layout namespace and a checksum; a corrupt, truncated or
-foreign entry is counted and treated as a miss (the tokens are recomputed). A failing backend is
-treated as a miss too, and after repeated failures it is left alone for a while.
+foreign entry (or anything a backend returns that is not such a page) is counted and treated as a
+miss (the tokens are recomputed). A failing backend is treated as a miss too, and after repeated
+failures it is left alone for a while. Backends bound their size and age (strata.cache.storage), so
+a page written once may be gone later: one a prefetch finds missing is written again when computed.
 All tier bookkeeping runs on the scheduler thread; only storage I/O runs on the worker thread.
 """
 
@@ -28,7 +41,7 @@ import struct
 import threading
 import time
 import zlib
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -43,18 +56,24 @@ from strata.cache.storage import StorageBackend
 logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
+MIN_PREFILL_SAMPLE_TOKENS = 64  # shorter prefills measure step overhead more than throughput
 
 
 @dataclass(frozen=True)
 class HiCacheConfig:
     host_pages: int
     write_policy: str = "write_through"
-    prefetch_policy: str = "best_effort"
+    prefetch_policy: str = "auto"
     prefetch_threshold_tokens: int = 256
     prefetch_timeout_s: float = 2.0
     storage_failures_before_pause: int = 3
     storage_pause_s: float = 10.0
+    storage_ttl_s: float | None = None  # pages written longer ago may be gone from L3: write them again
+    # the auto policy's rates until measured: a slow shared disk and a CPU's prefill rate; they wait
+    # for small models' pages (small per token) and recompute large models' ones (a GPU's case)
+    storage_read_bytes_per_s_prior: float = 256 * 2**20
+    prefill_tokens_per_s_prior: float = 2048.0
 
 
 @dataclass
@@ -80,6 +99,35 @@ class HiCacheStats:
         q = max(self.query_tokens, 1)
         d["hit_rate"] = {tier: n / q for tier, n in self.hit_tokens.items()}
         return d
+
+
+class RateMeter:
+    """Units per second over the last `window` samples (their sums' ratio), `prior` until the first."""
+
+    def __init__(self, prior: float, window: int = 16):
+        self.prior = prior
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (amount, seconds)
+
+    def add(self, amount: float, seconds: float) -> None:
+        if amount > 0 and seconds > 0:
+            self.samples.append((amount, seconds))
+
+    @property
+    def rate(self) -> float:
+        if not self.samples:
+            return self.prior
+        return sum(a for a, _ in self.samples) / sum(s for _, s in self.samples)
+
+
+def auto_prefetch_wait_s(
+    num_tokens: int, num_bytes: int, queued_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float
+) -> float:
+    """How long the auto policy lets a request wait for an L3 fetch of `num_bytes` (its `num_tokens`
+    tokens), behind `queued_bytes` of other fetches: the recompute time if the fetch is expected to
+    be quicker than recomputing, else 0 (see the module docstring)."""
+    fetch_s = (queued_bytes + num_bytes) / read_bytes_per_s
+    recompute_s = num_tokens / prefill_tokens_per_s
+    return recompute_s if fetch_s < recompute_s else 0.0
 
 
 class PageHasher:
@@ -115,7 +163,11 @@ def encode_page(key: bytes, namespace: bytes, payload: bytes) -> bytes:
 
 
 def decode_page(data: bytes, key: bytes, namespace: bytes, expected_len: int) -> bytes:
-    """The payload, or CorruptPage if the entry is truncated, foreign or damaged."""
+    """The payload, or CorruptPage (never another exception) if the entry is truncated, foreign,
+    damaged, or not bytes at all."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise CorruptPage(f"entry is a {type(data).__name__}, not bytes")
+    data = bytes(data)
     if len(data) < _HEADER.size:
         raise CorruptPage("truncated header")
     magic, stored_key, stored_ns, crc, length = _HEADER.unpack_from(data)
@@ -187,6 +239,7 @@ class _Prefetch:
     keys: list[bytes]  # page digests after what L1/L2 hold, in order
     start_page: int  # page index of keys[0] in the request's sequence
     started: float
+    wait_s: float  # the request may be admitted this long after `started`, done or not
     done: bool = False
 
 
@@ -236,13 +289,15 @@ class _StorageWorker(threading.Thread):
         if kind == "prefetch":
             pf: _Prefetch = job[1]
             hc = self.hicache
+            started = time.monotonic()
             names = [hc.storage_key(k) for k in pf.keys]
-            present = self.backend.exists(names)
+            present = [bool(p) for p in self.backend.exists(names)][: len(names)]
+            missing = [k for k, p in zip(pf.keys, present) if not p]
             hits = next((i for i, p in enumerate(present) if not p), len(present))
             if hits * hc.page_size < hc.config.prefetch_threshold_tokens:
-                return ("prefetched", pf, [])
-            blobs = self.backend.get(names[:hits])
-            return ("prefetched", pf, list(zip(pf.keys[:hits], blobs)))
+                return ("prefetched", pf, [], missing, 0.0)
+            blobs = list(self.backend.get(names[:hits]))
+            return ("prefetched", pf, list(zip(pf.keys[:hits], blobs)), missing, time.monotonic() - started)
         raise ValueError(kind)
 
 
@@ -277,9 +332,15 @@ class HiCache:
         self.pinned: set[bytes] = set()  # being promoted: L2 must not drop them
         self.stats = HiCacheStats()
         self.storage = storage
-        self.in_storage: OrderedDict[bytes, None] = OrderedDict()  # digests known to be in L3 (bounded)
+        # digests written to (or read from) L3, with when (monotonic); least recent first, bounded
+        self.in_storage: OrderedDict[bytes, float] = OrderedDict()
         self.hit_counts: dict[bytes, int] = {}  # write_through_selective
         self.prefetches: dict[str, _Prefetch] = {}
+        # the auto prefetch policy's measurements (scheduler thread)
+        self.read_rate = RateMeter(config.storage_read_bytes_per_s_prior)  # L3 bytes/s
+        self.prefill_rate = RateMeter(config.prefill_tokens_per_s_prior)  # tokens/s, admission to cached
+        # last page digest of a request's reusable prompt -> (admitted at, tokens it must compute)
+        self.prefilling: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self.worker = _StorageWorker(storage, self) if storage is not None else None
         if self.worker is not None:
             self.worker.start()
@@ -321,7 +382,7 @@ class HiCache:
             if victim is None:
                 return None
             hp = self.l2.pop(victim)
-            if self.config.write_policy == "write_back" and victim not in self.in_storage:
+            if self.config.write_policy == "write_back" and not self._known_stored(victim):
                 self._write([(victim, self.host.page_payload(hp))])
             self.l2_from_storage.discard(victim)
             self.host_allocator.free([hp])
@@ -334,10 +395,22 @@ class HiCache:
 
         `tokens` are the tokens the request may reuse (page-aligned use only); `make_room(n)` frees
         L1 pages (evicting the radix tree, which demotes into L2). Returns (new match, tokens
-        promoted that were already in L2, tokens promoted that came from L3).
+        promoted that were already in L2, tokens promoted that came from L3). Called at admission,
+        so it also starts the clock on the prefill of the rest (see `on_insert`).
         """
+        digests = self.hasher.hashes(tokens[: len(tokens) // self.page_size * self.page_size])
+        new_match, host_len, storage_len = self._promote(tokens, digests, match, make_room)
+        if digests and len(tokens) - new_match.cached_len >= MIN_PREFILL_SAMPLE_TOKENS:
+            self.prefilling[digests[-1]] = (time.monotonic(), len(tokens) - new_match.cached_len)
+            self.prefilling.move_to_end(digests[-1])
+            if len(self.prefilling) > 1024:  # aborted or retracted requests never finish their prefill
+                self.prefilling.popitem(last=False)
+        return new_match, host_len, storage_len
+
+    def _promote(
+        self, tokens: Sequence[int], digests: list[bytes], match: MatchResult, make_room
+    ) -> tuple[MatchResult, int, int]:
         ps = self.page_size
-        digests = self.hasher.hashes(tokens[: len(tokens) // ps * ps])
         start = match.cached_len // ps
         hits: list[bytes] = []
         for d in digests[start:]:
@@ -381,7 +454,7 @@ class HiCache:
         for i, d in enumerate(l1_digests + l2_digests):
             n = self.hit_counts.get(d, 0) + 1
             self.hit_counts[d] = n
-            if n == 2 and d not in self.in_storage:
+            if n == 2 and not self._known_stored(d):
                 if i < len(l1_digests):
                     from_l1.append((d, l1_pages[i]))
                 else:
@@ -402,13 +475,22 @@ class HiCache:
     # ----------------------------------------------------------------- L1 -> L3 (write_through)
 
     def on_insert(self, tokens: Sequence[int], pages: list[int], new_from: int) -> None:
-        """Pages tokens[new_from:] just entered the radix tree (write_through backs them up in L3)."""
-        if self.storage is None or self.config.write_policy != "write_through":
+        """Pages tokens[new_from:] just entered the radix tree: a prompt admitted by `promote` is
+        computed when its last page does (a prefill rate sample); write_through backs them up in L3."""
+        write = self.storage is not None and self.config.write_policy == "write_through"
+        if not write and not self.prefilling:
             return
         ps = self.page_size
         digests = self.hasher.hashes(tokens)
         first = new_from // ps
-        todo = [(d, p) for d, p in zip(digests[first:], pages[first:]) if d not in self.in_storage]
+        now = time.monotonic()
+        for d in digests[first:] if self.prefilling else ():
+            admitted = self.prefilling.pop(d, None)
+            if admitted is not None:
+                self.prefill_rate.add(admitted[1], now - admitted[0])
+        if not write:
+            return
+        todo = [(d, p) for d, p in zip(digests[first:], pages[first:]) if not self._known_stored(d)]
         if not todo:
             return
         data = self.host.gather_l1(self.l1, [p for _, p in todo])
@@ -423,10 +505,17 @@ class HiCache:
         self.worker.jobs.put(("write", encoded))
 
     def _remember_stored(self, digest: bytes) -> None:
-        self.in_storage[digest] = None
+        self.in_storage[digest] = time.monotonic()
         self.in_storage.move_to_end(digest)
         if len(self.in_storage) > 1_000_000:
             self.in_storage.popitem(last=False)
+
+    def _known_stored(self, digest: bytes) -> bool:
+        """Written to L3 recently enough that its TTL cannot have removed it (size eviction can:
+        a prefetch that finds a page missing forgets it, so the next computation writes it again)."""
+        stored_at = self.in_storage.get(digest)
+        ttl = self.config.storage_ttl_s
+        return stored_at is not None and (ttl is None or time.monotonic() - stored_at < ttl)
 
     # ----------------------------------------------------------------- L3 -> L2 (prefetch)
 
@@ -443,18 +532,31 @@ class HiCache:
         rest = digests[start:]
         if len(rest) * ps < self.config.prefetch_threshold_tokens:
             return
-        pf = _Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic())
+        wait_s = self._wait_s(rest)
+        pf = _Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic(), wait_s=wait_s)
         self.prefetches[rid] = pf
         self.worker.jobs.put(("prefetch", pf))
+
+    def _wait_s(self, keys: list[bytes]) -> float:
+        """How long a request may wait for the prefetch of `keys`, per the prefetch policy."""
+        policy = self.config.prefetch_policy
+        if policy == "best_effort":
+            return 0.0
+        if policy == "wait_complete":
+            return float("inf")
+        if policy == "timeout":
+            return self.config.prefetch_timeout_s
+        stored_page_bytes = self.payload_bytes + _HEADER.size
+        queued_pages = sum(len(pf.keys) for pf in self.prefetches.values() if not pf.done)
+        return auto_prefetch_wait_s(
+            len(keys) * self.page_size, len(keys) * stored_page_bytes, queued_pages * stored_page_bytes,
+            self.read_rate.rate, self.prefill_rate.rate,
+        )
 
     def ready(self, rid: str) -> bool:
         """May this request be admitted now, per the prefetch policy?"""
         pf = self.prefetches.get(rid)
-        if pf is None or pf.done or self.config.prefetch_policy == "best_effort":
-            return True
-        if self.config.prefetch_policy == "timeout":
-            return time.monotonic() - pf.started >= self.config.prefetch_timeout_s
-        return False
+        return pf is None or pf.done or time.monotonic() - pf.started >= pf.wait_s
 
     def waiting_on_storage(self) -> bool:
         return any(not pf.done for pf in self.prefetches.values())
@@ -477,7 +579,10 @@ class HiCache:
                 self.stats.storage_written_pages += n
                 self.stats.bytes_to_storage += sum(len(b) for _, b in result[1])
             elif kind == "prefetched":
-                self._land(result[1], result[2])
+                _, pf, blobs, missing, seconds = result
+                for d in missing:  # evicted from L3 (or never written): write it when next computed
+                    self.in_storage.pop(d, None)
+                self._land(pf, blobs, seconds)
             elif kind == "failed":
                 self.stats.storage_errors += 1
                 job = result[1]
@@ -487,9 +592,10 @@ class HiCache:
                     for key, _ in job[1]:
                         self.in_storage.pop(bytes.fromhex(key.removeprefix("strata-kv-")), None)
 
-    def _land(self, pf: _Prefetch, blobs: list[tuple[bytes, bytes | None]]) -> None:
+    def _land(self, pf: _Prefetch, blobs: list[tuple[bytes, bytes | None]], seconds: float = 0.0) -> None:
         pf.done = True
         expected = self.payload_bytes
+        self.read_rate.add(sum(len(b) for _, b in blobs if isinstance(b, (bytes, bytearray))), seconds)
         good: list[tuple[bytes, bytes]] = []
         for digest, blob in blobs:
             if blob is None:

@@ -1,31 +1,46 @@
 """Per-room state on each side of a prefill/decode pair. Both run on the scheduler thread,
-polled once per step (`Scheduler.disagg.poll()`); nothing here blocks.
+polled once per step (`Scheduler.disagg.poll()`); nothing here blocks, and nothing a peer sends
+raises out of poll(): a message that fails a check is counted in stats["rejected"] and dropped.
 
 Prefill side, per room:  announced (request arrived) ─▶ KV ready (prefill finished, KV copied out)
                          + Hello from the decode worker ─▶ KV sent ─▶ done
 Decode side, per room:   bootstrapping (reserving pages) ─▶ waiting (Hello sent) ─▶ KV installed,
                          request decodes ─▶ done;  any side's timeout or KVFailed ─▶ failed,
                          with the reserved pages freed and a clear error for the request
+
+What each side accepts (see protocol.py for the MAC and the field constraints):
+  prefill  only a Hello with a valid MAC; the first one for a room wins; the KV goes out only if the
+           Hello's prompt digest is the one of the prompt this worker computed (else KVFailed).
+  decode   only a KVHeader or KVFailed for a room waiting here, echoing that room's nonce, with a
+           valid MAC. Such a message comes from a peer holding the secret, so when its KV does not
+           fit (prompt_len, dtype, shape, payload size, first token, first logprob) that room fails
+           with a clear error; every other room goes on.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
+import math
+import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import msgspec
 import numpy as np
 import torch
 
 from strata.cache.kv_pool import MHAKVPool
 from strata.disagg import protocol
+from strata.disagg.auth import MAX_ROOM
 from strata.disagg.transport import KVTransport
 from strata.engine.request import Req, TokenLogprob
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+MAX_EARLY_HELLOS = 4096  # Hellos kept for rooms whose request has not reached the prefill worker yet
+_BOOTSTRAP_ADDR = re.compile(r"(tcp://)?(\[[0-9a-fA-F:.]+\]|[^\s/:\[\]]+):([0-9]{1,5})")
 
 
 def gather_kv(kv: MHAKVPool, pages: list[int], num_tokens: int) -> torch.Tensor:
@@ -53,7 +68,10 @@ class _PrefillRoom:
     rid: str
     created: float
     hello: protocol.Hello | None = None
-    frames: list[bytes] | None = None  # signed header + payload, once the prefill finished
+    # once the prefill finished: the KV header (its nonce comes from the Hello), payload, prompt digest
+    header: protocol.KVHeader | None = None
+    payload: bytes = b""
+    prompt_digest: str = ""
     failed: str | None = None
 
 
@@ -65,7 +83,42 @@ class _Side:
                  timeout_s: float = 30.0):
         self.scheduler, self.kv, self.transport = scheduler, kv, transport
         self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
+        self.stats = {"rejected": 0}
+        self._last_reject_log = -math.inf
         scheduler.disagg = self
+
+    def _receive_all(self) -> None:
+        while (frames := self.transport.recv()) is not None:
+            try:
+                self._on_message(frames)
+            except Exception:  # a bug in a check must not fail the step of every running request
+                logger.exception("PD: dropping a message that could not be handled")
+                self.stats["rejected"] += 1
+
+    def _on_message(self, frames: list[bytes]) -> None:
+        raise NotImplementedError
+
+    def _parse(self, frames: list[bytes]) -> protocol.Message | None:
+        """The message, if well formed: a bounded header that decodes, with exactly its frames."""
+        if not frames or len(frames[0]) > protocol.MAX_HEADER_BYTES:
+            return None
+        try:
+            msg = protocol.decode(frames[0])
+        except msgspec.DecodeError:
+            return None
+        return msg if len(frames) == (2 if isinstance(msg, protocol.KVHeader) else 1) else None
+
+    def _reject(self, why: str) -> None:
+        self.stats["rejected"] += 1
+        now = time.monotonic()
+        if now - self._last_reject_log > 10:  # a flood of junk must not flood the log too
+            logger.warning("PD: rejected a message (%s); %d rejected so far", why, self.stats["rejected"])
+            self._last_reject_log = now
+
+
+def _check_room(room: int) -> None:
+    if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < MAX_ROOM:
+        raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
 
 
 class PrefillManager(_Side):
@@ -74,11 +127,21 @@ class PrefillManager(_Side):
         self.rooms: dict[int, _PrefillRoom] = {}
         self.room_of: dict[str, int] = {}
         self.early_hellos: dict[int, tuple[float, protocol.Hello]] = {}  # Hello before the request
-        self.stats = {"sent": 0, "failed": 0, "rejected": 0, "timed_out": 0, "bytes_sent": 0}
+        self.stats.update({"sent": 0, "failed": 0, "timed_out": 0, "bytes_sent": 0})
         self.scheduler.before_release = self._on_release
 
     def announce(self, rid: str, room: int) -> None:
-        """The router sent this request with `room`: only announced rooms may be served."""
+        """The router sent request `rid` (queued just before) with `room`: only announced rooms are
+        served. A room that is live already is refused: the new request is aborted and ValueError
+        raised; the live room is untouched."""
+        try:
+            _check_room(room)
+            if room in self.rooms:
+                raise ValueError(f"bootstrap room {room} is already in use by another request; "
+                                 "each request needs a fresh room (send requests through the router)")
+        except ValueError:
+            self.scheduler.abort(rid)
+            raise
         self.rooms[room] = _PrefillRoom(rid=rid, created=time.monotonic())
         self.room_of[rid] = room
         early = self.early_hellos.pop(room, None)
@@ -87,8 +150,6 @@ class PrefillManager(_Side):
 
     def prefill_params(self, params: SamplingParams) -> SamplingParams:
         """The prefill worker computes the prompt and one token; the decode worker does the rest."""
-        import msgspec
-
         return msgspec.structs.replace(params, max_new_tokens=1, min_new_tokens=0, n=1)
 
     def _on_release(self, req: Req) -> None:
@@ -101,20 +162,19 @@ class PrefillManager(_Side):
             return
         n = len(req.prompt_ids)
         data = gather_kv(self.kv, req.pages, n)
-        payload = tensor_bytes(data)
         lp = req.pending_logprobs[0].logprob if req.pending_logprobs else None
-        header = protocol.KVHeader(
-            room=room_id, prompt_len=n, first_token=req.output_ids[0], first_logprob=lp,
+        room.header = protocol.KVHeader(
+            room=room_id, nonce="", prompt_len=n, first_token=req.output_ids[0], first_logprob=lp,
             dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape),
         )
-        room.frames = [protocol.encode(protocol.sign(header, self.secret, payload)), payload]
+        room.payload = tensor_bytes(data)
+        room.prompt_digest = protocol.prompt_digest(req.prompt_ids)
 
     def poll(self) -> None:
-        while (frames := self.transport.recv()) is not None:
-            self._on_message(frames)
+        self._receive_all()
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
-            if room.hello is not None and (room.frames is not None or room.failed is not None):
+            if room.hello is not None and (room.header is not None or room.failed is not None):
                 self._deliver(room_id, room)
             elif now - room.created > self.timeout_s:
                 logger.warning("PD room %d: no decode worker asked for it within %.0fs; dropping", room_id, self.timeout_s)
@@ -125,37 +185,58 @@ class PrefillManager(_Side):
                 del self.early_hellos[room_id]
 
     def _on_message(self, frames: list[bytes]) -> None:
-        try:
-            msg = protocol.decode(frames[0])
-        except Exception:
-            self.stats["rejected"] += 1
-            return
-        if not isinstance(msg, protocol.Hello) or not protocol.verify(msg, self.secret):
-            self.stats["rejected"] += 1
-            logger.warning("PD: rejected an unauthenticated or unexpected message")
-            return
+        msg = self._parse(frames)
+        if msg is None:
+            return self._reject("malformed")
+        if not isinstance(msg, protocol.Hello):
+            return self._reject(f"a prefill worker takes only Hello, got {type(msg).__name__}")
+        if not protocol.verify(msg, self.secret):
+            return self._reject("bad signature: is --disaggregation-secret the same on every worker?")
         if msg.namespace != self.namespace:
-            fail = protocol.sign(protocol.KVFailed(msg.room, "prefill and decode workers serve different "
-                                                   "models or KV layouts"), self.secret)
-            self.transport.send(msg.kv_endpoint, [protocol.encode(fail)])
+            self._send_failed(msg, "prefill and decode workers serve different models or KV layouts")
             return
         room = self.rooms.get(msg.room)
         if room is None:
+            if msg.room in self.early_hellos or len(self.early_hellos) >= MAX_EARLY_HELLOS:
+                return self._reject(f"a second or one too many early Hello (room {msg.room})")
             self.early_hellos[msg.room] = (time.monotonic(), msg)
-        else:
+        elif room.hello is None:
             room.hello = msg
+        else:  # the first Hello of a room wins
+            self._reject(f"a second Hello for room {msg.room}")
+
+    def _send_failed(self, hello: protocol.Hello, reason: str) -> None:
+        fail = protocol.KVFailed(hello.room, hello.nonce, protocol.failure_reason(reason))
+        self.transport.send(hello.kv_endpoint, [protocol.encode(protocol.sign(fail, self.secret))])
 
     def _deliver(self, room_id: int, room: _PrefillRoom) -> None:
-        assert room.hello is not None
+        hello = room.hello
+        assert hello is not None
+        if room.failed is None and not self._same_prompt(hello, room):
+            assert room.header is not None
+            room.failed = (
+                f"the decode worker's prompt ({hello.prompt_len} tokens) is not the one this prefill worker "
+                f"computed ({room.header.prompt_len} tokens); both must get the same request and tokenize "
+                "it alike (same model and tokenizer)"
+            )
         if room.failed is not None:
-            fail = protocol.sign(protocol.KVFailed(room_id, room.failed), self.secret)
-            self.transport.send(room.hello.kv_endpoint, [protocol.encode(fail)])
+            self._send_failed(hello, room.failed)
             self.stats["failed"] += 1
         else:
-            self.transport.send(room.hello.kv_endpoint, room.frames)
+            assert room.header is not None
+            header = msgspec.structs.replace(room.header, nonce=hello.nonce)
+            frames = [protocol.encode(protocol.sign(header, self.secret, room.payload)), room.payload]
+            self.transport.send(hello.kv_endpoint, frames)
             self.stats["sent"] += 1
-            self.stats["bytes_sent"] += len(room.frames[1])
+            self.stats["bytes_sent"] += len(room.payload)
         del self.rooms[room_id]
+
+    @staticmethod
+    def _same_prompt(hello: protocol.Hello, room: _PrefillRoom) -> bool:
+        """Whether the decode worker waits for the KV of the prompt this worker computed."""
+        assert room.header is not None
+        same_len = hello.prompt_len == room.header.prompt_len
+        return same_len and hmac.compare_digest(hello.prompt_digest, room.prompt_digest)
 
     def busy(self) -> bool:
         return bool(self.rooms)
@@ -171,6 +252,7 @@ class _DecodeRoom:
     params: SamplingParams
     bootstrap: str  # tcp://host:port of the prefill worker's inbox
     created: float
+    nonce: str = field(default_factory=protocol.new_nonce)  # every answer for this room must echo it
     reserved: bool = False
     state: str = "bootstrapping"  # bootstrapping | waiting (Hello sent); then removed: done or failed
 
@@ -179,15 +261,19 @@ class DecodeManager(_Side):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _DecodeRoom] = {}
-        self.stats = {"received": 0, "failed": 0, "rejected": 0, "timed_out": 0, "bytes_received": 0}
+        self.stats.update({"received": 0, "failed": 0, "timed_out": 0, "bytes_received": 0})
 
     def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int, bootstrap: str) -> None:
         """Accept a request whose prompt KV comes from the prefill worker at `bootstrap` (host:port).
 
         Raises ValueError for a request that can never run here (as Scheduler.add_request does).
         """
+        _check_room(room)
         if room in self.rooms:
             raise ValueError(f"bootstrap room {room} is already in use")
+        match = _BOOTSTRAP_ADDR.fullmatch(bootstrap) if isinstance(bootstrap, str) else None
+        if match is None or not 0 < int(match[3]) < 65536:
+            raise ValueError(f"bootstrap_addr must be the prefill worker's host:port, got {bootstrap!r:.200}")
         self.scheduler._validate([rid], prompt_ids, params)
         endpoint = bootstrap if bootstrap.startswith("tcp://") else f"tcp://{bootstrap}"
         self.rooms[room] = _DecodeRoom(rid, list(prompt_ids), params, endpoint, time.monotonic())
@@ -198,12 +284,12 @@ class DecodeManager(_Side):
         if req is None:
             return  # no KV room yet: retried at the next poll
         room.reserved, room.state = True, "waiting"
-        hello = protocol.Hello(room_id, self.transport.endpoint, len(room.prompt_ids), self.namespace)
+        hello = protocol.Hello(room_id, self.transport.endpoint, len(room.prompt_ids),
+                               protocol.prompt_digest(room.prompt_ids), self.namespace, room.nonce)
         self.transport.send(room.bootstrap, [protocol.encode(protocol.sign(hello, self.secret))])
 
     def poll(self) -> None:
-        while (frames := self.transport.recv()) is not None:
-            self._on_message(frames)
+        self._receive_all()
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
             if room.reserved and room.rid not in self.scheduler.prealloc:
@@ -226,29 +312,29 @@ class DecodeManager(_Side):
             self.scheduler._finish(req, "error")
 
     def _on_message(self, frames: list[bytes]) -> None:
-        try:
-            msg = protocol.decode(frames[0])
-        except Exception:
-            self.stats["rejected"] += 1
-            return
-        payload = frames[1] if len(frames) > 1 else b""
-        room = self.rooms.get(getattr(msg, "room", -1))
-        if room is None or not room.reserved or not protocol.verify(msg, self.secret, payload):
-            self.stats["rejected"] += 1
-            logger.warning("PD: rejected a message for an unknown room or with a bad signature")
-            return
+        msg = self._parse(frames)
+        if msg is None:
+            return self._reject("malformed")
+        if isinstance(msg, protocol.Hello):
+            return self._reject("a decode worker takes no Hello")
+        room = self.rooms.get(msg.room)
+        if room is None or not room.reserved:
+            return self._reject(f"no transfer is waiting for room {msg.room}")
+        if not hmac.compare_digest(msg.nonce, room.nonce):
+            return self._reject(f"not this transfer of room {msg.room} (a stale or replayed message)")
+        payload = frames[1] if isinstance(msg, protocol.KVHeader) else b""
+        if not protocol.verify(msg, self.secret, payload):
+            return self._reject("bad signature: is --disaggregation-secret the same on every worker?")
         if isinstance(msg, protocol.KVFailed):
             self._fail(msg.room, f"prefill failed: {msg.reason}")
             return
-        if not isinstance(msg, protocol.KVHeader):
-            self.stats["rejected"] += 1
+        problem = self._kv_problem(msg, room, payload)
+        if problem is not None:
+            self._fail(msg.room, f"the KV cache from the prefill worker at {room.bootstrap} is unusable: "
+                                 f"{problem}")
             return
-        expected = [len(self.kv.k), 2, len(room.prompt_ids), *self.kv.k[0].shape[1:]]
-        if msg.shape != expected or msg.dtype not in _DTYPES:
-            self._fail(msg.room, f"KV from the prefill worker has shape {msg.shape} ({msg.dtype}), expected {expected}")
-            return
-        dtype = _DTYPES[msg.dtype]
-        data = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy()).view(dtype).view(msg.shape)
+        raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
+        data = raw.view(self.kv.dtype).view(msg.shape)  # [layers, 2, prompt_len, kv_heads, head_dim]
         req = self.scheduler.prealloc[room.rid]
         install_kv(self.kv, req.pages, data)
         del self.rooms[msg.room]
@@ -256,6 +342,28 @@ class DecodeManager(_Side):
         self.stats["bytes_received"] += len(payload)
         logprob = TokenLogprob(msg.first_token, msg.first_logprob) if msg.first_logprob is not None else None
         self.scheduler.add_prefilled(room.rid, msg.first_token, logprob)
+
+    def _kv_problem(self, msg: protocol.KVHeader, room: _DecodeRoom, payload: bytes) -> str | None:
+        """What is wrong with an authenticated KV message for `room`, or None if it fits."""
+        prompt_len = len(room.prompt_ids)
+        if msg.prompt_len != prompt_len:
+            return f"it is for a {msg.prompt_len}-token prompt; this request's prompt has {prompt_len} tokens"
+        dtype = str(self.kv.dtype).removeprefix("torch.")
+        if msg.dtype != dtype:
+            return f"its dtype is {msg.dtype!r}, this worker's KV cache holds {dtype!r}"
+        shape = [len(self.kv.k), 2, prompt_len, *self.kv.k[0].shape[1:]]
+        if msg.shape != shape:
+            return f"its shape is {msg.shape}, expected {shape} [layers, 2, prompt_len, kv_heads, head_dim]"
+        num_bytes = math.prod(shape) * self.kv.k[0].element_size()
+        if len(payload) != num_bytes:
+            return f"it carries {len(payload)} payload bytes for a shape of {num_bytes} bytes"
+        vocab = self.scheduler.vocab_size
+        if not 0 <= msg.first_token < vocab:
+            return f"its first token {msg.first_token} is outside the vocabulary [0, {vocab})"
+        lp = msg.first_logprob
+        if lp is not None and not (math.isfinite(lp) and lp <= 0):
+            return f"its first token's logprob {lp} is not a finite number <= 0"
+        return None
 
     def busy(self) -> bool:
         return bool(self.rooms)

@@ -263,19 +263,27 @@ class Engine:
         )
 
     def _make_disagg(self, namespace: bytes, kv_pool: MHAKVPool):
+        from strata.disagg.auth import shared_secret
         from strata.disagg.manager import DecodeManager, PrefillManager
         from strata.disagg.transport import ZmqTransport
 
         cfg = self.config
-        secret = cfg.disaggregation_secret or os.environ.get("STRATA_DISAGG_SECRET")
+        secret = shared_secret(cfg.disaggregation_secret)
         if not secret:
             raise ValueError(
                 "prefill/decode disaggregation needs a shared secret: pass the same --disaggregation-secret "
-                "(or STRATA_DISAGG_SECRET) to every prefill and decode worker"
+                "(or STRATA_DISAGG_SECRET) to every prefill and decode worker and to the router"
             )
-        transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port)
+        # the inbox reads no frame larger than the largest KV a decode worker can be sent, its longest
+        # prompt's [layers, 2, prompt_len, kv_heads, head_dim]; a prefill worker receives only Hellos
+        k = kv_pool.k[0]
+        max_prompt_len = min(self.scheduler.context_len, self.scheduler.pool_tokens)
+        per_token = MHAKVPool.bytes_per_token(len(kv_pool.k), k.shape[1], k.shape[2], k.dtype)
+        max_payload_bytes = 0 if cfg.disaggregation_mode == "prefill" else max_prompt_len * per_token
+        transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port,
+                                 max_payload_bytes=max_payload_bytes)
         cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
-        manager = cls(self.scheduler, kv_pool, transport, secret.encode(), namespace.hex(), cfg.disaggregation_timeout)
+        manager = cls(self.scheduler, kv_pool, transport, secret, namespace.hex(), cfg.disaggregation_timeout)
         logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
         return manager
 
@@ -297,17 +305,22 @@ class Engine:
             host_pages = int(kv_pool.num_pages * cfg.hicache_ratio)
         storage = None
         if cfg.hicache_storage_backend is not None:
-            storage = make_storage_backend(cfg.hicache_storage_backend, cfg.hicache_storage_path)
+            storage = make_storage_backend(
+                cfg.hicache_storage_backend, cfg.hicache_storage_path,
+                max_bytes=int(cfg.hicache_storage_max_gib * 2**30), ttl_s=cfg.hicache_storage_ttl,
+            )
         hc = HiCacheConfig(
             host_pages=max(1, host_pages),
             write_policy=cfg.hicache_write_policy,
             prefetch_policy=cfg.hicache_prefetch_policy,
             prefetch_threshold_tokens=cfg.hicache_prefetch_threshold,
             prefetch_timeout_s=cfg.hicache_prefetch_timeout,
+            storage_ttl_s=cfg.hicache_storage_ttl,
         )
         logger.info(
-            "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s",
+            "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s, prefetch policy %s",
             hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
+            hc.prefetch_policy,
         )
         return HiCache(hc, kv_pool, allocator, radix, namespace, storage)
 

@@ -12,7 +12,7 @@ from strata.cache.kv_pool import MHAKVPool
 from strata.engine.batch import ForwardBatch, ScheduleBatch
 from strata.engine.request import Req
 from strata.layers.attention import AttentionMetadata
-from strata.layers.sampler import SamplerOutput, SamplingBatch, sample
+from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
 class ModelRunner:
@@ -68,29 +68,33 @@ class ModelRunner:
         def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype, device=dev)
 
-        temps = [0.0 if p.is_greedy else p.temperature for p in params]
+        for r in reqs:
+            if r.sampling_row is None:  # a Req made outside the scheduler (which builds it at admission)
+                r.sampling_row, r.top_k = sampling_row(r.params, vocab)
+        rows = torch.stack([r.sampling_row for r in reqs]).to(dev)  # [B, len(ROW_FIELDS)]
+        greedy = [p.is_greedy for p in params]
         uniforms = [0.0] * len(reqs)
-        for i, (r, t) in enumerate(zip(reqs, temps)):
-            if t > 0:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
+        for i, r in enumerate(reqs):
+            if not greedy[i]:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
                 uniforms[i] = torch.rand(1, generator=r.generator or self.generator).item()
         s = SamplingBatch(
-            temperatures=col(temps),
-            top_ps=col([p.top_p for p in params]),
-            top_ks=col([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            min_ps=col([p.min_p for p in params]),
+            temperatures=rows[:, 0],
+            top_ps=rows[:, 1],
+            top_ks=col([r.top_k for r in reqs], torch.int64),
+            min_ps=rows[:, 2],
             uniforms=col(uniforms),
-            all_greedy=all(t == 0 for t in temps),
+            all_greedy=all(greedy),
         )
         wants = [p.logprobs for p in params if p.logprobs is not None]
         s.top_logprobs = max(wants) if wants else None
         if any(p.repetition_penalty != 1.0 for p in params):
-            s.repetition_penalties = col([p.repetition_penalty for p in params])
+            s.repetition_penalties = rows[:, 3]
             s.seen_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
             for i, r in enumerate(reqs):
                 s.seen_mask[i, torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.int64)] = True
         if any(p.frequency_penalty or p.presence_penalty for p in params):
-            s.frequency_penalties = col([p.frequency_penalty for p in params])
-            s.presence_penalties = col([p.presence_penalty for p in params])
+            s.frequency_penalties = rows[:, 4]
+            s.presence_penalties = rows[:, 5]
             s.output_counts = torch.zeros(len(reqs), vocab, dtype=torch.int32, device=dev)
             for i, r in enumerate(reqs):
                 if r.output_ids:

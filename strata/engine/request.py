@@ -43,6 +43,9 @@ class Req:
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order, for fcfs
     depends_on: Req | None = None  # n > 1: wait until this sibling has cached the prompt
+    # the sampler's per-request numbers, built at admission (strata.layers.sampler.sampling_row)
+    sampling_row: torch.Tensor | None = None  # [len(ROW_FIELDS)] float32
+    top_k: int = 0  # effective top-k: the vocabulary size when disabled
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

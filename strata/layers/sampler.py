@@ -32,6 +32,21 @@ class SamplingBatch:
     top_logprobs: int | None = None  # max k over the rows that want logprobs; None: nobody does
 
 
+ROW_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+
+
+def sampling_row(params, vocab_size: int) -> tuple[torch.Tensor, int]:
+    """One request's sampling numbers as a float32 row (ROW_FIELDS order; temperature 0 for greedy)
+    and its effective top_k, built once at admission: a value the tensors cannot hold fails that
+    request there, never a batch it shares later."""
+    values = [0.0 if params.is_greedy else params.temperature] + [getattr(params, f) for f in ROW_FIELDS[1:]]
+    row = torch.tensor(values, dtype=torch.float32)
+    if not bool(torch.isfinite(row).all()):
+        raise ValueError(f"sampling parameters {dict(zip(ROW_FIELDS, values))} do not fit in float32")
+    top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+    return row, top_k
+
+
 @dataclass
 class SamplerOutput:
     token_ids: torch.Tensor  # [B] int64

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import hmac
 import logging
 import random
@@ -29,13 +28,15 @@ import msgspec
 from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from strata.redact import redacted
 from strata.router.config import RouterConfig
 from strata.router.metrics import RouterMetrics
+from strata.router.pd import PDProxyResponse
 from strata.router.pool import WorkerPool, describe_error
 from strata.router.proxy import Forwarder, ProxyResponse, error_body, routing_key
-from strata.router.pd import PDProxyResponse
 from strata.router.registry import POLICIES, make_policy
 from strata.router.worker import Health
+from strata.server.openapi import openapi_document
 
 logger = logging.getLogger("strata.router")
 
@@ -223,6 +224,12 @@ def create_app(gateway: Gateway) -> FastAPI:
             for w in gateway.pool.workers.values()
         ]
 
+    openapi = openapi_document("Strata router", router=True, secured=cfg.api_key is not None)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return json_response(openapi)
+
     @app.get("/workers")
     async def list_workers() -> Response:
         return json_response({"policy": cfg.policy, "workers": describe_workers()})
@@ -272,10 +279,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.get("/get_server_info")
     async def server_info() -> Response:
         assert gateway.pool is not None
-        config = dataclasses.asdict(cfg)
-        for key in ("api_key", "worker_api_key"):
-            if config[key] is not None:
-                config[key] = "<redacted>"
+        config = redacted(cfg)
         workers = describe_workers()
         infos = [w["server_info"] for w in workers if w["routable"] and w["server_info"]]
         return json_response(

@@ -23,11 +23,15 @@ import socket
 import sys
 import time
 
+from strata.redact import install_log_redaction, secret_values, with_env_secrets
 from strata.router.config import LOG_LEVELS, RouterConfig
 
 logger = logging.getLogger("strata.router")
 
-_SPECIAL = frozenset({"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy"})
+# not generated from RouterConfig: given their own flags above, or (disaggregation_secret) the engine flag
+_SPECIAL = frozenset(
+    {"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy", "disaggregation_secret"}
+)
 GRACE_PERIOD_S = 30.0
 
 
@@ -48,7 +52,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     )
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--prefill", nargs="+", default=[], metavar="URL", dest="prefill_urls",
-                    help="prefill workers (`strata serve --disaggregation-mode prefill`); turns on PD dispatch")  # fmt: skip
+                    help="prefill workers (`strata serve --disaggregation-mode prefill`); turns on PD "
+                         "dispatch, which needs the workers' --disaggregation-secret (or STRATA_DISAGG_SECRET)")  # fmt: skip
     pd.add_argument("--decode", nargs="+", default=[], metavar="URL", dest="decode_urls",
                     help="decode workers (`strata serve --disaggregation-mode decode`); same as --worker-urls")  # fmt: skip
     pd.add_argument("--prefill-policy", choices=tuple(POLICIES), default=defaults.prefill_policy,
@@ -86,7 +91,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     values["prefill_urls"] = tuple(values.get("prefill_urls") or ())
     if values["prefill_urls"] and not values["worker_urls"]:
         raise ValueError("PD dispatch needs decode workers too: give --decode URL ...")
-    return RouterConfig(**values)
+    return RouterConfig(**with_env_secrets(RouterConfig, values))
 
 
 def router_main(args: argparse.Namespace) -> int:
@@ -106,6 +111,7 @@ def router_main(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     logger.setLevel(config.log_level.upper())  # also when the main CLI configured logging first
+    install_log_redaction(secret_values(config))
     if not config.worker_urls and not args.launch:
         logger.warning("no workers yet: give --worker-urls or --launch N, or add them with POST /workers")
     from strata.router.launcher import engine_flags, launch_replicas, stop_replicas
@@ -122,8 +128,9 @@ def router_main(args: argparse.Namespace) -> int:
         if args.launch:
             logger.info("starting %d local replicas", args.launch)
             try:
+                flags, secret_env = engine_flags(args)
                 replicas = launch_replicas(
-                    args.launch, engine_flags(args) + replica_args, api_key=config.worker_api_key,
+                    args.launch, flags + replica_args, api_key=config.worker_api_key, secret_env=secret_env,
                     timeout=args.launch_timeout, log_level="warning" if config.log_level != "debug" else "debug",
                 )  # fmt: skip
             except (RuntimeError, TimeoutError) as exc:

@@ -6,8 +6,11 @@ healthy, their load) live in the WorkerPool, never in the config.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from urllib.parse import urlsplit
+
+from strata.disagg.auth import SECRET_ENV, shared_secret
+from strata.redact import SECRET, secret
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -54,8 +57,10 @@ class RouterConfig:
     # PD disaggregation: with prefill workers, worker_urls are the decode workers
     prefill_urls: tuple[str, ...] = ()
     prefill_policy: str = "least_load"
-    api_key: str | None = None  # clients must send `Authorization: Bearer <key>` (all but /health)
-    worker_api_key: str | None = None  # sent to workers as `Authorization: Bearer <key>`
+    # the prefill/decode workers' shared secret (or $STRATA_DISAGG_SECRET): needed with prefill_urls
+    disaggregation_secret: str | None = field(default=None, metadata=secret(SECRET_ENV))  # PD workers' secret
+    api_key: str | None = field(default=None, metadata=SECRET)  # clients must send `Authorization: Bearer <key>` (all but /health)
+    worker_api_key: str | None = field(default=None, metadata=SECRET)  # sent to workers as `Authorization: Bearer <key>`
     # health and load
     health_check_interval: float = 2.0  # seconds between GET /health of each worker
     health_check_timeout: float = 3.0  # seconds; a slower answer counts as a failed check
@@ -88,9 +93,14 @@ class RouterConfig:
         if self.prefill_policy not in POLICIES:
             raise ValueError(f"prefill_policy must be one of {tuple(POLICIES)}, got {self.prefill_policy!r}")
         object.__setattr__(self, "prefill_urls", tuple(normalize_worker_url(u) for u in self.prefill_urls))
-        if set(self.prefill_urls) & set(normalize_worker_url(u) for u in self.worker_urls):
+        if set(self.prefill_urls) & {normalize_worker_url(u) for u in self.worker_urls}:
             raise ValueError("a worker cannot be both a prefill and a decode worker")
-        for name in ("api_key", "worker_api_key"):
+        if self.prefill_urls and not shared_secret(self.disaggregation_secret):
+            raise ValueError(
+                "PD dispatch signs what it hands the workers: give the router the workers' secret "
+                f"(--disaggregation-secret, or {SECRET_ENV})"
+            )
+        for name in ("api_key", "worker_api_key", "disaggregation_secret"):
             if getattr(self, name) is not None and not getattr(self, name):
                 raise ValueError(f"{name} must not be empty; omit the flag instead")
         object.__setattr__(self, "worker_urls", tuple(normalize_worker_url(u) for u in self.worker_urls))

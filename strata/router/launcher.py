@@ -23,6 +23,8 @@ import time
 import httpx
 
 from strata.config import EngineConfig
+from strata.redact import env_name
+from strata.server.config import ServerConfig
 
 logger = logging.getLogger("strata.router")
 
@@ -53,14 +55,20 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def engine_flags(args: argparse.Namespace) -> list[str]:
+def engine_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
     """The EngineConfig flags given on the router's command line that differ from their defaults,
-    as `strata serve` flags (`--model m --dtype float32 ...`)."""
+    as `strata serve` flags (`--model m --dtype float32 ...`), and the secret ones as environment
+    variables (STRATA_DISAGG_SECRET=...): a command line is readable by every local user."""
     flags: list[str] = []
+    env: dict[str, str] = {}
     for f in dataclasses.fields(EngineConfig):
         if f.name == "extra" or not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
+        if f.metadata.get("secret"):
+            if value is not None:
+                env[env_name(EngineConfig, f.name)] = str(value)
+            continue
         default = f.default if f.default is not dataclasses.MISSING else None
         if value is None or value == default:
             continue
@@ -69,15 +77,17 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
             flags.append(flag if value else "--no-" + flag[2:])
         else:
             flags += [flag, str(value)]
-    return flags
+    return flags, env
 
 
 class LocalReplica:
     """One `strata serve` subprocess on a fixed port; start() again after stop() reuses the port."""
 
     def __init__(self, serve_flags: list[str], port: int | None = None, host: str = "127.0.0.1",
-                 api_key: str | None = None, log_level: str = "warning"):  # fmt: skip
+                 api_key: str | None = None, log_level: str = "warning",
+                 secret_env: dict[str, str] | None = None):  # fmt: skip
         self.host = host
+        self.secret_env = dict(secret_env or {})  # secrets reach the replica as STRATA_* variables
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.serve_flags = list(serve_flags)
@@ -89,14 +99,22 @@ class LocalReplica:
         return [
             sys.executable, "-m", "strata.server",
             "--host", self.host, "--port", str(self.port), "--log-level", self.log_level,
-            *(["--api-key", self.api_key] if self.api_key else []),
             *self.serve_flags,
         ]  # fmt: skip
+
+    def environment(self) -> dict[str, str]:
+        """The replica's environment: ours, with its secrets (the API key included) and no other."""
+        key_var = env_name(ServerConfig, "api_key")
+        env = {k: v for k, v in os.environ.items() if k != key_var}
+        env.update(self.secret_env, PYTHONUNBUFFERED="1")
+        if self.api_key:
+            env[key_var] = self.api_key
+        return env
 
     def start(self, stdout=None) -> None:
         self.proc = subprocess.Popen(
             self.command(), stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"}, start_new_session=True,
+            env=self.environment(), start_new_session=True,
             preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 — see _die_with_parent
         )  # fmt: skip
 
@@ -140,10 +158,13 @@ class LocalReplica:
 
 
 def launch_replicas(
-    n: int, serve_flags: list[str], *, api_key: str | None, timeout: float, log_level: str = "warning"
+    n: int, serve_flags: list[str], *, api_key: str | None, timeout: float, log_level: str = "warning",
+    secret_env: dict[str, str] | None = None,
 ) -> list[LocalReplica]:
     """Start n replicas at once and wait for all; on any failure stop them all and raise."""
-    replicas = [LocalReplica(serve_flags, api_key=api_key, log_level=log_level) for _ in range(n)]
+    replicas = [
+        LocalReplica(serve_flags, api_key=api_key, log_level=log_level, secret_env=secret_env) for _ in range(n)
+    ]
     try:
         for r in replicas:
             r.start()

@@ -5,6 +5,11 @@
                       └─ decode worker: body + {bootstrap_room, bootstrap_addr}; its answer (streamed
                             or not) is the client's answer
 
+Both bodies are signed: the router draws the room from `secrets` and sends each worker
+`X-Strata-Bootstrap`, an HMAC (strata.disagg.auth, keyed by the workers' shared secret) over the
+room, the KV address and that exact body; a worker refuses bootstrap fields without it. A client's
+own X-Strata-Bootstrap header is never forwarded.
+
 Each side is chosen by its own policy over its own pool (so prefill load spreads; it never
 "always picks the first prefill worker"). The prefill worker's KV inbox address comes from its
 /get_server_info (`disaggregation.bootstrap_addr`), polled with its load. If the prefill side fails
@@ -22,6 +27,7 @@ import logging
 import httpx
 import msgspec
 
+from strata.disagg import auth
 from strata.router.pool import WorkerPool, describe_error
 from strata.router.proxy import Failure, ProxyResponse
 from strata.router.worker import Worker
@@ -49,6 +55,9 @@ class PDProxyResponse(ProxyResponse):
         except msgspec.DecodeError:
             self.parsed = None
         self.original_body = self.body
+        self.forward_headers = [(k, v) for k, v in self.forward_headers if k.lower() != auth.HEADER]
+        self.original_headers = self.forward_headers
+        self.secret = auth.shared_secret(self.fwd.config.disaggregation_secret)
 
     async def _attempt(self, worker: Worker, send) -> Failure | None:
         if not isinstance(self.parsed, dict):  # not a JSON object: the decode worker explains the 400
@@ -60,10 +69,12 @@ class PDProxyResponse(ProxyResponse):
         if not addr:
             return Failure(prefill, "no_bootstrap", f"the prefill worker {prefill.url} has not reported its KV "
                                                     "bootstrap address yet (is it started with --disaggregation-mode prefill?)")
-        room = self.fwd.rng.getrandbits(63)
+        room = auth.new_room()
         self.body = _json.encode({**self.parsed, "bootstrap_room": room, "bootstrap_addr": addr})
+        self.forward_headers = self._signed_headers(room, addr, self.body)
         prefill_body = _json.encode({**self.parsed, "bootstrap_room": room, "stream": False})
-        p_task = asyncio.ensure_future(self._prefill(prefill, prefill_body))
+        prefill_headers = self._signed_headers(room, None, prefill_body)
+        p_task = asyncio.ensure_future(self._prefill(prefill, prefill_body, prefill_headers))
         d_task = asyncio.ensure_future(super()._attempt(worker, send))
         try:
             done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -85,7 +96,11 @@ class PDProxyResponse(ProxyResponse):
                 return None
             return exc.failure
         finally:
-            self.body = self.original_body
+            self.body, self.forward_headers = self.original_body, self.original_headers
+
+    def _signed_headers(self, room: int, addr: str | None, body: bytes) -> list[tuple[str, str]]:
+        assert self.secret is not None  # RouterConfig requires it with prefill workers
+        return [*self.original_headers, (auth.HEADER, auth.sign_bootstrap(self.secret, room, addr, body))]
 
     def _pick_prefill(self) -> Worker | None:
         candidates = self.prefill_pool.routable()
@@ -93,12 +108,12 @@ class PDProxyResponse(ProxyResponse):
             return None
         return self.prefill_policy.choose(candidates, self.key).worker
 
-    async def _prefill(self, worker: Worker, body: bytes) -> None:
+    async def _prefill(self, worker: Worker, body: bytes, headers: list[tuple[str, str]]) -> None:
         fwd = self.fwd
         fwd.metrics.requests.labels(worker.url, self.route).inc()
         worker.on_dispatch()
         try:
-            resp = await fwd.client.post(worker.url + self.path, content=body, headers=self.forward_headers)
+            resp = await fwd.client.post(worker.url + self.path, content=body, headers=headers)
         except httpx.TransportError as exc:
             worker.on_failure(describe_error(exc))
             fwd.metrics.errors.labels(worker.url, "prefill").inc()

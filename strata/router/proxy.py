@@ -76,12 +76,14 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
 
 
 def _message_text(message: Any) -> str:
+    """Total over any JSON: whatever the client sent, the worker (not the router) judges it."""
     if not isinstance(message, dict):
         return ""
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
-    return f"{message.get('role', '')}\n{content if isinstance(content, str) else ''}\x1e"
+        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    role = message.get("role")
+    return f"{role if isinstance(role, str) else ''}\n{content if isinstance(content, str) else ''}\x1e"
 
 
 def _is_ids(x: Any) -> bool:

@@ -13,7 +13,6 @@ Every error a client sees has the OpenAI shape {"error": {"message", "type", "pa
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import hmac
 import logging
 import os
@@ -22,9 +21,11 @@ from fastapi import FastAPI, Request, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
 from strata.server import native_api, openai_api
 from strata.server.engine_client import Job
+from strata.server.openapi import openapi_document
 from strata.server.protocol import APIError, error_body
 from strata.server.serving import ClientGone, ServerState, collect, get_state, json_response, start_generation
 
@@ -83,6 +84,7 @@ async def _send_error(
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.strata = state
+    secrets = secret_values(state.config, state.engine_config)  # scrubbed from any error message
     app.add_middleware(Guard, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
 
     @app.exception_handler(APIError)
@@ -109,7 +111,7 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
         logger.exception("internal error serving %s %s", request.method, request.url.path)
-        body = error_body(500, f"internal server error: {type(exc).__name__}: {exc}")
+        body = error_body(500, scrub(f"internal server error: {type(exc).__name__}: {exc}", secrets))
         return Response(body, status_code=500, media_type="application/json")
 
     app.include_router(openai_api.router)
@@ -152,17 +154,14 @@ def create_app(state: ServerState) -> FastAPI:
         stats = (
             await client.fetch_stats() if client.info is not None and client.failure is None else client.stats
         )
-        server = dataclasses.asdict(state.config)
-        if server["api_key"] is not None:
-            server["api_key"] = "<redacted>"
         return json_response(
             {
                 "model": state.model_name,
                 "model_dir": state.model_dir,
                 "ready": client.info is not None and client.failure is None,
                 "failure": client.failure,
-                "engine_config": dataclasses.asdict(state.engine_config),
-                "server_config": server,
+                "engine_config": redacted(state.engine_config),
+                "server_config": redacted(state.config),
                 "engine": client.info,
                 "kv_cache": {
                     "page_size": stats.page_size,
@@ -171,6 +170,7 @@ def create_app(state: ServerState) -> FastAPI:
                     "cached_pages": stats.num_cached_pages,
                     "evictable_cached_pages": stats.num_evictable_pages,
                     "token_usage": stats.token_usage,
+                    "leaked_pages": stats.leaked_pages,
                 },
                 "disaggregation": {
                     "mode": client.info.disaggregation_mode
@@ -197,6 +197,12 @@ def create_app(state: ServerState) -> FastAPI:
         if not result.ok:
             raise APIError(409, result.message, code="requests_in_flight")
         return json_response({"message": result.message})
+
+    openapi = openapi_document("Strata", router=False, secured=state.config.api_key is not None)
+
+    @app.get("/openapi.json")
+    async def openapi_json() -> Response:
+        return json_response(openapi)
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -5,7 +5,9 @@ Each field is one `strata serve` flag (`--max-queued-requests` for `max_queued_r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from strata.redact import SECRET
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
@@ -14,7 +16,7 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 30000
-    api_key: str | None = None  # if set, every endpoint but /health needs `Authorization: Bearer <key>`
+    api_key: str | None = field(default=None, metadata=SECRET)  # if set, every endpoint but /health needs `Authorization: Bearer <key>`
     served_model_name: str | None = None  # the `model` name clients use; default: the model directory's name
     max_queued_requests: int | None = None  # 503 + Retry-After once this many requests await a first token
     grace_period: float = 30.0  # seconds in-flight requests may run on after SIGTERM/SIGINT

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 import zmq.asyncio
 
@@ -188,18 +189,24 @@ class EngineClient:
         """
         self.check_available()
         rid_base = uuid.uuid4().hex
+        rids = [f"{rid_base}-{j}" if len(jobs) > 1 else rid_base for j in range(len(jobs))]
+        try:  # encode all first: a job that cannot be sent must leave nothing registered or counted
+            messages = [
+                io.encode(io.GenerateReq(rid, job.input_ids, job.params, job.bootstrap_room, job.bootstrap_addr))
+                for rid, job in zip(rids, jobs)
+            ]
+        except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
+            raise RequestRejected(f"invalid request: {exc}") from None
         pendings = []
         index = 0
-        for j, job in enumerate(jobs):
-            rid = f"{rid_base}-{j}" if len(jobs) > 1 else rid_base
+        for rid, job, message in zip(rids, jobs, messages):
             pending = _PendingAdd(gen, index, job.params.n)
             self.pending_adds[rid] = pending
             pendings.append(pending)
             index += job.params.n
             self.num_queued += job.params.n
             gen.pending_adds += 1
-            message = io.GenerateReq(rid, job.input_ids, job.params, job.bootstrap_room, job.bootstrap_addr)
-            await self.push.send(io.encode(message))
+            await self.push.send(message)
         errors = []
         for pending in pendings:
             result = await pending.future

@@ -1,7 +1,9 @@
 """The engine process: builds the Engine, then loops receiving messages and stepping the scheduler.
 
-Started by `strata.server.launch` as `python -m strata.server.engine_proc --config-json ...`; the
-config travels as JSON (a frozen EngineConfig), the messages as msgspec (see io.py).
+Started by `strata.server.launch` as `python -m strata.server.engine_proc`; the config (a frozen
+EngineConfig, as JSON) arrives on stdin, never on the command line, which every local user can read
+in /proc; the messages travel as msgspec (see io.py). Secrets of the config are scrubbed from the
+engine's logs and from every error message it sends.
 
 Loop: drain every waiting message (add / abort / flush / stats), run one `Engine.step()` if
 there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
@@ -28,6 +30,7 @@ import zmq
 
 from strata.config import EngineConfig
 from strata.engine.outputs import RequestOutput
+from strata.redact import install_log_redaction, scrub, secret_values
 from strata.server import io
 
 logger = logging.getLogger("strata.engine_proc")
@@ -50,8 +53,9 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class EngineLoop:
-    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int):
+    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int, secrets: list[str]):
         self.engine = engine
+        self.secrets = secrets
         self.scheduler = engine.scheduler
         self.pull = pull
         self.push = push
@@ -76,6 +80,7 @@ class EngineLoop:
             num_retractions=s.num_retractions,
             num_steps=s.step_count,
             hicache=self.engine.hicache.stats.as_dict() if self.engine.hicache is not None else None,
+            leaked_pages=s.leaked_pages(),
         )
 
     # ------------------------------------------------------------------ the loop
@@ -104,12 +109,22 @@ class EngineLoop:
                 return
             try:
                 message = io.decode_to_engine(data.buffer)
-            except Exception:  # a malformed message is the frontend's bug; never die of it
-                logger.exception("dropping a malformed message")
+            except Exception as exc:  # a malformed message is the frontend's bug; never die of it
+                self.reject_undecodable(data.buffer, exc)
                 continue
             self.handle(message)
             if self.stopping:
                 return
+
+    def reject_undecodable(self, data: memoryview, exc: Exception) -> None:
+        """Answer a submission the engine cannot decode with an error (its sender waits for one);
+        anything else undecodable is logged and dropped."""
+        rid = io.request_id_of(data)
+        if rid is None:
+            logger.error("dropping a malformed message: %s", exc)
+            return
+        logger.warning("rejecting request %s: its message could not be decoded: %s", rid, exc)
+        self.send(io.AddResult(rid, [], f"invalid request: the engine could not decode it ({exc})"))
 
     def handle(self, message: io.ToEngine) -> None:
         if isinstance(message, io.GenerateReq):
@@ -139,7 +154,7 @@ class EngineLoop:
             return
         except Exception as exc:  # e.g. a seed torch cannot take: still the request's fault, not ours
             logger.exception("rejecting request %s", req.rid)
-            self.send(io.AddResult(req.rid, [], f"invalid request: {exc}"))
+            self.send(io.AddResult(req.rid, [], scrub(f"invalid request: {exc}", self.secrets)))
             return
         self.live.update(rids)
         self.send(io.AddResult(req.rid, rids))
@@ -166,10 +181,11 @@ class EngineLoop:
         except Exception as exc:
             self.step_failures += 1
             logger.exception("engine step failed (%d in a row)", self.step_failures)
-            outputs = self.fail_live(f"internal engine error: {type(exc).__name__}: {exc}")
+            outputs = self.fail_live(scrub(f"internal engine error: {type(exc).__name__}: {exc}", self.secrets))
             if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 self.send(io.OutputBatch(outputs, self.stats()))
-                self.send(io.EngineFailed(f"the engine failed {self.step_failures} steps in a row: {exc}"))
+                message = f"the engine failed {self.step_failures} steps in a row: {exc}"
+                self.send(io.EngineFailed(scrub(message, self.secrets)))
                 self.stopping = True
                 return
         else:
@@ -224,7 +240,6 @@ def engine_info(engine) -> io.EngineInfo:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Strata engine process (started by `strata serve`).")
-    parser.add_argument("--config-json", required=True, help="EngineConfig fields as a JSON object")
     parser.add_argument("--in-addr", required=True, help="ZMQ address the frontend pushes requests to")
     parser.add_argument("--out-addr", required=True, help="ZMQ address the frontend pulls outputs from")
     parser.add_argument("--parent-pid", type=int, required=True)
@@ -240,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
 
+    config_json = sys.stdin.read()  # EngineConfig fields as a JSON object, written by the server
+    secrets: list[str] = []
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
     pull.setsockopt(zmq.RCVHWM, 0)
@@ -251,18 +268,20 @@ def main(argv: list[str] | None = None) -> int:
     try:
         from strata.engine.engine import Engine
 
-        config = EngineConfig(**json.loads(args.config_json))
+        config = EngineConfig(**json.loads(config_json))
+        secrets = secret_values(config)
+        install_log_redaction(secrets)
         engine = Engine(**{f: getattr(config, f) for f in config.__dataclass_fields__})
         push.send(io.encode(io.EngineReady(engine_info(engine))))
     except Exception as exc:  # noqa: BLE001 -- whatever stops the load, the server must hear why
         logger.error("engine failed to start:\n%s", traceback.format_exc())
-        push.send(io.encode(io.EngineFailed(f"{type(exc).__name__}: {exc}")))
+        push.send(io.encode(io.EngineFailed(scrub(f"{type(exc).__name__}: {exc}", secrets))))
         push.close()  # lingers up to 2 s to deliver the message
         pull.close(linger=0)
         ctx.term()
         return 1
     try:
-        EngineLoop(engine, pull, push, args.parent_pid).run()
+        EngineLoop(engine, pull, push, args.parent_pid, secrets).run()
     finally:
         engine.close()  # background storage threads, PD sockets
     push.close()

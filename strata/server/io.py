@@ -66,6 +66,7 @@ class EngineStats(msgspec.Struct):
     num_retractions: int = 0  # so far
     num_steps: int = 0
     hicache: dict[str, Any] | None = None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
+    leaked_pages: int = 0  # pages neither free, cached nor held (the accounting invariant: always 0)
 
     @property
     def token_usage(self) -> float:
@@ -148,3 +149,16 @@ def decode_to_engine(data: bytes) -> ToEngine:
 
 def decode_from_engine(data: bytes) -> FromEngine:
     return _from_engine.decode(data)
+
+
+class _AnyGenerateReq(msgspec.Struct, tag="GenerateReq"):
+    rid: str
+
+
+def request_id_of(data: bytes) -> str | None:
+    """The rid of a GenerateReq that failed typed decoding (a field of the wrong type or range), so the
+    engine can still answer it; None when the message is not even that."""
+    try:
+        return msgspec.msgpack.decode(data, type=_AnyGenerateReq).rid
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None

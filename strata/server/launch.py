@@ -28,10 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from pathlib import Path
 
 from strata.config import SCALAR_TYPES, EngineConfig, add_engine_args, engine_config_from_args, field_comments
+from strata.redact import install_log_redaction, secret_values, with_env_secrets
 from strata.server.config import LOG_LEVELS, ServerConfig
 
 logger = logging.getLogger("strata.serve")
@@ -72,9 +72,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
-    return ServerConfig(
-        **{f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
-    )
+    """The flags' values; --api-key not given comes from STRATA_API_KEY (off the command line)."""
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    return ServerConfig(**with_env_secrets(ServerConfig, values))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,15 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class EngineProcess:
-    """The engine subprocess: started with the config as JSON, stopped politely, then by force."""
+    """The engine subprocess: started with the config as JSON on its stdin (a command line is readable
+    by every local user), stopped politely, then by force."""
 
     def __init__(self, config: EngineConfig, in_addr: str, out_addr: str, log_level: str):
         cmd = [
             sys.executable,
             "-m",
             "strata.server.engine_proc",
-            "--config-json",
-            json.dumps(dataclasses.asdict(config)),
             "--in-addr",
             in_addr,
             "--out-addr",
@@ -112,7 +111,13 @@ class EngineProcess:
         env = {**os.environ}
         env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         # its own process group: a Ctrl-C in the terminal reaches the server, which then decides
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env=env)
+        self.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdin=subprocess.PIPE)
+        assert self.proc.stdin is not None
+        try:
+            with self.proc.stdin:  # a pipe buffer holds the few KiB; the engine reads it at once
+                self.proc.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
+        except BrokenPipeError:
+            pass  # the engine died at once; its exit code is reported by the server's watch
 
     @property
     def pid(self) -> int:
@@ -167,16 +172,15 @@ def served_names(
     return name, frozenset(aliases)
 
 
-def ipc_addresses() -> tuple[str | None, str, str]:
-    """(directory to remove at exit or None, frontend->engine address, engine->frontend address).
+def ipc_addresses() -> tuple[str, str, str]:
+    """(directory to remove at exit, frontend->engine address, engine->frontend address).
 
-    On Linux the sockets live in the abstract namespace: no files, so nothing is left behind
-    even when the server is SIGKILLed. Elsewhere they go in a temporary directory.
+    The sockets are files in a fresh directory only this user can enter (mode 0700), so no other
+    local user can connect to submit or abort requests (abstract-namespace sockets would have no
+    permissions at all). The server removes the directory when it exits.
     """
-    if sys.platform.startswith("linux"):
-        name = f"strata-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        return None, f"ipc://@{name}-in", f"ipc://@{name}-out"
-    ipc_dir = tempfile.mkdtemp(prefix="strata-")
+    ipc_dir = tempfile.mkdtemp(prefix="strata-ipc-")  # mkdtemp: mode 0700, owned by this user
+    os.chmod(ipc_dir, 0o700)
     return ipc_dir, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
 
 
@@ -316,8 +320,7 @@ async def _serve(
             engine.proc.kill()
             engine.proc.wait()
         sock.close()
-        if ipc_dir is not None:
-            shutil.rmtree(ipc_dir, ignore_errors=True)
+        shutil.rmtree(ipc_dir, ignore_errors=True)
     return exit_code
 
 
@@ -352,6 +355,7 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    install_log_redaction(secret_values(server_config, engine_config))
     from strata.weights.default_model import resolve_model_path
 
     model_arg = engine_config.model

@@ -44,6 +44,7 @@ from strata.server.serving import (
     read_body,
     sse,
     start_generation,
+    verified_bootstrap,
 )
 
 router = APIRouter()
@@ -84,8 +85,6 @@ def sampling_params(req: GenerateRequest, vocab_size: int) -> SamplingParams:
             f"unknown sampling_params {unknown}; accepted: {sorted(SAMPLING_KEYS)}",
             param=f"sampling_params.{unknown[0]}",
         )
-    if isinstance(fields.get("stop"), str):
-        fields["stop"] = [fields["stop"]]
     if req.return_logprob and fields.get("logprobs") is None:
         fields["logprobs"] = req.top_logprobs_num
     return make_sampling_params(fields, vocab_size)
@@ -121,7 +120,8 @@ async def generate(request: Request) -> Response:
         raise APIError(
             400, f"{len(prompts)} prompts x n={params.n} is more than {MAX_CHOICES} choices per request"
         )
-    jobs = [Job(ids, params, req.bootstrap_room, req.bootstrap_addr) for ids in prompts]
+    bootstrap = verified_bootstrap(state, request, body, req)
+    jobs = [Job(ids, params, *bootstrap) for ids in prompts]
     rid = uuid.uuid4().hex
     gen = await start_generation(state, jobs)
     if req.stream:

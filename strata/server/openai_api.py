@@ -58,6 +58,7 @@ from strata.server.serving import (
     sse,
     start_generation,
     usage_counts,
+    verified_bootstrap,
 )
 
 router = APIRouter()
@@ -200,7 +201,8 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
     params = make_sampling_params(sampling_fields(req, max_tokens, logprobs), info.vocab_size, names)
-    gen = await start_generation(state, [Job(input_ids, params, req.bootstrap_room, req.bootstrap_addr)])
+    bootstrap = verified_bootstrap(state, request, body, req)
+    gen = await start_generation(state, [Job(input_ids, params, *bootstrap)])
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         include_usage = req.stream_options is not None and req.stream_options.include_usage
@@ -321,7 +323,7 @@ async def completions(request: Request) -> Response:
     info = state.engine_info()
     prompts = await off_loop(len(body), completion_prompts, state, req.prompt)
     names = {**OPENAI_PARAM_NAMES, "logprobs": "logprobs"}
-    jobs = []
+    jobs, bootstrap = [], verified_bootstrap(state, request, body, req)
     for ids in prompts:
         max_tokens = resolve_max_tokens(
             req.max_tokens,
@@ -335,8 +337,7 @@ async def completions(request: Request) -> Response:
             Job(
                 ids,
                 make_sampling_params(sampling_fields(req, max_tokens, req.logprobs), info.vocab_size, names),
-                req.bootstrap_room,
-                req.bootstrap_addr,
+                *bootstrap,
             )
         )
     check_choices(len(prompts), req.n)

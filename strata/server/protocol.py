@@ -22,7 +22,6 @@ from strata.sampling_params import SamplingParams
 
 MAX_CHOICES = 256  # prompts x n in one request
 LOGPROB_FLOOR = -9999.0  # -inf logprobs are reported as this (JSON has no infinity)
-SEED_LIMIT = 2**63
 
 # ------------------------------------------------------------------ errors
 
@@ -301,13 +300,11 @@ OPENAI_PARAM_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tok
 def make_sampling_params(
     fields: dict[str, Any], vocab_size: int, param_names: dict[str, str] | None = None
 ) -> SamplingParams:
-    """Build and validate SamplingParams; a ValueError becomes a 400 naming the client's own field."""
+    """Convert (typed: a float where an int belongs is an error) and validate SamplingParams; a bad
+    field becomes a 400 naming the client's own name for it."""
     param_names = param_names or {}
-    seed = fields.get("seed")
-    if seed is not None and not -SEED_LIMIT <= seed < SEED_LIMIT:
-        raise APIError(400, f"seed must be a 64-bit integer, got {seed}", param="seed")
     try:
-        params = SamplingParams(**fields)
+        params = SamplingParams.from_dict(fields)
         params.validate(vocab_size)
     except (TypeError, ValueError) as exc:
         message = str(exc)

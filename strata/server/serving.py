@@ -20,6 +20,7 @@ from fastapi import Request
 from starlette.responses import Response, StreamingResponse
 
 from strata.config import EngineConfig
+from strata.disagg import auth as disagg_auth
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.server.config import ServerConfig
 from strata.server.engine_client import EngineClient, EngineUnavailable, Generation, Job, RequestRejected
@@ -122,6 +123,29 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             )
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def verified_bootstrap(
+    state: ServerState, request: Request, body: bytes, req: Any
+) -> tuple[int | None, str | None]:
+    """`req`'s (bootstrap_room, bootstrap_addr), for a Job: accepted only from the PD router, whose
+    X-Strata-Bootstrap header signs them together with this exact body (strata.disagg.auth)."""
+    room, addr = req.bootstrap_room, req.bootstrap_addr
+    if room is None and addr is None:
+        return None, None
+    cfg = state.engine_config
+    if cfg.disaggregation_mode == "null":
+        message = "bootstrap_room and bootstrap_addr are for disaggregated prefill/decode workers"
+        raise APIError(400, message + "; this server is not one: drop the fields")
+    secret = disagg_auth.shared_secret(cfg.disaggregation_secret)
+    if not disagg_auth.verify_bootstrap(secret, room, addr, body, request.headers.get(disagg_auth.HEADER)):
+        message = (
+            "bootstrap_room and bootstrap_addr are accepted only from the PD router: this request has no "
+            f"valid {disagg_auth.HEADER.title()} signature over them and its body; send it through "
+            "`strata router` started with the workers' --disaggregation-secret"
+        )
+        raise APIError(403, message)
+    return room, addr
 
 
 async def start_generation(state: ServerState, jobs: list[Job]) -> Generation:

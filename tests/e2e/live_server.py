@@ -46,7 +46,9 @@ def pid_alive(pid: int) -> bool:
 
 
 class LiveServer:
-    def __init__(self, *args: str, model_dir: Path | None = None, api_key: str | None = None):
+    def __init__(
+        self, *args: str, model_dir: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None
+    ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
@@ -61,7 +63,7 @@ class LiveServer:
             *args,
         ]  # fmt: skip
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"}
+            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         )
 
     @property

@@ -242,6 +242,16 @@ BAD_INPUTS = [
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 600}}, 400, None),
     ("/generate", {"text": "hi", "sampling_params": {"temprature": 0}}, 400, "sampling_params.temprature"),
     ("/generate", {"sampling_params": {}}, 400, "text"),
+    # typed conversion and bounds: each of these once hung a request, failed a batch or answered 500
+    ("/generate", {"text": "hi", "sampling_params": {"logprobs": 1.5}}, 400, "logprobs"),
+    ("/generate", {"text": "hi", "sampling_params": {"seed": "abc"}}, 400, "seed"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 2**64}}, 400, "top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"top_k": 100000}}, 400, "top_k"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2**70}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "hi", "sampling_params": {"stop": [1]}}, 400, "stop"),
+    ("/generate", {"text": "hi", "sampling_params": {"repetition_penalty": 1e-30}}, 400, "repetition_penalty"),
+    ("/generate", {"input_ids": [1, 2**70]}, 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "hi", "top_k": 2**63}, 400, "top_k"),
     ("/v1/completions", {"model": "tiny", "prompt": "x" * (MAX_BODY + 10)}, 413, None),
 ]
 
@@ -259,6 +269,7 @@ def test_bad_input_gets_a_clear_error(server, path, body, status, param):
         if param is not None:
             assert error["param"] == param, error
         assert c.post("/v1/chat/completions", json=GOOD_CHAT).status_code == 200  # still serving
+        assert c.get("/get_server_info").json()["num_waiting_first_token"] == 0  # nothing left queued
 
 
 def test_oversized_body_without_content_length(server):

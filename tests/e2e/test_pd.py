@@ -4,13 +4,16 @@ single server; killing the prefill worker fails the affected requests clearly an
 from __future__ import annotations
 
 import concurrent.futures
+import hashlib
+import hmac
+import json
+import os
 import subprocess
 import sys
 import time
 
 import httpx
 import pytest
-
 from live_server import LiveServer, free_port
 
 pytestmark = pytest.mark.e2e
@@ -39,9 +42,10 @@ def cluster():
     for s in (single, prefill, decode):
         s.wait_ready()
     port = free_port()
-    router = subprocess.Popen(
+    router = subprocess.Popen(  # the router signs what it hands the workers with their shared secret
         [sys.executable, "-m", "strata.router", "--port", str(port), "--prefill", prefill.url,
          "--decode", decode.url, "--health-check-interval", "0.5", "--log-level", "warning"],
+        env={**os.environ, "STRATA_DISAGG_SECRET": SECRET[1]},
     )
     url = f"http://127.0.0.1:{port}"
     wait_http(url)
@@ -72,8 +76,6 @@ def complete(base: str, prompt: str, stream: bool = False) -> str:
             assert r.status_code == 200
             for line in r.iter_lines():
                 if line.startswith("data: ") and line != "data: [DONE]":
-                    import json
-
                     chunk = json.loads(line[6:])
                     if chunk.get("choices"):
                         text += chunk["choices"][0].get("text", "")
@@ -81,7 +83,7 @@ def complete(base: str, prompt: str, stream: bool = False) -> str:
 
 
 def test_pd_answers_equal_a_single_server(cluster):
-    single, prefill, decode, router = cluster
+    single, _, decode, router = cluster
     expected = [complete(single.url, p) for p in PROMPTS]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: complete(router, p), PROMPTS))
@@ -92,15 +94,58 @@ def test_pd_answers_equal_a_single_server(cluster):
 
 
 def test_direct_requests_to_a_disaggregated_worker_are_refused(cluster):
-    _, prefill, decode, _ = cluster
+    _, _, decode, _ = cluster
     with decode.client() as c:
         model = c.get("/v1/models").json()["data"][0]["id"]
         r = c.post("/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 4})
     assert r.status_code == 400 and "bootstrap" in r.json()["error"]["message"]
 
 
+def test_bootstrap_fields_need_the_routers_signature(cluster):
+    single, prefill, decode, _ = cluster
+    room, addr = 12345, "127.0.0.1:1"
+    bodies = {
+        "/v1/completions": {"prompt": "hi", "max_tokens": 4},
+        "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4},
+        "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 4}},
+    }
+    for server, fields in ((decode, {"bootstrap_room": room, "bootstrap_addr": addr}),
+                           (prefill, {"bootstrap_room": room})):
+        with server.client() as c:
+            model = c.get("/v1/models").json()["data"][0]["id"]
+            for path, body in bodies.items():
+                raw = json.dumps({"model": model, **body, **fields}).encode()
+                tampered = raw.replace(b'"hi"', b'"ho"')
+                signed = sign(room, fields.get("bootstrap_addr"), raw)
+                for content, headers in ((raw, {}), (raw, {"X-Strata-Bootstrap": "0" * 64}),
+                                         (tampered, {"X-Strata-Bootstrap": signed}),  # another prompt
+                                         (raw, {"X-Strata-Bootstrap": sign(room, "10.9.9.9:1", raw)})):
+                    headers["content-type"] = "application/json"
+                    r = c.post(path, content=content, headers=headers)
+                    assert r.status_code == 403, (path, r.text)
+                    assert "X-Strata-Bootstrap" in r.json()["error"]["message"]
+    with prefill.client() as c:  # the router's signature over exactly this body is accepted
+        body = {"text": "hi", "sampling_params": {"max_new_tokens": 4}, "bootstrap_room": room}
+        raw = json.dumps(body).encode()
+        headers = {"X-Strata-Bootstrap": sign(room, None, raw), "content-type": "application/json"}
+        r = c.post("/generate", content=raw, headers=headers)
+        assert r.status_code == 200, r.text
+    with single.client() as c:  # not a disaggregated worker: the fields make no sense here
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        r = c.post("/v1/completions", json={"model": model, "prompt": "hi", "bootstrap_room": room})
+    assert r.status_code == 400 and "disaggregat" in r.json()["error"]["message"]
+    assert decode.info()["disaggregation"]["mode"] == "decode"  # still serving
+
+
+def sign(room: int, addr: str | None, body: bytes) -> str:
+    """What the router sends as X-Strata-Bootstrap (strata.disagg.auth), spelled out independently."""
+    signed = json.dumps(["strata-bootstrap/1", room, addr, hashlib.sha256(body).hexdigest()],
+                        separators=(",", ":")).encode()
+    return hmac.new(SECRET[1].encode(), signed, hashlib.sha256).hexdigest()
+
+
 def test_killing_the_prefill_worker_fails_clearly_without_leaks(cluster):
-    single, prefill, decode, router = cluster
+    _, prefill, decode, router = cluster
     total = decode.info()["kv_cache"]
     prefill.proc.kill()
     prefill.proc.wait()

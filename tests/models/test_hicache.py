@@ -4,9 +4,6 @@ restarts and are shared between engines; corrupt entries and dead backends degra
 from __future__ import annotations
 
 import random
-import shutil
-import socket
-import subprocess
 import time
 from pathlib import Path
 
@@ -114,44 +111,58 @@ def test_corrupted_storage_entries_are_ignored_and_recomputed(llama_dir, expecte
     eng2.close()
 
 
-def test_engines_share_a_file_backend(llama_dir, expected, tmp_path):
+def test_engines_share_a_file_backend_with_the_default_prefetch_policy(llama_dir, expected, tmp_path):
     storage = str(tmp_path / "shared")
     a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
-    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                    hicache_prefetch_policy="wait_complete")
+    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    assert b.hicache.config.prefetch_policy == "auto"
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()
+    # a's prefill was measured (admission to cached prompt); b has only its priors, which say wait
+    ((tokens, seconds),) = a.hicache.prefill_rate.samples
+    assert tokens == len(LONG) + 2 and seconds > 0
+    assert not b.hicache.prefill_rate.samples and not b.hicache.read_rate.samples
     r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
-    assert r.cached_tokens >= 100
+    assert r.cached_tokens >= 100 and b.hicache.stats.hit_tokens["storage"] >= 100
+    assert len(b.hicache.read_rate.samples) == 1  # the fetch was measured too
     assert b.generate([LONG + [1, 2, 3]], GREEDY)[0].token_ids == expected
     a.close()
     b.close()
 
 
-@pytest.fixture
-def redis_server(tmp_path):
-    exe = shutil.which("redis-server")
-    if exe is None:
-        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
-        stdout=subprocess.DEVNULL,
-    )
-    import redis
+@pytest.mark.parametrize("other", [{"quantization": "int8"}, {"kv_cache_dtype": "bfloat16"}])
+def test_engines_whose_kv_differs_never_exchange_pages(llama_dir, tmp_path, other):
+    """Quantized weights or another KV dtype make other KV bytes: the namespace keeps them apart."""
+    storage = str(tmp_path / "shared")
+    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
+                    hicache_prefetch_policy="wait_complete", **other)
+    assert a.hicache.namespace != b.hicache.namespace
+    a.generate([LONG + [1, 2, 3]], GREEDY)
+    a.hicache.flush()
+    assert a.hicache.stats.storage_written_pages > 0
+    r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
+    assert r.cached_tokens == 0 and b.hicache.stats.hit_tokens["storage"] == 0
+    a.close()
+    b.close()
 
-    client = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            client.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield proc, f"redis://127.0.0.1:{port}/0"
-    proc.kill()
-    proc.wait()
+
+def test_file_storage_stays_within_its_size_bound(llama_dir, tmp_path):
+    storage = tmp_path / "l3"
+    page_bytes = 4 * 512 + 80  # 4 tokens x (2 layers x K,V x 2 heads x 16 dims x 4 bytes) + header
+    bound = 40 * page_bytes
+    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage),
+                      hicache_storage_max_gib=bound / 2**30, hicache_storage_ttl=3600)
+    assert abs(eng.hicache.storage.max_bytes - bound) <= 1 and eng.hicache.storage.ttl_s == 3600
+    rng = random.Random(5)
+    for _ in range(4):  # ~100 pages written through
+        eng.generate([[rng.randrange(5, 380) for _ in range(100)]], GREEDY)
+    eng.hicache.flush()
+    assert eng.hicache.stats.storage_written_pages > 80
+    files = list(storage.rglob("strata-kv-*"))
+    assert files and sum(f.stat().st_size for f in files) <= bound
+    assert {f.stat().st_size for f in files} == {page_bytes}
+    eng.close()
 
 
 def test_engines_share_a_redis_backend_and_survive_its_death(llama_dir, expected, redis_server):
@@ -161,6 +172,10 @@ def test_engines_share_a_redis_backend_and_survive_its_death(llama_dir, expected
                     hicache_prefetch_policy="wait_complete")
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()
+    import redis
+
+    pages = redis.Redis.from_url(url).keys("strata-kv-*")
+    assert pages and 0 < redis.Redis.from_url(url).pttl(pages[0]) <= 86400 * 1000  # the default TTL
     r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
     assert r.cached_tokens >= 100
     proc.kill()

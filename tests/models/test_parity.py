@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import FAMILIES
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from strata import Engine, SamplingParams
 from strata.engine.batch import ScheduleBatch
 from strata.engine.request import Req
-
-from tiny_models import FAMILIES
 
 PROMPTS = [
     [5, 17, 33, 91, 120, 7, 64, 200, 13],

@@ -9,6 +9,8 @@ import time
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from router_fakes import FakeWorker, RouterThread, free_port
 
 from strata.router.prefix_tree import token_key
@@ -225,9 +227,8 @@ def test_api_keys_for_the_router_and_for_the_workers(fakes, router_factory):
         router.wait_for(
             lambda ws: ws[a.url]["reported_load"] == 7, what="the load poll (needs the worker key)"
         )
-        assert (
-            "<redacted>" in c.get("/get_server_info").text and "secret" not in c.get("/get_server_info").text
-        )
+        info = c.get("/get_server_info").text
+        assert "<redacted>" in info and "router-secret" not in info and "worker-secret" not in info
 
 
 def test_load_comes_from_the_workers_so_two_routers_agree(fakes, router_factory):
@@ -358,3 +359,20 @@ def test_routing_key_reads_each_api():
         ("/v1/chat/completions", {}),
     ]:
         assert routing_key(route, body).text is None
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=8),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.sampled_from(
+        ["messages", "role", "content", "type", "text", "prompt", "input_ids"]) | st.text(max_size=4), children, max_size=4),
+    max_leaves=20,
+)  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(route=st.sampled_from(["/v1/chat/completions", "/v1/completions", "/generate"]), body=JSON)
+def test_routing_key_is_total_over_any_json(route, body):
+    """Found by the fuzz suite: a chat content part with "text": null took the router down (500)."""
+    key = routing_key(route, body)
+    assert key.text is None or isinstance(key.text, (str, list, tuple))
+    routing_key(route, {"messages": [{"role": None, "content": [{"type": "", "text": None}, body]}]})

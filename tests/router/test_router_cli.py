@@ -75,12 +75,19 @@ def test_other_errors_exit_2_before_anything_starts(capsys):
 
 def test_launch_passes_the_engine_flags_that_were_given():
     args = parse(
-        "--launch", "2", "--model", "/m", "--dtype", "float32", "--num-threads", "1", "--disable-radix-cache"
-    )
-    flags = engine_flags(args)
+        "--launch", "2", "--model", "/m", "--dtype", "float32", "--num-threads", "1", "--disable-radix-cache",
+        "--disaggregation-secret", "pd-s3cret", "--hicache-storage-path", "redis://:pw@host:6379/0",
+    )  # fmt: skip
+    flags, secret_env = engine_flags(args)
     assert flags[:2] == ["--model", "/m"]
     assert {"--dtype", "float32", "--num-threads", "1", "--disable-radix-cache"} <= set(flags)
     assert "--page-size" not in flags  # defaults are left to `strata serve`
-    cmd = LocalReplica(flags, port=1234, api_key="wk").command()
+    replica = LocalReplica(flags, port=1234, api_key="wk", secret_env=secret_env)
+    cmd = replica.command()
     assert cmd[1:3] == ["-m", "strata.server"]
-    assert cmd[cmd.index("--port") + 1] == "1234" and cmd[cmd.index("--api-key") + 1] == "wk"
+    assert cmd[cmd.index("--port") + 1] == "1234"
+    # secrets never go on a command line (readable by every local user in /proc): the environment
+    assert not {"wk", "pd-s3cret", "redis://:pw@host:6379/0"} & set(cmd) and "--api-key" not in cmd
+    env = replica.environment()
+    assert env["STRATA_API_KEY"] == "wk" and env["STRATA_DISAGG_SECRET"] == "pd-s3cret"
+    assert env["STRATA_HICACHE_STORAGE_PATH"] == "redis://:pw@host:6379/0"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 from strata.cache.storage import StorageError
 
@@ -27,7 +28,7 @@ class MooncakeStorage:
         path = config_path or os.environ.get("MOONCAKE_CONFIG_PATH")
         if not path:
             raise ValueError("the mooncake backend needs a config file: --hicache-storage-path or MOONCAKE_CONFIG_PATH")
-        cfg = json.loads(open(path).read())
+        cfg = json.loads(Path(path).read_text())
         self.store = MooncakeDistributedStore()
         rc = self.store.setup(
             cfg.get("local_hostname", "localhost"),

@@ -1,0 +1,104 @@
+"""The OpenAPI document of `strata serve` and `strata router` (GET /openapi.json), built from the same
+msgspec schemas that decode request bodies, so the document cannot drift from what is enforced.
+Clients generate from it, and the fuzz suite (tests/e2e/test_fuzz.py) draws its requests from it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from strata.sampling_params import SamplingParams
+from strata.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest
+
+REF = "#/components/schemas/{name}"
+
+# POST endpoints with a JSON body: path -> (body schema, summary)
+GENERATION_ENDPOINTS: dict[str, tuple[type, str]] = {
+    "/v1/chat/completions": (ChatCompletionRequest, "OpenAI chat completion (streamed with stream: true)"),
+    "/v1/completions": (CompletionRequest, "OpenAI legacy completion"),
+    "/generate": (GenerateRequest, "SGLang-style native generation (sampling_params as SamplingParams)"),
+}
+
+SERVER_GETS = {
+    "/health": "200 once the engine is ready, 503 while loading or failed",
+    "/health_generate": "200 once a 1-token generation succeeds",
+    "/get_server_info": "configuration (secrets redacted), engine facts, KV cache and queue state",
+    "/metrics": "Prometheus metrics",
+    "/v1/models": "the served model",
+    "/openapi.json": "this document",
+}
+
+ROUTER_GETS = {
+    "/health": "200 while at least one worker is routable",
+    "/workers": "the workers, their health and load",
+    "/get_server_info": "router configuration (secrets redacted) and per-worker state",
+    "/metrics": "Prometheus metrics",
+    "/v1/models": "proxied to a worker",
+    "/health_generate": "proxied to a worker",
+    "/openapi.json": "this document",
+}
+
+
+class WorkerURL(msgspec.Struct):
+    url: str  # http://host:port of a `strata serve` worker
+
+
+def _components() -> dict[str, Any]:
+    types = [body for body, _ in GENERATION_ENDPOINTS.values()] + [SamplingParams, ErrorResponse, WorkerURL]
+    _, components = msgspec.json.schema_components(types, ref_template=REF)
+    # /generate decodes sampling_params as a free dict, then converts it to SamplingParams (unknown
+    # keys are a 400): the document states the real contract
+    components["GenerateRequest"]["properties"]["sampling_params"] = {
+        "anyOf": [{"$ref": REF.format(name="SamplingParams")}, {"type": "null"}]
+    }
+    return components
+
+
+def _responses(ok: str) -> dict[str, Any]:
+    error = {"content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
+    return {
+        "200": {"description": ok},
+        "400": {"description": "invalid request: the message says what to fix", **error},
+        "401": {"description": "missing or wrong API key", **error},
+    }
+
+
+def _body(schema: str) -> dict[str, Any]:
+    return {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(name=schema)}}}}
+
+
+def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, Any]:
+    """The document for the server (router=False) or the router; `secured`: an API key is required."""
+    paths: dict[str, dict[str, Any]] = {}
+    for path, summary in (ROUTER_GETS if router else SERVER_GETS).items():
+        paths.setdefault(path, {})["get"] = {"summary": summary, "responses": _responses("OK")}
+    for path, (body, summary) in GENERATION_ENDPOINTS.items():
+        paths.setdefault(path, {})["post"] = {
+            "summary": summary + (" (proxied to a worker)" if router else ""),
+            "requestBody": _body(body.__name__),
+            "responses": _responses("the generation (JSON, or text/event-stream when streaming)"),
+        }
+    if router:
+        for method, summary in (("post", "register a worker"), ("delete", "remove a worker")):
+            paths.setdefault("/workers", {})[method] = {
+                "summary": summary,
+                "requestBody": _body("WorkerURL"),
+                "responses": _responses("the worker"),
+            }
+        paths["/flush_cache"] = {"post": {"summary": "flush every worker's prefix cache", "responses": _responses("OK")}}
+    else:
+        paths["/flush_cache"] = {
+            "post": {"summary": "flush the prefix cache (409 while requests run)", "responses": _responses("OK")}
+        }
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {"title": title, "version": "1"},
+        "paths": paths,
+        "components": {"schemas": _components()},
+    }
+    if secured:
+        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["security"] = [{"bearer": []}]
+    return doc
