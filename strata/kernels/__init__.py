@@ -12,9 +12,9 @@ an AVX-512 machine also proves the AVX2 paths. A build is loaded only if every I
 compiled with is in this CPU's flags (checked before building and again on the loaded module).
 
 Builds are cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name
-that hashes the sources, the torch version, the target and this CPU's flags, so a first start on a new
-machine compiles once (~1-2 min on two cores) and later starts load the cached library in well under a
-second.
+that hashes the sources, their directory, the torch version, the target and this CPU's flags, so a
+first start on a new machine compiles once (~1-2 min on two cores) and later starts load the cached
+library in well under a second.
 """
 
 from __future__ import annotations
@@ -79,7 +79,9 @@ def _build_name(target: str) -> str:
     for source in sorted(_DIR.glob("*.cpp")) + sorted(_DIR.glob("*.h")):
         digest.update(source.read_bytes())
     flags = " ".join(sorted(cpu_flags())) or platform.processor() or platform.machine()
-    for part in (torch.__version__, target, flags):
+    # torch rebuilds a build directory whose recorded source paths differ: two checkouts of the same
+    # sources must not share one, or each load in one recompiles what the other just built
+    for part in (torch.__version__, target, flags, str(_DIR.resolve())):
         digest.update(part.encode())
     return f"strata_cpu_ops_{target.replace('-', '_')}_{digest.hexdigest()[:12]}"
 

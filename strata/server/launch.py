@@ -338,6 +338,7 @@ def keep_torch_out() -> None:
     The engine process imports torch as usual. A stray `import torch` here fails loudly (ImportError)
     instead of silently loading it. A process that has torch already (a test) keeps it."""
     sys.modules.setdefault("torch", None)  # None in sys.modules: find_spec says absent, import raises
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
 
 
 def serve(args: argparse.Namespace, started: float | None = None) -> int:
