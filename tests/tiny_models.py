@@ -74,7 +74,58 @@ FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": None}),
     "qwen2": ("Qwen2Config", {"tie_word_embeddings": True}),
     "qwen3": ("Qwen3Config", {"head_dim": 32, "tie_word_embeddings": False}),
+    "olmo2": ("Olmo2Config", {}),
+    # partial rotary (8 of 16 dims) with longrope; the parity prompts and their generations stay below
+    # original_max_position_embeddings (tests/models/test_hybrid.py crosses it)
+    "phi3": (
+        "Phi3Config",
+        {
+            "partial_rotary_factor": 0.5,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 10000.0,
+                "short_factor": [1.0, 1.3, 1.9, 2.5],
+                "long_factor": [1.1, 2.0, 4.5, 7.0],
+                "original_max_position_embeddings": 64,
+            },
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    # hybrid attention with tiny windows, so that the parity prompts (up to 41 tokens) and their
+    # generations run past them
+    "mistral_sw": ("MistralConfig", {"sliding_window": 8}),
+    "qwen2_sw": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "gemma2": (
+        "Gemma2Config",
+        {
+            "head_dim": 16,
+            "sliding_window": 8,
+            "query_pre_attn_scalar": 24,
+            "attn_logit_softcapping": 5.0,
+            "final_logit_softcapping": 20.0,
+            "tie_word_embeddings": True,
+        },
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "architectures": ["Gemma3ForCausalLM"],
+            "head_dim": 16,
+            "num_hidden_layers": 3,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+            "query_pre_attn_scalar": 24,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+            "tie_word_embeddings": True,
+        },
+    ),
 }
+# families whose RMSNorm weights are initialised to a constant (zeros for Gemma's 1 + w, ones
+# elsewhere): make_model draws them at random so that a misplaced norm shows in the logits
+RANDOM_NORMS = {"olmo2", "phi3", "gemma2", "gemma3"}
 
 
 def make_model(out_dir: Path, family: str = "llama", *, tokenizer: bool = True, **overrides) -> Path:
@@ -100,6 +151,11 @@ def make_model(out_dir: Path, family: str = "llama", *, tokenizer: bool = True, 
     config = getattr(transformers, config_cls)(**kwargs)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if family in RANDOM_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "norm" in name:
+                    param.add_(torch.randn_like(param) * 0.3)
     model.save_pretrained(out_dir)
     if tokenizer:
         build_tokenizer(out_dir)

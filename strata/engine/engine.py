@@ -345,10 +345,6 @@ class Engine:
 
     def _context_len(self, mc: ModelConfig) -> int:
         context = mc.max_position_embeddings
-        if mc.sliding_window is not None and mc.sliding_window < context:
-            # full attention is exact up to the window; longer contexts would need sliding-window attention
-            logger.info("%s has a %d-token sliding window; capping context at it", mc.architecture, mc.sliding_window)
-            context = mc.sliding_window
         if self.config.context_length is not None:
             context = min(context, self.config.context_length)
         return context

@@ -100,25 +100,46 @@ int64_t key_capacity(int64_t pages_per_row, int64_t page_size) {
   return pages_per_row * page_size;
 }
 
-// Keys 0 .. n_keys - 1 of page-table row b are read from pages row[0 .. ceil(n_keys / page_size)):
-// each must be one of the pool's num_pages pages (n_keys <= key_capacity is the caller's check).
-void check_pages_read(const int64_t* page_table, int64_t pages_per_row, int64_t b, int64_t n_keys, int64_t page_size,
-                      int64_t num_pages) {
+// Keys first_key .. end_key - 1 of page-table row b are read from pages
+// row[first_key / page_size .. ceil(end_key / page_size)): each must be one of the pool's num_pages
+// pages (0 <= first_key and end_key <= key_capacity are the caller's checks). Pages before
+// first_key (behind a sliding window) are not read, so their entries may be anything.
+void check_pages_read(const int64_t* page_table, int64_t pages_per_row, int64_t b, int64_t first_key, int64_t end_key,
+                      int64_t page_size, int64_t num_pages) {
   const int64_t* row = page_table + b * pages_per_row;
-  const int64_t used = n_keys == 0 ? 0 : (n_keys - 1) / page_size + 1;
-  for (int64_t i = 0; i < used; ++i) {
+  const int64_t used = end_key <= first_key ? 0 : (end_key - 1) / page_size + 1;
+  for (int64_t i = first_key / page_size; i < used; ++i) {
     TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "page_table[", b, "][", i, "] = ", row[i],
-                " is outside the KV pool's pages [0, ", num_pages, ") (read for the request's first ", n_keys,
-                " keys)");
+                " is outside the KV pool's pages [0, ", num_pages, ") (read for the request's keys [", first_key,
+                ", ", end_key, "))");
   }
+}
+
+// The layer options both attention kernels take: window (keys a query sees, itself included; <= 0:
+// all), softcap (scores become softcap * tanh(scores / softcap); 0: off), sinks (float32 [H], one
+// logit per query head that joins every softmax with no value row; None: none). Returns the sinks'
+// data or nullptr.
+const float* check_layer_options(int64_t H, double softcap, const c10::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: off), got ", softcap);
+  if (!sinks.has_value()) return nullptr;
+  check_cpu_contiguous(*sinks, "sinks");
+  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "sinks must be float32, got ", sinks->scalar_type());
+  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "sinks must be [heads = ", H, "], got sizes ", sinks->sizes());
+  return sinks->data_ptr<float>();
+}
+
+// The first key a query at `pos` sees.
+inline int64_t window_start(int64_t pos, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
 }
 
 // ---------------------------------------------------------------------------------------------
 // Paged attention.
 //
 // Token t (of T) belongs to request owner[t] and sits at absolute position positions[t]; it
-// attends keys 0 .. positions[t] of that request. Key j of request b is at slot
-// page_table[b][j / page_size] * page_size + j % page_size. The new tokens' K/V are first stored
+// attends keys 0 .. positions[t] of that request (with a window W, only the last W of them:
+// positions[t] - W + 1 .. positions[t]; keys before are never read, nor their pages). Key j of
+// request b is at slot page_table[b][j / page_size] * page_size + j % page_size. The new tokens' K/V are first stored
 // at out_slots. Query head h reads KV head h / (H / Hkv). Softmax is online, in float.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kKeyTile = 64;
@@ -178,6 +199,23 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
     sum += s[i];
   }
   return sum;
+}
+
+#if defined(STRATA_SIMD16)
+// cap * tanh(x / cap), with tanh(y) = 1 - 2 / (exp(2y) + 1) (exp16 saturates: +-1 at the ends).
+inline V16 softcap16(V16 x, float cap) {
+  const V16 e = exp16(vmul(x, vset1(2.f / cap)));
+  return vmul(vset1(cap), vsub(vset1(1.f), vdiv(vset1(2.f), vadd(e, vset1(1.f)))));
+}
+#endif
+
+// s[i] = cap * tanh(s[i] / cap) for i < n.
+inline void softcap_scores(float* s, int64_t n, float cap) {
+  int64_t i = 0;
+#if defined(STRATA_SIMD16)
+  for (; i + 16 <= n; i += 16) store16(s + i, softcap16(load16(s + i), cap));
+#endif
+  for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
 // scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
@@ -301,7 +339,8 @@ inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* cons
 template <typename QT, typename CT>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& owner,
-                    const at::Tensor& positions, int64_t page_size, double scale) {
+                    const at::Tensor& positions, int64_t page_size, double scale, int64_t window, float softcap,
+                    const float* sinks) {
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2);
   const int64_t Hkv = k_cache.size(1);
   const int64_t G = H / Hkv;
@@ -320,7 +359,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   // `splits` ranges, attend them in parallel, then merge the partial softmaxes.
   const int64_t nthreads = at::get_num_threads();
   int64_t max_n = 0;
-  for (int64_t t = 0; t < T; ++t) max_n = std::max(max_n, pos[t] + 1);
+  for (int64_t t = 0; t < T; ++t) max_n = std::max(max_n, pos[t] + 1 - window_start(pos[t], window));
   int64_t splits = 1;
   if (T * Hkv < 2 * nthreads) {
     splits = std::min<int64_t>((2 * nthreads + T * Hkv - 1) / (T * Hkv), std::max<int64_t>(1, max_n / 256));
@@ -339,9 +378,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     for (int64_t item = begin; item < end; ++item) {
       const int64_t split = item % splits, tk = item / splits;
       const int64_t t = tk / Hkv, kvh = tk % Hkv;
-      const int64_t n = pos[t] + 1;
-      const int64_t chunk = (n + splits - 1) / splits;
-      const int64_t jbeg = std::min(n, split * chunk), jend = std::min(n, jbeg + chunk);
+      const int64_t first = window_start(pos[t], window), n = pos[t] + 1;  // keys [first, n)
+      const int64_t chunk = (n - first + splits - 1) / splits;
+      const int64_t jbeg = std::min(n, first + split * chunk), jend = std::min(n, jbeg + chunk);
       const int64_t* pages = pt + own[t] * pages_per_row;
       for (int64_t g = 0; g < G; ++g) {
         const QT* src = qp + t * q_stride + (kvh * G + g) * D;
@@ -350,6 +389,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
       std::fill(l.begin(), l.end(), 0.f);
+      if (sinks && split == 0) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+        for (int64_t g = 0; g < G; ++g) {
+          m[g] = sinks[kvh * G + g];
+          l[g] = 1.f;
+        }
+      }
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
         const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
@@ -371,6 +416,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         }
 #endif
         if (!scored) tile_scores<CT>(qf.data(), G, D, keys, jn, scores.data());
+        if (softcap > 0) {
+          for (int64_t g = 0; g < G; ++g) softcap_scores(scores.data() + g * kKeyTile, jn, softcap);
+        }
         for (int64_t g = 0; g < G; ++g) {
           float* sg = scores.data() + g * kKeyTile;
           float tile_max = sg[0];
@@ -466,29 +514,37 @@ int64_t check_attention_io(const at::Tensor& out, const at::Tensor& q, const at:
   return k_cache.size(0) / page_size;
 }
 
-// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t].
+// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t] (the last
+// `window` of them when window > 0); softcap and sinks as in check_layer_options.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
-                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale) {
+                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale, int64_t window,
+                     double softcap, c10::optional<at::Tensor> sinks) {
   const int64_t num_pages = check_attention_io(out, q, k_cache, v_cache, page_table, page_size);
+  const float* sink_logits = check_layer_options(q.size(1), softcap, sinks);
   const int64_t T = q.size(0), B = page_table.size(0), pages_per_row = page_table.size(1);
   const int64_t* own = index_data(owner, 1, "owner", "[tokens]");
   const int64_t* pos = index_data(positions, 1, "positions", "[tokens]");
   TORCH_CHECK(owner.numel() == T && positions.numel() == T, "owner (", owner.numel(), ") and positions (",
               positions.numel(), ") need one entry per query token (", T, ")");
   const int64_t capacity = key_capacity(pages_per_row, page_size);
-  std::vector<int64_t> keys_read(B, 0);  // per page-table row: its tokens read keys 0 .. keys_read - 1
+  // per page-table row: its tokens read keys first_read .. end_read - 1 (the union of their ranges)
+  std::vector<int64_t> first_read(B, std::numeric_limits<int64_t>::max()), end_read(B, 0);
   for (int64_t t = 0; t < T; ++t) {
     TORCH_CHECK(own[t] >= 0 && own[t] < B, "owner[", t, "] = ", own[t], " is not a row of the page table [0, ", B, ")");
     TORCH_CHECK(pos[t] >= 0 && pos[t] < capacity, "positions[", t, "] = ", pos[t], " is past the request's pages [0, ",
                 capacity, ") (", pages_per_row, " pages of ", page_size, ")");
-    keys_read[own[t]] = std::max(keys_read[own[t]], pos[t] + 1);
+    first_read[own[t]] = std::min(first_read[own[t]], window_start(pos[t], window));
+    end_read[own[t]] = std::max(end_read[own[t]], pos[t] + 1);
   }
   const int64_t* pt = page_table.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) check_pages_read(pt, pages_per_row, b, keys_read[b], page_size, num_pages);
+  for (int64_t b = 0; b < B; ++b) {
+    check_pages_read(pt, pages_per_row, b, first_read[b], end_read[b], page_size, num_pages);
+  }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_q", [&] {
     using QT = scalar_t;
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "paged_attention_kv", [&] {
-      attention_impl<QT, scalar_t>(out, q, k_cache, v_cache, page_table, owner, positions, page_size, scale);
+      attention_impl<QT, scalar_t>(out, q, k_cache, v_cache, page_table, owner, positions, page_size, scale, window,
+                                   static_cast<float>(softcap), sink_logits);
     });
   });
 }
@@ -497,24 +553,26 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
 // Extend (prefill) attention: flash-style over query blocks.
 //
 // Request b feeds q_len[b] tokens starting at flattened token q_start[b]; after this step it has
-// kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that.
-// A work item is (request, KV head, block of kQueryBlock tokens): its QB * G query rows share
-// every 16-key tile, which is widened and transposed once ([D][16] floats) so each row's 16
-// scores are D broadcast-FMAs with no horizontal sums; then an online softmax and P @ V.
+// kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that (with
+// a window W, the last W of them). A work item is (request, KV head, block of kQueryBlock tokens):
+// its QB * G query rows share every 16-key tile, which is widened and transposed once ([D][16]
+// floats) so each row's 16 scores are D broadcast-FMAs with no horizontal sums; then an online
+// softmax and P @ V. Tiles start at the block's first window start, so keys before it are never read.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kQueryBlock = 16;
 
 #if defined(STRATA_SIMD16)
-// acc rows r0.. (columns d .. d + 16 NB) = corr * acc + P @ V, accumulators in registers.
+// acc rows r0.. (columns d .. d + 16 NB) = corr * acc + P @ V over the tile's keys skip .. visible - 1,
+// accumulators in registers.
 template <int R, int NB>
 inline void pv_block(float* acc, const float* p, const float* corr, const float* vt, int64_t r0, int64_t D, int64_t d,
-                     int64_t visible) {
+                     int64_t skip, int64_t visible) {
   V16 a[R][NB];
   for (int r = 0; r < R; ++r) {
     const V16 c = vset1(corr[r]);
     for (int b = 0; b < NB; ++b) a[r][b] = vmul(load16(acc + (r0 + r) * D + d + 16 * b), c);
   }
-  for (int64_t k = 0; k < visible; ++k) {
+  for (int64_t k = skip; k < visible; ++k) {
     V16 v[NB];
     for (int b = 0; b < NB; ++b) v[b] = load16(vt + k * D + d + 16 * b);
     for (int r = 0; r < R; ++r) {
@@ -527,13 +585,15 @@ inline void pv_block(float* acc, const float* p, const float* corr, const float*
   }
 }
 
-// R query rows (r0 ..) against one 16-key tile: scores, online-softmax update, P @ V into acc.
-// Independent accumulators (4 per row for the scores, R x 4 d-blocks for P @ V) keep the FMA
-// pipes busy instead of waiting on one dependency chain.
+// R query rows (r0 ..) against one 16-key tile, of which they see keys skip .. visible - 1 (skip > 0
+// at a window's edge): scores, online-softmax update, P @ V into acc. Independent accumulators
+// (4 per row for the scores, R x 4 d-blocks for P @ V) keep the FMA pipes busy instead of waiting
+// on one dependency chain.
 template <int R>
 inline void extend_rows(const float* qf, float* acc, float* m, float* l, const float* kt, const float* vt, float* p,
-                        int64_t r0, int64_t D, int64_t visible) {
-  const Mask16 valid = first_lanes(visible);
+                        int64_t r0, int64_t D, int64_t skip, int64_t visible, float softcap) {
+  const Mask16 valid = first_lanes(visible), behind = first_lanes(skip);
+  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
   V16 sc[R];
   for (int r = 0; r < R; ++r) {
     const float* qr = qf + (r0 + r) * D;
@@ -544,14 +604,18 @@ inline void extend_rows(const float* qf, float* acc, float* m, float* l, const f
       a2 = vfmadd(vset1(qr[d + 2]), load16(kt + (d + 2) * 16), a2);
       a3 = vfmadd(vset1(qr[d + 3]), load16(kt + (d + 3) * 16), a3);
     }
-    sc[r] = vselect(valid, vadd(vadd(a0, a1), vadd(a2, a3)), vset1(-std::numeric_limits<float>::infinity()));
+    V16 score = vadd(vadd(a0, a1), vadd(a2, a3));
+    if (softcap > 0) score = softcap16(score, softcap);
+    sc[r] = vselect(valid, score, minus_inf);
+    if (skip > 0) sc[r] = vselect(behind, minus_inf, sc[r]);
   }
   float corr[R];
   for (int r = 0; r < R; ++r) {
     const int64_t row = r0 + r;
     const float new_max = std::max(m[row], reduce_max(sc[r]));
     corr[r] = std::exp(m[row] - new_max);
-    const V16 pv = vselect(valid, exp16(vsub(sc[r], vset1(new_max))), vzero());
+    V16 pv = vselect(valid, exp16(vsub(sc[r], vset1(new_max))), vzero());
+    if (skip > 0) pv = vselect(behind, vzero(), pv);
     l[row] = l[row] * corr[r] + reduce_add(pv);
     m[row] = new_max;
     store16(p + r * 16, pv);
@@ -559,16 +623,16 @@ inline void extend_rows(const float* qf, float* acc, float* m, float* l, const f
   // 4 d-blocks per row (up to 16 accumulators) only with AVX-512's 32 registers; AVX2 has 16 ymm,
   // each V16 taking two
   if (kRegsPerV16 == 1 && D % 64 == 0) {
-    for (int64_t d = 0; d < D; d += 64) pv_block<R, 4>(acc, p, corr, vt, r0, D, d, visible);
+    for (int64_t d = 0; d < D; d += 64) pv_block<R, 4>(acc, p, corr, vt, r0, D, d, skip, visible);
   } else {
-    for (int64_t d = 0; d < D; d += 16) pv_block<R, 1>(acc, p, corr, vt, r0, D, d, visible);
+    for (int64_t d = 0; d < D; d += 16) pv_block<R, 1>(acc, p, corr, vt, r0, D, d, skip, visible);
   }
 }
 
 template <typename QT, typename CT>
 void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT* vc, const int64_t* pages,
                  int64_t page_size, int64_t Hkv, int64_t kvh, int64_t G, int64_t D, int64_t tok0, int64_t ntok,
-                 int64_t pos0, float scale, float* buf) {
+                 int64_t pos0, float scale, int64_t window, float softcap, const float* sinks, float* buf) {
   const int64_t rows = ntok * G;
   float* qf = buf;                        // [rows][D]
   float* acc = qf + rows * D;             // [rows][D]
@@ -587,8 +651,15 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
   std::fill(acc, acc + rows * D, 0.f);
   std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
   std::fill(l, l + rows, 0.f);
-  const int64_t n_keys = pos0 + ntok;  // the last token's position + 1
-  for (int64_t j0 = 0; j0 < n_keys; j0 += 16) {
+  if (sinks) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+    for (int64_t r = 0; r < rows; ++r) {
+      m[r] = sinks[kvh * G + r % G];
+      l[r] = 1.f;
+    }
+  }
+  // keys [first_key, n_keys): from the first token's window start to the last token's position
+  const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
+  for (int64_t j0 = first_key; j0 < n_keys; j0 += 16) {
     const int64_t jn = std::min<int64_t>(16, n_keys - j0);
     for (int64_t k = 0; k < 16; ++k) {
       if (k < jn) {
@@ -609,15 +680,16 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
     }
     for (int64_t i = 0; i < ntok; ++i) {
       const int64_t pos = pos0 + i;
-      if (pos < j0) continue;  // this token sees none of the tile
+      const int64_t skip = std::max<int64_t>(0, window_start(pos, window) - j0);  // lanes behind its window
+      if (pos < j0 || skip >= jn) continue;  // this token sees none of the tile
       const int64_t visible = std::min<int64_t>(jn, pos - j0 + 1);
       for (int64_t g0 = 0; g0 < G; g0 += 4) {
         const int64_t r0 = i * G + g0;
         switch (std::min<int64_t>(4, G - g0)) {
-          case 4: extend_rows<4>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
-          case 3: extend_rows<3>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
-          case 2: extend_rows<2>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
-          default: extend_rows<1>(qf, acc, m, l, kt, vt, p, r0, D, visible); break;
+          case 4: extend_rows<4>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
+          case 3: extend_rows<3>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
+          case 2: extend_rows<2>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
+          default: extend_rows<1>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
         }
       }
     }
@@ -633,11 +705,14 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 }
 #endif
 
-// out[q_start[b] + i] = attention of request b's token i (see above). Needs a SIMD build (AVX2 or
-// AVX-512: has_simd()) and head_dim % 16 == 0; callers use SDPA otherwise.
+// out[q_start[b] + i] = attention of request b's token i (see above); window, softcap and sinks as
+// in check_layer_options. Needs a SIMD build (AVX2 or AVX-512: has_simd()) and head_dim % 16 == 0;
+// callers use SDPA otherwise.
 void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
-                      at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale) {
+                      at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale,
+                      int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
   const int64_t num_pages = check_attention_io(out, q, k_cache, v_cache, page_table, page_size);
+  const float* sink_logits = check_layer_options(q.size(1), softcap, sinks);
   const int64_t T = q.size(0), D = q.size(2), B = page_table.size(0), pages_per_row = page_table.size(1);
   const int64_t* qs = index_data(q_start, 1, "q_start", "[requests]");
   const int64_t* ql = index_data(q_len, 1, "q_len", "[requests]");
@@ -647,7 +722,7 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
               B, ")");
   TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0 and at most 512, got ", D);
   // Request b's tokens [q_start, q_start + q_len) lie in [0, T), in order and disjoint: they read
-  // q and write out rows there, and keys 0 .. kv_len - 1 from the first ceil(kv_len / page_size) pages.
+  // q and write out rows there, and keys window_start(kv_len - q_len) .. kv_len - 1 from their pages.
   const int64_t capacity = key_capacity(pages_per_row, page_size);
   const int64_t* pt = page_table.data_ptr<int64_t>();
   int64_t tokens_end = 0;  // end of the previous request's tokens
@@ -660,24 +735,25 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
                 ": the keys include the new tokens");
     TORCH_CHECK(kl[b] <= capacity, "kv_len[", b, "] = ", kl[b], " is past [0, ", capacity, "]: request ", b,
                 " has more keys than pages (", pages_per_row, " pages of ", page_size, ")");
-    check_pages_read(pt, pages_per_row, b, kl[b], page_size, num_pages);
+    check_pages_read(pt, pages_per_row, b, window_start(kl[b] - ql[b], window), kl[b], page_size, num_pages);
     tokens_end = qs[b] + ql[b];
   }
 #if !defined(STRATA_SIMD16)
   TORCH_CHECK(false, "extend_attention needs AVX2 (with FMA and F16C) or AVX-512");
 #else
   const int64_t Hkv = k_cache.size(1), G = q.size(1) / Hkv;
-  struct Item { int64_t b, kvh, tok0, ntok, pos0; };
+  struct Item { int64_t b, kvh, tok0, ntok, pos0, keys; };
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
     for (int64_t i0 = 0; i0 < ql[b]; i0 += kQueryBlock) {
+      const int64_t ntok = std::min(kQueryBlock, ql[b] - i0), pos0 = kl[b] - ql[b] + i0;
       for (int64_t h = 0; h < Hkv; ++h) {
-        items.push_back({b, h, qs[b] + i0, std::min(kQueryBlock, ql[b] - i0), kl[b] - ql[b] + i0});
+        items.push_back({b, h, qs[b] + i0, ntok, pos0, pos0 + ntok - window_start(pos0, window)});
       }
     }
   }
-  // costliest first (they see the most keys), dealt round-robin so each thread gets a fair share
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.pos0 > b.pos0; });
+  // costliest first (they read the most keys), dealt round-robin so each thread gets a fair share
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
@@ -696,7 +772,8 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
             for (size_t it = tid; it < items.size(); it += nthreads) {
               const Item& w = items[it];
               extend_item<QT, CT>(qp, q.stride(0), op, kc, vc, pt + w.b * pages_per_row, page_size, Hkv, w.kvh, G, D,
-                                  w.tok0, w.ntok, w.pos0, fscale, buf.data());
+                                  w.tok0, w.ntok, w.pos0, fscale, window, static_cast<float>(softcap), sink_logits,
+                                  buf.data());
             }
           }
         });
@@ -942,8 +1019,14 @@ void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_ops(m);
   m.def("store_kv", &store_kv);
-  m.def("paged_attention", &paged_attention);
-  m.def("extend_attention", &extend_attention);
+  m.def("paged_attention", &paged_attention, pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("owner"), pybind11::arg("positions"),
+        pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
+  m.def("extend_attention", &extend_attention, pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
+        pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("q_start"), pybind11::arg("q_len"),
+        pybind11::arg("kv_len"), pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("window") = 0,
+        pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
   m.def("has_avx512", [] {
 #if defined(__AVX512F__)
     return true;

@@ -7,71 +7,84 @@ A forward batch is laid out decode-first:
 
 Each request's keys live in pages at arbitrary places in the pool; `page_table[b, i]` is the page
 of positions [i * page_size, (i + 1) * page_size), so key j is at slot
-page_table[b, j // page_size] * page_size + j % page_size. The new tokens' K/V are written to `out_slots` first, so a request's
-query i (absolute position kv_len - q_len + i) attends to keys 0 .. kv_len - q_len + i.
+page_table[b, j // page_size] * page_size + j % page_size. The new tokens' K/V are written to
+`out_slots` first, so a request's query i (absolute position p = kv_len - q_len + i) attends to the
+keys j with p - window < j <= p (window None: 0 <= j <= p). A layer may also soft-cap its scores
+(c * tanh(s / c), Gemma 2) and add a learned per-head "sink" logit to each softmax whose
+probability is dropped (GPT-OSS).
 
-`AttentionMetadata.build` precomputes the gathers and masks once per step; every layer reuses them.
+With a window W, a request's keys before its earliest query's window are never read, nor their
+page-table entries (those pages may already be freed):
+
+    keys:  0 ........ key_start ........ kv_len - q_len ......... kv_len - 1
+           [ not read ][ in some query's window ][ the q_len new tokens ]
+           key_start = max(0, kv_len - q_len - W + 1)
+
+`AttentionMetadata.build` runs once per step; the views each layer kind needs (one per window size:
+sliding and full layers differ) are built on first use and shared by the later layers.
 On the CPU the native kernels (strata.kernels) store the new K/V and run decode attention straight
 from the pool, one pass per (token, KV head) with an online softmax: no gather, no padding. Extend
-(prefill) segments whose requests all have at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash
+(prefill) segments whose requests all read at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash
 -style extend attention (2-3x faster than masked SDPA for many short prompts); longer ones use
-SDPA, whose blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes).
+SDPA, whose blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes), or explicit
+matmuls and softmax when the layer soft-caps or has sinks (SDPA can do neither).
 `reference_attention` is the per-request loop kept as the test oracle.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_ops, token_rows, usable
+from strata.kernels import token_rows, usable
 
 
 @dataclass
 class SegmentMeta:
-    """Padded view of one group of requests (all decodes, or all extends)."""
+    """Padded view of one group of requests (all decodes, or all extends) for one window size.
+
+    Column j of request b is its key key_start[b] + j (columns past its last key repeat that key,
+    masked out)."""
 
     token_start: int  # first flattened token of this segment
     num_tokens: int
     kv_slots: torch.Tensor  # [B, max_kv] int64
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
-    pad_index: torch.Tensor | None  # [num_tokens] -> row in the [B * max_q] padded query; None when max_q == 1
+    pad_index: torch.Tensor | None  # [num_tokens] -> row of the [B * max_q] padded query; None if max_q == 1
     max_q: int
-    causal: bool = False  # a single request with nothing cached: plain causal attention
+    causal: bool = False  # a single request with nothing cached and no window: plain causal attention
 
 
 EXTEND_KERNEL_MAX_KV = 256
 
 
 @dataclass
-class ExtendKernelArgs:
-    """The extend segment as the native kernel takes it; `segment()` builds the SDPA view instead
-    (for head dims the kernel does not cover)."""
+class WindowView:
+    """What the layers with one window size read in a step, built on first use and shared."""
 
-    token_start: int
-    q_start: torch.Tensor  # [B] first flattened token of each request
-    q_len: torch.Tensor  # [B]
-    kv_len: torch.Tensor  # [B]
-    page_table: torch.Tensor  # [B, max_pages]
-
-    def segment(self, page_size: int, device: torch.device) -> SegmentMeta:
-        return _segment(self.token_start, self.q_len, self.kv_len, self.page_table, page_size, device)
+    window: int | None  # None: full causal (also when the window covers every request's keys)
+    extend_keys_read: int  # the most keys an extend request reads (decides kernel or SDPA)
+    decode: SegmentMeta | None = None  # torch-path views, built when first needed
+    extend: SegmentMeta | None = None
 
 
 @dataclass
 class AttentionMetadata:
+    """One step's batch as attention sees it: built once per step and shared by every layer."""
+
     positions: torch.Tensor  # [T] absolute position of each new token
     out_slots: torch.Tensor  # [T] slot that each new token's K/V is written to
-    decode: SegmentMeta | None
-    extend: SegmentMeta | None
-    # for the native decode kernel (set when it is used; then `decode` is None)
-    num_decode: int = 0
-    page_table: torch.Tensor | None = None  # [B, max_pages] int64
-    owner: torch.Tensor | None = None  # [num_decode] request row of each decode token
-    page_size: int = 1
-    extend_kernel: ExtendKernelArgs | None = None  # set instead of `extend` when the kernel runs it
+    q_len: torch.Tensor  # [B] tokens fed per request (CPU)
+    kv_len: torch.Tensor  # [B] tokens in KV after this step (CPU)
+    page_table: torch.Tensor  # [B, max_pages] int64, contiguous (CPU)
+    page_size: int
+    num_decode: int
+    device: torch.device
+    decode_owner: torch.Tensor  # [num_decode] page-table row of each decode token (for the decode kernel)
+    extend_q_start: torch.Tensor  # [B - num_decode] first flattened token of each extend (for the kernel)
+    views: dict[int | None, WindowView] = field(default_factory=dict, repr=False)
 
     @classmethod
     def build(
@@ -92,42 +105,76 @@ class AttentionMetadata:
         first = torch.cumsum(q, 0) - q
         positions = torch.arange(int(q.sum())) - first[owner] + (kv - q)[owner]
         out_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
-        decode = extend = extend_kernel = None
-        ops = cpu_ops() if device.type == "cpu" else None
-        if num_decode and not ops:
-            decode = _segment(0, q[:num_decode], kv[:num_decode], page_table[:num_decode], page_size, device)
-        if num_decode < len(q_lens):
-            eq, ekv, ept = q[num_decode:], kv[num_decode:], page_table[num_decode:]
-            if ops and int(ekv.max()) <= EXTEND_KERNEL_MAX_KV and ops.has_simd():
-                q_start = torch.cumsum(eq, 0) - eq + num_decode
-                extend_kernel = ExtendKernelArgs(num_decode, q_start, eq, ekv, ept.contiguous())
-            else:
-                extend = _segment(num_decode, eq, ekv, ept, page_size, device)
-        meta = cls(positions=positions.to(device), out_slots=out_slots.to(device), decode=decode, extend=extend)
-        meta.extend_kernel = extend_kernel
-        meta.page_size = page_size
-        if num_decode and ops:
-            meta.num_decode = num_decode
-            meta.page_table = page_table[:num_decode].contiguous()
-            meta.owner = owner[:num_decode].contiguous()
-        return meta
+        return cls(
+            positions=positions.to(device),
+            out_slots=out_slots.to(device),
+            q_len=q,
+            kv_len=kv,
+            page_table=page_table.contiguous(),
+            page_size=page_size,
+            num_decode=num_decode,
+            device=device,
+            decode_owner=torch.arange(num_decode),
+            extend_q_start=first[num_decode:].contiguous(),
+        )
+
+    def view(self, window: int | None) -> WindowView:
+        """The view for layers with this window (cached: built once per step and window size)."""
+        view = self.views.get(window)
+        if view is None:
+            if window is not None and window < 1:
+                raise ValueError(f"attention window is {window} tokens; it must be at least 1 (None: none)")
+            # a window as long as every request's keys is no window: those layers share the full view
+            effective = None if window is None or window >= int(self.kv_len.max()) else window
+            if effective not in self.views:
+                eq, ekv = self.q_len[self.num_decode :], self.kv_len[self.num_decode :]
+                reads = ekv if effective is None else torch.minimum(ekv, eq + effective - 1)
+                self.views[effective] = WindowView(effective, int(reads.max()) if len(reads) else 0)
+            view = self.views[window] = self.views[effective]
+        return view
+
+    def decode_segment(self, view: WindowView) -> SegmentMeta:
+        """The torch path's view of the decodes (requests 0 .. num_decode - 1), built once."""
+        if view.decode is None:
+            view.decode = self._segment(slice(0, self.num_decode), view.window)
+        return view.decode
+
+    def extend_segment(self, view: WindowView) -> SegmentMeta:
+        """The torch path's view of the extends (requests num_decode ..), built once."""
+        if view.extend is None:
+            view.extend = self._segment(slice(self.num_decode, None), view.window)
+        return view.extend
+
+    def _segment(self, rows: slice, window: int | None) -> SegmentMeta:
+        # decodes are one token each, so request row r < num_decode is token r, and the extends start there
+        return _segment(
+            rows.start, self.q_len[rows], self.kv_len[rows], self.page_table[rows], self.page_size,
+            self.device, window,
+        )
 
 
 def _segment(
     token_start: int, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, page_size: int,
-    device: torch.device,
+    device: torch.device, window: int | None,
 ) -> SegmentMeta:
     batch = len(q_len)
-    max_q, max_kv = int(q_len.max()), int(kv_len.max())
+    max_q = int(q_len.max())
+    # keys before the earliest query's window are left out (their pages are never read)
+    key_start = torch.zeros_like(kv_len) if window is None else (kv_len - q_len - window + 1).clamp(min=0)
+    max_kv = int((kv_len - key_start).max())
     kj = torch.arange(max_kv)
-    # slot of key j of request b; past kv_len it points at some valid slot and is masked out
-    kv_slots = page_table[:, kj // page_size] * page_size + kj % page_size
+    # [B, max_kv] the absolute key of each column; past the request's last key, that key again (masked)
+    key = torch.minimum(key_start.view(batch, 1) + kj, (kv_len - 1).view(batch, 1))
+    kv_slots = page_table.gather(1, key // page_size) * page_size + key % page_size
     qi = torch.arange(max_q).view(1, max_q, 1)
     # query i of request b sits at absolute position kv_len - q_len + i and sees keys up to it
     query_pos = (kv_len - q_len).view(batch, 1, 1) + qi
+    key_pos = key_start.view(batch, 1, 1) + kj.view(1, 1, max_kv)
     real_query = qi < q_len.view(batch, 1, 1)
-    mask = (kj.view(1, 1, max_kv) <= query_pos) & real_query
-    mask[:, :, 0] |= ~real_query[..., 0]  # padded query rows see key 0: no NaN rows
+    mask = (key_pos <= query_pos) & real_query
+    if window is not None:
+        mask &= key_pos > query_pos - window  # every real query still sees itself: no empty row
+    mask[:, :, 0] |= ~real_query[..., 0]  # padded query rows see column 0: no NaN rows
     pad_index = None
     if max_q > 1:
         pad_index = torch.nonzero(real_query.view(-1), as_tuple=True)[0].to(device)
@@ -138,7 +185,7 @@ def _segment(
         mask=mask.unsqueeze(1).to(device),
         pad_index=pad_index,
         max_q=max_q,
-        causal=batch == 1 and max_q > 1 and int(q_len[0]) == int(kv_len[0]),
+        causal=window is None and batch == 1 and max_q > 1 and int(q_len[0]) == int(kv_len[0]),
     )
 
 
@@ -150,46 +197,67 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D]."""
+    """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D].
+
+    window: each query sees only the last `window` keys up to itself (None: all of them);
+    sinks: [H] one logit per query head, in every softmax but with no value row; softcap: the
+    scaled scores become softcap * tanh(scores / softcap) before masking and softmax."""
+    if sinks is not None and sinks.shape != (q.shape[1],):
+        raise ValueError(
+            f"sinks has shape {tuple(sinks.shape)}; it must hold one logit per query head ({q.shape[1]})"
+        )
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap is {softcap}; it must be positive (None: no softcap)")
     ops = usable(q)
     if ops and token_rows(k) and token_rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
         ops.store_kv(k, v, k_cache, v_cache, meta.out_slots)
     else:
         k_cache[meta.out_slots] = k.to(k_cache.dtype)
         v_cache[meta.out_slots] = v.to(v_cache.dtype)
+    view = meta.view(window)
     out = q.new_empty(q.shape)
-    if meta.page_table is not None:  # decode tokens through the native kernel
-        nd = meta.num_decode
+    nd, num_tokens, head_dim = meta.num_decode, q.shape[0], q.shape[2]
+    if ops:  # the kernels spell "off" as 0 and take the sinks in float32
+        sink_logits = None if sinks is None else sinks.float().contiguous()
+        options = {"window": view.window or 0, "softcap": softcap or 0.0, "sinks": sink_logits}
+    if nd and ops:  # decode tokens through the native kernel
         ops.paged_attention(
-            out[:nd], q[:nd], k_cache, v_cache, meta.page_table, meta.owner, meta.positions[:nd], meta.page_size, scale
+            out[:nd], q[:nd], k_cache, v_cache, meta.page_table[:nd], meta.decode_owner, meta.positions[:nd],
+            meta.page_size, scale, **options,
         )
-    ek = meta.extend_kernel
-    if ek is not None:
-        if q.shape[2] % 16 == 0:
-            ops.extend_attention(
-                out, q, k_cache, v_cache, ek.page_table, ek.q_start, ek.q_len, ek.kv_len, meta.page_size, scale
-            )
-        elif meta.extend is None:
-            meta.extend = ek.segment(meta.page_size, q.device)  # once per step, shared by the layers
-    for seg in (meta.decode, meta.extend):
-        if seg is None:
-            continue
-        end = seg.token_start + seg.num_tokens
-        out[seg.token_start : end] = _segment_attention(q[seg.token_start : end], k_cache, v_cache, seg, scale)
+    elif nd:
+        seg = meta.decode_segment(view)
+        out[:nd] = _segment_attention(q[:nd], k_cache, v_cache, seg, scale, softcap, sinks)
+    if nd == num_tokens:
+        return out
+    if ops and ops.has_simd() and head_dim % 16 == 0 and view.extend_keys_read <= EXTEND_KERNEL_MAX_KV:
+        ops.extend_attention(
+            out, q, k_cache, v_cache, meta.page_table[nd:], meta.extend_q_start, meta.q_len[nd:],
+            meta.kv_len[nd:], meta.page_size, scale, **options,
+        )
+    else:
+        seg = meta.extend_segment(view)
+        out[nd:] = _segment_attention(q[nd:], k_cache, v_cache, seg, scale, softcap, sinks)
     return out
 
 
 def _segment_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: SegmentMeta, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: SegmentMeta, scale: float,
+    softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     batch, max_kv = seg.kv_slots.shape
     num_heads, head_dim = q.shape[1], q.shape[2]
     keys = k_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
     values = v_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)
-    if seg.pad_index is None:
-        return _decode_attention(q, keys, values, seg.mask, scale)
-    if seg.causal:
+    if seg.pad_index is None:  # one query per request
+        return _matmul_attention(q.unsqueeze(2), keys, values, seg.mask, scale, softcap, sinks).squeeze(2)
+    plain = softcap is None and sinks is None
+    if seg.causal and plain:
         # one request, no cached prefix: plain causal attention, no mask to read
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0).transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
@@ -197,28 +265,50 @@ def _segment_attention(
         return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
     q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
     q_pad[seg.pad_index] = q
-    q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim)
-    out = F.scaled_dot_product_attention(
-        q_pad.transpose(1, 2), keys, values, attn_mask=seg.mask, scale=scale, enable_gqa=True
-    )  # [B, H, max_q, D]
+    q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, max_q, D]
+    if plain:
+        out = F.scaled_dot_product_attention(
+            q_pad, keys, values, attn_mask=seg.mask, scale=scale, enable_gqa=True
+        )
+    else:  # SDPA can neither soft-cap nor add sinks; query blocks bound the [B, H, rows, max_kv] scores
+        rows = max(1, MATMUL_SCORES_MAX // (batch * num_heads * max_kv))
+        blocks = [
+            _matmul_attention(q_pad[:, :, i : i + rows], keys, values, seg.mask[:, :, i : i + rows], scale,
+                              softcap, sinks)
+            for i in range(0, seg.max_q, rows)
+        ]
+        out = torch.cat(blocks, dim=2)
     return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, head_dim)[seg.pad_index]
 
 
-def _decode_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-) -> torch.Tensor:
-    """One query per request: two batched matmuls (much faster than masked SDPA on CPU for q_len 1).
+MATMUL_SCORES_MAX = 1 << 24  # float scores per block of _matmul_attention (64 MiB)
 
-    q: [B, H, D]; keys/values: [B, Hkv, max_kv, D]; mask: [B, 1, 1, max_kv]. Query heads are grouped
-    by their KV head (head h uses KV head h // (H / Hkv)), so q views as [B, Hkv, group, D].
+
+def _matmul_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+    softcap: float | None, sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Two batched matmuls and a float softmax (much faster than masked SDPA on CPU for one query).
+
+    q: [B, H, M, D]; keys/values: [B, Hkv, N, D]; mask: [B, 1, M, N]. Query heads are grouped by
+    their KV head (head h uses KV head h // (H / Hkv)), so q views as [B, Hkv, group * M, D].
     """
-    batch, num_heads, head_dim = q.shape
-    num_kv_heads = keys.shape[1]
-    qg = q.view(batch, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group, max_kv]
-    scores = scores.masked_fill(~mask, float("-inf"))
-    probs = scores.softmax(-1).to(values.dtype)
-    return torch.matmul(probs, values).view(batch, num_heads, head_dim)
+    batch, num_heads, num_q, head_dim = q.shape
+    num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
+    group = num_heads // num_kv_heads
+    qg = q.reshape(batch, num_kv_heads, group * num_q, head_dim)
+    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group * M, N]
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.view(batch, num_kv_heads, group, num_q, num_keys)
+    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))  # mask: [B, 1, 1, M, N]
+    if sinks is None:
+        probs = scores.softmax(-1)
+    else:
+        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(batch, -1, -1, num_q, 1)
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :num_keys]  # the sink's share is dropped
+    probs = probs.to(values.dtype).view(batch, num_kv_heads, group * num_q, num_keys)
+    return torch.matmul(probs, values).view(batch, num_heads, num_q, head_dim)
 
 
 def reference_attention(
@@ -228,8 +318,13 @@ def reference_attention(
     q_lens: list[int],
     kv_slot_lists: list[torch.Tensor],
     scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Per-request loop in float32: the oracle for `paged_attention` (caches already hold the new K/V)."""
+    """Per-request loop in float32: the oracle for `paged_attention` (caches already hold the new K/V;
+    `kv_slot_lists[b]` are request b's slots of keys 0 .. kv_len - 1, the window's cut included)."""
     outs, start = [], 0
     for q_len, slots in zip(q_lens, kv_slot_lists):
         kv_len = slots.numel()
@@ -239,8 +334,19 @@ def reference_attention(
         groups = qr.shape[0] // kr.shape[0]
         kr, vr = kr.repeat_interleave(groups, 0), vr.repeat_interleave(groups, 0)
         scores = (qr @ kr.transpose(1, 2)) * scale
-        pos = torch.arange(kv_len - q_len, kv_len).view(-1, 1)
-        scores = scores.masked_fill(torch.arange(kv_len).view(1, -1) > pos, float("-inf"))
-        outs.append((scores.softmax(-1) @ vr).transpose(0, 1))
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        pos = torch.arange(kv_len - q_len, kv_len).view(-1, 1)  # the queries' absolute positions
+        key = torch.arange(kv_len).view(1, -1)
+        hidden = key > pos
+        if window is not None:
+            hidden |= key <= pos - window
+        scores = scores.masked_fill(hidden, float("-inf"))
+        if sinks is not None:  # one more logit per head, whose probability is dropped
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :kv_len]
+        else:
+            probs = scores.softmax(-1)
+        outs.append((probs @ vr).transpose(0, 1))
         start += q_len
     return torch.cat(outs).to(q.dtype)

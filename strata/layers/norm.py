@@ -1,5 +1,9 @@
 """RMSNorm, computed in float32 like the reference implementations, optionally fused with the
-residual add that precedes it (the native kernel does both in one pass)."""
+residual add that precedes it (the native kernel does both in one pass).
+
+Gemma's variant (`unit_offset=True`) scales by (1 + weight) and multiplies in float32 before
+rounding to the activations' dtype; it runs on the PyTorch path only.
+"""
 
 from __future__ import annotations
 
@@ -9,14 +13,16 @@ from strata.kernels import usable
 
 
 class RMSNorm(torch.nn.Module):
-    def __init__(self, dim: int, eps: float):
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.ones(dim))
         self.eps = eps
+        self.unit_offset = unit_offset
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, returns (norm(x + residual), x + residual)."""
-        ops = usable(x) if x.is_contiguous() and x.dtype == self.weight.dtype else None
+        fast = x.is_contiguous() and x.dtype == self.weight.dtype and not self.unit_offset
+        ops = usable(x) if fast else None
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps) if ops else self.reference(x)
         if ops and residual.is_contiguous() and residual.dtype == x.dtype:
@@ -28,4 +34,6 @@ class RMSNorm(torch.nn.Module):
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)

@@ -1,4 +1,5 @@
-"""Rotary position embeddings with the scaling variants HF configs use (default, linear, llama3, yarn)."""
+"""Rotary position embeddings with the scaling variants HF configs use (default, linear, llama3, yarn,
+longrope)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,25 @@ def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings:
         return _llama3(inv_freq, rope), 1.0
     if kind == "yarn":
         return _yarn(rope, dim, max_position_embeddings)
-    raise ValueError(f"unsupported rope_type {kind!r}; supported: default, linear, llama3, yarn, dynamic")
+    if kind == "longrope":
+        return _longrope(rope, dim, rope.short_factor), _longrope_scale(rope)
+    supported = "default, linear, llama3, yarn, dynamic, longrope"
+    raise ValueError(f"unsupported rope_type {kind!r}; supported: {supported}")
+
+
+def _longrope(rope: RopeConfig, dim: int, factors: tuple[float, ...] | None) -> torch.Tensor:
+    if factors is None or len(factors) != dim // 2:
+        raise ValueError(f"longrope needs {dim // 2} short and long factors, got {len(factors or ())}")
+    base = rope.theta ** (torch.arange(0, dim, 2).float() / dim)
+    return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+
+
+def _longrope_scale(rope: RopeConfig) -> float:
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.factor <= 1.0:
+        return 1.0
+    return math.sqrt(1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings))
 
 
 def _llama3(inv_freq: torch.Tensor, rope: RopeConfig) -> torch.Tensor:
@@ -72,7 +91,14 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
 
 
 class RotaryEmbedding:
-    """Precomputed float32 cos/sin tables indexed by absolute position (HF "rotate_half" layout)."""
+    """Precomputed float32 cos/sin tables indexed by absolute position (HF "rotate_half" layout).
+
+    longrope: positions below `original_max_position_embeddings` rotate with the short factors, the
+    rest with the long ones. transformers picks one set for a whole forward call by its longest
+    position, so the two agree when a prompt fits the original length (decode steps past it use the
+    long set in both), and differ for a single prefill longer than it, whose early keys we keep on
+    the short set (what a KV cache computed token by token would hold).
+    """
 
     def __init__(
         self,
@@ -87,6 +113,10 @@ class RotaryEmbedding:
             inv_freq, scale = inv_freq_and_scale(rope, head_dim, max_position_embeddings)
             positions = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)  # [max_positions, rot_dim // 2]
+            if rope.rope_type == "longrope":
+                old_len = rope.original_max_position_embeddings
+                long_freqs = torch.outer(positions, _longrope(rope, 2 * inv_freq.numel(), rope.long_factor))
+                freqs = torch.where((positions >= old_len).unsqueeze(1), long_freqs, freqs)
             emb = torch.cat([freqs, freqs], dim=-1)
             self.cos = (emb.cos() * scale).to(device)
             self.sin = (emb.sin() * scale).to(device)

@@ -1,8 +1,9 @@
 """Model families: a registry from HF architecture names to our model classes (imported lazily).
 
-Each family is one small file of plain PyTorch over `strata.layers`; a model's forward takes a
-`ForwardBatch` and the KV pool and returns hidden states; `compute_logits` runs the LM head only on
-the rows that are sampled.
+Every family is the decoder of `decoder.py` (plain PyTorch over `strata.layers`), configured by
+`ModelConfig` and its per-layer `LayerSpec`s; each family's small file says what is particular to
+it. A model's forward takes a `ForwardBatch` and the KV pool and returns hidden states;
+`compute_logits` runs the LM head only on the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ _REGISTRY: dict[str, str] = {
     "MistralForCausalLM": "strata.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "strata.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "strata.models.llama:LlamaForCausalLM",
+    "Gemma2ForCausalLM": "strata.models.gemma:Gemma2ForCausalLM",
+    "Gemma3ForCausalLM": "strata.models.gemma:Gemma3ForCausalLM",
+    "Phi3ForCausalLM": "strata.models.phi3:Phi3ForCausalLM",
+    "Olmo2ForCausalLM": "strata.models.olmo2:Olmo2ForCausalLM",
 }
 
 

@@ -601,6 +601,150 @@ def test_paged_attention_one_long_sequence_splits_keys(ops, kv_len, kv_heads):
         torch.set_num_threads(threads)
 
 
+# Layer options (sliding window, logit softcap, attention sinks). With a window, the page-table
+# entries of pages wholly before a request's first window are set to -1: the kernels must not read
+# them (sliding layers will free those pages).
+
+
+def kernel_case(gen, dtype, heads, kv_heads, head_dim, q_lens, kv_lens, page_size, window, sinks):
+    """Caches, pages, queries, the oracle's slots and the kernel's page table (-1 behind the window)."""
+    num_slots = 8192
+    k_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    pages = random_pages(num_slots, len(kv_lens), max(kv_lens), page_size, gen)
+    slots = [pages[b, torch.arange(n) // page_size] * page_size + torch.arange(n) % page_size for b, n in enumerate(kv_lens)]
+    if window is not None:
+        pages = pages.clone()
+        for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
+            pages[b, : max(0, kv_len - q_len - window + 1) // page_size] = -1
+    q = torch.randn(sum(q_lens), heads, head_dim, generator=gen).to(dtype)
+    sink_logits = torch.randn(heads, generator=gen) * 2 if sinks else None
+    return k_cache, v_cache, pages, slots, q, sink_logits
+
+
+def layer_options(window, softcap, sinks) -> tuple[dict, dict]:
+    """The options as the kernels take them (0: off) and as the oracle takes them (None: off)."""
+    return {"window": window or 0, "softcap": softcap or 0.0, "sinks": sinks}, {
+        "window": window, "softcap": softcap, "sinks": sinks,
+    }
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24], ids=["simd", "scalar"])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 1, 16, 50, 4096])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_paged_attention_window_softcap_sinks_match_oracle(ops, dtype, head_dim, page_size, window, softcap, sinks):
+    gen = torch.Generator().manual_seed(9)
+    kv_lens = [1, 15, 16, 17, 63, 64, 65, 300]
+    k_cache, v_cache, pages, slots, q, sink_logits = kernel_case(
+        gen, dtype, 8, 2, head_dim, [1] * len(kv_lens), kv_lens, page_size, window, sinks
+    )
+    out = torch.empty_like(q)
+    kernel_options, oracle_options = layer_options(window, softcap, sink_logits)
+    positions = torch.tensor([n - 1 for n in kv_lens])
+    scale = head_dim**-0.5
+    ops.paged_attention(
+        out, q, k_cache, v_cache, pages, torch.arange(len(kv_lens)), positions, page_size, scale, **kernel_options
+    )
+    expected = reference_attention(
+        q.float(), k_cache.float(), v_cache.float(), [1] * len(kv_lens), slots, scale, **oracle_options
+    )
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("window", [None, 1, 5, 16, 100])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
+def test_extend_attention_window_softcap_sinks_match_oracle(ops, dtype, page_size, window, softcap, sinks):
+    """Fresh prompts, cached prefixes and chunks across a window's edge: (q 12, kv 20) has 8 cached
+    keys, all behind its last token's 5-key window; (q 40, kv 200) spans many 16-key tiles."""
+    if not ops.has_simd():
+        pytest.skip("the extend kernel needs AVX2 or AVX-512")
+    gen = torch.Generator().manual_seed(10)
+    q_lens, kv_lens = [1, 16, 17, 40, 5, 12], [1, 16, 50, 200, 5, 20]
+    k_cache, v_cache, pages, slots, q, sink_logits = kernel_case(
+        gen, dtype, 8, 2, 64, q_lens, kv_lens, page_size, window, sinks
+    )
+    out = torch.full_like(q, float("nan"))
+    kernel_options, oracle_options = layer_options(window, softcap, sink_logits)
+    q_start = torch.tensor([sum(q_lens[:i]) for i in range(len(q_lens))])
+    ops.extend_attention(
+        out, q, k_cache, v_cache, pages, q_start, torch.tensor(q_lens), torch.tensor(kv_lens), page_size, 0.125,
+        **kernel_options,
+    )
+    expected = reference_attention(q.float(), k_cache.float(), v_cache.float(), q_lens, slots, 0.125, **oracle_options)
+    torch.testing.assert_close(out.float(), expected, atol=TOL[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [700, 2000])
+def test_paged_attention_split_keys_with_a_window_and_sinks(ops, window):
+    """One long sequence: its window's keys are split into ranges (the sink counted once) and merged."""
+    gen = torch.Generator().manual_seed(11)
+    kv_len = 3001
+    k_cache, v_cache, pages, slots, q, sink_logits = kernel_case(
+        gen, torch.bfloat16, 6, 2, 64, [1], [kv_len], 1, window, True
+    )
+    out = torch.empty_like(q)
+    expected = reference_attention(
+        q.float(), k_cache.float(), v_cache.float(), [1], slots, 0.125, window=window, sinks=sink_logits
+    )
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 4):
+            torch.set_num_threads(n)
+            ops.paged_attention(out, q, k_cache, v_cache, pages, torch.zeros(1, dtype=torch.int64),
+                                torch.tensor([kv_len - 1]), 1, 0.125, window=window, sinks=sink_logits)
+            torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=0)
+    finally:
+        torch.set_num_threads(threads)
+
+
+# (the options, given the valid call's arguments; a fragment of the message): for both kernels
+LAYER_OPTIONS_BAD = {
+    "negative softcap": (lambda a: {"softcap": -1.0}, "softcap must be finite and >= 0 (0: off), got -1"),
+    "sinks for other heads": (lambda a: {"sinks": torch.zeros(3)}, "sinks must be [heads = 4], got sizes [3]"),
+    "bf16 sinks": (lambda a: {"sinks": torch.zeros(4).bfloat16()}, "sinks must be float32, got BFloat16"),
+    "sinks not contiguous": (lambda a: {"sinks": strided(torch.zeros(4))}, "sinks must be contiguous"),
+    "a padded page inside the window": (
+        lambda a: {"window": 2, "page_table": put(a["page_table"], (0, 3), -1)},
+        "page_table[0][3] = -1 is outside the KV pool's pages [0, 16) (read for the request's keys [",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", LAYER_OPTIONS_BAD)
+@pytest.mark.parametrize("kernel", ["paged_attention", "extend_attention"])
+def test_attention_kernels_reject_bad_layer_options(ops, kernel, case):
+    change, message = LAYER_OPTIONS_BAD[case]
+    args = decode_args() if kernel == "paged_attention" else extend_args()
+    options = change(args)
+    if "page_table" in options:
+        args["page_table"] = options.pop("page_table")
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        getattr(ops, kernel)(*args.values(), **options)
+
+
+@pytest.mark.parametrize("kernel", ["paged_attention", "extend_attention"])
+def test_attention_kernels_never_read_pages_behind_the_window(ops, kernel):
+    """With a 2-key window, row 0 of the decode call reads keys 6-7 (page 3) and of the extend call
+    keys 3-6 (pages 1-3): the pages before may be -1."""
+    if kernel == "extend_attention" and not ops.has_simd():
+        pytest.skip("the extend kernel needs AVX2 or AVX-512")
+    args = decode_args() if kernel == "paged_attention" else extend_args()
+    valid = args["page_table"].clone()
+    args["page_table"][0, : 3 if kernel == "paged_attention" else 1] = -1
+    getattr(ops, kernel)(*args.values(), window=2)
+    kv_lens = [8, 6, 7] if kernel == "paged_attention" else [7, 2]
+    q_lens = [1, 1, 1] if kernel == "paged_attention" else [3, 2]
+    slots = [valid[b, torch.arange(n) // 2] * 2 + torch.arange(n) % 2 for b, n in enumerate(kv_lens)]
+    expected = reference_attention(args["q"], args["k_cache"], args["v_cache"], q_lens, slots, 0.25, window=2)
+    torch.testing.assert_close(args["out"], expected, atol=2e-5, rtol=0)
+
+
 def test_a_build_for_an_isa_this_cpu_lacks_is_never_loaded(monkeypatch):
     """The check runs before building (target flags) and on the loaded module (its compiled ISA)."""
 

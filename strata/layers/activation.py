@@ -1,0 +1,33 @@
+"""The gated MLP's activation: act(gate) * up over a fused [.., 2 * intermediate] projection
+(gate first, as Llama's gate/up and Phi-3's gate_up_proj checkpoints order them)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import usable
+
+ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF `hidden_act` / `hidden_activation` names
+ALIASES = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def check_activation(name: str, architecture: str) -> str:
+    """The canonical name of a supported activation, else a ValueError naming the supported ones."""
+    name = ALIASES.get(name, name)
+    if name not in ACTIVATIONS:
+        supported = ", ".join(ACTIVATIONS)
+        raise ValueError(f"hidden_act {name!r} is not supported for {architecture}; supported: {supported}")
+    return name
+
+
+def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
+    """gate_up: [T, 2 * I] -> act(gate) * up: [T, I]. SiLU runs as one native kernel on the CPU."""
+    if act == "silu":
+        ops = usable(gate_up)
+        if ops and gate_up.is_contiguous():
+            return ops.silu_and_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    if act == "silu":
+        return F.silu(gate) * up
+    return F.gelu(gate, approximate="tanh") * up

@@ -1,0 +1,12 @@
+"""OLMo 2: norms after attention and after the MLP, none before (`norm_layout="post"`), and q/k
+RMSNorm over all heads at once (`qk_norm="full"`, weights of num_heads * head_dim), applied before
+the split into heads and RoPE. Checkpoint names are Llama's.
+"""
+
+from __future__ import annotations
+
+from strata.models.decoder import DecoderForCausalLM
+
+
+class Olmo2ForCausalLM(DecoderForCausalLM):
+    pass
