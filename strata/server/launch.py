@@ -341,6 +341,33 @@ def keep_torch_out() -> None:
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
 
 
+_CONVERT = (
+    "import sys\n"
+    "from strata.weights.default_model import resolve_model_path\n"
+    "try:\n"
+    "    print(resolve_model_path(sys.argv[1] or None))\n"
+    "except (ValueError, FileNotFoundError) as exc:\n"
+    "    sys.exit(f'strata serve: error: {exc}')\n"
+)
+
+
+def resolve_model(model_arg: str | None) -> Path:
+    """The model directory for --model. Converting a GGUF needs transformers' GGUF support, which
+    imports torch, so a first-time conversion runs in a child process and this one stays torch-free."""
+    from strata.weights.default_model import resolve_model_path
+
+    model_dir = resolve_model_path(model_arg, convert=False)
+    if model_dir is not None:
+        return model_dir
+    logger.info("converting %s once into the model cache", model_arg or "the default model")
+    child = subprocess.run(
+        [sys.executable, "-c", _CONVERT, model_arg or ""], stdout=subprocess.PIPE, text=True, check=False
+    )
+    if child.returncode != 0:
+        raise ValueError(f"could not convert {model_arg or 'the default model'} (see the message above)")
+    return Path(child.stdout.strip().splitlines()[-1])
+
+
 def serve(args: argparse.Namespace, started: float | None = None) -> int:
     """Run the server from parsed flags (the CLI's `serve` subcommand calls this)."""
     started = time.perf_counter() if started is None else started
@@ -357,11 +384,9 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         stream=sys.stderr,
     )
     install_log_redaction(secret_values(server_config, engine_config))
-    from strata.weights.default_model import resolve_model_path
-
     model_arg = engine_config.model
     try:
-        model_dir = resolve_model_path(model_arg)
+        model_dir = resolve_model(model_arg)
     except (ValueError, FileNotFoundError) as exc:
         print(f"strata serve: error: {exc}", file=sys.stderr)
         return 2

@@ -62,12 +62,15 @@ def gguf_digest(gguf_path: Path) -> str:
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def converted_dir(gguf_path: str | Path, name: str | None = None) -> Path:
-    """The converted HF directory for `gguf_path`, converting into the cache on first use."""
+def converted_dir(gguf_path: str | Path, name: str | None = None, convert: bool = True) -> Path | None:
+    """The converted HF directory for `gguf_path`, converting into the cache on first use
+    (with convert=False: None when it has not been converted yet)."""
     gguf_path = Path(gguf_path).resolve()
     out_dir = cache_root() / "models" / f"{name or gguf_path.stem}-{gguf_digest(gguf_path)}"
     if _is_converted(out_dir):
         return out_dir
+    if not convert:
+        return None
     try:
         convert_gguf_to_hf(gguf_path, out_dir)
     except FileExistsError:
@@ -81,23 +84,25 @@ def _is_converted(out_dir: Path) -> bool:
     return (out_dir / "config.json").is_file() and (out_dir / MODEL_FILE).is_file()
 
 
-def default_model_dir() -> Path:
+def default_model_dir(convert: bool = True) -> Path | None:
     """The default model as a HF directory (converted into the cache once, then reused)."""
-    return converted_dir(find_default_gguf(), DEFAULT_MODEL_NAME)
+    return converted_dir(find_default_gguf(), DEFAULT_MODEL_NAME, convert)
 
 
-def resolve_model_path(model: str | Path | None) -> Path:
+def resolve_model_path(model: str | Path | None, convert: bool = True) -> Path | None:
     """Turn a `--model` value into a local HF model directory.
 
     * None: the default model (see `default_model_dir`);
     * a `.gguf` file: converted into the cache like the default model;
     * a directory containing config.json: used as is.
+
+    With convert=False a GGUF that still needs converting gives None (the caller converts elsewhere).
     """
     if model is None:
-        return default_model_dir()
+        return default_model_dir(convert)
     path = Path(model).expanduser()
     if path.is_file() and path.suffix.lower() == ".gguf":
-        return converted_dir(path)
+        return converted_dir(path, convert=convert)
     if path.is_dir() and (path / "config.json").is_file():
         return path
     raise ValueError(

@@ -487,6 +487,26 @@ def test_resolve_gguf_converts_once_into_cache(
     assert resolve_model_path(f32_gguf) == first
 
 
+def test_server_converts_a_new_gguf_while_keeping_torch_out(f32_gguf: Path, tmp_path: Path) -> None:
+    """`strata serve` keeps torch out of its process; converting a GGUF needs it: a child converts."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "from strata.server.launch import keep_torch_out, resolve_model\n"
+        "keep_torch_out()\n"
+        f"print(resolve_model({str(f32_gguf)!r}))\n"
+        "assert sys.modules.get('torch') is None, 'torch was imported'\n"
+    )
+    env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    model_dir = Path(result.stdout.strip().splitlines()[-1])
+    assert model_dir.parent == tmp_path / "cache" / "models" and (model_dir / "config.json").is_file()
+
+
 def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
     assert resolve_model_path(str(f32_dir)) == f32_dir
     (tmp_path / "empty").mkdir()
