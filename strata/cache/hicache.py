@@ -37,19 +37,18 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import struct
 import threading
 import time
-import zlib
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
+from strata.cache.pages import HEADER_BYTES, CorruptPage, PageHasher, decode_page, encode_page
+from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
 from strata.cache.radix import MatchResult, RadixCache
 from strata.cache.storage import StorageBackend
 
@@ -99,88 +98,6 @@ class HiCacheStats:
         q = max(self.query_tokens, 1)
         d["hit_rate"] = {tier: n / q for tier, n in self.hit_tokens.items()}
         return d
-
-
-class RateMeter:
-    """Units per second over the last `window` samples (their sums' ratio), `prior` until the first."""
-
-    def __init__(self, prior: float, window: int = 16):
-        self.prior = prior
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (amount, seconds)
-
-    def add(self, amount: float, seconds: float) -> None:
-        if amount > 0 and seconds > 0:
-            self.samples.append((amount, seconds))
-
-    @property
-    def rate(self) -> float:
-        if not self.samples:
-            return self.prior
-        return sum(a for a, _ in self.samples) / sum(s for _, s in self.samples)
-
-
-def auto_prefetch_wait_s(
-    num_tokens: int, num_bytes: int, queued_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float
-) -> float:
-    """How long the auto policy lets a request wait for an L3 fetch of `num_bytes` (its `num_tokens`
-    tokens), behind `queued_bytes` of other fetches: the recompute time if the fetch is expected to
-    be quicker than recomputing, else 0 (see the module docstring)."""
-    fetch_s = (queued_bytes + num_bytes) / read_bytes_per_s
-    recompute_s = num_tokens / prefill_tokens_per_s
-    return recompute_s if fetch_s < recompute_s else 0.0
-
-
-class PageHasher:
-    """Chained SHA-256 per page: digest_i = H(digest_{i-1} || tokens of page i), seeded by the namespace."""
-
-    def __init__(self, page_size: int, namespace: bytes):
-        self.page_size = page_size
-        self.seed = hashlib.sha256(namespace).digest()
-
-    def hashes(self, tokens: Sequence[int], prev: bytes | None = None) -> list[bytes]:
-        """Digests of every whole page of `tokens` (which start at a page boundary after `prev`)."""
-        ps = self.page_size
-        out, h = [], prev or self.seed
-        for i in range(len(tokens) // ps):
-            page = np.asarray(tokens[i * ps : (i + 1) * ps], dtype=np.int64).tobytes()
-            h = hashlib.sha256(h + page).digest()
-            out.append(h)
-        return out
-
-
-# --------------------------------------------------------------------------- page codec
-
-_MAGIC = b"STKV"
-_HEADER = struct.Struct("<4s32s32sIQ")  # magic, key digest, namespace digest, crc32, payload bytes
-
-
-class CorruptPage(ValueError):
-    pass
-
-
-def encode_page(key: bytes, namespace: bytes, payload: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, key, namespace, zlib.crc32(payload), len(payload)) + payload
-
-
-def decode_page(data: bytes, key: bytes, namespace: bytes, expected_len: int) -> bytes:
-    """The payload, or CorruptPage (never another exception) if the entry is truncated, foreign,
-    damaged, or not bytes at all."""
-    if not isinstance(data, (bytes, bytearray, memoryview)):
-        raise CorruptPage(f"entry is a {type(data).__name__}, not bytes")
-    data = bytes(data)
-    if len(data) < _HEADER.size:
-        raise CorruptPage("truncated header")
-    magic, stored_key, stored_ns, crc, length = _HEADER.unpack_from(data)
-    payload = data[_HEADER.size :]
-    if magic != _MAGIC:
-        raise CorruptPage("bad magic")
-    if stored_key != key or stored_ns != namespace:
-        raise CorruptPage("entry belongs to another key or KV layout")
-    if length != expected_len or len(payload) != length:
-        raise CorruptPage(f"payload is {len(payload)} bytes, expected {expected_len}")
-    if zlib.crc32(payload) != crc:
-        raise CorruptPage("checksum mismatch")
-    return payload
 
 
 # --------------------------------------------------------------------------- L2: host pool
@@ -546,7 +463,7 @@ class HiCache:
             return float("inf")
         if policy == "timeout":
             return self.config.prefetch_timeout_s
-        stored_page_bytes = self.payload_bytes + _HEADER.size
+        stored_page_bytes = self.payload_bytes + HEADER_BYTES
         queued_pages = sum(len(pf.keys) for pf in self.prefetches.values() if not pf.done)
         return auto_prefetch_wait_s(
             len(keys) * self.page_size, len(keys) * stored_page_bytes, queued_pages * stored_page_bytes,
@@ -616,7 +533,7 @@ class HiCache:
             self.l2_from_storage.add(d)
             self._remember_stored(d)
         self.stats.storage_read_pages += len(good)
-        self.stats.bytes_from_storage += len(good) * (expected + _HEADER.size)
+        self.stats.bytes_from_storage += len(good) * (expected + HEADER_BYTES)
 
     def close(self) -> None:
         if self.worker is not None:

@@ -16,16 +16,10 @@ import pytest
 import torch
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.hicache import (
-    CorruptPage,
-    HiCache,
-    HiCacheConfig,
-    RateMeter,
-    auto_prefetch_wait_s,
-    decode_page,
-    encode_page,
-)
+from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
+from strata.cache.pages import CorruptPage, decode_page, encode_page
+from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
 from strata.cache.radix import RadixCache
 from strata.cache.storage import make_storage_backend
 from strata.cache.storage.file import FileStorage
