@@ -257,7 +257,8 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")  # strata.cache.hicache
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")  # strata.weights.loader.load_model
+QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
 INT64_MAX = 2**63 - 1
@@ -275,6 +276,7 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "context_length": (2, 1 << 24),
     "random_seed": (-INT64_MAX - 1, INT64_MAX),
     "num_threads": (1, 4096),
+    "swa_full_tokens_ratio": (TINY, 1.0),
     "hicache_ratio": (TINY, 1e6),
     "hicache_size": (TINY, 1 << 20),
     "hicache_prefetch_threshold": (0, 1 << 40),
@@ -327,6 +329,11 @@ class EngineConfig:
     # weights in blocks of 32 (CPU): auto = a GGUF model's own blocks, else float; none = dequantized;
     # gguf = the GGUF's blocks or fail; int8 | int4 = quantize a float checkpoint
     quantization: str = "auto"
+    # sliding-window layers: "window" = a KV pool per window size that holds about W tokens per
+    # request and a prefix cache that keeps what resuming a window reads; "full" = they keep every
+    # token's KV, as full-attention layers do (the hierarchical cache and PD use this layout)
+    sliding_kv: str = "window"
+    swa_full_tokens_ratio: float = 0.5  # window-group pages per primary (full-attention) page
     # KV cache hierarchy (strata.cache.hicache): L2 host pool and L3 storage behind the radix cache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # L2 pages per L1 page
@@ -371,6 +378,8 @@ class EngineConfig:
             raise ValueError(
                 f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
             )
+        if self.sliding_kv not in SLIDING_KV_MODES:
+            raise ValueError(f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -394,6 +403,7 @@ _CHOICES = {
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
     "disaggregation_mode": DISAGGREGATION_MODES,
     "quantization": QUANTIZATION_METHODS,
+    "sliding_kv": SLIDING_KV_MODES,
 }
 _HELP = {
     "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",
@@ -404,6 +414,9 @@ _HELP = {
     "disable_radix_cache": "turn off prefix sharing",
     "quantization": "weights in blocks of 32 on the CPU: auto (a GGUF runs on its own blocks), none "
     "(dequantize), gguf (require the blocks), int8 / int4 (quantize a float checkpoint)",
+    "sliding_kv": "sliding-window layers: window (a KV pool per window size, about W tokens per request; "
+    "the prefix cache keeps what resuming a window reads) or full (every token, like full layers)",
+    "swa_full_tokens_ratio": "with --sliding-kv window: pages of each window group per full-attention page",
     "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
     "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
     "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",

@@ -103,6 +103,7 @@ def _serving_run(args: argparse.Namespace, ctx, details: dict[str, list]):
             )
             r = run_serving(config, datasets[key], ctx.tokenizer)
             results.append(r)
+            figures["KV tokens per GiB"] = kv_tokens_per_gib(server_info.server_info(url))
             s, w, label = r.summary, r.window, sweep_label(rate, conc)
             hit = s.usage_cache_hit_rate if s.usage_cache_hit_rate is not None else r.server_cache_hit_rate
             figures.update({
@@ -122,6 +123,13 @@ def _serving_run(args: argparse.Namespace, ctx, details: dict[str, list]):
         return figures
 
     return run
+
+
+def kv_tokens_per_gib(info: dict[str, Any] | None) -> float | None:
+    """Tokens of context the server's KV pool holds per GiB of it (Strata's /get_server_info)."""
+    engine = (info or {}).get("engine") or {}
+    tokens, size = engine.get("num_kv_tokens"), engine.get("kv_bytes")
+    return tokens / size * 2**30 if tokens and size else None
 
 
 def _without_requests(serving: dict[str, Any]) -> dict[str, Any]:

@@ -38,6 +38,9 @@ class OneBatchResult:
     prefill_pieces_ms: dict[str, float] | None = None  # mean per prefill step (Strata only)
     decode_pieces_ms: dict[str, float] | None = None  # mean per decode step (Strata only)
     path: dict[str, object] | None = None  # what ran: dtype (and why), weight formats, kernel build, ISA
+    # the most KV memory in use after any step, per request (Strata only; with the prefix cache on it
+    # includes what the cache keeps, so measure per-request needs with --disable-radix-cache)
+    kv_peak_bytes_per_request: float | None = None
 
     @classmethod
     def measured(
@@ -111,7 +114,7 @@ def run_strata_one_batch(
     return OneBatchResult.measured(
         "strata", batch_size, input_len, output_len, prefill_s, step_ms, len(decode),
         prefill_pieces_ms=mean_pieces_ms(prefill), decode_pieces_ms=mean_pieces_ms(decode),
-        path=engine_path(engine),
+        path=engine_path(engine), kv_peak_bytes_per_request=max(s.kv_bytes for s in steps) / batch_size,
     )
 
 

@@ -99,7 +99,8 @@ def serving_text(r: ServingResult) -> str:
 def one_batch_text(results: list[OneBatchResult]) -> str:
     rows = [
         [r.target, str(r.batch_size), str(r.input_len), str(r.output_len), fmt(r.prefill_s, 3), fmt(r.prefill_tok_s, 1),
-         fmt(r.decode_step_ms), fmt(r.decode_tok_s, 1)]
+         fmt(r.decode_step_ms), fmt(r.decode_tok_s, 1),
+         fmt(None if r.kv_peak_bytes_per_request is None else r.kv_peak_bytes_per_request / 2**20, 2)]
         for r in results
     ]  # fmt: skip
     text = table(
@@ -113,6 +114,7 @@ def one_batch_text(results: list[OneBatchResult]) -> str:
             "prefill tok/s",
             "decode step ms",
             "decode tok/s",
+            "KV/request peak (MiB)",
         ],
     )
     pieces = [r for r in results if r.decode_pieces_ms or r.prefill_pieces_ms]

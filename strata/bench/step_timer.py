@@ -37,6 +37,7 @@ class StepTiming:
     num_tokens: int = 0  # tokens fed to the forward (decode tokens + prefill chunks)
     num_sampled: int = 0  # tokens generated
     num_finished: int = 0  # requests that finished in this step
+    kv_bytes: int = 0  # KV memory in use after the step (every group of the pool)
 
     @property
     def duration_s(self) -> float:
@@ -111,6 +112,7 @@ class StepTimer:
                 return orig_step()
             finally:
                 self.current.end = self.clock()
+                self.current.kv_bytes = sched.kv_bytes_in_use()
                 if self.current.num_reqs:
                     self.steps.append(self.current)
 

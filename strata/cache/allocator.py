@@ -2,11 +2,16 @@
 
 The KV pool is ``num_pages * page_size`` slots; slot ``page * page_size + offset`` holds the KV of one
 token. The allocator only hands out page ids; it knows nothing about what is stored in them.
+A model with sliding-window layers gets a `GroupedPageAllocator`: the same page ids, and behind each
+one a page of every window group's own, smaller pool, which can be given back on its own once the
+positions it holds fall out of the window.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+
+import numpy as np
 
 
 class OutOfPages(Exception):
@@ -31,9 +36,19 @@ class PageAllocator:
         self._free_list: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_pages
 
+    groups: list[WindowGroup] = []  # sliding-window groups behind the page ids (GroupedPageAllocator)
+
     @property
     def num_free_pages(self) -> int:
         return len(self._free_list)
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= len(self._free_list)
+
+    def group_pages_held(self, pages: Iterable[int]) -> list[int]:
+        """Per window group, how many of these (primary) pages still hold that group's KV."""
+        idx = np.asarray(list(pages), dtype=np.int64)
+        return [int((g.to_group[idx] >= 0).sum()) if len(idx) else 0 for g in self.groups]
 
     def is_free(self, page: int) -> bool:
         if not 0 <= page < self.num_pages:
@@ -75,3 +90,110 @@ class PageAllocator:
 
     def __repr__(self) -> str:
         return f"PageAllocator(free={self.num_free_pages}/{self.num_pages}, page_size={self.page_size})"
+
+
+class WindowGroup:
+    """The KV pages of one sliding-window layer group, addressed through the primary page ids.
+
+    Primary page p backs positions [i * page_size, (i + 1) * page_size) of whichever sequence holds it;
+    the group's KV for those positions is in group page ``to_group[p]`` (-1: none, a tombstone: the
+    positions fell out of every window that still reads them, and the group page went back).
+    """
+
+    def __init__(self, window: int, num_pages: int, num_primary_pages: int, page_size: int) -> None:
+        self.window = window
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.to_group = np.full(num_primary_pages, -1, dtype=np.int64)
+
+    @property
+    def num_pages(self) -> int:
+        return self.allocator.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free_pages
+
+    def alive(self, pages: Sequence[int]) -> np.ndarray:
+        return self.to_group[np.asarray(pages, dtype=np.int64)] >= 0
+
+    def drop(self, pages: Iterable[int]) -> int:
+        """Tombstone the primary pages' group KV (those that still have it). Returns the count freed."""
+        idx = np.asarray(list(pages), dtype=np.int64)
+        if not len(idx):
+            return 0
+        held = self.to_group[idx]
+        live = held >= 0
+        self.allocator.free(held[live].tolist())
+        self.to_group[idx[live]] = -1
+        return int(live.sum())
+
+
+class GroupedPageAllocator(PageAllocator):
+    """Pages of a model whose layers attend differently: one page id space (the primary group: the
+    full-attention layers, or no storage at all when every layer is windowed) and one `WindowGroup`
+    per sliding-window size. Allocating a page allocates it in every group; freeing it frees what
+    each group still holds; `drop` frees a group's part alone while the full layers keep theirs.
+
+    The prefix cache and the scheduler deal in primary pages as before; this class keeps each
+    group's own pages behind them.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, groups: Sequence[tuple[int, int]]) -> None:
+        """groups: (window, group pages) per sliding-window size."""
+        self.groups = [WindowGroup(w, n, num_pages, page_size) for w, n in groups]
+        super().__init__(num_pages, page_size)
+
+    def reset(self) -> None:
+        super().reset()
+        for g in self.groups:
+            g.allocator.reset()
+            g.to_group[:] = -1
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= self.num_free_pages and all(n <= g.num_free_pages for g in self.groups)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if not self.can_alloc(n):
+            return None
+        pages = super().alloc(n)
+        if n:
+            idx = np.asarray(pages, dtype=np.int64)
+            for g in self.groups:
+                g.to_group[idx] = g.allocator.alloc(n)
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        pages = list(pages)
+        super().free(pages)  # validates first: nothing of a bad call is freed
+        for g in self.groups:
+            g.drop(pages)
+
+    def usable_prefix(self, pages: Sequence[int]) -> int:
+        """How many of ``pages`` (a cached prefix, in order) can be reused: the longest k such that
+        each group still holds the pages a query at position k * page_size reads, those covering
+        its window's cached part [k * page_size - window + 1, k * page_size)."""
+        ps = self.page_size
+        k = len(pages)
+        if not self.groups or not k:
+            return k
+        ends = np.arange(1, k + 1)  # candidate lengths in pages
+        ok = np.ones(k, dtype=bool)
+        for g in self.groups:
+            dead = ~g.alive(pages)
+            # first page of the run of live pages ending at page e - 1, for each candidate e
+            run_start = np.maximum.accumulate(np.where(dead, ends, 0))
+            ok &= run_start <= np.maximum(0, ends * ps - g.window + 1) // ps
+        usable = np.flatnonzero(ok)
+        return int(usable[-1]) + 1 if len(usable) else 0
+
+    def adopt(self, kept: Sequence[int], duplicates: Sequence[int]) -> None:
+        """``duplicates[i]`` holds the same KV as ``kept[i]`` and is about to be freed: where a group
+        dropped kept's part and the duplicate still has one, move it over (revives tombstones)."""
+        for g in self.groups:
+            for a, b in zip(kept, duplicates):
+                if a != b and g.to_group[a] < 0 <= g.to_group[b]:
+                    g.to_group[a], g.to_group[b] = g.to_group[b], -1
+
+    def __repr__(self) -> str:
+        groups = ", ".join(f"W{g.window}: {g.num_free_pages}/{g.num_pages}" for g in self.groups)
+        return f"GroupedPageAllocator(free={self.num_free_pages}/{self.num_pages}, {groups}, page_size={self.page_size})"

@@ -2,35 +2,74 @@
 
 Slots are grouped into pages of `page_size` (slot = page * page_size + offset); the allocator and
 the prefix cache deal in pages, attention deals in slots.
+
+Layers are grouped by how far back they attend. The full-attention layers form the primary group:
+their buffers are indexed by the page ids the scheduler and the prefix cache hand around. Each
+sliding-window size forms a group of its own with a smaller buffer, indexed by its own pages
+(`GroupedPageAllocator` maps a primary page to the group's page); a window layer holds at most
+about W tokens per request, as pages that fall out of the window go back while the request runs.
+When every layer is windowed (Mistral's sliding configs) the primary group stores nothing: its page
+ids only name positions.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 
 
 class MHAKVPool:
-    """K/V for multi-head (and grouped-query) attention: [num_slots, num_kv_heads, head_dim] per layer."""
+    """K/V for multi-head (and grouped-query) attention: [slots, num_kv_heads, head_dim] per layer."""
 
     def __init__(
         self,
-        num_layers: int,
+        layer_windows: Sequence[int | None] | int,
         num_kv_heads: int,
         head_dim: int,
         num_pages: int,
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        group_pages: dict[int, int] | None = None,
     ):
+        """layer_windows: each layer's window (None: full), or a layer count (all full).
+        group_pages: pages of each window size's own group; None: every layer in the primary group
+        (windowed layers then keep every token's KV, as a full layer does)."""
+        if isinstance(layer_windows, int):
+            layer_windows = [None] * layer_windows
+        group_pages = group_pages or {}
         self.num_pages = num_pages
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.dtype = dtype
-        shape = (self.num_slots, num_kv_heads, head_dim)
+        self.windows = sorted(group_pages)  # window group g (1-based in group_of) has windows[g - 1]
+        self.group_pages = [group_pages[w] for w in self.windows]
+        self.group_of = [
+            self.windows.index(w) + 1 if w is not None and w in group_pages else 0 for w in layer_windows
+        ]
         # zeros, not empty: padded attention gathers slots it masks out (the unwritten tail of a
         # request's last page, padding rows), and a masked 0 * NaN from uninitialised memory is NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for g in self.group_of:
+            pages = num_pages if g == 0 else self.group_pages[g - 1]
+            shape = (pages * page_size, num_kv_heads, head_dim)
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def grouped(self) -> bool:
+        return bool(self.windows)
+
+    def layer_bytes_per_token(self) -> int:
+        k = self.k[0]
+        return 2 * k.shape[1] * k.shape[2] * k.element_size()
+
+    def bytes_by_group(self) -> list[int]:
+        """Bytes per page of each group (primary first): what one page costs there."""
+        per_layer = self.layer_bytes_per_token() * self.page_size
+        return [per_layer * self.group_of.count(g) for g in range(len(self.windows) + 1)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

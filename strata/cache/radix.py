@@ -38,7 +38,7 @@ from strata.cache.allocator import PageAllocator
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "pins", "last_access", "id")
 
     def __init__(
         self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, last_access: int, node_id: int
@@ -48,6 +48,7 @@ class TreeNode:
         self.key = key
         self.value = value
         self.lock_ref = 0
+        self.pins = 0  # locks taken on this node itself (a request whose cached prefix ends here)
         self.last_access = last_access  # value of a monotonic counter, not wall time
         self.id = node_id  # creation order; breaks LRU ties deterministically
 
@@ -77,6 +78,9 @@ class PrefixCache(Protocol):
       never evicted. dec_lock raises RuntimeError if a count would go negative.
     - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
       first; returns the number freed.
+    - ``evict_window(wanted)``: frees up to wanted[g] pages of each window group of a
+      `GroupedPageAllocator` (`WindowRadixCache`); returns the count per group (zeros elsewhere).
+    - ``window_pages()``: per window group, the pages the cache holds (walks the tree).
     - ``evictable_pages`` (unlocked), ``protected_pages`` (locked), ``total_pages`` (both).
     - ``reset()``: drop everything, freeing all pages to the allocator (RuntimeError while locked).
     """
@@ -88,6 +92,8 @@ class PrefixCache(Protocol):
     def inc_lock(self, node: TreeNode) -> None: ...
     def dec_lock(self, node: TreeNode) -> None: ...
     def evict(self, num_pages: int) -> int: ...
+    def evict_window(self, wanted: Sequence[int]) -> list[int]: ...
+    def window_pages(self) -> list[int]: ...
     @property
     def evictable_pages(self) -> int: ...
     @property
@@ -182,12 +188,16 @@ class RadixCache:
         ps = self.page_size
         _check_insert_args(token_ids, pages, ps)
         tokens = tuple(token_ids)
-        node, pos, _ = self._descend(tokens)
+        node, pos, present = self._descend(tokens)
+        self._on_present(present, pages[: pos // ps])
         if pos < len(tokens):
             leaf = self._new_node(tokens[pos:], list(pages[pos // ps :]), node)
             node.children[tokens[pos : pos + ps]] = leaf
             self._evictable += len(leaf.value)
         return pos
+
+    def _on_present(self, cached: list[int], given: Sequence[int]) -> None:
+        """An insert found ``given`` already cached as ``cached`` (the caller frees its copies)."""
 
     # -------------------------------------------------------------------------------- locks
 
@@ -202,7 +212,9 @@ class RadixCache:
         return path
 
     def inc_lock(self, node: TreeNode) -> None:
-        for n in self._path(node):
+        path = self._path(node)
+        node.pins += 1
+        for n in path:
             if n.lock_ref == 0:
                 k = len(n.value)
                 self._evictable -= k
@@ -213,6 +225,7 @@ class RadixCache:
         path = self._path(node)
         if node.lock_ref <= 0:  # ancestors hold at least as many locks as node
             raise RuntimeError(f"dec_lock on unlocked {node!r}")
+        node.pins -= 1
         for n in path:
             n.lock_ref -= 1
             if n.lock_ref == 0:
@@ -252,17 +265,30 @@ class RadixCache:
                 freed += want
                 self._evictable -= want
                 break
-            self._before_free(node, 0)
-            self.allocator.free(node.value)
-            freed += len(node.value)
-            self._evictable -= len(node.value)
             parent = node.parent
             assert parent is not None
-            del parent.children[node.key[:ps]]
-            node.parent = None  # detached: locking it now raises
+            freed += self._remove_leaf(node)
             if not parent.children and parent.lock_ref == 0 and parent is not self.root:
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
+
+    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+        return [0] * len(wanted)  # no window groups (WindowRadixCache has them)
+
+    def window_pages(self) -> list[int]:
+        """Per window group of the allocator, the pages the tree still holds (walks the tree)."""
+        return self.allocator.group_pages_held(p for n in self._nodes() for p in n.value)
+
+    def _remove_leaf(self, node: TreeNode) -> int:
+        """Free an unlocked leaf's pages and detach it. Returns the pages freed."""
+        self._before_free(node, 0)
+        self.allocator.free(node.value)
+        self._evictable -= len(node.value)
+        parent = node.parent
+        assert parent is not None and not node.children and node.lock_ref == 0
+        del parent.children[node.key[: self.page_size]]
+        node.parent = None  # detached: locking it now raises
+        return len(node.value)
 
     def _before_free(self, node: TreeNode, keep_pages: int) -> None:
         """Tell the evict hook about node.value[keep_pages:] before those pages are freed."""
@@ -341,6 +367,12 @@ class NoPrefixCache:
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+        return [0] * len(wanted)
+
+    def window_pages(self) -> list[int]:
+        return [0] * len(self.allocator.groups)
 
     @property
     def evictable_pages(self) -> int:

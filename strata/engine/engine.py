@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
+import math
 import operator
 import os
 import time
@@ -21,10 +22,11 @@ from typing import Any
 
 import torch
 
-from strata.cache.allocator import PageAllocator
+from strata.cache.allocator import GroupedPageAllocator, PageAllocator
 from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
+from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig, ModelConfig
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
@@ -56,6 +58,7 @@ class RuntimeState:
     num_kv_tokens: int
     kv_bytes: int
     kv_reason: str
+    kv_groups: str  # how the layers' KV is laid out, e.g. "3 full layers; 15 window-512 layers: 1024 pages"
     context_len: int
     eos_token_ids: frozenset[int]
     load_seconds: float
@@ -192,39 +195,29 @@ class Engine:
         )
         weights = describe_weights(self.model)
 
-        bytes_per_token = MHAKVPool.bytes_per_token(
-            model_config.num_layers, model_config.num_kv_heads, model_config.head_dim, kv_dtype
-        )
-        if cfg.kv_cache_tokens is not None:
-            num_tokens, reason = cfg.kv_cache_tokens, "--kv-cache-tokens"
-        else:
-            total = total_memory_bytes(device)
-            num_tokens = int(total * cfg.mem_fraction_static) // bytes_per_token
-            reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total / 2**30:.1f} GiB"
-            cap = KV_CONTEXTS_CAP * context_len
-            if num_tokens > cap:  # small models: more KV than 64 full contexts is memory with no use
-                num_tokens, reason = cap, f"{KV_CONTEXTS_CAP} x the {context_len}-token context (below {reason})"
-        num_pages = max(1, num_tokens // cfg.page_size)
+        # what a KV page means, for pages shared through L3 storage or sent to a PD peer
+        shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
+        plan = plan_kv_pool(cfg, model_config, kv_dtype, device, context_len, shares_kv)
+        num_pages = plan.num_pages
         kv_pool = MHAKVPool(
-            model_config.num_layers,
-            model_config.num_kv_heads,
-            model_config.head_dim,
-            num_pages,
-            cfg.page_size,
-            kv_dtype,
-            device,
+            plan.layer_windows, model_config.num_kv_heads, model_config.head_dim, num_pages, cfg.page_size,
+            kv_dtype, device, group_pages=plan.group_pages,
         )
-        allocator = PageAllocator(num_pages, cfg.page_size)
-        cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else RadixCache(allocator)
+        if kv_pool.grouped:
+            allocator = GroupedPageAllocator(num_pages, cfg.page_size, list(plan.group_pages.items()))
+            cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else WindowRadixCache(allocator)
+        else:
+            allocator = PageAllocator(num_pages, cfg.page_size)
+            cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else RadixCache(allocator)
         eos = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos.update(_generation_config_eos(model_dir))
-        # what a KV page means, for pages shared through L3 storage or sent to a PD peer
-        shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
         namespace = kv_namespace(model_dir, kv_pool, weights, dtype) if shares_kv else b""
         self.hicache = self._make_hicache(namespace, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
-        runner = ModelRunner(self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed)
+        runner = ModelRunner(
+            self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
+        )
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, hicache=self.hicache
         )
@@ -239,8 +232,9 @@ class Engine:
             kernels=kernel_info() if device.type == "cpu" else {},
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
-            kv_bytes=num_pages * cfg.page_size * bytes_per_token,
-            kv_reason=reason,
+            kv_bytes=sum(t.numel() * t.element_size() for t in kv_pool.k + kv_pool.v),
+            kv_reason=plan.reason,
+            kv_groups=plan.describe(),
             context_len=context_len,
             eos_token_ids=frozenset(eos),
             load_seconds=time.perf_counter() - start,
@@ -259,7 +253,7 @@ class Engine:
             self.state.load_seconds,
             self.state.num_kv_tokens,
             self.state.kv_bytes / 2**20,
-            reason,
+            plan.reason + (f"; {plan.describe()}" if plan.group_pages else ""),
         )
 
     def _make_disagg(self, namespace: bytes, kv_pool: MHAKVPool):
@@ -481,6 +475,61 @@ class Engine:
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
+
+
+@dataclass
+class KVPlan:
+    """How big the KV pool is and how its layers are grouped."""
+
+    layer_windows: list[int | None]  # per layer: its window, None for full attention
+    num_pages: int  # primary pages (the full layers'; names only, when every layer is windowed)
+    group_pages: dict[int, int]  # window -> pages of that window group ({}: one pool for all layers)
+    reason: str  # where the size came from
+
+    def describe(self) -> str:
+        full = sum(w is None or w not in self.group_pages for w in self.layer_windows)
+        parts = [f"{full} layers keep every token ({self.num_pages} pages)"]
+        for w, n in self.group_pages.items():
+            parts.append(f"{self.layer_windows.count(w)} window-{w} layers: {n} pages")
+        return "; ".join(parts)
+
+
+def plan_kv_pool(
+    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int,
+    shares_kv: bool,
+) -> KVPlan:
+    """Size the pool. --kv-cache-tokens sets the primary pages (the tokens of context the full
+    layers hold); otherwise --mem-fraction-static of memory is split so each window group gets
+    --swa-full-tokens-ratio pages per primary page. A window group never gets fewer pages than one
+    request can need at once (its window plus a prefill chunk, a few pages of slack) nor more than
+    the primary pages."""
+    windows = [spec.window for spec in mc.layers]
+    ps = cfg.page_size
+    grouped = cfg.sliding_kv == "window" and any(w is not None for w in windows)
+    if grouped and shares_kv:
+        logger.warning("the hierarchical cache and PD move every layer's KV: window layers keep every token")
+        grouped = False
+    layer_bytes = MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    ratio = cfg.swa_full_tokens_ratio if grouped else 1.0
+    windowed = sum(w is not None for w in windows) if grouped else 0
+    per_token = layer_bytes * ((len(windows) - windowed) + ratio * windowed)
+    if cfg.kv_cache_tokens is not None:
+        num_tokens, reason = cfg.kv_cache_tokens, "--kv-cache-tokens"
+    else:
+        total = total_memory_bytes(device)
+        num_tokens = int(total * cfg.mem_fraction_static / per_token)
+        reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total / 2**30:.1f} GiB"
+        cap = KV_CONTEXTS_CAP * context_len
+        if num_tokens > cap:  # small models: more KV than 64 full contexts is memory with no use
+            num_tokens, reason = cap, f"{KV_CONTEXTS_CAP} x the {context_len}-token context (below {reason})"
+    num_pages = max(1, num_tokens // ps)
+    group_pages = {}
+    if grouped:
+        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else context_len
+        for w in sorted({w for w in windows if w is not None}):
+            least = -(-(w + min(chunk, context_len)) // ps) + 3
+            group_pages[w] = min(num_pages, max(least, math.ceil(ratio * num_pages)))
+    return KVPlan(windows, num_pages, group_pages, reason)
 
 
 def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str, dtype: torch.dtype) -> bytes:

@@ -5,9 +5,12 @@ It owns the model and the KV pool; it never decides what runs (the scheduler doe
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import torch
 
+from strata.cache.allocator import WindowGroup
 from strata.cache.kv_pool import MHAKVPool
 from strata.engine.batch import ForwardBatch, ScheduleBatch
 from strata.engine.request import Req
@@ -16,9 +19,14 @@ from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_pool: MHAKVPool, device: torch.device, vocab_size: int, seed: int):
+    def __init__(
+        self, model: torch.nn.Module, kv_pool: MHAKVPool, device: torch.device, vocab_size: int, seed: int,
+        groups: Sequence[WindowGroup] = (),
+    ):
         self.model = model
         self.kv = kv_pool
+        # each window group's page map (primary page -> its page), sharing the allocator's memory
+        self.group_maps = [torch.from_numpy(g.to_group) for g in groups]
         self.device = device
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
@@ -41,6 +49,8 @@ class ModelRunner:
         attn = AttentionMetadata.build(
             batch.extend_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, batch.num_decode, self.device
         )
+        for to_group in self.group_maps:  # window groups: the same positions in the group's own pages
+            attn.groups.append(attn.with_page_table(to_group[attn.page_table]))
         sampled = batch.sampled_reqs()
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),

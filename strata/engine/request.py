@@ -54,6 +54,7 @@ class Req:
     kv_len: int = 0
     cached_len: int = 0
     prefix_node: Any = None
+    window_dropped: list[int] = field(default_factory=list)  # per window group: pages before this gave their KV back
     # reporting
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / storage

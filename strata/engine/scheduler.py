@@ -313,10 +313,14 @@ class Scheduler:
         return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival))
 
     def _make_room(self, num_pages: int) -> bool:
+        """Evict from the prefix cache until `num_pages` pages can be allocated (in every KV group)."""
         short = num_pages - self.allocator.num_free_pages
         if short > 0:
             self.cache.evict(short)
-        return self.allocator.num_free_pages >= num_pages
+        groups = self.allocator.groups
+        if groups and any(g.num_free_pages < num_pages for g in groups):
+            self.cache.evict_window([num_pages - g.num_free_pages for g in groups])
+        return self.allocator.can_alloc(num_pages)
 
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
@@ -423,8 +427,29 @@ class Scheduler:
                 continue
             if n > 1 and self.cache_enabled:
                 self._cache_unfinished(req)
+            if self.allocator.groups:  # after caching: the prompt's window KV is the tree's to keep or drop
+                self._drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
+
+    def _drop_behind_window(self, req: Req) -> None:
+        """Give back the window groups' KV of the request's own pages that no query reads any more.
+
+        Kept: the pages a query at the request's last whole page boundary would read (so its computed
+        prefix stays matchable when cached) and everything after it; the next queries, at kv_len and
+        beyond, read no further back."""
+        ps = self.page_size
+        groups = self.allocator.groups
+        if len(req.window_dropped) != len(groups):
+            req.window_dropped = [0] * len(groups)
+        end = req.kv_len // ps * ps
+        own_from = req.cached_len // ps
+        for i, group in enumerate(groups):
+            keep_from = max(0, end - group.window + 1) // ps
+            start = max(own_from, req.window_dropped[i])
+            if keep_from > start:
+                group.drop(req.pages[start:keep_from])
+                req.window_dropped[i] = keep_from
 
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.params
@@ -488,7 +513,7 @@ class Scheduler:
             self.allocator.free(req.pages[own_from:])
         if req.prefix_node is not None:
             self.cache.dec_lock(req.prefix_node)
-        req.pages, req.prefix_node = [], None
+        req.pages, req.prefix_node, req.window_dropped = [], None, []
         req.kv_len = req.cached_len = 0
 
     def _insert_computed(self, req: Req, full: int) -> list[int]:
@@ -524,18 +549,46 @@ class Scheduler:
         private = sum(len(r.pages) - r.cached_len // self.page_size for r in self.running)
         return private + sum(len(r.pages) for r in self.prealloc.values())
 
-    def leaked_pages(self) -> int:
+    def kv_bytes_in_use(self) -> int:
+        """KV memory in pages that are not free, over every group of the pool."""
+        used = [self.allocator.num_pages - self.allocator.num_free_pages]
+        used += [g.num_pages - g.num_free_pages for g in self.allocator.groups]
+        return sum(u * b for u, b in zip(used, self.runner.kv.bytes_by_group()))
+
+    def _private_page_ids(self) -> list[int]:
+        ps = self.page_size
+        ids = [p for r in self.running for p in r.pages[r.cached_len // ps :]]
+        return ids + [p for r in self.prealloc.values() for p in r.pages]
+
+    def window_group_usage(self) -> list[dict[str, int]]:
+        """Per window group of the KV pool: its window, pages, and how many are free, held by the
+        prefix cache and held by requests (walks the cache: for stats on request and tests)."""
+        cached = self.cache.window_pages()
+        private = self.allocator.group_pages_held(self._private_page_ids())
+        return [
+            {"window": g.window, "num_pages": g.num_pages, "num_free_pages": g.num_free_pages,
+             "num_cached_pages": c, "num_request_pages": p}
+            for g, c, p in zip(self.allocator.groups, cached, private)
+        ]
+
+    def leaked_pages(self, window_groups: bool = False) -> int:
         """Pages that are neither free, nor cached, nor held by a request: 0 unless accounting broke
-        (reported in the server's stats, so a test from outside can check the invariant)."""
+        (reported in the server's stats, so a test from outside can check the invariant). With
+        window_groups, each window group's pages are counted too (walks the prefix cache)."""
         accounted = self.allocator.num_free_pages + self.cache.total_pages + self.private_pages()
-        return self.allocator.num_pages - accounted
+        leaked = self.allocator.num_pages - accounted
+        if window_groups:
+            for g in self.window_group_usage():
+                leaked += g["num_pages"] - g["num_free_pages"] - g["num_cached_pages"] - g["num_request_pages"]
+        return leaked
 
     def check_no_leaks(self) -> None:
         """Assert the page-accounting invariant (used by tests and debug runs)."""
-        if self.leaked_pages():
+        if self.leaked_pages(window_groups=True):
             raise AssertionError(
                 f"page leak: free {self.allocator.num_free_pages} + cached {self.cache.total_pages} "
-                f"+ private {self.private_pages()} != {self.allocator.num_pages}"
+                f"+ private {self.private_pages()} != {self.allocator.num_pages}; "
+                f"window groups {self.window_group_usage()}"
             )
 
 

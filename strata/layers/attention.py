@@ -84,7 +84,10 @@ class AttentionMetadata:
     device: torch.device
     decode_owner: torch.Tensor  # [num_decode] page-table row of each decode token (for the decode kernel)
     extend_q_start: torch.Tensor  # [B - num_decode] first flattened token of each extend (for the kernel)
+    token_owner: torch.Tensor  # [T] page-table row of each token (CPU)
     views: dict[int | None, WindowView] = field(default_factory=dict, repr=False)
+    # the same step for each window group of the KV pool, whose pages differ (strata.cache.kv_pool)
+    groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
 
     @classmethod
     def build(
@@ -116,7 +119,31 @@ class AttentionMetadata:
             device=device,
             decode_owner=torch.arange(num_decode),
             extend_q_start=first[num_decode:].contiguous(),
+            token_owner=owner,
         )
+
+    def with_page_table(self, page_table: torch.Tensor) -> AttentionMetadata:
+        """This step over another page table (a window group's pages for the same positions)."""
+        ps = self.page_size
+        positions = self.positions.cpu()
+        out_slots = page_table[self.token_owner, positions // ps] * ps + positions % ps
+        return AttentionMetadata(
+            positions=self.positions,
+            out_slots=out_slots.to(self.device),
+            q_len=self.q_len,
+            kv_len=self.kv_len,
+            page_table=page_table.contiguous(),
+            page_size=ps,
+            num_decode=self.num_decode,
+            device=self.device,
+            decode_owner=self.decode_owner,
+            extend_q_start=self.extend_q_start,
+            token_owner=self.token_owner,
+        )
+
+    def group(self, g: int) -> AttentionMetadata:
+        """The metadata of KV group g (0: the primary pages, this one)."""
+        return self if g == 0 else self.groups[g - 1]
 
     def view(self, window: int | None) -> WindowView:
         """The view for layers with this window (cached: built once per step and window size)."""

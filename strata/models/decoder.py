@@ -68,8 +68,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         spec = self.spec
+        layer = self.layer_id
         out = paged_attention(
-            q, k, v, kv.k[self.layer_id], kv.v[self.layer_id], meta, spec.scale,
+            q, k, v, kv.k[layer], kv.v[layer], meta.group(kv.group_of[layer]), spec.scale,
             window=spec.window, sinks=self.sinks, softcap=spec.softcap,
         )
         return self.o_proj(out.view(-1, self.q_size))

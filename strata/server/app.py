@@ -171,6 +171,7 @@ def create_app(state: ServerState) -> FastAPI:
                     "evictable_cached_pages": stats.num_evictable_pages,
                     "token_usage": stats.token_usage,
                     "leaked_pages": stats.leaked_pages,
+                    "window_groups": stats.window_groups,
                 },
                 "disaggregation": {
                     "mode": client.info.disaggregation_mode

@@ -67,7 +67,9 @@ class EngineLoop:
     def send(self, message: io.FromEngine) -> None:
         self.push.send(io.encode(message), copy=False)
 
-    def stats(self) -> io.EngineStats:
+    def stats(self, full: bool = False) -> io.EngineStats:
+        """The scheduler's load; `full` (on request) also walks the prefix cache for the window
+        groups' pages and checks their accounting."""
         s = self.scheduler
         return io.EngineStats(
             num_running=len(s.running),
@@ -80,7 +82,8 @@ class EngineLoop:
             num_retractions=s.num_retractions,
             num_steps=s.step_count,
             hicache=self.engine.hicache.stats.as_dict() if self.engine.hicache is not None else None,
-            leaked_pages=s.leaked_pages(),
+            leaked_pages=s.leaked_pages(window_groups=full),
+            window_groups=s.window_group_usage() if full and s.allocator.groups else None,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -133,7 +136,7 @@ class EngineLoop:
             for rid in message.rids:
                 self.engine.abort(rid)
         elif isinstance(message, io.StatsReq):
-            self.send(io.StatsResult(message.req_id, self.stats()))
+            self.send(io.StatsResult(message.req_id, self.stats(full=True)))
         elif isinstance(message, io.FlushCacheReq):
             self.send(self.flush_cache(message.req_id))
         elif isinstance(message, io.ShutdownReq):
@@ -235,6 +238,8 @@ def engine_info(engine) -> io.EngineInfo:
         dtype_reason=st.dtype_reason,
         weights=st.weights,
         kernels=describe_kernels(st.kernels),
+        kv_groups=st.kv_groups,
+        kv_bytes=st.kv_bytes,
     )
 
 

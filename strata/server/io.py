@@ -67,6 +67,9 @@ class EngineStats(msgspec.Struct):
     num_steps: int = 0
     hicache: dict[str, Any] | None = None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
     leaked_pages: int = 0  # pages neither free, cached nor held (the accounting invariant: always 0)
+    # per window group of the pool (sliding-window models): its pages, free / cached / held by requests;
+    # None in the stats sent with outputs (counting them walks the prefix cache)
+    window_groups: list[dict[str, int]] | None = None
 
     @property
     def token_usage(self) -> float:
@@ -98,6 +101,8 @@ class EngineInfo(msgspec.Struct):
     dtype_reason: str = ""  # why this compute dtype (measured, or the flag)
     weights: str = ""  # weight formats the model runs on, e.g. "q4 x120, q8 x1"
     kernels: str = ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
+    kv_bytes: int = 0  # memory of the whole KV pool (every layer group)
+    kv_groups: str = ""  # the KV pool's layer groups, e.g. "3 layers keep every token (...); 15 window-512 ..."
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -61,6 +61,92 @@ def test_radix_hit_past_the_window_is_exact(tiny_models, expected, family, page_
     engine.scheduler.check_no_leaks()
 
 
+# ---------------------------------------------------------------------------- KV by layer group
+
+
+def _group_pages_in_use(engine) -> int:
+    g = engine.scheduler.allocator.groups[0]
+    return g.num_pages - g.num_free_pages
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral_sw"])
+def test_window_layers_hold_about_a_window_per_request(tiny_models, family):
+    """Without a prefix cache, a 200-token request's window layers never hold more than the window
+    plus a chunk (and a few pages of slack), while its full layers hold all of it; its tokens are
+    transformers' own."""
+    model_dir = tiny_models[family]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512, page_size=2, chunked_prefill_size=6,
+                    disable_radix_cache=True)
+    assert engine.scheduler.allocator.groups[0].window == WINDOW
+    prompt = [(5 * i + 1) % 380 + 2 for i in range(200)]
+    params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    (rid,) = engine.add_request(prompt, params)
+    peak, tokens = 0, []
+    while engine.scheduler.has_work():
+        for out in engine.step():
+            tokens += out.new_token_ids
+        peak = max(peak, _group_pages_in_use(engine))
+        engine.scheduler.check_no_leaks()
+    assert peak <= (WINDOW + 6) // 2 + 3
+    assert tokens == hf_greedy(hf_model(model_dir), prompt, params.max_new_tokens)
+
+
+def test_window_layers_full_layout_is_exact_too(tiny_models, expected):
+    engine = Engine(str(tiny_models["gemma3"]), dtype="float32", kv_cache_tokens=1024, sliding_kv="full",
+                    chunked_prefill_size=5)
+    assert engine.scheduler.allocator.groups == []
+    got = [r.token_ids for r in engine.generate(LONG_PROMPTS, PARAMS)]
+    assert got == expected["gemma3"]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_small_window_pool_under_pressure_stays_exact(tiny_models, page_size):
+    """Many requests sharing prefixes and continuing earlier turns, through a window pool too small
+    to keep everything: the cache gives window KV back (interiors, then tails), requests are
+    retracted when needed, every token is still transformers', no page of any group leaks."""
+    model_dir = tiny_models["gemma3"]
+    ref = hf_model(model_dir)
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=600, page_size=page_size,
+                    chunked_prefill_size=7, swa_full_tokens_ratio=0.1)
+    assert engine.scheduler.allocator.groups[0].num_pages < 600 // page_size
+    system = [(3 * i + 5) % 380 + 2 for i in range(40)]
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    prompts = [system + [(11 * i + j) % 380 + 2 for j in range(5 + i)] for i in range(6)]
+    first = engine.generate(prompts, params)
+    for p, r in zip(prompts, first):
+        assert r.token_ids == hf_greedy(ref, p, params.max_new_tokens)
+    engine.scheduler.check_no_leaks()
+    # second turns: each continues its first turn
+    turns = [p + r.token_ids + [7, 8, 9] for p, r in zip(prompts, first)]
+    second = engine.generate(turns, params)
+    for p, r in zip(turns, second):
+        assert r.token_ids == hf_greedy(ref, p, params.max_new_tokens)
+    assert sum(r.cached_tokens for r in second) > 0
+    engine.scheduler.check_no_leaks()
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefix_cache_keeps_hitting_past_the_window(tiny_models, page_size):
+    """Multi-turn and shared-prefix hits on a windowed model are what a full-attention model gets:
+    turn 2 reuses all of turn 1 (prompt and answer), a new request reuses the shared system prompt."""
+    model_dir = tiny_models["gemma3"]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
+    system = [(3 * i + 5) % 380 + 2 for i in range(40)]
+    params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
+    turn1 = system + [20, 21, 22]
+    r1 = engine.generate([turn1], params)[0]
+    turn2 = turn1 + r1.token_ids + [30, 31]
+    r2 = engine.generate([turn2], params)[0]
+    done = len(turn1) + len(r1.token_ids) - 1  # the last sampled token was never fed
+    assert r2.cached_tokens == done // page_size * page_size
+    other = engine.generate([system + [40, 41]], params)[0]
+    assert other.cached_tokens == len(system) // page_size * page_size
+    ref = hf_model(model_dir)
+    assert r2.token_ids == hf_greedy(ref, turn2, params.max_new_tokens)
+    assert other.token_ids == hf_greedy(ref, system + [40, 41], params.max_new_tokens)
+    engine.scheduler.check_no_leaks()
+
+
 def test_windowed_model_accepts_contexts_longer_than_its_window(tiny_models):
     """The old engine capped the context at the sliding window; now it is the model's full length."""
     model_dir = tiny_models["mistral_sw"]
@@ -148,3 +234,68 @@ def test_window_sources():
     assert (olmo2.norm_layout, olmo2.qk_norm) == ("post", "full")
     with pytest.raises(ValueError, match="not supported"):
         _spec(model_type="llama", sliding_window=8, layer_types=["chunked_attention"] * 6)
+
+
+# ---------------------------------------------------------------------------- GPT-OSS attention
+
+
+@pytest.mark.parametrize("layer_type", ["sliding_attention", "full_attention"])
+def test_gpt_oss_attention_equals_transformers(layer_type):
+    """GPT-OSS's attention (q/k/v/o biases, a learned sink per head, window 8, YaRN RoPE) against
+    transformers' own module, fed chunk by chunk through the paged pool and then decoded token by
+    token (its mixture-of-experts MLP comes with the MoE model, not here)."""
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssAttention, GptOssRotaryEmbedding
+
+    from strata.cache.kv_pool import MHAKVPool
+    from strata.layers.attention import AttentionMetadata
+    from strata.layers.rope import RotaryEmbedding
+    from strata.models.decoder import Attention
+
+    torch.manual_seed(0)
+    hf_cfg = GptOssConfig(
+        vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, sliding_window=WINDOW, layer_types=[layer_type, layer_type],
+        num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256, attention_bias=True,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "beta_fast": 32.0,
+                         "beta_slow": 1.0, "original_max_position_embeddings": 64, "truncate": False},
+    )
+    hf_cfg._attn_implementation = "eager"
+    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    spec = cfg.layers[0]
+    assert spec.sinks and spec.window == (WINDOW if layer_type == "sliding_attention" else None)
+    ref = GptOssAttention(hf_cfg, 0).eval()
+    with torch.no_grad():
+        ref.sinks.normal_(0.0, 1.0)
+        for lin in (ref.q_proj, ref.k_proj, ref.v_proj, ref.o_proj):
+            lin.bias.normal_(0.0, 0.5)
+    ours = Attention(cfg, 0).eval()
+    with torch.no_grad():
+        ours.qkv_proj.weight.copy_(torch.cat([ref.q_proj.weight, ref.k_proj.weight, ref.v_proj.weight]))
+        ours.qkv_proj.bias.copy_(torch.cat([ref.q_proj.bias, ref.k_proj.bias, ref.v_proj.bias]))
+        ours.o_proj.weight.copy_(ref.o_proj.weight)
+        ours.o_proj.bias.copy_(ref.o_proj.bias)
+        ours.sinks.copy_(ref.sinks)
+
+    total = 30
+    x = torch.randn(total, 64)
+    pos = torch.arange(total)
+    i, j = pos.view(-1, 1), pos.view(1, -1)
+    allowed = (j <= i) & ((i - j < WINDOW) if spec.window else True)
+    mask = torch.zeros(total, total).masked_fill(~allowed, float("-inf")).view(1, 1, total, total)
+    with torch.no_grad():
+        cos_sin = GptOssRotaryEmbedding(hf_cfg)(x, pos.view(1, -1))
+        expected = ref(x.unsqueeze(0), cos_sin, mask)[0][0]
+
+    page_size = 4
+    pool = MHAKVPool([spec.window], cfg.num_kv_heads, cfg.head_dim, 16, page_size, torch.float32,
+                     torch.device("cpu"))
+    page_table = torch.arange(8).view(1, -1)
+    rope = RotaryEmbedding(spec.rope, cfg.head_dim, 256, cfg.max_position_embeddings, torch.device("cpu"))
+    got, done = [], 0
+    for n in [5, 5, 5, 3] + [1] * 12:  # chunks across the window edge, then decode steps
+        meta = AttentionMetadata.build([n], [done + n], page_table, page_size, int(n == 1), torch.device("cpu"))
+        with torch.no_grad():
+            got.append(ours(x[done : done + n], meta.positions, rope, meta, pool))
+        done += n
+    torch.testing.assert_close(torch.cat(got), expected, atol=1e-4, rtol=1e-4)

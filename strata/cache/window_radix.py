@@ -1,0 +1,126 @@
+"""The radix prefix cache of a model with sliding-window layers: it keeps hitting past the window.
+
+The tree is the full-attention tree of `RadixCache` (keys: tokens; values: primary page ids, which
+hold the full layers' KV); behind each page, each window group may or may not still hold its own
+KV (`GroupedPageAllocator`). A cached prefix of length P is usable when the full layers cover it
+(every node on the path does) and each window group still holds its last W - 1 tokens, the keys a
+query at P reads; `match_prefix` returns the longest such prefix.
+
+Where a match may end matters, not every page boundary: the end of a leaf (the next turn of a
+conversation continues it), a branch point (a shared system prompt), and the end of a locked node
+(a running request resumes there). A node with one child ends only where an earlier insert or
+prefill chunk happened to stop. So each node's guard is the end of the first such node at or
+below it, and its pages wholly before guard - W + 1 are its interior: no match worth keeping reads
+them. When a window group runs short (`evict_window`), the cache gives its KV back in two passes:
+
+1. interiors, least recently used nodes first. Safe on locked nodes too: a running request's
+   prefix ends at a locked node, at or below the guard, and it reads nothing before that end - W.
+2. what is left, on unlocked nodes, least recently used first: a leaf goes whole (its full-layer
+   pages too: without its tail it can no longer be matched at its end); an inner node becomes a
+   tombstone and its children stay matchable (a branch is never lost because a node above it gave
+   up its window KV).
+
+Example, window 4, page size 2, a branch point at 6 (two children) and a leaf ending at 16::
+
+    a (0..6)   [p0 p1 p2]   guard 6:  interior = pages wholly before 3 -> p0
+    b (6..10)  [p3 p4]      one child, guard 16: interior = all of b
+    c (10..16) [p5 p6 p7]   leaf, guard 16: interior = p5
+
+After pass 1 the tree still matches at 6 and at 16; a request diverging at 8 matches 6 tokens.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+
+from strata.cache.allocator import GroupedPageAllocator, WindowGroup
+from strata.cache.radix import MatchResult, RadixCache, TreeNode
+
+
+class WindowRadixCache(RadixCache):
+    """PrefixCache for a `GroupedPageAllocator`: matches only prefixes every window group can resume
+    from, and frees window-group KV the tree no longer needs (`evict_window`)."""
+
+    def __init__(self, allocator: GroupedPageAllocator) -> None:
+        super().__init__(allocator)
+        self.allocator: GroupedPageAllocator = allocator
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        match = super().match_prefix(token_ids)
+        usable = self.allocator.usable_prefix(match.pages)
+        if usable == len(match.pages):
+            return match
+        # back off to the longest prefix each window group can resume from (splits the node there)
+        node, pos, pages = self._descend(tuple(token_ids[: usable * self.page_size]))
+        return MatchResult(node, pos, pages)
+
+    def _on_present(self, cached: list[int], given: Sequence[int]) -> None:
+        # the inserting request's copies still hold window KV the tree may have dropped: keep it
+        self.allocator.adopt(cached, given)
+
+    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+        """Free up to wanted[g] pages of window group g. Returns the pages freed per group."""
+        freed = []
+        for group, want in zip(self.allocator.groups, wanted):
+            got = 0
+            if want > 0:
+                ends = self._ends()
+                got = self._sweep_interiors(group, want, ends)
+                if got < want:
+                    got += self._evict_tails(group, want - got, ends)
+            freed.append(got)
+        return freed
+
+    def _ends(self) -> dict[TreeNode, tuple[int, int]]:
+        """(end, guard) of every node: the position after its last token, and the end of the first
+        node at or below it where a match is worth keeping: a leaf, a branch point, or a node a
+        request has locked (a node with one child is only where an earlier insert or chunk stopped)."""
+        order, stack = [], [(self.root, 0)]
+        while stack:
+            node, start = stack.pop()
+            end = start + len(node.key)
+            order.append((node, end))
+            stack.extend((child, end) for child in node.children.values())
+        ends: dict[TreeNode, tuple[int, int]] = {}
+        for node, end in reversed(order):  # children before their parents
+            if node.pins or len(node.children) != 1:
+                ends[node] = (end, end)
+            else:
+                ends[node] = (end, ends[next(iter(node.children.values()))][1])
+        return ends
+
+    def _sweep_interiors(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
+        """Pass 1: interiors (pages wholly before guard - W + 1), least recently used nodes first."""
+        ps = self.page_size
+        heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < want:
+            node = heapq.heappop(heap)[3]
+            end, guard = ends[node]
+            deep = (guard - group.window + 1 - (end - len(node.key))) // ps
+            if deep > 0:
+                freed += group.drop(node.value[:deep])
+        return freed
+
+    def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
+        """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among
+        equals); leaves go whole, inner nodes become tombstones."""
+        heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < want:
+            node = heapq.heappop(heap)[3]
+            if node.parent is None:  # queued twice (again when it became a leaf) and already removed
+                continue
+            if node.children:
+                freed += group.drop(node.value)
+                continue
+            held = int(group.alive(node.value).sum())
+            parent = node.parent
+            self._remove_leaf(node)
+            freed += held
+            if not parent.children and parent is not self.root and parent.lock_ref == 0:
+                heapq.heappush(heap, (parent.last_access, -ends[parent][0], parent.id, parent))
+        return freed
