@@ -9,7 +9,10 @@ The engine only loads Hugging Face layouts (`config.json` + `*.safetensors` + to
   `model.layers.3.self_attn.q_proj.weight`);
 * for the `llama` architecture, the rotary row permutation that llama.cpp's `convert_hf_to_gguf.py`
   applies to `q_proj` / `k_proj` is undone (see `unpermute_rotary_rows`);
-* the linear weights GGUF stores in a type with a native block format (Q4_0, Q4_1, Q4_K, Q8_0, Q6_K;
+* for `gemma3`, the 1 that llama.cpp adds to every norm weight is taken off again (Gemma's RMSNorm
+  scales by 1 + weight; transformers and our model add the 1 themselves), and the settings the file
+  leaves to llama.cpp's runtime (the layer pattern, local RoPE base, score scale) are written out;
+* the linear weights GGUF stores in a type with a native block format (Q4_0, Q4_1, Q4_K, Q5_0, Q8_0, Q6_K;
   see `strata.weights.gguf_blocks`) are also written, unchanged in value, as blocks into
   `blocks.safetensors` (`<name>.qs`, `<name>.d`, and `<name>.m` for q4), so the engine can run the
   model at the precision it ships in (`--quantization auto`, the default) or dequantized (`none`);
@@ -18,7 +21,7 @@ The engine only loads Hugging Face layouts (`config.json` + `*.safetensors` + to
   `out_dir` only once complete, so an interrupted conversion never leaves a directory that looks valid.
 
 Supported GGUF architectures: llama (also Mistral-style GGUFs, which llama.cpp labels `llama`),
-qwen2 and qwen3 - the dense decoder families the engine implements.
+qwen2, qwen3 and gemma3 (text) - the decoder families the engine implements that llama.cpp writes.
 """
 
 from __future__ import annotations
@@ -45,11 +48,16 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "llama": ("LlamaForCausalLM", "llama"),
     "qwen2": ("Qwen2ForCausalLM", "qwen2"),
     "qwen3": ("Qwen3ForCausalLM", "qwen3"),
+    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
 }
 
 # Architectures whose q/k rows llama.cpp permutes on conversion (HF "rotate_half" rope layout ->
-# ggml's interleaved-pairs layout). qwen2/qwen3 use ggml's NEOX rope and are stored unpermuted.
+# ggml's interleaved-pairs layout). qwen2/qwen3/gemma3 use ggml's NEOX rope and are stored unpermuted.
 PERMUTED_ARCHITECTURES = frozenset({"llama"})
+
+# Architectures whose RMSNorm scales by (1 + weight): llama.cpp stores every `*norm.weight` plus 1
+# (`norm_shift` in convert_hf_to_gguf.py's Gemma3Model), so its runtime multiplies by the weight alone.
+NORM_OFFSET_ARCHITECTURES = frozenset({"gemma3"})
 
 # Tensors outside the decoder layers.
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
@@ -72,6 +80,26 @@ LAYER_TENSOR_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+
+# Gemma's four norms per layer (before and after attention, before and after the MLP): llama.cpp's
+# `ffn_norm` is the norm before the MLP, which HF Gemma names pre_feedforward_layernorm, and HF's
+# post_attention_layernorm is the norm after attention (Llama uses that name for the pre-MLP norm).
+GEMMA_LAYER_TENSOR_NAMES: dict[str, str] = {
+    **LAYER_TENSOR_NAMES,
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+LAYER_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {"gemma3": GEMMA_LAYER_TENSOR_NAMES}
+
+# Model types whose tokenizer class transformers' AutoTokenizer takes by name (`tokenizer_type`). For
+# the others it picks the class from a config it builds by parsing the whole file a second time (~30 s
+# for Gemma's 262k vocabulary; llama's class, TokenizersBackend, has no name to pass)
+NAMED_TOKENIZER_TYPES = frozenset({"gemma3_text"})
+
+# Tokens that end a turn besides `tokenizer.ggml.eos_token_id` (llama.cpp stops on them too): Gemma's
+# chat turns end with <end_of_turn>, and its HF generation_config.json lists both.
+END_OF_TURN_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": ("<end_of_turn>",)}
 
 # config.json / generation_config.json field -> GGUF metadata key.
 SPECIAL_TOKEN_IDS: dict[str, str] = {
@@ -122,14 +150,14 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
         arch = _architecture(reader)
         config = build_hf_config(reader)
         _write_json(tmp_dir / "config.json", config)
-        _write_json(tmp_dir / "generation_config.json", _generation_config(config))
+        _write_json(tmp_dir / "generation_config.json", _generation_config(reader, arch, config))
         write_safetensors(tmp_dir / MODEL_FILE, _hf_tensors(reader, arch, config))
         write_blocks(tmp_dir / BLOCKS_FILE, reader, arch, config)
         if reader.get_field("tokenizer.ggml.model") is None:
             logger.warning("%s has no tokenizer metadata; writing no tokenizer files", gguf_path)
         else:
             chat_template = _field(reader, "tokenizer.chat_template")
-            _write_tokenizer(gguf_path, tmp_dir, chat_template, config["max_position_embeddings"])
+            _write_tokenizer(gguf_path, tmp_dir, config, chat_template)
         _publish(tmp_dir, out_dir)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -225,6 +253,8 @@ def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     _apply_rope_scaling(config, arch, meta, tensors)
+    if arch == "gemma3":
+        _apply_gemma3(config, meta)
     for name, key in SPECIAL_TOKEN_IDS.items():
         token_id = _field(reader, key)
         if token_id is not None:
@@ -248,8 +278,47 @@ def _apply_rope_scaling(
     config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
 
 
-def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    return {k: config[k] for k in SPECIAL_TOKEN_IDS if k in config}
+def _apply_gemma3(config: dict[str, Any], meta: Callable[..., Any]) -> None:
+    """Gemma 3's settings. The file states the window and the global RoPE base; the rest llama.cpp's
+    runtime fixes for the architecture (llama-model.cpp, LLM_ARCH_GEMMA3), and so do we: a full-attention
+    layer every 6th (`set_swa_pattern(6)`), RoPE base 10000 without scaling on sliding layers, scores
+    scaled by head_dim**-0.5 except on the 62-layer 27B model (hidden / heads, as gemma_pytorch), no
+    softcaps, GELU (tanh)."""
+    num_layers = config["num_hidden_layers"]
+    pattern = meta("attention.sliding_window_pattern", 6)  # a period, or per layer True = sliding
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern]
+    else:
+        sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(num_layers)]
+    window = meta("attention.sliding_window")
+    if window is None:
+        raise GGUFConversionError("gemma3.attention.sliding_window is missing (llama.cpp requires it)")
+    local_theta = _f32(meta("rope.freq_base_swa", 10000.0))
+    per_head = config["hidden_size"] // config["num_attention_heads"]
+    config.update(
+        hidden_act="gelu_pytorch_tanh",
+        hidden_activation="gelu_pytorch_tanh",  # what transformers' Gemma 3 reads
+        sliding_window=int(window),
+        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
+        query_pre_attn_scalar=per_head if num_layers == 62 else config["head_dim"],
+        attn_logit_softcapping=meta("attn_logit_softcapping"),
+        final_logit_softcapping=meta("final_logit_softcapping"),
+        # transformers 5 reads a RoPE per layer kind; older readers rope_theta + rope_local_base_freq
+        rope_local_base_freq=local_theta,
+        rope_parameters={
+            "full_attention": config["rope_parameters"],  # the global base, with its scaling if any
+            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
+        },
+    )
+
+
+def _generation_config(reader: GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    generation = {k: config[k] for k in SPECIAL_TOKEN_IDS if k in config}
+    tokens = _field(reader, "tokenizer.ggml.tokens") or []
+    extra = [tokens.index(t) for t in END_OF_TURN_TOKENS.get(arch, ()) if t in tokens]
+    if "eos_token_id" in generation and extra:
+        generation["eos_token_id"] = [generation["eos_token_id"], *extra]
+    return generation
 
 
 # --------------------------------------------------------------------------------------------
@@ -257,11 +326,12 @@ def _generation_config(config: dict[str, Any]) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face name; `GGUFConversionError` if unknown."""
     if m := _LAYER_TENSOR_RE.fullmatch(gguf_name):
-        if m["key"] in LAYER_TENSOR_NAMES:
-            return f"model.layers.{m['layer']}.{LAYER_TENSOR_NAMES[m['key']]}.{m['suffix']}"
+        names = LAYER_TENSOR_NAMES_BY_ARCH.get(arch, LAYER_TENSOR_NAMES)
+        if m["key"] in names:
+            return f"model.layers.{m['layer']}.{names[m['key']]}.{m['suffix']}"
     elif m := _GLOBAL_TENSOR_RE.fullmatch(gguf_name):
         if m["key"] in GLOBAL_TENSOR_NAMES:
             return f"{GLOBAL_TENSOR_NAMES[m['key']]}.{m['suffix']}"
@@ -319,14 +389,19 @@ def _hf_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> Iterab
     """A `TensorSource` for every tensor of the GGUF, in file order."""
     seen: set[str] = set()
     for tensor in reader.tensors:
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         if name in seen:
             raise GGUFConversionError(f"duplicate tensor {name}")
         seen.add(name)
         n_head = permuted_heads(tensor.name, arch, config)
+        offset = 1.0 if arch in NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight") else 0.0
 
-        def load(tensor: ReaderTensor = tensor, n_head: int | None = n_head) -> np.ndarray:
+        def load(
+            tensor: ReaderTensor = tensor, n_head: int | None = n_head, offset: float = offset
+        ) -> np.ndarray:
             values = dequantize_tensor(tensor)
+            if offset:  # exact where llama.cpp's +1 was (bf16 weights), so 1 + weight is the stored value
+                values -= np.float32(offset)
             return values if n_head is None else unpermute_rotary_rows(values, n_head)
 
         yield name, _hf_shape(tensor), load
@@ -356,7 +431,7 @@ def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, An
         if blocks is None:
             continue
         n_head = permuted_heads(tensor.name, arch, config)
-        name = hf_tensor_name(tensor.name)
+        name = hf_tensor_name(tensor.name, arch)
         for part, values in blocks.items():  # rows permute alike in every part
             arrays[f"{name}.{part}"] = np.ascontiguousarray(
                 values if n_head is None else unpermute_rotary_rows(values, n_head)
@@ -371,11 +446,16 @@ def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, An
 # --------------------------------------------------------------------------------------------
 
 
-def _write_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None, max_length: int) -> None:
-    """tokenizer.json + tokenizer_config.json via transformers' GGUF tokenizer conversion."""
+def _write_tokenizer(
+    gguf_path: Path, out_dir: Path, config: dict[str, Any], chat_template: str | None
+) -> None:
+    """tokenizer.json + tokenizer_config.json via transformers' GGUF tokenizer conversion (which
+    rebuilds SentencePiece vocabularies such as Gemma's as well as GPT-2-style BPE ones)."""
     from transformers import AutoTokenizer  # heavy import, only needed here
 
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model_type = config["model_type"]
+    named = {"tokenizer_type": model_type} if model_type in NAMED_TOKENIZER_TYPES else {}
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **named)
     tokenizer.save_pretrained(str(out_dir))
 
     # Make tokenizer_config.json self-describing for readers that do not look at
@@ -388,7 +468,7 @@ def _write_tokenizer(gguf_path: Path, out_dir: Path, chat_template: str | None, 
         token = getattr(tokenizer, name, None)
         if token is not None:
             tok_cfg[name] = str(token)
-    tok_cfg["model_max_length"] = max_length
+    tok_cfg["model_max_length"] = config["max_position_embeddings"]
     tok_cfg.pop("is_local", None)
     tok_cfg.pop("local_files_only", None)
     _write_json(cfg_path, tok_cfg)

@@ -8,11 +8,12 @@ no torch) and rewrites them:
     Q4_K  [d f16][dmin f16][12 B 6-bit scales/mins][128 B nibbles]  per 256 (8 blocks of 32)
                                                       -> q4: d * scale_j, m = -dmin * min_j
     Q8_0  [d f16][32 x int8]               per 32     -> q8 (S = 32): d
+    Q5_0  [d f16][4 B high bits][16 B nibbles]  per 32 -> q8 (S = 32): d, q - 16 in -16..15
     Q6_K  [128 B low nibbles][64 B high 2 bits][16 x int8 scales][d f16]  per 256 (16 groups of 16)
                                                       -> q8 (S = 16): d * scale_j, q - 32 in -32..31
 
 Scales are kept in float32, so every product above is exact. `to_blocks` returns None for a type
-without a native format (F32, F16, BF16, Q5_*, Q2_K, ...): such tensors load dequantized.
+without a native format (F32, F16, BF16, Q5_1, Q5_K, Q2_K, ...): such tensors load dequantized.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-# ggml type -> (our format, bytes per 256 values of that type)
-BLOCK_FORMATS: dict[Q, str] = {Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q4_K: "q4", Q.Q8_0: "q8", Q.Q6_K: "q8"}
+# ggml type -> our format
+BLOCK_FORMATS: dict[Q, str] = {
+    Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q4_K: "q4", Q.Q8_0: "q8", Q.Q5_0: "q8", Q.Q6_K: "q8",
+}
 
 
 def _f16(raw: np.ndarray) -> np.ndarray:
@@ -50,9 +53,22 @@ def to_blocks(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict[str, np.n
     if qtype == Q.Q8_0:
         blocks = data.reshape(rows, cols // 32, 34)
         return {"qs": blocks[..., 2:].view(np.int8).reshape(rows, cols).copy(), "d": _f16(blocks[..., 0:2])}
+    if qtype == Q.Q5_0:
+        return _q5_0(data.reshape(rows, cols // 32, 22), rows, cols)
     if qtype == Q.Q4_K:
         return _q4_k(data.reshape(rows, cols // 256, 144), rows, cols)
     return _q6_k(data.reshape(rows, cols // 256, 210), rows, cols)
+
+
+def _q5_0(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
+    # value j < 16: low nibble of qs[j], value 16 + j: its high nibble; bit j of the little-endian
+    # 32-bit qh is value j's fifth bit. x = d * (q - 16)
+    qh = blocks[..., 2:6].copy().view("<u4")  # [rows, blocks, 1]
+    high = (qh >> np.arange(32, dtype=np.uint32)) & 1  # [rows, blocks, 32]
+    qs = blocks[..., 6:]
+    low = np.concatenate([qs & 15, qs >> 4], axis=-1)
+    q = (low | (high << 4)).astype(np.int16) - 16
+    return {"qs": q.astype(np.int8).reshape(rows, cols), "d": _f16(blocks[..., 0:2])}
 
 
 def _q4_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:

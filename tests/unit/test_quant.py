@@ -298,7 +298,7 @@ def test_gguf_types_convert_without_loss(qtype):
 
 def test_types_without_a_block_format_load_dequantized():
     assert to_blocks(np.zeros((2, 64), np.float32), Q.F32, 2, 64) is None
-    assert to_blocks(np.zeros((2, 44), np.uint8), Q.Q5_0, 2, 64) is None
+    assert to_blocks(np.zeros((2, 48), np.uint8), Q.Q5_1, 2, 64) is None
 
 
 # ---------------------------------------------------------------------------- whole models
