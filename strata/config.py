@@ -334,6 +334,9 @@ class EngineConfig:
     # token's KV, as full-attention layers do (the hierarchical cache and PD use this layout)
     sliding_kv: str = "window"
     swa_full_tokens_ratio: float = 0.5  # window-group pages per primary (full-attention) page
+    # a prefix hit whose window KV is gone recomputes it by re-feeding the last W - 1 tokens (exact
+    # only where window KV depends on nothing before the window: docs/ARCHITECTURE.md)
+    swa_replay: bool = False
     # KV cache hierarchy (strata.cache.hicache): L2 host pool and L3 storage behind the radix cache
     enable_hierarchical_cache: bool = False
     hicache_ratio: float = 2.0  # L2 pages per L1 page
@@ -380,6 +383,8 @@ class EngineConfig:
             )
         if self.sliding_kv not in SLIDING_KV_MODES:
             raise ValueError(f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}")
+        if self.swa_replay and self.sliding_kv != "window":
+            raise ValueError("--swa-replay recomputes the window groups' KV; it needs --sliding-kv window")
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
@@ -417,6 +422,9 @@ _HELP = {
     "sliding_kv": "sliding-window layers: window (a KV pool per window size, about W tokens per request; "
     "the prefix cache keeps what resuming a window reads) or full (every token, like full layers)",
     "swa_full_tokens_ratio": "with --sliding-kv window: pages of each window group per full-attention page",
+    "swa_replay": "with --sliding-kv window: a cached prefix whose window KV was given back is still used; "
+    "the window layers' KV is recomputed from its last W - 1 tokens (exact only for models whose window "
+    "KV depends on nothing before the window, see docs/ARCHITECTURE.md)",
     "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
     "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
     "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",

@@ -48,7 +48,7 @@ class CompareResult:
 
 
 def higher_is_better(figure: str) -> bool:
-    return "(ms)" not in figure and "failed" not in figure and "short" not in figure
+    return not any(word in figure for word in ("(ms)", "(MiB)", "failed", "short"))
 
 
 def round_order(targets: list[Target], round_index: int) -> list[Target]:

@@ -48,6 +48,8 @@ def _one_batch_run(args: argparse.Namespace, details: dict[str, list]):
                     continue
                 figures[f"{key}: prefill (tok/s)"] = r.prefill_tok_s
                 figures[f"{key}: decode step (ms)"] = r.decode_step_ms
+                if r.kv_peak_bytes_per_request is not None:
+                    figures[f"{key}: KV per request, peak (MiB)"] = r.kv_peak_bytes_per_request / 2**20
                 results.append(r)
         details[target.label] = results
         return figures

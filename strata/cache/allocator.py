@@ -45,6 +45,11 @@ class PageAllocator:
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free_list)
 
+    def drop_absent(self, pages: Sequence[int], present: np.ndarray) -> None:
+        """Give back each group's page where ``present[i, g]`` says page i came without its part."""
+        for g, group in enumerate(self.groups):
+            group.drop([p for p, has in zip(pages, present[:, g]) if not has])
+
     def group_pages_held(self, pages: Iterable[int]) -> list[int]:
         """Per window group, how many of these (primary) pages still hold that group's KV."""
         idx = np.asarray(list(pages), dtype=np.int64)

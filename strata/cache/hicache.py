@@ -43,6 +43,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from strata.cache.allocator import PageAllocator
@@ -104,7 +105,9 @@ class HiCacheStats:
 
 
 class HostKVPool:
-    """Host-memory pages, one contiguous block per page: [num_pages, layers, 2 (k/v), page_size, Hkv, D]."""
+    """Host-memory pages, one contiguous block per page: [num_pages, layers, 2 (k/v), page_size, Hkv, D],
+    and per page which window groups still held their part (sliding-window models; a page evicted
+    after its window KV was given back comes without it)."""
 
     def __init__(self, l1: MHAKVPool, num_pages: int):
         k0 = l1.k[0]
@@ -113,34 +116,33 @@ class HostKVPool:
         self.dtype = k0.dtype
         pin = k0.device.type == "cuda"
         self.data = torch.empty((num_pages, *self.page_shape), dtype=self.dtype, pin_memory=pin)
-        self.page_bytes = self.data[0].numel() * self.data.element_size()
+        self.present = np.ones((num_pages, len(l1.windows)), dtype=bool)
+        self.kv_bytes = self.data[0].numel() * self.data.element_size()
+        self.page_bytes = self.kv_bytes + self.present.shape[1]  # a payload: the KV, then a byte per group
 
-    def gather_l1(self, l1: MHAKVPool, l1_pages: list[int]) -> torch.Tensor:
-        """A host copy of L1 pages: [n, layers, 2, page_size, Hkv, D]."""
-        n, ps = len(l1_pages), l1.page_size
-        slots = l1.slots_of_pages(l1_pages).to(l1.k[0].device)
-        out = torch.empty((n, *self.page_shape), dtype=self.dtype)
-        for layer in range(self.num_layers):
-            out[:, layer, 0] = l1.k[layer][slots].view(n, ps, *self.page_shape[3:]).cpu()
-            out[:, layer, 1] = l1.v[layer][slots].view(n, ps, *self.page_shape[3:]).cpu()
-        return out
+    def l1_payloads(self, l1: MHAKVPool, l1_pages: list[int]) -> list[bytes]:
+        """Storage payloads of L1 pages (what `page_payload` gives for them once in L2)."""
+        data, present = l1.read_pages(l1_pages)
+        return [tensor_bytes(data[i]) + present[i].tobytes() for i in range(len(l1_pages))]
 
     def copy_from_l1(self, l1: MHAKVPool, l1_pages: list[int], host_pages: list[int]) -> None:
-        self.data[torch.tensor(host_pages)] = self.gather_l1(l1, l1_pages)
+        data, present = l1.read_pages(l1_pages)
+        self.data[torch.tensor(host_pages)] = data
+        self.present[host_pages] = present
 
-    def copy_to_l1(self, l1: MHAKVPool, host_pages: list[int], l1_pages: list[int]) -> None:
-        slots = l1.slots_of_pages(l1_pages).to(l1.k[0].device)
-        idx = torch.tensor(host_pages)
-        for layer in range(self.num_layers):
-            l1.k[layer][slots] = self.data[idx, layer, 0].reshape(-1, *self.page_shape[3:]).to(l1.k[0].device)
-            l1.v[layer][slots] = self.data[idx, layer, 1].reshape(-1, *self.page_shape[3:]).to(l1.v[0].device)
+    def copy_to_l1(self, l1: MHAKVPool, host_pages: list[int], l1_pages: list[int]) -> np.ndarray:
+        """Write host pages into freshly allocated L1 pages; returns which window groups' parts they
+        carry ([n, groups]; the caller gives the other groups' pages back)."""
+        l1.write_pages(l1_pages, self.data[torch.tensor(host_pages)])
+        return self.present[host_pages]
 
     def page_payload(self, host_page: int) -> bytes:
-        return tensor_bytes(self.data[host_page])
+        return tensor_bytes(self.data[host_page]) + self.present[host_page].tobytes()
 
     def load_payload(self, host_page: int, payload: bytes) -> None:
-        raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        raw = torch.frombuffer(bytearray(payload[: self.kv_bytes]), dtype=torch.uint8)
         self.data[host_page] = raw.view(self.dtype).view(self.page_shape)
+        self.present[host_page] = np.frombuffer(payload[self.kv_bytes :], dtype=bool)
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:
@@ -345,7 +347,8 @@ class HiCache:
             l1_pages = self.l1_allocator.alloc(len(hits))
             if l1_pages is None:
                 return match, 0, 0
-            self.host.copy_to_l1(self.l1, [self.l2[d] for d in hits], l1_pages)
+            present = self.host.copy_to_l1(self.l1, [self.l2[d] for d in hits], l1_pages)
+            self.l1_allocator.drop_absent(l1_pages, present)
             end = match.cached_len + len(hits) * ps
             present = self.radix.insert(tokens[:end], match.pages + l1_pages)
             # only pages past `present` now belong to the tree; anything before it was already there
@@ -377,8 +380,8 @@ class HiCache:
                 else:
                     from_l2.append(d)
         if from_l1:
-            data = self.host.gather_l1(self.l1, [p for _, p in from_l1])
-            self._write([(d, tensor_bytes(data[i])) for i, (d, _) in enumerate(from_l1)])
+            payloads = self.host.l1_payloads(self.l1, [p for _, p in from_l1])
+            self._write([(d, payload) for (d, _), payload in zip(from_l1, payloads)])
         self._write([(d, self.host.page_payload(self.l2[d])) for d in from_l2])
         if len(self.hit_counts) > 1_000_000:
             self.hit_counts.clear()
@@ -410,8 +413,8 @@ class HiCache:
         todo = [(d, p) for d, p in zip(digests[first:], pages[first:]) if not self._known_stored(d)]
         if not todo:
             return
-        data = self.host.gather_l1(self.l1, [p for _, p in todo])
-        self._write([(d, tensor_bytes(data[i])) for i, (d, _) in enumerate(todo)])
+        payloads = self.host.l1_payloads(self.l1, [p for _, p in todo])
+        self._write([(d, payload) for (d, _), payload in zip(todo, payloads)])
 
     def _write(self, items: list[tuple[bytes, bytes]]) -> None:
         if self.worker is None or not items:

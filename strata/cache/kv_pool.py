@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 
@@ -50,17 +51,75 @@ class MHAKVPool:
         ]
         # zeros, not empty: padded attention gathers slots it masks out (the unwritten tail of a
         # request's last page, padding rows), and a masked 0 * NaN from uninitialised memory is NaN
+        # with window groups the full layers get one page more, never allocated: where a replayed
+        # window's tokens write their full-layer KV (`--swa-replay` keeps the cached one)
+        self.scratch_page = num_pages if self.windows else None
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
         for g in self.group_of:
-            pages = num_pages if g == 0 else self.group_pages[g - 1]
+            pages = num_pages + (self.scratch_page is not None) if g == 0 else self.group_pages[g - 1]
             shape = (pages * page_size, num_kv_heads, head_dim)
             self.k.append(torch.zeros(shape, dtype=dtype, device=device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
 
+        self.page_maps: list[np.ndarray] = []  # per window group: primary page -> its page (-1: none)
+
     @property
     def grouped(self) -> bool:
         return bool(self.windows)
+
+    def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
+        """The allocator's page map of each window group (`WindowGroup.to_group`), in group order."""
+        if len(maps) != len(self.windows):
+            raise ValueError(f"{len(maps)} page maps for {len(self.windows)} window groups")
+        self.page_maps = list(maps)
+
+    # ----------------------------------------------------------------- whole pages, every group
+    # (what moves between tiers and workers: L2/L3 pages, PD transfers)
+
+    def _layer_slots(self, layer: int, pages: np.ndarray) -> tuple[torch.Tensor, np.ndarray | None]:
+        """Slots of the pages in this layer's buffers, and which pages the layer's group holds
+        (None: all, a primary layer). Missing pages point at slot 0 (masked by the caller)."""
+        g = self.group_of[layer]
+        if g == 0:
+            return self.slots_of_pages(pages.tolist()), None
+        own = self.page_maps[g - 1][pages]
+        held = own >= 0
+        return self.slots_of_pages(np.where(held, own, 0).tolist()), held
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """The KV of whole pages, on the CPU: [n, layers, 2 (k/v), page_size, Hkv, D], and
+        [n, window groups] bool: whether each group still held its part (absent parts read as zeros)."""
+        idx = np.asarray(pages, dtype=np.int64)
+        n, ps = len(idx), self.page_size
+        k0 = self.k[0]
+        out = torch.zeros((n, len(self.k), 2, ps, k0.shape[1], k0.shape[2]), dtype=self.dtype)
+        present = np.ones((n, len(self.windows)), dtype=bool)
+        for g, page_map in enumerate(self.page_maps):
+            present[:, g] = page_map[idx] >= 0
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            slots, held = self._layer_slots(layer, idx)
+            slots = slots.to(k.device)
+            out[:, layer, 0] = k[slots].view(n, ps, *k.shape[1:]).cpu()
+            out[:, layer, 1] = v[slots].view(n, ps, *v.shape[1:]).cpu()
+            if held is not None and not held.all():
+                out[torch.from_numpy(~held), layer] = 0
+        return out, present
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        """Write `read_pages` data into allocated pages, each group's part where the group holds the
+        page (the caller drops a group's page where its part was absent)."""
+        idx = np.asarray(pages, dtype=np.int64)
+        for layer, (k, v) in enumerate(zip(self.k, self.v)):
+            slots, held = self._layer_slots(layer, idx)
+            rows = data[:, layer]  # [n, 2, ps, Hkv, D]
+            if held is not None:
+                keep = torch.from_numpy(held)
+                slots = slots.view(len(idx), -1)[keep].view(-1)
+                rows = rows[keep]
+            slots = slots.to(k.device)
+            k[slots] = rows[:, 0].reshape(-1, *k.shape[1:]).to(k.device, k.dtype)
+            v[slots] = rows[:, 1].reshape(-1, *v.shape[1:]).to(v.device, v.dtype)
 
     def layer_bytes_per_token(self) -> int:
         k = self.k[0]
@@ -75,7 +134,7 @@ class MHAKVPool:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
-    def slots_of_pages(self, pages: list[int]) -> torch.Tensor:
+    def slots_of_pages(self, pages: Sequence[int]) -> torch.Tensor:
         """Slot ids of whole pages, in order: [len(pages) * page_size] int64."""
         base = torch.tensor(pages, dtype=torch.int64).view(-1, 1) * self.page_size
         return (base + torch.arange(self.page_size)).view(-1)

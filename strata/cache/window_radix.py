@@ -18,7 +18,8 @@ them. When a window group runs short (`evict_window`), the cache gives its KV ba
 2. what is left, on unlocked nodes, least recently used first: a leaf goes whole (its full-layer
    pages too: without its tail it can no longer be matched at its end); an inner node becomes a
    tombstone and its children stay matchable (a branch is never lost because a node above it gave
-   up its window KV).
+   up its window KV). With `replay` (--swa-replay) leaves become tombstones too: the scheduler
+   recomputes a hit's window, so the full layers' pages keep their value.
 
 Example, window 4, page size 2, a branch point at 6 (two children) and a leaf ending at 16::
 
@@ -42,12 +43,15 @@ class WindowRadixCache(RadixCache):
     """PrefixCache for a `GroupedPageAllocator`: matches only prefixes every window group can resume
     from, and frees window-group KV the tree no longer needs (`evict_window`)."""
 
-    def __init__(self, allocator: GroupedPageAllocator) -> None:
+    def __init__(self, allocator: GroupedPageAllocator, replay: bool = False) -> None:
         super().__init__(allocator)
         self.allocator: GroupedPageAllocator = allocator
+        self.replay = replay  # --swa-replay: match what the full layers cover; the caller replays windows
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         match = super().match_prefix(token_ids)
+        if self.replay:
+            return match
         usable = self.allocator.usable_prefix(match.pages)
         if usable == len(match.pages):
             return match
@@ -114,7 +118,7 @@ class WindowRadixCache(RadixCache):
             node = heapq.heappop(heap)[3]
             if node.parent is None:  # queued twice (again when it became a leaf) and already removed
                 continue
-            if node.children:
+            if node.children or self.replay:  # with replay a leaf without its window stays usable
                 freed += group.drop(node.value)
                 continue
             held = int(group.alive(node.value).sum())

@@ -44,16 +44,24 @@ _BOOTSTRAP_ADDR = re.compile(r"(tcp://)?(\[[0-9a-fA-F:.]+\]|[^\s/:\[\]]+):([0-9]
 
 
 def gather_kv(kv: MHAKVPool, pages: list[int], num_tokens: int) -> torch.Tensor:
-    """KV of a request's first num_tokens positions: [layers, 2, num_tokens, kv_heads, head_dim]."""
-    slots = kv.slots_of_pages(pages)[:num_tokens].to(kv.k[0].device)
-    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in zip(kv.k, kv.v)]).cpu()
+    """KV of a request's first num_tokens positions: [layers, 2, num_tokens, kv_heads, head_dim].
+
+    A window layer's positions before its window were given back and read as zeros; the decode
+    worker never reads them either (it resumes at num_tokens and reads the last W - 1 at most)."""
+    ps = kv.page_size
+    data, _ = kv.read_pages(pages[: -(-num_tokens // ps)])  # [n, layers, 2, ps, kv_heads, head_dim]
+    n, layers, _, _, heads, dim = data.shape
+    return data.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * ps, heads, dim)[:, :, :num_tokens].contiguous()
 
 
 def install_kv(kv: MHAKVPool, pages: list[int], data: torch.Tensor) -> None:
-    slots = kv.slots_of_pages(pages)[: data.shape[2]].to(kv.k[0].device)
-    for layer, (k, v) in enumerate(zip(kv.k, kv.v)):
-        k[slots] = data[layer, 0].to(k.device, k.dtype)
-        v[slots] = data[layer, 1].to(v.device, v.dtype)
+    """Write `gather_kv` data [layers, 2, num_tokens, kv_heads, head_dim] into a request's pages."""
+    ps = kv.page_size
+    layers, _, num_tokens, heads, dim = data.shape
+    n = -(-num_tokens // ps)
+    padded = data.new_zeros((layers, 2, n * ps, heads, dim))
+    padded[:, :, :num_tokens] = data
+    kv.write_pages(pages[:n], padded.view(layers, 2, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5))
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

@@ -195,9 +195,7 @@ class Engine:
         )
         weights = describe_weights(self.model)
 
-        # what a KV page means, for pages shared through L3 storage or sent to a PD peer
-        shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
-        plan = plan_kv_pool(cfg, model_config, kv_dtype, device, context_len, shares_kv)
+        plan = plan_kv_pool(cfg, model_config, kv_dtype, device, context_len)
         num_pages = plan.num_pages
         kv_pool = MHAKVPool(
             plan.layer_windows, model_config.num_kv_heads, model_config.head_dim, num_pages, cfg.page_size,
@@ -205,7 +203,11 @@ class Engine:
         )
         if kv_pool.grouped:
             allocator = GroupedPageAllocator(num_pages, cfg.page_size, list(plan.group_pages.items()))
-            cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else WindowRadixCache(allocator)
+            kv_pool.attach_page_maps([g.to_group for g in allocator.groups])
+            cache = (
+                NoPrefixCache(allocator) if cfg.disable_radix_cache
+                else WindowRadixCache(allocator, replay=cfg.swa_replay)
+            )
         else:
             allocator = PageAllocator(num_pages, cfg.page_size)
             cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else RadixCache(allocator)
@@ -213,6 +215,8 @@ class Engine:
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         eos.update(_generation_config_eos(model_dir))
+        # what a KV page means, for pages shared through L3 storage or sent to a PD peer
+        shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
         namespace = kv_namespace(model_dir, kv_pool, weights, dtype) if shares_kv else b""
         self.hicache = self._make_hicache(namespace, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
         runner = ModelRunner(
@@ -495,8 +499,7 @@ class KVPlan:
 
 
 def plan_kv_pool(
-    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int,
-    shares_kv: bool,
+    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int
 ) -> KVPlan:
     """Size the pool. --kv-cache-tokens sets the primary pages (the tokens of context the full
     layers hold); otherwise --mem-fraction-static of memory is split so each window group gets
@@ -506,9 +509,6 @@ def plan_kv_pool(
     windows = [spec.window for spec in mc.layers]
     ps = cfg.page_size
     grouped = cfg.sliding_kv == "window" and any(w is not None for w in windows)
-    if grouped and shares_kv:
-        logger.warning("the hierarchical cache and PD move every layer's KV: window layers keep every token")
-        grouped = False
     layer_bytes = MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
     ratio = cfg.swa_full_tokens_ratio if grouped else 1.0
     windowed = sum(w is not None for w in windows) if grouped else 0
@@ -542,7 +542,10 @@ def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str, dtype: torch
             f.seek(size // 2)
             h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
     k = kv_pool.k[0]
-    layout = f"layers={len(kv_pool.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};page={kv_pool.page_size}"
+    layout = (
+        f"layers={len(kv_pool.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};"
+        f"page={kv_pool.page_size}" + (f";window_groups={kv_pool.windows}" if kv_pool.windows else "")
+    )
     h.update(f"weights={weights};compute={dtype}".encode())
     return h.digest() + layout.encode()
 

@@ -49,8 +49,14 @@ class ModelRunner:
         attn = AttentionMetadata.build(
             batch.extend_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, batch.num_decode, self.device
         )
-        for to_group in self.group_maps:  # window groups: the same positions in the group's own pages
-            attn.groups.append(attn.with_page_table(to_group[attn.page_table]))
+        replaying = [b for b, r in enumerate(batch.reqs) if r.replay_from is not None]
+        for g, to_group in enumerate(self.group_maps):  # window groups: the same positions in their own pages
+            group_meta = attn.with_page_table(to_group[attn.page_table])
+            if replaying:
+                self._replay_window(batch, replaying, g, group_meta)
+            attn.groups.append(group_meta)
+        if replaying:
+            self._keep_cached_full_kv(batch, replaying, attn)
         sampled = batch.sampled_reqs()
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
@@ -59,6 +65,30 @@ class ModelRunner:
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
             sampling=self.sampling_batch(sampled) if sampled else None,
         )
+
+    def _replay_window(self, batch: ScheduleBatch, rows: list[int], g: int, meta: AttentionMetadata) -> None:
+        """--swa-replay: window group g reads and writes a replaying request's recomputed pages, and
+        nothing before replay_from while some query could still reach back there."""
+        ps = self.kv.page_size
+        floor = torch.zeros(len(batch.reqs), dtype=torch.int64)
+        for b in rows:
+            req = batch.reqs[b]
+            first = req.replay_from // ps
+            meta.page_table[b, first : first + len(req.replay_pages[g])] = torch.tensor(req.replay_pages[g])
+            floor[b] = req.replay_from
+        positions = meta.positions.cpu()
+        meta.out_slots = (meta.page_table[meta.token_owner, positions // ps] * ps + positions % ps).to(self.device)
+        if any(batch.reqs[b].kv_len < batch.reqs[b].replay_from + self.kv.windows[g] - 1 for b in rows):
+            meta.key_floor = floor
+
+    def _keep_cached_full_kv(self, batch: ScheduleBatch, rows: list[int], attn: AttentionMetadata) -> None:
+        """Replayed positions (before replay_end) write their full-layer KV to the scratch page: the
+        tree's copy, computed with the whole context, stays what every layer reads."""
+        scratch = self.kv.scratch_page * self.kv.page_size
+        positions = attn.positions.cpu()
+        limit = torch.tensor([r.replay_end if r.replay_from is not None else 0 for r in batch.reqs])
+        replayed = positions < limit[attn.token_owner]
+        attn.out_slots[replayed.to(self.device)] = scratch + positions[replayed].to(self.device) % self.kv.page_size
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:

@@ -55,6 +55,11 @@ class Req:
     cached_len: int = 0
     prefix_node: Any = None
     window_dropped: list[int] = field(default_factory=list)  # per window group: pages before this gave their KV back
+    # --swa-replay: the window groups' KV of [replay_from, cached_len) is being recomputed into these
+    # pages of each group (the tree's pages there lack it); None when not replaying
+    replay_from: int | None = None
+    replay_end: int = 0  # the cached_len the replay started from
+    replay_pages: list[list[int]] = field(default_factory=list)
     # reporting
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / storage

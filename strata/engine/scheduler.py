@@ -266,8 +266,8 @@ class Scheduler:
         budget = self.config.max_batch_tokens - len(decodes)
         extends: list[tuple[Req, int]] = []
         for req in [r for r in self.running if r.extend_len > 1]:
-            n = self._chunk_len(req, budget, batch_empty=not decodes and not extends)
-            if n <= 0 or not self._alloc_for(req, req.kv_len + n):
+            n = self._alloc_chunk(req, self._chunk_len(req, budget, batch_empty=not decodes and not extends))
+            if n <= 0:
                 continue
             extends.append((req, n))
             budget -= n
@@ -335,6 +335,19 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
+    def _alloc_chunk(self, req: Req, n: int) -> int:
+        """Allocate pages for the next n tokens of req; returns the tokens allocated for (0: none).
+
+        With window groups a chunk needs window pages for all of itself while its window needs only
+        W of them: when those are short, a smaller chunk (halving) is fed rather than none."""
+        while n > 0:
+            if self._alloc_for(req, req.kv_len + n):
+                return n
+            if not self.allocator.groups:
+                return 0
+            n //= 2
+        return 0
+
     def _waiting_order(self) -> list[Req]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING and self.cache_enabled:
             lens = {id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len for r in self.waiting}
@@ -390,12 +403,17 @@ class Scheduler:
             self.cache.inc_lock(match.node)
             req.prefix_node, req.pages = match.node, list(match.pages)
             req.cached_len = req.kv_len = match.cached_len
-            n = self._chunk_len(req, min(budget, prefill_budget), batch_empty)
-            if n <= 0 or not self._alloc_for(req, req.kv_len + n):
+            if self.config.swa_replay and self.allocator.groups and not self._start_replay(req):
+                self._release_kv(req, cache_it=False)
+                break
+            n = self._alloc_chunk(req, self._chunk_len(req, min(budget, prefill_budget), batch_empty))
+            if n <= 0:
                 self._release_kv(req, cache_it=False)
                 break
             if not req.admitted_once:
-                req.num_cached_tokens = match.cached_len
+                replayed = match.cached_len - req.kv_len  # --swa-replay recomputes these in every layer
+                device_hit -= min(replayed, device_hit)
+                req.num_cached_tokens = req.kv_len
                 req.cached_tokens_by_tier = {"device": device_hit, "host": host_hit, "storage": storage_hit}
                 req.admitted_once = True
                 if self.hicache is not None:
@@ -409,6 +427,34 @@ class Scheduler:
             budget -= n
             prefill_budget -= n
             batch_empty = False
+
+    def _start_replay(self, req: Req) -> bool:
+        """--swa-replay: if the window groups lack the matched prefix's last window, recompute it.
+
+        The request keeps its match (the full layers' KV, locked in the tree) but is fed again from
+        replay_from, the page boundary at or before cached_len - W + 1 (W: the largest window): the
+        window layers write those positions into pages of their own (`replay_pages`) and read nothing
+        before replay_from; the full layers' writes for them go to the pool's scratch page, so the
+        cached KV stays as it was. False (nothing held) if the window groups have no room."""
+        ps, end = self.page_size, req.cached_len
+        if not end or self.allocator.usable_prefix(req.pages[: end // ps]) * ps == end:
+            return True
+        start = max(0, end - max(g.window for g in self.allocator.groups) + 1) // ps * ps
+        count = (end - start) // ps
+        short = [count - g.num_free_pages for g in self.allocator.groups]
+        if any(n > 0 for n in short):
+            self.cache.evict_window(short)
+            if any(g.num_free_pages < count for g in self.allocator.groups):
+                return False
+        req.replay_pages = [g.allocator.alloc(count) for g in self.allocator.groups]
+        req.replay_from, req.replay_end = start, end
+        req.kv_len = start
+        return True
+
+    def _end_replay(self, req: Req) -> None:
+        for group, pages in zip(self.allocator.groups, req.replay_pages):
+            group.allocator.free(pages)
+        req.replay_from, req.replay_end, req.replay_pages = None, 0, []
 
     # ----------------------------------------------------------------- results
 
@@ -444,6 +490,8 @@ class Scheduler:
             req.window_dropped = [0] * len(groups)
         end = req.kv_len // ps * ps
         own_from = req.cached_len // ps
+        if req.replay_from is not None and end - min(g.window for g in groups) + 1 >= req.replay_end:
+            self._end_replay(req)  # every window has moved past the replayed positions
         for i, group in enumerate(groups):
             keep_from = max(0, end - group.window + 1) // ps
             start = max(own_from, req.window_dropped[i])
@@ -505,8 +553,10 @@ class Scheduler:
         """
         ps = self.page_size
         own_from = req.cached_len // ps
+        if req.replay_from is not None:
+            self._end_replay(req)
         if cache_it and self.cache_enabled:
-            full = (req.kv_len // ps) * ps
+            full = max(req.kv_len // ps * ps, req.cached_len)  # a replaying request is fed from before cached_len
             self._insert_computed(req, full)
             self.allocator.free(req.pages[full // ps :])
         else:
@@ -565,6 +615,8 @@ class Scheduler:
         prefix cache and held by requests (walks the cache: for stats on request and tests)."""
         cached = self.cache.window_pages()
         private = self.allocator.group_pages_held(self._private_page_ids())
+        for r in self.running:  # windows being replayed
+            private = [n + len(pages) for n, pages in zip(private, r.replay_pages or [[]] * len(private))]
         return [
             {"window": g.window, "num_pages": g.num_pages, "num_free_pages": g.num_free_pages,
              "num_cached_pages": c, "num_request_pages": p}

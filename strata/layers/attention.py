@@ -85,6 +85,9 @@ class AttentionMetadata:
     decode_owner: torch.Tensor  # [num_decode] page-table row of each decode token (for the decode kernel)
     extend_q_start: torch.Tensor  # [B - num_decode] first flattened token of each extend (for the kernel)
     token_owner: torch.Tensor  # [T] page-table row of each token (CPU)
+    # [B] first key each request may read (CPU), or None: all. Set on a window group's metadata while
+    # a request replays its window (`--swa-replay`): the group holds nothing before that position
+    key_floor: torch.Tensor | None = None
     views: dict[int | None, WindowView] = field(default_factory=dict, repr=False)
     # the same step for each window group of the KV pool, whose pages differ (strata.cache.kv_pool)
     groups: list[AttentionMetadata] = field(default_factory=list, repr=False)
@@ -174,20 +177,23 @@ class AttentionMetadata:
 
     def _segment(self, rows: slice, window: int | None) -> SegmentMeta:
         # decodes are one token each, so request row r < num_decode is token r, and the extends start there
+        floor = None if self.key_floor is None else self.key_floor[rows]
         return _segment(
             rows.start, self.q_len[rows], self.kv_len[rows], self.page_table[rows], self.page_size,
-            self.device, window,
+            self.device, window, floor,
         )
 
 
 def _segment(
     token_start: int, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, page_size: int,
-    device: torch.device, window: int | None,
+    device: torch.device, window: int | None, key_floor: torch.Tensor | None = None,
 ) -> SegmentMeta:
     batch = len(q_len)
     max_q = int(q_len.max())
     # keys before the earliest query's window are left out (their pages are never read)
     key_start = torch.zeros_like(kv_len) if window is None else (kv_len - q_len - window + 1).clamp(min=0)
+    if key_floor is not None:  # keys before the floor do not exist (a replayed window)
+        key_start = torch.maximum(key_start, key_floor)
     max_kv = int((kv_len - key_start).max())
     kj = torch.arange(max_kv)
     # [B, max_kv] the absolute key of each column; past the request's last key, that key again (masked)
@@ -199,6 +205,8 @@ def _segment(
     key_pos = key_start.view(batch, 1, 1) + kj.view(1, 1, max_kv)
     real_query = qi < q_len.view(batch, 1, 1)
     mask = (key_pos <= query_pos) & real_query
+    if key_floor is not None:
+        mask &= key_pos >= key_floor.view(batch, 1, 1)
     if window is not None:
         mask &= key_pos > query_pos - window  # every real query still sees itself: no empty row
     mask[:, :, 0] |= ~real_query[..., 0]  # padded query rows see column 0: no NaN rows
@@ -247,6 +255,8 @@ def paged_attention(
         k_cache[meta.out_slots] = k.to(k_cache.dtype)
         v_cache[meta.out_slots] = v.to(v_cache.dtype)
     view = meta.view(window)
+    if meta.key_floor is not None:  # a replayed window: the torch path honours the floor, the kernels do not
+        ops = None
     out = q.new_empty(q.shape)
     nd, num_tokens, head_dim = meta.num_decode, q.shape[0], q.shape[2]
     if ops:  # the kernels spell "off" as 0 and take the sinks in float32

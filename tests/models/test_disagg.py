@@ -66,6 +66,30 @@ def test_prefill_then_decode_equals_a_single_server(llama_dir, expected):
     d.close()
 
 
+@pytest.mark.parametrize("radix", [True, False])
+def test_windowed_model_prefill_then_decode(tiny_models, radix):
+    """Gemma 3 (window 8): the prefill worker has given back its window KV before the last W - 1
+    positions; what it sends still resumes exactly on the decode worker."""
+    model = tiny_models["gemma3"]
+    prompts = [list(range(30, 71)), [(i * 7 + 3) % 370 + 5 for i in range(60)]]
+    single = Engine(str(model), dtype="float32", kv_cache_tokens=512)
+    want = [r.token_ids for r in single.generate(prompts, GREEDY)]
+    p = engine(model, "prefill", disable_radix_cache=not radix, chunked_prefill_size=16)
+    d = engine(model, "decode")
+    assert p.scheduler.allocator.groups and d.scheduler.allocator.groups
+    rids = []
+    for i, prompt in enumerate(prompts):
+        d.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i, bootstrap_addr=p.disagg_endpoint)
+        p.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i)
+        rids.append(f"w{i}")
+    outs = run_pair(p, d, rids)
+    assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == want
+    d.scheduler.check_no_leaks()
+    p.scheduler.check_no_leaks()
+    p.close()
+    d.close()
+
+
 def test_dead_prefill_worker_fails_clearly_and_frees_slots(llama_dir):
     p = engine(llama_dir, "prefill")
     d = engine(llama_dir, "decode", disaggregation_timeout=1.0)

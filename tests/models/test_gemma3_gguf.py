@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from test_gguf import gguf_name as gguf_name_of
 from test_parity import hf_greedy
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
 
@@ -103,13 +104,7 @@ def tiny_gemma3() -> Gemma3ForCausalLM:
 
 
 def gguf_name(hf_name: str) -> str:
-    stem, suffix = hf_name.rsplit(".", 1)
-    if stem == "model.embed_tokens":
-        return f"token_embd.{suffix}"
-    if stem == "model.norm":
-        return f"output_norm.{suffix}"
-    _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+    return gguf_name_of(hf_name, LAYER_NAMES)
 
 
 def write_gemma3_gguf(

@@ -124,7 +124,8 @@ def llama_cpp_permute(weights: np.ndarray, n_head: int, n_head_kv: int) -> np.nd
     )
 
 
-def gguf_name(hf_name: str) -> str:
+def gguf_name(hf_name: str, layer_names: dict[str, str] = LAYER_NAMES) -> str:
+    """llama.cpp's name for an HF tensor name (`layer_names`: a family's layer tensors)."""
     stem, suffix = hf_name.rsplit(".", 1)
     if stem == "model.embed_tokens":
         return f"token_embd.{suffix}"
@@ -133,7 +134,7 @@ def gguf_name(hf_name: str) -> str:
     if stem == "lm_head":
         return f"output.{suffix}"
     _, _, layer, rest = stem.split(".", 3)
-    return f"blk.{layer}.{LAYER_NAMES[rest]}.{suffix}"
+    return f"blk.{layer}.{layer_names[rest]}.{suffix}"
 
 
 def write_gguf(

@@ -192,10 +192,47 @@ def test_engines_share_a_redis_backend_and_survive_its_death(llama_dir, expected
         e.close()
 
 
+def run_one(engine: Engine, prompt: list[int]):
+    """Greedy tokens of one request and its last output (which carries the per-tier hits)."""
+    (rid,) = engine.add_request(prompt, GREEDY)
+    outs = []
+    while not any(o.finished for o in outs):
+        outs += [o for o in engine.step() if o.rid == rid]
+    return [t for o in outs for t in o.new_token_ids], outs[-1]
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_no_leaks_across_demote_promote_cycles(llama_dir, tmp_path, page_size):
+def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
+    """Gemma 3 (window 8, a KV pool per layer group): pages demoted, promoted and restored from L3
+    carry their window groups' parts or say they lack them; answers stay those of a plain engine."""
+    model = tiny_models["gemma3"]
+    prompt = LONG + [1, 2, 3]
+    plain = Engine(str(model), dtype="float32", kv_cache_tokens=256, page_size=page_size,
+                   disable_radix_cache=True)
+    expected = plain.generate([prompt], GREEDY)[0].token_ids
+    storage = str(tmp_path / "l3")
+    eng = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage)
+    assert eng.scheduler.allocator.groups  # the windowed layout, not every layer in one pool
+    assert eng.generate([prompt], GREEDY)[0].token_ids == expected
+    fill_l1(eng, 0)
+    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
+    tokens, last = run_one(eng, prompt)
+    assert tokens == expected and last.cached_tokens_details["host"] >= 100
+    check_hierarchy_leaks(eng)
+    eng.close()
+    eng2 = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage,
+                       hicache_prefetch_policy="wait_complete")
+    tokens, last = run_one(eng2, prompt)
+    assert tokens == expected and last.cached_tokens_details["storage"] >= 100
+    check_hierarchy_leaks(eng2)
+    eng2.close()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_no_leaks_across_demote_promote_cycles(tiny_models, tmp_path, page_size, family):
     rng = random.Random(page_size)
-    eng = make_engine(llama_dir, page_size=page_size, kv_cache_tokens=160, hicache_ratio=1.5,
+    eng = make_engine(tiny_models[family], page_size=page_size, kv_cache_tokens=160, hicache_ratio=1.5,
                       hicache_storage_backend="file", hicache_storage_path=str(tmp_path / "l3"),
                       chunked_prefill_size=24)
     docs = [[rng.randrange(5, 380) for _ in range(rng.randint(20, 60))] for _ in range(5)]

@@ -241,3 +241,14 @@ def test_nodes_left_by_chunked_inserts_do_not_guard_their_pages():
     assert cache.match_prefix(a + [0]).cached_len == 42
     assert cache.match_prefix(a[:21] + [0]).cached_len == 0
     check_groups(alloc, cache)
+
+
+def test_replay_keeps_full_layer_pages_of_leaves_without_their_window():
+    alloc = GroupedPageAllocator(128, 1, [(4, 128)])
+    cache = WindowRadixCache(alloc, replay=True)
+    a = list(range(100, 130))
+    insert_fresh(alloc, cache, a)
+    assert cache.evict_window([1000]) == [30]  # every window page, the tail too
+    assert alloc.num_free_pages == 98  # the full layers' pages stay cached
+    assert cache.match_prefix(a + [0]).cached_len == 30  # matched as is: the scheduler replays
+    check_groups(alloc, cache)
