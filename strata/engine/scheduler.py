@@ -339,7 +339,13 @@ class Scheduler:
         """Allocate pages for the next n tokens of req; returns the tokens allocated for (0: none).
 
         With window groups a chunk needs window pages for all of itself while its window needs only
-        W of them: when those are short, a smaller chunk (halving) is fed rather than none."""
+        W of them: when those are short, a chunk that fits the free window pages is fed rather than
+        one that would first evict the cache's window KV (the tails later requests resume from)."""
+        groups = self.allocator.groups
+        if groups and n > 0:
+            room = min(g.num_free_pages for g in groups)
+            fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
+            n = min(n, fits) if fits > 0 else min(n, max(g.window for g in groups))
         while n > 0:
             if self._alloc_for(req, req.kv_len + n):
                 return n
