@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType
+from test_gguf import add_tensor, finish
 from test_gguf import gguf_name as gguf_name_of
 from test_parity import hf_greedy
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
@@ -136,14 +137,8 @@ def write_gemma3_gguf(
         if hf.endswith("norm.weight"):  # Gemma3Model.norm_shift
             data = data + np.float32(1.0)
         qtype = (qtypes or {}).get(gguf_name(hf).split(".")[-2], GGMLQuantizationType.F32)
-        if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf), data)
-        else:
-            writer.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+        add_tensor(writer, gguf_name(hf), data, qtype)
+    finish(writer)
 
 
 def write_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:

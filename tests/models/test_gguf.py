@@ -180,11 +180,19 @@ def write_gguf(
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
         elif arch == "llama" and hf.endswith("k_proj.weight"):
             data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
-        if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
-            writer.add_tensor(gguf_name(hf), data)
-        else:
-            writer.add_tensor(gguf_name(hf), gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+        add_tensor(writer, gguf_name(hf), data, qtype)
+    finish(writer)
 
+
+def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
+    """1-D tensors and F32 as float32, the rest quantized to `qtype`, as llama.cpp writes them."""
+    if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
+        writer.add_tensor(name, data)
+    else:
+        writer.add_tensor(name, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+
+
+def finish(writer: gguf.GGUFWriter) -> None:
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -44,6 +44,16 @@ def check_groups(alloc, cache, private=()) -> None:
         assert (g.to_group[np.setdiff1d(np.arange(alloc.num_pages), held)] == -1).all()
 
 
+def two_branches():
+    """Window 4, page size 1: a (30 tokens) and b (35) sharing 20: a[:20] -> {a[20:], b[20:]}."""
+    alloc, cache = make(ps=1)
+    a = list(range(100, 130))
+    b = a[:20] + list(range(200, 215))
+    insert_fresh(alloc, cache, a)
+    insert_fresh(alloc, cache, b)
+    return alloc, cache, a, b
+
+
 def test_protocol_conformance():
     _, cache = make()
     assert isinstance(cache, PrefixCache)
@@ -103,11 +113,7 @@ def test_match_backs_off_to_a_resumable_prefix():
 
 
 def test_evict_window_reports_what_it_freed():
-    alloc, cache = make(ps=1)
-    a = list(range(100, 130))
-    b = a[:20] + list(range(200, 215))
-    insert_fresh(alloc, cache, a)
-    insert_fresh(alloc, cache, b)  # tree: a[:20] -> {a[20:], b[20:]}
+    alloc, cache, a, b = two_branches()
     before = alloc.groups[0].num_free_pages
     freed = cache.evict_window([1000])[0]
     assert freed == alloc.groups[0].num_free_pages - before == 45  # interiors, then the unlocked tails
@@ -116,11 +122,7 @@ def test_evict_window_reports_what_it_freed():
 
 
 def test_interior_sweep_then_tails_order():
-    alloc, cache = make(ps=1)
-    a = list(range(100, 130))
-    b = a[:20] + list(range(200, 215))
-    insert_fresh(alloc, cache, a)
-    insert_fresh(alloc, cache, b)
+    alloc, cache, a, b = two_branches()
     group = alloc.groups[0]
     used = group.num_pages - group.num_free_pages
     assert used == 45
@@ -135,11 +137,7 @@ def test_interior_sweep_then_tails_order():
 
 
 def test_tail_pass_tombstones_inner_nodes_and_keeps_children():
-    alloc, cache = make(ps=1)
-    a = list(range(100, 130))
-    b = a[:20] + list(range(200, 215))
-    insert_fresh(alloc, cache, a)
-    insert_fresh(alloc, cache, b)
+    alloc, cache, a, b = two_branches()
     m = cache.match_prefix(b + [0])
     cache.inc_lock(m.node)  # b's leaf is in use: its tail must stay
     cache.match_prefix(a[:20] + [0])  # refresh the inner node: a's leaf is now the LRU
