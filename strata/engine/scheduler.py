@@ -496,7 +496,7 @@ class Scheduler:
             req.window_dropped = [0] * len(groups)
         end = req.kv_len // ps * ps
         own_from = req.cached_len // ps
-        if req.replay_from is not None and end - min(g.window for g in groups) + 1 >= req.replay_end:
+        if req.replay_from is not None and end - max(g.window for g in groups) + 1 >= req.replay_end:
             self._end_replay(req)  # every window has moved past the replayed positions
         for i, group in enumerate(groups):
             keep_from = max(0, end - group.window + 1) // ps
