@@ -77,15 +77,15 @@ class MHAKVPool:
     # ----------------------------------------------------------------- whole pages, every group
     # (what moves between tiers and workers: L2/L3 pages, PD transfers)
 
-    def _layer_slots(self, layer: int, pages: np.ndarray) -> tuple[torch.Tensor, np.ndarray | None]:
-        """Slots of the pages in this layer's buffers, and which pages the layer's group holds
-        (None: all, a primary layer). Missing pages point at slot 0 (masked by the caller)."""
-        g = self.group_of[layer]
-        if g == 0:
-            return self.slots_of_pages(pages.tolist()), None
-        own = self.page_maps[g - 1][pages]
-        held = own >= 0
-        return self.slots_of_pages(np.where(held, own, 0).tolist()), held
+    def _group_slots(self, pages: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray | None]]:
+        """Per group (primary first): the pages' slots in that group's buffers, and which pages the
+        group holds (None: all, the primary group). Missing pages point at slot 0 (masked by the caller)."""
+        out: list[tuple[torch.Tensor, np.ndarray | None]] = [(self.slots_of_pages(pages.tolist()), None)]
+        for page_map in self.page_maps:
+            own = page_map[pages]
+            held = own >= 0
+            out.append((self.slots_of_pages(np.where(held, own, 0).tolist()), held))
+        return out
 
     def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
         """The KV of whole pages, on the CPU: [n, layers, 2 (k/v), page_size, Hkv, D], and
@@ -94,11 +94,12 @@ class MHAKVPool:
         n, ps = len(idx), self.page_size
         k0 = self.k[0]
         out = torch.zeros((n, len(self.k), 2, ps, k0.shape[1], k0.shape[2]), dtype=self.dtype)
+        groups = self._group_slots(idx)
         present = np.ones((n, len(self.windows)), dtype=bool)
-        for g, page_map in enumerate(self.page_maps):
-            present[:, g] = page_map[idx] >= 0
+        for g, (_, held) in enumerate(groups[1:]):
+            present[:, g] = held
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            slots, held = self._layer_slots(layer, idx)
+            slots, held = groups[self.group_of[layer]]
             slots = slots.to(k.device)
             out[:, layer, 0] = k[slots].view(n, ps, *k.shape[1:]).cpu()
             out[:, layer, 1] = v[slots].view(n, ps, *v.shape[1:]).cpu()
@@ -110,8 +111,9 @@ class MHAKVPool:
         """Write `read_pages` data into allocated pages, each group's part where the group holds the
         page (the caller drops a group's page where its part was absent)."""
         idx = np.asarray(pages, dtype=np.int64)
+        groups = self._group_slots(idx)
         for layer, (k, v) in enumerate(zip(self.k, self.v)):
-            slots, held = self._layer_slots(layer, idx)
+            slots, held = groups[self.group_of[layer]]
             rows = data[:, layer]  # [n, 2, ps, Hkv, D]
             if held is not None:
                 keep = torch.from_numpy(held)

@@ -49,14 +49,18 @@ class ModelRunner:
         attn = AttentionMetadata.build(
             batch.extend_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, batch.num_decode, self.device
         )
-        replaying = [b for b, r in enumerate(batch.reqs) if r.replay_from is not None]
-        for g, to_group in enumerate(self.group_maps):  # window groups: the same positions in their own pages
-            group_meta = attn.with_page_table(to_group[attn.page_table])
+        if self.group_maps:  # window groups: the same positions in their own pages
+            replaying = [b for b, r in enumerate(batch.reqs) if r.replay_from is not None]
+            for g, to_group in enumerate(self.group_maps):
+                table = to_group[attn.page_table]
+                if replaying:
+                    self._map_replayed_pages(batch, replaying, g, table)
+                group_meta = attn.with_page_table(table)
+                if replaying:
+                    group_meta.key_floor = self._replay_floor(batch, replaying, g)
+                attn.groups.append(group_meta)
             if replaying:
-                self._replay_window(batch, replaying, g, group_meta)
-            attn.groups.append(group_meta)
-        if replaying:
-            self._keep_cached_full_kv(batch, replaying, attn)
+                self._keep_cached_full_kv(batch, replaying, attn)
         sampled = batch.sampled_reqs()
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
@@ -66,20 +70,23 @@ class ModelRunner:
             sampling=self.sampling_batch(sampled) if sampled else None,
         )
 
-    def _replay_window(self, batch: ScheduleBatch, rows: list[int], g: int, meta: AttentionMetadata) -> None:
-        """--swa-replay: window group g reads and writes a replaying request's recomputed pages, and
-        nothing before replay_from while some query could still reach back there."""
+    def _map_replayed_pages(self, batch: ScheduleBatch, rows: list[int], g: int, table: torch.Tensor) -> None:
+        """--swa-replay: window group g reads and writes a replaying request's recomputed pages."""
         ps = self.kv.page_size
-        floor = torch.zeros(len(batch.reqs), dtype=torch.int64)
         for b in rows:
             req = batch.reqs[b]
             first = req.replay_from // ps
-            meta.page_table[b, first : first + len(req.replay_pages[g])] = torch.tensor(req.replay_pages[g])
-            floor[b] = req.replay_from
-        positions = meta.positions.cpu()
-        meta.out_slots = (meta.page_table[meta.token_owner, positions // ps] * ps + positions % ps).to(self.device)
-        if any(batch.reqs[b].kv_len < batch.reqs[b].replay_from + self.kv.windows[g] - 1 for b in rows):
-            meta.key_floor = floor
+            table[b, first : first + len(req.replay_pages[g])] = torch.tensor(req.replay_pages[g])
+
+    def _replay_floor(self, batch: ScheduleBatch, rows: list[int], g: int) -> torch.Tensor | None:
+        """The first key each request may read in window group g: its replay start while some of its
+        queries could still reach back past it (None once none can)."""
+        if all(batch.reqs[b].kv_len >= batch.reqs[b].replay_from + self.kv.windows[g] - 1 for b in rows):
+            return None
+        floor = torch.zeros(len(batch.reqs), dtype=torch.int64)
+        for b in rows:
+            floor[b] = batch.reqs[b].replay_from
+        return floor
 
     def _keep_cached_full_kv(self, batch: ScheduleBatch, rows: list[int], attn: AttentionMetadata) -> None:
         """Replayed positions (before replay_end) write their full-layer KV to the scratch page: the
