@@ -30,9 +30,11 @@ from strata.cache.allocator import PageAllocator
 from strata.cache.hicache import HiCache
 from strata.cache.radix import PrefixCache
 from strata.config import EngineConfig
+from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
+from strata.engine.window_kv import WindowKV
 from strata.layers.sampler import SamplerOutput, sampling_row
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer
@@ -44,7 +46,7 @@ RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at 
 IN_BATCH_PREFIX_TOKENS = 32  # a new prefix shared with a request admitted this step defers the second
 
 
-class Scheduler:
+class Scheduler(WindowKV, KVAccounting):
     def __init__(
         self,
         config: EngineConfig,
@@ -335,25 +337,6 @@ class Scheduler:
         req.pages.extend(pages)
         return True
 
-    def _alloc_chunk(self, req: Req, n: int) -> int:
-        """Allocate pages for the next n tokens of req; returns the tokens allocated for (0: none).
-
-        With window groups a chunk needs window pages for all of itself while its window needs only
-        W of them: when those are short, a chunk that fits the free window pages is fed rather than
-        one that would first evict the cache's window KV (the tails later requests resume from)."""
-        groups = self.allocator.groups
-        if groups and n > 0:
-            room = min(g.num_free_pages for g in groups)
-            fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
-            n = min(n, fits) if fits > 0 else min(n, max(g.window for g in groups))
-        while n > 0:
-            if self._alloc_for(req, req.kv_len + n):
-                return n
-            if not self.allocator.groups:
-                return 0
-            n //= 2
-        return 0
-
     def _waiting_order(self) -> list[Req]:
         if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING and self.cache_enabled:
             lens = {id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len for r in self.waiting}
@@ -434,34 +417,6 @@ class Scheduler:
             prefill_budget -= n
             batch_empty = False
 
-    def _start_replay(self, req: Req) -> bool:
-        """--swa-replay: if the window groups lack the matched prefix's last window, recompute it.
-
-        The request keeps its match (the full layers' KV, locked in the tree) but is fed again from
-        replay_from, the page boundary at or before cached_len - W + 1 (W: the largest window): the
-        window layers write those positions into pages of their own (`replay_pages`) and read nothing
-        before replay_from; the full layers' writes for them go to the pool's scratch page, so the
-        cached KV stays as it was. False (nothing held) if the window groups have no room."""
-        ps, end = self.page_size, req.cached_len
-        if not end or self.allocator.usable_prefix(req.pages[: end // ps]) * ps == end:
-            return True
-        start = max(0, end - max(g.window for g in self.allocator.groups) + 1) // ps * ps
-        count = (end - start) // ps
-        short = [count - g.num_free_pages for g in self.allocator.groups]
-        if any(n > 0 for n in short):
-            self.cache.evict_window(short)
-            if any(g.num_free_pages < count for g in self.allocator.groups):
-                return False
-        req.replay_pages = [g.allocator.alloc(count) for g in self.allocator.groups]
-        req.replay_from, req.replay_end = start, end
-        req.kv_len = start
-        return True
-
-    def _end_replay(self, req: Req) -> None:
-        for group, pages in zip(self.allocator.groups, req.replay_pages):
-            group.allocator.free(pages)
-        req.replay_from, req.replay_end, req.replay_pages = None, 0, []
-
     # ----------------------------------------------------------------- results
 
     def process_results(self, batch: ScheduleBatch, sampled: SamplerOutput | None) -> None:
@@ -483,27 +438,6 @@ class Scheduler:
                 self._drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
-
-    def _drop_behind_window(self, req: Req) -> None:
-        """Give back the window groups' KV of the request's own pages that no query reads any more.
-
-        Kept: the pages a query at the request's last whole page boundary would read (so its computed
-        prefix stays matchable when cached) and everything after it; the next queries, at kv_len and
-        beyond, read no further back."""
-        ps = self.page_size
-        groups = self.allocator.groups
-        if len(req.window_dropped) != len(groups):
-            req.window_dropped = [0] * len(groups)
-        end = req.kv_len // ps * ps
-        own_from = req.cached_len // ps
-        if req.replay_from is not None and end - max(g.window for g in groups) + 1 >= req.replay_end:
-            self._end_replay(req)  # every window has moved past the replayed positions
-        for i, group in enumerate(groups):
-            keep_from = max(0, end - group.window + 1) // ps
-            start = max(own_from, req.window_dropped[i])
-            if keep_from > start:
-                group.drop(req.pages[start:keep_from])
-                req.window_dropped[i] = keep_from
 
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.params
@@ -599,55 +533,6 @@ class Scheduler:
         req.prefix_node = match.node
         req.pages[: full // ps] = match.pages
         req.cached_len = full
-
-    def private_pages(self) -> int:
-        """Pages held by requests outside the prefix cache (running, or reserved for a PD transfer)."""
-        private = sum(len(r.pages) - r.cached_len // self.page_size for r in self.running)
-        return private + sum(len(r.pages) for r in self.prealloc.values())
-
-    def kv_bytes_in_use(self) -> int:
-        """KV memory in pages that are not free, over every group of the pool."""
-        used = [self.allocator.num_pages - self.allocator.num_free_pages]
-        used += [g.num_pages - g.num_free_pages for g in self.allocator.groups]
-        return sum(u * b for u, b in zip(used, self.runner.kv.bytes_by_group()))
-
-    def _private_page_ids(self) -> list[int]:
-        ps = self.page_size
-        ids = [p for r in self.running for p in r.pages[r.cached_len // ps :]]
-        return ids + [p for r in self.prealloc.values() for p in r.pages]
-
-    def window_group_usage(self) -> list[dict[str, int]]:
-        """Per window group of the KV pool: its window, pages, and how many are free, held by the
-        prefix cache and held by requests (walks the cache: for stats on request and tests)."""
-        cached = self.cache.window_pages()
-        private = self.allocator.group_pages_held(self._private_page_ids())
-        for r in self.running:  # windows being replayed
-            private = [n + len(pages) for n, pages in zip(private, r.replay_pages or [[]] * len(private))]
-        return [
-            {"window": g.window, "num_pages": g.num_pages, "num_free_pages": g.num_free_pages,
-             "num_cached_pages": c, "num_request_pages": p}
-            for g, c, p in zip(self.allocator.groups, cached, private)
-        ]
-
-    def leaked_pages(self, window_groups: bool = False) -> int:
-        """Pages that are neither free, nor cached, nor held by a request: 0 unless accounting broke
-        (reported in the server's stats, so a test from outside can check the invariant). With
-        window_groups, each window group's pages are counted too (walks the prefix cache)."""
-        accounted = self.allocator.num_free_pages + self.cache.total_pages + self.private_pages()
-        leaked = self.allocator.num_pages - accounted
-        if window_groups:
-            for g in self.window_group_usage():
-                leaked += g["num_pages"] - g["num_free_pages"] - g["num_cached_pages"] - g["num_request_pages"]
-        return leaked
-
-    def check_no_leaks(self) -> None:
-        """Assert the page-accounting invariant (used by tests and debug runs)."""
-        if self.leaked_pages(window_groups=True):
-            raise AssertionError(
-                f"page leak: free {self.allocator.num_free_pages} + cached {self.cache.total_pages} "
-                f"+ private {self.private_pages()} != {self.allocator.num_pages}; "
-                f"window groups {self.window_group_usage()}"
-            )
 
 
 def _token_logprob(sampled: SamplerOutput, row: int, token: int, k: int) -> TokenLogprob:
