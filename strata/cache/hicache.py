@@ -1,11 +1,12 @@
 """The KV cache hierarchy: L1 (the engine's KV pool + radix tree) → L2 (host memory) → L3 (storage).
 
+`HiCache` is a `PrefixCache` wrapping the device one; the scheduler sees only that protocol.
 Pages are named across tiers by a chained hash: the digest of page i covers the layout namespace
 (model identity, dtype, page size, shapes), page i-1's digest and page i's token ids, so a key
 names a whole prefix and never collides across models, dtypes or page sizes.
 
     L1 radix evicts a leaf ─▶ demote: copy its pages into L2 (host pool, LRU by hash)
-    admission: radix match ends at token m ─▶ promote: consecutive L2 hits after m are copied
+    admission (load_prefix): radix match ends at token m ─▶ promote: consecutive L2 hits after m are copied
         into fresh L1 pages and inserted into the radix tree, then matched and locked as usual
     L3 writes (background thread): write_through (when pages enter the tree),
         write_through_selective (once a page has been hit twice), write_back (when L2 drops it)
@@ -37,21 +38,19 @@ from __future__ import annotations
 import hashlib
 import logging
 import queue
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-import torch
-
 from strata.cache.allocator import PageAllocator
+from strata.cache.host_pool import HostKVPool
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.pages import HEADER_BYTES, CorruptPage, PageHasher, decode_page, encode_page
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
-from strata.cache.radix import MatchResult, RadixCache
+from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
 from strata.cache.storage import StorageBackend
+from strata.cache.storage_io import Prefetch, StorageWorker
 
 logger = logging.getLogger(__name__)
 
@@ -101,137 +100,20 @@ class HiCacheStats:
         return d
 
 
-# --------------------------------------------------------------------------- L2: host pool
-
-
-class HostKVPool:
-    """Host-memory pages, one contiguous block per page: [num_pages, layers, 2 (k/v), page_size, Hkv, D],
-    and per page which window groups still held their part (sliding-window models; a page evicted
-    after its window KV was given back comes without it)."""
-
-    def __init__(self, l1: MHAKVPool, num_pages: int):
-        k0 = l1.k[0]
-        self.num_layers = len(l1.k)
-        self.page_shape = (self.num_layers, 2, l1.page_size, k0.shape[1], k0.shape[2])
-        self.dtype = k0.dtype
-        pin = k0.device.type == "cuda"
-        self.data = torch.empty((num_pages, *self.page_shape), dtype=self.dtype, pin_memory=pin)
-        self.present = np.ones((num_pages, len(l1.windows)), dtype=bool)
-        self.kv_bytes = self.data[0].numel() * self.data.element_size()
-        self.page_bytes = self.kv_bytes + self.present.shape[1]  # a payload: the KV, then a byte per group
-
-    def l1_payloads(self, l1: MHAKVPool, l1_pages: list[int]) -> list[bytes]:
-        """Storage payloads of L1 pages (what `page_payload` gives for them once in L2)."""
-        data, present = l1.read_pages(l1_pages)
-        return [tensor_bytes(data[i]) + present[i].tobytes() for i in range(len(l1_pages))]
-
-    def copy_from_l1(self, l1: MHAKVPool, l1_pages: list[int], host_pages: list[int]) -> None:
-        data, present = l1.read_pages(l1_pages)
-        self.data[torch.tensor(host_pages)] = data
-        self.present[host_pages] = present
-
-    def copy_to_l1(self, l1: MHAKVPool, host_pages: list[int], l1_pages: list[int]) -> np.ndarray:
-        """Write host pages into freshly allocated L1 pages; returns which window groups' parts they
-        carry ([n, groups]; the caller gives the other groups' pages back)."""
-        l1.write_pages(l1_pages, self.data[torch.tensor(host_pages)])
-        return self.present[host_pages]
-
-    def page_payload(self, host_page: int) -> bytes:
-        return tensor_bytes(self.data[host_page]) + self.present[host_page].tobytes()
-
-    def load_payload(self, host_page: int, payload: bytes) -> None:
-        raw = torch.frombuffer(bytearray(payload[: self.kv_bytes]), dtype=torch.uint8)
-        self.data[host_page] = raw.view(self.dtype).view(self.page_shape)
-        self.present[host_page] = np.frombuffer(payload[self.kv_bytes :], dtype=bool)
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
-
-
-# --------------------------------------------------------------------------- L3 worker
-
-
-@dataclass
-class _Prefetch:
-    rid: str
-    keys: list[bytes]  # page digests after what L1/L2 hold, in order
-    start_page: int  # page index of keys[0] in the request's sequence
-    started: float
-    wait_s: float  # the request may be admitted this long after `started`, done or not
-    done: bool = False
-
-
-class _StorageWorker(threading.Thread):
-    """Runs storage I/O off the scheduler thread. Jobs in, results out; never touches L1/L2."""
-
-    def __init__(self, backend: StorageBackend, hicache: HiCache):
-        super().__init__(name="strata-hicache-storage", daemon=True)
-        self.backend = backend
-        self.hicache = hicache
-        self.jobs: queue.Queue = queue.Queue()
-        self.results: queue.Queue = queue.Queue()
-        self.failures = 0
-        self.paused_until = 0.0
-
-    def run(self) -> None:
-        while True:
-            job = self.jobs.get()
-            if job is None:
-                return
-            try:
-                self._run_one(job)
-            finally:
-                self.jobs.task_done()
-
-    def _run_one(self, job: tuple) -> None:
-        if time.monotonic() < self.paused_until:
-            self.results.put(("failed", job))
-            return
-        try:
-            self.results.put(self._do(job))
-            self.failures = 0
-        except Exception as exc:  # a dead or slow backend degrades to recomputation
-            self.failures += 1
-            cfg = self.hicache.config
-            if self.failures >= cfg.storage_failures_before_pause:
-                self.paused_until = time.monotonic() + cfg.storage_pause_s
-            logger.warning("hicache storage %s failed: %s", self.backend.name, exc)
-            self.results.put(("failed", job))
-
-    def _do(self, job: tuple) -> tuple:
-        kind = job[0]
-        if kind == "write":
-            items = job[1]
-            self.backend.set(items)
-            return ("written", items)
-        if kind == "prefetch":
-            pf: _Prefetch = job[1]
-            hc = self.hicache
-            started = time.monotonic()
-            names = [hc.storage_key(k) for k in pf.keys]
-            present = [bool(p) for p in self.backend.exists(names)][: len(names)]
-            missing = [k for k, p in zip(pf.keys, present) if not p]
-            hits = next((i for i, p in enumerate(present) if not p), len(present))
-            if hits * hc.page_size < hc.config.prefetch_threshold_tokens:
-                return ("prefetched", pf, [], missing, 0.0)
-            blobs = list(self.backend.get(names[:hits]))
-            return ("prefetched", pf, list(zip(pf.keys[:hits], blobs)), missing, time.monotonic() - started)
-        raise ValueError(kind)
-
-
 # --------------------------------------------------------------------------- the controller
 
 
 class HiCache:
-    """Owns L2 and the L3 worker; hooks into the radix tree's eviction and the scheduler's admission."""
+    """A `PrefixCache` over three tiers: the device cache it wraps (L1: a radix tree over the KV
+    pool), L2 host pages and L3 storage. Lookup, locking and eviction are the device cache's; this
+    adds demotion (the device cache's eviction listener), promotion (`load_prefix`), L3 writes
+    (`insert`) and L3 prefetch (the request events)."""
 
     def __init__(
         self,
         config: HiCacheConfig,
         l1: MHAKVPool,
-        l1_allocator: PageAllocator,
-        radix: RadixCache,
+        device: RadixCache | NoPrefixCache,
         namespace: bytes,
         storage: StorageBackend | None = None,
     ):
@@ -240,7 +122,8 @@ class HiCache:
         if config.prefetch_policy not in PREFETCH_POLICIES:
             raise ValueError(f"hicache prefetch policy must be one of {PREFETCH_POLICIES}")
         self.config = config
-        self.l1, self.l1_allocator, self.radix = l1, l1_allocator, radix
+        self.l1, self.device = l1, device
+        self.allocator = device.allocator
         self.page_size = l1.page_size
         self.namespace = hashlib.sha256(namespace).digest()
         self.hasher = PageHasher(self.page_size, namespace)
@@ -254,16 +137,68 @@ class HiCache:
         # digests written to (or read from) L3, with when (monotonic); least recent first, bounded
         self.in_storage: OrderedDict[bytes, float] = OrderedDict()
         self.hit_counts: dict[bytes, int] = {}  # write_through_selective
-        self.prefetches: dict[str, _Prefetch] = {}
+        self.prefetches: dict[str, Prefetch] = {}
         # the auto prefetch policy's measurements (scheduler thread)
         self.read_rate = RateMeter(config.storage_read_bytes_per_s_prior)  # L3 bytes/s
         self.prefill_rate = RateMeter(config.prefill_tokens_per_s_prior)  # tokens/s, admission to cached
         # last page digest of a request's reusable prompt -> (admitted at, tokens it must compute)
         self.prefilling: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
-        self.worker = _StorageWorker(storage, self) if storage is not None else None
+        self.worker = StorageWorker(storage, self) if storage is not None else None
         if self.worker is not None:
             self.worker.start()
-        radix.evict_hook = self._demote
+        if isinstance(device, RadixCache):
+            device.on_evict = self._demote
+
+    # ----------------------------------------------------------------- the device cache's part
+
+    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return self.device.match_prefix(token_ids)
+
+    def inc_lock(self, node: TreeNode) -> None:
+        self.device.inc_lock(node)
+
+    def dec_lock(self, node: TreeNode) -> None:
+        self.device.dec_lock(node)
+
+    def evict(self, num_pages: int) -> int:
+        return self.device.evict(num_pages)  # demotes through the eviction listener
+
+    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+        return self.device.evict_window(wanted)
+
+    def make_room(self, num_pages: int) -> bool:
+        return self.device.make_room(num_pages)
+
+    def window_pages(self) -> list[int]:
+        return self.device.window_pages()
+
+    @property
+    def evictable_pages(self) -> int:
+        return self.device.evictable_pages
+
+    @property
+    def protected_pages(self) -> int:
+        return self.device.protected_pages
+
+    @property
+    def total_pages(self) -> int:
+        return self.device.total_pages
+
+    def pretty(self) -> str:
+        return self.device.pretty()
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
+        present = self.device.insert(token_ids, pages)
+        if present < len(token_ids):
+            self._on_insert(token_ids, list(pages), present)
+        return present
+
+    def reset(self) -> None:
+        """Drop L1 and L2 (L3 is shared and stays)."""
+        self.device.reset()
+        self.l2.clear()
+        self.l2_from_storage.clear()
+        self.host_allocator.reset()
 
     @property
     def payload_bytes(self) -> int:
@@ -309,26 +244,23 @@ class HiCache:
 
     # ----------------------------------------------------------------- L2 -> L1 (admission)
 
-    def promote(self, tokens: Sequence[int], match: MatchResult, make_room) -> tuple[MatchResult, int, int]:
-        """Extend an L1 match with the consecutive L2 pages that follow it.
-
-        `tokens` are the tokens the request may reuse (page-aligned use only); `make_room(n)` frees
-        L1 pages (evicting the radix tree, which demotes into L2). Returns (new match, tokens
-        promoted that were already in L2, tokens promoted that came from L3). Called at admission,
-        so it also starts the clock on the prefill of the rest (see `on_insert`).
-        """
+    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        """The L1 match, extended with the consecutive L2 pages that follow it (promoted into fresh
+        L1 pages; making room evicts L1, which demotes into L2). `loaded` counts the promoted tokens
+        that were in L2 ("host") and that came from L3 ("storage"). Called at admission, so it also
+        starts the clock on the prefill of the rest (see `_on_insert`)."""
+        tokens = token_ids
         digests = self.hasher.hashes(tokens[: len(tokens) // self.page_size * self.page_size])
-        new_match, host_len, storage_len = self._promote(tokens, digests, match, make_room)
+        new_match, host_len, storage_len = self._promote(tokens, digests, self.device.match_prefix(tokens))
+        new_match.loaded = {"host": host_len, "storage": storage_len}
         if digests and len(tokens) - new_match.cached_len >= MIN_PREFILL_SAMPLE_TOKENS:
             self.prefilling[digests[-1]] = (time.monotonic(), len(tokens) - new_match.cached_len)
             self.prefilling.move_to_end(digests[-1])
             if len(self.prefilling) > 1024:  # aborted or retracted requests never finish their prefill
                 self.prefilling.popitem(last=False)
-        return new_match, host_len, storage_len
+        return new_match
 
-    def _promote(
-        self, tokens: Sequence[int], digests: list[bytes], match: MatchResult, make_room
-    ) -> tuple[MatchResult, int, int]:
+    def _promote(self, tokens: Sequence[int], digests: list[bytes], match: MatchResult) -> tuple[MatchResult, int, int]:
         ps = self.page_size
         start = match.cached_len // ps
         hits: list[bytes] = []
@@ -340,29 +272,29 @@ class HiCache:
         if not hits:
             return match, 0, 0
         self.pinned.update(hits)
-        self.radix.inc_lock(match.node)  # keep the matched prefix while making room
+        self.device.inc_lock(match.node)  # keep the matched prefix while making room
         try:
-            if not make_room(len(hits)):
+            if not self.device.make_room(len(hits)):
                 return match, 0, 0
-            l1_pages = self.l1_allocator.alloc(len(hits))
+            l1_pages = self.allocator.alloc(len(hits))
             if l1_pages is None:
                 return match, 0, 0
             present = self.host.copy_to_l1(self.l1, [self.l2[d] for d in hits], l1_pages)
-            self.l1_allocator.drop_absent(l1_pages, present)
+            self.allocator.drop_absent(l1_pages, present)
             end = match.cached_len + len(hits) * ps
-            present = self.radix.insert(tokens[:end], match.pages + l1_pages)
+            present = self.device.insert(tokens[:end], match.pages + l1_pages)
             # only pages past `present` now belong to the tree; anything before it was already there
             dup = l1_pages[: max(0, (present - match.cached_len) // ps)]
-            self.l1_allocator.free(dup)
+            self.allocator.free(dup)
         finally:
-            self.radix.dec_lock(match.node)
+            self.device.dec_lock(match.node)
             self.pinned.difference_update(hits)
         from_storage = sum(1 for d in hits if d in self.l2_from_storage)
         for d in hits:
             self.l2.move_to_end(d)
         self.stats.promoted_pages += len(hits)
         self.stats.bytes_from_host += len(hits) * self.payload_bytes
-        new_match = self.radix.match_prefix(tokens[:end])
+        new_match = self.device.match_prefix(tokens[:end])
         return new_match, (len(hits) - from_storage) * ps, from_storage * ps
 
     def _count_hits(self, l1_digests: list[bytes], l1_pages: list[int], l2_digests: list[bytes]) -> None:
@@ -386,16 +318,15 @@ class HiCache:
         if len(self.hit_counts) > 1_000_000:
             self.hit_counts.clear()
 
-    def record_request(self, prompt_len: int, device: int, host: int, storage: int) -> None:
-        self.stats.query_tokens += prompt_len
-        self.stats.hit_tokens["device"] += device
-        self.stats.hit_tokens["host"] += host
-        self.stats.hit_tokens["storage"] += storage
+    def on_admitted(self, query_len: int, hits: dict[str, int]) -> None:
+        self.stats.query_tokens += query_len
+        for tier, n in hits.items():
+            self.stats.hit_tokens[tier] += n
 
     # ----------------------------------------------------------------- L1 -> L3 (write_through)
 
-    def on_insert(self, tokens: Sequence[int], pages: list[int], new_from: int) -> None:
-        """Pages tokens[new_from:] just entered the radix tree: a prompt admitted by `promote` is
+    def _on_insert(self, tokens: Sequence[int], pages: list[int], new_from: int) -> None:
+        """Pages tokens[new_from:] just entered the radix tree: a prompt admitted by `load_prefix` is
         computed when its last page does (a prefill rate sample); write_through backs them up in L3."""
         write = self.storage is not None and self.config.write_policy == "write_through"
         if not write and not self.prefilling:
@@ -439,13 +370,13 @@ class HiCache:
 
     # ----------------------------------------------------------------- L3 -> L2 (prefetch)
 
-    def start_prefetch(self, rid: str, tokens: Sequence[int]) -> None:
-        """On arrival: look past what L1 and L2 hold; ask the worker for the rest from L3."""
+    def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None:
+        """Look past what L1 and L2 hold; ask the worker for the rest from L3."""
         if self.worker is None:
             return
         ps = self.page_size
-        digests = self.hasher.hashes(tokens[: len(tokens) // ps * ps])
-        l1_pages = self.radix.match_prefix(tokens).cached_len // ps
+        digests = self.hasher.hashes(token_ids[: len(token_ids) // ps * ps])
+        l1_pages = self.device.match_prefix(token_ids).cached_len // ps
         start = l1_pages
         while start < len(digests) and digests[start] in self.l2:
             start += 1
@@ -453,7 +384,7 @@ class HiCache:
         if len(rest) * ps < self.config.prefetch_threshold_tokens:
             return
         wait_s = self._wait_s(rest)
-        pf = _Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic(), wait_s=wait_s)
+        pf = Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic(), wait_s=wait_s)
         self.prefetches[rid] = pf
         self.worker.jobs.put(("prefetch", pf))
 
@@ -478,10 +409,10 @@ class HiCache:
         pf = self.prefetches.get(rid)
         return pf is None or pf.done or time.monotonic() - pf.started >= pf.wait_s
 
-    def waiting_on_storage(self) -> bool:
+    def fetching(self) -> bool:
         return any(not pf.done for pf in self.prefetches.values())
 
-    def forget(self, rid: str) -> None:
+    def on_finished(self, rid: str) -> None:
         self.prefetches.pop(rid, None)
 
     def poll(self) -> None:
@@ -512,7 +443,7 @@ class HiCache:
                     for key, _ in job[1]:
                         self.in_storage.pop(bytes.fromhex(key.removeprefix("strata-kv-")), None)
 
-    def _land(self, pf: _Prefetch, blobs: list[tuple[bytes, bytes | None]], seconds: float = 0.0) -> None:
+    def _land(self, pf: Prefetch, blobs: list[tuple[bytes, bytes | None]], seconds: float = 0.0) -> None:
         pf.done = True
         expected = self.payload_bytes
         self.read_rate.add(sum(len(b) for _, b in blobs if isinstance(b, (bytes, bytearray))), seconds)
@@ -554,8 +485,3 @@ class HiCache:
             self.poll()
         self.poll()
 
-    def reset(self) -> None:
-        """Drop L2 (L3 is shared and stays)."""
-        self.l2.clear()
-        self.l2_from_storage.clear()
-        self.host_allocator.reset()

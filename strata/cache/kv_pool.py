@@ -140,3 +140,8 @@ class MHAKVPool:
         """Slot ids of whole pages, in order: [len(pages) * page_size] int64."""
         base = torch.tensor(pages, dtype=torch.int64).view(-1, 1) * self.page_size
         return (base + torch.arange(self.page_size)).view(-1)
+
+
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """A tensor's raw bytes (a page's payload for L3 storage or a PD transfer)."""
+    return t.contiguous().view(torch.uint8).numpy().tobytes()

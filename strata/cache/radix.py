@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
 from strata.cache.allocator import PageAllocator
+
+EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 
 
 class TreeNode:
@@ -61,14 +63,22 @@ class MatchResult:
     node: TreeNode  # deepest matched node (the root when nothing matched); lock this
     cached_len: int  # matched tokens, a multiple of page_size
     pages: list[int]  # page ids of the matched prefix, len == cached_len // page_size
+    # tokens of cached_len that `load_prefix` just brought up from a slower tier, by tier name
+    loaded: dict[str, int] = field(default_factory=dict)
 
 
 @runtime_checkable
 class PrefixCache(Protocol):
     """The contract between the scheduler and a prefix cache.
 
-    - ``match_prefix(token_ids)``: the longest cached prefix of token_ids, rounded down to whole pages.
-      Refreshes the last-access time of the matched path; may split a node; does not lock.
+    Lookup and ownership:
+
+    - ``match_prefix(token_ids)``: the longest prefix of token_ids the device pages hold, rounded
+      down to whole pages. Refreshes the last-access time of the matched path; may split a node;
+      does not lock.
+    - ``load_prefix(token_ids)``: what admission calls. ``match_prefix``, extended by the pages a
+      slower tier holds (copied into fresh device pages and inserted, unlocked; this may evict).
+      ``MatchResult.loaded`` counts the tokens each tier gave. A single-tier cache only matches.
     - ``insert(token_ids, pages)``: ``len(token_ids)`` must be a multiple of page_size and equal
       ``len(pages) * page_size`` (ValueError otherwise). Returns prefix_len, the number of leading
       tokens that were already in the tree. The tree takes ownership of ``pages[prefix_len // ps:]``.
@@ -76,23 +86,39 @@ class PrefixCache(Protocol):
       (i.e. not the tree's own pages that it got from an earlier match).
     - ``inc_lock(node)`` / ``dec_lock(node)``: +1 / -1 lock on node and every ancestor. Locked nodes are
       never evicted. dec_lock raises RuntimeError if a count would go negative.
+
+    Eviction and accounting:
+
     - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
       first; returns the number freed.
     - ``evict_window(wanted)``: frees up to wanted[g] pages of each window group of a
       `GroupedPageAllocator` (`WindowRadixCache`); returns the count per group (zeros elsewhere).
+    - ``make_room(n)``: evicts until n pages can be allocated in every KV group; True if they can.
     - ``window_pages()``: per window group, the pages the cache holds (walks the tree).
     - ``evictable_pages`` (unlocked), ``protected_pages`` (locked), ``total_pages`` (both).
     - ``reset()``: drop everything, freeing all pages to the allocator (RuntimeError while locked).
+
+    Request events, all on the scheduler thread (a single-tier cache ignores them):
+
+    - ``on_arrival(rid, token_ids)``: a request arrived; the cache may start fetching its pages.
+    - ``ready(rid)``: False while the request should wait for such a fetch before admission.
+    - ``on_admitted(query_len, hits)``: a request's first admission reused ``hits`` tokens per
+      tier ("device", "host", "storage") of the ``query_len`` it could have reused.
+    - ``on_finished(rid)``: the request is gone.
+    - ``poll()``: once per step: apply background work that finished (fetched pages land).
+    - ``fetching()``: True while a fetch a waiting request may wait for is in flight.
     """
 
     page_size: int
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
+    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int: ...
     def inc_lock(self, node: TreeNode) -> None: ...
     def dec_lock(self, node: TreeNode) -> None: ...
     def evict(self, num_pages: int) -> int: ...
     def evict_window(self, wanted: Sequence[int]) -> list[int]: ...
+    def make_room(self, num_pages: int) -> bool: ...
     def window_pages(self) -> list[int]: ...
     @property
     def evictable_pages(self) -> int: ...
@@ -102,6 +128,49 @@ class PrefixCache(Protocol):
     def total_pages(self) -> int: ...
     def reset(self) -> None: ...
     def pretty(self) -> str: ...
+    def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None: ...
+    def ready(self, rid: str) -> bool: ...
+    def on_admitted(self, query_len: int, hits: dict[str, int]) -> None: ...
+    def on_finished(self, rid: str) -> None: ...
+    def poll(self) -> None: ...
+    def fetching(self) -> bool: ...
+
+
+class SingleTier:
+    """What every device-only `PrefixCache` shares: `make_room` over its own eviction, a
+    `load_prefix` that only matches, and request events it has no use for."""
+
+    allocator: PageAllocator
+
+    def make_room(self, num_pages: int) -> bool:
+        short = num_pages - self.allocator.num_free_pages
+        if short > 0:
+            self.evict(short)
+        groups = self.allocator.groups
+        if groups and any(g.num_free_pages < num_pages for g in groups):
+            self.evict_window([num_pages - g.num_free_pages for g in groups])
+        return self.allocator.can_alloc(num_pages)
+
+    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return self.match_prefix(token_ids)
+
+    def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None:
+        pass
+
+    def ready(self, rid: str) -> bool:
+        return True
+
+    def on_admitted(self, query_len: int, hits: dict[str, int]) -> None:
+        pass
+
+    def on_finished(self, rid: str) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def fetching(self) -> bool:
+        return False
 
 
 def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) -> None:
@@ -110,15 +179,18 @@ def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) 
         raise ValueError(f"insert of {n} tokens with {len(pages)} pages of size {ps}: must be page-aligned")
 
 
-class RadixCache:
-    """PrefixCache over a radix tree; evicted pages go back to ``allocator``."""
+class RadixCache(SingleTier):
+    """PrefixCache over a radix tree; evicted pages go back to ``allocator``.
 
-    def __init__(self, allocator: PageAllocator) -> None:
+    ``on_evict(prefix_tokens, tokens, pages)``, when given, is called just before evicted pages are
+    freed, prefix_tokens being the tokens before them on their path from the root (a slower tier
+    behind this cache copies them there).
+    """
+
+    def __init__(self, allocator: PageAllocator, on_evict: EvictListener | None = None) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
-        # called as hook(prefix_tokens, tokens, pages) just before evicted pages are freed, where
-        # prefix_tokens are the tokens before them on their path from the root (HiCache demotes them)
-        self.evict_hook: Callable[[tuple[int, ...], tuple[int, ...], list[int]], None] | None = None
+        self.on_evict = on_evict
         self._clock = 0
         self._next_id = 0
         self._new_tree()
@@ -291,8 +363,8 @@ class RadixCache:
         return len(node.value)
 
     def _before_free(self, node: TreeNode, keep_pages: int) -> None:
-        """Tell the evict hook about node.value[keep_pages:] before those pages are freed."""
-        if self.evict_hook is None:
+        """Tell the eviction listener about node.value[keep_pages:] before those pages are freed."""
+        if self.on_evict is None:
             return
         keys = []
         n = node.parent
@@ -301,7 +373,7 @@ class RadixCache:
             n = n.parent
         cut = keep_pages * self.page_size
         prefix = tuple(t for key in reversed(keys) for t in key) + node.key[:cut]
-        self.evict_hook(prefix, node.key[cut:], node.value[keep_pages:])
+        self.on_evict(prefix, node.key[cut:], node.value[keep_pages:])
 
     # -------------------------------------------------------------------------------- accounting
 
@@ -338,7 +410,7 @@ class RadixCache:
         return "\n".join(lines)
 
 
-class NoPrefixCache:
+class NoPrefixCache(SingleTier):
     """PrefixCache that caches nothing (``--disable-radix-cache``).
 
     match_prefix never matches; insert reports every token as already present, so the caller frees all

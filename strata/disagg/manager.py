@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import torch
 
-from strata.cache.kv_pool import MHAKVPool
+from strata.cache.kv_pool import MHAKVPool, tensor_bytes
 from strata.disagg import protocol
 from strata.disagg.auth import MAX_ROOM
 from strata.disagg.transport import KVTransport
@@ -62,10 +62,6 @@ def install_kv(kv: MHAKVPool, pages: list[int], data: torch.Tensor) -> None:
     padded = data.new_zeros((layers, 2, n * ps, heads, dim))
     padded[:, :, :num_tokens] = data
     kv.write_pages(pages[:n], padded.view(layers, 2, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5))
-
-
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    return t.contiguous().view(torch.uint8).numpy().tobytes()
 
 
 # --------------------------------------------------------------------------- prefill side

@@ -218,13 +218,13 @@ class Engine:
         # what a KV page means, for pages shared through L3 storage or sent to a PD peer
         shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
         namespace = kv_namespace(model_dir, kv_pool, weights, dtype) if shares_kv else b""
-        self.hicache = self._make_hicache(namespace, kv_pool, allocator, cache) if cfg.hierarchical_cache else None
+        self.hicache = self._make_hicache(namespace, kv_pool, cache) if cfg.hierarchical_cache else None
+        if self.hicache is not None:
+            cache = self.hicache  # the tiers wrap the device cache
         runner = ModelRunner(
             self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
         )
-        self.scheduler = Scheduler(
-            cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, hicache=self.hicache
-        )
+        self.scheduler = Scheduler(cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len)
         self.disagg = self._make_disagg(namespace, kv_pool) if cfg.disaggregation_mode != "null" else None
         self.state = RuntimeState(
             model_dir=model_dir,
@@ -290,7 +290,7 @@ class Engine:
         """host:port of this worker's KV inbox (a prefill worker's bootstrap address), if disaggregated."""
         return None if self.disagg is None else self.disagg.transport.endpoint.removeprefix("tcp://")
 
-    def _make_hicache(self, namespace: bytes, kv_pool: MHAKVPool, allocator: PageAllocator, radix) -> HiCache:
+    def _make_hicache(self, namespace: bytes, kv_pool: MHAKVPool, device: RadixCache | NoPrefixCache) -> HiCache:
         from strata.cache.storage import make_storage_backend
 
         cfg = self.config
@@ -320,7 +320,7 @@ class Engine:
             hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
             hc.prefetch_policy,
         )
-        return HiCache(hc, kv_pool, allocator, radix, namespace, storage)
+        return HiCache(hc, kv_pool, device, namespace, storage)
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (L1 radix tree and L2); refuses while requests are running."""
@@ -330,8 +330,6 @@ class Engine:
                 f"{len(self.scheduler.waiting)} wait; retry when idle"
             )
         self.scheduler.cache.reset()
-        if self.hicache is not None:
-            self.hicache.reset()
 
     def close(self) -> None:
         """Stop background threads (the L3 storage worker) and sockets."""

@@ -27,7 +27,6 @@ from collections.abc import Callable
 import torch
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.hicache import HiCache
 from strata.cache.radix import PrefixCache
 from strata.config import EngineConfig
 from strata.engine.accounting import KVAccounting
@@ -56,14 +55,12 @@ class Scheduler(WindowKV, KVAccounting):
         tokenizer,
         eos_token_ids: frozenset[int],
         context_len: int,
-        hicache: HiCache | None = None,
     ):
         self.config = config
         self.runner = runner
         self.allocator = allocator
         self.cache = prefix_cache
         self.cache_enabled = not config.disable_radix_cache
-        self.hicache = hicache  # L2/L3 tiers behind the radix cache, or None
         self.page_size = allocator.page_size
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -129,8 +126,8 @@ class Scheduler(WindowKV, KVAccounting):
                 self._finish(req, "length")
                 continue
             self.waiting.append(req)
-        if self.hicache is not None and first is not None and not first.finished:
-            self.hicache.start_prefetch(first.rid, first.seq_slice(0, first.seq_len - 1))
+        if first is not None and not first.finished:
+            self.cache.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
     def _validate(self, rids: list[str], prompt_ids: list[int], params: SamplingParams) -> None:
@@ -177,7 +174,7 @@ class Scheduler(WindowKV, KVAccounting):
             raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
         self._validate([rid], prompt_ids, params)
         need = math.ceil(len(prompt_ids) / self.page_size)
-        if not self._make_room(need):
+        if not self.cache.make_room(need):
             return None
         req = self._new_req(rid, prompt_ids, params, params.seed, depends_on=None)
         req.pages = self.allocator.alloc(need)
@@ -232,12 +229,11 @@ class Scheduler(WindowKV, KVAccounting):
 
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
-        if self.hicache is not None:
-            self.hicache.poll()
+        self.cache.poll()
         if self.disagg is not None:
             self.disagg.poll()
         batch = self.schedule()
-        if batch is None and self.hicache is not None and self.hicache.waiting_on_storage():
+        if batch is None and self.cache.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
             try:
@@ -294,14 +290,14 @@ class Scheduler(WindowKV, KVAccounting):
     def _reserve_decode_pages(self, decodes: list[Req]) -> None:
         """Give every decode whose last page is full a new page, retracting others if needed."""
         needy = [r for r in decodes if r.kv_len + 1 > len(r.pages) * self.page_size]
-        while needy and not self._make_room(len(needy)):
+        while needy and not self.cache.make_room(len(needy)):
             victim = self._pick_victim()
             if victim is None:
                 break
             self.retract(victim)
             needy = [r for r in needy if r is not victim]
         for req in needy:
-            pages = self.allocator.alloc(1) if self._make_room(1) else None
+            pages = self.allocator.alloc(1) if self.cache.make_room(1) else None
             if pages is None:  # only when pages are held outside the running set (PD reservations)
                 req.error = "the KV cache is exhausted; retry the request"
                 self._finish(req, "error")
@@ -314,22 +310,12 @@ class Scheduler(WindowKV, KVAccounting):
         # fewest outputs first (least work lost), then longest prompt (most KV freed)
         return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival))
 
-    def _make_room(self, num_pages: int) -> bool:
-        """Evict from the prefix cache until `num_pages` pages can be allocated (in every KV group)."""
-        short = num_pages - self.allocator.num_free_pages
-        if short > 0:
-            self.cache.evict(short)
-        groups = self.allocator.groups
-        if groups and any(g.num_free_pages < num_pages for g in groups):
-            self.cache.evict_window([num_pages - g.num_free_pages for g in groups])
-        return self.allocator.can_alloc(num_pages)
-
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
         need = math.ceil(end / self.page_size) - len(req.pages)
         if need <= 0:
             return True
-        if not self._make_room(need):
+        if not self.cache.make_room(need):
             return False
         pages = self.allocator.alloc(need)
         if pages is None:
@@ -374,16 +360,13 @@ class Scheduler(WindowKV, KVAccounting):
             dep = req.depends_on
             if dep is not None and not (dep.finished or dep.kv_len >= len(dep.prompt_ids)):
                 continue
-            if self.hicache is not None and not self.hicache.ready(req.rid):
+            if not self.cache.ready(req.rid):
                 continue
             # match at most seq_len - 1 tokens: the last one must be fed to get logits
             reusable = req.seq_slice(0, req.seq_len - 1)
-            match = self.cache.match_prefix(reusable)
+            match = self.cache.load_prefix(reusable)
             if self._shares_uncached_prefix(reusable, match.cached_len, admitted_now):
                 continue  # next step it reuses what the other request is computing now
-            device_hit, host_hit, storage_hit = match.cached_len, 0, 0
-            if self.hicache is not None:
-                match, host_hit, storage_hit = self.hicache.promote(reusable, match, self._make_room)
             rest = req.seq_len - match.cached_len
             remaining_new = req.params.max_new_tokens - len(req.output_ids)
             need_pages = math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size)
@@ -400,13 +383,13 @@ class Scheduler(WindowKV, KVAccounting):
                 self._release_kv(req, cache_it=False)
                 break
             if not req.admitted_once:
+                hits = {"device": match.cached_len - sum(match.loaded.values()), **match.loaded}
                 replayed = match.cached_len - req.kv_len  # --swa-replay recomputes these in every layer
-                device_hit -= min(replayed, device_hit)
+                hits["device"] -= min(replayed, hits["device"])
                 req.num_cached_tokens = req.kv_len
-                req.cached_tokens_by_tier = {"device": device_hit, "host": host_hit, "storage": storage_hit}
+                req.cached_tokens_by_tier = {"host": 0, "storage": 0, **hits}
                 req.admitted_once = True
-                if self.hicache is not None:
-                    self.hicache.record_request(len(reusable), device_hit, host_hit, storage_hit)
+                self.cache.on_admitted(len(reusable), hits)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -465,8 +448,7 @@ class Scheduler(WindowKV, KVAccounting):
             self.running.remove(req)
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
-        if self.hicache is not None:
-            self.hicache.forget(req.rid)
+        self.cache.on_finished(req.rid)
         if req.detokenizer is not None and reason != "abort":
             req.detokenizer.flush()
         self.pending_outputs.append(req.make_output())
@@ -513,8 +495,6 @@ class Scheduler(WindowKV, KVAccounting):
         own_from = req.cached_len // ps
         tokens = req.seq_slice(0, full)
         present = self.cache.insert(tokens, req.pages[: full // ps])
-        if self.hicache is not None and present < full:
-            self.hicache.on_insert(tokens, req.pages[: full // ps], present)
         self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
         return tokens
 

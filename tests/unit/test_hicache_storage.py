@@ -20,7 +20,7 @@ from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.pages import CorruptPage, decode_page, encode_page
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
-from strata.cache.radix import RadixCache
+from strata.cache.radix import PrefixCache, RadixCache
 from strata.cache.storage import make_storage_backend
 from strata.cache.storage.file import FileStorage
 from strata.config import add_engine_args, engine_config_from_args
@@ -238,7 +238,7 @@ def make_hicache(storage, page_size: int = 4, **config) -> HiCache:
     allocator = PageAllocator(32, page_size)
     defaults = {"host_pages": 64, "prefetch_threshold_tokens": 4, "storage_failures_before_pause": 10**9}
     config = defaults | config
-    return HiCache(HiCacheConfig(**config), l1, allocator, RadixCache(allocator), b"test-layout", storage)
+    return HiCache(HiCacheConfig(**config), l1, RadixCache(allocator), b"test-layout", storage)
 
 
 def finish(hc: HiCache, rid: str) -> None:
@@ -263,12 +263,12 @@ def test_prefetch_installs_only_intact_pages_whatever_the_backend_returns():
     installed = 0
     for i in range(300):
         store.damage = rng.choice([0.0, 0.1, 0.5, 1.0])
-        hc.start_prefetch(f"r{i}", tokens)
+        hc.on_arrival(f"r{i}", tokens)
         finish(hc, f"r{i}")
         for d, host_page in hc.l2.items():
             assert hc.host.page_payload(host_page) == truth[d]
         installed += len(hc.l2)
-        hc.forget(f"r{i}")
+        hc.on_finished(f"r{i}")
         hc.reset()
     assert hc.worker.is_alive()
     assert installed > 0 and hc.stats.corrupt_pages > 0 and hc.stats.storage_errors > 0
@@ -334,7 +334,7 @@ def test_auto_policy_waits_up_to_the_recompute_time_then_gives_up():
     # 200 tokens at 400 tokens/s: 0.5 s to recompute; the prior L3 rate says they fetch in microseconds
     hc = make_hicache(store, prefill_tokens_per_s_prior=400.0)
     tokens = stored_prompt(hc, store, 200)
-    hc.start_prefetch("a", tokens)
+    hc.on_arrival("a", tokens)
     waited = seconds_until_ready(hc, "a")
     assert 0.45 <= waited < 5 and not hc.prefetches["a"].done
     time.sleep(1.0)
@@ -342,7 +342,7 @@ def test_auto_policy_waits_up_to_the_recompute_time_then_gives_up():
     finish(hc, "a")  # the fetch lands late (50 pages in >= 1.5 s); it is measured ...
     assert hc.read_rate.rate < 50 / 1.5 * (hc.payload_bytes + HEADER)
     hc.reset()
-    hc.start_prefetch("b", tokens)  # ... so the next request does not wait at all
+    hc.on_arrival("b", tokens)  # ... so the next request does not wait at all
     assert hc.prefetches["b"].wait_s == 0 and hc.ready("b")
     hc.close()
 
@@ -350,7 +350,7 @@ def test_auto_policy_waits_up_to_the_recompute_time_then_gives_up():
 def test_auto_policy_does_not_wait_when_prefill_is_faster():
     store = SlowStore(delay_s=0.5)
     hc = make_hicache(store, prefill_tokens_per_s_prior=1e9)
-    hc.start_prefetch("a", stored_prompt(hc, store, 200))
+    hc.on_arrival("a", stored_prompt(hc, store, 200))
     assert hc.ready("a") and not hc.prefetches["a"].done
     hc.close()
 
@@ -358,7 +358,7 @@ def test_auto_policy_does_not_wait_when_prefill_is_faster():
 def test_auto_policy_waits_for_a_fetch_that_beats_recomputing():
     store = SlowStore(delay_s=0.05)
     hc = make_hicache(store, prefill_tokens_per_s_prior=100.0)  # 2 s to recompute 200 tokens
-    hc.start_prefetch("a", stored_prompt(hc, store, 200))
+    hc.on_arrival("a", stored_prompt(hc, store, 200))
     assert seconds_until_ready(hc, "a") < 1.5
     assert hc.prefetches["a"].done and len(hc.l2) == 50
     hc.close()
@@ -369,17 +369,46 @@ def test_a_page_gone_from_storage_is_written_again_when_next_computed():
     store.exists = lambda keys: [k in store.pages for k in keys]  # a healthy backend
     hc = make_hicache(store, prefetch_policy="wait_complete")
     tokens = list(range(5, 45))
-    pages = hc.l1_allocator.alloc(10)
-    hc.on_insert(tokens, pages, 0)  # write_through
-    hc.flush()
+
+    def compute_and_cache() -> None:
+        hc.reset()
+        assert hc.insert(tokens, hc.allocator.alloc(10)) == 0  # write_through
+        hc.flush()
+
+    compute_and_cache()
     assert len(store.pages) == 10
     store.pages.clear()  # evicted by the backend's size bound (or another replica's)
-    hc.on_insert(tokens, pages, 0)
-    hc.flush()
+    compute_and_cache()
     assert len(store.pages) == 0  # this replica still believes they are stored ...
-    hc.start_prefetch("r", tokens)
+    hc.reset()
+    hc.on_arrival("r", tokens)
     finish(hc, "r")  # ... until a prefetch finds them missing
-    hc.on_insert(tokens, pages, 0)
-    hc.flush()
+    compute_and_cache()
     assert len(store.pages) == 10
     hc.close()
+
+
+# --------------------------------------------------------------------------- the PrefixCache contract
+
+
+def test_hicache_is_a_prefix_cache_that_brings_back_what_l1_evicted():
+    hc = make_hicache(None)
+    assert isinstance(hc, PrefixCache)
+    tokens = list(range(100, 140))  # 10 pages of 4
+    pages = hc.allocator.alloc(10)
+    for t in hc.l1.k + hc.l1.v:
+        t.normal_()
+    before, _ = hc.l1.read_pages(pages)
+    assert hc.insert(tokens, pages) == 0
+    assert hc.evict(10) == 10 and hc.allocator.num_free_pages == 32  # demoted into L2, freed in L1
+    assert hc.match_prefix(tokens).cached_len == 0  # L1 alone has nothing
+    match = hc.load_prefix(tokens + [7])
+    assert match.cached_len == 40 and match.loaded == {"host": 40, "storage": 0}
+    after, _ = hc.l1.read_pages(match.pages)
+    assert torch.equal(before, after)
+    assert hc.total_pages == 10 and hc.evictable_pages == 10
+    hc.inc_lock(match.node)
+    assert hc.make_room(32) is False and hc.protected_pages == 10  # locked pages stay
+    hc.dec_lock(match.node)
+    hc.reset()
+    assert hc.total_pages == 0 and not hc.l2 and hc.load_prefix(tokens).cached_len == 0
