@@ -264,7 +264,8 @@ class Scheduler(WindowKV, KVAccounting):
         budget = self.config.max_batch_tokens - len(decodes)
         extends: list[tuple[Req, int]] = []
         for req in [r for r in self.running if r.extend_len > 1]:
-            n = self._alloc_chunk(req, self._chunk_len(req, budget, batch_empty=not decodes and not extends))
+            alone = not decodes and not extends
+            n = self._alloc_chunk(req, self._chunk_len(req, budget, batch_empty=alone), alone)
             if n <= 0:
                 continue
             extends.append((req, n))
@@ -375,10 +376,10 @@ class Scheduler(WindowKV, KVAccounting):
             self.cache.inc_lock(match.node)
             req.prefix_node, req.pages = match.node, list(match.pages)
             req.cached_len = req.kv_len = match.cached_len
-            if self.config.swa_replay and self.allocator.groups and not self._start_replay(req):
+            if self.config.swa_replay and self.allocator.groups and not self._start_replay(req, batch_empty):
                 self._release_kv(req, cache_it=False)
                 break
-            n = self._alloc_chunk(req, self._chunk_len(req, min(budget, prefill_budget), batch_empty))
+            n = self._alloc_chunk(req, self._chunk_len(req, min(budget, prefill_budget), batch_empty), batch_empty)
             if n <= 0:
                 self._release_kv(req, cache_it=False)
                 break

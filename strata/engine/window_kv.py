@@ -11,16 +11,20 @@ from strata.engine.request import Req
 class WindowKV:
     """Mixed into `Scheduler`, whose allocator, prefix cache and page size it uses."""
 
-    def _alloc_chunk(self, req: Req, n: int) -> int:
+    def _alloc_chunk(self, req: Req, n: int, alone: bool) -> int:
         """Allocate pages for the next n tokens of req; returns the tokens allocated for (0: none).
 
         With window groups a chunk needs window pages for all of itself while its window needs only
         W of them: when those are short, a chunk that fits the free window pages is fed rather than
-        one that would first evict the cache's window KV (the tails later requests resume from)."""
+        one that would first evict the cache's window KV (the tails later requests resume from). With
+        no window page free the chunk waits while other requests make progress in this step (their
+        windows move on and give pages back); only a request `alone` in its step evicts for one."""
         groups = self.allocator.groups
         if groups and n > 0:
             room = min(g.num_free_pages for g in groups)
             fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
+            if fits <= 0 and not alone:
+                return 0
             n = min(n, fits) if fits > 0 else min(n, max(g.window for g in groups))
         while n > 0:
             if self._alloc_for(req, req.kv_len + n):
@@ -30,14 +34,15 @@ class WindowKV:
             n //= 2
         return 0
 
-    def _start_replay(self, req: Req) -> bool:
+    def _start_replay(self, req: Req, alone: bool) -> bool:
         """--swa-replay: if the window groups lack the matched prefix's last window, recompute it.
 
         The request keeps its match (the full layers' KV, locked in the tree) but is fed again from
         replay_from, the page boundary at or before cached_len - W + 1 (W: the largest window): the
         window layers write those positions into pages of their own (`replay_pages`) and read nothing
         before replay_from; the full layers' writes for them go to the pool's scratch page, so the
-        cached KV stays as it was. False (nothing held) if the window groups have no room."""
+        cached KV stays as it was. False (nothing held) if the window groups have no room (a request
+        not `alone` in its step does not evict window KV for it; see `_alloc_chunk`)."""
         ps, end = self.page_size, req.cached_len
         if not end or self.allocator.usable_prefix(req.pages[: end // ps]) * ps == end:
             return True
@@ -45,6 +50,8 @@ class WindowKV:
         count = (end - start) // ps
         short = [count - g.num_free_pages for g in self.allocator.groups]
         if any(n > 0 for n in short):
+            if not alone:
+                return False
             self.cache.evict_window(short)
             if any(g.num_free_pages < count for g in self.allocator.groups):
                 return False

@@ -147,6 +147,29 @@ def test_prefix_cache_keeps_hitting_past_the_window(tiny_models, page_size):
     engine.scheduler.check_no_leaks()
 
 
+def test_a_prefill_chunk_waits_rather_than_evict_the_cached_window_tails(tiny_models):
+    """Two long prompts prefill together through a window pool with room for one of them: the
+    second waits for window pages instead of evicting the cached conversation's last window, so the
+    conversation's next turn still resumes from all of it."""
+    model_dir = tiny_models["gemma3"]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1000, page_size=1,
+                    chunked_prefill_size=7, swa_full_tokens_ratio=0.034)
+    # window 8: room for 3 cached windows and a prefill (8 + 7), not two prefills
+    assert engine.scheduler.allocator.groups[0].num_pages == 34
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    turn1 = [(5 * i + 1) % 380 + 2 for i in range(30)]
+    r1 = engine.generate([turn1], params)[0]
+    others = [[(13 * i + k) % 380 + 2 for i in range(60)] for k in (3, 4)]
+    ref = hf_model(model_dir)
+    for p, r in zip(others, engine.generate(others, params)):
+        assert r.token_ids == hf_greedy(ref, p, params.max_new_tokens)
+    turn2 = turn1 + r1.token_ids + [30, 31]
+    r2 = engine.generate([turn2], params)[0]
+    assert r2.cached_tokens == len(turn1) + len(r1.token_ids) - 1
+    assert r2.token_ids == hf_greedy(ref, turn2, params.max_new_tokens)
+    engine.scheduler.check_no_leaks()
+
+
 def _drop_cached_window_kv(engine) -> None:
     """Give back every window page the prefix cache holds, as memory pressure may."""
     cache, groups = engine.scheduler.cache, engine.scheduler.allocator.groups
