@@ -6,9 +6,11 @@
     GET  /get_server_info    the router's config, every worker's state and load, summed counts
     POST /flush_cache        flushes every healthy worker, and the policy's record of their caches
     GET  /metrics            the router's Prometheus metrics (strata:router_*)
+    GET  /                   the web page: chat playground and dashboard with per-worker load (no key)
     GET  /workers            workers with health, circuit, load, counts
     POST /workers            {"url": "http://host:port"}: add one (400 bad URL, 409 already there)
     DELETE /workers          {"url": ...} or ?url=...: remove one (404 if unknown)
+    (with --service-discovery k8s, Ready pods matching --selector join and leave by themselves)
 
 Every error has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
 """
@@ -37,10 +39,11 @@ from strata.router.proxy import Forwarder, ProxyResponse, error_body, routing_ke
 from strata.router.registry import POLICIES, make_policy
 from strata.router.worker import Health
 from strata.server.openapi import openapi_document
+from strata.web import PAGE_PATHS, add_page_routes
 
 logger = logging.getLogger("strata.router")
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the page holds no secret; its API calls need the key
 PROXIED_POST = ("/v1/chat/completions", "/v1/completions", "/generate")
 PROXIED_GET = ("/v1/models", "/health_generate")
 MAX_CONNECTIONS = 4096
@@ -75,6 +78,7 @@ class Gateway:
         # PD mode: prefill workers, with their own policy
         self.prefill_policy = POLICIES[config.prefill_policy](config, self.rng) if config.prefill_urls else None
         self.prefill_pool: WorkerPool | None = None
+        self.discovery = None  # K8sDiscovery with --service-discovery k8s
         self.started_at = time.time()
 
     async def start(self) -> None:
@@ -93,8 +97,18 @@ class Gateway:
         if self.prefill_policy is not None:
             self.prefill_pool = WorkerPool(cfg, self.prefill_policy, self.metrics, self.client)
             await asyncio.gather(*(self.prefill_pool.add(u) for u in cfg.prefill_urls))
+        if cfg.service_discovery == "k8s":
+            from strata.router.k8s_discovery import K8sDiscovery
+
+            self.discovery = K8sDiscovery.in_cluster(
+                cfg.selector, add=self.pool.add, remove=self.pool.remove, namespace=cfg.k8s_namespace,
+                port=cfg.k8s_port, api_url=cfg.k8s_api_url,
+            )  # fmt: skip
+            self.discovery.start()
 
     async def close(self) -> None:
+        if self.discovery is not None:
+            await self.discovery.close()
         if self.prefill_pool is not None:
             await self.prefill_pool.close()
         if self.pool is not None:
@@ -143,6 +157,7 @@ def create_app(gateway: Gateway) -> FastAPI:
     )
     app.state.gateway = gateway
     app.add_middleware(Guard, api_key=gateway.config.api_key)
+    add_page_routes(app)  # GET /: the playground and dashboard (strata/web)
     cfg = gateway.config
 
     @app.exception_handler(RouterError)

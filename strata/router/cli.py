@@ -30,8 +30,9 @@ logger = logging.getLogger("strata.router")
 
 # not generated from RouterConfig: given their own flags above, or (disaggregation_secret) the engine flag
 _SPECIAL = frozenset(
-    {"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy", "disaggregation_secret"}
-)
+    {"worker_urls", "policy", "log_level", "prefill_urls", "prefill_policy", "disaggregation_secret",
+     "service_discovery"}
+)  # fmt: skip
 GRACE_PERIOD_S = 30.0
 
 
@@ -50,6 +51,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--policy", choices=tuple(POLICIES), default=defaults.policy, help=f"(default: {defaults.policy})"
     )
+    g.add_argument("--service-discovery", choices=("k8s",), default=defaults.service_discovery,
+                   help="k8s: workers are the Ready pods matching --selector, found and followed through the "
+                        "Kubernetes API (docs/DEPLOY.md)")  # fmt: skip
     pd = parser.add_argument_group("prefill/decode disaggregation")
     pd.add_argument("--prefill", nargs="+", default=[], metavar="URL", dest="prefill_urls",
                     help="prefill workers (`strata serve --disaggregation-mode prefill`); turns on PD "
@@ -102,6 +106,10 @@ def router_main(args: argparse.Namespace) -> int:
         if args.launch < 0:
             raise ValueError(f"--launch must be >= 0, got {args.launch}")
         replica_args = shlex.split(args.replica_args or "")
+        if config.service_discovery == "k8s":
+            from strata.router.k8s_discovery import in_cluster_settings
+
+            in_cluster_settings(config.k8s_namespace, config.k8s_api_url)  # says which flag is missing
     except ValueError as exc:
         print(f"strata router: error: {exc}", file=sys.stderr)
         return 2

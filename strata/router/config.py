@@ -13,6 +13,7 @@ from strata.disagg.auth import SECRET_ENV, shared_secret
 from strata.redact import SECRET, secret
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SERVICE_DISCOVERY = (None, "k8s")  # None: only --worker-urls and POST /workers
 
 
 def normalize_worker_url(url: str) -> str:
@@ -81,6 +82,12 @@ class RouterConfig:
     balance_abs_threshold: int = 64  # load is imbalanced when max - min > this ...
     balance_rel_threshold: float = 1.5  # ... and max > min * this; then the least loaded worker wins
     max_tree_chars: int = 2**22  # per-worker prefix tree bound (characters or token ids); LRU eviction
+    # service discovery (strata.router.k8s_discovery): workers join and leave as pods become Ready / go away
+    service_discovery: str | None = None  # k8s: workers are the Ready pods matching --selector
+    selector: str | None = None  # label selector of the worker pods, e.g. app=strata,component=replica
+    k8s_namespace: str | None = None  # default: the router pod's own namespace
+    k8s_port: int | None = None  # the workers' port; default: each pod's container port named 'http'
+    k8s_api_url: str | None = None  # default: the in-cluster API server ($KUBERNETES_SERVICE_HOST)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -130,5 +137,17 @@ class RouterConfig:
             raise ValueError(f"max_tree_chars must be >= 1, got {self.max_tree_chars}")
         if self.max_request_bytes < 1024:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
+        if self.service_discovery not in SERVICE_DISCOVERY:
+            raise ValueError(
+                f"service_discovery must be one of {SERVICE_DISCOVERY[1:]}, got {self.service_discovery!r}"
+            )
+        if self.service_discovery == "k8s" and not self.selector:
+            raise ValueError(
+                "--service-discovery k8s needs --selector, e.g. --selector app=strata,component=replica"
+            )
+        if self.selector and self.service_discovery is None:
+            raise ValueError("--selector is for --service-discovery k8s; give that too")
+        if self.k8s_port is not None and not 0 < self.k8s_port <= 65535:
+            raise ValueError(f"k8s_port must be in [1, 65535], got {self.k8s_port}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
