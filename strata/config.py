@@ -1,6 +1,7 @@
 """Configuration: frozen dataclasses, one place for each default.
 
-`ModelConfig` is what the model code needs, read from a Hugging Face config.json.
+`ModelConfig` is what the model code needs, read from a Hugging Face config.json (its
+mixture-of-experts part, `MoEConfig`, in strata/moe_config.py).
 `EngineConfig` holds the user's choices (CLI flags map onto its fields one to one).
 Values discovered at start-up (pool sizes, eos ids, the dtype actually used) live in
 `strata.engine.state.RuntimeState`, never written back here.
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.moe_config import MoEConfig, moe_from_hf, moe_layers
 from strata.redact import CREDENTIALS, secret, with_env_secrets
 
 
@@ -51,6 +53,7 @@ class LayerSpec:
     window: int | None = None  # sliding window W: the query at p sees keys p-W < j <= p; None = full causal
     softcap: float | None = None  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
     sinks: bool = False  # one learned sink logit per head joins the softmax (GPT-OSS)
+    moe: bool = False  # the layer's MLP is `ModelConfig.moe`'s mixture of experts; else the dense MLP
 
     @property
     def kind(self) -> str:
@@ -96,6 +99,7 @@ class ModelConfig:
     scale_embeddings: bool = False  # Gemma: embeddings times sqrt(hidden_size), rounded to the weights' dtype
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (the gate of a gated MLP)
+    moe: MoEConfig | None = None  # the experts of the layers whose `LayerSpec.moe` is set
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -110,6 +114,8 @@ class ModelConfig:
             raise ValueError(f"qk_norm must be one of {QK_NORMS}, got {self.qk_norm!r}")
         if self.norm_layout not in NORM_LAYOUTS:
             raise ValueError(f"norm_layout must be one of {NORM_LAYOUTS}, got {self.norm_layout!r}")
+        if self.moe is None and any(spec.moe for spec in self.layers):
+            raise ValueError("layers marked as mixture-of-experts, but the config has no experts")
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -140,6 +146,8 @@ class ModelConfig:
         kinds = _layer_types(text, model_type, num_layers, window)
         full_rope, local_rope = _ropes_from_hf(text, model_type)
         scalar = text.get("query_pre_attn_scalar")
+        moe = moe_from_hf(text, model_type)
+        sparse = moe_layers(text, num_layers) if moe else [False] * num_layers
         specs = tuple(
             LayerSpec(
                 rope=full_rope if kind == "full_attention" else local_rope,
@@ -147,10 +155,12 @@ class ModelConfig:
                 window=window if kind == "sliding_attention" else None,
                 softcap=text.get("attn_logit_softcapping"),
                 sinks=model_type == "gpt_oss",
+                moe=is_moe,
             )
-            for kind in kinds
+            for kind, is_moe in zip(kinds, sparse)
         )
-        qk_norm = {"qwen3": "head", "gemma3_text": "head", "olmo2": "full"}.get(model_type, "none")
+        qk_norm = {"qwen3": "head", "qwen3_moe": "head", "gemma3_text": "head", "olmo2": "full"}.get(model_type, "none")
+        qkv_bias_only = model_type in ("qwen2", "qwen2_moe")  # q/k/v biased, o_proj never
         layout = "sandwich" if gemma else "post" if model_type == "olmo2" else "pre"
         return cls(
             architecture=architecture,
@@ -167,8 +177,8 @@ class ModelConfig:
             rope=full_rope,
             layers=specs,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", text.get("tie_word_embeddings", gemma))),
-            attention_bias=bool(text.get("attention_bias", model_type == "qwen2")),
-            o_proj_bias=bool(text.get("attention_bias", False)) and model_type != "qwen2",
+            attention_bias=bool(text.get("attention_bias", text.get("qkv_bias", qkv_bias_only))),
+            o_proj_bias=bool(text.get("attention_bias", False)) and not qkv_bias_only,
             mlp_bias=bool(text.get("mlp_bias", False)),
             qk_norm=qk_norm,
             norm_layout=layout,
@@ -177,6 +187,7 @@ class ModelConfig:
             final_logit_softcap=text.get("final_logit_softcapping"),
             # Gemma reads `hidden_activation` (its `hidden_act` is a leftover of Gemma 1)
             hidden_act=(text.get("hidden_activation") if gemma else None) or text.get("hidden_act", "silu"),
+            moe=moe,
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
@@ -195,7 +206,7 @@ def _layer_types(text: dict[str, Any], model_type: str, num_layers: int, window:
         elif model_type == "gemma3_text":
             pattern = text.get("sliding_window_pattern", 6)
             kinds = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
-        elif model_type in ("qwen2", "qwen3"):
+        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
             first = text.get("max_window_layers", num_layers)
             kinds = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
         else:

@@ -12,6 +12,8 @@ from typing import Any
 
 import msgspec
 
+from strata.grammar.spec import GrammarSpec
+
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**63  # seeds are signed 64-bit integers
 FLOAT32_MAX = 3.4028234663852886e38
@@ -34,6 +36,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     n: int = 1
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and k alternatives
     skip_special_tokens: bool = True
+    structured: GrammarSpec | None = None  # constrain the output to a JSON schema / regex / grammar
 
     MAX_N = 16
     MAX_TOP_LOGPROBS = 20
@@ -106,6 +109,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for ok, message in checks:
             if not ok:
                 raise ValueError(message)
+        if self.structured is not None:
+            self.structured.validate_shape()
         if vocab_size is not None:
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:

@@ -21,14 +21,20 @@ def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     return AutoTokenizer.from_pretrained(str(model_dir))
 
 
-def apply_chat_template(tokenizer: PreTrainedTokenizerBase | None, messages: list[dict[str, Any]]) -> list[int]:
+def apply_chat_template(
+    tokenizer: PreTrainedTokenizerBase | None,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+) -> list[int]:
+    """The prompt ids of a conversation; `tools` (OpenAI tool dicts) are rendered as the template
+    decides (a template that ignores them shows the model nothing)."""
     if tokenizer is None:
         raise ValueError("this model has no tokenizer, so chat messages cannot be used; send token ids")
     if not messages:
         raise ValueError("messages must be a non-empty list")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; use a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
     if hasattr(ids, "keys") and "input_ids" in ids:  # BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

@@ -22,9 +22,22 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Hermes/Qwen-style tool calling: the tools in a system turn, calls as <tool_call>{json}</tool_call>,
+# results in <tool_response> blocks
+TOOL_CHAT_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTools:\n<tools>\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}"
+    "</tools>\nCall one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    "{%- for m in messages %}"
+    "{%- if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
+    "{%- elif m['tool_calls'] %}<|im_start|>assistant\n{%- for c in m['tool_calls'] %}\n<tool_call>\n"
+    "{\"name\": \"{{ c['function']['name'] }}\", \"arguments\": {{ c['function']['arguments'] | tojson }}}"
+    "\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
+def build_tokenizer(out_dir: Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE) -> None:
     """A byte-level BPE trained on a few sentences, saved in HF format with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -39,7 +52,7 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320) -> None:
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
 
 
@@ -123,15 +136,80 @@ FAMILIES = {
         },
     ),
 }
+# mixture-of-experts families (tests/models/test_moe.py), apart from FAMILIES so that the dense
+# parity suite does not build them: experts small enough that every prompt routes unevenly
+MOE_FAMILIES = {
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    # layer 1 dense (mlp_only_layers), the others 8 experts top-2 unrenormalised + a gated shared expert
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        {
+            "num_hidden_layers": 3,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 32,
+            "shared_expert_intermediate_size": 48,
+            "mlp_only_layers": [1],
+        },
+    ),
+    # layers 1 and 3 sparse (decoder_sparse_step 2), top-3 renormalised
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        {
+            "num_hidden_layers": 4,
+            "head_dim": 32,
+            "num_experts": 8,
+            "num_experts_per_tok": 3,
+            "moe_intermediate_size": 32,
+            "norm_topk_prob": True,
+            "decoder_sparse_step": 2,
+        },
+    ),
+    # sinks, q/k/v/o biases, window 8 then full, YaRN; experts with biases and a clamped SwiGLU whose
+    # limit the tiny activations reach
+    "gpt_oss": (
+        "GptOssConfig",
+        {
+            "head_dim": 16,
+            "num_local_experts": 4,
+            "num_experts_per_tok": 2,
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "swiglu_limit": 3.0,
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "rope_theta": 150000.0,
+                "factor": 8.0,  # max_position_embeddings / original_max_position_embeddings
+                "beta_fast": 32.0,
+                "beta_slow": 1.0,
+                "original_max_position_embeddings": 64,
+                "truncate": False,
+            },
+        },
+    ),
+}
 # families whose RMSNorm weights are initialised to a constant (zeros for Gemma's 1 + w, ones
 # elsewhere): make_model draws them at random so that a misplaced norm shows in the logits
 RANDOM_NORMS = {"olmo2", "phi3", "gemma2", "gemma3"}
 
 
-def make_model(out_dir: Path, family: str = "llama", *, tokenizer: bool = True, **overrides) -> Path:
+def randomize_constants(model, scale: float = 0.3) -> None:
+    """Add noise to every parameter and persistent buffer that transformers initialises to one
+    constant (zero biases, unit norms, DeepSeek's correction bias), so that a weight loaded into
+    the wrong place, or not at all, shows in the logits."""
+    persistent = dict(model.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for name, t in persistent.items():
+            if t.is_floating_point() and t.numel() > 1 and bool((t == t.reshape(-1)[0]).all()):
+                t.add_(torch.randn_like(t) * scale)
+
+
+def make_model(
+    out_dir: Path, family: str = "llama", *, tokenizer: bool = True, chat_template: str = CHAT_TEMPLATE, **overrides
+) -> Path:
     import transformers
 
-    config_cls, extra = FAMILIES[family]
+    config_cls, extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
     kwargs = dict(
         vocab_size=384,
         hidden_size=64,
@@ -156,7 +234,9 @@ def make_model(out_dir: Path, family: str = "llama", *, tokenizer: bool = True, 
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(torch.randn_like(param) * 0.3)
+    if family in MOE_FAMILIES:
+        randomize_constants(model)
     model.save_pretrained(out_dir)
     if tokenizer:
-        build_tokenizer(out_dir)
+        build_tokenizer(out_dir, chat_template=chat_template)
     return out_dir

@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | offline | compare` — flags, and the glue to run and report
+"""`strata bench serving | one-batch | offline | compare | moe` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
@@ -158,6 +158,15 @@ def add_bench_args(subparsers) -> None:
     _add_output_args(off)
     off.set_defaults(func=cmd_offline)
 
+    grammar = sub.add_parser("grammar", help="structured output: compile time, decode step with/without grammar")
+    add_engine_args(grammar)
+    _add_grammar_args(grammar)
+    grammar.set_defaults(func=cmd_grammar)
+
+    moe = sub.add_parser("moe", help="one MoE layer's decode step: Strata vs transformers (strata/bench/moe.py)")
+    _add_moe_args(moe)
+    moe.set_defaults(func=cmd_moe)
+
     cmp = sub.add_parser(
         "compare", help="one workload on several targets, alternating rounds; medians and ratios"
     )
@@ -179,7 +188,44 @@ def add_bench_args(subparsers) -> None:
         p.set_defaults(func=cmd_compare)
 
 
+def _add_moe_args(p: argparse.ArgumentParser) -> None:
+    from strata.bench.moe import FAMILIES, MoEBenchConfig
+
+    d = MoEBenchConfig()
+    p.add_argument("--family", choices=sorted(FAMILIES), default=d.family)
+    p.add_argument("--hidden-size", type=int, default=d.hidden_size)
+    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="of one expert")
+    p.add_argument("--num-experts", type=int, default=d.num_experts)
+    p.add_argument("--top-k", type=int, default=d.top_k)
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(d.batch_sizes))
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--iters", type=int, default=d.iters, help="decode steps timed per round")
+    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument("--output-json", default=None)
+
+
 # ----------------------------------------------------------------- commands
+
+
+def cmd_moe(args: argparse.Namespace) -> int:
+    import torch
+
+    from strata.bench.moe import MoEBenchConfig, format_rows, run_moe_bench
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    cfg = MoEBenchConfig(
+        family=args.family, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+        num_experts=args.num_experts, top_k=args.top_k, batch_sizes=tuple(args.batch_sizes), dtype=args.dtype,
+        rounds=args.rounds, iters=args.iters,
+    )
+    rows = run_moe_bench(cfg)
+    print(format_rows(cfg, rows))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": dataclasses.asdict(cfg), "rows": rows}, f, indent=2)
+    return 0
 
 
 def load_bench_tokenizer(model: str | None):
@@ -343,6 +389,25 @@ def cmd_offline(args: argparse.Namespace) -> int:
     print(report.offline_text(result))
     if args.output_json:
         report.write_json(args.output_json, "offline", result)
+    return 0
+
+
+def _add_grammar_args(p: argparse.ArgumentParser) -> None:
+    from strata.bench.grammar import add_args
+
+    add_args(p)
+    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+
+
+def cmd_grammar(args: argparse.Namespace) -> int:
+    from strata.bench.grammar import format_text, run
+
+    engine = _make_engine(args)
+    result = run(engine, args)
+    print(format_text(result))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump(result, f, indent=2)
     return 0
 
 

@@ -14,6 +14,7 @@ from strata.cache.allocator import WindowGroup
 from strata.cache.kv_pool import MHAKVPool
 from strata.engine.batch import ForwardBatch, ScheduleBatch
 from strata.engine.request import Req
+from strata.grammar.state import fill_bitmasks
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
@@ -103,10 +104,21 @@ class ModelRunner:
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
         if fb.sampling is None:
             return None
+        # grammar masks are computed on the CPU while an accelerator runs the forward
+        self.add_grammar_masks(batch.sampled_reqs(), fb.sampling)
         logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
         return out
+
+    def add_grammar_masks(self, reqs: list[Req], s: SamplingBatch) -> None:
+        """Structured output: the next-token bitmask of each sampled request whose grammar is armed."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.needs_mask]
+        if not rows:
+            return
+        bitmask = fill_bitmasks([reqs[i].grammar for i in rows])  # [G, words] int32
+        s.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        s.grammar_bitmask = torch.from_numpy(bitmask).to(self.device, non_blocking=True)
 
     def sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
         dev, vocab = self.device, self.vocab_size

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from strata.engine.outputs import RequestOutput, TokenLogprob, TopLogprob
+from strata.grammar.state import GrammarState
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer
 
@@ -46,6 +47,7 @@ class Req:
     # the sampler's per-request numbers, built at admission (strata.layers.sampler.sampling_row)
     sampling_row: torch.Tensor | None = None  # [len(ROW_FIELDS)] float32
     top_k: int = 0  # effective top-k: the vocabulary size when disabled
+    grammar: GrammarState | None = None  # structured output: the grammar's state (params.structured)
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

@@ -34,6 +34,7 @@ from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
 from strata.engine.window_kv import WindowKV
+from strata.grammar.compiler import GrammarCompiler
 from strata.layers.sampler import SamplerOutput, sampling_row
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer
@@ -158,6 +159,8 @@ class Scheduler(WindowKV, KVAccounting):
             depends_on=depends_on,
         )
         req.sampling_row, req.top_k = sampling_row(params, self.vocab_size)
+        if params.structured is not None:  # compiled once per distinct grammar; GrammarError is a ValueError
+            req.grammar = self.grammars.new_state(params.structured)
         self.arrivals += 1
         self.reqs[rid] = req
         return req
@@ -190,6 +193,8 @@ class Scheduler(WindowKV, KVAccounting):
         req.status = ReqStatus.RUNNING
         self.running.append(req)
         req.output_ids.append(first_token)
+        if req.grammar is not None:
+            req.grammar.accept(first_token)
         if logprob is not None and req.params.logprobs is not None:
             req.pending_logprobs.append(logprob)
         self._check_finished(req, first_token)
@@ -410,6 +415,8 @@ class Scheduler(WindowKV, KVAccounting):
         for i, req in enumerate(sampled_reqs):
             token = int(sampled.token_ids[i])
             req.output_ids.append(token)
+            if req.grammar is not None:
+                req.grammar.accept(token)
             if req.params.logprobs is not None:
                 req.pending_logprobs.append(_token_logprob(sampled, i, token, req.params.logprobs))
             self._check_finished(req, token)
@@ -423,9 +430,20 @@ class Scheduler(WindowKV, KVAccounting):
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
 
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """Structured output's compiler for this model's tokenizer (built on first use: ~10 ms-1 s)."""
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
+
+    _grammars: GrammarCompiler | None = None
+
     def _check_finished(self, req: Req, token: int) -> None:
         p = req.params
         out_len = len(req.output_ids)
+        if req.grammar is not None and (grammar_done := self._check_grammar(req, token)):
+            return self._finish(req, grammar_done)
         may_stop = out_len >= p.min_new_tokens
         if may_stop and token in p.stop_token_ids:
             req.matched_stop = token
@@ -440,6 +458,21 @@ class Scheduler(WindowKV, KVAccounting):
                 return self._finish(req, "stop")
         if out_len >= p.max_new_tokens or req.seq_len >= self.context_len:
             self._finish(req, "length")
+
+    def _check_grammar(self, req: Req, token: int) -> str | None:
+        """The finish reason structured output imposes after `token`, if any: "stop" once the grammar
+        is complete (nothing but end of text may follow), "error" if the matcher broke."""
+        grammar = req.grammar
+        if grammar.error is not None:
+            req.error = f"structured output failed: {grammar.error}"
+            return "error"
+        if not grammar.is_complete:
+            return None
+        if token in req.eos_token_ids or token in req.params.stop_token_ids:
+            req.matched_stop = token
+        elif req.detokenizer is not None:
+            req.detokenizer.add(token)
+        return "stop"
 
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason

@@ -1,5 +1,6 @@
 """The gated MLP's activation: act(gate) * up over a fused [.., 2 * intermediate] projection
-(gate first, as Llama's gate/up and Phi-3's gate_up_proj checkpoints order them)."""
+(gate first, as Llama's gate/up and Phi-3's gate_up_proj checkpoints order them), and GPT-OSS's
+experts' clamped SwiGLU over the same layout."""
 
 from __future__ import annotations
 
@@ -31,3 +32,13 @@ def act_and_mul(gate_up: torch.Tensor, act: str) -> torch.Tensor:
     if act == "silu":
         return F.silu(gate) * up
     return F.gelu(gate, approximate="tanh") * up
+
+
+def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.Tensor:
+    """GPT-OSS's experts: gate_up [T, 2 * I] (gate first) -> (up + 1) * gate * sigmoid(alpha * gate),
+    with gate clamped to at most `limit` and up to [-limit, limit]: [T, I]. (GPT-OSS's checkpoint
+    interleaves gate and up columns; its loader de-interleaves them into this layout.)"""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))

@@ -1,4 +1,5 @@
-"""Vectorised sampling over a batch: penalties, temperature, top-k, top-p, min-p, seeded draws, logprobs.
+"""Vectorised sampling over a batch: grammar masks, penalties, temperature, top-k, top-p, min-p,
+seeded draws, logprobs.
 
 Every operation is over the whole [B, vocab] logits tensor; the only per-request Python work is
 drawing one uniform number per sampled row from that request's own generator, which is what makes
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -30,6 +32,10 @@ class SamplingBatch:
     seen_mask: torch.Tensor | None = None  # [B, V] token occurs in prompt or output
     banned_mask: torch.Tensor | None = None  # [B, V] tokens that may not be sampled yet (min_new_tokens)
     top_logprobs: int | None = None  # max k over the rows that want logprobs; None: nobody does
+    # structured output (None when no row is constrained this step): bit t of grammar_bitmask[i] set =
+    # token t allowed in row grammar_rows[i]; rows not listed are unconstrained
+    grammar_rows: torch.Tensor | None = None  # [G] int64
+    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V' / 32)] int32, V' >= V (the grammar's vocab)
 
 
 ROW_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -53,6 +59,50 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token
     top_ids: torch.Tensor | None = None  # [B, k]
     top_logprobs: torch.Tensor | None = None  # [B, k]
+
+
+_BIT_VALUES: dict[torch.device, torch.Tensor] = {}  # [8] uint8: 1, 2, 4, ..., 128 per device
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, *, invert: bool = False) -> torch.Tensor:
+    """[G, words] int32 bitmask -> [G, vocab_size] bool, True where the token is allowed (forbidden
+    with invert=True).
+
+    Token t is bit t % 32 of word t // 32; read as little-endian bytes that is bit t % 8 of byte t // 8.
+    On the CPU numpy's unpackbits does it in one vectorised pass; elsewhere one broadcast AND."""
+    as_bytes = bitmask.contiguous().view(torch.uint8)  # [G, 4 * words], little-endian on every torch device
+    if invert:
+        as_bytes = ~as_bytes
+    if bitmask.device.type == "cpu":
+        bits = np.unpackbits(as_bytes.numpy(), axis=-1, bitorder="little")  # [G, 32 * words] uint8
+        return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
+    return unpack_bytes_torch(as_bytes)[:, :vocab_size]
+
+
+def unpack_bytes_torch(as_bytes: torch.Tensor) -> torch.Tensor:
+    """[G, n] uint8 -> [G, 8 * n] bool, bit j of byte i at 8 * i + j, on any device (one broadcast AND)."""
+    values = _BIT_VALUES.get(as_bytes.device)
+    if values is None:
+        values = _BIT_VALUES[as_bytes.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
+                                                             device=as_bytes.device)
+    bits = torch.bitwise_and(as_bytes.unsqueeze(-1), values)  # [G, n, 8]
+    return bits.view(as_bytes.shape[0], -1).bool()
+
+
+def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """In place: set to -inf every logit a row's grammar forbids (rows[i] is masked by bitmask[i];
+    other rows are untouched).
+
+    A row whose grammar allows nothing at all keeps its logits: that happens only past the
+    grammar's end, where the scheduler finishes the request before sampling again."""
+    usable = bitmask.ne(0).any(dim=-1)  # [G]
+    if not bool(usable.all()):
+        rows, bitmask = rows[usable], bitmask[usable]
+    forbidden = unpack_bitmask(bitmask, logits.shape[-1], invert=True)  # [G, V]
+    if rows.shape[0] == logits.shape[0]:  # every row constrained, in order (the runner lists rows ascending)
+        logits.masked_fill_(forbidden, float("-inf"))
+    else:
+        logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
 def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
@@ -90,10 +140,13 @@ def filter_probs(probs_sorted: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
-    """logits: [B, V] float32 raw model outputs. Logprobs are reported from the raw distribution."""
+    """logits: [B, V] float32 raw model outputs (may be modified in place). Logprobs are reported from
+    the raw distribution; grammar masks, penalties and the cut-offs shape only the choice."""
     out = SamplerOutput(token_ids=torch.empty(0))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if s.top_logprobs is not None else None
     logits = apply_penalties(logits, s)
+    if s.grammar_bitmask is not None:
+        apply_token_bitmask_(logits, s.grammar_rows, s.grammar_bitmask)
     greedy_ids = logits.argmax(dim=-1)
     if s.all_greedy:
         out.token_ids = greedy_ids

@@ -1,8 +1,8 @@
 """Model families: a registry from HF architecture names to our model classes (imported lazily).
 
 Every family is the decoder of `decoder.py` (plain PyTorch over `strata.layers`), configured by
-`ModelConfig` and its per-layer `LayerSpec`s; each family's small file says what is particular to
-it. A model's forward takes a `ForwardBatch` and the KV pool and returns hidden states;
+`ModelConfig` and its per-layer `LayerSpec`s (a layer's MLP is dense or a mixture of experts,
+`strata.layers.moe`); each family's small file says what is particular to it. A model's forward takes a `ForwardBatch` and the KV pool and returns hidden states;
 `compute_logits` runs the LM head only on the rows that are sampled.
 """
 
@@ -20,6 +20,10 @@ _REGISTRY: dict[str, str] = {
     "Gemma3ForCausalLM": "strata.models.gemma:Gemma3ForCausalLM",
     "Phi3ForCausalLM": "strata.models.phi3:Phi3ForCausalLM",
     "Olmo2ForCausalLM": "strata.models.olmo2:Olmo2ForCausalLM",
+    "MixtralForCausalLM": "strata.models.mixtral:MixtralForCausalLM",
+    "Qwen2MoeForCausalLM": "strata.models.qwen_moe:Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "strata.models.qwen_moe:Qwen3MoeForCausalLM",
+    "GptOssForCausalLM": "strata.models.gpt_oss:GptOssForCausalLM",
 }
 
 

@@ -1,14 +1,16 @@
 """The decoder every family here is made of, driven by `ModelConfig` and its per-layer `LayerSpec`s.
 
-A family file (llama.py, gemma.py, phi3.py, olmo2.py) names its class and states what differs in
-its checkpoint; everything a config decides (norm layout, q/k norm, windows, RoPE per layer kind,
-softcaps, activation, embedding scale) is read here from the config, never from the family's name.
+A family file (llama.py, gemma.py, phi3.py, olmo2.py, mixtral.py, qwen_moe.py, gpt_oss.py) names its
+class and states what differs in its checkpoint; everything a config decides (norm layout, q/k norm,
+windows, RoPE per layer kind, softcaps, activation, embedding scale, which layers are mixtures of
+experts and how they route) is read here from the config, never from the family's name.
 
 Per layer, with the residual stream carried beside the hidden state so that each add fuses into
 the next norm (see `ModelConfig` for the three norm layouts):
 
     x, residual -> [norms] -> qkv_proj -> (q/k norm) -> RoPE -> paged attention -> o_proj
                 -> [norms] -> gate_up_proj -> act(gate) * up -> down_proj -> x, residual
+                               (or, where `LayerSpec.moe`: the mixture of experts of strata.layers.moe)
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ from torch import nn
 
 from strata.cache.kv_pool import MHAKVPool
 from strata.config import LayerSpec, ModelConfig
-from strata.layers.activation import act_and_mul, check_activation
+from strata.layers.activation import check_activation
 from strata.layers.attention import AttentionMetadata, paged_attention
+from strata.layers.mlp import MLP
+from strata.layers.moe import MoE
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
 
@@ -76,17 +80,6 @@ class Attention(nn.Module):
         return self.o_proj(out.view(-1, self.q_size))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.act = check_activation(cfg.hidden_act, cfg.architecture)
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(act_and_mul(self.gate_up_proj(x), self.act))
-
-
 class DecoderLayer(nn.Module):
     """One layer in its config's norm layout. The norms keep their HF names: in the `pre` layout
     `post_attention_layernorm` is the norm *before* the MLP (Llama's naming)."""
@@ -95,7 +88,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layout = cfg.norm_layout
         self.self_attn = Attention(cfg, layer_id)
-        self.mlp = MLP(cfg)
+        if cfg.layers[layer_id].moe:
+            self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias)
+        else:
+            act = check_activation(cfg.hidden_act, cfg.architecture)
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, act, cfg.mlp_bias)
 
         def norm() -> RMSNorm:
             return RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
@@ -140,6 +137,9 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+
+    # checkpoint name fragment -> ours, replaced before anything else (Mixtral: block_sparse_moe -> mlp)
+    RENAMES: tuple[tuple[str, str], ...] = ()
 
     def __init__(self, cfg: ModelConfig, max_positions: int, rope_device: torch.device | str = "cpu"):
         super().__init__()
@@ -187,13 +187,40 @@ class DecoderForCausalLM(nn.Module):
         names = [f"{parent}.{frag}" for _, frag in frags] if frags else [module]
         return [f"{prefix}{name}.weight" for name in names]
 
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of each mixture-of-experts layer since the last reset
+        ({layer: [count per expert]}; a token counts once for each of its top-k experts)."""
+        return {i: layer.mlp.expert_load.tolist() for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)}
+
+    def reset_expert_load(self) -> None:
+        for layer in self.layers:
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.expert_load.zero_()
+
+    def expert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor of the experts (`name` relative to them) in our layout; a family whose
+        checkpoint stacks its experts differently converts here (GPT-OSS)."""
+        return tensor
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], absent: frozenset[str] = frozenset()) -> None:
         """Copy checkpoint tensors into our parameters; `absent`: parameters the caller fills otherwise."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        expert_pieces: dict[str, int] = {}  # stacked expert parameter -> checkpoint tensors copied in
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
+            for old, new in self.RENAMES:
+                name = name.replace(old, new)
             if "rotary_emb" in name:
+                continue
+            if ".experts." in name:
+                module, _, rest = name.partition(".experts.")
+                experts = self.get_submodule(f"{module}.experts")
+                target, pieces = experts.load(rest, self.expert_tensor(rest, tensor))
+                full = f"{module}.experts.{target}"
+                expert_pieces[full] = expert_pieces.get(full, 0) + pieces
+                if expert_pieces[full] >= experts.num_pieces(target):
+                    loaded.add(full)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied checkpoints sometimes store the copy
@@ -212,14 +239,16 @@ class DecoderForCausalLM(nn.Module):
         missing = set(params) - loaded - absent
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        self.reset_expert_load()  # the counters were allocated uninitialised with the weights
 
     def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, fused: str, shard: int) -> None:
         cfg = self.config
         if fused == "qkv_proj":
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
             offset, size = [(0, q), (q, kv), (q + kv, kv)][shard]
-        else:
-            offset, size = shard * cfg.intermediate_size, cfg.intermediate_size
+        else:  # gate_up_proj of a dense MLP or of a shared expert: gate rows, then up rows
+            size = param.shape[0] // 2
+            offset = shard * size
         if tensor.shape[0] != size:
             raise ValueError(f"{fused} shard {shard} has {tensor.shape[0]} rows, expected {size}")
         param.data[offset : offset + size].copy_(tensor)

@@ -5,7 +5,8 @@
     GET  /get_server_info   config, KV cache usage (free / total / cached pages), load, hit rate
     POST /flush_cache       empty the prefix cache; 409 while requests are in flight
     GET  /metrics           Prometheus text format
-    + /v1/* (openai_api.py) and /generate (native_api.py)
+    GET  /                  the web page: chat playground and live dashboard (strata/web; no key needed)
+    + /v1/* (openai_api.py, chat_api.py) and /generate (native_api.py)
 
 Every error a client sees has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
 """
@@ -23,15 +24,16 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
-from strata.server import native_api, openai_api
+from strata.server import chat_api, native_api, openai_api
 from strata.server.engine_client import Job
 from strata.server.openapi import openapi_document
 from strata.server.protocol import APIError, error_body
 from strata.server.serving import ClientGone, ServerState, collect, get_state, json_response, start_generation
+from strata.web import PAGE_PATHS, add_page_routes
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"})
+PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the page holds no secret; its API calls need the key
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 
@@ -115,7 +117,9 @@ def create_app(state: ServerState) -> FastAPI:
         return Response(body, status_code=500, media_type="application/json")
 
     app.include_router(openai_api.router)
+    app.include_router(chat_api.router)
     app.include_router(native_api.router)
+    add_page_routes(app)  # GET /: the playground and dashboard (strata/web)
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -22,6 +22,8 @@ class ServerConfig:
     grace_period: float = 30.0  # seconds in-flight requests may run on after SIGTERM/SIGINT
     max_request_bytes: int = 16 * 2**20  # larger request bodies get 413
     log_level: str = "info"
+    tool_call_parser: str | None = None  # how the model writes tool calls (strata.server.tool_calls); default: from its chat template
+    reasoning_parser: str | None = None  # split <think> reasoning into reasoning_content (strata.server.reasoning); default: off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -36,3 +38,10 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        from strata.server.reasoning import REASONING_PARSERS
+        from strata.server.tool_calls import TOOL_CALL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(REASONING_PARSERS)}, got {self.reasoning_parser!r}")

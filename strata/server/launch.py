@@ -44,7 +44,11 @@ ENGINE_STOP_TIMEOUT_S = 10.0
 def _add_server_args(group) -> None:
     """One flag per ServerConfig field; the field's trailing comment is its help."""
     comments = field_comments(ServerConfig)
-    choices = {"log_level": LOG_LEVELS}
+    from strata.server.reasoning import REASONING_PARSERS
+    from strata.server.tool_calls import TOOL_CALL_PARSERS
+
+    choices = {"log_level": LOG_LEVELS, "tool_call_parser": sorted(TOOL_CALL_PARSERS),
+               "reasoning_parser": sorted(REASONING_PARSERS)}
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         type_name = str(f.type).replace(" | None", "").strip()

@@ -8,7 +8,9 @@ answers {"text", "output_ids", "meta_info": {id, prompt_tokens, completion_token
 finish_reason: {"type": "stop"|"length"|"abort", "matched"?: ..., "length"?: ...}, e2e_latency}};
 a list of those for a batch or n > 1. Streaming sends `data: {...}` events carrying the text so far
 (cumulative, as SGLang does) and an "index", then `data: [DONE]`. sampling_params are the
-SamplingParams fields; unknown keys are a 400 listing the accepted ones.
+SamplingParams fields; unknown keys are a 400 listing the accepted ones. Structured output: SGLang's
+`json_schema` (a JSON string or object), `regex` or `ebnf` (a Lark grammar) in sampling_params, or
+the typed `structured` field ({"kind", "source"}); an invalid one is a 400.
 """
 
 from __future__ import annotations
@@ -18,9 +20,11 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 
 from strata.engine.outputs import RequestOutput
+from strata.grammar.spec import GrammarSpec, json_schema_spec
 from strata.sampling_params import SamplingParams
 from strata.server.engine_client import Generation, Job
 from strata.server.protocol import (
@@ -46,10 +50,13 @@ from strata.server.serving import (
     start_generation,
     verified_bootstrap,
 )
+from strata.server.structured import check_spec
 
 router = APIRouter()
 
-SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
+# SGLang's structured-output keys of sampling_params -> GrammarSpec kinds (at most one per request)
+GRAMMAR_KEYS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "lark"}
+SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__) | frozenset(GRAMMAR_KEYS)
 
 
 def generate_prompts(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
@@ -76,7 +83,35 @@ def generate_prompts(state: ServerState, req: GenerateRequest) -> tuple[list[lis
     )
 
 
-def sampling_params(req: GenerateRequest, vocab_size: int) -> SamplingParams:
+def grammar_field(fields: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
+    """Pop SGLang's json_schema (a JSON string or object) / regex / ebnf (Lark) keys into one spec."""
+    asked = [(key, fields.pop(key)) for key in GRAMMAR_KEYS if fields.get(key) is not None]
+    for key in GRAMMAR_KEYS:
+        fields.pop(key, None)
+    if len(asked) > 1:
+        raise APIError(400, f"send at most one of json_schema, regex, ebnf (got {[k for k, _ in asked]})",
+                       param=f"sampling_params.{asked[1][0]}")
+    if not asked:
+        return None
+    key, value = asked[0]
+    param = f"sampling_params.{key}"
+    if key == "json_schema" and not isinstance(value, str):
+        if not isinstance(value, (dict, bool)):
+            raise APIError(400, f"{param} must be a JSON schema (an object, or a JSON string of one)", param=param)
+        return json_schema_spec(value), param
+    if not isinstance(value, str):
+        raise APIError(400, f"{param} must be a string", param=param)
+    spec = GrammarSpec(kind=GRAMMAR_KEYS[key], source=value)
+    try:
+        spec.validate_shape()
+    except ValueError as exc:
+        raise APIError(400, f"{param}: {exc}", param=param) from None
+    return spec, param
+
+
+def sampling_params(req: GenerateRequest, vocab_size: int) -> tuple[SamplingParams, str]:
+    """The request's SamplingParams, and the field a grammar in them came from (structured, or one
+    of SGLang's keys), for the caller to validate."""
     fields = dict(req.sampling_params or {})
     unknown = sorted(set(fields) - SAMPLING_KEYS)
     if unknown:
@@ -87,7 +122,11 @@ def sampling_params(req: GenerateRequest, vocab_size: int) -> SamplingParams:
         )
     if req.return_logprob and fields.get("logprobs") is None:
         fields["logprobs"] = req.top_logprobs_num
-    return make_sampling_params(fields, vocab_size)
+    asked = grammar_field(fields)
+    if asked is not None:
+        fields["structured"] = msgspec.to_builtins(asked[0])
+    params = make_sampling_params(fields, vocab_size)
+    return params, asked[1] if asked else "sampling_params.structured"
 
 
 def finish_reason(r: ChoiceResult | RequestOutput, num_tokens: int) -> dict[str, Any] | None:
@@ -115,7 +154,9 @@ async def generate(request: Request) -> Response:
     req: GenerateRequest = await off_loop(len(body), decode_body, body, GenerateRequest)
     info = state.engine_info()
     prompts, is_batch = await off_loop(len(body), generate_prompts, state, req)
-    params = sampling_params(req, info.vocab_size)
+    params, grammar_param = sampling_params(req, info.vocab_size)
+    if params.structured is not None:
+        await check_spec(state, params.structured, grammar_param)
     if len(prompts) * params.n > MAX_CHOICES:
         raise APIError(
             400, f"{len(prompts)} prompts x n={params.n} is more than {MAX_CHOICES} choices per request"

@@ -1,9 +1,11 @@
-"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/chat/completions, POST /v1/completions.
+"""OpenAI-compatible endpoints: GET /v1/models, POST /v1/completions, and what chat completions
+(chat_api.py) shares with them.
 
-Each handler: decode + validate the body (protocol.py), tokenize (chat template for chat), resolve
-max_tokens against the context, submit, then either collect the choices into one response or
-stream SSE chunks ending in `data: [DONE]`. Text comes from the engine already detokenized, with
-stop strings cut; logprob token strings are single-token decodes.
+Each handler: decode + validate the body (protocol.py), tokenize, resolve max_tokens against the
+context, validate any grammar (response_format / regex / ebnf: structured.py), submit, then either
+collect the choices into one response or stream SSE chunks ending in `data: [DONE]`. Text comes
+from the engine already detokenized, with stop strings cut; logprob token strings are single-token
+decodes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 from fastapi import APIRouter, Request, Response
 
 from strata.engine.outputs import TokenLogprob
@@ -21,15 +24,6 @@ from strata.server.protocol import (
     MAX_CHOICES,
     OPENAI_PARAM_NAMES,
     APIError,
-    ChatChoice,
-    ChatChunkChoice,
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ChatDelta,
-    ChatLogprobs,
-    ChatResponseMessage,
-    ChatTokenLogprob,
     CompletionChoice,
     CompletionLogprobs,
     CompletionRequest,
@@ -38,7 +32,6 @@ from strata.server.protocol import (
     ModelList,
     PromptTokensDetails,
     SamplingFields,
-    TopLogprobEntry,
     Usage,
     clamp_logprob,
     decode_body,
@@ -60,6 +53,7 @@ from strata.server.serving import (
     usage_counts,
     verified_bootstrap,
 )
+from strata.server.structured import check_spec, format_spec
 
 router = APIRouter()
 
@@ -121,143 +115,6 @@ def check_choices(num_prompts: int, n: int) -> None:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
-
-
-# ------------------------------------------------------------------ chat
-
-
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest) -> list[int]:
-    if not req.messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
-    messages = []
-    for i, m in enumerate(req.messages):
-        content = m.content
-        if isinstance(content, list):
-            texts = []
-            for part in content:
-                if part.type != "text" or part.text is None:
-                    raise APIError(
-                        400,
-                        f"messages[{i}] has a {part.type!r} content part; this server accepts text parts only",
-                        param=f"messages[{i}].content",
-                    )
-                texts.append(part.text)
-            content = "".join(texts)
-        message = {"role": m.role, "content": content if content is not None else ""}
-        if m.name is not None:
-            message["name"] = m.name
-        messages.append(message)
-    if state.tokenizer is None:
-        raise APIError(
-            400, "this model has no tokenizer, so chat messages cannot be used; use /generate with input_ids"
-        )
-    if not getattr(state.tokenizer, "chat_template", None):
-        raise APIError(
-            400, "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
-        )
-    from jinja2 import TemplateError
-
-    from strata.tokenizer import apply_chat_template
-
-    try:
-        return apply_chat_template(state.tokenizer, messages)
-    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the template may reject a conversation
-        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
-
-
-def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatLogprobs:
-    content = []
-    for lp in lps:
-        text = state.token_text(lp.token_id)
-        top = [
-            TopLogprobEntry(t := state.token_text(a.token_id), clamp_logprob(a.logprob), list(t.encode()))
-            for a in lp.top
-        ]
-        content.append(ChatTokenLogprob(text, clamp_logprob(lp.logprob), list(text.encode()), top))
-    return ChatLogprobs(content)
-
-
-@router.post("/v1/chat/completions")
-async def chat_completions(request: Request) -> Response:
-    state = get_state(request)
-    body = await read_body(request, state.config.max_request_bytes)
-    req: ChatCompletionRequest = await off_loop(len(body), decode_body, body, ChatCompletionRequest)
-    state.check_model(req.model)
-    if req.tools:
-        raise APIError(400, "tools (function calling) are not supported by this server", param="tools")
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise APIError(
-            400, "response_format other than text is not supported by this server", param="response_format"
-        )
-    if req.top_logprobs is not None and not req.logprobs:
-        raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
-    info = state.engine_info()
-    input_ids = await off_loop(len(body), chat_prompt_ids, state, req)
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    max_tokens = resolve_max_tokens(
-        requested, len(input_ids), info.context_len, info.num_kv_tokens, default=None, param=param
-    )
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
-    params = make_sampling_params(sampling_fields(req, max_tokens, logprobs), info.vocab_size, names)
-    bootstrap = verified_bootstrap(state, request, body, req)
-    gen = await start_generation(state, [Job(input_ids, params, *bootstrap)])
-    rid, created = new_id("chatcmpl"), int(time.time())
-    if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return GenerationStream(chat_stream(state, gen, rid, created, req.logprobs, include_usage), gen)
-    results = await collect(request, gen)
-    choices = [
-        ChatChoice(
-            r.index,
-            ChatResponseMessage("assistant", r.text),
-            chat_logprobs(state, r.logprobs) if req.logprobs else None,
-            r.finish_reason,
-            r.matched_stop,
-        )
-        for r in results
-    ]
-    return json_response(
-        ChatCompletionResponse(rid, created, state.model_name, choices, usage(results, req.n))
-    )
-
-
-async def chat_stream(
-    state: ServerState, gen: Generation, rid: str, created: int, logprobs: bool, include_usage: bool
-) -> AsyncIterator[bytes]:
-    model = state.model_name
-    for i in range(gen.num_choices):
-        yield sse(
-            ChatCompletionChunk(
-                rid, created, model, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]
-            )
-        )
-    prompt_tokens = cached_tokens = completion_tokens = 0
-    async for index, out in gen:
-        if out.finish_reason == "error":
-            yield error_event(out.error or "the engine failed this request")
-            break
-        if not (out.text_delta or out.finished or (logprobs and out.logprobs)):
-            continue
-        choice = ChatChunkChoice(
-            index,
-            ChatDelta(content=out.text_delta) if out.text_delta else ChatDelta(),
-            chat_logprobs(state, out.logprobs) if logprobs and out.logprobs else None,
-            out.finish_reason if out.finished else None,
-            out.matched_stop if out.finished else None,
-        )
-        yield sse(ChatCompletionChunk(rid, created, model, [choice]))
-        if out.finished:
-            prompt_tokens = max(prompt_tokens, out.prompt_tokens)
-            cached_tokens = max(cached_tokens, out.cached_tokens)
-            completion_tokens += out.completion_tokens
-    else:
-        if include_usage:
-            total = prompt_tokens + completion_tokens
-            u = Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
-            yield sse(ChatCompletionChunk(rid, created, model, [], u))
-    yield SSE_DONE
 
 
 # ------------------------------------------------------------------ legacy completions
@@ -323,6 +180,11 @@ async def completions(request: Request) -> Response:
     info = state.engine_info()
     prompts = await off_loop(len(body), completion_prompts, state, req.prompt)
     names = {**OPENAI_PARAM_NAMES, "logprobs": "logprobs"}
+    structured: dict[str, Any] = {}
+    if (asked := format_spec(req)) is not None:
+        spec, param = asked
+        await check_spec(state, spec, param)
+        structured["structured"] = msgspec.to_builtins(spec)
     jobs, bootstrap = [], verified_bootstrap(state, request, body, req)
     for ids in prompts:
         max_tokens = resolve_max_tokens(
@@ -336,7 +198,9 @@ async def completions(request: Request) -> Response:
         jobs.append(
             Job(
                 ids,
-                make_sampling_params(sampling_fields(req, max_tokens, req.logprobs), info.vocab_size, names),
+                make_sampling_params(
+                    {**sampling_fields(req, max_tokens, req.logprobs), **structured}, info.vocab_size, names
+                ),
                 *bootstrap,
             )
         )

@@ -3,8 +3,9 @@
 Schemas are msgspec Structs: decoding a body checks its types and names the offending field
 ("Expected `float | null`, got `str` - at `$.temperature`"), and responses encode without a
 second serializer. Fields OpenAI defines but Strata does not implement are rejected with a 400
-that says so (tools, response_format, echo, suffix, best_of > n), never silently ignored; other
-unknown fields are ignored, as OpenAI's own server does.
+that says so (echo, suffix, best_of > n), never silently ignored; other unknown fields are ignored,
+as OpenAI's own server does. Structured output (response_format, tools, and the regex / ebnf
+extensions) is translated into a grammar by structured.py.
 
 Default max_tokens (as vLLM and SGLang do): chat completions run to the end of the context
 (context length - prompt length, also bounded by the KV pool); legacy completions default to 16,
@@ -115,10 +116,58 @@ class ContentPart(msgspec.Struct, kw_only=True):
     text: str | None = None
 
 
+class FunctionCallIn(msgspec.Struct, kw_only=True):
+    name: str
+    arguments: str | dict[str, Any] = "{}"  # OpenAI sends a JSON string
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True):
+    """A call an earlier assistant turn made (sent back in the conversation)."""
+
+    id: str | None = None
+    type: str = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(msgspec.Struct, kw_only=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant turns that called tools
+    tool_call_id: str | None = None  # role "tool": which call this is the result of
+
+
+class FunctionDef(msgspec.Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
+    strict: bool | None = None  # accepted; arguments are always constrained when a call is forced
+
+
+class ToolDef(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: FunctionDef
+
+
+class NamedFunction(msgspec.Struct, kw_only=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, kw_only=True):
+    type: str = "function"
+    function: NamedFunction
+
+
+class JsonSchemaFormat(msgspec.Struct, kw_only=True):
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | bool | None = None  # None: any JSON object
+    strict: bool | None = None  # accepted; the schema is always enforced
+
+
+class ResponseFormat(msgspec.Struct, kw_only=True):
+    type: str  # text | json_object | json_schema
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
@@ -145,6 +194,10 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     bootstrap_room: int | None = None  # PD disaggregation: injected by the router
     bootstrap_addr: str | None = None
+    # structured output: at most one of these (vLLM/SGLang extensions: regex, ebnf = a Lark grammar)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    ebnf: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
@@ -152,8 +205,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[ToolDef] | None = None
+    tool_choice: str | NamedToolChoice | None = None  # none | auto | required | a named function
+    parallel_tool_calls: bool = True
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
@@ -209,9 +263,22 @@ class ChatLogprobs(msgspec.Struct):
     content: list[ChatTokenLogprob]
 
 
-class ChatResponseMessage(msgspec.Struct):
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
+class ChatResponseMessage(msgspec.Struct, omit_defaults=True):
     role: str
-    content: str
+    content: str | None  # None when the answer is only tool calls
+    reasoning_content: str | None = None  # --reasoning-parser: the model's thinking
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(msgspec.Struct):
@@ -231,9 +298,26 @@ class ChatCompletionResponse(msgspec.Struct):
     object: str = "chat.completion"
 
 
+class FunctionDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(msgspec.Struct, omit_defaults=True):
+    """One piece of a streamed call: the first names it (id, type, name, arguments ""), the next
+    carry its arguments text, all under the same index."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

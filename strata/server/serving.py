@@ -27,6 +27,8 @@ from strata.server.engine_client import EngineClient, EngineUnavailable, Generat
 from strata.server.io import EngineInfo
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import APIError, error_body
+from strata.server.reasoning import REASONING_PARSERS, ReasoningParser
+from strata.server.tool_calls import TOOL_CALL_PARSERS, ToolCallParser, detect_tool_call_parser
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,19 @@ class ServerState:
     model_dir: str
     started_at: float
     _token_texts: dict[int, str] = field(default_factory=dict)
+    grammars: Any = None  # strata.grammar.compiler.GrammarCompiler, built by the first structured request
+
+    @property
+    def tool_call_parser(self) -> ToolCallParser:
+        """--tool-call-parser, else the format the chat template shows."""
+        if self.config.tool_call_parser is not None:
+            return TOOL_CALL_PARSERS[self.config.tool_call_parser]
+        return detect_tool_call_parser(getattr(self.tokenizer, "chat_template", None))
+
+    @property
+    def reasoning_parser(self) -> ReasoningParser | None:
+        name = self.config.reasoning_parser
+        return REASONING_PARSERS[name] if name is not None else None
 
     def engine_info(self) -> EngineInfo:
         try:

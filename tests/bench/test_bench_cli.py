@@ -110,3 +110,15 @@ def test_server_process_reports_a_failed_start_with_its_log():
     assert "boom: no model" in str(info.value)
     assert srv.log_path.exists()
     srv.log_path.unlink()
+
+
+def test_grammar_command(llama_dir, tmp_path, capsys):
+    out = tmp_path / "grammar.json"
+    args = parse(["grammar", "--model", str(llama_dir), "--dtype", "float32", "--batch-size", "1", "3",
+                  "--output-len", "6", "--rounds", "1", "--num-schemas", "3", "--output-json", str(out)])  # fmt: skip
+    assert args.func(args) == 0
+    assert "grammar compile (3 JSON schemas)" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["compile"]["first_ms"] > data["compile"]["cached_ms"] > 0
+    assert [d["batch_size"] for d in data["decode"]] == [1, 3]
+    assert all(d["free_step_ms"] > 0 and d["grammar_step_ms"] > 0 for d in data["decode"])

@@ -227,7 +227,7 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {**GOOD_CHAT, "top_logprobs": 50, "logprobs": True}, 400, "top_logprobs"),
     ("/v1/chat/completions", {**GOOD_CHAT, "seed": 2**70}, 400, "seed"),
     ("/v1/chat/completions", {**GOOD_CHAT, "model": "gpt-4"}, 404, "model"),
-    ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", {**GOOD_CHAT, "tools": [{"type": "function"}]}, 400, "tools[0]"),  # no function
     (
         "/v1/chat/completions",
         {**GOOD_CHAT, "messages": [{"role": "user", "content": "x " * 600}]},
