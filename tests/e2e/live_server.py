@@ -112,6 +112,18 @@ class LiveServer:
             self.proc.wait()
             raise
 
+    def __enter__(self) -> LiveServer:
+        """`with LiveServer(...) as srv:` waits until it serves, and closes it on the way out."""
+        try:
+            self.wait_ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def close(self) -> None:
         try:
             engine_pid = None

@@ -103,12 +103,8 @@ def _wait_idle_and_check_leaks(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--context-length", "256", "--max-request-bytes", str(2**20), api_key=KEY)
-    try:
-        srv.wait_ready()
+    with LiveServer("--context-length", "256", "--max-request-bytes", str(2**20), api_key=KEY) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")

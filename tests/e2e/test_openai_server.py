@@ -30,12 +30,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--max-request-bytes", str(MAX_BODY), "--served-model-name", "tiny", api_key=KEY)
-    try:
-        srv.wait_ready()
+    with LiveServer("--max-request-bytes", str(MAX_BODY), "--served-model-name", "tiny", api_key=KEY) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")

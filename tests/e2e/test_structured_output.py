@@ -65,12 +65,8 @@ def tool_model_dir():
 
 @pytest.fixture(scope="module")
 def server(tool_model_dir):
-    srv = LiveServer("--served-model-name", "tiny", model_dir=tool_model_dir)
-    try:
-        srv.wait_ready()
+    with LiveServer("--served-model-name", "tiny", model_dir=tool_model_dir) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")
@@ -274,12 +270,8 @@ def reasoning_server(tmp_path_factory):
         "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
     )
     model = make_model(tmp_path_factory.mktemp("reasoning") / "tiny", "llama", chat_template=template)
-    srv = LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model)
-    try:
-        srv.wait_ready()
+    with LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 def test_reasoning_is_split_off_streamed_and_not(reasoning_server):

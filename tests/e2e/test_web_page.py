@@ -38,12 +38,8 @@ SYSTEM = "You are a terse assistant. Answer in one short sentence and never add 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = LiveServer("--served-model-name", "tiny", api_key=KEY)
-    try:
-        srv.wait_ready()
+    with LiveServer("--served-model-name", "tiny", api_key=KEY) as srv:
         yield srv
-    finally:
-        srv.close()
 
 
 @pytest.fixture(scope="module")
