@@ -3,11 +3,18 @@ tool calls and reasoning, answered whole or streamed as SSE chunks ending in `da
 
 Output text is split per choice by `ChoiceSplitter` (chat_output.py) when the request has tools
 (tool_choice other than "none") or the server has a --reasoning-parser; otherwise it is the content
-as the engine detokenized it. Calls come back as `message.tool_calls` with finish_reason
-"tool_calls"; streamed, each call is two chunks under its index: one with id, type, function.name
-and arguments "", then one with the arguments text. A forced call (tool_choice "required" or a
-named function), response_format, regex and ebnf constrain decoding with a grammar, armed after the
-reasoning ends for a reasoning model.
+as the engine detokenized it. Calls come back as `message.tool_calls`. Streamed, they come as
+OpenAI streams them, while the model writes them: the first delta of a call's index carries id,
+type "function", function.name and arguments "", the later ones only the index and the next
+fragment of function.arguments; the fragments concatenate to the arguments of the non-streamed
+answer. A forced call (tool_choice "required" or a named function), response_format, regex and
+ebnf constrain decoding with a grammar, armed after the reasoning ends for a reasoning model.
+
+finish_reason follows OpenAI's: "tool_calls" when the model stopped after making calls with
+tool_choice "auto" or "required", but "stop" for a named tool_choice (OpenAI answers a forced
+`{"type": "function", "function": {"name": ...}}` with "stop", streamed or not); "length" when
+max_tokens cut the output, also inside a call, which is then not among `tool_calls` but content
+(streamed, the pieces of it already sent stay sent, and its text follows as content).
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ from strata.server.protocol import (
     ChatTokenLogprob,
     FunctionCallOut,
     FunctionDelta,
+    NamedToolChoice,
     PromptTokensDetails,
     ToolCallDelta,
     ToolCallOut,
@@ -121,6 +129,7 @@ class ChatPlan:
     tool_parser: ToolCallParser | None = None
     reasoning: ReasoningParser | None = None
     prompt_tail: str = ""
+    calls_finish: str = "tool_calls"  # the finish reason when the model stopped after calls
 
     def splitter(self) -> ChoiceSplitter | None:
         if self.tool_parser is None and self.reasoning is None:
@@ -128,6 +137,7 @@ class ChatPlan:
         return ChoiceSplitter(
             self.reasoning.splitter(self.prompt_tail) if self.reasoning is not None else None,
             self.tool_parser.splitter() if self.tool_parser is not None else None,
+            self.calls_finish,
         )
 
 
@@ -160,9 +170,12 @@ async def chat_completions(request: Request) -> Response:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     info = state.engine_info()
     tools = check_tools(req)
-    uses_tools = bool(tools) and tool_choice_of(req) != "none"
+    choice = tool_choice_of(req)
+    uses_tools = bool(tools) and choice != "none"
     input_ids = await off_loop(len(body), chat_prompt_ids, state, req, tools)
     plan = ChatPlan(state.tool_call_parser if uses_tools else None, state.reasoning_parser)
+    if isinstance(choice, NamedToolChoice):
+        plan.calls_finish = "stop"  # as OpenAI answers a named tool_choice
     if plan.reasoning is not None:
         plan.prompt_tail = state.tokenizer.decode(input_ids[-PROMPT_TAIL_TOKENS:])
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -204,15 +217,17 @@ def response_message(parts: ChoiceParts) -> ChatResponseMessage:
     return ChatResponseMessage("assistant", content, parts.reasoning or None, calls or None)
 
 
-def delta_chunks(parts: ChoiceParts, first_call_index: int) -> list[ChatDelta]:
-    """The deltas of one step's parts: text (reasoning and content) first, then two per call."""
+def delta_chunks(parts: ChoiceParts) -> list[ChatDelta]:
+    """The deltas of one step's parts: text (reasoning and content) first, then one per call piece."""
     deltas = []
     if parts.reasoning or parts.content:
         deltas.append(ChatDelta(content=parts.content or None, reasoning_content=parts.reasoning or None))
-    for i, call in enumerate(parts.calls, start=first_call_index):
-        head = ToolCallDelta(i, call.id, "function", FunctionDelta(call.name, ""))
-        deltas.append(ChatDelta(tool_calls=[head]))
-        deltas.append(ChatDelta(tool_calls=[ToolCallDelta(i, function=FunctionDelta(arguments=call.arguments))]))
+    for piece in parts.pieces:
+        if piece.id is not None:  # a call starts
+            call = ToolCallDelta(piece.index, piece.id, "function", FunctionDelta(piece.name, ""))
+        else:
+            call = ToolCallDelta(piece.index, function=FunctionDelta(arguments=piece.arguments))
+        deltas.append(ChatDelta(tool_calls=[call]))
     return deltas
 
 
@@ -227,7 +242,6 @@ async def chat_stream(
 ) -> AsyncIterator[bytes]:
     model = state.model_name
     splitters = [plan.splitter() for _ in range(gen.num_choices)]
-    calls_sent = [0] * gen.num_choices
     for i in range(gen.num_choices):
         yield sse(
             ChatCompletionChunk(
@@ -248,8 +262,7 @@ async def chat_stream(
             if out.finished:
                 parts.extend(splitter.finish())
                 finish = splitter.finish_reason(out.finish_reason)
-            deltas = delta_chunks(parts, calls_sent[index])
-            calls_sent[index] += len(parts.calls)
+            deltas = delta_chunks(parts)
         lps = chat_logprobs(state, out.logprobs) if logprobs and out.logprobs else None
         if not deltas and (out.finished or lps is not None):
             deltas = [ChatDelta()]

@@ -2,8 +2,10 @@
 
 `ChoiceSplitter` chains the reasoning splitter (reasoning.py) and the tool-call splitter
 (tool_calls.py): text after the reasoning goes to the tool-call splitter. Streaming feeds it each
-text delta, a non-streamed answer feeds it the whole text; both then call `finish`. Because both
-stages are chunk-invariant, the two agree.
+text delta and sends the parts' `pieces` (calls as they are written); a non-streamed answer feeds
+it the whole text and uses the parts' `calls` (calls once complete); both then call `finish`.
+Because both stages are chunk-invariant, the two agree: each call's pieces concatenate to the
+arguments of the complete call.
 """
 
 from __future__ import annotations
@@ -11,37 +13,46 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from strata.server.reasoning import ReasoningSplitter
-from strata.server.tool_calls import ToolCall, ToolCallSplitter
+from strata.server.tool_calls import CallPiece, ToolCall, ToolCallSplitter, ToolEvents
 
 
 @dataclass
 class ChoiceParts:
     reasoning: str = ""
     content: str = ""
-    calls: list[ToolCall] = field(default_factory=list)
+    pieces: list[CallPiece] = field(default_factory=list)  # calls as they stream
+    calls: list[ToolCall] = field(default_factory=list)  # calls completed
 
     def extend(self, other: ChoiceParts) -> None:
         self.reasoning += other.reasoning
         self.content += other.content
+        self.pieces.extend(other.pieces)
         self.calls.extend(other.calls)
 
     def __bool__(self) -> bool:
-        return bool(self.reasoning or self.content or self.calls)
+        return bool(self.reasoning or self.content or self.pieces or self.calls)
 
 
 class ChoiceSplitter:
-    def __init__(self, reasoning: ReasoningSplitter | None, tools: ToolCallSplitter | None):
+    def __init__(
+        self,
+        reasoning: ReasoningSplitter | None,
+        tools: ToolCallSplitter | None,
+        calls_finish: str = "tool_calls",
+    ):
         self.reasoning = reasoning
         self.tools = tools
+        self.calls_finish = calls_finish  # the finish reason of an output that made calls
         self.num_calls = 0
+
+    def _tool_parts(self, events: ToolEvents) -> ChoiceParts:
+        self.num_calls += len(events.calls)
+        return ChoiceParts(content=events.content, pieces=events.pieces, calls=events.calls)
 
     def _content(self, text: str) -> ChoiceParts:
         if self.tools is None:
             return ChoiceParts(content=text)
-        events = self.tools.feed(text) if text else None
-        parts = ChoiceParts(content=events.content, calls=events.calls) if events else ChoiceParts()
-        self.num_calls += len(parts.calls)
-        return parts
+        return self._tool_parts(self.tools.feed(text)) if text else ChoiceParts()
 
     def feed(self, text: str) -> ChoiceParts:
         if self.reasoning is None:
@@ -58,15 +69,12 @@ class ChoiceSplitter:
             parts = self._content(content)
             parts.reasoning = reasoning
         if self.tools is not None:
-            events = self.tools.finish()
-            parts.content += events.content
-            parts.calls.extend(events.calls)
-            self.num_calls += len(events.calls)
+            parts.extend(self._tool_parts(self.tools.finish()))
         return parts
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
-        """OpenAI's: "tool_calls" when the model stopped after making calls; the engine's otherwise
-        ("length" when a call was cut off: it is then text, not a call)."""
+        """`calls_finish` when the model stopped after making calls; the engine's otherwise ("length"
+        when a call was cut off: it is then text, not a call, and never "tool_calls")."""
         if engine_reason == "stop" and self.num_calls:
-            return "tool_calls"
+            return self.calls_finish
         return engine_reason

@@ -8,11 +8,23 @@ one from `TOOL_CALL_PARSERS`, or `detect_tool_call_parser` guesses from the temp
 - `json` (Llama 3.x style, the fallback): the whole output is one JSON call object
   `{"name": ..., "arguments" | "parameters": {...}}`, or a JSON list of them.
 
-A parser makes per-choice `ToolCallSplitter`s, which are incremental and chunk-invariant: the
-calls and content they produce do not depend on how the text was cut into pieces, so a streamed
-answer and a non-streamed one agree. A call is emitted only once it is complete and valid JSON with
-a string name and object arguments; a block the model did not finish, or wrote as invalid JSON,
-stays text (`incomplete` says so) and is never passed off as a call.
+A parser makes per-choice `ToolCallSplitter`s, fed the output text in whatever pieces the engine
+streams it. Each call is read by a `CallReader` as its text arrives, and the splitter reports:
+
+- `content`: text outside calls (a possible tag start, or whitespace before a call, is held back);
+- `pieces`: the streamed form of the calls, numbered 0, 1, ... in the order they start. A call's
+  first piece, sent as soon as its name is known, carries its id and name; the next ones carry
+  fragments of its arguments text, each sent once certain: read inside the arguments value, and
+  before anything that may be the end tag;
+- `calls`: each call once it is complete and valid JSON with a string name and object arguments.
+
+A call's `arguments` is the model's own text of the arguments object (or, for a model that writes
+it as a JSON string, that string's contents), so the fragments of a call concatenate to exactly its
+`arguments`, and the calls and content do not depend on how the text was cut. A block that turns out
+not to be a call (cut off, or invalid JSON) is never passed off as one: it is not among `calls`, its
+text is content, and `incomplete` says so. Streamed, its first pieces may already have been sent
+(they cannot be taken back); its text then follows as content too, and a call cut off by max_tokens
+ends the stream with finish_reason "length", never "tool_calls" (chat_output.py).
 
 `grammar(functions, parallel)` is the constraint for tool_choice "required" or a named function:
 output that is exactly one or more calls of the listed functions whose arguments match each
@@ -31,34 +43,31 @@ from strata.grammar.spec import JSON_FORMAT, GrammarSpec, json_schema_spec
 
 @dataclass
 class ToolCall:
+    index: int  # the call's number in the choice's stream (0, 1, ...: in the order calls started)
     id: str
     name: str
-    arguments: str  # the arguments object as JSON text (re-serialised compactly: {"a": 1})
+    arguments: str  # the arguments object as JSON text, as the model wrote it
+
+
+@dataclass
+class CallPiece:
+    """A piece of a streamed call: the first of an index has its id and name, later ones arguments text."""
+
+    index: int
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
 
 
 @dataclass
 class ToolEvents:
     content: str = ""
+    pieces: list[CallPiece] = field(default_factory=list)
     calls: list[ToolCall] = field(default_factory=list)
 
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
-
-
-def _call_from_json(obj: Any) -> ToolCall | None:
-    """A call from a parsed {"name", "arguments" | "parameters"} object; None if it is not one."""
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    args = obj.get("arguments", obj.get("parameters", {}))
-    if isinstance(args, str):  # some models write the arguments as a JSON string
-        try:
-            args = json.loads(args)
-        except ValueError:
-            return None
-    if not isinstance(args, dict):
-        return None
-    return ToolCall(new_call_id(), obj["name"], json.dumps(args, ensure_ascii=False))
 
 
 def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
@@ -76,6 +85,200 @@ def call_schema(functions: list[dict[str, Any]]) -> dict[str, Any]:
         for f in functions
     ]
     return options[0] if len(options) == 1 else {"anyOf": options}
+
+
+# ------------------------------------------------------------------ one call object, read as it arrives
+
+WHITESPACE = " \t\n\r"
+ARGUMENT_KEYS = ("arguments", "parameters")
+
+
+class CallReader:
+    """Reads one call object, `{"name": "f", "arguments": {...}}`, as its text arrives.
+
+    It follows the object's structure, not every rule of JSON: strings and their escapes, nesting,
+    and where each top-level key and value starts and ends; `complete()` checks the whole with
+    `json.loads` once the object has closed. The first "name" (a string) and the first "arguments" /
+    "parameters" (an object, or a string holding one) count; other keys are skipped.
+
+        {"name": "f", "arguments": {"city": "Pa
+                                   ^args_start  ^len(text): all of text[args_start:] is certain,
+                                                 since the value ends only at its matching brace
+    """
+
+    def __init__(self, index: int):
+        self.index = index
+        self.text = ""  # the object's text (from leading whitespace up to its closing brace)
+        # open -> key -> colon -> value -> comma -> (key ...) -> done; key_token / value_token while
+        # scanning one; bad once the text cannot be a call
+        self.state = "open"
+        self.key = ""  # the key whose value is being read
+        self.token_start = 0  # where the key or value being scanned starts in text
+        self.scalar = False  # that value is a number / true / false / null (ends at a delimiter)
+        self.depth = 0  # brackets open inside it
+        self.in_string = self.escaped = False
+        self.name: str | None = None
+        self.args_start: int | None = None  # the arguments object's span in text (end: None while open)
+        self.args_end: int | None = None
+        self.args_text: str | None = None  # arguments written as a JSON string: its contents
+        self.id: str | None = None  # set with the first piece
+        self.sent = 0  # length of the arguments text sent as pieces
+
+    @property
+    def closed(self) -> bool:
+        return self.state == "done"
+
+    @property
+    def started(self) -> bool:
+        return self.id is not None
+
+    def feed(self, text: str) -> str:
+        """Read more of the object; returns the text after its closing brace ("" until it closes)."""
+        if self.state == "done":
+            return text
+        if self.state == "bad":
+            return ""
+        i = len(self.text)
+        self.text += text
+        while i < len(self.text) and self.state not in ("done", "bad"):
+            i = self._step(i)
+        rest = self.text[i:] if self.state == "done" else ""
+        self.text = self.text[:i] if self.state == "done" else self.text
+        return rest
+
+    def fail(self) -> None:
+        self.state = "bad"
+
+    def take_pieces(self) -> list[CallPiece]:
+        """The pieces that became certain since the last call."""
+        pieces = []
+        if self.state == "bad":
+            return pieces
+        if self.id is None and self.name is not None:
+            self.id = new_call_id()
+            pieces.append(CallPiece(self.index, id=self.id, name=self.name))
+        args = self.arguments() if self.id is not None else ""
+        if len(args) > self.sent:
+            pieces.append(CallPiece(self.index, args[self.sent :]))
+            self.sent = len(args)
+        return pieces
+
+    def arguments(self) -> str:
+        """The arguments text known so far ("{}" for a closed call that has none)."""
+        if self.args_text is not None:
+            return self.args_text
+        if self.args_start is not None:
+            return self.text[self.args_start : self.args_end]
+        return "{}" if self.closed else ""
+
+    def complete(self) -> bool:
+        """True when the object closed as valid JSON with a string name and object arguments."""
+        if not (self.closed and self.started):
+            return False
+        try:
+            json.loads(self.text)
+        except ValueError:
+            return False
+        return True
+
+    def result(self) -> ToolCall:
+        assert self.id is not None and self.name is not None
+        return ToolCall(self.index, self.id, self.name, self.arguments())
+
+    def _step(self, i: int) -> int:
+        """Read the character at i; returns where to read next."""
+        if self.state in ("key_token", "value_token"):
+            return self._scan_token(i)
+        c = self.text[i]
+        if c in WHITESPACE:
+            return i + 1
+        if (self.state, c) in (("open", "{"), ("comma", ",")):
+            self.state = "key"
+        elif (self.state, c) == ("colon", ":"):
+            self.state = "value"
+        elif (self.state, c) == ("key", '"') or (self.state == "value" and c not in ",:]}"):
+            return self._begin_token(i)
+        elif self.state in ("key", "comma") and c == "}":  # json.loads judges `{"a": 1,}` at the end
+            self.state = "done"
+        else:
+            self.state = "bad"
+        return i + 1
+
+    def _begin_token(self, i: int) -> int:
+        c = self.text[i]
+        self.state = "key_token" if self.state == "key" else "value_token"
+        self.token_start, self.scalar = i, c not in '"{['
+        self.depth, self.in_string, self.escaped = 0, False, False
+        if self.state == "value_token" and self.key in ARGUMENT_KEYS and c == "{" and not self._has_args():
+            self.args_start = i
+        return self._scan_token(i)
+
+    def _scan_token(self, i: int) -> int:
+        c = self.text[i]
+        if self.in_string:
+            if self.escaped:
+                self.escaped = False
+            elif c == "\\":
+                self.escaped = True
+            elif c == '"':
+                self.in_string = False
+                if self.depth == 0:
+                    return self._end_token(i + 1)
+        elif self.scalar:
+            if c in WHITESPACE or c in ",}]":
+                return self._end_token(i)  # the delimiter is read again, outside the value
+        elif c == '"':
+            self.in_string = True
+        elif c in "{[":
+            self.depth += 1
+        elif c in "}]":
+            self.depth -= 1
+            if self.depth == 0:
+                return self._end_token(i + 1)
+        return i + 1
+
+    def _end_token(self, end: int) -> int:
+        raw, key_token = self.text[self.token_start : end], self.state == "key_token"
+        try:
+            if key_token:
+                self.key, ok = json.loads(raw), True
+            else:
+                ok = self._take_value(raw, end)
+        except ValueError:
+            ok = False
+        self.state = ("colon" if key_token else "comma") if ok else "bad"
+        return end
+
+    def _has_args(self) -> bool:
+        return self.args_start is not None or self.args_text is not None
+
+    def _take_value(self, raw: str, end: int) -> bool:
+        """A top-level value has been read: the name, the arguments, or another key's (skipped).
+        False when it shows the object is not a call."""
+        if self.key == "name" and self.name is None:
+            name = json.loads(raw)
+            self.name = name if isinstance(name, str) else None
+            return self.name is not None
+        if self.key not in ARGUMENT_KEYS:
+            return True
+        if self.args_start == self.token_start:
+            self.args_end = end
+        elif not self._has_args():
+            text = json.loads(raw)  # the arguments written as a JSON string (or not a call at all)
+            if not (isinstance(text, str) and isinstance(_loads_or_none(text), dict)):
+                return False
+            self.args_text = text
+        return True
+
+
+def _loads_or_none(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return None
+
+
+# ------------------------------------------------------------------ splitters and parsers
 
 
 class ToolCallSplitter:
@@ -108,8 +311,12 @@ class HermesSplitter(ToolCallSplitter):
     START, END = "<tool_call>", "</tool_call>"
 
     def __init__(self) -> None:
-        self.pending = ""  # undecided text: a possible tag start, whitespace, or an open call
-        self.in_call = False
+        # undecided text: outside a call, a possible start tag or whitespace (a call may follow);
+        # inside one, a possible start of the end tag
+        self.pending = ""
+        self.call: CallReader | None = None  # the call between the tags, if inside one
+        self.body = ""  # its text so far (what it stays, as content, if it is not a call)
+        self.num_started = 0
         self.num_calls = 0
         self.incomplete = False
 
@@ -117,19 +324,15 @@ class HermesSplitter(ToolCallSplitter):
         self.pending += text
         out = ToolEvents()
         while True:
-            if self.in_call:
+            if self.call is not None:
                 end = self.pending.find(self.END)
+                cut = end if end >= 0 else len(self.pending) - _partial_suffix(self.pending, self.END)
+                self._read(self.pending[:cut], out)
                 if end < 0:
+                    self.pending = self.pending[cut:]
                     return out
-                body, self.pending = self.pending[:end], self.pending[end + len(self.END) :]
-                self.in_call = False
-                call = self._parse(body)
-                if call is None:  # invalid JSON inside the tags: it stays text
-                    out.content += self.START + body + self.END
-                    self.incomplete = True
-                else:
-                    out.calls.append(call)
-                    self.num_calls += 1
+                self.pending = self.pending[end + len(self.END) :]
+                self._close(out)
                 continue
             start = self.pending.find(self.START)
             if start >= 0:
@@ -138,7 +341,7 @@ class HermesSplitter(ToolCallSplitter):
                     out.content += before.rstrip()
                 # whitespace around calls is dropped
                 self.pending = self.pending[start + len(self.START) :]
-                self.in_call = True
+                self.call, self.body = CallReader(self.num_started), ""
                 continue
             keep = _partial_suffix(self.pending, self.START)
             head, tail = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
@@ -148,22 +351,33 @@ class HermesSplitter(ToolCallSplitter):
                 self.pending = head[len(stripped) :] + tail
             return out
 
+    def _read(self, text: str, out: ToolEvents) -> None:
+        """More of the call's text, certain to come before its end tag."""
+        self.body += text
+        if self.call.feed(text).strip():  # something after the object, inside the tags
+            self.call.fail()
+        out.pieces.extend(self.call.take_pieces())
+
+    def _close(self, out: ToolEvents) -> None:
+        """The end tag came: the call is complete, or its block stays text."""
+        call, self.call = self.call, None
+        self.num_started += call.started
+        if call.complete():
+            out.calls.append(call.result())
+            self.num_calls += 1
+        else:
+            out.content += self.START + self.body + self.END
+            self.incomplete = True
+
     def finish(self) -> ToolEvents:
         out = ToolEvents()
-        if self.in_call:
-            out.content = self.START + self.pending
+        if self.call is not None:  # cut off inside a call
+            out.content = self.START + self.body + self.pending
             self.incomplete = True
         elif self.num_calls == 0 or self.pending.strip():
             out.content = self.pending
-        self.pending, self.in_call = "", False
+        self.pending, self.call = "", None
         return out
-
-    @staticmethod
-    def _parse(body: str) -> ToolCall | None:
-        try:
-            return _call_from_json(json.loads(body))
-        except ValueError:
-            return None
 
 
 class HermesParser(ToolCallParser):
@@ -187,28 +401,49 @@ class HermesParser(ToolCallParser):
 
 
 class JsonSplitter(ToolCallSplitter):
+    """The output is calls if it is one call object or a list of them, and nothing else. Calls are
+    read (and their pieces sent) as they arrive; whether the whole output is calls, or is content
+    after all, is known at the end, so content is held until then."""
+
     def __init__(self) -> None:
-        self.pending = ""
-        self.mode = "start"  # start (undecided) -> json (buffer all) | text (stream as content)
+        self.text = ""  # all the output, in json mode
+        self.mode = "start"  # start (undecided) -> json (read calls) | text (stream as content)
+        self.is_list = False
+        self.reading = True  # still looking for call objects (a list's items)
+        self.call: CallReader | None = None  # the call object being read
+        self.closed: list[CallReader] = []  # the call objects read whole
         self.incomplete = False
 
     def feed(self, text: str) -> ToolEvents:
         if self.mode == "text":
             return ToolEvents(content=text)
-        self.pending += text
+        self.text += text
         if self.mode == "start":
-            stripped = self.pending.lstrip()
+            stripped = self.text.lstrip()
             if not stripped:
                 return ToolEvents()
-            if stripped[0] in "{[":
-                self.mode = "json"
-            else:
-                self.mode, content, self.pending = "text", self.pending, ""
+            if stripped[0] not in "{[":
+                self.mode, content, self.text = "text", self.text, ""
                 return ToolEvents(content=content)
-        return ToolEvents()
+            self.mode, self.is_list = "json", stripped[0] == "["
+            text = stripped[1:] if self.is_list else stripped
+        out = ToolEvents()
+        while text and self.reading:
+            if self.call is None:  # between a list's items
+                text = text.lstrip(WHITESPACE + ",")  # the separators are checked at the end
+                if not text or text[0] != "{":
+                    self.reading = not text  # the list ended, or holds something else
+                    break
+                self.call = CallReader(sum(c.started for c in self.closed))
+            text = self.call.feed(text)
+            out.pieces.extend(self.call.take_pieces())
+            if self.call.closed:
+                self.closed.append(self.call)
+                self.call, self.reading = None, self.is_list
+        return out
 
     def finish(self) -> ToolEvents:
-        text, self.pending = self.pending, ""
+        text, self.text = self.text, ""
         if self.mode != "json":
             return ToolEvents(content=text)
         try:
@@ -217,10 +452,11 @@ class JsonSplitter(ToolCallSplitter):
             self.incomplete = True
             return ToolEvents(content=text)
         items = parsed if isinstance(parsed, list) else [parsed]
-        calls = [_call_from_json(item) for item in items]
-        if not items or any(c is None for c in calls):
+        if not items or self.call is not None or len(self.closed) != len(items):
             return ToolEvents(content=text)  # JSON, but not calls: it is the answer
-        return ToolEvents(calls=calls)
+        if not all(c.complete() for c in self.closed):
+            return ToolEvents(content=text)
+        return ToolEvents(calls=[c.result() for c in self.closed])
 
 
 class JsonParser(ToolCallParser):

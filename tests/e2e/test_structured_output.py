@@ -220,42 +220,79 @@ def test_required_tool_call_round_trips_through_two_turns(oai):
     assert second.choices[0].finish_reason in ("stop", "length", "tool_calls")
 
 
+def stream_calls(oai: openai.OpenAI, **kw) -> tuple[dict[int, dict], str, str | None]:
+    """A streamed chat completion as a client that accumulates deltas by index sees it: per call
+    index its first delta and its argument fragments after that; the content; the finish_reason."""
+    calls: dict[int, dict] = {}
+    content, finish = "", None
+    for chunk in oai.chat.completions.create(stream=True, **kw):
+        for c in chunk.choices:
+            finish = c.finish_reason or finish
+            content += c.delta.content or ""
+            for d in c.delta.tool_calls or []:
+                if d.index not in calls:
+                    calls[d.index] = {"first": d, "fragments": []}
+                else:
+                    assert d.id is None and d.function.name is None, d
+                    calls[d.index]["fragments"].append(d.function.arguments)
+    return calls, content, finish
+
+
+def streamed_call(entry: dict) -> tuple[str, str]:
+    return entry["first"].function.name, "".join(entry["fragments"])
+
+
 def test_named_tool_choice_and_parallel_calls_stream_like_non_stream(oai):
     named = {"type": "function", "function": {"name": "add"}}
     for choice_kw in (dict(tool_choice=named), dict(tool_choice="required", parallel_tool_calls=True)):
         kw = dict(model="tiny", messages=ask("add 2 and 3"), tools=TOOLS, temperature=0, max_tokens=200, **choice_kw)
         full = oai.chat.completions.create(**kw).choices[0]
-        calls: dict[int, dict] = {}
-        finish = None
-        for chunk in oai.chat.completions.create(stream=True, **kw):
-            for c in chunk.choices:
-                finish = c.finish_reason or finish
-                for d in c.delta.tool_calls or []:
-                    entry = calls.setdefault(d.index, {"name": "", "arguments": "", "id": None})
-                    entry["id"] = d.id or entry["id"]
-                    entry["name"] += (d.function.name or "") if d.function else ""
-                    entry["arguments"] += (d.function.arguments or "") if d.function else ""
+        calls, _, finish = stream_calls(oai, **kw)
         assert finish == full.finish_reason
-        # a named choice makes exactly one call; parallel calls go on until the model stops, and the
-        # calls completed before max_tokens are still calls
-        assert full.finish_reason in (("tool_calls",) if choice_kw["tool_choice"] is named else ("tool_calls", "length"))
+        # a named choice makes exactly one call and finishes with "stop", as OpenAI's does; parallel
+        # calls go on until the model stops, and the calls completed before max_tokens are still calls
+        assert full.finish_reason in (("stop",) if choice_kw["tool_choice"] is named else ("tool_calls", "length"))
         assert full.message.tool_calls
-        streamed = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+        streamed = [streamed_call(calls[i]) for i in sorted(calls)]
         assert streamed == [(c.function.name, c.function.arguments) for c in full.message.tool_calls]
-        if "tool_choice" in choice_kw and choice_kw["tool_choice"] is named:
+        if choice_kw["tool_choice"] is named:
             assert [c.function.name for c in full.message.tool_calls] == ["add"]
         for c in full.message.tool_calls:
             json.loads(c.function.arguments)
 
 
+def test_a_forced_call_streams_its_arguments_while_the_model_writes_them(oai):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in (named, "required"):
+        kw = {"model": "tiny", "messages": ask("Weather in Oslo for 2 days?"), "tools": TOOLS,
+              "tool_choice": tool_choice, "temperature": 0, "max_tokens": 150, "parallel_tool_calls": False}
+        (call,) = oai.chat.completions.create(**kw).choices[0].message.tool_calls
+        calls, content, finish = stream_calls(oai, **kw)
+        assert list(calls) == [0] and content == ""
+        first, fragments = calls[0]["first"], calls[0]["fragments"]
+        assert first.id.startswith("call_") and first.type == "function"
+        assert first.function.name == call.function.name and first.function.arguments == ""
+        assert len(fragments) > 1, fragments  # token by token, not the whole arguments at once
+        assert "".join(fragments) == call.function.arguments
+        spec = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[call.function.name]
+        assert set(json.loads(call.function.arguments)) == set(spec["required"])
+        assert finish == ("stop" if tool_choice is named else "tool_calls")
+
+
 def test_a_cut_off_call_is_not_passed_off_as_a_call(oai):
-    out = oai.chat.completions.create(
-        model="tiny", messages=ask("weather"), tools=TOOLS, tool_choice="required", temperature=0, max_tokens=30
-    )
-    choice = out.choices[0]
+    kw = {"model": "tiny", "messages": ask("weather"), "tools": TOOLS, "tool_choice": "required", "temperature": 0,
+          "max_tokens": 30}
+    choice = oai.chat.completions.create(**kw).choices[0]
     assert choice.finish_reason == "length"
     assert not choice.message.tool_calls
     assert choice.message.content.startswith("<tool_call>")
+    # streamed: the start of the call may have been sent as it was written, but the finish reason
+    # says it was cut off, and the content is the same text
+    calls, content, finish = stream_calls(oai, **kw)
+    assert finish == "length" and content == choice.message.content
+    for entry in calls.values():
+        name, arguments = streamed_call(entry)
+        assert f'"name": "{name}"' in content and arguments in content
 
 
 # ------------------------------------------------------------------ reasoning

@@ -1,5 +1,6 @@
-"""Tool-call and reasoning parsers on hand-written model outputs: what they extract, and that the
-result does not depend on how the text was cut into streamed pieces."""
+"""Tool-call and reasoning parsers on hand-written model outputs: what they extract, that the result
+does not depend on how the text was cut into streamed pieces, and that streamed calls arrive as
+OpenAI sends them (a head with id and name, then argument fragments that add up to the arguments)."""
 
 from __future__ import annotations
 
@@ -99,3 +100,132 @@ def test_call_ids_are_unique_and_the_parser_follows_the_template():
     assert detect_tool_call_parser("{% for t in tools %}<tool_call>{% endfor %}").name == "hermes"
     assert detect_tool_call_parser("{{ messages }}").name == "json"
     assert detect_tool_call_parser(None).name == "json"
+
+
+# ------------------------------------------------------------------ calls streamed piece by piece
+
+TRICKY_ARGS = (
+    '{"city": "S\u00e3o Paulo {x}", "opts": {"units": ["C", "F"], "deep": {"k": [1, {"z": null}]}}, '
+    '"q": "say \\"hi\\" \\\\ } ] </b> <tool_ \\u00e9 \\n\u65e5\u672c \U0001f600", "days": 3}'
+)
+STREAM_SAMPLES = [
+    # (parser, model output, [(name, arguments text)], content)
+    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + TRICKY_ARGS + "}\n</tool_call>",
+     [("get_weather", TRICKY_ARGS)], "Let me check."),
+    ("hermes", ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, 3]}}}\n</tool_call>\n'
+                '<tool_call>\n{"arguments": {"s": "}\\"{"}, "name": "echo"}\n</tool_call>'),
+     [("add", '{"a": 1, "b": {"c": [2, 3]}}'), ("echo", '{"s": "}\\"{"}')], ""),
+    ("hermes", '<tool_call>{"name": "now"}</tool_call>', [("now", "{}")], ""),
+    ("json", '[{"name": "add", "arguments": {"a": 1, "b": {"c": "}]"}}}, {"name": "echo", "parameters": '
+     + TRICKY_ARGS + "}]", [("add", '{"a": 1, "b": {"c": "}]"}}'), ("echo", TRICKY_ARGS)], ""),
+    ("json", ' {"name": "add", "arguments": "{\\"a\\": 2}"}\n', [("add", '{"a": 2}')], ""),
+]
+
+
+def stream(parser: str, pieces: list[str], calls_finish: str = "tool_calls", engine_finish: str = "stop"):
+    """Feed `pieces` as a stream would; returns (parts of every step together, the calls as a client
+    that accumulates the pieces by index sees them, finish_reason)."""
+    s = ChoiceSplitter(None, TOOL_CALL_PARSERS[parser].splitter(), calls_finish)
+    total, seen = ChoiceParts(), {}
+    for step in [s.feed(p) for p in pieces] + [s.finish()]:
+        total.extend(step)
+        for piece in step.pieces:
+            if piece.index not in seen:  # the first piece of a call: id and name, no arguments yet
+                assert piece.id.startswith("call_") and piece.name and piece.arguments == "", piece
+                assert piece.index == len(seen)
+                seen[piece.index] = {"id": piece.id, "name": piece.name, "arguments": ""}
+            else:
+                assert piece.id is None and piece.name is None and piece.arguments, piece
+                seen[piece.index]["arguments"] += piece.arguments
+    return total, [seen[i] for i in sorted(seen)], s.finish_reason(engine_finish)
+
+
+def cuttings(text: str) -> list[list[str]]:
+    """Every cut into two pieces, one character per piece, and random cuts into many."""
+    rng = random.Random(len(text))
+    return (
+        [[text[:k], text[k:]] for k in range(1, len(text))]
+        + [list(text)]
+        + [random_pieces(text, rng) for _ in range(50)]
+    )
+
+
+@pytest.mark.parametrize("parser, text, calls, content", STREAM_SAMPLES)
+def test_streamed_argument_fragments_add_up_to_the_whole_calls(parser, text, calls, content):
+    whole, _, finish = stream(parser, [text])
+    assert [(c.name, c.arguments) for c in whole.calls] == calls
+    assert [json.loads(c.arguments) for c in whole.calls] == [json.loads(a) for _, a in calls]
+    assert whole.content == content and finish == "tool_calls"
+    for pieces in cuttings(text):
+        parts, streamed, _ = stream(parser, pieces)
+        assert [(c["id"], c["name"], c["arguments"]) for c in streamed] == [
+            (c.id, c.name, c.arguments) for c in parts.calls
+        ], pieces
+        assert [(c.name, c.arguments) for c in parts.calls] == calls, pieces
+        assert parts.content == content, pieces
+
+
+def test_arguments_stream_as_soon_as_they_are_certain():
+    text = '<tool_call>\n{"name": "f", "arguments": {"q": "a<b", "n": [1, 2]}}\n</tool_call>'
+    args = '{"q": "a<b", "n": [1, 2]}'
+    args_at = text.index(args)
+    s = TOOL_CALL_PARSERS["hermes"].splitter()
+    sent, head_at = "", None
+    for k, ch in enumerate(text):
+        events = s.feed(ch)
+        for piece in events.pieces:
+            if piece.id is not None:
+                head_at = k
+            sent += piece.arguments
+        if args_at <= k < args_at + len(args):
+            # everything read inside the arguments is out, except a "<" that may start </tool_call>
+            expected = args[: k + 1 - args_at]
+            assert sent == (expected[:-1] if ch == "<" else expected), k
+    assert head_at == text.index('", "arguments"')  # the call starts when the name's string closes
+    assert sent == args
+
+
+def test_a_cut_off_call_streams_its_start_but_is_no_call():
+    text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
+    parts, streamed, finish = stream("hermes", [text[:30], text[30:]], engine_finish="length")
+    assert [c["name"] for c in streamed] == ["get_weather"]  # already sent: a client sees it cut off
+    assert streamed[0]["arguments"] == '{"city": "Pa'
+    assert not parts.calls and parts.content == text and finish == "length"
+    # a call that turns out to be invalid JSON is text too, streamed or not
+    bad = '<tool_call>\n{"name": "f", "arguments": {"a": 1} junk}\n</tool_call>'
+    for pieces in ([bad], list(bad)):
+        parts, _, finish = stream("hermes", pieces)
+        assert not parts.calls and parts.content == bad and finish == "stop"
+
+
+def test_a_later_call_keeps_its_index_after_a_failed_one():
+    good = '<tool_call>\n{"name": "g", "arguments": {"b": 2}}\n</tool_call>'
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}, oops}\n</tool_call>' + good
+    parts, streamed, finish = stream("hermes", list(text))
+    assert [c["name"] for c in streamed] == ["f", "g"]
+    assert [(c.index, c.name, c.arguments) for c in parts.calls] == [(1, "g", '{"b": 2}')]
+    assert finish == "tool_calls"
+
+
+@pytest.mark.parametrize(
+    "parser, text",
+    [
+        ("json", '{"name": "Bob", "arguments": [1]}'),  # arguments not an object
+        ("json", '{"name": "f", "arguments": {"a": 1}} and more'),  # not only calls
+        ("json", '[{"name": "f", "arguments": {}}, 5]'),
+        ("json", '[{"name": "f", "arguments": {}}'),  # cut off
+        ("hermes", '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),
+        ("hermes", '<tool_call>\n{"name": "f", "arguments": "{not json"}\n</tool_call>'),
+    ],
+)
+def test_output_that_is_not_calls_is_content(parser, text):
+    for pieces in ([text], list(text)):
+        parts, _, finish = stream(parser, pieces)
+        assert not parts.calls and parts.content == text and finish == "stop", pieces
+
+
+def test_a_named_tool_choice_finishes_with_stop_as_openai_does():
+    call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
+    assert stream("hermes", [call], calls_finish="stop")[2] == "stop"
+    assert stream("hermes", [call], calls_finish="stop", engine_finish="length")[2] == "length"
+    assert stream("hermes", [call])[2] == "tool_calls"
