@@ -269,6 +269,7 @@ HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout") 
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+SPECULATIVE_ALGORITHMS = ("none", "ngram")  # strata.engine.speculative
 SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
@@ -296,6 +297,10 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "hicache_storage_ttl": (TINY, 10 * 365 * 86400),
     "disaggregation_bootstrap_port": (0, 65535),
     "disaggregation_timeout": (TINY, 86400),
+    "speculative_num_draft_tokens": (1, 64),
+    "speculative_ngram_min": (1, 64),
+    "speculative_ngram_max": (1, 64),
+    "speculative_shared_tokens": (0, 1 << 26),
 }
 
 
@@ -366,6 +371,13 @@ class EngineConfig:
     disaggregation_bootstrap_port: int = 0  # this worker's KV inbox port; 0 = any free port
     disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
+    # speculative decoding (strata.engine.speculative)
+    speculative_algorithm: str = "none"  # none | ngram (prompt lookup over the request and recent requests)
+    speculative_num_draft_tokens: int = 8  # most tokens a request drafts per step
+    speculative_ngram_min: int = 2  # shortest n-gram a draft is looked up by
+    speculative_ngram_max: int = 5  # longest n-gram a draft is looked up by (the longest match wins)
+    speculative_shared_tokens: int = 262144  # recent requests' tokens the n-gram drafter also searches; 0: own text only
+    speculative_fixed_length: bool = False  # draft every token found, up to the maximum, whatever the load
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -400,6 +412,15 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}"
+            )
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError(
+                f"speculative_ngram_min ({self.speculative_ngram_min}) must not exceed speculative_ngram_max "
+                f"({self.speculative_ngram_max})"
+            )
         if self.hierarchical_cache and self.disable_radix_cache:
             raise ValueError("the hierarchical cache sits behind the radix cache; drop --disable-radix-cache")
 
@@ -420,6 +441,7 @@ _CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "quantization": QUANTIZATION_METHODS,
     "sliding_kv": SLIDING_KV_MODES,
+    "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
 _HELP = {
     "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",
@@ -446,6 +468,11 @@ _HELP = {
     "hicache_storage_max_gib": "file backend: GiB the L3 directory may hold; the least recently used pages "
     "are deleted beyond it (each replica sharing the directory bounds all of it, learning the others' pages "
     "every few minutes; redis: bound the server with its maxmemory)",
+    "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, or ngram "
+    "(prompt lookup over the request's own text and recent requests'); how many each request drafts adapts "
+    "to its acceptance and to the load (--speculative-fixed-length turns that off)",
+    "speculative_fixed_length": "with --speculative-algorithm: always draft up to --speculative-num-draft-tokens "
+    "(no adaptive policy; for measuring)",
     "hicache_storage_ttl": "seconds an L3 page may go unused before it is deleted (file) or expires (redis); "
     "a hit renews it",
 }

@@ -13,7 +13,8 @@ from strata.layers.sampler import SamplingBatch
 
 @dataclass
 class ScheduleBatch:
-    """Requests in this step, decodes (one token each) first, then extends (prefill chunks)."""
+    """Requests in this step, decodes (one token each) first, then extends (prefill chunks, and
+    decodes that feed drafted tokens: `Req.draft_ids`)."""
 
     reqs: list[Req]
     extend_lens: list[int]  # tokens fed for each request this step
@@ -25,13 +26,34 @@ class ScheduleBatch:
 
     def sampled_reqs(self) -> list[Req]:
         """Requests whose whole sequence is computed after this step, so they sample a token."""
-        return [r for r, n in zip(self.reqs, self.extend_lens) if r.kv_len + n == r.seq_len]
+        return [r for r, n in zip(self.reqs, self.extend_lens) if r.kv_len + n == r.fed_len]
 
 
 @dataclass
 class ForwardBatch:
+    rows: list[SampleRow]  # what each sampled row is, in sample_rows order
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
     sample_rows: torch.Tensor  # [S] rows of the flattened tokens whose logits are sampled
     sampling: SamplingBatch | None
+
+
+@dataclass
+class SampleRow:
+    """One sampled position: the request's last, or one of its drafted ones. `before` are the drafts
+    fed ahead of it, `draft` the drafted token its choice is checked against (-1: none)."""
+
+    req: Req
+    before: list[int]
+    draft: int
+
+
+def sample_rows_of(reqs: list[Req]) -> list[SampleRow]:
+    """The sampled rows of these requests, in the order the forward's sample rows are laid out."""
+    rows: list[SampleRow] = []
+    for req in reqs:
+        drafts = req.draft_ids
+        rows.extend(SampleRow(req, drafts[:j], drafts[j]) for j in range(len(drafts)))
+        rows.append(SampleRow(req, drafts, -1))
+    return rows

@@ -12,10 +12,11 @@ import torch
 
 from strata.cache.allocator import WindowGroup
 from strata.cache.kv_pool import MHAKVPool
-from strata.engine.batch import ForwardBatch, ScheduleBatch
+from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_rows_of
 from strata.engine.request import Req
-from strata.grammar.state import fill_bitmasks
+from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
+from strata.layers.quant import QuantLinear
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
@@ -31,70 +32,91 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        # block-quantized linears compute steps of fewer rows than this with int8 activations, and
+        # larger ones in float: a token's logits depend on which side of it its step falls
+        self.quantized_row_limit = min(
+            (m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)), default=None
+        )
 
     def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
-        kv_lens: list[int] = []
         sample_rows: list[int] = []
-        max_pages = max(len(r.pages) for r in batch.reqs)
-        page_table = np.zeros((len(batch.reqs), max_pages), dtype=np.int64)
-        row = 0
+        # attention entries: one per request, except that a request feeding drafts is k + 1 decode
+        # entries (position j sees keys up to its own). Its queries then take the decode kernel's path,
+        # arithmetic identical to decoding them one by one, so speculation cannot change greedy output.
+        entries: list[Req] = []
+        q_lens: list[int] = []
+        kv_lens: list[int] = []
+        num_decode = batch.num_decode
         for b, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             end = req.kv_len + n
-            ids.extend(req.seq_slice(req.kv_len, end))
-            page_table[b, : len(req.pages)] = req.pages
-            kv_lens.append(end)
-            row += n
-            if end == req.seq_len:
-                sample_rows.append(row - 1)
+            ids.extend(req.seq_slice(req.kv_len, min(end, req.seq_len)))
+            ids.extend(req.draft_ids[: max(0, end - req.seq_len)])
+            verifying = bool(req.draft_ids) and n == 1 + len(req.draft_ids)
+            if verifying:
+                entries.extend([req] * n)
+                q_lens.extend([1] * n)
+                kv_lens.extend(range(req.kv_len + 1, end + 1))
+                num_decode += n
+            else:
+                entries.append(req)
+                q_lens.append(n)
+                kv_lens.append(end)
+            if end == req.fed_len:  # the last position samples, and so does each drafted one
+                sample_rows.extend(range(len(ids) - 1 - len(req.draft_ids), len(ids)))
+        max_pages = max(len(r.pages) for r in entries)
+        page_table = np.zeros((len(entries), max_pages), dtype=np.int64)
+        for e, req in enumerate(entries):
+            page_table[e, : len(req.pages)] = req.pages
         attn = AttentionMetadata.build(
-            batch.extend_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, batch.num_decode, self.device
+            q_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, num_decode, self.device
         )
         if self.group_maps:  # window groups: the same positions in their own pages
-            replaying = [b for b, r in enumerate(batch.reqs) if r.replay_from is not None]
+            replaying = [e for e, r in enumerate(entries) if r.replay_from is not None]
             for g, to_group in enumerate(self.group_maps):
                 table = to_group[attn.page_table]
                 if replaying:
-                    self._map_replayed_pages(batch, replaying, g, table)
+                    self._map_replayed_pages(entries, replaying, g, table)
                 group_meta = attn.with_page_table(table)
                 if replaying:
-                    group_meta.key_floor = self._replay_floor(batch, replaying, g)
+                    group_meta.key_floor = self._replay_floor(entries, replaying, g)
                 attn.groups.append(group_meta)
             if replaying:
-                self._keep_cached_full_kv(batch, replaying, attn)
-        sampled = batch.sampled_reqs()
+                self._keep_cached_full_kv(entries, attn)
+        rows = sample_rows_of(batch.sampled_reqs())
         return ForwardBatch(
+            rows=rows,
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=attn.positions,
             attn=attn,
             sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
-            sampling=self.sampling_batch(sampled) if sampled else None,
+            sampling=self.sampling_batch(rows) if rows else None,
         )
 
-    def _map_replayed_pages(self, batch: ScheduleBatch, rows: list[int], g: int, table: torch.Tensor) -> None:
+    def _map_replayed_pages(self, entries: list[Req], rows: list[int], g: int, table: torch.Tensor) -> None:
         """--swa-replay: window group g reads and writes a replaying request's recomputed pages."""
         ps = self.kv.page_size
         for b in rows:
-            req = batch.reqs[b]
+            req = entries[b]
             first = req.replay_from // ps
             table[b, first : first + len(req.replay_pages[g])] = torch.tensor(req.replay_pages[g])
 
-    def _replay_floor(self, batch: ScheduleBatch, rows: list[int], g: int) -> torch.Tensor | None:
+    def _replay_floor(self, entries: list[Req], rows: list[int], g: int) -> torch.Tensor | None:
         """The first key each request may read in window group g: its replay start while some of its
         queries could still reach back past it (None once none can)."""
-        if all(batch.reqs[b].kv_len >= batch.reqs[b].replay_from + self.kv.windows[g] - 1 for b in rows):
+        if all(entries[b].kv_len >= entries[b].replay_from + self.kv.windows[g] - 1 for b in rows):
             return None
-        floor = torch.zeros(len(batch.reqs), dtype=torch.int64)
+        floor = torch.zeros(len(entries), dtype=torch.int64)
         for b in rows:
-            floor[b] = batch.reqs[b].replay_from
+            floor[b] = entries[b].replay_from
         return floor
 
-    def _keep_cached_full_kv(self, batch: ScheduleBatch, rows: list[int], attn: AttentionMetadata) -> None:
+    def _keep_cached_full_kv(self, entries: list[Req], attn: AttentionMetadata) -> None:
         """Replayed positions (before replay_end) write their full-layer KV to the scratch page: the
         tree's copy, computed with the whole context, stays what every layer reads."""
         scratch = self.kv.scratch_page * self.kv.page_size
         positions = attn.positions.cpu()
-        limit = torch.tensor([r.replay_end if r.replay_from is not None else 0 for r in batch.reqs])
+        limit = torch.tensor([r.replay_end if r.replay_from is not None else 0 for r in entries])
         replayed = positions < limit[attn.token_owner]
         attn.out_slots[replayed.to(self.device)] = scratch + positions[replayed].to(self.device) % self.kv.page_size
 
@@ -105,23 +127,56 @@ class ModelRunner:
         if fb.sampling is None:
             return None
         # grammar masks are computed on the CPU while an accelerator runs the forward
-        self.add_grammar_masks(batch.sampled_reqs(), fb.sampling)
+        self.add_grammar_masks(fb.rows, fb.sampling)
         logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
+        if out.accepted is not None:
+            out.accepted = out.accepted.cpu()
         return out
 
-    def add_grammar_masks(self, reqs: list[Req], s: SamplingBatch) -> None:
-        """Structured output: the next-token bitmask of each sampled request whose grammar is armed."""
-        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and r.grammar.needs_mask]
-        if not rows:
+    def add_grammar_masks(self, rows: list[SampleRow], s: SamplingBatch) -> None:
+        """Structured output: the next-token bitmask of each sampled row whose grammar is armed (a
+        drafted row's: its request's grammar advanced over the drafts before it)."""
+        grammars = {id(r.req): r.req.grammar for r in rows if r.req.grammar is not None}
+        if not grammars:
             return
-        bitmask = fill_bitmasks([reqs[i].grammar for i in rows])  # [G, words] int32
-        s.grammar_rows = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        if all(not r.req.draft_ids for r in rows):
+            masked = [i for i, r in enumerate(rows) if r.req.grammar is not None and r.req.grammar.needs_mask]
+            if not masked:
+                return
+            bitmask = fill_bitmasks([rows[i].req.grammar for i in masked])  # [G, words] int32
+        else:
+            masked, bitmask = self._draft_grammar_masks(rows)
+            if not masked:
+                return
+        s.grammar_rows = torch.tensor(masked, dtype=torch.int64, device=self.device)
         s.grammar_bitmask = torch.from_numpy(bitmask).to(self.device, non_blocking=True)
 
-    def sampling_batch(self, reqs: list[Req]) -> SamplingBatch:
+    @staticmethod
+    def _draft_grammar_masks(rows: list[SampleRow]) -> tuple[list[int], np.ndarray]:
+        """Masks row by row: each request's grammar is advanced over its drafts and rolled back."""
+        words = bitmask_words(max(r.req.grammar.vocab_size for r in rows if r.req.grammar is not None))
+        bitmask = np.empty((len(rows), words), dtype=np.int32)
+        masked: list[int] = []
+        for i, row in enumerate(rows):
+            grammar = row.req.grammar
+            if grammar is None:
+                continue
+            if row.before:  # one more draft consumed since the previous row of this request
+                grammar.accept(row.before[-1])
+            if grammar.needs_mask:
+                grammar.fill_bitmask(bitmask, len(masked))
+                masked.append(i)
+            if row.draft < 0:  # the request's last row
+                grammar.rollback(len(row.before))
+        return masked, bitmask[: len(masked)]
+
+    def sampling_batch(self, rows: list[SampleRow]) -> SamplingBatch:
+        """The sampler's tensors for these rows. A row after drafts sees them as output already
+        (penalties, min_new_tokens), as the request will if they are accepted."""
         dev, vocab = self.device, self.vocab_size
+        reqs = [r.req for r in rows]
         params = [r.params for r in reqs]
 
         def col(values: list, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -130,38 +185,46 @@ class ModelRunner:
         for r in reqs:
             if r.sampling_row is None:  # a Req made outside the scheduler (which builds it at admission)
                 r.sampling_row, r.top_k = sampling_row(r.params, vocab)
-        rows = torch.stack([r.sampling_row for r in reqs]).to(dev)  # [B, len(ROW_FIELDS)]
+        table = torch.stack([r.sampling_row for r in reqs]).to(dev)  # [B, len(ROW_FIELDS)]
         greedy = [p.is_greedy for p in params]
-        uniforms = [0.0] * len(reqs)
-        for i, r in enumerate(reqs):
+        drafting = any(row.draft >= 0 for row in rows)
+        uniforms, accept_uniforms = [0.0] * len(rows), [0.0] * len(rows)
+        for i, row in enumerate(rows):
             if not greedy[i]:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
-                uniforms[i] = torch.rand(1, generator=r.generator or self.generator).item()
+                gen = row.req.generator or self.generator
+                uniforms[i] = torch.rand(1, generator=gen).item()
+                if row.draft >= 0:
+                    accept_uniforms[i] = torch.rand(1, generator=gen).item()
         s = SamplingBatch(
-            temperatures=rows[:, 0],
-            top_ps=rows[:, 1],
+            temperatures=table[:, 0],
+            top_ps=table[:, 1],
             top_ks=col([r.top_k for r in reqs], torch.int64),
-            min_ps=rows[:, 2],
+            min_ps=table[:, 2],
             uniforms=col(uniforms),
             all_greedy=all(greedy),
         )
+        if drafting:
+            s.draft_ids = col([row.draft for row in rows], torch.int64)
+            s.accept_uniforms = col(accept_uniforms)
         wants = [p.logprobs for p in params if p.logprobs is not None]
         s.top_logprobs = max(wants) if wants else None
+        outputs = [r.req.output_ids + r.before if r.before else r.req.output_ids for r in rows]
         if any(p.repetition_penalty != 1.0 for p in params):
-            s.repetition_penalties = rows[:, 3]
-            s.seen_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
+            s.repetition_penalties = table[:, 3]
+            s.seen_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
             for i, r in enumerate(reqs):
-                s.seen_mask[i, torch.tensor(r.prompt_ids + r.output_ids, dtype=torch.int64)] = True
+                s.seen_mask[i, torch.tensor(r.prompt_ids + outputs[i], dtype=torch.int64)] = True
         if any(p.frequency_penalty or p.presence_penalty for p in params):
-            s.frequency_penalties = rows[:, 4]
-            s.presence_penalties = rows[:, 5]
-            s.output_counts = torch.zeros(len(reqs), vocab, dtype=torch.int32, device=dev)
-            for i, r in enumerate(reqs):
-                if r.output_ids:
-                    out = torch.tensor(r.output_ids, dtype=torch.int64)
-                    s.output_counts[i].index_add_(0, out, torch.ones_like(out, dtype=torch.int32))
-        banned = [(i, r) for i, r in enumerate(reqs) if len(r.output_ids) < r.params.min_new_tokens]
+            s.frequency_penalties = table[:, 4]
+            s.presence_penalties = table[:, 5]
+            s.output_counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=dev)
+            for i, out in enumerate(outputs):
+                if out:
+                    ids = torch.tensor(out, dtype=torch.int64)
+                    s.output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        banned = [(i, r) for i, r in enumerate(reqs) if len(outputs[i]) < r.params.min_new_tokens]
         if banned:
-            s.banned_mask = torch.zeros(len(reqs), vocab, dtype=torch.bool, device=dev)
+            s.banned_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
             for i, r in banned:
                 stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 ids = [t for t in stop_ids if t < vocab]

@@ -62,6 +62,12 @@ class Req:
     replay_from: int | None = None
     replay_end: int = 0  # the cached_len the replay started from
     replay_pages: list[list[int]] = field(default_factory=list)
+    # speculative decoding: tokens drafted to follow the sequence, fed after it this step (verified by
+    # the forward; see strata.engine.speculative), the n-gram length that found them, and the
+    # request's decayed (accepted, tried) drafted tokens
+    draft_ids: list[int] = field(default_factory=list)
+    draft_match: int = 0
+    spec_history: tuple[float, float] = (0.0, 0.0)
     # reporting
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
     cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / storage
@@ -72,6 +78,9 @@ class Req:
     error: str | None = None
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
+    spec_verify_steps: int = 0  # steps that fed drafts
+    spec_drafted: int = 0
+    spec_accepted: int = 0
     aborted: bool = False
 
     @property
@@ -85,6 +94,11 @@ class Req:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    @property
+    def fed_len(self) -> int:
+        """Positions this step's forward computes up to: the sequence plus any drafted tokens."""
+        return self.seq_len + len(self.draft_ids)
 
     @property
     def extend_len(self) -> int:
@@ -114,4 +128,7 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.num_cached_tokens,
             cached_tokens_details=dict(self.cached_tokens_by_tier),
+            spec_verify_steps=self.spec_verify_steps,
+            spec_drafted_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
         )

@@ -33,6 +33,7 @@ from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
+from strata.engine.speculative import Speculator
 from strata.engine.window_kv import WindowKV
 from strata.grammar.compiler import GrammarCompiler
 from strata.layers.sampler import SamplerOutput, sampling_row
@@ -85,6 +86,7 @@ class Scheduler(WindowKV, KVAccounting):
         self.prealloc: dict[str, Req] = {}
         self.before_release: Callable[[Req], None] | None = None
         self.disagg = None
+        self.spec = Speculator(config) if config.speculative_algorithm != "none" else None
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -241,6 +243,7 @@ class Scheduler(WindowKV, KVAccounting):
         if batch is None and self.cache.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
+            start = time.perf_counter()
             try:
                 sampled = self.runner.forward(batch)
             except Exception as exc:  # a failed forward fails its requests, not the engine
@@ -251,6 +254,8 @@ class Scheduler(WindowKV, KVAccounting):
                         self._finish(req, "error")
             else:
                 self.process_results(batch, sampled)
+                if self.spec is not None:
+                    self.spec.observe_step(batch.num_tokens, time.perf_counter() - start)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
 
@@ -278,12 +283,44 @@ class Scheduler(WindowKV, KVAccounting):
         self._admit(extends, budget, batch_empty=not decodes and not extends)
         if not decodes and not extends:
             return None
+        verifying: list[Req] = []
+        if self.spec is not None and decodes:
+            base = len(decodes) + sum(n for _, n in extends)
+            budget = self.config.max_batch_tokens - base
+            limit = self.runner.quantized_row_limit
+            if limit is not None and base < limit:  # drafts keep the step's arithmetic what it was
+                budget = min(budget, limit - 1 - base)
+            verifying = self._plan_drafts(decodes, base, budget)
+            decodes = [r for r in decodes if not r.draft_ids]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
         return ScheduleBatch(
-            reqs=decodes + [r for r, _ in extends],
-            extend_lens=[1] * len(decodes) + [n for _, n in extends],
+            reqs=decodes + verifying + [r for r, _ in extends],
+            extend_lens=[1] * len(decodes) + [1 + len(r.draft_ids) for r in verifying] + [n for _, n in extends],
             num_decode=len(decodes),
         )
+
+    def _plan_drafts(self, decodes: list[Req], base_tokens: int, budget: int) -> list[Req]:
+        """Speculative decoding: the decodes that feed drafted tokens this step, with `draft_ids` set
+        and pages for them allocated (from free pages only: drafts never evict cached KV)."""
+        candidates = []
+        for req in decodes:
+            # every accepted draft is one more output token, plus the target's own at the end
+            limit = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+            if limit > 0 and req.replay_from is None and (c := self.spec.propose(req, limit)) is not None:
+                candidates.append(c)
+        verifying = []
+        for c, k in zip(candidates, self.spec.choose(candidates, base_tokens, len(decodes), budget)):
+            req = c.key
+            while k > 0 and not self.allocator.can_alloc(self._pages_short(req, req.kv_len + 1 + k)):
+                k -= 1
+            if k > 0:
+                req.pages.extend(self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k)) or [])
+                req.draft_ids, req.draft_match = c.draft[:k], c.match_len
+                verifying.append(req)
+        return verifying
+
+    def _pages_short(self, req: Req, end: int) -> int:
+        return max(0, math.ceil(end / self.page_size) - len(req.pages))
 
     def _chunk_len(self, req: Req, budget: int, batch_empty: bool) -> int:
         n = req.extend_len
@@ -409,26 +446,56 @@ class Scheduler(WindowKV, KVAccounting):
     # ----------------------------------------------------------------- results
 
     def process_results(self, batch: ScheduleBatch, sampled: SamplerOutput | None) -> None:
-        sampled_reqs = batch.sampled_reqs()
+        row = 0  # the sampler's first row of the next request that samples
+        verified: set[int] = set()
         for req, n in zip(batch.reqs, batch.extend_lens):
-            req.kv_len += n
-        for i, req in enumerate(sampled_reqs):
-            token = int(sampled.token_ids[i])
-            req.output_ids.append(token)
-            if req.grammar is not None:
-                req.grammar.accept(token)
-            if req.params.logprobs is not None:
-                req.pending_logprobs.append(_token_logprob(sampled, i, token, req.params.logprobs))
-            self._check_finished(req, token)
+            if req.kv_len + n < req.fed_len:  # a prefill chunk with more to come
+                req.kv_len += n
+                continue
+            drafted = len(req.draft_ids)
+            if drafted:
+                verified.add(id(req))
+            tokens, kv_end = self._take_tokens(req, n, sampled, row)
+            for j, token in enumerate(tokens):
+                req.output_ids.append(token)
+                req.kv_len = min(kv_end, req.seq_len)  # KV of tokens after a stop is not kept
+                if req.grammar is not None:
+                    req.grammar.accept(token)
+                if req.params.logprobs is not None:
+                    req.pending_logprobs.append(_token_logprob(sampled, row + j, token, req.params.logprobs))
+                self._check_finished(req, token)
+                if req.finished:
+                    break
+            row += 1 + drafted
         for req, n in zip(batch.reqs, batch.extend_lens):
             if req.finished:
                 continue
-            if n > 1 and self.cache_enabled:
+            if n > 1 and self.cache_enabled and id(req) not in verified:
                 self._cache_unfinished(req)
             if self.allocator.groups:  # after caching: the prompt's window KV is the tree's to keep or drop
                 self._drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
+
+    def _take_tokens(self, req: Req, n: int, sampled: SamplerOutput, row: int) -> tuple[list[int], int]:
+        """The tokens a request that sampled at `row` (and after) appends, and the KV length they
+        leave it with. Drafted tokens: the accepted run, then the target's own token (its correction
+        at the first rejection, or one more after the last draft); the KV of rejected drafts is
+        dropped and their pages freed."""
+        drafts, req.draft_ids = req.draft_ids, []
+        accepted = 0
+        if drafts:
+            flags = sampled.accepted[row : row + len(drafts)].tolist()
+            while accepted < len(drafts) and flags[accepted]:
+                accepted += 1
+        tokens = drafts[:accepted] + [int(sampled.token_ids[row + accepted])]
+        kv_end = req.kv_len + n - len(drafts) + accepted
+        if drafts:
+            keep = math.ceil(kv_end / self.page_size)
+            self.allocator.free(req.pages[keep:])
+            del req.pages[keep:]
+            self.spec.verified(req, len(drafts), accepted)
+        return tokens, kv_end
 
     @property
     def grammars(self) -> GrammarCompiler:
@@ -483,6 +550,8 @@ class Scheduler(WindowKV, KVAccounting):
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
         self.cache.on_finished(req.rid)
+        if self.spec is not None:
+            self.spec.finish(req.rid)
         if req.detokenizer is not None and reason != "abort":
             req.detokenizer.flush()
         self.pending_outputs.append(req.make_output())

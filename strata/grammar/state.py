@@ -73,6 +73,19 @@ class GrammarState:
                 self.matcher.rollback(num_tokens)
         del self.history[len(self.history) - num_tokens :]
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens` the grammar would accept in a row from here (nothing is consumed).
+        Before the trigger every token passes, up to the one that completes it (what follows it would
+        be matched against a grammar not yet started: drafts stop there)."""
+        if self.armed:
+            return 0 if self.matcher.is_stopped() else self.matcher.validate_tokens(list(tokens))
+        tail = list(self.history[-len(self.trigger) :])
+        for i, token in enumerate(tokens):
+            tail = (tail + [token])[-len(self.trigger) :]
+            if tuple(tail) == self.trigger:
+                return i + 1
+        return len(tokens)
+
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Write this state's allowed tokens into bitmask[row] ([rows, words] int32, C-contiguous)."""
         view = bitmask[row]

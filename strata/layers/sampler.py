@@ -36,6 +36,10 @@ class SamplingBatch:
     # token t allowed in row grammar_rows[i]; rows not listed are unconstrained
     grammar_rows: torch.Tensor | None = None  # [G] int64
     grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V' / 32)] int32, V' >= V (the grammar's vocab)
+    # speculative decoding (None when no row verifies a draft): the drafted token this row's choice is
+    # checked against (-1: none), and a second U(0,1) draw per row for the rejection test
+    draft_ids: torch.Tensor | None = None  # [B] int64
+    accept_uniforms: torch.Tensor | None = None  # [B]
 
 
 ROW_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
@@ -59,6 +63,7 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token
     top_ids: torch.Tensor | None = None  # [B, k]
     top_logprobs: torch.Tensor | None = None  # [B, k]
+    accepted: torch.Tensor | None = None  # [B] bool: the row's draft was kept (token_ids holds it); with draft_ids
 
 
 _BIT_VALUES: dict[torch.device, torch.Tensor] = {}  # [8] uint8: 1, 2, 4, ..., 128 per device
@@ -141,27 +146,59 @@ def filter_probs(probs_sorted: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     """logits: [B, V] float32 raw model outputs (may be modified in place). Logprobs are reported from
-    the raw distribution; grammar masks, penalties and the cut-offs shape only the choice."""
+    the raw distribution; grammar masks, penalties and the cut-offs shape only the choice.
+
+    Rows with a draft token d (speculative decoding) decide whether to keep it. Greedy: kept iff it is
+    the argmax. Sampled, with p the row's final distribution (after penalties, temperature and the
+    cut-offs): kept with probability p(d), else a token is drawn from p with d removed. Drafts are
+    deterministic, so the token a row yields has distribution exactly p:
+    P(x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d]."""
     out = SamplerOutput(token_ids=torch.empty(0))
     raw_logprobs = torch.log_softmax(logits, dim=-1) if s.top_logprobs is not None else None
     logits = apply_penalties(logits, s)
     if s.grammar_bitmask is not None:
         apply_token_bitmask_(logits, s.grammar_rows, s.grammar_bitmask)
     greedy_ids = logits.argmax(dim=-1)
+    drafts = s.draft_ids
     if s.all_greedy:
         out.token_ids = greedy_ids
+        if drafts is not None:
+            out.accepted = greedy_ids == drafts
     else:
         temps = torch.where(s.temperatures > 0, s.temperatures, torch.ones_like(s.temperatures))
         probs = torch.softmax(logits / temps.view(-1, 1), dim=-1)
         probs_sorted, order = probs.sort(dim=-1, descending=True)
         kept = filter_probs(probs_sorted, s)
+        accepted = None
+        if drafts is not None:
+            kept, accepted = _judge_drafts(kept, order, drafts, s.accept_uniforms)
         cdf = kept.cumsum(-1)
         target = s.uniforms.view(-1, 1) * cdf[:, -1:]
         pick = torch.searchsorted(cdf, target, right=True).clamp_(max=cdf.shape[-1] - 1)
         sampled_ids = order.gather(1, pick).view(-1)
-        out.token_ids = torch.where(s.temperatures > 0, sampled_ids, greedy_ids)
+        sampled = s.temperatures > 0
+        out.token_ids = torch.where(sampled, sampled_ids, greedy_ids)
+        if drafts is not None:
+            out.accepted = torch.where(sampled, accepted, greedy_ids == drafts)
+            out.token_ids = torch.where(out.accepted, drafts, out.token_ids)
     if raw_logprobs is not None:
         out.logprobs = raw_logprobs.gather(1, out.token_ids.view(-1, 1)).view(-1)
         if s.top_logprobs:
             out.top_logprobs, out.top_ids = raw_logprobs.topk(s.top_logprobs, dim=-1)
     return out
+
+
+def _judge_drafts(
+    kept: torch.Tensor, order: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rejection test of `sample` over sorted, cut-off probabilities (unnormalised).
+
+    Returns (the distribution to draw from where the draft is rejected: kept with the draft's mass
+    removed on rows that have one, whether each row's draft is kept)."""
+    has = drafts >= 0
+    rank = (order == drafts.clamp(min=0).view(-1, 1)).int().argmax(dim=-1, keepdim=True)  # [B, 1]
+    mass = kept.gather(1, rank).view(-1)
+    accepted = has & (uniforms * kept.sum(-1) < mass)
+    residual = kept.scatter(1, rank, 0.0)
+    # a row whose whole mass was the draft always keeps it; its residual is never drawn from
+    return torch.where(has.view(-1, 1), residual, kept), accepted

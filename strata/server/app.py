@@ -188,6 +188,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "num_waiting_first_token": client.num_queued,
                 "num_retractions": stats.num_retractions,
                 "hicache": stats.hicache,  # per-tier hit tokens and rates, bytes moved (None: off)
+                "speculative": stats.spec,  # drafted / accepted tokens, the policy's choices (None: off)
                 "num_aborted_requests": client.num_aborted,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),

@@ -82,6 +82,7 @@ class EngineLoop:
             num_retractions=s.num_retractions,
             num_steps=s.step_count,
             hicache=self.engine.hicache.stats.as_dict() if self.engine.hicache is not None else None,
+            spec=s.spec.stats.as_dict() if s.spec is not None else None,
             leaked_pages=s.leaked_pages(window_groups=full),
             window_groups=s.window_group_usage() if full and s.allocator.groups else None,
         )

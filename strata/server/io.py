@@ -66,6 +66,7 @@ class EngineStats(msgspec.Struct):
     num_retractions: int = 0  # so far
     num_steps: int = 0
     hicache: dict[str, Any] | None = None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
+    spec: dict[str, Any] | None = None  # SpecStats.as_dict() when speculative decoding is on
     leaked_pages: int = 0  # pages neither free, cached nor held (the accounting invariant: always 0)
     # per window group of the pool (sliding-window models): its pages, free / cached / held by requests;
     # None in the stats sent with outputs (counting them walks the prefix cache)

@@ -16,6 +16,9 @@ engine sends with every batch. Each server has its own registry (served at GET /
     strata:token_usage                      fraction of KV pages held by requests
     strata:cache_hit_rate                   cached_tokens_total / prompt_tokens_total
     strata:num_retracted_reqs               retractions so far (KV ran out during decode)
+    strata:spec_*                           speculative decoding, since start: request-steps that verified
+                                            drafts, tokens drafted / accepted, proposals the policy declined,
+                                            mean accept length, request-steps per chosen draft length
 """
 
 from __future__ import annotations
@@ -78,6 +81,19 @@ class ServerMetrics:
             "strata:hicache_events", "Storage errors and corrupt pages ignored, since start.",
             ["model_name", "kind"], registry=r,
         )  # fmt: skip
+        # speculative decoding's counters, cumulative in the engine
+        self.spec_counts = Gauge(
+            "strata:spec_events", "Speculative decoding since start: verify_steps (request-steps that fed "
+            "drafts), drafted_tokens, accepted_tokens, declined (proposals the policy chose not to feed).",
+            ["model_name", "kind"], registry=r,
+        )  # fmt: skip
+        self.spec_accept_len = gauge(
+            "spec_accept_length", "Tokens per verifying request-step (accepted drafts + 1), since start."
+        )
+        self.spec_draft_lengths = Gauge(
+            "strata:spec_draft_length_steps", "Request-steps that fed this many drafted tokens, since start.",
+            ["model_name", "length"], registry=r,
+        )  # fmt: skip
         self.model_name = model_name
         self._prompt_total = 0
         self._cached_total = 0
@@ -124,6 +140,13 @@ class ServerMetrics:
                 self.hicache_bytes.labels(m, direction.removeprefix("bytes_")).set(h[direction])
             for kind in ("storage_errors", "corrupt_pages"):
                 self.hicache_events.labels(m, kind).set(h[kind])
+        spec = stats.spec
+        if spec:
+            for kind in ("verify_steps", "drafted_tokens", "accepted_tokens", "declined"):
+                self.spec_counts.labels(self.model_name, kind).set(spec[kind])
+            self.spec_accept_len.set(spec["mean_accept_len"])
+            for length, steps in spec["draft_lengths"].items():
+                self.spec_draft_lengths.labels(self.model_name, length).set(steps)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -5,7 +5,8 @@
      "stream": false, "return_logprob": false, "top_logprobs_num": 0}
 
 answers {"text", "output_ids", "meta_info": {id, prompt_tokens, completion_tokens, cached_tokens,
-finish_reason: {"type": "stop"|"length"|"abort", "matched"?: ..., "length"?: ...}, e2e_latency}};
+finish_reason: {"type": "stop"|"length"|"abort", "matched"?: ..., "length"?: ...}, e2e_latency, and
+spec_* when speculative decoding drafted for it (strata.server.serving.spec_fields)}};
 a list of those for a batch or n > 1. Streaming sends `data: {...}` events carrying the text so far
 (cumulative, as SGLang does) and an "index", then `data: [DONE]`. sampling_params are the
 SamplingParams fields; unknown keys are a 400 listing the accepted ones. Structured output: SGLang's
@@ -46,6 +47,7 @@ from strata.server.serving import (
     json_response,
     off_loop,
     read_body,
+    spec_fields,
     sse,
     start_generation,
     verified_bootstrap,
@@ -179,6 +181,7 @@ async def generate(request: Request) -> Response:
             "cached_tokens_details": r.cached_tokens_details,
             "finish_reason": finish_reason(r, len(r.token_ids)),
             "e2e_latency": latency,
+            **r.spec,
         }
         if req.return_logprob:
             meta.update(logprob_fields(state, r.logprobs))
@@ -206,6 +209,7 @@ async def generate_stream(
             "cached_tokens_details": out.cached_tokens_details,
             "finish_reason": finish_reason(out, out.completion_tokens),
             "e2e_latency": time.perf_counter() - gen.created,
+            **spec_fields(out),
         }
         if return_logprob:
             meta.update(logprob_fields(state, r.logprobs))

@@ -205,6 +205,7 @@ class ChoiceResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_details: dict[str, int] = field(default_factory=dict)  # per cache tier
+    spec: dict[str, float] = field(default_factory=dict)  # speculative decoding (spec_fields), if it drafted
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text_delta
@@ -217,6 +218,23 @@ class ChoiceResult:
             self.prompt_tokens = out.prompt_tokens
             self.cached_tokens = out.cached_tokens
             self.cached_tokens_details = out.cached_tokens_details
+            self.spec = spec_fields(out)
+
+
+def spec_fields(out: RequestOutput) -> dict[str, float]:
+    """Speculative decoding's part of a response's meta_info, so far (empty if nothing was drafted):
+    steps that verified drafts, tokens drafted and accepted, mean tokens per verifying step, mean draft
+    length chosen."""
+    steps = out.spec_verify_steps
+    if not steps:
+        return {}
+    return {
+        "spec_verify_steps": steps,
+        "spec_drafted_tokens": out.spec_drafted_tokens,
+        "spec_accepted_tokens": out.spec_accepted_tokens,
+        "spec_accept_length": (out.spec_accepted_tokens + steps) / steps,
+        "spec_draft_length": out.spec_drafted_tokens / steps,
+    }
 
 
 async def wait_disconnect(request: Request) -> None:

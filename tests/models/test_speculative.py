@@ -1,0 +1,289 @@
+"""Speculative decoding through the engine: greedy output identical with it on and off (n-gram drafts
+and an oracle drafter whose runs are accepted for a while and then break), no KV leaks, only accepted
+tokens in the prefix cache, the sampled distribution unchanged, and the adaptive policy's choices."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from strata import Engine, SamplingParams
+from strata.engine.speculative import DraftPolicy, NgramDrafter, NgramIndex, SharedNgramIndex, StepCost
+
+REPETITIVE = [
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "Paged attention keeps the KV cache in fixed-size pages. Paged attention keeps the KV",
+    "Hello world! Hello world! Hello world! Hello",
+    "Radix trees share prefixes between requests; schedulers batch them.",
+]
+
+
+def greedy(max_new: int = 24, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_new_tokens=max_new, ignore_eos=True, **kw)
+
+
+def engine(model_dir, spec: bool, **kw) -> Engine:
+    options = dict(dtype="float32", kv_cache_tokens=2048, page_size=1)
+    options.update(kw)
+    if spec:
+        options.update(speculative_algorithm="ngram", speculative_fixed_length=True)
+    return Engine(str(model_dir), **options)
+
+
+class OracleDrafter:
+    """Proposes what the target will say (from a run without speculation), corrupting one token of a
+    proposal now and then: long accepted runs, and rejections at every depth."""
+
+    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0, corrupt: float = 0.3):
+        self.references = references
+        self.rng = random.Random(seed)
+        self.corrupt = corrupt
+
+    def propose(self, rid, prompt, output, k):
+        ref = self.references.get(tuple(prompt), [])
+        if ref[: len(output)] != output:
+            return [], 0
+        draft = list(ref[len(output) : len(output) + k])
+        if draft and self.rng.random() < self.corrupt:
+            draft[self.rng.randrange(len(draft))] = self.rng.randrange(3, 300)
+        return draft, 3
+
+    def finish(self, rid):
+        pass
+
+
+def run_all(eng: Engine, prompts, params):
+    results = eng.generate(prompts, params)
+    eng.scheduler.check_no_leaks()
+    return results
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3", "qwen3"])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_output_is_identical_with_ngram_drafts(tiny_models, family, page_size):
+    kw = dict(page_size=page_size, chunked_prefill_size=16)
+    off = run_all(engine(tiny_models[family], False, **kw), REPETITIVE, greedy(40))
+    on_engine = engine(tiny_models[family], True, **kw)
+    on = run_all(on_engine, REPETITIVE, greedy(40))
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = on_engine.scheduler.spec.stats
+    assert stats.verify_steps > 0 and stats.accepted_tokens > 0, stats
+    # again: radix hits on the prompts, and the shared index now knows the previous outputs
+    again = run_all(on_engine, REPETITIVE, greedy(40))
+    assert [r.token_ids for r in again] == [r.token_ids for r in off]
+    assert all(r.cached_tokens > 0 for r in again)
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("llama", {}),
+    ("llama", {"page_size": 4, "chunked_prefill_size": 8}),
+    ("gemma3", {"page_size": 4}),
+    ("llama", {"quantization": "int8"}),
+])
+def test_greedy_identical_with_accepted_runs_and_rejections(tiny_models, family, kw):
+    prompts = ["The quick brown fox", "Hello world!", "Numbers 0123", "Radix trees share prefixes"]
+    reference_engine = engine(tiny_models[family], False, **kw)
+    off = run_all(reference_engine, prompts, greedy(48))
+    on_engine = engine(tiny_models[family], True, **kw)
+    refs = {tuple(on_engine.encode(p)): r.token_ids for p, r in zip(prompts, off)}
+    on_engine.scheduler.spec.drafter = OracleDrafter(refs)
+    on = run_all(on_engine, prompts, greedy(48))
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = on_engine.scheduler.spec.stats
+    assert stats.accepted_tokens > stats.verify_steps, stats  # runs longer than one token were accepted
+    assert stats.accepted_tokens < stats.drafted_tokens, stats  # and some drafts were rejected
+
+
+def test_logprobs_stop_strings_max_tokens_and_n_agree(llama_dir):
+    prompt = "The quick brown fox"
+    off_engine = engine(llama_dir, False)
+    base = off_engine.generate(prompt, greedy(40))[0]
+    text = base.text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]  # ends inside what an accepted run covers
+    cases = [
+        greedy(40, logprobs=2),
+        greedy(40, stop=[stop]),
+        greedy(13),  # max_new_tokens reached mid-run
+        greedy(30, n=3),
+        SamplingParams(temperature=0, max_new_tokens=40),  # eos allowed
+    ]
+    on_engine = engine(llama_dir, True)
+    on_engine.generate(prompt, greedy(40))  # the same prefix-cache state as the other engine
+    on_engine.scheduler.spec.drafter = OracleDrafter({tuple(on_engine.encode(prompt)): base.token_ids}, corrupt=0.2)
+    for params in cases:
+        off = off_engine.generate(prompt, params)[0]
+        on = on_engine.generate(prompt, params)[0]
+        for a, b in zip(off.choices, on.choices, strict=True):
+            assert (b.token_ids, b.text, b.finish_reason, b.matched_stop) == (a.token_ids, a.text, a.finish_reason,
+                                                                              a.matched_stop), params
+            # the same up to float rounding: a float matmul's summation order depends on its rows
+            # (1 decoding, or k + 1 verifying), as it does on the batch without speculation
+            assert [lp.token_id for lp in b.logprobs] == [lp.token_id for lp in a.logprobs]
+            for x, y in zip(a.logprobs, b.logprobs):
+                assert y.logprob == pytest.approx(x.logprob, abs=1e-5)
+                assert [t.token_id for t in y.top] == [t.token_id for t in x.top]
+        on_engine.scheduler.check_no_leaks()
+    assert on_engine.scheduler.spec.stats.accepted_tokens > 0
+
+
+def test_only_accepted_tokens_enter_the_prefix_cache(llama_dir):
+    eng = engine(llama_dir, True, page_size=1)
+    prompt = eng.encode("The quick brown fox")
+    off = engine(llama_dir, False).generate(prompt, greedy(30))[0].token_ids
+    eng.scheduler.spec.drafter = OracleDrafter({tuple(prompt): off}, corrupt=1.0)  # every proposal has a bad token
+    out = eng.generate(prompt, greedy(30))[0].token_ids
+    assert out == off
+    # the whole sequence but its last token is cached, and nothing longer matches
+    seq = prompt + out
+    match = eng.scheduler.cache.match_prefix(seq)
+    assert match.cached_len == len(seq) - 1
+    for bad in range(3, 8):
+        assert eng.scheduler.cache.match_prefix(seq[:-1] + [bad] + [bad]).cached_len <= len(seq) - 1
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_no_page_leaks_with_drafts_and_aborts(llama_dir, page_size):
+    rng = random.Random(page_size)
+    eng = engine(llama_dir, True, kv_cache_tokens=256, page_size=page_size, chunked_prefill_size=16)
+    system = [rng.randrange(3, 380) for _ in range(24)]
+    live: list[str] = []
+    for _ in range(250):
+        if rng.random() < 0.3 and len(live) < 10:
+            motif = [rng.randrange(3, 380) for _ in range(rng.randint(2, 6))]
+            prompt = (system if rng.random() < 0.6 else []) + motif * rng.randint(1, 6)
+            params = SamplingParams(
+                temperature=rng.choice([0.0, 1.0]), max_new_tokens=rng.randint(1, 40), ignore_eos=True,
+                n=rng.choice([1, 1, 2]),
+            )
+            live += eng.add_request(prompt, params)
+        if rng.random() < 0.05 and live:
+            eng.abort(rng.choice(live))
+        for out in eng.step():
+            if out.finished and out.rid in live:
+                live.remove(out.rid)
+        eng.scheduler.check_no_leaks()
+    while eng.scheduler.has_work():
+        eng.step()
+    eng.scheduler.check_no_leaks()
+    sched = eng.scheduler
+    assert sched.allocator.num_free_pages + sched.cache.total_pages == sched.allocator.num_pages
+    assert sched.spec.stats.verify_steps > 0
+    assert not sched.spec.drafter.own  # every request's index is gone with it
+
+
+def test_sampled_tokens_keep_the_target_distribution(llama_dir):
+    """Temperature, top-k, top-p and penalties: the first four output tokens of 1,500 seeded requests
+    with drafts (each position's most frequent token: accepted often, rejected often) are distributed
+    as without them (a chi-square test of homogeneity per position)."""
+    prompt = "Hello world!"
+    params = dict(temperature=1.0, top_k=8, top_p=0.95, repetition_penalty=1.2, frequency_penalty=0.3,
+                  max_new_tokens=4, ignore_eos=True)
+    n = 1500
+    off_engine = engine(llama_dir, False, max_running_requests=512, kv_cache_tokens=16384)
+    on_engine = engine(llama_dir, True, max_running_requests=512, kv_cache_tokens=16384)
+    ids = on_engine.encode(prompt)
+
+    def histograms(eng, seed0):
+        outs = eng.generate([ids] * n, [SamplingParams(seed=seed0 + i, **params) for i in range(n)])
+        return [Counter(o.token_ids[j] for o in outs) for j in range(4)]
+
+    off = histograms(off_engine, 0)
+    modes = [h.most_common(1)[0][0] for h in off]
+
+    class ModeDrafter:
+        def propose(self, rid, prompt, output, k):
+            return modes[len(output) : len(output) + k], 2
+
+        def finish(self, rid):
+            pass
+
+    on_engine.scheduler.spec.drafter = ModeDrafter()
+    on = histograms(on_engine, 10**6)
+    stats = on_engine.scheduler.spec.stats
+    assert stats.accepted_tokens > 100 and stats.drafted_tokens - stats.accepted_tokens > 300, stats
+    for j in range(4):
+        stat, critical = chi_square_homogeneity(off[j], on[j])
+        assert stat < critical, (j, stat, critical, off[j].most_common(5), on[j].most_common(5))
+
+
+def chi_square_homogeneity(a: Counter, b: Counter, z: float = 3.29) -> tuple[float, float]:
+    """Pearson's statistic for "a and b (equal totals) are samples of one distribution", tokens with
+    fewer than 10 observations in all pooled into one category, and its critical value at
+    p = 0.0005 (z = 3.29; the chi-square quantile by Wilson-Hilferty)."""
+    pooled_a, pooled_b = Counter(), Counter()
+    for t in set(a) | set(b):
+        key = t if a[t] + b[t] >= 10 else "rare"
+        pooled_a[key] += a[t]
+        pooled_b[key] += b[t]
+    stat = sum((pooled_a[k] - pooled_b[k]) ** 2 / (pooled_a[k] + pooled_b[k]) for k in pooled_a)
+    df = max(1, len(pooled_a) - 1)
+    return stat, df * (1 - 2 / (9 * df) + z * (2 / (9 * df)) ** 0.5) ** 3
+
+
+def test_structured_output_with_drafts(llama_dir):
+    """A regex-constrained request: drafts the grammar forbids are cut before they are fed, and the
+    output is the same as without speculation."""
+    from strata.grammar.spec import GrammarSpec
+
+    prompt = "Numbers 0123"
+    params = greedy(20, structured=GrammarSpec(kind="regex", source=r"[0-9]{3}-[a-z ]{4,12}\."))
+    off = engine(llama_dir, False).generate(prompt, params)[0]
+    on_engine = engine(llama_dir, True)
+    ids = on_engine.encode(prompt)
+    on_engine.scheduler.spec.drafter = OracleDrafter({tuple(ids): off.token_ids}, corrupt=0.5)
+    on = on_engine.generate(prompt, params)[0]
+    assert (on.token_ids, on.text, on.finish_reason) == (off.token_ids, off.text, off.finish_reason)
+    on_engine.scheduler.check_no_leaks()
+
+
+# ---------------------------------------------------------------------------- the parts
+
+
+def test_ngram_index_finds_the_longest_earlier_match():
+    index = NgramIndex(1, 3)
+    index.extend([1, 2, 3, 9, 2, 3, 7, 1, 2, 3])
+    assert index.lookup([1, 2, 3], 2) == ([9, 2], 3)  # 1 2 3 -> 9 (the suffix itself is not indexed)
+    assert index.lookup([5, 2, 3], 3) == ([7, 1, 2], 2)  # "2 3" most recently followed by 7
+    assert index.lookup([8], 2) == ([], 0)
+
+
+def test_shared_index_holds_recent_texts_within_capacity():
+    shared = SharedNgramIndex(2, 3, capacity=10)
+    shared.add([1, 2, 3, 4, 5, 6])
+    assert shared.lookup([1, 2], 2) == ([3, 4], 2)
+    shared.add([7, 8, 9, 10, 11, 12])  # 12 tokens > 10: the first text goes
+    assert shared.lookup([1, 2], 2) == ([], 0)
+    assert shared.lookup([8, 9], 2) == ([10, 11], 2)
+    assert shared.size == 6
+
+
+def test_drafter_prefers_the_requests_own_text_then_recent_requests():
+    drafter = NgramDrafter(2, 4, shared_tokens=1000)
+    drafter.propose("a", [5, 6, 7, 8, 9], [], 3)
+    drafter.finish("a")
+    assert drafter.propose("b", [1, 5, 6], [], 3) == ([7, 8, 9], 2)  # from request a
+    assert drafter.propose("c", [5, 6, 1, 2, 5, 6], [], 3) == ([1, 2, 5], 2)  # its own text wins a tie
+
+
+def test_step_cost_fit_and_policy_decisions():
+    cost = StepCost()
+    for tokens in [1, 2, 4, 8, 16, 32, 64, 1, 9]:
+        cost.observe(tokens, 0.030 + 0.001 * tokens)
+    a, b = cost.coefficients()
+    assert a == pytest.approx(0.030, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    policy = DraftPolicy(max_draft=8)
+    policy.cost = cost
+    from strata.engine.speculative import Candidate
+
+    sure = Candidate("x", [1] * 8, 4, accept_rate=0.9)
+    # one request: tokens are cheap next to the step (b / a = 1/30), so a likely draft is fed whole
+    assert policy.choose([sure], base_tokens=1, num_decodes=1, budget=100) == [8]
+    # a hopeless one is not
+    assert policy.choose([Candidate("y", [1] * 8, 2, 0.02)], 1, 1, 100) == [0]
+    # 64 decoding requests: a token costs 64x more output than it did; only near-certain ones pass
+    many = [Candidate(i, [1] * 8, 4, 0.6) for i in range(64)]
+    assert sum(policy.choose(many, base_tokens=64, num_decodes=64, budget=1000)) == 0
+    # the budget caps the total
+    assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
