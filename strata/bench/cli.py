@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | offline | compare | moe` — flags, and the glue to run and report
+"""`strata bench serving | one-batch | offline | compare | moe | grammar | spec` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
@@ -162,6 +162,11 @@ def add_bench_args(subparsers) -> None:
     add_engine_args(grammar)
     _add_grammar_args(grammar)
     grammar.set_defaults(func=cmd_grammar)
+
+    spec = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and concurrent (strata/bench/spec.py)")
+    add_engine_args(spec)
+    _add_spec_args(spec)
+    spec.set_defaults(func=cmd_spec)
 
     moe = sub.add_parser("moe", help="one MoE layer's decode step: Strata vs transformers (strata/bench/moe.py)")
     _add_moe_args(moe)
@@ -408,6 +413,26 @@ def cmd_grammar(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(result, f, indent=2)
+    return 0
+
+
+def _add_spec_args(p: argparse.ArgumentParser) -> None:
+    from strata.bench.spec import add_args
+
+    add_args(p)
+    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+
+
+def cmd_spec(args: argparse.Namespace) -> int:
+    from strata.bench.spec import config_from_args, format_text, run
+
+    cfg = config_from_args(args)
+    options = dataclasses.asdict(engine_config_from_args(args))
+    results = run(cfg, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    print(format_text(results))
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"config": dataclasses.asdict(cfg), "results": [r.summary() for r in results]}, f, indent=2)
     return 0
 
 

@@ -329,3 +329,51 @@ def test_frontend_validates_grammars_without_torch(server, oai):
     oai.chat.completions.create(model="tiny", messages=ask("x"), response_format={"type": "json_object"}, max_tokens=4)
     maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
     assert "llguidance" in maps and "libtorch" not in maps
+
+
+# ------------------------------------------------------------------ speculative decoding
+
+
+@pytest.fixture(scope="module")
+def spec_server(tool_model_dir):
+    with LiveServer("--served-model-name", "tiny", "--speculative-algorithm", "ngram", "--speculative-fixed-length",
+                    model_dir=tool_model_dir) as srv:
+        yield srv
+
+
+def test_greedy_answers_are_the_same_with_speculation(oai, spec_server):
+    """Schemas, regexes, forced tool calls and plain chat, n = 2, streamed and not: a server drafting
+    tokens (n-gram, fixed length) answers greedy requests exactly as one without."""
+    spec = openai.OpenAI(base_url=spec_server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": Person.model_json_schema()}}
+    requests = [
+        dict(messages=ask("Describe a person. Describe a person."), response_format=schema, n=2),
+        dict(messages=ask("Numbers 0123 0123 0123"), extra_body={"regex": "([0-9]{4} ){3,6}[a-z]+"}),
+        dict(messages=ask("What is the weather in Paris?"), tools=TOOLS, tool_choice="required"),
+        dict(messages=ask("The quick brown fox jumps over the lazy dog. The quick brown fox")),
+    ]
+    for kw in requests:
+        kw = dict(model="tiny", temperature=0, max_tokens=80, **kw)
+        plain, drafted = oai.chat.completions.create(**kw), spec.chat.completions.create(**kw)
+        for a, b in zip(plain.choices, drafted.choices, strict=True):
+            assert b.message.content == a.message.content
+            assert b.finish_reason == a.finish_reason
+            assert [(c.function.name, c.function.arguments) for c in b.message.tool_calls or []] == [
+                (c.function.name, c.function.arguments) for c in a.message.tool_calls or []
+            ]
+        if kw.get("n", 1) == 1 and not kw.get("tools"):
+            streamed = "".join(c.choices[0].delta.content or "" for c in spec.chat.completions.create(stream=True, **kw)
+                               if c.choices)
+            assert streamed == plain.choices[0].message.content
+    with spec_server.client() as c:
+        info = c.get("/get_server_info").json()
+        metrics = c.get("/metrics").text
+        body = {"text": "ab ab ab ab ab ab", "sampling_params": {"temperature": 0, "max_new_tokens": 48,
+                                                                 "ignore_eos": True}}
+        c.post("/generate", json=body)
+        meta = c.post("/generate", json=body).json()["meta_info"]  # drafted from the first answer
+    assert meta["spec_verify_steps"] > 0 and meta["spec_accept_length"] >= 1, meta
+    assert 'strata:spec_events{kind="accepted_tokens",model_name="tiny"}' in metrics
+    assert "strata:spec_accept_length" in metrics
+    assert info["speculative"]["verify_steps"] > 0, info["speculative"]
+    assert info["speculative"]["accepted_tokens"] > 0, info["speculative"]

@@ -1,0 +1,271 @@
+"""`strata bench spec`: what speculative decoding buys on this machine, against the same engine
+without it, in the same run.
+
+Workloads (made locally, nothing downloaded):
+    grounded  an instruction over a given text: passages of Python's own documentation (the
+              standard library's docstrings, present wherever Python is) to be returned with any
+              spelling fixed, so the answer re-uses the input (the editing / quoting case)
+    chat      open questions with no text to copy from
+Scenarios: `batch1` (one request at a time) and `concurrent` (--concurrency requests submitted at
+once). Greedy, end of text respected, at most --output-len tokens: both engines produce the same
+tokens, which the run checks. Each round measures the engine without speculation and with
+`--speculative-algorithm ngram` (in alternating order) on prompts no earlier round used, so neither
+the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
+scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
+(tokens per verifying request-step) and draft length the adaptive policy chose.
+
+With `--llamacpp` (llama-cpp-python installed) llama.cpp runs the batch-1 scenarios too, on the
+default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLookupDecoding`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import itertools
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+from strata.sampling_params import SamplingParams
+
+# modules whose documentation the grounded workload quotes (all in the standard library)
+DOC_MODULES = (
+    "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib", "csv",
+    "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "glob",
+    "gzip", "heapq", "http.client", "imaplib", "inspect", "ipaddress", "itertools", "json", "logging",
+    "mailbox", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shutil",
+    "smtplib", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "tempfile",
+    "textwrap", "threading", "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid",
+    "warnings", "weakref", "zipfile",
+)  # fmt: skip
+GROUNDED_INSTRUCTION = (
+    "Here is a passage from a program's documentation:\n\n{passage}\n\n"
+    "Rewrite the passage above with any spelling mistakes corrected. Keep everything else exactly as it is."
+)
+CHAT_TEMPLATES = (
+    "Write a short story about {}.", "Explain {} to a ten-year-old.", "What are the pros and cons of {}?",
+    "Give me five tips about {}.", "Write a poem about {}.", "Describe a day in the life of {}.",
+)  # fmt: skip
+CHAT_TOPICS = (
+    "a lighthouse keeper", "learning to cook", "electric cars", "a robot gardener", "the ocean at night",
+    "moving to a new city", "a lost umbrella", "volcanoes", "remote work", "an old library", "bees",
+    "climbing a mountain", "the first day of school", "a chess tournament", "rainy Sundays", "bridges",
+    "a jazz musician", "saving money", "the moon landing", "a small bakery", "winter in the north",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class SpecBenchConfig:
+    scenarios: tuple[str, ...] = ("grounded-batch1", "chat-batch1", "grounded-concurrent", "chat-concurrent")
+    batch1_prompts: int = 4  # requests per round in the batch-1 scenarios, one after another
+    concurrency: int = 64
+    input_len: int = 320  # tokens of documentation per grounded prompt (about)
+    output_len: int = 256
+    rounds: int = 3
+    llamacpp: bool = False
+
+
+@dataclass
+class ScenarioResult:
+    scenario: str
+    off_tok_s: list[float] = field(default_factory=list)  # per round
+    on_tok_s: list[float] = field(default_factory=list)
+    ratios: list[float] = field(default_factory=list)
+    output_tokens: list[int] = field(default_factory=list)
+    accept_length: list[float] = field(default_factory=list)
+    draft_length: list[float] = field(default_factory=list)
+    identical: bool = True
+    llamacpp_off_tok_s: list[float] = field(default_factory=list)
+    llamacpp_lookup_tok_s: list[float] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        return {
+            "scenario": self.scenario,
+            "off_tok_s": med(self.off_tok_s),
+            "on_tok_s": med(self.on_tok_s),
+            "ratio": med(self.ratios),
+            "accept_length": med(self.accept_length),
+            "draft_length": med(self.draft_length),
+            "output_tokens_per_round": med(self.output_tokens),
+            "identical_outputs": self.identical,
+            "llamacpp_tok_s": med(self.llamacpp_off_tok_s),
+            "llamacpp_lookup_tok_s": med(self.llamacpp_lookup_tok_s),
+            "llamacpp_ratio": (
+                statistics.median(a / b for a, b in zip(self.llamacpp_lookup_tok_s, self.llamacpp_off_tok_s))
+                if self.llamacpp_off_tok_s else None
+            ),
+            "rounds": asdict(self),
+        }
+
+
+def doc_passages(tokenizer, tokens: int) -> list[str]:
+    """Passages of about `tokens` tokens from the standard library's documentation, in a fixed order."""
+    paragraphs: list[str] = []
+    for name in DOC_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ImportError:
+            continue
+        docs = [inspect.getdoc(module) or ""]
+        for attr in sorted(vars(module)):
+            obj = getattr(module, attr)
+            if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)):
+                docs.append(inspect.getdoc(obj) or "")
+        for doc in docs:
+            paragraphs += [p.strip() for p in doc.split("\n\n") if len(p.split()) >= 12]
+    seen, passages, current, size = set(), [], [], 0
+    for p in paragraphs:
+        if p in seen:
+            continue
+        seen.add(p)
+        current.append(p)
+        size += len(tokenizer.encode(p, add_special_tokens=False))
+        if size >= tokens:
+            passages.append("\n\n".join(current))
+            current, size = [], 0
+    return passages
+
+
+def chat_questions() -> list[str]:
+    return [t.format(topic) for topic, t in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)]
+
+
+def prompts_for(kind: str, engine, cfg: SpecBenchConfig) -> list[list[int]]:
+    """Every prompt the run may use, as token ids; rounds take disjoint slices."""
+    if kind == "grounded":
+        texts = [GROUNDED_INSTRUCTION.format(passage=p) for p in doc_passages(engine.tokenizer, cfg.input_len)]
+    else:
+        texts = chat_questions()
+    return [engine.chat_ids([{"role": "user", "content": t}]) for t in texts]
+
+
+def _run(engine, prompts: list[list[int]], batch1: bool, output_len: int) -> tuple[list[list[int]], float]:
+    params = SamplingParams(temperature=0, max_new_tokens=output_len)
+    start = time.perf_counter()
+    if batch1:
+        outs = [engine.generate(p, params)[0].token_ids for p in prompts]
+    else:
+        outs = [r.token_ids for r in engine.generate(prompts, params)]
+    return outs, time.perf_counter() - start
+
+
+def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
+    from strata.engine.engine import Engine
+
+    off = Engine(**{**engine_options, "speculative_algorithm": "none"})
+    on = Engine(**{**engine_options, "speculative_algorithm": "ngram"})
+    for eng in (off, on):  # warm-up: kernels, allocator, the first forward of each shape
+        _run(eng, [eng.chat_ids([{"role": "user", "content": "Say hello."}])], True, 16)
+    llama = _llamacpp(engine_options) if cfg.llamacpp else None
+    pools = {kind: prompts_for(kind, off, cfg) for kind in ("grounded", "chat")}
+    cursor = {kind: 0 for kind in pools}
+    results = []
+    for scenario in cfg.scenarios:
+        kind, mode = scenario.split("-")
+        batch1 = mode == "batch1"
+        size = cfg.batch1_prompts if batch1 else cfg.concurrency
+        result = ScenarioResult(scenario)
+        for r in range(cfg.rounds):
+            pool = pools[kind]
+            prompts = [pool[(cursor[kind] + i) % len(pool)] for i in range(size)]
+            cursor[kind] += size
+            before = dict(on.scheduler.spec.stats.as_dict())
+            timings = {}
+            for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                timings[which] = _run(off if which == "off" else on, prompts, batch1, cfg.output_len)
+            (off_out, off_s), (on_out, on_s) = timings["off"], timings["on"]
+            tokens = sum(len(o) for o in on_out)
+            result.identical &= off_out == on_out
+            result.output_tokens.append(tokens)
+            result.off_tok_s.append(sum(len(o) for o in off_out) / off_s)
+            result.on_tok_s.append(tokens / on_s)
+            result.ratios.append(result.on_tok_s[-1] / result.off_tok_s[-1])
+            after = on.scheduler.spec.stats.as_dict()
+            steps = after["verify_steps"] - before["verify_steps"]
+            accepted = after["accepted_tokens"] - before["accepted_tokens"]
+            drafted = after["drafted_tokens"] - before["drafted_tokens"]
+            result.accept_length.append((accepted + steps) / steps if steps else 0.0)
+            result.draft_length.append(drafted / steps if steps else 0.0)
+            if llama is not None and batch1:
+                for lookup, sink in ((False, result.llamacpp_off_tok_s), (True, result.llamacpp_lookup_tok_s)):
+                    sink.append(llama.run(prompts, cfg.output_len, lookup))
+            progress(f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
+                     f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}")
+        results.append(result)
+    return results
+
+
+class _LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the default model's GGUF, with or without prompt lookup."""
+
+    def __init__(self, gguf, threads: int | None):
+        from llama_cpp import Llama
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        from strata.bench.llamacpp import CONTEXT_LEN
+
+        def make(draft):
+            return Llama(model_path=str(gguf), n_ctx=CONTEXT_LEN, n_threads=threads, n_threads_batch=threads,
+                         draft_model=draft, verbose=False)
+
+        self.plain = make(None)
+        self.lookup = make(LlamaPromptLookupDecoding(num_pred_tokens=8))
+
+    def run(self, prompts: list[list[int]], output_len: int, lookup: bool) -> float:
+        llm = self.lookup if lookup else self.plain
+        start, tokens = time.perf_counter(), 0
+        for ids in prompts:
+            llm.reset()
+            out = llm.create_completion(prompt=ids, max_tokens=output_len, temperature=0.0)
+            tokens += out["usage"]["completion_tokens"]
+        return tokens / (time.perf_counter() - start)
+
+
+def _llamacpp(engine_options: dict) -> _LlamaCpp:
+    from strata.bench.llamacpp import gguf_path, missing_reason
+
+    reason = missing_reason(need_server=False)
+    if reason:
+        raise SystemExit(f"--llamacpp: {reason}")
+    return _LlamaCpp(gguf_path(engine_options.get("model")), engine_options.get("num_threads"))
+
+
+def format_text(results: list[ScenarioResult]) -> str:
+    lines = [
+        f"{'scenario':<22}{'off tok/s':>10}{'ngram tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
+        f"{'same out':>9}{'llama.cpp':>10}{'+lookup':>9}"
+    ]
+    for r in results:
+        s = r.summary()
+        llama = (f"{s['llamacpp_tok_s']:>10.1f}{s['llamacpp_lookup_tok_s']:>9.1f}"
+                 if s["llamacpp_tok_s"] is not None else f"{'-':>10}{'-':>9}")
+        lines.append(
+            f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
+            f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
+        )
+    return "\n".join(lines)
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    d = SpecBenchConfig()
+    p.add_argument("--scenarios", nargs="+", default=list(d.scenarios),
+                   choices=[f"{k}-{m}" for k in ("grounded", "chat") for m in ("batch1", "concurrent")])
+    p.add_argument("--batch1-prompts", type=int, default=d.batch1_prompts, help="requests per batch-1 round")
+    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests per concurrent round")
+    p.add_argument("--input-len", type=int, default=d.input_len, help="documentation tokens per grounded prompt")
+    p.add_argument("--output-len", type=int, default=d.output_len, help="most tokens per answer")
+    p.add_argument("--rounds", type=int, default=d.rounds)
+    p.add_argument("--llamacpp", action="store_true", help="also llama.cpp with and without prompt lookup (batch 1)")
+
+
+def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
+    for name in ("batch1_prompts", "concurrency", "input_len", "output_len", "rounds"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    return SpecBenchConfig(
+        scenarios=tuple(args.scenarios), batch1_prompts=args.batch1_prompts, concurrency=args.concurrency,
+        input_len=args.input_len, output_len=args.output_len, rounds=args.rounds, llamacpp=args.llamacpp,
+    )
