@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.mla_config import MLAConfig, mla_from_hf, mla_scale
 from strata.moe_config import MoEConfig, moe_from_hf, moe_layers
 from strata.redact import CREDENTIALS, secret, with_env_secrets
 
@@ -41,6 +43,10 @@ class RopeConfig:
     # longrope (Phi-3 "su"): per-frequency divisors below / from original_max_position_embeddings on
     short_factor: tuple[float, ...] | None = None
     long_factor: tuple[float, ...] | None = None
+
+    def yarn_mscale(self, m: float = 1.0) -> float:
+        """YaRN's attention temperature for `factor`: 0.1 * m * ln(factor) + 1 (1 when not stretched)."""
+        return 1.0 if self.factor <= 1 else 0.1 * m * math.log(self.factor) + 1.0
 
 
 @dataclass(frozen=True)
@@ -100,6 +106,8 @@ class ModelConfig:
     final_logit_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     hidden_act: str = "silu"  # silu | gelu_pytorch_tanh (the gate of a gated MLP)
     moe: MoEConfig | None = None  # the experts of the layers whose `LayerSpec.moe` is set
+    # multi-head latent attention (DeepSeek-V2/V3) in every layer; head_dim is then its RoPE part
+    mla: MLAConfig | None = None
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -132,7 +140,8 @@ class ModelConfig:
         text = raw.get("text_config") or raw
         num_heads = text["num_attention_heads"]
         hidden = text["hidden_size"]
-        head_dim = text.get("head_dim") or hidden // num_heads
+        mla = mla_from_hf(text, model_type)
+        head_dim = mla.qk_rope_head_dim if mla else text.get("head_dim") or hidden // num_heads
         num_layers = text["num_hidden_layers"]
         eos = text.get("eos_token_id", raw.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
@@ -146,12 +155,13 @@ class ModelConfig:
         kinds = _layer_types(text, model_type, num_layers, window)
         full_rope, local_rope = _ropes_from_hf(text, model_type)
         scalar = text.get("query_pre_attn_scalar")
+        scale = mla_scale(mla, full_rope) if mla else (scalar if scalar is not None else head_dim) ** -0.5
         moe = moe_from_hf(text, model_type)
         sparse = moe_layers(text, num_layers) if moe else [False] * num_layers
         specs = tuple(
             LayerSpec(
                 rope=full_rope if kind == "full_attention" else local_rope,
-                scale=(scalar if scalar is not None else head_dim) ** -0.5,
+                scale=scale,
                 window=window if kind == "sliding_attention" else None,
                 softcap=text.get("attn_logit_softcapping"),
                 sinks=model_type == "gpt_oss",
@@ -188,6 +198,7 @@ class ModelConfig:
             # Gemma reads `hidden_activation` (its `hidden_act` is a leftover of Gemma 1)
             hidden_act=(text.get("hidden_activation") if gemma else None) or text.get("hidden_act", "silu"),
             moe=moe,
+            mla=mla,
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,

@@ -188,6 +188,50 @@ MOE_FAMILIES = {
         },
     ),
 }
+# multi-head latent attention families (tests/models/test_mla.py): DeepSeek-V2/V3 with 8 experts
+# top-2 and one shared expert after `first_k_dense_replace` dense layers; latent 32 + rope 8, heads
+# of 16 + 8 (q/k) and 16 (v). num_key_value_heads must equal the heads: transformers' eager MLA
+# repeats the expanded keys by heads // num_key_value_heads
+_MLA = {
+    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
+    "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+}
+_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+MLA_FAMILIES = {
+    # q_proj (no q_lora_rank), softmax greedy routing; YaRN whose mscale / mscale_all_dim differ, so
+    # both the rotary attention factor and the softmax scale's mscale_all_dim ** 2 show
+    "deepseek_v2": (
+        "DeepseekV2Config",
+        {**_MLA, "q_lora_rank": None, "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8}},
+    ),
+    # q through q_lora_rank, group-limited greedy (best 2 of 4 groups), biased projections, 3 layers
+    "deepseek_v2_lora": (
+        "DeepseekV2Config",
+        {
+            **_MLA, "num_hidden_layers": 3, "q_lora_rank": 24, "topk_method": "group_limited_greedy",
+            "n_group": 4, "topk_group": 2, "attention_bias": True, "mlp_bias": True,
+            "routed_scaling_factor": 1.5,
+        },
+    ),
+    # sigmoid + correction bias, group-limited top-k, renormalised, x2.5; YaRN as DeepSeek-V3 ships it
+    # (mscale = mscale_all_dim = 1: only the softmax scale changes); interleaved RoPE
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        {
+            **_MLA, "q_lora_rank": 24, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5, "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+        },
+    ),
+    # RoPE in halves (rope_interleave False), q_proj, one group, every layer sparse
+    "deepseek_v3_halves": (
+        "DeepseekV3Config",
+        {
+            **_MLA, "q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
+            "first_k_dense_replace": 0,
+        },
+    ),
+}
 # families whose RMSNorm weights are initialised to a constant (zeros for Gemma's 1 + w, ones
 # elsewhere): make_model draws them at random so that a misplaced norm shows in the logits
 RANDOM_NORMS = {"olmo2", "phi3", "gemma2", "gemma3"}
@@ -209,7 +253,7 @@ def make_model(
 ) -> Path:
     import transformers
 
-    config_cls, extra = FAMILIES[family] if family in FAMILIES else MOE_FAMILIES[family]
+    config_cls, extra = {**FAMILIES, **MOE_FAMILIES, **MLA_FAMILIES}[family]
     kwargs = dict(
         vocab_size=384,
         hidden_size=64,
@@ -234,7 +278,7 @@ def make_model(
             for name, param in model.named_parameters():
                 if "norm" in name:
                     param.add_(torch.randn_like(param) * 0.3)
-    if family in MOE_FAMILIES:
+    if family in MOE_FAMILIES or family in MLA_FAMILIES:
         randomize_constants(model)
     model.save_pretrained(out_dir)
     if tokenizer:

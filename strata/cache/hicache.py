@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.host_pool import HostKVPool
-from strata.cache.kv_pool import MHAKVPool
+from strata.cache.kv_pool import KVPool
 from strata.cache.pages import HEADER_BYTES, CorruptPage, PageHasher, decode_page, encode_page
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
 from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
@@ -112,7 +112,7 @@ class HiCache:
     def __init__(
         self,
         config: HiCacheConfig,
-        l1: MHAKVPool,
+        l1: KVPool,
         device: RadixCache | NoPrefixCache,
         namespace: bytes,
         storage: StorageBackend | None = None,

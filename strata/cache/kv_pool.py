@@ -1,4 +1,5 @@
-"""The preallocated KV pool: one K and one V buffer per layer, indexed by slot.
+"""The preallocated KV pool, indexed by slot: `MHAKVPool` (one K and one V buffer per layer) and
+`LatentKVPool` (multi-head latent attention: one latent row per token and layer), behind `KVPool`.
 
 Slots are grouped into pages of `page_size` (slot = page * page_size + offset); the allocator and
 the prefix cache deal in pages, attention deals in slots.
@@ -14,13 +15,76 @@ ids only name positions.
 
 from __future__ import annotations
 
+import math
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 
-class MHAKVPool:
+class KVPool(ABC):
+    """A KV layout: what the engine, the accounting, HiCache's L2/L3 page copies and PD transfers
+    need of it. Nothing outside the model's attention reads its buffers directly.
+
+    Whole pages leave and enter the pool only through `read_pages` / `write_pages`, as
+    [n, *page_shape] on the CPU, page_shape = (layers, parts, page_size, heads, dim): parts 2 (K, V)
+    and heads the KV heads for MHA; 1 and 1 for MLA's latent row. Pages are addressed as the
+    allocator hands them out; `write_pages` writes into pages the caller has allocated and mutates
+    nothing else. A pool is used by the scheduler's thread only (no locking)."""
+
+    page_size: int
+    num_pages: int
+    dtype: torch.dtype
+    device: torch.device
+    windows: list[int]  # the window size of each window group (empty: one group, every layer)
+    scratch_page: int | None = None  # a never-allocated page for `--swa-replay` (window groups only)
+
+    @property
+    def grouped(self) -> bool:
+        return bool(self.windows)
+
+    @property
+    @abstractmethod
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        """One page as `read_pages` returns it: (layers, parts, page_size, heads, dim)."""
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page over every layer (what L2 holds, L3 stores and PD sends per page)."""
+        return math.prod(self.page_shape) * self.dtype.itemsize
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes of every buffer of the pool."""
+
+    @property
+    @abstractmethod
+    def layout(self) -> str:
+        """The layout, for the namespace of pages shared through L3 storage or PD (must differ
+        between layouts whose pages differ in meaning)."""
+
+    @abstractmethod
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        """The KV of whole pages on the CPU: [n, *page_shape], and [n, window groups] bool: whether
+        each group still held its part (absent parts read as zeros)."""
+
+    @abstractmethod
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        """Write `read_pages` data into allocated pages."""
+
+    @abstractmethod
+    def bytes_by_group(self) -> list[int]:
+        """Bytes per page of each group (primary first): what one page costs there."""
+
+    def slots_of_pages(self, pages: Sequence[int]) -> torch.Tensor:
+        """Slot ids of whole pages, in order: [len(pages) * page_size] int64."""
+        base = torch.tensor(pages, dtype=torch.int64).view(-1, 1) * self.page_size
+        return (base + torch.arange(self.page_size)).view(-1)
+
+
+class MHAKVPool(KVPool):
     """K/V for multi-head (and grouped-query) attention: [slots, num_kv_heads, head_dim] per layer."""
 
     def __init__(
@@ -44,6 +108,7 @@ class MHAKVPool:
         self.page_size = page_size
         self.num_slots = num_pages * page_size
         self.dtype = dtype
+        self.device = torch.device(device)
         self.windows = sorted(group_pages)  # window group g (1-based in group_of) has windows[g - 1]
         self.group_pages = [group_pages[w] for w in self.windows]
         self.group_of = [
@@ -63,10 +128,6 @@ class MHAKVPool:
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
 
         self.page_maps: list[np.ndarray] = []  # per window group: primary page -> its page (-1: none)
-
-    @property
-    def grouped(self) -> bool:
-        return bool(self.windows)
 
     def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
         """The allocator's page map of each window group (`WindowGroup.to_group`), in group order."""
@@ -123,23 +184,93 @@ class MHAKVPool:
             k[slots] = rows[:, 0].reshape(-1, *k.shape[1:]).to(k.device, k.dtype)
             v[slots] = rows[:, 1].reshape(-1, *v.shape[1:]).to(v.device, v.dtype)
 
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        k = self.k[0]
+        return (len(self.k), 2, self.page_size, k.shape[1], k.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+    @property
+    def layout(self) -> str:
+        k = self.k[0]
+        return (
+            f"layers={len(self.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};"
+            f"page={self.page_size}" + (f";window_groups={self.windows}" if self.windows else "")
+        )
+
     def layer_bytes_per_token(self) -> int:
         k = self.k[0]
         return 2 * k.shape[1] * k.shape[2] * k.element_size()
 
     def bytes_by_group(self) -> list[int]:
-        """Bytes per page of each group (primary first): what one page costs there."""
         per_layer = self.layer_bytes_per_token() * self.page_size
         return [per_layer * self.group_of.count(g) for g in range(len(self.windows) + 1)]
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
-    def slots_of_pages(self, pages: Sequence[int]) -> torch.Tensor:
-        """Slot ids of whole pages, in order: [len(pages) * page_size] int64."""
-        base = torch.tensor(pages, dtype=torch.int64).view(-1, 1) * self.page_size
-        return (base + torch.arange(self.page_size)).view(-1)
+
+class LatentKVPool(KVPool):
+    """Multi-head latent attention (DeepSeek-V2/V3, `strata.layers.mla`): per layer ONE row per token,
+    shared by every head: [slots, 1, kv_lora_rank + qk_rope_head_dim] = the normalised compressed KV
+    (the latent), then the roped key part. No per-head K or V is stored: attention up-projects the
+    latent (or absorbs the up-projection into the query and the output).
+
+        row of token t:  [ c_kv(t): kv_lora_rank | k_pe(t): qk_rope_head_dim ]
+                           values of the absorbed form   (keys: the whole row)
+
+    One group: MLA layers have no sliding windows."""
+
+    def __init__(
+        self, num_layers: int, latent_dim: int, num_pages: int, page_size: int, dtype: torch.dtype,
+        device: torch.device,
+    ):
+        """latent_dim: kv_lora_rank + qk_rope_head_dim."""
+        self.num_pages = num_pages
+        self.page_size = page_size
+        self.num_slots = num_pages * page_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.windows = []
+        # zeros, not empty: padded attention gathers (and masks) slots nobody wrote (see MHAKVPool)
+        shape = (self.num_slots, 1, latent_dim)
+        self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return (len(self.latent), 1, self.page_size, 1, self.latent[0].shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.latent)
+
+    @property
+    def layout(self) -> str:
+        layers, _, page_size, _, latent_dim = self.page_shape
+        return f"mla;layers={layers};latent_dim={latent_dim};dtype={self.dtype};page={page_size}"
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        n = len(pages)
+        slots = self.slots_of_pages(list(pages)).to(self.device)
+        rows = torch.stack([t[slots] for t in self.latent])  # [layers, n * ps, 1, latent_dim]
+        out = rows.view(len(self.latent), n, 1, self.page_size, 1, -1).transpose(0, 1).cpu()
+        return out.contiguous(), np.ones((n, 0), dtype=bool)
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        slots = self.slots_of_pages(list(pages)).to(self.device)
+        for layer, t in enumerate(self.latent):  # data[:, layer]: [n, 1, ps, 1, latent_dim]
+            t[slots] = data[:, layer].reshape(-1, *t.shape[1:]).to(t.device, t.dtype)
+
+    def bytes_by_group(self) -> list[int]:
+        return [self.page_bytes]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, latent_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * latent_dim * dtype.itemsize
 
 
 def tensor_bytes(t: torch.Tensor) -> bytes:

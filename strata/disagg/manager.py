@@ -30,7 +30,7 @@ import msgspec
 import numpy as np
 import torch
 
-from strata.cache.kv_pool import MHAKVPool, tensor_bytes
+from strata.cache.kv_pool import KVPool, tensor_bytes
 from strata.disagg import protocol
 from strata.disagg.auth import MAX_ROOM
 from strata.disagg.transport import KVTransport
@@ -43,25 +43,33 @@ MAX_EARLY_HELLOS = 4096  # Hellos kept for rooms whose request has not reached t
 _BOOTSTRAP_ADDR = re.compile(r"(tcp://)?(\[[0-9a-fA-F:.]+\]|[^\s/:\[\]]+):([0-9]{1,5})")
 
 
-def gather_kv(kv: MHAKVPool, pages: list[int], num_tokens: int) -> torch.Tensor:
-    """KV of a request's first num_tokens positions: [layers, 2, num_tokens, kv_heads, head_dim].
+def kv_shape(kv: KVPool, num_tokens: int) -> list[int]:
+    """The shape of num_tokens positions' KV as sent: [layers, parts, num_tokens, heads, dim] (MHA:
+    parts K and V, the KV heads; MLA: one latent row, parts and heads 1)."""
+    layers, parts, _, heads, dim = kv.page_shape
+    return [layers, parts, num_tokens, heads, dim]
+
+
+def gather_kv(kv: KVPool, pages: list[int], num_tokens: int) -> torch.Tensor:
+    """KV of a request's first num_tokens positions: `kv_shape(kv, num_tokens)`.
 
     A window layer's positions before its window were given back and read as zeros; the decode
     worker never reads them either (it resumes at num_tokens and reads the last W - 1 at most)."""
     ps = kv.page_size
-    data, _ = kv.read_pages(pages[: -(-num_tokens // ps)])  # [n, layers, 2, ps, kv_heads, head_dim]
-    n, layers, _, _, heads, dim = data.shape
-    return data.permute(1, 2, 0, 3, 4, 5).reshape(layers, 2, n * ps, heads, dim)[:, :, :num_tokens].contiguous()
+    data, _ = kv.read_pages(pages[: -(-num_tokens // ps)])  # [n, layers, parts, ps, heads, dim]
+    n, layers, parts, _, heads, dim = data.shape
+    per_token = data.permute(1, 2, 0, 3, 4, 5).reshape(layers, parts, n * ps, heads, dim)
+    return per_token[:, :, :num_tokens].contiguous()
 
 
-def install_kv(kv: MHAKVPool, pages: list[int], data: torch.Tensor) -> None:
-    """Write `gather_kv` data [layers, 2, num_tokens, kv_heads, head_dim] into a request's pages."""
+def install_kv(kv: KVPool, pages: list[int], data: torch.Tensor) -> None:
+    """Write `gather_kv` data [layers, parts, num_tokens, heads, dim] into a request's pages."""
     ps = kv.page_size
-    layers, _, num_tokens, heads, dim = data.shape
+    layers, parts, num_tokens, heads, dim = data.shape
     n = -(-num_tokens // ps)
-    padded = data.new_zeros((layers, 2, n * ps, heads, dim))
+    padded = data.new_zeros((layers, parts, n * ps, heads, dim))
     padded[:, :, :num_tokens] = data
-    kv.write_pages(pages[:n], padded.view(layers, 2, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5))
+    kv.write_pages(pages[:n], padded.view(layers, parts, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5))
 
 
 # --------------------------------------------------------------------------- prefill side
@@ -83,7 +91,7 @@ class _Side:
     """What both sides hold: the scheduler and KV pool they serve, the transport, the shared secret,
     the KV-layout namespace both must agree on, and how long a room may wait for its peer."""
 
-    def __init__(self, scheduler, kv: MHAKVPool, transport: KVTransport, secret: bytes, namespace: str,
+    def __init__(self, scheduler, kv: KVPool, transport: KVTransport, secret: bytes, namespace: str,
                  timeout_s: float = 30.0):
         self.scheduler, self.kv, self.transport = scheduler, kv, transport
         self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
@@ -338,7 +346,7 @@ class DecodeManager(_Side):
                                  f"{problem}")
             return
         raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
-        data = raw.view(self.kv.dtype).view(msg.shape)  # [layers, 2, prompt_len, kv_heads, head_dim]
+        data = raw.view(self.kv.dtype).view(msg.shape)  # kv_shape(self.kv, prompt_len)
         req = self.scheduler.prealloc[room.rid]
         install_kv(self.kv, req.pages, data)
         del self.rooms[msg.room]
@@ -355,10 +363,10 @@ class DecodeManager(_Side):
         dtype = str(self.kv.dtype).removeprefix("torch.")
         if msg.dtype != dtype:
             return f"its dtype is {msg.dtype!r}, this worker's KV cache holds {dtype!r}"
-        shape = [len(self.kv.k), 2, prompt_len, *self.kv.k[0].shape[1:]]
+        shape = kv_shape(self.kv, prompt_len)
         if msg.shape != shape:
-            return f"its shape is {msg.shape}, expected {shape} [layers, 2, prompt_len, kv_heads, head_dim]"
-        num_bytes = math.prod(shape) * self.kv.k[0].element_size()
+            return f"its shape is {msg.shape}, expected {shape} [layers, parts, prompt_len, heads, dim]"
+        num_bytes = math.prod(shape) * self.kv.dtype.itemsize
         if len(payload) != num_bytes:
             return f"it carries {len(payload)} payload bytes for a shape of {num_bytes} bytes"
         vocab = self.scheduler.vocab_size

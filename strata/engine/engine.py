@@ -24,7 +24,7 @@ import torch
 
 from strata.cache.allocator import GroupedPageAllocator, PageAllocator
 from strata.cache.hicache import HiCache, HiCacheConfig
-from strata.cache.kv_pool import MHAKVPool
+from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig, ModelConfig
@@ -197,10 +197,14 @@ class Engine:
 
         plan = plan_kv_pool(cfg, model_config, kv_dtype, device, context_len)
         num_pages = plan.num_pages
-        kv_pool = MHAKVPool(
-            plan.layer_windows, model_config.num_kv_heads, model_config.head_dim, num_pages, cfg.page_size,
-            kv_dtype, device, group_pages=plan.group_pages,
-        )
+        mla = model_config.mla
+        if mla is not None:  # DeepSeek-V2/V3: one latent row per token and layer
+            kv_pool = LatentKVPool(model_config.num_layers, mla.latent_dim, num_pages, cfg.page_size, kv_dtype, device)
+        else:
+            kv_pool = MHAKVPool(
+                plan.layer_windows, model_config.num_kv_heads, model_config.head_dim, num_pages,
+                cfg.page_size, kv_dtype, device, group_pages=plan.group_pages,
+            )
         if kv_pool.grouped:
             allocator = GroupedPageAllocator(num_pages, cfg.page_size, list(plan.group_pages.items()))
             kv_pool.attach_page_maps([g.to_group for g in allocator.groups])
@@ -236,7 +240,7 @@ class Engine:
             kernels=kernel_info() if device.type == "cpu" else {},
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
-            kv_bytes=sum(t.numel() * t.element_size() for t in kv_pool.k + kv_pool.v),
+            kv_bytes=kv_pool.nbytes,
             kv_reason=plan.reason,
             kv_groups=plan.describe(),
             context_len=context_len,
@@ -260,7 +264,7 @@ class Engine:
             plan.reason + (f"; {plan.describe()}" if plan.group_pages else ""),
         )
 
-    def _make_disagg(self, namespace: bytes, kv_pool: MHAKVPool):
+    def _make_disagg(self, namespace: bytes, kv_pool: KVPool):
         from strata.disagg.auth import shared_secret
         from strata.disagg.manager import DecodeManager, PrefillManager
         from strata.disagg.transport import ZmqTransport
@@ -273,10 +277,9 @@ class Engine:
                 "(or STRATA_DISAGG_SECRET) to every prefill and decode worker and to the router"
             )
         # the inbox reads no frame larger than the largest KV a decode worker can be sent, its longest
-        # prompt's [layers, 2, prompt_len, kv_heads, head_dim]; a prefill worker receives only Hellos
-        k = kv_pool.k[0]
+        # prompt's [layers, parts, prompt_len, heads, dim]; a prefill worker receives only Hellos
         max_prompt_len = min(self.scheduler.context_len, self.scheduler.pool_tokens)
-        per_token = MHAKVPool.bytes_per_token(len(kv_pool.k), k.shape[1], k.shape[2], k.dtype)
+        per_token = kv_pool.page_bytes // kv_pool.page_size
         max_payload_bytes = 0 if cfg.disaggregation_mode == "prefill" else max_prompt_len * per_token
         transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port,
                                  max_payload_bytes=max_payload_bytes)
@@ -290,13 +293,11 @@ class Engine:
         """host:port of this worker's KV inbox (a prefill worker's bootstrap address), if disaggregated."""
         return None if self.disagg is None else self.disagg.transport.endpoint.removeprefix("tcp://")
 
-    def _make_hicache(self, namespace: bytes, kv_pool: MHAKVPool, device: RadixCache | NoPrefixCache) -> HiCache:
+    def _make_hicache(self, namespace: bytes, kv_pool: KVPool, device: RadixCache | NoPrefixCache) -> HiCache:
         from strata.cache.storage import make_storage_backend
 
         cfg = self.config
-        page_bytes = kv_pool.page_size * MHAKVPool.bytes_per_token(
-            len(kv_pool.k), kv_pool.k[0].shape[1], kv_pool.k[0].shape[2], kv_pool.dtype
-        )
+        page_bytes = kv_pool.page_bytes
         if cfg.hicache_size is not None:
             host_pages = int(cfg.hicache_size * 2**30) // page_bytes
         else:
@@ -507,7 +508,10 @@ def plan_kv_pool(
     windows = [spec.window for spec in mc.layers]
     ps = cfg.page_size
     grouped = cfg.sliding_kv == "window" and any(w is not None for w in windows)
-    layer_bytes = MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    if mc.mla is not None:
+        layer_bytes = LatentKVPool.bytes_per_token(1, mc.mla.latent_dim, kv_dtype)
+    else:
+        layer_bytes = MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
     ratio = cfg.swa_full_tokens_ratio if grouped else 1.0
     windowed = sum(w is not None for w in windows) if grouped else 0
     per_token = layer_bytes * ((len(windows) - windowed) + ratio * windowed)
@@ -530,7 +534,7 @@ def plan_kv_pool(
     return KVPlan(windows, num_pages, group_pages, reason)
 
 
-def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str, dtype: torch.dtype) -> bytes:
+def kv_namespace(model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dtype) -> bytes:
     """Identity of a KV page's meaning: model (config + a sample of each weight file), the weight
     formats and compute dtype the KV was computed with, and the KV layout."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())
@@ -539,13 +543,8 @@ def kv_namespace(model_dir: Path, kv_pool: MHAKVPool, weights: str, dtype: torch
         with open(path, "rb") as f:
             f.seek(size // 2)
             h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
-    k = kv_pool.k[0]
-    layout = (
-        f"layers={len(kv_pool.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};"
-        f"page={kv_pool.page_size}" + (f";window_groups={kv_pool.windows}" if kv_pool.windows else "")
-    )
     h.update(f"weights={weights};compute={dtype}".encode())
-    return h.digest() + layout.encode()
+    return h.digest() + kv_pool.layout.encode()
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:

@@ -58,6 +58,7 @@ class SegmentMeta:
 
 
 EXTEND_KERNEL_MAX_KV = 256
+EXTEND_KERNEL_MAX_HEAD_DIM = 512  # the extend kernel's limit (MLA's latent rows, 576, take SDPA)
 
 
 @dataclass
@@ -239,6 +240,8 @@ def paged_attention(
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, Hkv, D] (new tokens); caches: [num_slots, Hkv, D]. Returns [T, H, D].
 
+    Every new token's k, v is stored. q may also hold only the batch's first num_decode rows: then only
+    the decodes attend (the caller attends the extends its own way, as MLA's decompressed prefill).
     window: each query sees only the last `window` keys up to itself (None: all of them);
     sinks: [H] one logit per query head, in every softmax but with no value row; softcap: the
     scaled scores become softcap * tanh(scores / softcap) before masking and softmax."""
@@ -272,7 +275,8 @@ def paged_attention(
         out[:nd] = _segment_attention(q[:nd], k_cache, v_cache, seg, scale, softcap, sinks)
     if nd == num_tokens:
         return out
-    if ops and ops.has_simd() and head_dim % 16 == 0 and view.extend_keys_read <= EXTEND_KERNEL_MAX_KV:
+    kernel_fits = head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
+    if ops and ops.has_simd() and kernel_fits and view.extend_keys_read <= EXTEND_KERNEL_MAX_KV:
         ops.extend_attention(
             out, q, k_cache, v_cache, meta.page_table[nd:], meta.extend_q_start, meta.q_len[nd:],
             meta.kv_len[nd:], meta.page_size, scale, **options,
@@ -287,10 +291,21 @@ def _segment_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: SegmentMeta, scale: float,
     softcap: float | None, sinks: torch.Tensor | None,
 ) -> torch.Tensor:
-    batch, max_kv = seg.kv_slots.shape
-    num_heads, head_dim = q.shape[1], q.shape[2]
     keys = k_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
     values = v_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)
+    return segment_attention(q, keys, values, seg, scale, softcap, sinks)
+
+
+def segment_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seg: SegmentMeta, scale: float,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one segment's tokens over keys already gathered in its padded layout.
+
+    q: [num_tokens, H, D]; keys: [B, Hkv, max_kv, D], values: [B, Hkv, max_kv, Dv] (column j of
+    request b as in `seg.kv_slots`). Returns [num_tokens, H, Dv]."""
+    batch, max_kv = seg.kv_slots.shape
+    num_heads, head_dim, value_dim = q.shape[1], q.shape[2], values.shape[-1]
     if seg.pad_index is None:  # one query per request
         return _matmul_attention(q.unsqueeze(2), keys, values, seg.mask, scale, softcap, sinks).squeeze(2)
     plain = softcap is None and sinks is None
@@ -299,7 +314,7 @@ def _segment_attention(
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0).transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
         )
-        return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+        return out.transpose(1, 2).reshape(-1, num_heads, value_dim)
     q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
     q_pad[seg.pad_index] = q
     q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, max_q, D]
@@ -315,7 +330,7 @@ def _segment_attention(
             for i in range(0, seg.max_q, rows)
         ]
         out = torch.cat(blocks, dim=2)
-    return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, head_dim)[seg.pad_index]
+    return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, value_dim)[seg.pad_index]
 
 
 MATMUL_SCORES_MAX = 1 << 24  # float scores per block of _matmul_attention (64 MiB)
@@ -327,8 +342,9 @@ def _matmul_attention(
 ) -> torch.Tensor:
     """Two batched matmuls and a float softmax (much faster than masked SDPA on CPU for one query).
 
-    q: [B, H, M, D]; keys/values: [B, Hkv, N, D]; mask: [B, 1, M, N]. Query heads are grouped by
-    their KV head (head h uses KV head h // (H / Hkv)), so q views as [B, Hkv, group * M, D].
+    q: [B, H, M, D]; keys: [B, Hkv, N, D], values: [B, Hkv, N, Dv]; mask: [B, 1, M, N]. Query heads
+    are grouped by their KV head (head h uses KV head h // (H / Hkv)), so q views as
+    [B, Hkv, group * M, D].
     """
     batch, num_heads, num_q, head_dim = q.shape
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
@@ -345,7 +361,7 @@ def _matmul_attention(
         sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(batch, -1, -1, num_q, 1)
         probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :num_keys]  # the sink's share is dropped
     probs = probs.to(values.dtype).view(batch, num_kv_heads, group * num_q, num_keys)
-    return torch.matmul(probs, values).view(batch, num_heads, num_q, head_dim)
+    return torch.matmul(probs, values).view(batch, num_heads, num_q, values.shape[-1])
 
 
 def reference_attention(

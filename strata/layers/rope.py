@@ -64,15 +64,12 @@ def _yarn(rope: RopeConfig, dim: int, max_position_embeddings: int) -> tuple[tor
     base, factor = rope.theta, rope.factor
     old_len = rope.original_max_position_embeddings or max_position_embeddings
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = mscale(factor, rope.mscale) / mscale(factor, rope.mscale_all_dim)
+            attention_factor = rope.yarn_mscale(rope.mscale) / rope.yarn_mscale(rope.mscale_all_dim)
         else:
-            attention_factor = mscale(factor)
+            attention_factor = rope.yarn_mscale()
 
     def correction_dim(num_rotations: float) -> float:
         return (dim * math.log(old_len / (num_rotations * 2 * math.pi))) / (2 * math.log(base))

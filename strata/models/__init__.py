@@ -2,8 +2,10 @@
 
 Every family is the decoder of `decoder.py` (plain PyTorch over `strata.layers`), configured by
 `ModelConfig` and its per-layer `LayerSpec`s (a layer's MLP is dense or a mixture of experts,
-`strata.layers.moe`); each family's small file says what is particular to it. A model's forward takes a `ForwardBatch` and the KV pool and returns hidden states;
-`compute_logits` runs the LM head only on the rows that are sampled.
+`strata.layers.moe`; its attention is paged attention, or DeepSeek's latent attention,
+`strata.layers.mla`); each family's small file says what is particular to it. A model's forward
+takes a `ForwardBatch` and the KV pool and returns hidden states; `compute_logits` runs the LM head
+only on the rows that are sampled.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ _REGISTRY: dict[str, str] = {
     "Qwen2MoeForCausalLM": "strata.models.qwen_moe:Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM": "strata.models.qwen_moe:Qwen3MoeForCausalLM",
     "GptOssForCausalLM": "strata.models.gpt_oss:GptOssForCausalLM",
+    "DeepseekV2ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
 }
 
 

@@ -1,14 +1,16 @@
 """The decoder every family here is made of, driven by `ModelConfig` and its per-layer `LayerSpec`s.
 
-A family file (llama.py, gemma.py, phi3.py, olmo2.py, mixtral.py, qwen_moe.py, gpt_oss.py) names its
-class and states what differs in its checkpoint; everything a config decides (norm layout, q/k norm,
-windows, RoPE per layer kind, softcaps, activation, embedding scale, which layers are mixtures of
-experts and how they route) is read here from the config, never from the family's name.
+A family file (llama.py, gemma.py, phi3.py, olmo2.py, mixtral.py, qwen_moe.py, gpt_oss.py,
+deepseek_v2.py) names its class and states what differs in its checkpoint; everything a config
+decides (norm layout, q/k norm, windows, RoPE per layer kind, softcaps, activation, embedding scale,
+which layers are mixtures of experts and how they route, latent attention) is read here from the
+config, never from the family's name.
 
 Per layer, with the residual stream carried beside the hidden state so that each add fuses into
 the next norm (see `ModelConfig` for the three norm layouts):
 
     x, residual -> [norms] -> qkv_proj -> (q/k norm) -> RoPE -> paged attention -> o_proj
+                               (or, with `ModelConfig.mla`: the latent attention of strata.layers.mla)
                 -> [norms] -> gate_up_proj -> act(gate) * up -> down_proj -> x, residual
                                (or, where `LayerSpec.moe`: the mixture of experts of strata.layers.moe)
 """
@@ -21,10 +23,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.cache.kv_pool import MHAKVPool
+from strata.cache.kv_pool import KVPool, MHAKVPool
 from strata.config import LayerSpec, ModelConfig
 from strata.layers.activation import check_activation
 from strata.layers.attention import AttentionMetadata, paged_attention
+from strata.layers.mla import MLAttention
 from strata.layers.mlp import MLP
 from strata.layers.moe import MoE
 from strata.layers.norm import RMSNorm
@@ -87,7 +90,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layout = cfg.norm_layout
-        self.self_attn = Attention(cfg, layer_id)
+        self.self_attn = MLAttention(cfg, layer_id) if cfg.mla else Attention(cfg, layer_id)
         if cfg.layers[layer_id].moe:
             self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias)
         else:
@@ -159,7 +162,7 @@ class DecoderForCausalLM(nn.Module):
         self.layer_ropes = [tables[spec.rope] for spec in cfg.layers]
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: MHAKVPool
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None

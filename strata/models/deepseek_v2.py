@@ -1,0 +1,50 @@
+"""DeepSeek-V2 and DeepSeek-V3: the pre-norm decoder with multi-head latent attention in every layer
+(`strata.layers.mla`; the KV pool keeps one latent row per token and layer, `LatentKVPool`) and
+DeepSeek's mixture of experts after the first `first_k_dense_replace` dense layers: routed experts
+plus always-on shared experts, routed by model type (`strata.moe_config`): V2 softmax, greedy or
+group-limited greedy; V3 sigmoid scores with a per-expert correction bias, group-limited top-k,
+both times `routed_scaling_factor`. V3 differs from V2 only in its config (routing, rope_interleave),
+so one class serves both.
+
+Its checkpoint names the shared experts `mlp.shared_experts` (ours: `mlp.shared_expert`, one MLP
+of n_shared_experts * moe_intermediate_size); q and the latent have projections of their own, so
+only gate/up are fused. DeepSeek-V3's published checkpoints hold a multi-token-prediction layer
+after the last one (`model.layers.{num_hidden_layers}`), skipped here; their FP8 weights (with
+`weight_scale_inv` tensors) are refused with a message.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from typing import ClassVar
+
+import torch
+
+from strata.models.decoder import DecoderForCausalLM
+
+_LAYER = re.compile(r"model\.layers\.(\d+)\.")
+Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor)
+
+
+class DeepseekV2ForCausalLM(DecoderForCausalLM):
+    # q and the latent have projections of their own: only an MLP's gate/up are fused
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
+        frag: fused for frag, fused in DecoderForCausalLM.FUSED.items() if fused[0] == "gate_up_proj"
+    }
+    RENAMES = (("mlp.shared_experts.", "mlp.shared_expert."),)
+
+    def load_weights(self, weights: Iterable[Weight], absent: frozenset[str] = frozenset()) -> None:
+        super().load_weights(self._decoder_weights(weights), absent)
+
+    def _decoder_weights(self, weights: Iterable[Weight]) -> Iterator[Weight]:
+        """The checkpoint without its multi-token-prediction layers; FP8 weights fail here."""
+        for name, tensor in weights:
+            if name.endswith("weight_scale_inv"):
+                raise ValueError(
+                    f"this checkpoint holds FP8 weights ({name}), which Strata does not read; use a bf16 "
+                    "checkpoint (e.g. converted with DeepSeek's fp8_cast_bf16.py)"
+                )
+            layer = _LAYER.match(name)
+            if layer is None or int(layer[1]) < self.config.num_layers:
+                yield name, tensor
