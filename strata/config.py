@@ -280,7 +280,7 @@ HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout") 
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
-SPECULATIVE_ALGORITHMS = ("none", "ngram")  # strata.engine.speculative
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")  # strata.engine.speculative
 SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
@@ -383,7 +383,8 @@ class EngineConfig:
     disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
     # speculative decoding (strata.engine.speculative)
-    speculative_algorithm: str = "none"  # none | ngram (prompt lookup over the request and recent requests)
+    speculative_algorithm: str = "none"  # none | ngram (prompt lookup over the request and recent requests) | draft
+    speculative_draft_model: str | None = None  # --speculative-algorithm draft: a smaller model with the same tokenizer
     speculative_num_draft_tokens: int = 8  # most tokens a request drafts per step
     speculative_ngram_min: int = 2  # shortest n-gram a draft is looked up by
     speculative_ngram_max: int = 5  # longest n-gram a draft is looked up by (the longest match wins)
@@ -426,6 +427,11 @@ class EngineConfig:
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}"
+            )
+        if (self.speculative_algorithm == "draft") != (self.speculative_draft_model is not None):
+            raise ValueError(
+                "--speculative-algorithm draft and --speculative-draft-model go together: the draft model is "
+                "a directory (or .gguf) of a smaller model sharing the target's tokenizer"
             )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(
@@ -479,9 +485,10 @@ _HELP = {
     "hicache_storage_max_gib": "file backend: GiB the L3 directory may hold; the least recently used pages "
     "are deleted beyond it (each replica sharing the directory bounds all of it, learning the others' pages "
     "every few minutes; redis: bound the server with its maxmemory)",
-    "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, or ngram "
-    "(prompt lookup over the request's own text and recent requests'); how many each request drafts adapts "
-    "to its acceptance and to the load (--speculative-fixed-length turns that off)",
+    "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, ngram "
+    "(prompt lookup over the request's own text and recent requests') or draft (a smaller model, "
+    "--speculative-draft-model); how many each request drafts adapts to its acceptance and to the load "
+    "(--speculative-fixed-length turns that off)",
     "speculative_fixed_length": "with --speculative-algorithm: always draft up to --speculative-num-draft-tokens "
     "(no adaptive policy; for measuring)",
     "hicache_storage_ttl": "seconds an L3 page may go unused before it is deleted (file) or expires (redis); "

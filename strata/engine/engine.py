@@ -228,7 +228,13 @@ class Engine:
         runner = ModelRunner(
             self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
         )
-        self.scheduler = Scheduler(cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len)
+        draft = (
+            self._make_draft_model(model_config.vocab_size, dtype, device, num_pages, context_len)
+            if cfg.speculative_draft_model else None
+        )
+        self.scheduler = Scheduler(
+            cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, draft_model=draft
+        )
         self.disagg = self._make_disagg(namespace, kv_pool) if cfg.disaggregation_mode != "null" else None
         self.state = RuntimeState(
             model_dir=model_dir,
@@ -322,6 +328,19 @@ class Engine:
             hc.prefetch_policy,
         )
         return HiCache(hc, kv_pool, device, namespace, storage)
+
+    def _make_draft_model(
+        self, vocab: int, dtype: torch.dtype, device: torch.device, num_pages: int, context_len: int
+    ):
+        """--speculative-algorithm draft: the draft model, with as many KV tokens as the target."""
+        from strata.engine.draft_model import DraftModelDrafter
+
+        cfg = self.config
+        return DraftModelDrafter(
+            cfg.speculative_draft_model, self.tokenizer, vocab, dtype=dtype, device=device,
+            num_tokens=num_pages * cfg.page_size, page_size=cfg.page_size, quantization=cfg.quantization,
+            context_len=context_len,
+        )
 
     def flush_cache(self) -> None:
         """Drop every cached prefix (L1 radix tree and L2); refuses while requests are running."""

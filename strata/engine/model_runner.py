@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from strata.cache.allocator import WindowGroup
-from strata.cache.kv_pool import MHAKVPool
+from strata.cache.kv_pool import KVPool
 from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_rows_of
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
@@ -22,7 +22,7 @@ from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_pool: MHAKVPool, device: torch.device, vocab_size: int, seed: int,
+        self, model: torch.nn.Module, kv_pool: KVPool, device: torch.device, vocab_size: int, seed: int,
         groups: Sequence[WindowGroup] = (),
     ):
         self.model = model

@@ -57,6 +57,7 @@ class Scheduler(WindowKV, KVAccounting):
         tokenizer,
         eos_token_ids: frozenset[int],
         context_len: int,
+        draft_model=None,
     ):
         self.config = config
         self.runner = runner
@@ -86,7 +87,8 @@ class Scheduler(WindowKV, KVAccounting):
         self.prealloc: dict[str, Req] = {}
         self.before_release: Callable[[Req], None] | None = None
         self.disagg = None
-        self.spec = Speculator(config) if config.speculative_algorithm != "none" else None
+        # speculative decoding; draft_model: a DraftModelDrafter for --speculative-algorithm draft
+        self.spec = Speculator(config, draft_model) if config.speculative_algorithm != "none" else None
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -302,20 +304,20 @@ class Scheduler(WindowKV, KVAccounting):
     def _plan_drafts(self, decodes: list[Req], base_tokens: int, budget: int) -> list[Req]:
         """Speculative decoding: the decodes that feed drafted tokens this step, with `draft_ids` set
         and pages for them allocated (from free pages only: drafts never evict cached KV)."""
-        candidates = []
+        eligible = []
         for req in decodes:
             # every accepted draft is one more output token, plus the target's own at the end
             limit = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
-            if limit > 0 and req.replay_from is None and (c := self.spec.propose(req, limit)) is not None:
-                candidates.append(c)
+            if limit > 0 and req.replay_from is None:
+                eligible.append((req, limit))
         verifying = []
-        for c, k in zip(candidates, self.spec.choose(candidates, base_tokens, len(decodes), budget)):
-            req = c.key
+        for req, draft, match_len in self.spec.plan(eligible, base_tokens, len(decodes), budget):
+            k = len(draft)
             while k > 0 and not self.allocator.can_alloc(self._pages_short(req, req.kv_len + 1 + k)):
                 k -= 1
             if k > 0:
                 req.pages.extend(self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k)) or [])
-                req.draft_ids, req.draft_match = c.draft[:k], c.match_len
+                req.draft_ids, req.draft_match = draft[:k], match_len
                 verifying.append(req)
         return verifying
 

@@ -270,29 +270,42 @@ class SpecStats:
 
 
 class Speculator:
-    """What the scheduler asks of speculative decoding: proposals, the policy's lengths, the outcome."""
+    """What the scheduler asks of speculative decoding: this step's drafts, and the outcome.
 
-    def __init__(self, config):
+    n-gram drafts cost nothing to look up, so each request proposes what it finds and the policy
+    picks lengths from those. A draft model costs a forward per drafted position, so the policy picks
+    lengths first (from acceptance learned so far) and only that much is drafted."""
+
+    def __init__(self, config, draft_model=None):
         self.drafter = NgramDrafter(
             config.speculative_ngram_min, config.speculative_ngram_max, config.speculative_shared_tokens
         )
+        self.draft_model = draft_model  # a DraftModelDrafter for --speculative-algorithm draft
         self.policy = DraftPolicy(config.speculative_num_draft_tokens, adaptive=not config.speculative_fixed_length)
         self.max_draft = config.speculative_num_draft_tokens
         self.stats = SpecStats()
 
-    def propose(self, req, limit: int) -> Candidate | None:
-        """A draft of at most `limit` tokens for a decoding request, or None."""
-        draft, match_len = self.drafter.propose(req.rid, req.prompt_ids, req.output_ids, min(limit, self.max_draft))
-        if draft and req.grammar is not None:  # a draft the grammar forbids would be rejected anyway
-            draft = draft[: req.grammar.valid_prefix(draft)]
-        if not draft:
-            return None
-        return Candidate(req, draft, match_len, self.policy.accept_rate(req.spec_history, match_len))
-
-    def choose(self, candidates: list[Candidate], base_tokens: int, num_decodes: int, budget: int) -> list[int]:
+    def plan(self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int) -> list[tuple]:
+        """decodes: (request, most tokens it may draft); base_tokens: the step's tokens without drafts;
+        num_decodes: requests the step yields a token for. Returns (request, drafts, match length) for
+        the requests that draft this step."""
+        candidates = []
+        for req, limit in decodes:
+            limit = min(limit, self.max_draft)
+            if self.draft_model is not None:
+                candidates.append(Candidate(req, [0] * limit, 0, self.policy.accept_rate(req.spec_history, 0)))
+                continue
+            draft, match_len = self.drafter.propose(req.rid, req.prompt_ids, req.output_ids, limit)
+            draft = _grammar_prefix(req, draft)
+            if draft:
+                candidates.append(Candidate(req, draft, match_len, self.policy.accept_rate(req.spec_history, match_len)))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
         self.stats.declined += sum(1 for k in lengths if k == 0)
-        return lengths
+        chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
+        if self.draft_model is not None:
+            drafts = self.draft_model.draft([(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen])
+            return [(c.key, d, 0) for (c, _), draft in zip(chosen, drafts) if (d := _grammar_prefix(c.key, draft))]
+        return [(c.key, c.draft[:k], c.match_len) for c, k in chosen]
 
     def verified(self, req, drafted: int, accepted: int) -> None:
         self.policy.record(req.draft_match, drafted, accepted)
@@ -312,3 +325,12 @@ class Speculator:
 
     def finish(self, rid: str) -> None:
         self.drafter.finish(rid)
+        if self.draft_model is not None:
+            self.draft_model.finish(rid)
+
+
+def _grammar_prefix(req, draft: list[int]) -> list[int]:
+    """The part of a draft a structured-output request's grammar allows (the rest would be rejected)."""
+    if draft and req.grammar is not None:
+        return draft[: req.grammar.valid_prefix(draft)]
+    return draft

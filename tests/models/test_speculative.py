@@ -287,3 +287,72 @@ def test_step_cost_fit_and_policy_decisions():
     assert sum(policy.choose(many, base_tokens=64, num_decodes=64, budget=1000)) == 0
     # the budget caps the total
     assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
+
+
+# ---------------------------------------------------------------------------- draft model
+
+
+@pytest.fixture(scope="module")
+def small_draft(llama_dir, tmp_path_factory):
+    """The target with noise in its weights and the same tokenizer: a drafter right only some of the time."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft") / "noisy"
+    shutil.copytree(llama_dir, out)
+    gen = torch.Generator().manual_seed(0)
+    for path in out.glob("*.safetensors"):
+        tensors = load_file(path)
+        noisy = {k: v + 0.15 * v.std() * torch.randn(v.shape, generator=gen) if v.dim() == 2 else v
+                 for k, v in tensors.items()}
+        save_file(noisy, path, metadata={"format": "pt"})
+    return out
+
+
+def draft_engine(target, draft, **kw) -> Engine:
+    options = dict(dtype="float32", kv_cache_tokens=2048, page_size=1, speculative_algorithm="draft",
+                   speculative_draft_model=str(draft), speculative_fixed_length=True)
+    options.update(kw)
+    return Engine(str(target), **options)
+
+
+def test_the_target_as_its_own_draft_model_is_always_right(llama_dir):
+    off = engine(llama_dir, False).generate(REPETITIVE, greedy(40))
+    eng = draft_engine(llama_dir, llama_dir, speculative_num_draft_tokens=5)
+    on = eng.generate(REPETITIVE, greedy(40))
+    assert [r.token_ids for r in on] == [r.token_ids for r in off]
+    stats = eng.scheduler.spec.stats
+    assert stats.verify_steps > 0 and stats.accepted_tokens == stats.drafted_tokens, stats
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_smaller_draft_model_keeps_greedy_output_and_catches_up_after_prefix_hits(llama_dir, small_draft, page_size):
+    kw = dict(page_size=page_size, chunked_prefill_size=16)
+    prompts = REPETITIVE[:2] + ["Numbers 0123456789 and punctuation"]
+    off = engine(llama_dir, False, **kw).generate(prompts, greedy(24, n=2))
+    eng = draft_engine(llama_dir, small_draft, **kw)
+    for _ in range(2):  # the second round hits the target's prefix cache; the draft replays
+        on = eng.generate(prompts, greedy(24, n=2))
+        assert [[c.token_ids for c in r.choices] for r in on] == [[c.token_ids for c in r.choices] for r in off]
+        eng.scheduler.check_no_leaks()
+    stats = eng.scheduler.spec.stats
+    assert 0 < stats.accepted_tokens < stats.drafted_tokens, stats
+    drafter = eng.scheduler.spec.draft_model
+    assert not drafter.seqs and drafter.allocator.num_free_pages == drafter.allocator.num_pages
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(llama_dir, tmp_path):
+    from tiny_models import make_model
+
+    other = make_model(tmp_path / "other", "llama", vocab_size=384)
+    import json
+
+    vocab = json.loads((other / "tokenizer.json").read_text())
+    vocab["model"]["vocab"] = {t: (i + 7) % len(vocab["model"]["vocab"]) for t, i in vocab["model"]["vocab"].items()}
+    (other / "tokenizer.json").write_text(json.dumps(vocab))
+    with pytest.raises(ValueError, match="tokenizer differs"):
+        draft_engine(llama_dir, other)
+    with pytest.raises(ValueError, match="go together"):
+        Engine(str(llama_dir), speculative_algorithm="draft")
