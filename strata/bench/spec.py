@@ -157,8 +157,10 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
 
     off = Engine(**{**engine_options, "speculative_algorithm": "none"})
     on = Engine(**{**engine_options, "speculative_algorithm": "ngram"})
-    for eng in (off, on):  # warm-up: kernels, allocator, the first forward of each shape
-        _run(eng, [eng.chat_ids([{"role": "user", "content": "Say hello."}])], True, 16)
+    # warm-up: kernels, the allocator, and the first forward of each shape (drafted steps have many)
+    warm = "Repeat this line three times: the quick brown fox jumps over the lazy dog near the river bank."
+    for eng in (off, on):
+        _run(eng, [eng.chat_ids([{"role": "user", "content": warm}])], True, 96)
     llama = _llamacpp(engine_options) if cfg.llamacpp else None
     pools = {kind: prompts_for(kind, off, cfg) for kind in ("grounded", "chat")}
     cursor = {kind: 0 for kind in pools}
