@@ -248,6 +248,19 @@ def randomize_constants(model, scale: float = 0.3) -> None:
                 t.add_(torch.randn_like(t) * scale)
 
 
+def constant_tensors(model_dir: Path) -> list[str]:
+    """The floating-point tensors of a saved checkpoint whose values are all one number (what
+    `randomize_constants` leaves none of)."""
+    from safetensors.torch import load_file
+
+    found = []
+    for path in sorted(model_dir.glob("*.safetensors")):
+        for name, t in load_file(path).items():
+            if t.is_floating_point() and bool((t == t.reshape(-1)[0]).all()):
+                found.append(name)
+    return found
+
+
 def make_model(
     out_dir: Path, family: str = "llama", *, tokenizer: bool = True, chat_template: str = CHAT_TEMPLATE, **overrides
 ) -> Path:

@@ -10,14 +10,16 @@ What lives here (one concept per file):
   serving.py         the serving benchmark driver: Poisson arrivals, concurrency limit, multi-turn
   step_timer.py      times the pieces of one engine step from outside (schedule/prepare/model/sample)
   one_batch.py       fixed batch x input x output on the offline Engine (prefill tok/s, decode ms/step)
-  offline.py         offline Engine throughput on a dataset
+  offline.py         offline Engine throughput on a dataset (and a MoE model's expert load)
+  kv_layout.py       KV bytes per token from a config.json: the pool's, and MLA vs per-head K/V
   hf_baseline.py     the transformers baseline (one-batch loop and batched generate())
   llamacpp.py        the llama.cpp peer through llama-cpp-python (optional; detected, never required)
   server_process.py  start/stop a server subprocess on a free port
   targets.py         the things `compare` measures: strata, transformers, llamacpp, url=...
   compare.py         the same workload on several targets, alternating round by round; medians, ratios
   report.py          terminal tables and JSON; progress.py the progress bar; plots.py PNGs
-  cli.py             `strata bench serving | one-batch | offline | compare` (flags, commands);
+  cli.py             `strata bench serving | one-batch | offline | compare | moe | kv-layout | ...`
+                     (flags, commands);
                      compare_cli.py what one compare run measures in each mode
 
 Nothing here is imported by the engine or the server; the engine is only driven through its public

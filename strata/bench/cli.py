@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | offline | compare | moe | grammar | spec` — flags, and the glue to run and report
+"""`strata bench serving | one-batch | offline | compare | moe | kv-layout | grammar | spec` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
@@ -172,6 +172,13 @@ def add_bench_args(subparsers) -> None:
     _add_moe_args(moe)
     moe.set_defaults(func=cmd_moe)
 
+    kv = sub.add_parser("kv-layout", help="KV cache bytes per token from config.json; MLA vs per-head K/V")
+    kv.add_argument("--model", nargs="+", required=True, metavar="DIR_OR_CONFIG",
+                    help="model directories holding config.json, or config.json files (no weights needed)")
+    kv.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    kv.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+    kv.set_defaults(func=cmd_kv_layout)
+
     cmp = sub.add_parser(
         "compare", help="one workload on several targets, alternating rounds; medians and ratios"
     )
@@ -230,6 +237,19 @@ def cmd_moe(args: argparse.Namespace) -> int:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"config": dataclasses.asdict(cfg), "rows": rows}, f, indent=2)
+    return 0
+
+
+def cmd_kv_layout(args: argparse.Namespace) -> int:
+    import torch
+
+    from strata.bench import report
+    from strata.bench.kv_layout import format_text, kv_layout
+
+    rows = [kv_layout(model, getattr(torch, args.kv_dtype)) for model in args.model]
+    print(format_text(rows))
+    if args.output_json:
+        report.write_json(args.output_json, "kv-layout", rows)
     return 0
 
 

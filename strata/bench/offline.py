@@ -5,8 +5,10 @@ conversations go in waves: turn k of every conversation once every turn k-1 has 
 each prompt carrying the previous turns and answers as token ids (datasets.turn_prompt_ids).
 
 Figures: requests/s, input/output/total tokens/s over the whole run; for Strata also the steady
-window (20%..90% of requests completed: mean decode step time and tokens/s inside it) and the
-prompt tokens the radix cache served.
+window (20%..90% of requests completed: mean decode step time and tokens/s inside it), the
+prompt tokens the radix cache served and, for a mixture-of-experts model, the tokens each expert
+of each MoE layer got during the run (the model's counters before and after; warm-up excluded)
+with how uneven that was (`strata.layers.expert_load`).
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from strata.bench.datasets import Conversation, turn_prompt_ids
 from strata.bench.one_batch import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, random_batch
 from strata.bench.step_timer import StepTimer, mean_pieces_ms
 from strata.bench.window import SteadyWindow, StepSample, engine_window
+from strata.layers.expert_load import expert_load_delta, expert_load_summary
 
 # (prompts as token ids, answer lengths) -> (answers as token ids, prompt tokens served from cache)
 GenerateFn = Callable[[list[list[int]], list[int]], tuple[list[list[int]], int]]
@@ -38,6 +42,10 @@ class OfflineResult:
     total_tok_s: float
     window: SteadyWindow | None = None  # Strata only
     decode_pieces_ms: dict[str, float] | None = None  # Strata only: mean per decode-only step (step_timer.py)
+    # Strata, MoE models only: {layer: tokens routed to each expert} during the run, and per layer
+    # its tokens, busiest expert, max / mean (expert_load_summary)
+    expert_load: dict[int, list[int]] | None = None
+    expert_load_summary: dict[int, dict[str, Any]] | None = None
 
     @property
     def cache_hit_rate(self) -> float | None:
@@ -76,6 +84,7 @@ def _result(
     cached_known: bool,
     window=None,
     pieces=None,
+    expert_load: dict[int, list[int]] | None = None,
 ) -> OfflineResult:
     n_req, n_in, n_out, n_cached = counts
     return OfflineResult(
@@ -91,6 +100,8 @@ def _result(
         total_tok_s=(n_in + n_out) / duration,
         window=window,
         decode_pieces_ms=pieces,
+        expert_load=expert_load or None,
+        expert_load_summary=expert_load_summary(expert_load) if expert_load else None,
     )
 
 
@@ -108,14 +119,16 @@ def run_strata_offline(engine, conversations: list[Conversation], target: str = 
             raise RuntimeError(f"offline requests failed ({len(errors)}): {errors[0]}")
         return [r.token_ids for r in results], sum(r.cached_tokens for r in results)
 
+    load_before = engine.model.expert_load()  # {} for a dense model
     with StepTimer(engine) as timer:
         start = time.perf_counter()
         counts = run_conversations(generate, conversations, engine.tokenizer)
         duration = time.perf_counter() - start
+    load = expert_load_delta(engine.model.expert_load(), load_before)
     steps = [StepSample(s.end, s.duration_s, s.num_sampled, s.decode_only) for s in timer.steps]
     finish_times = [s.end for s in timer.steps for _ in range(s.num_finished)]
     pieces = mean_pieces_ms([s for s in timer.steps if s.decode_only])
-    return _result(target, counts, duration, True, engine_window(steps, finish_times), pieces)
+    return _result(target, counts, duration, True, engine_window(steps, finish_times), pieces, load)
 
 
 def run_hf_offline(

@@ -153,7 +153,22 @@ def offline_text(r: OfflineResult) -> str:
                 " / ".join(fmt(p[n]) for n in PIECE_NAMES),
             ]
         )
-    return table(rows, ["offline benchmark", "value"])
+    text = table(rows, ["offline benchmark", "value"])
+    if r.expert_load_summary:
+        text += "\n\n" + expert_load_text(r.expert_load_summary)
+    return text
+
+
+def expert_load_text(summary: dict[int, dict[str, Any]]) -> str:
+    """One row per MoE layer: how unevenly its experts were used (strata.layers.expert_load)."""
+    rows = [
+        [str(layer), str(s["tokens"]), str(s["busiest_expert"]), str(s["max_tokens"]),
+         fmt(s["mean_tokens"], 1), fmt(s["max_over_mean"]), str(s["idle_experts"])]
+        for layer, s in summary.items()
+    ]  # fmt: skip
+    header = ["MoE layer", "tokens routed", "busiest expert", "its tokens", "mean/expert", "max/mean",
+              "idle experts"]  # fmt: skip
+    return "expert load of this run (a token counts once per chosen expert):\n" + table(rows, header)
 
 
 def compare_text(c: CompareResult) -> str:

@@ -516,6 +516,14 @@ class KVPlan:
         return "; ".join(parts)
 
 
+def kv_layer_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
+    """KV bytes one token takes in one layer of this model's pool: one latent row (MLA), else K and V
+    of every KV head."""
+    if mc.mla is not None:
+        return LatentKVPool.bytes_per_token(1, mc.mla.latent_dim, kv_dtype)
+    return MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
+
+
 def plan_kv_pool(
     cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int
 ) -> KVPlan:
@@ -527,10 +535,7 @@ def plan_kv_pool(
     windows = [spec.window for spec in mc.layers]
     ps = cfg.page_size
     grouped = cfg.sliding_kv == "window" and any(w is not None for w in windows)
-    if mc.mla is not None:
-        layer_bytes = LatentKVPool.bytes_per_token(1, mc.mla.latent_dim, kv_dtype)
-    else:
-        layer_bytes = MHAKVPool.bytes_per_token(1, mc.num_kv_heads, mc.head_dim, kv_dtype)
+    layer_bytes = kv_layer_bytes_per_token(mc, kv_dtype)
     ratio = cfg.swa_full_tokens_ratio if grouped else 1.0
     windowed = sum(w is not None for w in windows) if grouped else 0
     per_token = layer_bytes * ((len(windows) - windowed) + ratio * windowed)

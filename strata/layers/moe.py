@@ -12,6 +12,8 @@ per-expert checkpoint tensors or from a family's stacked ones (`Experts.load`).
 
 Every forward adds the number of rows routed to each expert to `expert_load` (int64 [E], on the
 model's device; the bincount the grouping needs anyway): the input to expert placement.
+`strata.layers.expert_load` says how uneven such counts are (what `/get_server_info` and
+`strata bench offline` report).
 """
 
 from __future__ import annotations
@@ -198,3 +200,4 @@ class MoE(nn.Module):
                 shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
             out = out + shared
         return out
+

@@ -193,7 +193,11 @@ class DecoderForCausalLM(nn.Module):
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert of each mixture-of-experts layer since the last reset
         ({layer: [count per expert]}; a token counts once for each of its top-k experts)."""
-        return {i: layer.mlp.expert_load.tolist() for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)}
+        moe = [(i, layer.mlp.expert_load) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+        if not moe:
+            return {}
+        counts = torch.stack([c for _, c in moe]).tolist()  # one copy off the device, not one per layer
+        return {i: layer_counts for (i, _), layer_counts in zip(moe, counts)}
 
     def reset_expert_load(self) -> None:
         for layer in self.layers:

@@ -2,9 +2,9 @@
 
     GET  /health            200 once the model is loaded, 503 before (never needs the API key)
     GET  /health_generate   200 after a 1-token generation succeeds, 503 otherwise
-    GET  /get_server_info   config, KV cache usage (free / total / cached pages), load, hit rate
+    GET  /get_server_info   config, KV cache usage (free / total / cached pages), load, hit rate, expert load
     POST /flush_cache       empty the prefix cache; 409 while requests are in flight
-    GET  /metrics           Prometheus text format
+    GET  /metrics           Prometheus text format (a MoE model's: fresh per-expert counts from the engine)
     GET  /                  the web page: chat playground and live dashboard (strata/web; no key needed)
     + /v1/* (openai_api.py, chat_api.py) and /generate (native_api.py)
 
@@ -14,6 +14,7 @@ Every error a client sees has the OpenAI shape {"error": {"message", "type", "pa
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import logging
 import os
@@ -25,7 +26,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
 from strata.server import chat_api, native_api, openai_api
-from strata.server.engine_client import Job
+from strata.server.engine_client import EngineUnavailable, Job
 from strata.server.openapi import openapi_document
 from strata.server.protocol import APIError, error_body
 from strata.server.serving import ClientGone, ServerState, collect, get_state, json_response, start_generation
@@ -155,14 +156,12 @@ def create_app(state: ServerState) -> FastAPI:
     async def get_server_info(request: Request) -> Response:
         state = get_state(request)
         client = state.client
-        stats = (
-            await client.fetch_stats() if client.info is not None and client.failure is None else client.stats
-        )
+        stats = await client.fetch_stats() if client.serving else client.stats
         return json_response(
             {
                 "model": state.model_name,
                 "model_dir": state.model_dir,
-                "ready": client.info is not None and client.failure is None,
+                "ready": client.serving,
                 "failure": client.failure,
                 "engine_config": redacted(state.engine_config),
                 "server_config": redacted(state.config),
@@ -189,6 +188,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "num_retractions": stats.num_retractions,
                 "hicache": stats.hicache,  # per-tier hit tokens and rates, bytes moved (None: off)
                 "speculative": stats.spec,  # drafted / accepted tokens, the policy's choices (None: off)
+                # per MoE layer since start: tokens routed, the busiest expert, max / mean (None: dense)
+                "expert_load": stats.expert_load_summary,
                 "num_aborted_requests": client.num_aborted,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),
@@ -214,6 +215,13 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+        state = get_state(request)
+        client = state.client
+        if client.serving and client.info.num_experts:
+            # a MoE model's per-expert counts (58 layers x 256 experts for DeepSeek-V3) never ride
+            # along with outputs: each scrape asks for them; the reply sets the gauges as it arrives
+            with contextlib.suppress(EngineUnavailable):  # it just died: serve the last figures
+                await client.fetch_stats(expert_load=True)
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
     return app

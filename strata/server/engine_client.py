@@ -174,6 +174,11 @@ class EngineClient:
         if self.on_failure is not None:
             self.on_failure(message)
 
+    @property
+    def serving(self) -> bool:
+        """The engine has loaded and not failed (what check_available checks, as a bool)."""
+        return self.info is not None and self.failure is None
+
     def check_available(self) -> None:
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
@@ -223,15 +228,16 @@ class EngineClient:
     async def flush_cache(self) -> io.FlushCacheResult:
         return await self._control(io.FlushCacheReq)
 
-    async def fetch_stats(self) -> io.EngineStats:
-        return (await self._control(io.StatsReq)).stats
+    async def fetch_stats(self, expert_load: bool = False) -> io.EngineStats:
+        """The engine's full stats, now; `expert_load`: with a MoE model's per-expert counts."""
+        return (await self._control(io.StatsReq, expert_load=expert_load)).stats
 
-    async def _control(self, kind) -> io.FlushCacheResult | io.StatsResult:
+    async def _control(self, kind, **fields) -> io.FlushCacheResult | io.StatsResult:
         self.check_available()
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending_control[req_id] = fut
-        await self.push.send(io.encode(kind(req_id)))
+        await self.push.send(io.encode(kind(req_id, **fields)))
         try:
             return await asyncio.wait_for(fut, 30.0)
         finally:
@@ -265,6 +271,8 @@ class EngineClient:
         elif isinstance(message, (io.FlushCacheResult, io.StatsResult)):
             if isinstance(message, io.StatsResult):
                 self.stats = message.stats
+                if self.metrics is not None:
+                    self.metrics.on_stats(message.stats)
             fut = self.pending_control.get(message.req_id)
             if fut is not None and not fut.done():
                 fut.set_result(message)

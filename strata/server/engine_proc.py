@@ -30,6 +30,7 @@ import zmq
 
 from strata.config import EngineConfig
 from strata.engine.outputs import RequestOutput
+from strata.layers.expert_load import expert_load_summary
 from strata.redact import install_log_redaction, scrub, secret_values
 from strata.server import io
 
@@ -67,10 +68,12 @@ class EngineLoop:
     def send(self, message: io.FromEngine) -> None:
         self.push.send(io.encode(message), copy=False)
 
-    def stats(self, full: bool = False) -> io.EngineStats:
+    def stats(self, full: bool = False, expert_load: bool = False) -> io.EngineStats:
         """The scheduler's load; `full` (on request) also walks the prefix cache for the window
-        groups' pages and checks their accounting."""
+        groups' pages and checks their accounting, and summarises a MoE model's expert load (one
+        copy of the counters off the device); `expert_load` adds the counts themselves."""
         s = self.scheduler
+        load = self.engine.model.expert_load() if full else {}  # {} for a dense model
         return io.EngineStats(
             num_running=len(s.running),
             num_waiting=len(s.waiting),
@@ -85,6 +88,8 @@ class EngineLoop:
             spec=s.spec.stats.as_dict() if s.spec is not None else None,
             leaked_pages=s.leaked_pages(window_groups=full),
             window_groups=s.window_group_usage() if full and s.allocator.groups else None,
+            expert_load=load if load and expert_load else None,
+            expert_load_summary=expert_load_summary(load) if load else None,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -137,7 +142,7 @@ class EngineLoop:
             for rid in message.rids:
                 self.engine.abort(rid)
         elif isinstance(message, io.StatsReq):
-            self.send(io.StatsResult(message.req_id, self.stats(full=True)))
+            self.send(io.StatsResult(message.req_id, self.stats(full=True, expert_load=message.expert_load)))
         elif isinstance(message, io.FlushCacheReq):
             self.send(self.flush_cache(message.req_id))
         elif isinstance(message, io.ShutdownReq):
@@ -241,6 +246,7 @@ def engine_info(engine) -> io.EngineInfo:
         kernels=describe_kernels(st.kernels),
         kv_groups=st.kv_groups,
         kv_bytes=st.kv_bytes,
+        num_experts=st.model_config.moe.num_experts if st.model_config.moe is not None else 0,
     )
 
 

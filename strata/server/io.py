@@ -42,6 +42,7 @@ class FlushCacheReq(msgspec.Struct, tag=True):
 
 class StatsReq(msgspec.Struct, tag=True):
     req_id: int
+    expert_load: bool = False  # also send EngineStats.expert_load (a MoE model's per-expert counts)
 
 
 class ShutdownReq(msgspec.Struct, tag=True):
@@ -71,6 +72,12 @@ class EngineStats(msgspec.Struct):
     # per window group of the pool (sliding-window models): its pages, free / cached / held by requests;
     # None in the stats sent with outputs (counting them walks the prefix cache)
     window_groups: list[dict[str, int]] | None = None
+    # mixture-of-experts models, None otherwise and in the stats sent with outputs: per MoE layer, the
+    # tokens routed to each expert since start (a token counts once per chosen expert) only when the
+    # StatsReq asks (GET /metrics; DeepSeek-V3 has 58 x 256 of them), and how uneven they are
+    # (strata.layers.expert_load.expert_load_summary: a few numbers per layer) in every requested stats
+    expert_load: dict[int, list[int]] | None = None
+    expert_load_summary: dict[int, dict[str, Any]] | None = None
 
     @property
     def token_usage(self) -> float:
@@ -104,6 +111,7 @@ class EngineInfo(msgspec.Struct):
     kernels: str = ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
     kv_bytes: int = 0  # memory of the whole KV pool (every layer group)
     kv_groups: str = ""  # the KV pool's layer groups, e.g. "3 layers keep every token (...); 15 window-512 ..."
+    num_experts: int = 0  # routed experts of each mixture-of-experts layer; 0: not a MoE model
 
 
 class EngineReady(msgspec.Struct, tag=True):

@@ -122,3 +122,47 @@ def test_grammar_command(llama_dir, tmp_path, capsys):
     assert data["compile"]["first_ms"] > data["compile"]["cached_ms"] > 0
     assert [d["batch_size"] for d in data["decode"]] == [1, 3]
     assert all(d["free_step_ms"] > 0 and d["grammar_step_ms"] > 0 for d in data["decode"])
+
+
+def test_offline_command_reports_a_moe_models_expert_load(tmp_path, capsys):
+    """Per MoE layer: the tokens each expert got during the run (warm-up excluded; a token counts
+    once for each of its top-2 experts) in the JSON, and how uneven they were in the table."""
+    from tiny_models import make_model
+
+    model_dir = make_model(tmp_path / "tiny-qwen2-moe", "qwen2_moe")  # experts in layers 0 and 2, 8 of them
+    out = tmp_path / "offline.json"
+    args = parse(["offline", "--model", str(model_dir), "--dtype", "float32", "--num-prompts", "4",
+                  "--input-len", "12", "--output-len", "3", "--output-json", str(out)])  # fmt: skip
+    assert args.func(args) == 0
+    text = capsys.readouterr().out
+    assert "expert load of this run" in text and "max/mean" in text
+    r = json.loads(out.read_text())["results"]
+    # tokens through the model: the uncached prompts, then every output token but each request's last
+    forwarded = r["input_tokens"] - r["cached_tokens"] + r["output_tokens"] - r["num_requests"]
+    assert {layer: len(counts) for layer, counts in r["expert_load"].items()} == {"0": 8, "2": 8}
+    for layer, counts in r["expert_load"].items():
+        summary = r["expert_load_summary"][layer]
+        assert summary["tokens"] == sum(counts) == 2 * forwarded
+        assert summary["max_over_mean"] == max(counts) / (sum(counts) / 8)
+
+
+def test_kv_layout_command_from_a_config_alone(llama_dir, tmp_path, capsys):
+    """DeepSeek-V2-Lite's published attention fields: a 576-value latent per layer (27 x 576 x 2 bytes
+    in bf16) against 16 heads of K 192 + V 128; a dense model's pool is K and V of its KV heads."""
+    config = tmp_path / "deepseek-v2-lite" / "config.json"
+    config.parent.mkdir()
+    config.write_text(json.dumps({
+        "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
+        "hidden_size": 2048, "num_hidden_layers": 27, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "kv_lora_rank": 512, "q_lora_rank": None, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+        "v_head_dim": 128, "intermediate_size": 10944, "moe_intermediate_size": 1408, "n_routed_experts": 64,
+        "n_shared_experts": 2, "num_experts_per_tok": 6, "first_k_dense_replace": 1, "topk_method": "greedy",
+    }))  # fmt: skip
+    out = tmp_path / "kv.json"
+    args = parse(["kv-layout", "--model", str(config), str(llama_dir), "--output-json", str(out)])
+    assert args.func(args) == 0
+    assert "8.9x" in capsys.readouterr().out
+    mla, dense = json.loads(out.read_text())["results"]
+    assert (mla["bytes_per_token"], mla["per_head_bytes_per_token"]) == (27 * 576 * 2, 27 * 16 * 320 * 2)
+    # the tiny Llama: 2 layers x K and V x 2 KV heads x head_dim 16, bf16
+    assert (dense["bytes_per_token"], dense["per_head_bytes_per_token"]) == (2 * 2 * 2 * 16 * 2, None)

@@ -57,6 +57,7 @@ def test_offline_counts_tokens_and_reports_the_window(engine, tiny_tokenizer):
     assert r.num_requests == 10 and r.output_tokens == out_len and r.input_tokens == in_len
     assert r.total_tok_s == pytest.approx((in_len + out_len) / r.duration_s)
     assert r.window is not None and r.window.step_source == "engine decode steps"
+    assert r.expert_load is None and r.expert_load_summary is None  # a dense model
 
 
 def test_offline_shared_prefix_hits_the_radix_cache_only_when_enabled(llama_dir, tiny_tokenizer):

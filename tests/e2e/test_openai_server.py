@@ -396,6 +396,7 @@ def test_admin_endpoints(server):
             assert busy.status_code == 409 and "in flight" in busy.json()["error"]["message"]
         info = _wait_idle(server)
         assert info["engine"]["context_len"] == 512 and info["server_config"]["api_key"] == "<redacted>"
+        assert info["engine"]["num_experts"] == 0 and info["expert_load"] is None  # a dense model
 
 
 def test_frontend_process_never_loads_torch(server, oai):
@@ -438,3 +439,4 @@ def test_metrics_move_after_traffic(server, oai):
         "strata:cache_hit_rate",
     ):
         assert gauge in after
+    assert "strata:moe_expert_tokens" not in after  # a dense model has no experts to count

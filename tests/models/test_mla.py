@@ -14,7 +14,7 @@ from test_disagg import run_pair
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
 from test_hicache import LONG, check_hierarchy_leaks, fill_l1, make_engine, run_one
 from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
-from tiny_models import MLA_FAMILIES, make_model
+from tiny_models import MLA_FAMILIES, constant_tensors, make_model
 
 from strata import Engine, SamplingParams
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
@@ -33,6 +33,12 @@ LATENT_DIM = 32 + 8  # tiny_models' kv_lora_rank + qk_rope_head_dim
 def mla_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("mla_models")
     return {family: make_model(root / family, family, tokenizer=False) for family in MLA_FAMILIES}
+
+
+def test_tiny_checkpoints_hold_no_constant_tensor(mla_models):
+    """DeepSeek-V3's e_score_correction_bias (zeros in transformers), biases and norms are drawn at
+    random, so a correction bias or norm that is loaded wrongly or not at all shows in the logits."""
+    assert {family: constant_tensors(d) for family, d in mla_models.items()} == dict.fromkeys(mla_models, [])
 
 
 @pytest.fixture(scope="module")

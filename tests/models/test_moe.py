@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
-from tiny_models import MOE_FAMILIES, make_model
+from tiny_models import MOE_FAMILIES, constant_tensors, make_model
 
 from strata import Engine, SamplingParams
 from strata.config import ModelConfig
@@ -32,6 +32,12 @@ def expected(moe_models):
         ref = hf_model(model_dir)
         out[family] = [hf_greedy(ref, p, GREEDY.max_new_tokens) for p in [*PROMPTS, SHARED]]
     return out
+
+
+def test_tiny_checkpoints_hold_no_constant_tensor(moe_models):
+    """Router and expert biases, GPT-OSS's sinks, norms: nothing a parity test reads is left at the
+    one value transformers initialises it to, so a weight loaded wrongly or not at all shows."""
+    assert {family: constant_tensors(d) for family, d in moe_models.items()} == dict.fromkeys(moe_models, [])
 
 
 def test_dense_and_sparse_layers_follow_the_config(moe_models):

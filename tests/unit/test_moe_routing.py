@@ -135,3 +135,14 @@ def test_grouped_linear_backends_equal_a_per_token_loop():
     torch.testing.assert_close(grouped_linear(x, w, ends, "loop"), expected)
     if grouped_mm_works("cpu", torch.float32):
         torch.testing.assert_close(grouped_linear(x, w, ends, "grouped_mm"), expected)
+
+
+def test_expert_load_summary_names_the_busiest_expert_and_the_imbalance():
+    from strata.layers.expert_load import expert_load_delta, expert_load_summary
+
+    before, after = {1: [0, 2, 0, 0], 3: [0, 0, 0, 0]}, {1: [0, 8, 2, 0], 3: [0, 0, 0, 0]}
+    assert expert_load_delta(after, before) == {1: [0, 6, 2, 0], 3: [0, 0, 0, 0]}
+    summary = expert_load_summary(expert_load_delta(after, before))
+    assert summary[1] == {"tokens": 8, "busiest_expert": 1, "max_tokens": 6, "mean_tokens": 2.0,
+                          "max_over_mean": 3.0, "idle_experts": 2}
+    assert summary[3]["max_over_mean"] is None and summary[3]["idle_experts"] == 4  # no token yet

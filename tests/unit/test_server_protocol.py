@@ -75,6 +75,34 @@ def test_messages_round_trip_without_pickle():
         io.decode_to_engine(io.encode(batch))  # an engine->frontend message is not a frontend->engine one
 
 
+def test_expert_load_travels_on_request_and_renders_one_series_per_expert():
+    """A MoE model's per-expert counts ride only in requested stats; /metrics renders them as
+    `strata:moe_expert_tokens{layer, expert}` in valid exposition text (label values escaped), and
+    the stats sent with outputs (no counts) leave the last ones in place."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from strata.layers.expert_load import expert_load_summary
+    from strata.server.metrics import ServerMetrics
+
+    assert io.decode_to_engine(io.encode(io.StatsReq(3, expert_load=True))) == io.StatsReq(3, True)
+    load = {0: [5, 0, 3], 2: [1, 1, 6]}
+    stats = io.EngineStats(num_running=1, expert_load=load, expert_load_summary=expert_load_summary(load))
+    decoded = io.decode_from_engine(io.encode(io.StatsResult(1, stats)))
+    assert decoded.stats == stats and decoded.stats.expert_load == load  # layer keys stay ints
+    metrics = ServerMetrics('tiny "moe"\\')
+    metrics.on_stats(stats)
+    metrics.on_stats(io.EngineStats())  # as sent with a batch of outputs
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    experts = families["strata:moe_expert_tokens"]
+    assert experts.type == "gauge"
+    assert {(s.labels["layer"], s.labels["expert"]): s.value for s in experts.samples} == {
+        ("0", "0"): 5, ("0", "1"): 0, ("0", "2"): 3, ("2", "0"): 1, ("2", "1"): 1, ("2", "2"): 6,
+    }  # fmt: skip
+    assert {s.labels["model_name"] for s in experts.samples} == {'tiny "moe"\\'}
+    assert "strata:num_running_reqs" in families
+    assert "moe_expert_tokens" not in ServerMetrics("dense").render().decode()
+
+
 def test_max_tokens_defaults_and_limits():
     assert resolve_max_tokens(None, 10, 512, 10_000, default=None) == 502  # to the end of the context
     assert resolve_max_tokens(None, 10, 512, 100, default=None) == 91  # ... bounded by the KV pool
