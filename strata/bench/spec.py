@@ -44,6 +44,7 @@ GROUNDED_INSTRUCTION = (
     "Here is a passage from a program's documentation:\n\n{passage}\n\n"
     "Rewrite the passage above with any spelling mistakes corrected. Keep everything else exactly as it is."
 )
+LOOKUP_CONTEXT_LEN = 2048  # llama.cpp's context in this bench (prompts here stay below ~600 + output)
 CHAT_TEMPLATES = (
     "Write a short story about {}.", "Explain {} to a ten-year-old.", "What are the pros and cons of {}?",
     "Give me five tips about {}.", "Write a poem about {}.", "Describe a day in the life of {}.",
@@ -207,11 +208,11 @@ class _LlamaCpp:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        from strata.bench.llamacpp import CONTEXT_LEN
-
         def make(draft):
-            return Llama(model_path=str(gguf), n_ctx=CONTEXT_LEN, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, verbose=False)
+            # verifying drafts reads every fed row's logits: llama-cpp-python keeps them only with
+            # logits_all (n_ctx x vocab floats, so a smaller context than the other targets)
+            return Llama(model_path=str(gguf), n_ctx=LOOKUP_CONTEXT_LEN, n_threads=threads, n_threads_batch=threads,
+                         draft_model=draft, logits_all=draft is not None, verbose=False)
 
         self.plain = make(None)
         self.lookup = make(LlamaPromptLookupDecoding(num_pred_tokens=8))
