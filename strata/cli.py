@@ -1,4 +1,4 @@
-"""`strata generate | chat | serve` — one argparse tree."""
+"""`strata generate | chat | serve | router | bench | plan` — one argparse tree."""
 
 from __future__ import annotations
 
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.bench.cli import add_bench_args
 
     add_bench_args(sub)
+    from strata.plan.cli import add_plan_args
+
+    add_plan_args(sub)
 
     try:
         from strata.server.launch import add_serve_args, serve_main
