@@ -143,6 +143,7 @@ inline int64_t window_start(int64_t pos, int64_t window) {
 // at out_slots. Query head h reads KV head h / (H / Hkv). Softmax is online, in float.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kKeyTile = 64;
+constexpr int64_t kSplitKeys = 256;  // decode attention: keys per range a long sequence is split into
 
 template <typename QT, typename CT>
 void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache, at::Tensor& v_cache,
@@ -355,15 +356,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
 
-  // Few (token, KV head) items for the threads (one long sequence): split each item's keys into
-  // `splits` ranges, attend them in parallel, then merge the partial softmaxes.
-  const int64_t nthreads = at::get_num_threads();
+  // Long key ranges are split into ranges of kSplitKeys keys, attended in parallel, and their
+  // partial softmaxes merged in order. The ranges depend on the token's own keys only, never on
+  // the rest of the batch, so a token's result is the same whatever it is batched with (a lone
+  // decode, or the k + 1 entries of a speculative verification).
   int64_t max_n = 0;
   for (int64_t t = 0; t < T; ++t) max_n = std::max(max_n, pos[t] + 1 - window_start(pos[t], window));
-  int64_t splits = 1;
-  if (T * Hkv < 2 * nthreads) {
-    splits = std::min<int64_t>((2 * nthreads + T * Hkv - 1) / (T * Hkv), std::max<int64_t>(1, max_n / 256));
-  }
+  const int64_t splits = std::max<int64_t>(1, (max_n + kSplitKeys - 1) / kSplitKeys);
   std::vector<float> part_m, part_l, part_acc;
   if (splits > 1) {
     part_m.resize(T * Hkv * splits * G);
@@ -379,8 +378,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       const int64_t split = item % splits, tk = item / splits;
       const int64_t t = tk / Hkv, kvh = tk % Hkv;
       const int64_t first = window_start(pos[t], window), n = pos[t] + 1;  // keys [first, n)
-      const int64_t chunk = (n - first + splits - 1) / splits;
-      const int64_t jbeg = std::min(n, first + split * chunk), jend = std::min(n, jbeg + chunk);
+      const int64_t jbeg = std::min(n, first + split * kSplitKeys), jend = std::min(n, jbeg + kSplitKeys);
       const int64_t* pages = pt + own[t] * pages_per_row;
       for (int64_t g = 0; g < G; ++g) {
         const QT* src = qp + t * q_stride + (kvh * G + g) * D;
@@ -466,7 +464,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         for (int64_t d = 0; d < D; ++d) sum[d] += w * part_acc[idx * D + d];
       }
       QT* dst = op + (t * H + kvh * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(sum[d] / total);
+      const float inv = 1.f / total;  // as the unsplit path: one range gives bit-identical results
+      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(sum[d] * inv);
     }
   }
 }
