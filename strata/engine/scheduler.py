@@ -357,7 +357,7 @@ class Scheduler(WindowKV, KVAccounting):
 
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
-        need = math.ceil(end / self.page_size) - len(req.pages)
+        need = self._pages_short(req, end)
         if need <= 0:
             return True
         if not self.cache.make_room(need):
