@@ -108,6 +108,7 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the experts of the layers whose `LayerSpec.moe` is set
     # multi-head latent attention (DeepSeek-V2/V3) in every layer; head_dim is then its RoPE part
     mla: MLAConfig | None = None
+    mtp_layers: int = 0  # multi-token prediction layers stored past the last (strata.models.mtp)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
@@ -199,6 +200,7 @@ class ModelConfig:
             hidden_act=(text.get("hidden_activation") if gemma else None) or text.get("hidden_act", "silu"),
             moe=moe,
             mla=mla,
+            mtp_layers=int(text.get("num_nextn_predict_layers", text.get("num_mtp_layers")) or 0),
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
@@ -280,7 +282,7 @@ HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout") 
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
-SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft")  # strata.engine.speculative
+SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
@@ -383,7 +385,8 @@ class EngineConfig:
     disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
     # speculative decoding (strata.engine.speculative)
-    speculative_algorithm: str = "none"  # none | ngram (prompt lookup over the request and recent requests) | draft
+    # none | ngram (prompt lookup over the request and recent requests) | draft | mtp (the checkpoint's MTP layer)
+    speculative_algorithm: str = "none"
     speculative_draft_model: str | None = None  # --speculative-algorithm draft: a smaller model with the same tokenizer
     speculative_num_draft_tokens: int = 8  # most tokens a request drafts per step
     speculative_ngram_min: int = 2  # shortest n-gram a draft is looked up by
@@ -486,8 +489,9 @@ _HELP = {
     "are deleted beyond it (each replica sharing the directory bounds all of it, learning the others' pages "
     "every few minutes; redis: bound the server with its maxmemory)",
     "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, ngram "
-    "(prompt lookup over the request's own text and recent requests') or draft (a smaller model, "
-    "--speculative-draft-model); how many each request drafts adapts to its acceptance and to the load "
+    "(prompt lookup over the request's own text and recent requests'), draft (a smaller model, "
+    "--speculative-draft-model) or mtp (the checkpoint's multi-token prediction layer, DeepSeek-V3's); "
+    "how many each request drafts adapts to its acceptance and to the load "
     "(--speculative-fixed-length turns that off)",
     "speculative_fixed_length": "with --speculative-algorithm: always draft up to --speculative-num-draft-tokens "
     "(no adaptive policy; for measuring)",

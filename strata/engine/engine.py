@@ -229,8 +229,8 @@ class Engine:
             self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
         )
         draft = (
-            self._make_draft_model(model_config.vocab_size, dtype, device, num_pages, context_len)
-            if cfg.speculative_draft_model else None
+            self._make_draft_model(model_dir, model_config.vocab_size, dtype, device, num_pages, context_len)
+            if cfg.speculative_algorithm in ("draft", "mtp") else None
         )
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, draft_model=draft
@@ -330,12 +330,20 @@ class Engine:
         return HiCache(hc, kv_pool, device, namespace, storage)
 
     def _make_draft_model(
-        self, vocab: int, dtype: torch.dtype, device: torch.device, num_pages: int, context_len: int
+        self, model_dir: Path, vocab: int, dtype: torch.dtype, device: torch.device, num_pages: int,
+        context_len: int,
     ):
-        """--speculative-algorithm draft: the draft model, with as many KV tokens as the target."""
+        """--speculative-algorithm draft: the draft model; mtp: the checkpoint's multi-token
+        prediction layer. Either with as many KV tokens as the target."""
         from strata.engine.draft_model import DraftModelDrafter
+        from strata.engine.mtp import MTPDrafter
 
         cfg = self.config
+        if cfg.speculative_algorithm == "mtp":
+            return MTPDrafter(
+                self.model, model_dir, dtype=dtype, device=device, num_tokens=num_pages * cfg.page_size,
+                page_size=cfg.page_size, quantization=cfg.quantization, context_len=context_len, vocab_size=vocab,
+            )
         return DraftModelDrafter(
             cfg.speculative_draft_model, self.tokenizer, vocab, dtype=dtype, device=device,
             num_tokens=num_pages * cfg.page_size, page_size=cfg.page_size, quantization=cfg.quantization,

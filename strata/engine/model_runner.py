@@ -37,6 +37,9 @@ class ModelRunner:
         self.quantized_row_limit = min(
             (m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)), default=None
         )
+        # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
+        self.keep_hidden = False
+        self.hidden: torch.Tensor | None = None
 
     def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -124,6 +127,7 @@ class ModelRunner:
     def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
         fb = self.prepare(batch)
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+        self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:
             return None
         # grammar masks are computed on the CPU while an accelerator runs the forward

@@ -87,8 +87,10 @@ class Scheduler(WindowKV, KVAccounting):
         self.prealloc: dict[str, Req] = {}
         self.before_release: Callable[[Req], None] | None = None
         self.disagg = None
-        # speculative decoding; draft_model: a DraftModelDrafter for --speculative-algorithm draft
+        # speculative decoding; draft_model: a DraftModelDrafter (--speculative-algorithm draft) or
+        # an MTPDrafter (mtp, which reads the target's hidden states after every step)
         self.spec = Speculator(config, draft_model) if config.speculative_algorithm != "none" else None
+        runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -246,6 +248,7 @@ class Scheduler(WindowKV, KVAccounting):
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
             start = time.perf_counter()
+            fed_from = [r.kv_len for r in batch.reqs]
             try:
                 sampled = self.runner.forward(batch)
             except Exception as exc:  # a failed forward fails its requests, not the engine
@@ -258,6 +261,7 @@ class Scheduler(WindowKV, KVAccounting):
                 self.process_results(batch, sampled)
                 if self.spec is not None:
                     self.spec.observe_step(batch.num_tokens, time.perf_counter() - start)
+                    self.spec.after_step(batch, fed_from, self.runner.hidden)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
 

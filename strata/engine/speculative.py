@@ -323,6 +323,19 @@ class Speculator:
     def observe_step(self, tokens: int, seconds: float) -> None:
         self.policy.cost.observe(tokens, seconds)
 
+    def after_step(self, batch, fed_from: list[int], hidden) -> None:
+        """An MTP drafter takes each unfinished request's newly committed positions (from `fed_from`,
+        its KV length before the step, to its KV length now) with the target's hidden states there."""
+        if hidden is None or not getattr(self.draft_model, "needs_hidden", False):
+            return
+        items, row = [], 0
+        for req, n, p0 in zip(batch.reqs, batch.extend_lens, fed_from):
+            m = req.kv_len - p0
+            if not req.finished and m > 0:
+                items.append((req.rid, p0, hidden[row : row + m], req.seq_slice(p0 + 1, p0 + 1 + m)))
+            row += n
+        self.draft_model.extend(items)
+
     def finish(self, rid: str) -> None:
         self.drafter.finish(rid)
         if self.draft_model is not None:
