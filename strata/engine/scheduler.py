@@ -248,7 +248,7 @@ class Scheduler(WindowKV, KVAccounting):
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
             start = time.perf_counter()
-            fed_from = [r.kv_len for r in batch.reqs]
+            watch = self.spec.watch(batch) if self.spec is not None else None
             try:
                 sampled = self.runner.forward(batch)
             except Exception as exc:  # a failed forward fails its requests, not the engine
@@ -259,9 +259,8 @@ class Scheduler(WindowKV, KVAccounting):
                         self._finish(req, "error")
             else:
                 self.process_results(batch, sampled)
-                if self.spec is not None:
-                    self.spec.observe_step(batch.num_tokens, time.perf_counter() - start)
-                    self.spec.after_step(batch, fed_from, self.runner.hidden)
+                if watch is not None:
+                    self.spec.observe(watch, time.perf_counter() - start, self.runner.hidden)
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
 
@@ -296,7 +295,7 @@ class Scheduler(WindowKV, KVAccounting):
             limit = self.runner.quantized_row_limit
             if limit is not None and base < limit:  # drafts keep the step's arithmetic what it was
                 budget = min(budget, limit - 1 - base)
-            verifying = self._plan_drafts(decodes, base, budget)
+            verifying = self._plan_drafts(decodes, len(decodes), budget)
             decodes = [r for r in decodes if not r.draft_ids]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
         return ScheduleBatch(

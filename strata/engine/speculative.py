@@ -11,11 +11,14 @@ Here:
   * `NgramDrafter` — prompt lookup: the longest recent n-gram of the request's own text that occurred
     before in it (or, failing that, in recent requests' texts, `SharedNgramIndex`) proposes what
     followed it.
-  * `StepCost` — an online fit of step time against tokens in the step, t(T) = a + b T.
+  * `StepCost` — an online fit of step time, a + b * rows + c * prefill tokens, per batch size.
   * `DraftPolicy` — how many drafts each request feeds this step: a token is added while its
     expected acceptance (learned per request and per n-gram match length) buys more output per
     second than it costs (b, weighed against the step's a + b T). As the batch grows, the cost of a
     token grows relative to what it gains, and drafting stops on its own.
+  * `DraftGuard` — what drafting actually bought, measured: per batch size, the output rate of
+    steps that fed drafts against steps that did not (their prefill chunks' cost taken out). Where the model's choices measure slower, the
+    policy stands down (so that turning speculation on does not make a busy server slower).
   * `SpecStats` — counters for /metrics and the response.
 """
 
@@ -26,10 +29,17 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 DEFAULT_PRIOR_ACCEPT = 0.5  # assumed per-token acceptance before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-trials the learned per-match-length rate counts for, against a request's own
 REQUEST_DECAY = 0.9  # a request's acceptance history forgets at this rate per verify step
 MAX_SLOPE_GUESS = 32.0  # before the cost of a token is measured: a step of 33 tokens costs two of one
+GUARD_DECAY = 0.95  # the guard's output rates forget at this rate per step of their batch size
+GUARD_MIN_STEPS = 3.0  # (decayed) steps an arm needs before the guard compares it
+EXPLORE_EVERY = 16  # one step in this many (per batch size) takes the arm the guard would not
+EXPLORE_FIRST = 3  # until the plain arm is measured, one step in this many does not draft
+MIN_FIT_STEPS = 8.0  # (decayed) steps a batch size needs before its own cost fit is used
 
 
 # ---------------------------------------------------------------------------- n-gram drafting
@@ -140,39 +150,87 @@ class NgramDrafter:
 
 
 class StepCost:
-    """Step time against tokens in the step, t(T) = a + b T, fitted by least squares with forgetting
-    over every step the engine runs (prefill chunks and verifications included)."""
+    """Step time t = a + b * rows + c * prefill_tokens (rows: decoding requests' tokens and drafted
+    ones; prefill_tokens: the step's prefill chunks), fitted by least squares with forgetting, per
+    batch size (decoding requests, by powers of two: the kernels a step runs change with its rows,
+    so one line over every size would misprice a row) and over all steps for sizes seen too rarely."""
 
     def __init__(self, decay: float = 0.99):
         self.decay = decay
-        self.w = self.st = self.stt = self.sd = self.std = 0.0
+        self.fits: dict[int | None, np.ndarray] = {}  # bucket (None: all) -> decayed [X^T X | X^T t]
 
-    def observe(self, tokens: int, seconds: float) -> None:
-        d = self.decay
-        self.w = self.w * d + 1.0
-        self.st = self.st * d + tokens
-        self.stt = self.stt * d + tokens * tokens
-        self.sd = self.sd * d + seconds
-        self.std = self.std * d + tokens * seconds
+    def observe(self, num_decodes: int, rows: int, prefill_tokens: int, seconds: float) -> None:
+        x = np.array([1.0, rows, prefill_tokens])
+        for key in (None, batch_bucket(num_decodes)):
+            m = self.fits.get(key)
+            if m is None:
+                m = self.fits[key] = np.zeros((3, 4))
+            m *= self.decay
+            m[:, :3] += np.outer(x, x)
+            m[:, 3] += x * seconds
 
-    @property
-    def measured(self) -> bool:
-        return self.w > 0
+    def coefficients(self, num_decodes: int) -> tuple[float, float, float]:
+        """(a, b, c): seconds, seconds per row, seconds per prefill token at this batch size. Until
+        the steps seen vary in rows enough to tell b, it is guessed as a / MAX_SLOPE_GUESS."""
+        m = self.fits.get(batch_bucket(num_decodes))
+        if m is None or m[0, 0] < MIN_FIT_STEPS:
+            m = self.fits.get(None)
+        if m is None:
+            return 0.0, 0.0, 0.0
+        xtx, xty = m[:, :3], m[:, 3]
+        w = xtx[0, 0]
+        mean_rows = xtx[0, 1] / w
+        ridge = np.diag([0.0, 1e-6 * w, 1e-6 * w])  # keeps the system solvable where a feature never varies
+        if xtx[1, 1] / w - mean_rows * mean_rows > 1.0:
+            a, b, c = np.linalg.solve(xtx + ridge, xty)
+            if a > 0 and b >= 0:
+                return float(a), float(b), max(0.0, float(c))
+        # rows barely vary: fit t = a' + c * prefill, then split a' = a + b * mean_rows by the guess
+        keep = [0, 2]
+        a1, c = np.linalg.solve(xtx[np.ix_(keep, keep)] + ridge[np.ix_(keep, keep)], xty[keep])
+        a = max(float(a1), 0.0) / (1.0 + mean_rows / MAX_SLOPE_GUESS)
+        return a, a / MAX_SLOPE_GUESS, max(0.0, float(c))
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b) in seconds and seconds per token. Until the steps seen vary in size enough to tell
-        b, it is guessed as a / MAX_SLOPE_GUESS."""
-        if not self.w:
-            return 0.0, 0.0
-        mean_t, mean_d = self.st / self.w, self.sd / self.w
-        var = self.stt / self.w - mean_t * mean_t
-        if var > 1.0:
-            b = max(0.0, (self.std / self.w - mean_t * mean_d) / var)
-            a = mean_d - b * mean_t
-            if a > 0:
-                return a, b
-        a = mean_d / (1.0 + mean_t / MAX_SLOPE_GUESS)
-        return a, a / MAX_SLOPE_GUESS
+
+def batch_bucket(num_decodes: int) -> int:
+    """Batch sizes by powers of two: 1, 2, 3-4, 5-8, ..., 33-64, ..."""
+    return (max(1, num_decodes) - 1).bit_length()
+
+
+class DraftGuard:
+    """Per batch size (decoding requests, by powers of two): the output rate — tokens the decoding
+    requests yielded per second of decoding (a step's time less its prefill chunks' estimated cost)
+    — of steps that fed drafts and of those that did not, decayed. Where drafting
+    has measured slower than not, `allows` says no; one step in EXPLORE_EVERY takes the other arm
+    (drafting where it is vetoed, plain where the policy always drafts), so both rates stay measured
+    and a veto lifts when drafting pays again."""
+
+    def __init__(self) -> None:
+        self.arms: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> [tokens, seconds, steps]
+        self.turns: dict[int, int] = {}
+
+    def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
+        arm = self.arms.setdefault((batch_bucket(num_decodes), drafted), [0.0, 0.0, 0.0])
+        d = GUARD_DECAY
+        arm[0], arm[1], arm[2] = arm[0] * d + tokens, arm[1] * d + seconds, arm[2] * d + 1.0
+
+    def rate(self, num_decodes: int, drafted: bool) -> float | None:
+        """Measured tokens per second of this arm at this batch size (None: too few steps yet)."""
+        arm = self.arms.get((batch_bucket(num_decodes), drafted))
+        if arm is None or arm[2] < GUARD_MIN_STEPS or arm[1] <= 0:
+            return None
+        return arm[0] / arm[1]
+
+    def allows(self, num_decodes: int) -> bool:
+        """Whether this step may feed the drafts the policy chooses (called once per step)."""
+        b = batch_bucket(num_decodes)
+        turn = self.turns[b] = self.turns.get(b, 0) + 1
+        plain, drafted = self.rate(num_decodes, False), self.rate(num_decodes, True)
+        if plain is None:
+            return turn % EXPLORE_FIRST != 0  # measure the plain rate soon
+        if drafted is None:
+            return True
+        return (drafted >= plain) != (turn % EXPLORE_EVERY == 0)
 
 
 @dataclass
@@ -192,6 +250,8 @@ class DraftPolicy:
         self.max_draft = max_draft
         self.adaptive = adaptive
         self.cost = StepCost()
+        self.guard = DraftGuard()
+        self.vetoed = False  # whether the guard stood the last step's drafts down
         # accepted / tried drafted tokens per n-gram match length, decayed
         self.by_match: dict[int, list[float]] = {}
 
@@ -206,17 +266,22 @@ class DraftPolicy:
     def choose(self, candidates: list[Candidate], base_tokens: int, num_decodes: int, budget: int) -> list[int]:
         """Draft lengths (<= len(draft), summing to <= budget), in the order of `candidates`.
 
-        base_tokens: tokens of the step without drafts; num_decodes: requests that yield a token
-        (the step's output without drafts). A drafted token at depth j of a request with acceptance
-        p is expected to add p^j tokens of output; tokens are taken best first while
-        (E + gain) / t(T + 1) > E / t(T)."""
+        base_tokens: rows of the step without drafts (its decoding requests; a prefill chunk in the
+        step makes it longer, which only makes a drafted row relatively cheaper, so leaving it out
+        errs towards drafting less); num_decodes: requests that yield a token (the step's output
+        without drafts). A drafted token at depth j of a request with acceptance p is expected to
+        add p^j tokens of output; tokens are taken best first while (E + gain) / t(T + 1) > E / t(T),
+        and the guard may veto them all."""
         lengths = [0] * len(candidates)
         if not self.adaptive:
             for i, c in enumerate(candidates):
                 lengths[i] = min(len(c.draft), self.max_draft, max(0, budget))
                 budget -= lengths[i]
             return lengths
-        a, b = self.cost.coefficients()
+        self.vetoed = bool(candidates) and not self.guard.allows(num_decodes)
+        if not candidates or self.vetoed:
+            return lengths
+        a, b, _ = self.cost.coefficients(num_decodes)
         heap = [(-c.accept_rate, i, 1) for i, c in enumerate(candidates) if c.draft]
         heapq.heapify(heap)
         expected, tokens = float(max(num_decodes, 1)), base_tokens
@@ -251,6 +316,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     declined: int = 0  # request-steps with a proposal the policy chose not to feed
+    vetoed: int = 0  # of those, request-steps the guard stood down (drafting measured slower at that load)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # chosen length -> request-steps
 
     @property
@@ -264,9 +330,20 @@ class SpecStats:
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
             "declined": self.declined,
+            "vetoed": self.vetoed,
             "mean_accept_len": self.mean_accept_len,
             "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
         }
+
+
+@dataclass
+class StepWatch:
+    batch: object  # the step's ScheduleBatch
+    fed_from: list[int]  # each request's KV length before the step
+    decoding: list  # its requests that decode or verify (not prefill)
+    outputs: int  # their output tokens before it
+    drafted: int  # drafted tokens it feeds
+    verifying: int  # requests feeding drafts
 
 
 class Speculator:
@@ -301,6 +378,7 @@ class Speculator:
                 candidates.append(Candidate(req, draft, match_len, self.policy.accept_rate(req.spec_history, match_len)))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
         self.stats.declined += sum(1 for k in lengths if k == 0)
+        self.stats.vetoed += len(lengths) if self.policy.vetoed else 0
         chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
         if self.draft_model is not None:
             drafts = self.draft_model.draft([(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen])
@@ -320,16 +398,36 @@ class Speculator:
         s.accepted_tokens += accepted
         s.draft_lengths[drafted] = s.draft_lengths.get(drafted, 0) + 1
 
-    def observe_step(self, tokens: int, seconds: float) -> None:
-        self.policy.cost.observe(tokens, seconds)
+    def watch(self, batch) -> StepWatch:
+        """What `observe` needs to know of a step from before it runs."""
+        decoding = [r for i, r in enumerate(batch.reqs) if i < batch.num_decode or r.draft_ids]
+        return StepWatch(
+            batch=batch,
+            fed_from=[r.kv_len for r in batch.reqs],
+            decoding=decoding,
+            outputs=sum(len(r.output_ids) for r in decoding),
+            drafted=sum(len(r.draft_ids) for r in batch.reqs),
+            verifying=len(decoding) - batch.num_decode,
+        )
 
-    def after_step(self, batch, fed_from: list[int], hidden) -> None:
-        """An MTP drafter takes each unfinished request's newly committed positions (from `fed_from`,
-        its KV length before the step, to its KV length now) with the target's hidden states there."""
+    def observe(self, w: StepWatch, seconds: float, hidden) -> None:
+        """After a step: its cost and what its decoding requests yielded (for the cost fit and the
+        guard), and, for an MTP drafter, each unfinished request's newly committed positions (from
+        its KV length before the step to its KV length now) with the target's hidden states there."""
+        batch = w.batch
+        rows = batch.num_decode + w.verifying + w.drafted
+        decodes, prefill = batch.num_decode + w.verifying, batch.num_tokens - rows
+        if decodes:
+            cost = self.policy.cost
+            cost.observe(decodes, rows, prefill, seconds)
+            # the guard compares decoding time: the step's, less what its prefill chunks cost
+            decoding = max(seconds - cost.coefficients(decodes)[2] * prefill, 0.1 * seconds)
+            yielded = sum(len(r.output_ids) for r in w.decoding) - w.outputs
+            self.policy.guard.observe(decodes, w.drafted > 0, yielded, decoding)
         if hidden is None or not getattr(self.draft_model, "needs_hidden", False):
             return
         items, row = [], 0
-        for req, n, p0 in zip(batch.reqs, batch.extend_lens, fed_from):
+        for req, n, p0 in zip(batch.reqs, batch.extend_lens, w.fed_from):
             m = req.kv_len - p0
             if not req.finished and m > 0:
                 items.append((req.rid, p0, hidden[row : row + m], req.seq_slice(p0 + 1, p0 + 1 + m)))

@@ -9,7 +9,8 @@ so one class serves both.
 Its checkpoint names the shared experts `mlp.shared_experts` (ours: `mlp.shared_expert`, one MLP
 of n_shared_experts * moe_intermediate_size); q and the latent have projections of their own, so
 only gate/up are fused. DeepSeek-V3's published checkpoints hold a multi-token-prediction layer
-after the last one (`model.layers.{num_hidden_layers}`), skipped here; their FP8 weights (with
+after the last one (`model.layers.{num_hidden_layers}`), skipped here (`strata.models.mtp` loads it
+for `--speculative-algorithm mtp`); their FP8 weights (with
 `weight_scale_inv` tensors) are refused with a message.
 """
 

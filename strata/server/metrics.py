@@ -96,7 +96,8 @@ class ServerMetrics:
         # speculative decoding's counters, cumulative in the engine
         self.spec_counts = Gauge(
             "strata:spec_events", "Speculative decoding since start: verify_steps (request-steps that fed "
-            "drafts), drafted_tokens, accepted_tokens, declined (proposals the policy chose not to feed).",
+            "drafts), drafted_tokens, accepted_tokens, declined (proposals the policy chose not to feed), vetoed "
+            "(of those, the ones its guard stood down: drafting measured slower at that batch size).",
             ["model_name", "kind"], registry=r,
         )  # fmt: skip
         self.spec_accept_len = gauge(
@@ -155,7 +156,7 @@ class ServerMetrics:
                 self.hicache_events.labels(m, kind).set(h[kind])
         spec = stats.spec
         if spec:
-            for kind in ("verify_steps", "drafted_tokens", "accepted_tokens", "declined"):
+            for kind in ("verify_steps", "drafted_tokens", "accepted_tokens", "declined", "vetoed"):
                 self.spec_counts.labels(self.model_name, kind).set(spec[kind])
             self.spec_accept_len.set(spec["mean_accept_len"])
             for length, steps in spec["draft_lengths"].items():

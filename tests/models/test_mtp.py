@@ -203,3 +203,15 @@ def test_checkpoints_without_the_layer_are_refused(tmp_path):
     none = make_model(tmp_path / "none", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         mtp_engine(none)
+
+
+def test_int8_weights_quantize_the_layer_and_keep_the_output(mtp_model):
+    model_dir = mtp_model[0]
+    params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, quantization="int8")
+    engine = mtp_engine(model_dir, quantization="int8")
+    drafter = engine.scheduler.spec.draft_model
+    assert type(drafter.layer.decoder.layers[0].self_attn.o_proj).__name__ == "Q8Linear"
+    expected = [r.choices[0].token_ids for r in plain.generate(PROMPTS, params)]
+    assert [r.choices[0].token_ids for r in engine.generate(PROMPTS, params)] == expected
+    assert engine.scheduler.spec.stats.verify_steps > 0

@@ -10,7 +10,16 @@ from collections import Counter
 import pytest
 
 from strata import Engine, SamplingParams
-from strata.engine.speculative import DraftPolicy, NgramDrafter, NgramIndex, SharedNgramIndex, StepCost
+from strata.engine.speculative import (
+    EXPLORE_EVERY,
+    DraftGuard,
+    DraftPolicy,
+    NgramDrafter,
+    NgramIndex,
+    SharedNgramIndex,
+    StepCost,
+    batch_bucket,
+)
 
 REPETITIVE = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
@@ -269,10 +278,15 @@ def test_drafter_prefers_the_requests_own_text_then_recent_requests():
 
 def test_step_cost_fit_and_policy_decisions():
     cost = StepCost()
-    for tokens in [1, 2, 4, 8, 16, 32, 64, 1, 9]:
-        cost.observe(tokens, 0.030 + 0.001 * tokens)
-    a, b = cost.coefficients()
-    assert a == pytest.approx(0.030, rel=1e-6) and b == pytest.approx(0.001, rel=1e-6)
+    for rows, prefill in [(1, 0), (2, 64), (4, 0), (8, 128), (16, 0), (32, 256), (64, 0), (1, 32), (9, 0)]:
+        cost.observe(1, rows, prefill, 0.030 + 0.001 * rows + 0.0002 * prefill)
+    a, b, c = cost.coefficients(1)  # the bucket of one decode has too few steps: the overall fit
+    assert (a, b, c) == pytest.approx((0.030, 0.001, 0.0002), rel=1e-2)
+    # per batch size: steps of 60-64 decodes whose rows cost 4 ms each get their own line
+    for rows in [60, 64, 62, 61, 63, 64, 60, 62, 63, 61, 64, 60]:
+        cost.observe(rows, rows, 0, 0.050 + 0.004 * rows)
+    assert cost.coefficients(64)[:2] == pytest.approx((0.050, 0.004), rel=0.05)
+    assert cost.coefficients(1) == pytest.approx((a, b, c), rel=0.2)
     policy = DraftPolicy(max_draft=8)
     policy.cost = cost
     from strata.engine.speculative import Candidate
@@ -287,6 +301,50 @@ def test_step_cost_fit_and_policy_decisions():
     assert sum(policy.choose(many, base_tokens=64, num_decodes=64, budget=1000)) == 0
     # the budget caps the total
     assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
+
+
+def run_guard(guard: DraftGuard, decodes: int, steps: int, plain_rate: float, draft_rate: float) -> list[bool]:
+    """Steps of one batch size where the policy always wants to draft: what the guard allows, with
+    each arm's measured output rate (tokens per second) as given."""
+    allowed = []
+    for _ in range(steps):
+        ok = guard.allows(decodes)
+        allowed.append(ok)
+        rate = draft_rate if ok else plain_rate
+        guard.observe(decodes, ok, tokens=decodes * 2, seconds=decodes * 2 / rate)
+    return allowed
+
+
+def explorations(allowed: list[bool], arm: bool) -> bool:
+    """Whether `arm` was taken on exactly the exploring steps: one in EXPLORE_EVERY."""
+    return abs(allowed.count(arm) - len(allowed) / EXPLORE_EVERY) <= 1
+
+
+def test_guard_vetoes_drafting_that_measures_slower_and_keeps_measuring():
+    guard = DraftGuard()
+    # drafts slower at 64 decodes: after both arms are measured, only exploring steps draft
+    late = run_guard(guard, 64, 200, plain_rate=100.0, draft_rate=80.0)[100:]
+    assert explorations(late, True)
+    # faster at one decode: drafting stays on, with one plain step in EXPLORE_EVERY to measure
+    late = run_guard(guard, 1, 200, plain_rate=30.0, draft_rate=45.0)[100:]
+    assert explorations(late, False)
+    # the 64-decode veto lifts once drafting pays there (the exploring steps see it)
+    late = run_guard(guard, 64, 600, plain_rate=100.0, draft_rate=130.0)[400:]
+    assert explorations(late, False)
+    # batch sizes are told apart by powers of two
+    assert batch_bucket(33) == batch_bucket(64) != batch_bucket(65)
+
+
+def test_policy_stands_down_where_the_guard_says_drafts_are_slower():
+    from strata.engine.speculative import Candidate
+
+    policy = DraftPolicy(max_draft=4)
+    for rows in [8, 16, 24, 32, 8, 20, 12, 28, 9]:
+        policy.cost.observe(8, rows, 0, 0.030 + 0.0001 * rows)  # cheap rows: the model would draft
+    run_guard(policy.guard, 8, 100, plain_rate=100.0, draft_rate=70.0)
+    wants = [Candidate(i, [1] * 4, 4, 0.9) for i in range(8)]
+    chosen = [sum(policy.choose(wants, 8, 8, budget=100)) for _ in range(EXPLORE_EVERY * 2)]
+    assert sum(1 for c in chosen if c) == 2 and max(chosen) == 32
 
 
 # ---------------------------------------------------------------------------- draft model
