@@ -9,6 +9,7 @@ positions it holds fall out of the window.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -76,6 +77,15 @@ class PageAllocator:
         for p in pages:
             is_free[p] = 0
         return pages
+
+    def grow(self, pages: list[int], tokens: int) -> bool:
+        """Extend `pages` (a sequence's, in order) to hold `tokens` slots: True, or False (and
+        nothing taken) when the pool is short."""
+        more = self.alloc(max(0, math.ceil(tokens / self.page_size) - len(pages)))
+        if more is None:
+            return False
+        pages.extend(more)
+        return True
 
     def free(self, pages: Iterable[int]) -> None:
         """Return pages. ValueError (and nothing freed) on an out-of-range, free or repeated page."""

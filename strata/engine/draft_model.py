@@ -103,14 +103,7 @@ class DraftModelDrafter:
         return [d if all(t < self.vocab_size for t in d) else [] for d in drafts]
 
     def _alloc(self, req: Req) -> bool:
-        need = math.ceil(req.seq_len / self.page_size) - len(req.pages)
-        if need <= 0:
-            return True
-        pages = self.allocator.alloc(need)
-        if pages is None:
-            return False
-        req.pages.extend(pages)
-        return True
+        return self.allocator.grow(req.pages, req.seq_len)
 
     def _trim(self, state: DraftSeq) -> None:
         keep = math.ceil(len(state.fed) / self.page_size)

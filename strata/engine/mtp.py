@@ -22,7 +22,6 @@ target's rejection test keeps its distribution for sampled requests.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,13 +55,14 @@ class MTPSeq:
 class MTPDrafter:
     needs_hidden = True  # the model runner keeps each step's final hidden states for `extend`
 
-    def __init__(self, target: torch.nn.Module, model_dir: str | Path, *, dtype: torch.dtype, device: torch.device,
+    def __init__(self, target: torch.nn.Module, model_dir: str | Path, *, dtype: torch.dtype,
+                 device: torch.device,
                  num_tokens: int, page_size: int, quantization: str, context_len: int, vocab_size: int):
         cfg = target.config
         self.target = target
         self.layer = load_mtp_layer(Path(model_dir), target, dtype, device, context_len, quantization)
         if cfg.mtp_layers > 1:
-            logger.info("multi-token prediction: the checkpoint has %d layers; the first is chained", cfg.mtp_layers)
+            logger.info("multi-token prediction: %d layers; the first is chained", cfg.mtp_layers)
         num_pages = max(1, num_tokens // page_size)
         if cfg.mla is not None:
             self.kv = LatentKVPool(1, cfg.mla.latent_dim, num_pages, page_size, dtype, device)
@@ -83,7 +83,7 @@ class MTPDrafter:
         work = []
         for rid, p0, hidden, tokens in items:
             seq = self._seq_at(rid, p0)
-            if not self._reserve(seq, seq.length + len(tokens)):
+            if not self.allocator.grow(seq.pages, seq.length + len(tokens)):
                 self._drop(rid)  # the pool is full: this request starts over after these rows
                 self.seqs[rid] = MTPSeq(first=p0 + len(tokens))
                 continue
@@ -132,11 +132,13 @@ class MTPDrafter:
             prev[i] = states[r]
         for step in range(1, max(wants[i][2] for i, _ in live)):
             # the row at position end + step - 1: the previous draft after the layer's previous state
-            live = [(i, s) for i, s in live if len(drafts[i]) < wants[i][2] and self._reserve(s, s.length + step)]
+            live = [(i, s) for i, s in live if len(drafts[i]) < wants[i][2]]
+            live = [(i, s) for i, s in live if self.allocator.grow(s.pages, s.length + step)]
             if not live:
                 break
             states = self._forward(
-                [s for _, s in live], [[drafts[i][-1]] for i, _ in live], torch.stack([prev[i] for i, _ in live]),
+                [s for _, s in live], [[drafts[i][-1]] for i, _ in live],
+                torch.stack([prev[i] for i, _ in live]),
                 offsets=[step - 1] * len(live),
             )
             for r, ((i, _), t) in enumerate(zip(live, self._argmax(states))):
@@ -151,7 +153,8 @@ class MTPDrafter:
     # ------------------------------------------------------------------ the layer's forward
 
     def _forward(
-        self, seqs: list[MTPSeq], tokens: list[list[int]], hidden: torch.Tensor, offsets: list[int] | None = None,
+        self, seqs: list[MTPSeq], tokens: list[list[int]], hidden: torch.Tensor,
+        offsets: list[int] | None = None,
     ) -> torch.Tensor:
         """One batched forward of the MTP layer: per request, `tokens` at its rows from
         `length + offset` on (offsets: 0 unless chaining). Returns the layer's states [T, hidden]."""
@@ -175,16 +178,6 @@ class MTPDrafter:
         return self.layer(embeds, hidden.to(embeds.dtype), positions, meta, self.kv)
 
     # ------------------------------------------------------------------ pages
-
-    def _reserve(self, seq: MTPSeq, rows: int) -> bool:
-        need = math.ceil(rows / self.page_size) - len(seq.pages)
-        if need <= 0:
-            return True
-        pages = self.allocator.alloc(need)
-        if pages is None:
-            return False
-        seq.pages.extend(pages)
-        return True
 
     def _drop(self, rid: str) -> None:
         seq = self.seqs.pop(rid, None)

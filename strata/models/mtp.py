@@ -90,7 +90,8 @@ class MTPLayer(nn.Module):
         for rest, tensor in own.items():
             param = params.get(rest)
             if param is None or param.shape != tensor.shape:
-                raise ValueError(f"unexpected multi-token prediction weight {prefix}{rest} {tuple(tensor.shape)}")
+                shape = tuple(tensor.shape)
+                raise ValueError(f"unexpected multi-token prediction weight {prefix}{rest} {shape}")
             param.data.copy_(tensor)
         self.decoder.load_weights(layer)
 

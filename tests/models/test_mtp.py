@@ -42,7 +42,8 @@ def add_mtp_layer(model_dir, seed: int = 1) -> torch.nn.Module:
     own = mtp.layers[0]
     tensors.update({
         f"{mtp_prefix}enorm.weight": own.enorm.weight, f"{mtp_prefix}hnorm.weight": own.hnorm.weight,
-        f"{mtp_prefix}eh_proj.weight": own.eh_proj.weight, f"{mtp_prefix}shared_head.norm.weight": own.post_norm.weight,
+        f"{mtp_prefix}eh_proj.weight": own.eh_proj.weight,
+        f"{mtp_prefix}shared_head.norm.weight": own.post_norm.weight,
         f"{mtp_prefix}shared_head.head.weight": main.lm_head.weight,
         f"{mtp_prefix}embed_tokens.weight": main.model.embed_tokens.weight,
     })
