@@ -9,7 +9,8 @@ Workloads (made locally, nothing downloaded):
 Scenarios: `batch1` (one request at a time) and `concurrent` (--concurrency requests submitted at
 once). Greedy, end of text respected, at most --output-len tokens: both engines produce the same
 tokens, which the run checks. Each round measures the engine without speculation and with
-`--speculative-algorithm ngram` (in alternating order) on prompts no earlier round used, so neither
+speculation (in alternating order: `--speculative-algorithm` as given, ngram when none is) on
+prompts no earlier round used, so neither
 the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
 scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
 (tokens per verifying request-step) and draft length the adaptive policy chose.
@@ -156,8 +157,9 @@ def _run(engine, prompts: list[list[int]], batch1: bool, output_len: int) -> tup
 def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
     from strata.engine.engine import Engine
 
-    off = Engine(**{**engine_options, "speculative_algorithm": "none"})
-    on = Engine(**{**engine_options, "speculative_algorithm": "ngram"})
+    off = Engine(**{**engine_options, "speculative_algorithm": "none", "speculative_draft_model": None})
+    algorithm = engine_options.get("speculative_algorithm") or "none"
+    on = Engine(**{**engine_options, "speculative_algorithm": "ngram" if algorithm == "none" else algorithm})
     # warm-up: kernels, the allocator, and the first forward of each shape (drafted steps have many)
     warm = "Repeat this line three times: the quick brown fox jumps over the lazy dog near the river bank."
     for eng in (off, on):
@@ -238,7 +240,7 @@ def _llamacpp(engine_options: dict) -> _LlamaCpp:
 
 def format_text(results: list[ScenarioResult]) -> str:
     lines = [
-        f"{'scenario':<22}{'off tok/s':>10}{'ngram tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
+        f"{'scenario':<22}{'off tok/s':>10}{'on tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
         f"{'same out':>9}{'llama.cpp':>10}{'+lookup':>9}"
     ]
     for r in results:
