@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from strata.dsv4_config import DSV4Config, dsv4_from_hf
 from strata.mla_config import MLAConfig, mla_from_hf, mla_scale
 from strata.moe_config import MoEConfig, moe_from_hf, moe_layers
 from strata.redact import CREDENTIALS, secret, with_env_secrets
@@ -108,6 +109,8 @@ class ModelConfig:
     moe: MoEConfig | None = None  # the experts of the layers whose `LayerSpec.moe` is set
     # multi-head latent attention (DeepSeek-V2/V3) in every layer; head_dim is then its RoPE part
     mla: MLAConfig | None = None
+    # DeepSeek-V4 (sliding + compressed attention, mHC, hash-routed experts): strata.models.deepseek_v4
+    dsv4: DSV4Config | None = None
     mtp_layers: int = 0  # multi-token prediction layers stored past the last (strata.models.mtp)
     torch_dtype: str | None = None
     bos_token_id: int | None = None
@@ -139,6 +142,8 @@ class ModelConfig:
         architecture = archs[0] if archs else ""
         model_type = raw.get("model_type", "")
         text = raw.get("text_config") or raw
+        if model_type == "deepseek_v4":
+            return cls._from_deepseek_v4(raw, text)
         num_heads = text["num_attention_heads"]
         hidden = text["hidden_size"]
         mla = mla_from_hf(text, model_type)
@@ -204,6 +209,52 @@ class ModelConfig:
             torch_dtype=text.get("torch_dtype") or text.get("dtype"),
             bos_token_id=text.get("bos_token_id", raw.get("bos_token_id")),
             eos_token_ids=eos_ids,
+        )
+
+    @classmethod
+    def _from_deepseek_v4(cls, raw: dict[str, Any], text: dict[str, Any]) -> ModelConfig:
+        """DeepSeek-V4: every layer slides (its CSA/HCA layers also read compressed entries: `DSV4Config`),
+        with sinks and experts in every layer; sliding layers rotate with the main RoPE, CSA/HCA layers
+        with the compressors' (`compress_rope_theta`, YaRN where configured)."""
+        params = text.get("rope_parameters") or {}
+        main = _rope_from_hf(text, "deepseek_v4", {"rope_theta": text.get("rope_theta", 1e4), **(params.get("main") or {})})
+        compress = _rope_from_hf(
+            text, "deepseek_v4", {"rope_theta": text.get("compress_rope_theta", 1.6e5), **(params.get("compress") or {})}
+        )
+        v4 = dsv4_from_hf(text, compress)
+        head_dim, expert_size = text["head_dim"], text["moe_intermediate_size"]
+        specs = tuple(
+            LayerSpec(rope=main if kind == "sliding" else compress, scale=head_dim**-0.5, window=v4.sliding_window,
+                      sinks=True, moe=True)
+            for kind in v4.layer_kinds
+        )
+        moe = MoEConfig(
+            num_experts=text["n_routed_experts"], top_k=text["num_experts_per_tok"], intermediate_size=expert_size,
+            routing="deepseek_v4", norm_topk_prob=True, routed_scaling_factor=float(text["routed_scaling_factor"]),
+            correction_bias=True, swiglu_limit=v4.swiglu_limit, shared_intermediate_size=expert_size,
+        )
+        eos = text.get("eos_token_id")
+        return cls(
+            architecture=(raw.get("architectures") or ["DeepseekV4ForCausalLM"])[0],
+            model_type="deepseek_v4",
+            vocab_size=text["vocab_size"],
+            hidden_size=text["hidden_size"],
+            intermediate_size=expert_size,
+            num_layers=text["num_hidden_layers"],
+            num_heads=text["num_attention_heads"],
+            num_kv_heads=1,
+            head_dim=head_dim,
+            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=text.get("max_position_embeddings", 2048),
+            rope=main,
+            layers=specs,
+            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+            hidden_act=text.get("hidden_act", "silu"),
+            moe=moe,
+            dsv4=v4,
+            torch_dtype=text.get("torch_dtype") or text.get("dtype"),
+            bos_token_id=text.get("bos_token_id"),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ()),
         )
 
 
@@ -314,6 +365,11 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "speculative_ngram_min": (1, 64),
     "speculative_ngram_max": (1, 64),
     "speculative_shared_tokens": (0, 1 << 26),
+    "tp_size": (1, 1024),
+    "ep_size": (1, 1024),
+    "ep_num_redundant_experts": (0, 1 << 16),
+    "eplb_interval": (0, 1 << 40),
+    "dist_timeout": (TINY, 86400),
 }
 
 
@@ -393,6 +449,12 @@ class EngineConfig:
     speculative_ngram_max: int = 5  # longest n-gram a draft is looked up by (the longest match wins)
     speculative_shared_tokens: int = 262144  # recent requests' tokens the n-gram drafter also searches; 0: own text only
     speculative_fixed_length: bool = False  # draft every token found, up to the maximum, whatever the load
+    # tensor / expert parallel (strata.distributed): ranks are processes the engine starts, one thread each
+    tp_size: int = 1  # ranks splitting attention heads, dense MLPs and the vocabulary (one replica)
+    ep_size: int = 1  # ranks holding a mixture-of-experts model's experts (1, or the same ranks as --tp-size)
+    ep_num_redundant_experts: int = 0  # extra expert slots (EPLB places replicas of busy experts in them)
+    eplb_interval: int = 0  # steps between expert rebalances from the measured load; 0: never on its own
+    dist_timeout: float = 60.0  # seconds a collective may wait for a rank before the engine fails
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -495,6 +557,12 @@ _HELP = {
     "(--speculative-fixed-length turns that off)",
     "speculative_fixed_length": "with --speculative-algorithm: always draft up to --speculative-num-draft-tokens "
     "(no adaptive policy; for measuring)",
+    "tp_size": "split one replica over this many processes: attention heads, dense MLPs and the vocabulary "
+    "(gloo on the CPU, NCCL on GPUs; one thread per rank by default)",
+    "ep_size": "mixture-of-experts models: spread the experts over this many ranks (1, or the --tp-size ranks)",
+    "ep_num_redundant_experts": "with --ep-size: extra expert slots, which EPLB fills with copies of busy experts",
+    "eplb_interval": "with --ep-size: re-place the experts from the measured load every this many steps (0: never)",
+    "dist_timeout": "seconds a collective may wait for another rank; then the engine fails its requests and stops",
     "hicache_storage_ttl": "seconds an L3 page may go unused before it is deleted (file) or expires (redis); "
     "a hit renews it",
 }

@@ -172,10 +172,17 @@ def add_bench_args(subparsers) -> None:
     _add_moe_args(moe)
     moe.set_defaults(func=cmd_moe)
 
+    par = sub.add_parser("parallel", help="tensor/expert parallel: EPLB balance, TP step time (strata/bench/parallel.py)")
+    _add_parallel_args(par)
+    par.set_defaults(func=cmd_parallel)
+
     kv = sub.add_parser("kv-layout", help="KV cache bytes per token from config.json; MLA vs per-head K/V")
     kv.add_argument("--model", nargs="+", required=True, metavar="DIR_OR_CONFIG",
                     help="model directories holding config.json, or config.json files (no weights needed)")
     kv.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
+    kv.add_argument("--context-len", nargs="+", type=int, default=[8192, 65536], metavar="TOKENS",
+                    help="also report bytes per token one request of this many tokens holds")
+    kv.add_argument("--page-size", type=int, default=16, help="page size (DeepSeek-V4's rows per page)")
     kv.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
     kv.set_defaults(func=cmd_kv_layout)
 
@@ -240,13 +247,26 @@ def cmd_moe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_parallel_args(p: argparse.ArgumentParser) -> None:
+    from strata.bench.parallel import add_args
+
+    add_args(p)
+
+
+def cmd_parallel(args: argparse.Namespace) -> int:
+    from strata.bench.parallel import cmd
+
+    return cmd(args)
+
+
 def cmd_kv_layout(args: argparse.Namespace) -> int:
     import torch
 
     from strata.bench import report
     from strata.bench.kv_layout import format_text, kv_layout
 
-    rows = [kv_layout(model, getattr(torch, args.kv_dtype)) for model in args.model]
+    contexts = tuple(args.context_len)
+    rows = [kv_layout(model, getattr(torch, args.kv_dtype), contexts, args.page_size) for model in args.model]
     print(format_text(rows))
     if args.output_json:
         report.write_json(args.output_json, "kv-layout", rows)

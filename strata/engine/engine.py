@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from strata.cache.allocator import GroupedPageAllocator, PageAllocator
+from strata.cache.dsv4_pool import DSV4KVPool, plan_dsv4_pool
 from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
@@ -189,20 +190,38 @@ class Engine:
         kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
+        # --tp-size/--ep-size > 1: this process is rank 0; it starts the other ranks and loads its shard
+        self.parallel = self._make_parallel(model_dir, model_config, dtype, device, context_len)
         self.model = load_model(
             model_dir, model_config, dtype, device, max_positions=context_len,
-            quantization=cfg.quantization,
+            quantization=cfg.quantization, shard=self.parallel.shard if self.parallel else None,
         )
         weights = describe_weights(self.model)
 
-        plan = plan_kv_pool(cfg, model_config, kv_dtype, device, context_len)
+        pool_config = self.parallel.local_config() if self.parallel else model_config  # this rank's KV heads
+        # a GPU rank sizes its shard of the pool from its own device; CPU ranks share the host's memory
+        plan = plan_kv_pool(cfg, pool_config if device.type == "cuda" else model_config, kv_dtype, device, context_len)
         num_pages = plan.num_pages
         mla = model_config.mla
-        if mla is not None:  # DeepSeek-V2/V3: one latent row per token and layer
+        if model_config.dsv4 is not None:  # DeepSeek-V4: sliding K, compressor windows, compressed entries
+            if cfg.swa_replay or cfg.sliding_kv != "window":
+                raise ValueError("--swa-replay and --sliding-kv full do not apply to DeepSeek-V4: its windows "
+                                 "are window groups, and prefix hits resume exactly from them (strata.cache.dsv4_pool)")
+            chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else context_len
+            plan = plan_dsv4_pool(
+                model_config.dsv4, model_config.head_dim, kv_dtype, cfg.page_size, cfg.kv_cache_tokens,
+                cfg.mem_fraction_static, total_memory_bytes(device), context_len, chunk,
+                cfg.swa_full_tokens_ratio, KV_CONTEXTS_CAP,
+            )
+            num_pages = plan.num_pages
+            kv_pool = DSV4KVPool(
+                model_config.dsv4, model_config.head_dim, num_pages, cfg.page_size, plan.group_pages, kv_dtype, device
+            )
+        elif mla is not None:  # DeepSeek-V2/V3: one latent row per token and layer
             kv_pool = LatentKVPool(model_config.num_layers, mla.latent_dim, num_pages, cfg.page_size, kv_dtype, device)
         else:
             kv_pool = MHAKVPool(
-                plan.layer_windows, model_config.num_kv_heads, model_config.head_dim, num_pages,
+                plan.layer_windows, pool_config.num_kv_heads, model_config.head_dim, num_pages,
                 cfg.page_size, kv_dtype, device, group_pages=plan.group_pages,
             )
         if kv_pool.grouped:
@@ -221,13 +240,18 @@ class Engine:
         eos.update(_generation_config_eos(model_dir))
         # what a KV page means, for pages shared through L3 storage or sent to a PD peer
         shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
-        namespace = kv_namespace(model_dir, kv_pool, weights, dtype) if shares_kv else b""
-        self.hicache = self._make_hicache(namespace, kv_pool, cache) if cfg.hierarchical_cache else None
+        # whole pages leave through this pool: every KV head, gathered from the ranks when split
+        page_pool = self.parallel.page_pool(kv_pool) if self.parallel and shares_kv else kv_pool
+        namespace = kv_namespace(model_dir, page_pool, weights, dtype) if shares_kv else b""
+        self.hicache = self._make_hicache(namespace, page_pool, cache) if cfg.hierarchical_cache else None
         if self.hicache is not None:
             cache = self.hicache  # the tiers wrap the device cache
         runner = ModelRunner(
             self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
         )
+        if self.parallel is not None:  # the workers allocate their KV shards; rank 0 broadcasts each step
+            self.parallel.start_kv(plan.layout(cfg.page_size, kv_dtype), self.model)
+            runner.parallel = self.parallel
         draft = (
             self._make_draft_model(model_dir, model_config.vocab_size, dtype, device, num_pages, context_len)
             if cfg.speculative_algorithm in ("draft", "mtp") else None
@@ -235,7 +259,7 @@ class Engine:
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, draft_model=draft
         )
-        self.disagg = self._make_disagg(namespace, kv_pool) if cfg.disaggregation_mode != "null" else None
+        self.disagg = self._make_disagg(namespace, page_pool) if cfg.disaggregation_mode != "null" else None
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
@@ -269,6 +293,19 @@ class Engine:
             self.state.kv_bytes / 2**20,
             plan.reason + (f"; {plan.describe()}" if plan.group_pages else ""),
         )
+
+    def _make_parallel(
+        self, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, context_len: int
+    ):
+        """Tensor/expert parallel: start the worker ranks (strata.distributed); None for one rank."""
+        cfg = self.config
+        if max(cfg.tp_size, cfg.ep_size) == 1:
+            return None
+        from strata.distributed.runtime import ParallelRuntime
+        from strata.models import get_model_class
+
+        renames = get_model_class(model_config.architecture).RENAMES
+        return ParallelRuntime(cfg, model_dir, model_config, dtype, device, context_len, renames)
 
     def _make_disagg(self, namespace: bytes, kv_pool: KVPool):
         from strata.disagg.auth import shared_secret
@@ -360,7 +397,9 @@ class Engine:
         self.scheduler.cache.reset()
 
     def close(self) -> None:
-        """Stop background threads (the L3 storage worker) and sockets."""
+        """Stop background threads (the L3 storage worker), sockets and the other parallel ranks."""
+        if self.parallel is not None:
+            self.parallel.shutdown()
         if self.disagg is not None:
             self.disagg.transport.close()
         if self.hicache is not None:
@@ -431,7 +470,11 @@ class Engine:
         return self.scheduler.abort(rid)
 
     def step(self) -> list[RequestOutput]:
+        if self.parallel is not None:  # RankFailure once a rank is gone; EPLB at this step boundary
+            self.parallel.before_step()
         outputs = self.scheduler.step()
+        if self.parallel is not None:
+            self.parallel.check()  # a collective of this step failed: its requests failed, the engine too
         for out in outputs:
             if out.rid in self._outputs:
                 self._outputs[out.rid].append(out)
@@ -515,6 +558,14 @@ class KVPlan:
     num_pages: int  # primary pages (the full layers'; names only, when every layer is windowed)
     group_pages: dict[int, int]  # window -> pages of that window group ({}: one pool for all layers)
     reason: str  # where the size came from
+
+    def layout(self, page_size: int, kv_dtype: torch.dtype):
+        """The pool as the other parallel ranks build their shards of it."""
+        from strata.distributed.messages import KVLayout
+
+        return KVLayout(
+            self.layer_windows, self.num_pages, page_size, dict(self.group_pages), str(kv_dtype).removeprefix("torch.")
+        )
 
     def describe(self) -> str:
         full = sum(w is None or w not in self.group_pages for w in self.layer_windows)

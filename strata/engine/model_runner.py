@@ -37,6 +37,8 @@ class ModelRunner:
         self.quantized_row_limit = min(
             (m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)), default=None
         )
+        # tensor/expert parallel (strata.distributed.runtime.ParallelRuntime): the other ranks run each step too
+        self.parallel = None
         # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
@@ -126,6 +128,8 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
         fb = self.prepare(batch)
+        if self.parallel is not None:
+            self.parallel.send_step(fb)
         hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
         self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:

@@ -28,6 +28,7 @@ _REGISTRY: dict[str, str] = {
     "GptOssForCausalLM": "strata.models.gpt_oss:GptOssForCausalLM",
     "DeepseekV2ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
     "DeepseekV3ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
+    "DeepseekV4ForCausalLM": "strata.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

@@ -117,6 +117,8 @@ def load_mtp_layer(
 
     cfg = target.config
     prefix = f"model.layers.{cfg.num_layers}."
+    if cfg.dsv4 is not None:
+        raise ValueError("--speculative-algorithm mtp: DeepSeek-V4's multi-token prediction layers are not supported")
     if cfg.mtp_layers < 1:
         raise ValueError(
             f"--speculative-algorithm mtp: {model_dir.name} has no multi-token prediction layers "

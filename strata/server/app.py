@@ -190,6 +190,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "speculative": stats.spec,  # drafted / accepted tokens, the policy's choices (None: off)
                 # per MoE layer since start: tokens routed, the busiest expert, max / mean (None: dense)
                 "expert_load": stats.expert_load_summary,
+                "parallel": stats.parallel,  # --tp-size/--ep-size: workers, health, rows per rank (None: one rank)
                 "num_aborted_requests": client.num_aborted,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),

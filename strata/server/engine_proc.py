@@ -29,6 +29,7 @@ import traceback
 import zmq
 
 from strata.config import EngineConfig
+from strata.distributed.errors import RankFailure
 from strata.engine.outputs import RequestOutput
 from strata.layers.expert_load import expert_load_summary
 from strata.redact import install_log_redaction, scrub, secret_values
@@ -90,6 +91,7 @@ class EngineLoop:
             window_groups=s.window_group_usage() if full and s.allocator.groups else None,
             expert_load=load if load and expert_load else None,
             expert_load_summary=expert_load_summary(load) if load else None,
+            parallel=self.engine.parallel.describe() if full and getattr(self.engine, "parallel", None) else None,
         )
 
     # ------------------------------------------------------------------ the loop
@@ -100,6 +102,8 @@ class EngineLoop:
             if not s.has_work() and not self.pull.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:
                     logger.warning("the server process is gone; engine exiting")
+                    return
+                if not self.ranks_alive():
                     return
                 continue
             if not (s.running or s.waiting or s.pending_outputs):
@@ -191,6 +195,11 @@ class EngineLoop:
             self.step_failures += 1
             logger.exception("engine step failed (%d in a row)", self.step_failures)
             outputs = self.fail_live(scrub(f"internal engine error: {type(exc).__name__}: {exc}", self.secrets))
+            if isinstance(exc, RankFailure):  # a parallel rank is gone: no later step can run
+                self.send(io.OutputBatch(outputs, self.stats()))
+                self.send(io.EngineFailed(scrub(str(exc), self.secrets)))
+                self.stopping = True
+                return
             if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 self.send(io.OutputBatch(outputs, self.stats()))
                 message = f"the engine failed {self.step_failures} steps in a row: {exc}"
@@ -204,6 +213,18 @@ class EngineLoop:
                 self.live.discard(out.rid)
         if outputs or not self.scheduler.has_work():
             self.send(io.OutputBatch(outputs, self.stats()))
+
+    def ranks_alive(self) -> bool:
+        """Tensor/expert parallel: False (after failing the requests in flight and telling the
+        frontend, whose health check then fails) once a worker rank has died."""
+        parallel = getattr(self.engine, "parallel", None)
+        if parallel is None or parallel.healthy:
+            return True
+        message = f"a tensor/expert-parallel rank is gone: {parallel.failed}; restart the server"
+        self.send(io.OutputBatch(self.fail_live(message), self.stats()))
+        self.send(io.EngineFailed(scrub(message, self.secrets)))
+        self.stopping = True
+        return False
 
     def fail_live(self, message: str) -> list[RequestOutput]:
         """Abort every request in flight and report each as failed with `message`."""

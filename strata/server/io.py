@@ -78,6 +78,9 @@ class EngineStats(msgspec.Struct):
     # (strata.layers.expert_load.expert_load_summary: a few numbers per layer) in every requested stats
     expert_load: dict[int, list[int]] | None = None
     expert_load_summary: dict[int, dict[str, Any]] | None = None
+    # a replica split over ranks (--tp-size/--ep-size), in requested stats: its workers, health and
+    # per-rank expert rows (strata.distributed.runtime.ParallelRuntime.describe); None for one rank
+    parallel: dict[str, Any] | None = None
 
     @property
     def token_usage(self) -> float:

@@ -22,11 +22,16 @@ from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
 
 
-def iter_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The float safetensors files of a model directory (not the GGUF blocks)."""
     files = sorted(p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE)
     if not files:
         raise FileNotFoundError(f"{model_dir} has no *.safetensors files")
-    for path in files:
+    return files
+
+
+def iter_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+    for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name not in skip:
@@ -40,13 +45,18 @@ def load_model(
     device: torch.device,
     max_positions: int,
     quantization: str = "auto",
+    shard=None,
 ) -> torch.nn.Module:
     """Build the model without initialising weights (meta device) and fill it from the checkpoint.
 
     quantization: `auto` runs a converted GGUF on its own blocks (strata.layers.quant) and any other
     checkpoint in float; `gguf` insists on the blocks; `none` loads float weights (a GGUF dequantized);
     `int8` / `int4` quantize float weights into q8 / q4 blocks. Blocks run on the CPU only. On the CPU,
-    bf16 linear weights left float are then prepacked for oneDNN (`strata.layers.packed`)."""
+    bf16 linear weights left float are then prepacked for oneDNN (`strata.layers.packed`).
+
+    shard (`strata.distributed.layers.ShardedLoad`): one tensor/expert-parallel rank's part, built
+    from its local config, each checkpoint tensor sliced as it is read; GGUF blocks are not sliced,
+    so such a rank loads float weights."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}")
     on_cpu = torch.device(device).type == "cpu"
@@ -56,22 +66,29 @@ def load_model(
             f"--quantization gguf needs a GGUF model on the CPU; {model_dir} has no GGUF blocks"
             if on_cpu else "--quantization gguf runs on the CPU only; use --device cpu or --quantization none"
         )
+    if quantization == "gguf" and shard is not None:
+        raise ValueError("--quantization gguf cannot be split over ranks; use --quantization auto or none")
     cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(cfg, max_positions=max_positions, rope_device=device)
+            model = cls(shard.local_config() if shard else cfg, max_positions=max_positions, rope_device=device)
+            if shard is not None:
+                shard.prepare(model)
     finally:
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)  # untouched pages: weights replaced by blocks never become resident
     blocks = {}
-    if quantization in ("auto", "gguf") and on_cpu and blocks_path.is_file():
+    if quantization in ("auto", "gguf") and on_cpu and blocks_path.is_file() and shard is None:
         blocks = block_layers(model, blocks_path)
     covered = frozenset(name for module in blocks for name in model.checkpoint_parts(module))
     with torch.no_grad():
         model.load_weights(
-            ((name, t.to(dtype)) for name, t in iter_safetensors(model_dir, covered)),
+            (
+                (name, (shard.shard_tensor(name, t) if shard else t).to(dtype))
+                for name, t in iter_safetensors(model_dir, covered)
+            ),
             absent=frozenset(f"{module}.weight" for module in blocks),
         )
     install_block_layers(model, blocks, dtype)
@@ -81,6 +98,8 @@ def load_model(
         from strata.layers.packed import pack_linears
 
         pack_linears(model)
+    if shard is not None:
+        shard.install(model)
     release_freed_memory()
     return model.eval()
 

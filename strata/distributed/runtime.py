@@ -1,0 +1,289 @@
+"""Rank 0's side of a tensor/expert-parallel replica: starts the worker ranks, joins the groups,
+broadcasts each step, rebalances experts, notices a dead rank, and stops the workers.
+
+The engine process is rank 0: it loads its own shard, owns the scheduler, the allocator and the
+radix cache (page ids mean the same slots in every rank's KV shard), samples, and streams outputs.
+Workers (`strata.distributed.worker`) are child processes of it, one thread each by default (the
+machine's cores split over the ranks), killed by the kernel if rank 0 dies.
+
+    Engine ──► ParallelRuntime.start_kv(layout)     once: workers allocate their KV shards
+    ModelRunner.forward ──► send_step(fb)           every step, before rank 0's own forward
+    Engine.step ──► before_step()                   EPLB every --eplb-interval steps
+    HiCache / PD ──► page_pool(local).read_pages    whole pages of every KV head (strata.distributed.kv)
+    Engine.close ──► shutdown()                     Stop, wait, kill what is left
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import time
+import weakref
+from pathlib import Path
+
+import msgspec
+import torch
+
+from strata.config import EngineConfig, ModelConfig
+from strata.distributed import messages as msg
+from strata.distributed.comm import STARTUP_TIMEOUT_S, Comm
+from strata.distributed.eplb import imbalance, initial_placement, load_placements, plan_placement, rank_loads
+from strata.distributed.errors import RankFailure
+from strata.distributed.layers import ShardedLoad, expert_layers
+from strata.distributed.sharding import ShardPlan, check_supported
+from strata.layers.expert_load import expert_load_delta
+
+logger = logging.getLogger(__name__)
+STOP_WAIT_S = 10.0
+EXIT_WAIT_S = 1.0  # after a failed collective, how long to wait for the rank that caused it to exit
+
+
+def check_engine_options(cfg: EngineConfig) -> None:
+    """What a split replica does not do yet, refused with what to change."""
+    if cfg.speculative_algorithm == "mtp":
+        raise ValueError("--speculative-algorithm mtp runs on one rank only")
+    if cfg.eplb_interval and cfg.ep_size == 1:
+        raise ValueError("--eplb-interval places experts over ranks; it needs --ep-size > 1")
+
+
+class ParallelRuntime:
+    def __init__(
+        self, cfg: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
+        device: torch.device, context_len: int, renames: tuple[tuple[str, str], ...],
+    ):
+        check_engine_options(cfg)
+        check_supported(model_config, cfg.tp_size, cfg.ep_size)
+        self.cfg, self.model_dir, self.dtype = cfg, model_dir, dtype
+        self.world_size = world = max(cfg.tp_size, cfg.ep_size)
+        placement = ()
+        if cfg.ep_size > 1:
+            placement = initial_placement(model_config.moe.num_experts, cfg.ep_num_redundant_experts, world)
+        threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
+        if device.type == "cpu":
+            torch.set_num_threads(threads)
+        store = Comm.make_store("127.0.0.1", 0, world, True, cfg.dist_timeout)
+        self.procs: list[subprocess.Popen] = []
+        for rank in range(1, world):
+            init = msg.WorkerInit(
+                model_dir=str(model_dir), rank=rank, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
+                placement=list(placement), host="127.0.0.1", port=store.port,
+                device=f"cuda:{rank}" if device.type == "cuda" else str(device),
+                dtype=str(dtype).removeprefix("torch."), quantization=cfg.quantization, context_len=context_len,
+                num_threads=threads, timeout_s=cfg.dist_timeout, parent_pid=os.getpid(),
+                log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+            )
+            proc = subprocess.Popen([sys.executable, "-m", "strata.distributed.worker"], stdin=subprocess.PIPE)
+            proc.stdin.write(msgspec.json.encode(init))
+            proc.stdin.close()
+            self.procs.append(proc)
+        # if the engine never gets to shutdown() (its load failed), the workers go with this object
+        self._finalizer = weakref.finalize(self, _kill_all, self.procs)
+        try:
+            self._wait_started(store)
+            self.comm = Comm(0, world, store, device, cfg.dist_timeout)
+        except Exception:
+            self._kill()
+            raise
+        self.plan = ShardPlan(model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement)
+        self.shard = ShardedLoad(self.plan, self.comm)
+        self.failed: str | None = None
+        self.model = None  # rank 0's model, once loaded (attach)
+        self.steps = 0
+        self.rebalances = 0
+        self._load_mark: dict[int, list[int]] = {}
+        logger.info(
+            "parallel: %d ranks (tp %d, ep %d), worker pids %s, %d threads each",
+            world, cfg.tp_size, cfg.ep_size, [p.pid for p in self.procs], threads,
+        )
+
+    def describe(self) -> dict:
+        """For /get_server_info: the split, the workers, and per MoE layer the rows each rank computed
+        since the last placement (expert parallel)."""
+        from strata.distributed.eplb import imbalance
+
+        rank_load = self.rank_load() if self.model is not None and self.cfg.ep_size > 1 else {}
+        return {
+            "tp_size": self.cfg.tp_size,
+            "ep_size": self.cfg.ep_size,
+            "worker_pids": [p.pid for p in self.procs],
+            "healthy": self.healthy,
+            "rebalances": self.rebalances,
+            "rank_load": {i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)} for i, rows in rank_load.items()}
+            or None,
+        }
+
+    def local_config(self) -> ModelConfig:
+        return self.plan.local_config()
+
+    def page_pool(self, local):
+        """The pool as HiCache and PD see it: whole pages of every KV head, gathered from and
+        scattered to the ranks (`strata.distributed.kv.ShardedKVPool`)."""
+        from strata.distributed.kv import ShardedKVPool
+
+        cfg, plan = self.plan.cfg, self.plan
+        splits = [ShardPlan(cfg, r, plan.tp_size, plan.ep_size).heads for r in range(self.world_size)]
+        return ShardedKVPool(local, self, splits, cfg.num_kv_heads)
+
+    def start_kv(self, layout: msg.KVLayout, model) -> None:
+        """Workers allocate their KV shards; returns once every rank is ready to step."""
+        self.model = model
+        self._wait_loaded()
+        self.send(layout)
+        self.comm.barrier()
+        self._load_mark = model.expert_load()
+
+    def _wait_started(self, store) -> None:
+        """Until every worker has reached the store (one that dies first, e.g. at import, fails the
+        start at once instead of leaving the group's rendezvous to time out)."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        keys = [f"started/{r}" for r in range(1, self.world_size)]
+        while not store.check(keys):
+            failed = self._exited_rank()
+            if failed is not None:
+                raise RankFailure(f"a worker rank failed to start: {failed} (see its log above)")
+            if time.monotonic() > deadline:
+                raise RankFailure(f"the worker ranks did not start within {STARTUP_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+
+    def _wait_loaded(self) -> None:
+        """Until every worker has its shard in memory (a dead worker ends the wait at once)."""
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        ranks = list(range(1, self.world_size))
+        while not self.comm.marked("loaded", ranks):
+            self.check()
+            if time.monotonic() > deadline:
+                raise RankFailure(f"the worker ranks did not load the model within {STARTUP_TIMEOUT_S:.0f}s")
+            time.sleep(0.05)
+
+    # ------------------------------------------------------------------ every step
+
+    def check(self) -> None:
+        """RankFailure if a worker has exited (or an earlier collective failed)."""
+        if self.failed is None:
+            self.failed = self._exited_rank()
+        if self.failed is None and self.comm.failed is not None:
+            # a rank that exited explains a failed collective best: give a dying one a moment
+            deadline = time.monotonic() + EXIT_WAIT_S
+            while self.failed is None and time.monotonic() < deadline:
+                time.sleep(0.05)
+                self.failed = self._exited_rank()
+            self.failed = self.failed or self.comm.failed
+        if self.failed is not None:
+            raise RankFailure(f"a tensor/expert-parallel rank is gone: {self.failed}; restart the server")
+
+    def _exited_rank(self) -> str | None:
+        for rank, proc in enumerate(self.procs, start=1):
+            code = proc.poll()
+            if code is not None:
+                return f"rank {rank} (pid {proc.pid}) exited with code {code}"
+        return None
+
+    @property
+    def healthy(self) -> bool:
+        try:
+            self.check()
+        except RankFailure:
+            return False
+        return True
+
+    def send_step(self, fb) -> None:
+        """Broadcast one `ForwardBatch` (before rank 0 runs it)."""
+        attn = fb.attn
+        step = msg.Step(
+            input_ids=msg.to_bytes(fb.input_ids),
+            q_lens=attn.q_len.tolist(),
+            kv_lens=attn.kv_len.tolist(),
+            page_table=msg.to_bytes(attn.page_table),
+            num_decode=attn.num_decode,
+            out_slots=msg.to_bytes(attn.out_slots),
+            groups=[
+                msg.GroupMeta(msg.to_bytes(g.page_table), None if g.key_floor is None else msg.to_bytes(g.key_floor))
+                for g in attn.groups
+            ],
+            sample_rows=None if fb.sampling is None else msg.to_bytes(fb.sample_rows),
+        )
+        self.send(step)
+
+    def send(self, message: msg.ToWorker) -> None:
+        """Broadcast one message to the workers (RankFailure if one is gone)."""
+        self.check()
+        self.comm.send_bytes(msg.encode(message))
+
+    def before_step(self) -> None:
+        """At a step boundary: RankFailure if a rank is gone; every --eplb-interval steps, rebalance
+        the experts."""
+        self.check()
+        self.steps += 1
+        interval = self.cfg.eplb_interval
+        if interval and self.steps % interval == 0:
+            self.rebalance()
+
+    # ------------------------------------------------------------------ EPLB
+
+    def rank_load(self) -> dict[int, list[int]]:
+        """Rows each rank computed per MoE layer since the last reset ({layer: [rows per rank]})."""
+        return {i: e.rank_load.tolist() for i, e in expert_layers(self.model).items()}
+
+    def reset_rank_load(self) -> None:
+        for e in expert_layers(self.model).values():
+            e.rank_load.zero_()
+
+    def rebalance(self) -> dict[int, tuple[int, ...]]:
+        """Place each MoE layer's experts for the load measured since the last rebalance, on every
+        rank, between two steps (running requests keep their KV and continue). Returns the placements."""
+        if self.cfg.ep_size == 1:
+            raise ValueError("rebalancing places experts over ranks; it needs --ep-size > 1")
+        now = self.model.expert_load()
+        load = expert_load_delta(now, self._load_mark) if self._load_mark else now
+        layers = expert_layers(self.model)
+        placements, before, after = {}, [], []
+        for i, counts in load.items():
+            if sum(counts) == 0:
+                continue
+            old = layers[i].placement
+            placements[i] = plan_placement(counts, len(old), self.world_size)
+            before.append(imbalance(rank_loads(counts, old, self.world_size)))
+            after.append(imbalance(rank_loads(counts, placements[i], self.world_size)))
+        if not placements:
+            return {}
+        self.send(msg.Placement({i: list(p) for i, p in placements.items()}))
+        load_placements(self.model, self.model_dir, placements, self.dtype)
+        self.comm.barrier()
+        self._load_mark = now
+        self.rebalances += 1
+        self.reset_rank_load()  # the rows per rank under the new placement
+        logger.info(
+            "EPLB: %d MoE layers placed anew; per-rank max/mean of the measured load %.2f -> %.2f (worst layer)",
+            len(placements), max(before), max(after),
+        )
+        return placements
+
+    # ------------------------------------------------------------------ shutdown
+
+    def shutdown(self) -> None:
+        """Stop every worker: a Stop message when the group still works, then wait, then kill."""
+        if not self.procs:
+            return
+        if self.failed is None and self.comm.failed is None and all(p.poll() is None for p in self.procs):
+            try:
+                self.comm.send_bytes(msg.encode(msg.Stop()))
+                for proc in self.procs:
+                    proc.wait(STOP_WAIT_S)
+            except (RankFailure, subprocess.TimeoutExpired):
+                pass
+        self._kill()  # what did not stop (a broken group: all of it)
+        self.comm.close()
+
+    def _kill(self) -> None:
+        _kill_all(self.procs)
+        self.procs = []
+
+
+def _kill_all(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+

@@ -1,0 +1,171 @@
+"""A worker rank (1 .. N - 1) of a tensor/expert-parallel replica: `python -m strata.distributed.worker`.
+
+Started by rank 0 (`strata.distributed.runtime.ParallelRuntime`) with a `WorkerInit` as JSON on
+stdin. It joins the groups, loads its shard of the model, allocates its shard of the KV pool that
+rank 0 sized, then runs what rank 0 broadcasts, step by step, until a `Stop`:
+
+    Step       rebuild the step's attention metadata, run the forward (its collectives pair with
+               rank 0's), compute the logits rows when rank 0 samples (the gather needs every rank)
+    Placement  load the experts of a new expert placement into this rank's slots
+
+It schedules nothing and samples nothing. It dies with rank 0 (PR_SET_PDEATHSIG), and exits when a
+collective fails, so no worker outlives its replica.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import msgspec
+import torch
+import torch.distributed as dist
+
+from strata.distributed import messages as msg
+from strata.distributed.comm import Comm
+from strata.distributed.errors import RankFailure
+from strata.distributed.sharding import ShardPlan
+
+logger = logging.getLogger("strata.worker")
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent_pid: int) -> None:
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def build_step(step: msg.Step, page_size: int, device: torch.device):
+    """(input_ids, positions, attention metadata, sample rows or None) of a broadcast step."""
+    from strata.layers.attention import AttentionMetadata
+
+    batch = len(step.q_lens)
+    attn = AttentionMetadata.build(
+        step.q_lens, step.kv_lens, msg.from_bytes(step.page_table, batch), page_size, step.num_decode, device
+    )
+    attn.out_slots = msg.from_bytes(step.out_slots).to(device)
+    for g in step.groups:
+        meta = attn.with_page_table(msg.from_bytes(g.page_table, batch))
+        meta.key_floor = None if g.key_floor is None else msg.from_bytes(g.key_floor)
+        attn.groups.append(meta)
+    sample_rows = None if step.sample_rows is None else msg.from_bytes(step.sample_rows).to(device)
+    return msg.from_bytes(step.input_ids).to(device), attn.positions, attn, sample_rows
+
+
+class Worker:
+    def __init__(self, init: msg.WorkerInit):
+        from strata.config import ModelConfig
+        from strata.distributed.layers import ShardedLoad
+        from strata.models import get_model_class
+        from strata.weights.loader import load_model
+
+        self.device = torch.device(init.device)
+        world = max(init.tp_size, init.ep_size)
+        store = Comm.make_store(init.host, init.port, world, False, init.timeout_s)
+        store.set(f"started/{init.rank}", b"1")  # rank 0 waits for this before the group's rendezvous
+        self.comm = Comm(init.rank, world, store, self.device, init.timeout_s)
+        cfg = ModelConfig.from_dir(init.model_dir)
+        self.plan = ShardPlan(
+            cfg, init.rank, init.tp_size, init.ep_size, get_model_class(cfg.architecture).RENAMES, tuple(init.placement)
+        )
+        self.model_dir = init.model_dir
+        self.dtype = getattr(torch, init.dtype)
+        self.model = load_model(
+            Path(init.model_dir), cfg, self.dtype, self.device, max_positions=init.context_len,
+            quantization=init.quantization, shard=ShardedLoad(self.plan, self.comm),
+        )
+        self.kv = None
+        self.comm.mark("loaded")
+
+    def make_kv(self, layout: msg.KVLayout) -> None:
+        from strata.cache.kv_pool import MHAKVPool
+
+        local = self.plan.local_config()
+        self.page_size = layout.page_size
+        self.kv = MHAKVPool(
+            layout.layer_windows, local.num_kv_heads, local.head_dim, layout.num_pages, layout.page_size,
+            getattr(torch, layout.kv_dtype), self.device, group_pages=layout.group_pages,
+        )
+
+    @torch.inference_mode()
+    def run_step(self, step: msg.Step) -> None:
+        ids, positions, attn, sample_rows = build_step(step, self.page_size, self.device)
+        hidden = self.model(ids, positions, attn, self.kv)
+        if sample_rows is not None:
+            self.model.compute_logits(hidden[sample_rows])
+
+    def read_pages(self, pages: list[int]) -> None:
+        from strata.distributed.kv import pad_heads
+
+        mine, _ = self.kv.read_pages(pages)
+        width = max(ShardPlan(self.plan.cfg, r, self.plan.tp_size, self.plan.ep_size).heads.num_kv
+                    for r in range(self.comm.world_size))
+        self.comm.run("page gather", dist.gather, pad_heads(mine, width), None, 0, group=self.comm.control)
+
+    def write_pages(self, pages: list[int]) -> None:
+        from strata.distributed.kv import own_heads
+
+        layers, parts, ps, _, dim = self.kv.page_shape
+        full = torch.empty(len(pages), layers, parts, ps, self.plan.cfg.num_kv_heads, dim, dtype=self.kv.dtype)
+        self.comm.run("page broadcast", dist.broadcast, full, 0, group=self.comm.control)
+        self.kv.write_pages(pages, own_heads(full, self.plan.heads))
+
+    def apply_placement(self, placements: dict[int, list[int]]) -> None:
+        from strata.distributed.eplb import load_placements
+
+        load_placements(self.model, self.model_dir, placements, self.dtype)
+
+    def loop(self) -> None:
+        while True:
+            message = msg.decode(self.comm.recv_bytes())
+            if isinstance(message, msg.Step):
+                self.run_step(message)
+            elif isinstance(message, msg.KVLayout):
+                self.make_kv(message)
+                self.comm.barrier()  # ready
+            elif isinstance(message, msg.Placement):
+                self.apply_placement(message.placements)
+                self.comm.barrier()
+            elif isinstance(message, msg.ReadPages):
+                self.read_pages(message.pages)
+            elif isinstance(message, msg.WritePages):
+                self.write_pages(message.pages)
+            elif isinstance(message, msg.Stop):
+                return
+
+
+def main() -> int:
+    init = msgspec.json.decode(sys.stdin.buffer.read(), type=msg.WorkerInit)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0 decides when a worker stops
+    die_with_parent(init.parent_pid)
+    logging.basicConfig(
+        level=init.log_level,
+        format=f"%(asctime)s rank {init.rank} %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    torch.set_num_threads(init.num_threads)
+    if init.device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(init.device))
+    worker = None
+    try:
+        worker = Worker(init)
+        worker.loop()
+    except RankFailure as exc:
+        logger.error("%s; exiting", exc)
+        return 1
+    finally:
+        if worker is not None:
+            worker.comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

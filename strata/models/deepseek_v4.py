@@ -1,0 +1,269 @@
+"""DeepSeek-V4: sliding-window attention in every layer, compressed sparse (CSA) and heavily
+compressed (HCA) attention on top of it (`strata.layers.dsv4_attention`), hyper-connected residual
+streams (`strata.layers.hyper_connection`), and a mixture of experts in every layer.
+
+    ids -> embed -> hc_mult copies of the stream
+        per layer: attn_hc -> input_layernorm -> attention -> merge;  ffn_hc -> post_attention_layernorm
+                   -> experts + shared expert -> merge
+    -> hc_head (streams -> one) -> norm -> lm_head
+
+The experts: scores = sqrt(softplus(router logits)) (or sigmoid / softmax per `scoring_func`);
+a layer listed as `hash_moe` takes its experts from a token-id table (`tid2eid[input id]`, hence
+the input ids in `forward`), the others the top-k of scores + `e_score_correction_bias`; the weights
+are the chosen scores renormalised, times `routed_scaling_factor`. Experts and the shared expert
+clamp their gate above and their up projection to [-swiglu_limit, swiglu_limit] before SiLU(gate) * up.
+
+The state lives in `strata.cache.dsv4_pool.DSV4KVPool`; checkpoint names are transformers' (the
+multi-token-prediction layers, `mtp.*`, are skipped; FP8 checkpoints are refused).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.cache.dsv4_pool import DSV4KVPool
+from strata.config import ModelConfig
+from strata.layers.attention import AttentionMetadata
+from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
+from strata.layers.hyper_connection import HyperConnection, HyperHead
+from strata.layers.moe import grouped_linear, grouped_mm_works
+
+
+def clamped_silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
+    if scoring_func == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if scoring_func == "sigmoid":
+        return logits.sigmoid()
+    return logits.softmax(dim=-1)
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, size: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, size, bias=False)
+        self.up_proj = nn.Linear(hidden, size, bias=False)
+        self.down_proj = nn.Linear(size, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(clamped_silu_mul(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+class DSV4MoE(nn.Module):
+    """Router (`gate`: weight, and tid2eid or e_score_correction_bias), stacked experts
+    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]) and the shared expert."""
+
+    def __init__(self, cfg: ModelConfig, layer_id: int):
+        super().__init__()
+        moe, v4 = cfg.moe, cfg.dsv4
+        E, k, size, H = moe.num_experts, moe.top_k, moe.intermediate_size, cfg.hidden_size
+        self.top_k, self.scale, self.limit = k, moe.routed_scaling_factor, moe.swiglu_limit
+        self.scoring_func = v4.scoring_func
+        self.is_hash = v4.hash_layers[layer_id]
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(E, H))
+        if self.is_hash:
+            self.gate.register_buffer("tid2eid", torch.empty(cfg.vocab_size, k, dtype=torch.int64))
+        else:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(E, dtype=torch.float32))
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * size, H))
+        self.experts.down_proj = nn.Parameter(torch.empty(E, H, size))
+        self.shared_experts = SharedExpert(H, moe.shared_intermediate_size, moe.swiglu_limit)
+        self.register_buffer("expert_load", torch.zeros(E, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        scores = router_scores(F.linear(x, self.gate.weight), self.scoring_func)  # [T, E]
+        if self.is_hash:
+            experts = self.gate.tid2eid[input_ids]
+        else:
+            choice = scores + self.gate.e_score_correction_bias
+            experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
+        weights = scores.gather(1, experts).float()
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale  # [T, k]
+        counts = torch.bincount(experts.reshape(-1), minlength=self.gate.weight.shape[0])
+        self.expert_load += counts
+        return self._experts(x, weights, experts, counts) + self.shared_experts(x)
+
+    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
+        """The T * k (token, expert) rows sorted by expert, one grouped GEMM per projection."""
+        T, k = experts.shape
+        backend = "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
+        order = experts.reshape(-1).argsort(stable=True)
+        group_ends = counts.cumsum(0).to(torch.int32)
+        h = grouped_linear(x[order // k], self.experts.gate_up_proj, group_ends, backend)  # [T * k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_linear(clamped_silu_mul(gate, up, self.limit), self.experts.down_proj, group_ends, backend)
+        out = torch.empty_like(y, dtype=torch.float32)
+        out[order] = y.float() * weights.reshape(-1)[order, None]
+        return out.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+
+class DSV4Layer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rope_device: torch.device | str):
+        super().__init__()
+        v4, H, eps = cfg.dsv4, cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = DSV4Attention(cfg, layer_id, rope_device)
+        self.mlp = DSV4MoE(cfg, layer_id)
+        self.input_layernorm = RMSNorm32(H, eps)
+        self.post_attention_layernorm = RMSNorm32(H, eps)
+        self.attn_hc = HyperConnection(H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+        self.ffn_hc = HyperConnection(H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+
+    def forward(self, streams, input_ids, positions, meta, kv, shared):  # streams [T, hc_mult, H]
+        h, post, comb = self.attn_hc(streams)
+        out = self.self_attn(self.input_layernorm(h), positions, meta, kv, shared)
+        streams = HyperConnection.merge(streams, out, post, comb)
+        h, post, comb = self.ffn_hc(streams)
+        out = self.mlp(self.post_attention_layernorm(h), input_ids)
+        return HyperConnection.merge(streams, out, post, comb)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    RENAMES: tuple[tuple[str, str], ...] = ()  # the decoder families' plain renames; V4's are `our_name`
+
+    def __init__(self, cfg: ModelConfig, max_positions: int, rope_device: torch.device | str = "cpu"):
+        super().__init__()
+        if cfg.dsv4 is None:
+            raise ValueError(f"{cfg.architecture} needs a deepseek_v4 config.json")
+        self.config = cfg
+        v4, H = cfg.dsv4, cfg.hidden_size
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
+        self.layers = nn.ModuleList(DSV4Layer(cfg, i, rope_device) for i in range(cfg.num_layers))
+        self.norm = RMSNorm32(H, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(H, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: DSV4KVPool
+    ) -> torch.Tensor:
+        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.config.dsv4.hc_mult, -1).contiguous()
+        shared: dict = {}  # what every layer of this step computes alike (strata.layers.dsv4_attention)
+        for layer in self.layers:
+            streams = layer(streams, input_ids, positions, meta, kv, shared)
+        return self.norm(self.hc_head(streams))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def expert_load(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert of each layer since the last reset."""
+        counts = torch.stack([layer.mlp.expert_load for layer in self.layers]).tolist()
+        return dict(enumerate(counts))
+
+    def reset_expert_load(self) -> None:
+        for layer in self.layers:
+            layer.mlp.expert_load.zero_()
+
+    def checkpoint_parts(self, module: str) -> list[str]:
+        return [f"{'' if module == 'lm_head' else 'model.'}{module}.weight"]
+
+    def load_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], absent: frozenset[str] = frozenset()
+    ) -> None:
+        """Copy checkpoint tensors in: DeepSeek's own names (as published, and as transformers saves
+        them) or transformers' in-memory ones; per-expert w1/w3/w2 are stacked into gate_up_proj and
+        down_proj; the token-id tables come back as int64 (the loader hands every tensor over in the
+        model's dtype)."""
+        targets = dict(self.named_parameters())
+        targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
+        loaded: set[str] = set()
+        pieces: dict[str, int] = {}  # stacked expert parameter -> per-expert tensors copied in
+        for ckpt_name, tensor in weights:
+            if "scale_inv" in ckpt_name or ckpt_name.endswith("weight_scale"):
+                raise ValueError(f"this checkpoint holds FP8 weights ({ckpt_name}), which Strata does not read; "
+                                 "use a bf16 checkpoint")
+            name = our_name(ckpt_name)
+            if name is None:
+                continue
+            expert = _PER_EXPERT.fullmatch(name)
+            if expert is not None:  # one expert's w1 (gate) / w3 (up) / w2 (down)
+                layer, e, w = expert[1], int(expert[2]), expert[3]
+                stacked = f"layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
+                dst = targets[stacked].data[e]
+                if w != "w2":
+                    half = dst.shape[0] // 2
+                    dst = dst[:half] if w == "w1" else dst[half:]
+                _copy(dst, tensor, ckpt_name)
+                pieces[stacked] = pieces.get(stacked, 0) + 1
+                if pieces[stacked] == self._pieces(stacked):
+                    loaded.add(stacked)
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue
+            target = targets.get(name)
+            if target is None:
+                raise ValueError(f"unexpected weight {ckpt_name!r} for {self.config.architecture}")
+            if name.endswith("tid2eid") and tensor.is_floating_point():
+                tensor = tensor.round()
+            _copy(target.data, tensor, ckpt_name)
+            loaded.add(name)
+        missing = set(targets) - loaded - absent
+        if missing:
+            raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
+        self.reset_expert_load()
+
+    def _pieces(self, stacked: str) -> int:
+        experts = self.config.moe.num_experts
+        return experts if stacked.endswith("down_proj") else 2 * experts
+
+
+def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
+    if dst.shape != tensor.shape:
+        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+    dst.copy_(tensor)
+
+
+_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+# DeepSeek's checkpoint names -> ours (transformers' in-memory names), applied in order
+_RENAMES = [(re.compile(a), b) for a, b in (
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.indexer\.compressor\.", ".compressor.indexer."),
+    (r"^embed\.weight", "embed_tokens.weight"),
+    (r"^head\.weight", "lm_head.weight"),
+    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
+    (r"\.attn_sink", ".sinks"),
+    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+    (r"\.norm\.", ".kv_norm."),
+    (r"\.ape$", ".position_bias"),
+    (r"\.wq_a\.", ".q_a_proj."),
+    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+    (r"\.wkv\.", ".kv_proj."),
+    (r"\.wgate\.", ".gate_proj."),
+    (r"\.wo_a\.", ".o_a_proj."),
+    (r"\.wo_b\.", ".o_b_proj."),
+    (r"\.q_norm\.", ".q_a_norm."),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+)]
+
+
+def our_name(ckpt_name: str) -> str | None:
+    """A checkpoint tensor's parameter name here; None for what is not loaded (the MTP layers)."""
+    name = ckpt_name.removeprefix("model.")
+    if name.startswith("mtp.") or ".mtp." in name or "rotary_emb" in name:
+        return None
+    for pattern, replacement in _RENAMES:
+        name = pattern.sub(replacement, name)
+    return name
