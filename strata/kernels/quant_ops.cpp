@@ -18,15 +18,23 @@
 // The d * xc term makes the q4 error that of centred weights, d sum_j (q_j - 8) e_j with e_j the
 // rounding error of x_j, instead of d sum_j q_j e_j (q_j in 0..15 is all positive: 2x the error).
 //
-// The integer sums are exact; only the float accumulation order differs between the AVX2 path and
+// The integer sums are exact; only the float accumulation order differs between the SIMD paths and
 // the scalar loop, which stays as the reference. QuantLinear.emulated_mm (strata.layers.quant)
-// reproduces the same arithmetic in PyTorch for the tests. AVX-512 machines run the AVX2 path.
+// reproduces the same arithmetic in PyTorch for the tests. Three SIMD paths: AVX2 (one block of 32 per
+// 256-bit step, vpmaddubsw + vpmaddwd), AVX-512BW (two blocks per 512-bit step, the same two
+// instructions) and AVX-512 VNNI (two blocks per step, one vpdpbusd); the AVX-512 builds finish an
+// odd block count with the AVX2 step.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+
+#include "ops.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define STRATA_QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define STRATA_QUANT_AVX512 1
+#endif
 #endif
 
 #include <algorithm>
@@ -113,6 +121,32 @@ inline __m256 dot_u8s8(__m256i u, __m256i s) {
 }
 #endif
 
+#if defined(STRATA_QUANT_AVX512)
+// Sixteen int32 partial sums of u[i] * s[i] over 64 bytes (two blocks; the same ranges as dot_u8s8):
+// lanes 0-7 cover block 0 (bytes 0-31), lanes 8-15 block 1.
+inline __m512 dot2_u8s8(__m512i u, __m512i s) {
+#if defined(__AVX512VNNI__)
+  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
+#else
+  const __m512i pairs = _mm512_maddubs_epi16(u, s);
+  return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
+#endif
+}
+
+// Floats p[0], p[1] spread over lanes 0-7 and 8-15 (one scale per block of a two-block step).
+inline __m512 spread2(const float* p) {
+  const __m128 two = _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p)));
+  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(two));
+}
+
+// Floats p[0..3] spread over lanes 0-3, 4-7, 8-11, 12-15 (one scale per 16 channels).
+inline __m512 spread4(const float* p) {
+  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_loadu_ps(p)));
+}
+#endif
+
 // Integer dot products of one weight row with RT activation rows (RT a compile-time constant, so
 // the accumulators live in registers), scaled per block: result[r] = sum_b scale_b,r * isum_b,r.
 // Blocks are taken two at a time into separate accumulators (two independent FMA chains).
@@ -124,6 +158,19 @@ inline void dot_rows(const Weights& w, const QuantRows& x, int64_t row0, int64_t
   const int8_t* xq = x.q.data() + row0 * K;
   const float* xd = x.d.data() + row0 * nb;
   int64_t b = 0;
+#if defined(STRATA_QUANT_AVX512)
+  // two blocks per step in one register; the odd last block (if any) takes the AVX2 step below
+  __m512 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
+  for (; b + 2 <= nb; b += 2) {
+    const auto [u, sign, ws] = w.block2(b);
+    for (int r = 0; r < RT; ++r) {
+      const __m512i xv = _mm512_loadu_si512(xq + r * K + b * kBlock);
+      const __m512 scale = _mm512_mul_ps(ws, spread2(xd + r * nb + b));
+      acc[r] = _mm512_fmadd_ps(dot2_u8s8(u, w.signed_x2(xv, sign)), scale, acc[r]);
+    }
+  }
+#endif
   for (; b + 2 <= nb; b += 2) {
     for (int half = 0; half < 2; ++half) {
       const int64_t bb = b + half;
@@ -149,6 +196,9 @@ inline void dot_rows(const Weights& w, const QuantRows& x, int64_t row0, int64_t
     }
   }
   for (int r = 0; r < RT; ++r) result[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
+#if defined(STRATA_QUANT_AVX512)
+  for (int r = 0; r < RT; ++r) result[r] += _mm512_reduce_add_ps(acc[r]);
+#endif
 #else
   for (int r = 0; r < RT; ++r) {
     const int8_t* xq = x.q.data() + (row0 + r) * K;
@@ -170,6 +220,21 @@ struct Q4Row {
   };
   Block block(int64_t b) const { return {unpack_q4(q + b * 16), _mm256_setzero_si256(), _mm256_set1_ps(d[b])}; }
   static __m256i signed_x(__m256i xv, __m256i) { return xv; }
+#endif
+#if defined(STRATA_QUANT_AVX512)
+  struct Block2 {
+    __m512i u;
+    __mmask64 sign;
+    __m512 scale;
+  };
+  // blocks b and b + 1: their 32 bytes become [b low nibbles | b high | b+1 low | b+1 high]
+  Block2 block2(int64_t b) const {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 16));
+    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
+    const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
+    return {_mm512_and_si512(ordered, _mm512_set1_epi8(0x0F)), 0, spread2(d + b)};
+  }
+  static __m512i signed_x2(__m512i xv, __mmask64) { return xv; }
 #endif
   // d_b * sum_j q_j xq_j (the caller multiplies by the activation scale)
   float scalar_block(int64_t b, const int8_t* xq) const {
@@ -199,6 +264,22 @@ struct Q8Row {
     return {_mm256_sign_epi8(w, w), w, scale};
   }
   static __m256i signed_x(__m256i xv, __m256i sign) { return _mm256_sign_epi8(xv, sign); }
+#endif
+#if defined(STRATA_QUANT_AVX512)
+  struct Block2 {
+    __m512i u;
+    __mmask64 sign;
+    __m512 scale;
+  };
+  // blocks b and b + 1: |w| as unsigned bytes and the lanes where w < 0 (x is negated there)
+  Block2 block2(int64_t b) const {
+    const __m512i w = _mm512_loadu_si512(q + b * kBlock);
+    const __m512 scale = kSubs == 1 ? spread2(d + b) : spread4(d + b * kSubs);
+    return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w), scale};
+  }
+  static __m512i signed_x2(__m512i xv, __mmask64 sign) {
+    return _mm512_mask_sub_epi8(xv, sign, _mm512_setzero_si512(), xv);
+  }
 #endif
   float scalar_block(int64_t b, const int8_t* xq) const {
     float sum = 0.f;
@@ -450,6 +531,11 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end
 }
 
 }  // namespace
+
+namespace strata_ops {  // ops.h: for the decode loop (decode_loop.cpp)
+at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) { return ::q4_linear(x, qs, d, m); }
+at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) { return ::q8_linear(x, qs, d); }
+}  // namespace strata_ops
 
 void register_quant_ops(pybind11::module_& m) {
   m.def("q4_linear", &q4_linear, "x [M, K] @ q4 weight^T -> [M, N] (int8 dot products)");

@@ -76,12 +76,14 @@ def build(request):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
-def test_kernel_matches_its_emulation(build, fmt, rows):
+@pytest.mark.parametrize("k", [576, 608, 32])
+def test_kernel_matches_its_emulation(build, fmt, rows, k):
     """The int8 dot-product kernel computes exactly the emulated arithmetic (up to float sum order),
-    for row counts on either side of its 4-row and 64-row tiles."""
+    for row counts on either side of its 4-row and 64-row tiles, and block counts even (the AVX-512
+    paths take two blocks a step), odd (their last block takes the 256-bit step) and one."""
     gen = torch.Generator().manual_seed(rows)
-    layer = random_layer(fmt, 130, 576, gen)
-    x = torch.randn(rows, 576, generator=gen)
+    layer = random_layer(fmt, 130, k, gen)
+    x = torch.randn(rows, k, generator=gen)
     want = layer.emulated_mm(x)
     got = layer.kernel_mm(build, x)
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5)
