@@ -126,5 +126,6 @@ def engine_path(engine) -> dict[str, object]:
         "dtype_reason": st.dtype_reason,
         "weights": st.weights,
         "quantization": engine.config.quantization,
+        "decode_loop": st.decode_loop,
         **st.kernels,
     }

@@ -55,6 +55,7 @@ class RuntimeState:
     dtype_reason: str
     weights: str  # the weight formats the model runs on, e.g. "q4 x210, q8 x1, float x0"
     kernels: dict[str, Any]  # strata.kernels.kernel_info(): which native build runs, the CPU's ISA
+    decode_loop: str  # "native": decode steps run the layers from C++ (strata.models.native_decode); "python"
     kv_dtype: torch.dtype
     num_kv_tokens: int
     kv_bytes: int
@@ -268,6 +269,7 @@ class Engine:
             dtype_reason=dtype_reason,
             weights=weights,
             kernels=kernel_info() if device.type == "cpu" else {},
+            decode_loop=decode_loop_of(self.model) if device.type == "cpu" else "python",
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
             kv_bytes=kv_pool.nbytes,
@@ -280,13 +282,15 @@ class Engine:
         self._ids = itertools.count()
         self._outputs: dict[str, list[RequestOutput]] = {}
         logger.info(
-            "loaded %s (%s, %s [%s], weights %s, kernels %s on %s) in %.1fs; KV cache: %d tokens (%.0f MiB, %s)",
+            "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "
+            "KV cache: %d tokens (%.0f MiB, %s)",
             model_dir.name,
             model_config.architecture,
             str(dtype).removeprefix("torch."),
             dtype_reason,
             self.state.weights,
             describe_kernels(self.state.kernels),
+            self.state.decode_loop,
             device,
             self.state.load_seconds,
             self.state.num_kv_tokens,
@@ -628,6 +632,12 @@ def kv_namespace(model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dt
             h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
     h.update(f"weights={weights};compute={dtype}".encode())
     return h.digest() + kv_pool.layout.encode()
+
+
+def decode_loop_of(model) -> str:
+    """Which layer loop a model's decode steps run: "native" (strata.models.native_decode) or "python"."""
+    native = getattr(model, "native_decode", None)
+    return "native" if callable(native) and native() is not None else "python"
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:

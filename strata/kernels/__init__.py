@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "STRATA_CPU_KERNELS"
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "quant_ops.cpp")
+SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "quant_ops.cpp", _DIR / "decode_loop.cpp")
 DEFAULT_TARGET = "native"
 # target -> (-march value, CPU flags it needs; None: whatever this CPU has)
 TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {

@@ -15,6 +15,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "ops.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -1013,10 +1014,31 @@ at::Tensor silu_and_mul(at::Tensor gate_up) {
 
 }  // namespace
 
+namespace strata_ops {  // ops.h: for the decode loop (decode_loop.cpp)
+void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor out_slots) {
+  ::store_kv(k, v, k_cache, v_cache, out_slots);
+}
+void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
+                     at::Tensor owner, at::Tensor positions, int64_t page_size, double scale, int64_t window,
+                     double softcap, c10::optional<at::Tensor> sinks) {
+  ::paged_attention(out, q, k_cache, v_cache, page_table, owner, positions, page_size, scale, window, softcap, sinks);
+}
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) { return ::rms_norm(x, weight, eps); }
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(at::Tensor x, at::Tensor residual, at::Tensor weight, double eps) {
+  return ::add_rms_norm(x, residual, weight, eps);
+}
+void rotary_embedding(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin, at::Tensor positions) {
+  ::rotary_embedding(q, k, cos, sin, positions);
+}
+at::Tensor silu_and_mul(at::Tensor gate_up) { return ::silu_and_mul(gate_up); }
+}  // namespace strata_ops
+
 void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
+void register_decode_loop(pybind11::module_& m);  // decode_loop.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_ops(m);
+  register_decode_loop(m);
   m.def("store_kv", &store_kv);
   m.def("paged_attention", &paged_attention, pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("owner"), pybind11::arg("positions"),

@@ -32,6 +32,7 @@ from strata.layers.mlp import MLP
 from strata.layers.moe import MoE
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
+from strata.models.native_decode import NativeDecode
 
 
 def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
@@ -160,6 +161,7 @@ class DecoderForCausalLM(nn.Module):
                     spec.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, rope_device
                 )
         self.layer_ropes = [tables[spec.rope] for spec in cfg.layers]
+        self._native: NativeDecode | None | bool = False  # False: not built yet
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool
@@ -168,9 +170,20 @@ class DecoderForCausalLM(nn.Module):
         x, residual = self.embed_tokens(input_ids), None
         if self.config.scale_embeddings:  # Gemma: the factor rounded to the weights' dtype, as trained
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
-        for layer, rope in zip(self.layers, self.layer_ropes):
-            x, residual = layer(x, residual, positions, rope, meta, kv)
+        native = self.native_decode()
+        if native is not None and native.accepts(x, meta, kv):
+            x, residual = native(x, positions, meta, kv)  # the same kernels as the loop below, from C++
+        else:
+            for layer, rope in zip(self.layers, self.layer_ropes):
+                x, residual = layer(x, residual, positions, rope, meta, kv)
         return self.norm(x, residual)[0]
+
+    def native_decode(self) -> NativeDecode | None:
+        """The native layer loop for decode steps (strata.models.native_decode), built on first use,
+        once the weights are in their final form; None where the model or machine does not qualify."""
+        if self._native is False:
+            self._native = NativeDecode.build(self, Attention)
+        return self._native
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""

@@ -265,6 +265,7 @@ def engine_info(engine) -> io.EngineInfo:
         dtype_reason=st.dtype_reason,
         weights=st.weights,
         kernels=describe_kernels(st.kernels),
+        decode_loop=st.decode_loop,
         kv_groups=st.kv_groups,
         kv_bytes=st.kv_bytes,
         num_experts=st.model_config.moe.num_experts if st.model_config.moe is not None else 0,

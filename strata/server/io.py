@@ -112,6 +112,7 @@ class EngineInfo(msgspec.Struct):
     dtype_reason: str = ""  # why this compute dtype (measured, or the flag)
     weights: str = ""  # weight formats the model runs on, e.g. "q4 x120, q8 x1"
     kernels: str = ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
+    decode_loop: str = ""  # "native": decode steps run the layer loop in C++; "python"
     kv_bytes: int = 0  # memory of the whole KV pool (every layer group)
     kv_groups: str = ""  # the KV pool's layer groups, e.g. "3 layers keep every token (...); 15 window-512 ..."
     num_experts: int = 0  # routed experts of each mixture-of-experts layer; 0: not a MoE model

@@ -1,0 +1,139 @@
+// A native loop over a decoder's layers for the steps in which every token decodes (one-stream and
+// small-batch decode, where a step is mostly per-op dispatch from Python). The layers' own kernels
+// (ops.h) are called back to back from C++, in the order and with the arguments the PyTorch modules
+// use (strata/models/decoder.py: Attention, DecoderLayer in the "pre" norm layout, MLP with SiLU),
+// so the result is the same to the last bit; strata/models/native_decode.py decides when a model
+// and a step qualify, and keeps the Python loop as the oracle.
+//
+// Per layer, for x [T, hidden] and the residual stream beside it:
+//
+//   h, residual = add_rms_norm(x, residual)           (the first layer: residual = x, h = rms_norm(x))
+//   q | k | v   = qkv(h)                              views of one [T, q + 2 kv] projection
+//   rope(q, k) in place; store k, v at out_slots[group]; attention over the group's pages
+//   h, residual = add_rms_norm(o(attention), residual)
+//   x           = down(silu(gate) * up)   with gate | up = gate_up(h)
+//
+// Linears are q4 / q8 blocks (the int8 dot-product kernels) or float weights (at::linear, as
+// F.linear computes them), each with an optional bias.
+#include <torch/extension.h>
+
+#include <optional>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+namespace {
+
+enum class LinearKind : int64_t { kQ4 = 0, kQ8 = 1, kFloat = 2 };
+
+struct Linear {
+  LinearKind kind;
+  at::Tensor a, b, c;  // q4: qs, d, m; q8: qs, d; float: the weight
+  c10::optional<at::Tensor> bias;
+
+  at::Tensor operator()(const at::Tensor& x) const {
+    if (kind == LinearKind::kFloat) return at::linear(x, a, bias);
+    at::Tensor out = kind == LinearKind::kQ4 ? strata_ops::q4_linear(x, a, b, c) : strata_ops::q8_linear(x, a, b);
+    if (bias) out.add_(bias->to(out.scalar_type()));  // QuantLinear.forward's order
+    return out;
+  }
+};
+
+Linear make_linear(int64_t kind, at::Tensor a, c10::optional<at::Tensor> b, c10::optional<at::Tensor> c,
+                   c10::optional<at::Tensor> bias) {
+  TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (q4), 1 (q8) or 2 (float), got ", kind);
+  const auto k = static_cast<LinearKind>(kind);
+  TORCH_CHECK(k == LinearKind::kFloat || b.has_value(), "a q4/q8 linear needs its scales");
+  TORCH_CHECK(k != LinearKind::kQ4 || c.has_value(), "a q4 linear needs its offsets");
+  return {k, a, b.value_or(at::Tensor()), c.value_or(at::Tensor()), bias};
+}
+
+struct Layer {
+  at::Tensor in_norm, post_norm;  // RMSNorm weights [hidden]
+  double eps;
+  Linear qkv, o, gate_up, down;
+  int64_t num_heads, num_kv_heads, head_dim;
+  at::Tensor cos, sin;  // the layer's rotary tables [max_positions, rot_dim], float32
+  double scale;
+  int64_t window;  // 0: none
+  double softcap;  // 0: none
+  c10::optional<at::Tensor> sinks;  // float32 [num_heads]
+};
+
+class DecodeLoop {
+ public:
+  // One layer, appended in order; linears as (kind, a, b, c, bias) (see make_linear).
+  void add_layer(at::Tensor in_norm, at::Tensor post_norm, double eps, std::vector<pybind11::object> linears,
+                 int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin,
+                 double scale, int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
+    TORCH_CHECK(linears.size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", linears.size());
+    std::vector<Linear> lin;
+    for (const auto& spec : linears) {
+      auto [kind, a, b, c, bias] = spec.cast<std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>,
+                                                        c10::optional<at::Tensor>, c10::optional<at::Tensor>>>();
+      lin.push_back(make_linear(kind, a, b, c, bias));
+    }
+    TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
+                "heads (", num_heads, ") must be a positive multiple of kv heads (", num_kv_heads, ")");
+    layers_.push_back({in_norm, post_norm, eps, lin[0], lin[1], lin[2], lin[3], num_heads, num_kv_heads, head_dim, cos,
+                       sin, scale, window, softcap, sinks});
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
+
+  // x [T, hidden] (the embeddings), positions [T]; per layer its caches and its KV group's page table
+  // [T, max_pages] (row t: token t's request) and out_slots [T]; owner [T]: page-table row per token.
+  // Returns (x, residual) after the last layer: the stream is x + residual (the caller's final norm
+  // adds them).
+  std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> k_caches,
+                                             std::vector<at::Tensor> v_caches, std::vector<at::Tensor> page_tables,
+                                             std::vector<at::Tensor> out_slots, at::Tensor owner, int64_t page_size) {
+    const int64_t L = num_layers();
+    TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
+                "need one k and one v cache per layer (", L, "), got ", k_caches.size(), " and ", v_caches.size());
+    TORCH_CHECK(static_cast<int64_t>(page_tables.size()) == L && static_cast<int64_t>(out_slots.size()) == L,
+                "need one page table and one out_slots per layer (", L, "), got ", page_tables.size(), " and ",
+                out_slots.size());
+    TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden], got ", x.sizes());
+    const int64_t T = x.size(0);
+    at::Tensor residual;
+    for (int64_t i = 0; i < L; ++i) {
+      const Layer& l = layers_[i];
+      at::Tensor h;
+      if (i == 0) {
+        residual = x;
+        h = strata_ops::rms_norm(x, l.in_norm, l.eps);
+      } else {
+        std::tie(h, residual) = strata_ops::add_rms_norm(x, residual, l.in_norm, l.eps);
+      }
+      const int64_t q_size = l.num_heads * l.head_dim, kv_size = l.num_kv_heads * l.head_dim;
+      const at::Tensor qkv = l.qkv(h);  // [T, q_size + 2 kv_size]
+      const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, l.num_heads, l.head_dim});
+      const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, l.num_kv_heads, l.head_dim});
+      const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, l.num_kv_heads, l.head_dim});
+      strata_ops::rotary_embedding(q, k, l.cos, l.sin, positions);
+      strata_ops::store_kv(k, v, k_caches[i], v_caches[i], out_slots[i]);
+      at::Tensor attn = at::empty(q.sizes(), q.options());
+      strata_ops::paged_attention(attn, q, k_caches[i], v_caches[i], page_tables[i], owner, positions, page_size,
+                                  l.scale, l.window, l.softcap, l.sinks);
+      std::tie(h, residual) = strata_ops::add_rms_norm(l.o(attn.view({T, q_size})), residual, l.post_norm, l.eps);
+      x = l.down(strata_ops::silu_and_mul(l.gate_up(h)));
+    }
+    return {x, residual};
+  }
+
+ private:
+  std::vector<Layer> layers_;
+};
+
+}  // namespace
+
+void register_decode_loop(pybind11::module_& m) {
+  pybind11::class_<DecodeLoop>(m, "DecodeLoop")
+      .def(pybind11::init<>())
+      .def("add_layer", &DecodeLoop::add_layer)
+      .def("num_layers", &DecodeLoop::num_layers)
+      // the step runs without the GIL: the engine's other threads (storage I/O, transfers) go on meanwhile
+      .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,128 @@
+"""The decoder's layers as one native call for steps in which every token decodes.
+
+At batch 1 a decode step is ~12 Python-level calls per layer (norms, projections, RoPE, the K/V
+store, attention, activation), each a few microseconds of dispatch around a kernel that itself
+takes tens: on a small model the dispatch is a third of the step. `NativeDecode` hands the layer
+loop to the kernels' `DecodeLoop` (strata/kernels/decode_loop.cpp), which calls the same kernels
+with the same arguments in the same order, so logits are identical to the Python loop's; that loop
+stays the oracle and runs every step that does not qualify.
+
+A model qualifies when its layers are the plain decoder (`strata.models.decoder`): "pre" norm
+layout without q/k norms or Gemma's (1 + w) norms, multi-head (not latent) attention, a dense SiLU
+MLP, and linears that are q4/q8 blocks or plain float weights (prepacked or mixed-format ones
+keep the Python loop). A step qualifies when every token decodes, there are fewer rows than the
+block kernels' `kernel_max_rows` (more take the dequantizing path), nothing replays a window, and
+the tensors are on the CPU in the weights' dtype. `STRATA_DECODE_LOOP=0` switches it off.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from torch import nn
+
+from strata import kernels
+from strata.cache.kv_pool import MHAKVPool
+from strata.layers.attention import AttentionMetadata
+from strata.layers.mlp import MLP
+from strata.layers.quant import Q4Linear, Q8Linear, QuantLinear
+
+logger = logging.getLogger(__name__)
+
+ENV_VAR = "STRATA_DECODE_LOOP"
+
+
+def enabled_by_env() -> bool:
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _linear_spec(module: nn.Module) -> tuple | None:
+    """(kind, a, b, c, bias) as DecodeLoop.add_layer takes it, or None if the loop cannot run it."""
+    bias = module._buffers.get("bias") if isinstance(module, QuantLinear) else getattr(module, "bias", None)
+    if type(module) is Q4Linear:
+        return (0, module.qs, module.d, module.m, bias)
+    if type(module) is Q8Linear:
+        return (1, module.qs, module.d, None, bias)
+    if type(module) is nn.Linear:
+        return (2, module.weight, None, None, bias)
+    return None
+
+
+def _has_hooks(root: nn.Module) -> bool:
+    from torch.nn.modules import module as torch_module
+
+    if torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks:
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks for m in root.modules())
+
+
+class NativeDecode:
+    """The layer loop of one `DecoderForCausalLM` in native code (see the module docstring)."""
+
+    def __init__(self, loop, max_rows: int, dtype: torch.dtype):
+        self.loop = loop
+        self.max_rows = max_rows  # steps with this many rows or more keep the Python loop
+        self.dtype = dtype
+        self.steps = 0  # steps run natively (tests and benchmarks read it)
+
+    @classmethod
+    def build(cls, model: nn.Module, attention_cls: type) -> NativeDecode | None:
+        """The native loop for `model`'s layers (whose plain attention module is `attention_cls`), or
+        None when the model or this machine does not qualify. Hooks on any layer module (tensor
+        parallel's all-reduces, tracing) keep the Python loop: the native one would skip them."""
+        cfg = model.config
+        ops = kernels.cpu_ops()
+        if ops is None or not hasattr(ops, "DecodeLoop") or not enabled_by_env():
+            return None
+        if cfg.norm_layout != "pre" or cfg.qk_norm != "none" or cfg.norm_unit_offset or cfg.mla:
+            return None
+        if _has_hooks(model.layers):
+            return None
+        loop = ops.DecodeLoop()
+        max_rows, dtypes = 1 << 30, set()
+        for i, (layer, rope) in enumerate(zip(model.layers, model.layer_ropes)):
+            attn, mlp = layer.self_attn, layer.mlp
+            if type(attn) is not attention_cls or type(mlp) is not MLP or mlp.act != "silu":
+                return None
+            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+            specs = [_linear_spec(m) for m in linears]
+            if any(s is None for s in specs):
+                return None
+            max_rows = min([max_rows] + [m.kernel_max_rows for m in linears if isinstance(m, QuantLinear)])
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            dtypes.update(n.weight.dtype for n in norms)
+            if any(n.weight.device.type != "cpu" for n in norms) or norms[0].eps != norms[1].eps:
+                return None
+            spec = attn.spec
+            sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
+            loop.add_layer(
+                norms[0].weight, norms[1].weight, norms[0].eps, specs, attn.num_heads, attn.num_kv_heads,
+                attn.head_dim, rope.cos, rope.sin, spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
+            )
+        if len(dtypes) != 1:
+            return None
+        return cls(loop, max_rows, dtypes.pop())
+
+    def accepts(self, x: torch.Tensor, meta: AttentionMetadata, kv) -> bool:
+        """Whether this step can run natively (every token decodes, few rows, nothing replayed)."""
+        rows = x.shape[0]
+        if not (0 < rows < self.max_rows and rows == meta.num_decode and x.is_cpu and x.dtype == self.dtype):
+            return False
+        if type(kv) is not MHAKVPool or meta.key_floor is not None:
+            return False
+        return all(g.key_floor is None for g in meta.groups)
+
+    def __call__(
+        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: MHAKVPool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, hidden] embeddings -> (x, residual) after the last layer (the stream is their sum)."""
+        rows = meta.num_decode
+        groups = [(g.page_table[:rows], g.out_slots) for g in (meta.group(i) for i in range(len(meta.groups) + 1))]
+        layer_groups = [groups[g] for g in kv.group_of]
+        self.steps += 1
+        return self.loop.forward(
+            x.contiguous(), positions, kv.k, kv.v, [g[0] for g in layer_groups], [g[1] for g in layer_groups],
+            meta.decode_owner, meta.page_size,
+        )
