@@ -32,7 +32,7 @@ from strata.config import EngineConfig, ModelConfig
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
-from strata.kernels import describe_kernels, kernel_info
+from strata.kernels import cpu_ops, describe_kernels, kernel_info
 from strata.layers.quant import describe_weights
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer
@@ -634,10 +634,16 @@ def kv_namespace(model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dt
     return h.digest() + kv_pool.layout.encode()
 
 
+def kernels_have_decode_loop() -> bool:
+    ops = cpu_ops()
+    return ops is not None and hasattr(ops, "DecodeLoop")
+
+
 def decode_loop_of(model) -> str:
     """Which layer loop a model's decode steps run: "native" (strata.models.native_decode) or "python"."""
-    native = getattr(model, "native_decode", None)
-    return "native" if callable(native) and native() is not None else "python"
+    supported = getattr(model, "native_decode_supported", None)
+    native = callable(supported) and supported() and kernels_have_decode_loop()
+    return "native" if native else "python"
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:

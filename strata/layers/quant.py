@@ -4,11 +4,15 @@ Decode on a CPU is memory-bandwidth bound: every step reads every weight once fo
 or 8-bit weights cut the bytes per step ~4x / ~2x against bf16 (~6x / ~3x against fp32). Two formats,
 owned here (no private torch layout), into which GGUF's types convert without loss:
 
-    q4   qs uint8 [N, K/2], d, m float32 [N, K/32]:  w[n, 32b + j] = d[n, b] * q + m[n, b],  q in 0..15
+    q4   qs uint8 [N, K/2], d, m [N, K/32]:  w[n, 32b + j] = d[n, b] * q + m[n, b],  q in 0..15
          (byte 16b + j of a row holds q of channel 32b + j in its low nibble, 32b + 16 + j in its high
          nibble: ggml's Q4_0/Q4_1 order). Q4_0 (m = -8 d), Q4_1, Q4_K (d = d * scale, m = -dmin * min).
-    q8   qs int8 [N, K], d float32 [N, K/S], S = 32 or 16:  w[n, k] = d[n, k // S] * qs[n, k].
+    q8   qs int8 [N, K], d [N, K/S], S = 32 or 16:  w[n, k] = d[n, k // S] * qs[n, k].
          Q8_0 (S = 32), Q6_K (S = 16, d = d * scale).
+
+Scales and offsets are kept in float16 when every one of a layer's is exactly a float16 (GGUF's
+Q4_0, Q4_1 and Q8_0 store them so), else in float32: a q4 block is then 20 bytes per 32 weights
+instead of 24, and a decode step reads the fewer bytes.
 
 `QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
 int8 per block of 32, integer dot products with AVX2, as llama.cpp does) for up to `kernel_max_rows`
@@ -39,6 +43,15 @@ BLOCK = 32  # input channels per block (weights and activations)
 # the fallback path dequantizes this many weights at a time, so the chunk is still in cache when the
 # matmul reads it; weights of up to twice this are done whole
 DEQUANT_CHUNK_NUMEL = 1 << 20
+
+
+def scale_dtype(*scales: torch.Tensor) -> torch.dtype:
+    """float16 if every value of `scales` is exactly a float16 (finite), else float32."""
+    for t in scales:
+        t = t.float()
+        if not torch.equal(t.half().float(), t):
+            return torch.float32
+    return torch.float16
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -157,9 +170,10 @@ class Q4Linear(QuantLinear):
         n, nb = self.out_features, self.in_features // BLOCK
         if qs.dtype != torch.uint8 or d.shape != (n, nb) or m.shape != (n, nb):
             raise ValueError(f"q4 blocks need qs uint8 [N, K/2], d and m [N, K/32]; got {qs.shape} {d.shape} {m.shape}")
+        dtype = scale_dtype(d, m)
         self.register_buffer("qs", qs.contiguous())  # [N, K/2] uint8
-        self.register_buffer("d", d.float().contiguous())  # [N, K/32]
-        self.register_buffer("m", m.float().contiguous())  # [N, K/32]
+        self.register_buffer("d", d.to(dtype).contiguous())  # [N, K/32] float16 or float32
+        self.register_buffer("m", m.to(dtype).contiguous())  # [N, K/32]
 
     @classmethod
     @torch.no_grad()
@@ -209,7 +223,7 @@ class Q8Linear(QuantLinear):
         if qs.dtype != torch.int8 or self.group not in (16, 32) or d.shape != (self.out_features, self.in_features // self.group):
             raise ValueError(f"q8 blocks need qs int8 [N, K], d [N, K/32] or [N, K/16]; got {qs.shape} {d.shape}")
         self.register_buffer("qs", qs.contiguous())  # [N, K] int8
-        self.register_buffer("d", d.float().contiguous())  # [N, K/group]
+        self.register_buffer("d", d.to(scale_dtype(d)).contiguous())  # [N, K/group] float16 or float32
 
     @classmethod
     @torch.no_grad()
@@ -347,4 +361,7 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
             kept.append(f"lm_head (tied embedding: {e})")
     if kept:
         logger.warning("%s: %d linear layers stay unquantized: %s", method, len(kept), "; ".join(kept[:4]))
+    reset = getattr(model, "reset_native_decode", None)
+    if callable(reset):  # a native decode loop built before holds the replaced modules' tensors
+        reset()
     return model

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import kernels
 from strata.cache.kv_pool import KVPool, MHAKVPool
 from strata.config import LayerSpec, ModelConfig
 from strata.layers.activation import check_activation
@@ -182,8 +183,18 @@ class DecoderForCausalLM(nn.Module):
         """The native layer loop for decode steps (strata.models.native_decode), built on first use,
         once the weights are in their final form; None where the model or machine does not qualify."""
         if self._native is False:
+            if kernels.cpu_ops() is None:  # no kernels now (kernels.disabled(), none built): decide later
+                return None
             self._native = NativeDecode.build(self, Attention)
         return self._native
+
+    def reset_native_decode(self) -> None:
+        """Forget the native loop (after modules are replaced: it holds their tensors); built again on use."""
+        self._native = False
+
+    def native_decode_supported(self) -> bool:
+        """Whether decode steps will run the native loop where the kernels are available."""
+        return NativeDecode.supported(self, Attention)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [S, hidden] rows to sample -> float32 logits [S, vocab]."""

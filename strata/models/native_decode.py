@@ -58,6 +58,41 @@ def _has_hooks(root: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in root.modules())
 
 
+def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], int, torch.dtype] | None:
+    """DecodeLoop.add_layer's arguments for each layer, the rows from which the loop stops (the
+    block kernels' kernel_max_rows) and the activations' dtype; None when the model does not qualify.
+    Hooks on any layer module (tensor parallel's all-reduces, tracing) keep the Python loop: the
+    native one would skip them."""
+    cfg = model.config
+    if not enabled_by_env() or cfg.norm_layout != "pre" or cfg.qk_norm != "none" or cfg.norm_unit_offset or cfg.mla:
+        return None
+    if _has_hooks(model.layers):
+        return None
+    layers, max_rows, dtypes = [], 1 << 30, set()
+    for layer, rope in zip(model.layers, model.layer_ropes):
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn) is not attention_cls or type(mlp) is not MLP or mlp.act != "silu":
+            return None
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        specs = [_linear_spec(m) for m in linears]
+        if any(s is None for s in specs):
+            return None
+        max_rows = min([max_rows] + [m.kernel_max_rows for m in linears if isinstance(m, QuantLinear)])
+        norms = (layer.input_layernorm, layer.post_attention_layernorm)
+        dtypes.update(n.weight.dtype for n in norms)
+        if any(n.weight.device.type != "cpu" for n in norms) or norms[0].eps != norms[1].eps:
+            return None
+        spec = attn.spec
+        sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
+        layers.append((
+            norms[0].weight, norms[1].weight, norms[0].eps, specs, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, rope.cos, rope.sin, spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
+        ))
+    if len(dtypes) != 1:
+        return None
+    return layers, max_rows, dtypes.pop()
+
+
 class NativeDecode:
     """The layer loop of one `DecoderForCausalLM` in native code (see the module docstring)."""
 
@@ -70,45 +105,29 @@ class NativeDecode:
     @classmethod
     def build(cls, model: nn.Module, attention_cls: type) -> NativeDecode | None:
         """The native loop for `model`'s layers (whose plain attention module is `attention_cls`), or
-        None when the model or this machine does not qualify. Hooks on any layer module (tensor
-        parallel's all-reduces, tracing) keep the Python loop: the native one would skip them."""
-        cfg = model.config
+        None when the model or this machine does not qualify. It holds the modules' tensors as they
+        are now: a model whose modules are replaced later (quantize_model) builds it again."""
         ops = kernels.cpu_ops()
-        if ops is None or not hasattr(ops, "DecodeLoop") or not enabled_by_env():
+        plan = _plan(model, attention_cls)
+        if ops is None or not hasattr(ops, "DecodeLoop") or plan is None:
             return None
-        if cfg.norm_layout != "pre" or cfg.qk_norm != "none" or cfg.norm_unit_offset or cfg.mla:
-            return None
-        if _has_hooks(model.layers):
-            return None
+        layers, max_rows, dtype = plan
         loop = ops.DecodeLoop()
-        max_rows, dtypes = 1 << 30, set()
-        for i, (layer, rope) in enumerate(zip(model.layers, model.layer_ropes)):
-            attn, mlp = layer.self_attn, layer.mlp
-            if type(attn) is not attention_cls or type(mlp) is not MLP or mlp.act != "silu":
-                return None
-            linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
-            specs = [_linear_spec(m) for m in linears]
-            if any(s is None for s in specs):
-                return None
-            max_rows = min([max_rows] + [m.kernel_max_rows for m in linears if isinstance(m, QuantLinear)])
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            dtypes.update(n.weight.dtype for n in norms)
-            if any(n.weight.device.type != "cpu" for n in norms) or norms[0].eps != norms[1].eps:
-                return None
-            spec = attn.spec
-            sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
-            loop.add_layer(
-                norms[0].weight, norms[1].weight, norms[0].eps, specs, attn.num_heads, attn.num_kv_heads,
-                attn.head_dim, rope.cos, rope.sin, spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
-            )
-        if len(dtypes) != 1:
-            return None
-        return cls(loop, max_rows, dtypes.pop())
+        for args in layers:
+            loop.add_layer(*args)
+        return cls(loop, max_rows, dtype)
+
+    @staticmethod
+    def supported(model: nn.Module, attention_cls: type) -> bool:
+        """Whether `model` qualifies (the kernels aside), without building anything."""
+        return _plan(model, attention_cls) is not None
 
     def accepts(self, x: torch.Tensor, meta: AttentionMetadata, kv) -> bool:
         """Whether this step can run natively (every token decodes, few rows, nothing replayed)."""
         rows = x.shape[0]
-        if not (0 < rows < self.max_rows and rows == meta.num_decode and x.is_cpu and x.dtype == self.dtype):
+        if not (0 < rows < self.max_rows and rows == meta.num_decode and x.dtype == self.dtype):
+            return False
+        if kernels.usable(x) is None:  # on another device, or the kernels switched off (kernels.disabled())
             return False
         if type(kv) is not MHAKVPool or meta.key_floor is not None:
             return False

@@ -83,3 +83,28 @@ def test_bad_arguments_raise_instead_of_crashing():
     with pytest.raises(RuntimeError, match="one k and one v cache per layer"):
         loop.forward(torch.ones(1, 8), torch.zeros(1, dtype=torch.long), [torch.ones(1)], [], [], [],
                      torch.zeros(1, dtype=torch.long), 1)
+
+
+@needs_kernels
+def test_the_loop_follows_replaced_modules_and_the_kernel_switch(tmp_path, monkeypatch):
+    """quantize_model on a model whose loop was built: the loop is built again over the new modules
+    (same tokens as the Python loop over them); inside kernels.disabled() the Python loop runs."""
+    from strata.layers.quant import quantize_model
+
+    model_dir = make_model(tmp_path / "llama", "llama")
+    params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    answers = {}
+    for loop in (True, False):
+        monkeypatch.setenv(native_decode.ENV_VAR, "1" if loop else "0")
+        engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
+        engine.generate([[5, 6, 7]], params)  # a loop (or none) over the float linears
+        quantize_model(engine.model, "int4")
+        answers[loop] = [r.token_ids for r in engine.generate([list(p) for p in PROMPTS], params)]
+        native = engine.model.native_decode()
+        assert (native is not None and native.steps > 0) == loop
+    assert answers[True] == answers[False]
+    monkeypatch.setenv(native_decode.ENV_VAR, "1")
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
+    with kernels.disabled():
+        engine.generate([[5, 6, 7]], params)
+    assert engine.model.native_decode().steps == 0

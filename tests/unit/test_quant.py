@@ -50,16 +50,27 @@ def linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool =
 
 
 def random_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantLinear:
-    """Arbitrary blocks: every nibble / int8 value, scales and offsets of either sign."""
+    """Arbitrary blocks: every nibble / int8 value, scales and offsets of either sign; a format
+    ending in "h" has scales that are exact float16 values (stored so, as GGUF's are)."""
+    half = fmt.endswith("h")
+    fmt = fmt.removesuffix("h")
+
+    def scales(t: torch.Tensor) -> torch.Tensor:
+        return t.half().float() if half else t
+
     if fmt == "q4":
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-        return Q4Linear(qs, torch.rand(n, k // 32, generator=gen) * 0.1, torch.randn(n, k // 32, generator=gen) * 0.1)
-    group = 32 if fmt == "q8" else 16
-    qs = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
-    return Q8Linear(qs, torch.randn(n, k // group, generator=gen) * 0.01)
+        d, m = torch.rand(n, k // 32, generator=gen) * 0.1, torch.randn(n, k // 32, generator=gen) * 0.1
+        layer = Q4Linear(qs, scales(d), scales(m))
+    else:
+        group = 32 if fmt == "q8" else 16
+        qs = torch.randint(-128, 128, (n, k), dtype=torch.int8, generator=gen)
+        layer = Q8Linear(qs, scales(torch.randn(n, k // group, generator=gen) * 0.01))
+    assert layer.d.dtype == (torch.float16 if half else torch.float32)
+    return layer
 
 
-FORMATS = ["q4", "q8", "q8/16"]
+FORMATS = ["q4", "q8", "q8/16", "q4h", "q8h", "q8/16h"]
 
 
 @pytest.fixture(params=["native", "x86-64-v3"])
@@ -151,7 +162,11 @@ BAD_CALLS = {
     ),
     "float64 scales": (
         lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs, q8.d.double()),
-        "d must be Float, got Double",
+        "d must be float32 or float16, got Double",
+    ),
+    "q4 scales and offsets of two dtypes": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs, q4.d.half(), q4.m),
+        "d (Half) and m (Float) must share a dtype",
     ),
     "integer x": (
         lambda ops, q4, q8: ops.q8_linear(torch.ones(1, 64, dtype=torch.int32), q8.qs, q8.d),
