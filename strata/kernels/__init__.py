@@ -38,6 +38,7 @@ ENV_VAR = "STRATA_CPU_KERNELS"
 _DIR = Path(__file__).parent
 SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "quant_ops.cpp", _DIR / "decode_loop.cpp")
 DEFAULT_TARGET = "native"
+STALE_LOCK_S = 20 * 60  # a build takes ~1-2 min on two cores; a lock this old was left by a killed one
 # target -> (-march value, CPU flags it needs; None: whatever this CPU has)
 TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {
     "native": ("native", None),
@@ -169,6 +170,7 @@ def _build(target: str) -> ModuleType | None:
     except ImportError:
         pass
     os.environ["PATH"] = os.pathsep.join([*extra, path])
+    _remove_stale_lock(Path(cpp_extension._get_build_directory(_build_name(target), verbose=False)))
     try:
         module = cpp_extension.load(
             name=_build_name(target),
@@ -189,6 +191,19 @@ def _build(target: str) -> ModuleType | None:
     logger.info("CPU kernels (%s: %s) ready in %.1fs", target, " ".join(compiled_isa(module)) or "scalar",
                 time.perf_counter() - start)
     return module
+
+
+def _remove_stale_lock(build_dir: Path) -> None:
+    """torch waits forever on a build directory's lock file; one left by a build that was killed
+    (older than STALE_LOCK_S, far longer than a build takes) is removed so this one can go ahead."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except OSError:
+        return
+    if age > STALE_LOCK_S:
+        logger.warning("removing a stale kernel build lock (%.0f min old, a killed build's): %s", age / 60, lock)
+        lock.unlink(missing_ok=True)
 
 
 def kernel_info() -> dict[str, object]:

@@ -17,7 +17,6 @@ the tensors are on the CPU in the weights' dtype. `STRATA_DECODE_LOOP=0` switche
 
 from __future__ import annotations
 
-import logging
 import os
 
 import torch
@@ -28,8 +27,6 @@ from strata.cache.kv_pool import MHAKVPool
 from strata.layers.attention import AttentionMetadata
 from strata.layers.mlp import MLP
 from strata.layers.quant import Q4Linear, Q8Linear, QuantLinear
-
-logger = logging.getLogger(__name__)
 
 ENV_VAR = "STRATA_DECODE_LOOP"
 
