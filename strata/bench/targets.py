@@ -28,6 +28,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -359,6 +360,22 @@ class LlamaServerTarget(Target):
             self._server = None
 
 
+def checkpoint_only_dir(model_dir: Path, into: Path) -> Path:
+    """`model_dir` as a peer should see it: a converted GGUF's directory also holds Strata's own
+    blocks (strata.weights.gguf.BLOCKS_FILE), which a loader that reads every *.safetensors (vLLM)
+    would take for checkpoint tensors; then a directory `into` of links to everything else."""
+    from strata.weights.gguf import BLOCKS_FILE
+
+    if not (model_dir / BLOCKS_FILE).exists():
+        return model_dir
+    into.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        link = into / item.name
+        if item.name != BLOCKS_FILE and not link.exists():
+            link.symlink_to(item.resolve())
+    return into
+
+
 class VllmTarget(Target):
     modes = ("serving", "one-batch")
     length_control = "ignore_eos"
@@ -370,6 +387,14 @@ class VllmTarget(Target):
         self.prefix_caching = spec.options.get("prefix_caching", "false").lower() in ("1", "true", "yes", "on")
         self._server: ServerProcess | None = None
         self._runner = None
+        self._checkpoint: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def model_dir(self) -> Path:
+        """The float checkpoint alone (see checkpoint_only_dir)."""
+        if self._checkpoint is None:
+            self._checkpoint = tempfile.TemporaryDirectory(prefix="strata-bench-vllm-")
+        return checkpoint_only_dir(self.ctx.model_dir, Path(self._checkpoint.name) / self.ctx.model_dir.name)
 
     def unavailable(self, mode: str) -> str | None:
         reason = super().unavailable(mode)
@@ -397,7 +422,7 @@ class VllmTarget(Target):
     def serving_url(self) -> str:
         if self._server is None:
             def argv(port: int) -> list[str]:
-                cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.ctx.model_dir),
+                cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
                        "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
                 return cmd + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
 
@@ -408,7 +433,7 @@ class VllmTarget(Target):
         from strata.bench.one_batch import WARMUP_INPUT_LEN, OneBatchResult, random_batch, special_ids
 
         if self._runner is None:
-            argv = [self.python, str(Path(__file__).with_name("vllm_runner.py")), str(self.ctx.model_dir)]
+            argv = [self.python, str(Path(__file__).with_name("vllm_runner.py")), str(self.model_dir)]
             self._runner = subprocess.Popen(
                 argv + (["--prefix-caching"] if self.prefix_caching else []),
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **self._env()},
@@ -447,6 +472,9 @@ class VllmTarget(Target):
             except subprocess.TimeoutExpired:
                 self._runner.kill()
             self._runner = None
+        if self._checkpoint is not None:
+            self._checkpoint.cleanup()
+            self._checkpoint = None
 
 
 class UrlTarget(Target):

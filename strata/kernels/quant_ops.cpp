@@ -32,6 +32,7 @@
 #include <ATen/Parallel.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -190,6 +191,22 @@ inline __m512 spread4(const S* p) {
 }
 #endif
 
+// One block (AVX-512: two) of a weight row as the dot products take it: the weights as unsigned
+// bytes, what gives x their sign (q8: w's sign; q4's are all positive: unused) and the scale per lane.
+#if defined(STRATA_QUANT_AVX2)
+struct Block {
+  __m256i u, sign;
+  __m256 scale;
+};
+#endif
+#if defined(STRATA_QUANT_AVX512)
+struct Block2 {
+  __m512i u;
+  __mmask64 sign;
+  __m512 scale;
+};
+#endif
+
 // Integer dot products of one weight row with RT activation rows (RT a compile-time constant, so
 // the accumulators live in registers), scaled per block: result[r] = sum_b scale_b,r * isum_b,r.
 // Blocks are taken two at a time into separate accumulators (two independent FMA chains).
@@ -258,19 +275,10 @@ struct Q4Row {
   const uint8_t* q;
   const S* d;
 #if defined(STRATA_QUANT_AVX2)
-  struct Block {
-    __m256i u, sign;
-    __m256 scale;
-  };
   Block block(int64_t b) const { return {unpack_q4(q + b * 16), _mm256_setzero_si256(), _mm256_set1_ps(scale1(d + b))}; }
   static __m256i signed_x(__m256i xv, __m256i) { return xv; }
 #endif
 #if defined(STRATA_QUANT_AVX512)
-  struct Block2 {
-    __m512i u;
-    __mmask64 sign;
-    __m512 scale;
-  };
   // blocks b and b + 1: their 32 bytes become [b low nibbles | b high | b+1 low | b+1 high]
   Block2 block2(int64_t b) const {
     const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 16));
@@ -296,10 +304,6 @@ struct Q8Row {
   const S* d;
   static constexpr int64_t kSubs = kBlock / G;
 #if defined(STRATA_QUANT_AVX2)
-  struct Block {
-    __m256i u, sign;
-    __m256 scale;
-  };
   Block block(int64_t b) const {
     const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
     // lanes 0-3 of the dot product hold channels 0-15 of the block, lanes 4-7 channels 16-31
@@ -311,11 +315,6 @@ struct Q8Row {
   static __m256i signed_x(__m256i xv, __m256i sign) { return _mm256_sign_epi8(xv, sign); }
 #endif
 #if defined(STRATA_QUANT_AVX512)
-  struct Block2 {
-    __m512i u;
-    __mmask64 sign;
-    __m512 scale;
-  };
   // blocks b and b + 1: |w| as unsigned bytes and the lanes where w < 0 (x is negated there)
   Block2 block2(int64_t b) const {
     const __m512i w = _mm512_loadu_si512(q + b * kBlock);
@@ -503,18 +502,29 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
   return out;
 }
 
-// 32 weights of one block as floats: w[j] = q[j] * scale[j / 8] + offset (the matmul path for many
-// rows dequantizes a chunk of weight rows into float and hands it to the BLAS).
+// 32 weights of one block in OT: w[j] = q[j] * scale[j / 8] + offset (the matmul path for many rows
+// dequantizes a chunk of weight rows into the activations' dtype and hands it to the BLAS). bf16 and
+// fp16 are rounded to nearest even from the float result, as torch's conversion rounds.
 #if defined(STRATA_QUANT_AVX2)
-inline void store_block(float* dst, __m256i bytes, bool is_signed, const float* scales, float offset) {
+template <typename OT>
+inline void store_block(OT* dst, __m256i bytes, bool is_signed, const float* scales, float offset) {
   const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
+  alignas(32) float w[kBlock];
   for (int i = 0; i < 4; ++i) {
     const __m128i eight = (i & 1) ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
     const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-    _mm256_storeu_ps(dst + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scales[i]),
-                                                  _mm256_set1_ps(offset)));
+    _mm256_storeu_ps((std::is_same_v<OT, float> ? reinterpret_cast<float*>(dst) : w) + 8 * i,
+                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scales[i]), _mm256_set1_ps(offset)));
+  }
+  if constexpr (!std::is_same_v<OT, float>) {
+    store16(dst, load16(w));
+    store16(dst + 16, load16(w + 16));
   }
 }
+
+// The dtypes store_block writes.
+template <typename OT>
+constexpr bool kSimdDequant = std::is_same_v<OT, float> || std::is_same_v<OT, c10::BFloat16> || std::is_same_v<OT, c10::Half>;
 #endif
 
 template <typename OT, typename ST>
@@ -527,7 +537,7 @@ void q4_dequant_rows(const uint8_t* q, const ST* dp, const ST* mp, int64_t K, in
       const uint8_t* qb = q + n * (K / 2) + b * 16;
       const float db = scale1(dp + n * nb + b), mb = scale1(mp + n * nb + b);
 #if defined(STRATA_QUANT_AVX2)
-      if constexpr (std::is_same_v<OT, float>) {
+      if constexpr (kSimdDequant<OT>) {
         const float scales[4] = {db, db, db, db};
         store_block(row + b * kBlock, unpack_q4(qb), false, scales, mb);
         continue;
@@ -549,7 +559,7 @@ void q8_dequant_rows(const int8_t* q, const ST* dp, int64_t K, int64_t S, int64_
     const ST* dn = dp + n * (K / S);
     int64_t k = 0;
 #if defined(STRATA_QUANT_AVX2)
-    if constexpr (std::is_same_v<OT, float>) {
+    if constexpr (kSimdDequant<OT>) {
       for (; k < K; k += kBlock) {
         const ST* sub = dn + k / S;
         const float lo = scale1(sub), hi = scale1(sub + (S == 16 ? 1 : 0));

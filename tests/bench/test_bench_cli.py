@@ -166,3 +166,20 @@ def test_kv_layout_command_from_a_config_alone(llama_dir, tmp_path, capsys):
     assert (mla["bytes_per_token"], mla["per_head_bytes_per_token"]) == (27 * 576 * 2, 27 * 16 * 320 * 2)
     # the tiny Llama: 2 layers x K and V x 2 KV heads x head_dim 16, bf16
     assert (dense["bytes_per_token"], dense["per_head_bytes_per_token"]) == (2 * 2 * 2 * 16 * 2, None)
+
+
+def test_peers_see_the_float_checkpoint_without_strata_blocks(tmp_path):
+    """vLLM reads every *.safetensors of a directory: a converted GGUF's blocks are left out of the
+    directory it gets (links to everything else); a plain checkpoint directory is passed as it is."""
+    from strata.bench.targets import checkpoint_only_dir
+
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "blocks.safetensors"):
+        (model / name).write_text(name)
+    view = checkpoint_only_dir(model, tmp_path / "view" / "model")
+    assert sorted(p.name for p in view.iterdir()) == ["config.json", "model.safetensors", "tokenizer.json"]
+    assert (view / "model.safetensors").read_text() == "model.safetensors"
+    assert checkpoint_only_dir(model, tmp_path / "view" / "model") == view  # again: the same links
+    (model / "blocks.safetensors").unlink()
+    assert checkpoint_only_dir(model, tmp_path / "other") == model
