@@ -15,8 +15,8 @@ Q4_0, Q4_1 and Q8_0 store them so), else in float32: a q4 block is then 20 bytes
 instead of 24, and a decode step reads the fewer bytes.
 
 `QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
-int8 per block of 32, integer dot products with AVX2, as llama.cpp does) for up to `kernel_max_rows`
-rows (decode); above that (prefill, big batches) and without the kernels it dequantizes chunks of
+int8 per block of 32, integer dot products with AVX2 or AVX-512 VNNI, as llama.cpp does) for up to
+`kernel_max_rows` rows (decode); above that (prefill, big batches) and without the kernels it dequantizes chunks of
 weight rows and calls `F.linear`. Two oracles in pure torch: `reference_forward`
 (float32 matmul with the dequantized weight: the quantization error) and `emulated_forward` (the
 kernel's own arithmetic, int8 activations included: the kernel's parity test).
