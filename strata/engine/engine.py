@@ -32,8 +32,9 @@ from strata.config import EngineConfig, ModelConfig
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
-from strata.kernels import cpu_ops, describe_kernels, kernel_info
+from strata.kernels import describe_kernels, kernel_info
 from strata.layers.quant import describe_weights
+from strata.models.native_decode import decode_loop_name
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer
 from strata.weights.loader import load_model
@@ -269,7 +270,7 @@ class Engine:
             dtype_reason=dtype_reason,
             weights=weights,
             kernels=kernel_info() if device.type == "cpu" else {},
-            decode_loop=decode_loop_of(self.model) if device.type == "cpu" else "python",
+            decode_loop=decode_loop_name(self.model) if device.type == "cpu" else "python",
             kv_dtype=kv_dtype,
             num_kv_tokens=num_pages * cfg.page_size,
             kv_bytes=kv_pool.nbytes,
@@ -632,18 +633,6 @@ def kv_namespace(model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dt
             h.update(f"{path.name}:{size}".encode() + f.read(1 << 16))
     h.update(f"weights={weights};compute={dtype}".encode())
     return h.digest() + kv_pool.layout.encode()
-
-
-def kernels_have_decode_loop() -> bool:
-    ops = cpu_ops()
-    return ops is not None and hasattr(ops, "DecodeLoop")
-
-
-def decode_loop_of(model) -> str:
-    """Which layer loop a model's decode steps run: "native" (strata.models.native_decode) or "python"."""
-    supported = getattr(model, "native_decode_supported", None)
-    native = callable(supported) and supported() and kernels_have_decode_loop()
-    return "native" if native else "python"
 
 
 def _generation_config_eos(model_dir: Path) -> set[int]:

@@ -17,7 +17,6 @@
 // F.linear computes them), each with an optional bias.
 #include <torch/extension.h>
 
-#include <optional>
 #include <tuple>
 #include <vector>
 

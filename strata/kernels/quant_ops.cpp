@@ -34,16 +34,14 @@
 #include "ops.h"
 #include "simd.h"
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#if defined(__F16C__)
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define STRATA_QUANT_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define STRATA_QUANT_AVX512 1
 #endif
-#endif
-
-#if defined(__F16C__)
-#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -297,7 +295,7 @@ struct Q4Row {
   }
 };
 
-// One q8 weight row with one scale per S input channels: |w| times x with w's sign.
+// One q8 weight row with one scale (stored as S) per G input channels: |w| times x with w's sign.
 template <int G, typename S>
 struct Q8Row {
   const int8_t* q;

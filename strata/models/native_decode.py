@@ -142,3 +142,11 @@ class NativeDecode:
             x.contiguous(), positions, kv.k, kv.v, [g[0] for g in layer_groups], [g[1] for g in layer_groups],
             meta.decode_owner, meta.page_size,
         )
+
+
+def decode_loop_name(model: nn.Module) -> str:
+    """Which layer loop `model`'s decode steps run here: "native" or "python" (for logs and records)."""
+    supported = getattr(model, "native_decode_supported", None)
+    ops = kernels.cpu_ops()
+    native = callable(supported) and supported() and ops is not None and hasattr(ops, "DecodeLoop")
+    return "native" if native else "python"
