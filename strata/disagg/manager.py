@@ -178,6 +178,7 @@ class PrefillManager(_Side):
         room.header = protocol.KVHeader(
             room=room_id, nonce="", prompt_len=n, first_token=req.output_ids[0], first_logprob=lp,
             dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape),
+            cached_tokens=req.num_cached_tokens, cached_by_tier=dict(req.cached_tokens_by_tier),
         )
         room.payload = tensor_bytes(data)
         room.prompt_digest = protocol.prompt_digest(req.prompt_ids)
@@ -353,7 +354,7 @@ class DecodeManager(_Side):
         self.stats["received"] += 1
         self.stats["bytes_received"] += len(payload)
         logprob = TokenLogprob(msg.first_token, msg.first_logprob) if msg.first_logprob is not None else None
-        self.scheduler.add_prefilled(room.rid, msg.first_token, logprob)
+        self.scheduler.add_prefilled(room.rid, msg.first_token, logprob, msg.cached_tokens, msg.cached_by_tier)
 
     def _kv_problem(self, msg: protocol.KVHeader, room: _DecodeRoom, payload: bytes) -> str | None:
         """What is wrong with an authenticated KV message for `room`, or None if it fits."""
@@ -369,6 +370,8 @@ class DecodeManager(_Side):
         num_bytes = math.prod(shape) * self.kv.dtype.itemsize
         if len(payload) != num_bytes:
             return f"it carries {len(payload)} payload bytes for a shape of {num_bytes} bytes"
+        if msg.cached_tokens > prompt_len or any(n > msg.cached_tokens for n in msg.cached_by_tier.values()):
+            return f"it says {msg.cached_tokens} of the prompt's {prompt_len} tokens were cached ({msg.cached_by_tier})"
         vocab = self.scheduler.vocab_size
         if not 0 <= msg.first_token < vocab:
             return f"its first token {msg.first_token} is outside the vocabulary [0, {vocab})"

@@ -35,6 +35,7 @@ Mac = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]  # empty until s
 Endpoint = Annotated[str, msgspec.Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]
 TokenCount = Annotated[int, msgspec.Meta(ge=1, lt=2**31)]
 Dim = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
+Tier = Annotated[str, msgspec.Meta(max_length=16, pattern="^[a-z]+$")]
 
 
 class Hello(msgspec.Struct, tag="hello"):
@@ -59,6 +60,10 @@ class KVHeader(msgspec.Struct, tag="kv"):
     first_logprob: float | None
     dtype: Annotated[str, msgspec.Meta(max_length=16)]
     shape: Annotated[list[Dim], msgspec.Meta(max_length=8)]
+    # prompt tokens the prefill worker took from its prefix cache, in all and per tier (the
+    # decode side reports them in the request's usage, as a single worker would)
+    cached_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
+    cached_by_tier: Annotated[dict[Tier, Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(max_length=4)] = {}
     mac: Mac = ""
 
 

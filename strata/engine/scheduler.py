@@ -191,11 +191,14 @@ class Scheduler(WindowKV, KVAccounting):
         self.prealloc[rid] = req
         return req
 
-    def add_prefilled(self, rid: str, first_token: int, logprob: TokenLogprob | None = None) -> None:
-        """The prompt's KV is now in the request's pages and the prefill worker sampled `first_token`:
-        the request joins the running batch as a decode."""
+    def add_prefilled(self, rid: str, first_token: int, logprob: TokenLogprob | None = None, cached_tokens: int = 0,
+                      cached_by_tier: dict[str, int] | None = None) -> None:  # fmt: skip
+        """The prompt's KV is now in the request's pages and the prefill worker sampled `first_token`
+        (having taken `cached_tokens` of the prompt from its prefix cache): the request joins the
+        running batch as a decode."""
         req = self.prealloc.pop(rid)
         req.kv_len = len(req.prompt_ids)
+        req.num_cached_tokens, req.cached_tokens_by_tier = cached_tokens, dict(cached_by_tier or {})
         req.status = ReqStatus.RUNNING
         self.running.append(req)
         req.output_ids.append(first_token)

@@ -66,6 +66,26 @@ def test_prefill_then_decode_equals_a_single_server(llama_dir, expected):
     d.close()
 
 
+def test_the_prefill_workers_cache_hits_reach_the_decode_sides_usage(llama_dir):
+    """A single worker reports the prompt tokens its prefix cache served; so does a PD pair, from
+    the prefill worker's hit (the decode side computes none of the prompt)."""
+    p, d = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
+    shared = list(range(100, 140))
+    prompts = [shared + [7, 8], shared + [9, 10, 11]]
+    lasts = []
+    for i, prompt in enumerate(prompts):  # one after the other: the second finds the first's prefix
+        d.add_request(prompt, GREEDY, rid=f"c{i}", bootstrap_room=500 + i, bootstrap_addr=p.disagg_endpoint)
+        p.add_request(prompt, GREEDY, rid=f"c{i}", bootstrap_room=500 + i)
+        lasts.append(run_pair(p, d, [f"c{i}"])[f"c{i}"][-1])
+    single = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=512, page_size=4)
+    want = [single.generate([q], GREEDY)[0].cached_tokens for q in prompts]
+    assert [o.cached_tokens for o in lasts] == want and want[0] == 0 and want[1] >= 36
+    assert lasts[1].cached_tokens_details["device"] == want[1]
+    for e in (p, d, single):
+        e.scheduler.check_no_leaks()
+        e.close()
+
+
 @pytest.mark.parametrize("radix", [True, False])
 def test_windowed_model_prefill_then_decode(tiny_models, radix):
     """Gemma 3 (window 8): the prefill worker has given back its window KV before the last W - 1
@@ -242,6 +262,8 @@ def test_signed_but_invalid_kv_fails_only_its_own_request(llama_dir, expected):
         "dtype": ({"dtype": "float16"}, "dtype"),
         "shape": ("shape", "shape"),
         "payload": ("payload", "bytes"),
+        "cached_tokens": ({"cached_tokens": len(PROMPTS[0]) + 1}, "cached"),
+        "cached_by_tier": ({"cached_tokens": 2, "cached_by_tier": {"device": 3}}, "cached"),
     }
     wire = Wire(p)
     rooms = {name: 200 + i for i, name in enumerate([*bad, "good"])}
