@@ -32,7 +32,7 @@ class EnginePlan:
     """What the engine calibration runs (the defaults take a few minutes on 2 CPU cores)."""
 
     prefill_lens: tuple[int, ...] = (32, 128, 512, 1536)
-    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 128), (1024, 512))  # (cached, new) tokens
+    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 128), (1024, 512), (256, 32))  # (cached, new) tokens
     decode_batches: tuple[int, ...] = (1, 4, 16, 31, 48, 64)
     decode_contexts: tuple[int, ...] = (64, 1024)  # prompt tokens (long ones share all but 32 tokens)
     decode_steps: int = 10

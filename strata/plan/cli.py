@@ -46,8 +46,9 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prefill-policy", choices=tuple(POLICIES), default="least_load")
     g.add_argument("--replicas-per-host", type=int, default=1,
                    help="replicas sharing one machine's compute (--launch N on one CPU box: N)")  # fmt: skip
-    g.add_argument("--contention", type=float, default=1.0,
-                   help="slowdown per other busy replica of the host (1: full processor sharing)")  # fmt: skip
+    g.add_argument("--contention", type=float, default=None,
+                   help="slowdown per other busy replica of the host (1: full processor sharing; default: the "
+                        "calibration's measured figure, else 1)")  # fmt: skip
     e = p.add_argument_group("engine (EngineConfig's names)")
     e.add_argument("--kv-cache-tokens", type=int, default=ReplicaConfig().kv_cache_tokens,
                    help="KV pool per worker (default: what strata serve reserves for the default model here)")
@@ -136,7 +137,7 @@ def cost_model_from_args(args: argparse.Namespace):
     return cost
 
 
-def deployment_from_args(args: argparse.Namespace):
+def deployment_from_args(args: argparse.Namespace, cost=None):
     from strata.plan.cluster import Deployment, host_cache_tokens
     from strata.plan.replica import ReplicaConfig
 
@@ -162,8 +163,9 @@ def deployment_from_args(args: argparse.Namespace):
         replica=replica,
         storage_tokens=None if math.isinf(storage) else int(storage),
         replicas_per_host=args.replicas_per_host,
-        contention=args.contention,
-    )
+        contention=args.contention if args.contention is not None else
+        (cost.contention if cost is not None and cost.contention is not None else 1.0),
+    )  # fmt: skip
 
 
 def workload_from_args(args: argparse.Namespace, rate: float):
@@ -248,6 +250,7 @@ def calibration_text(model) -> str:
         ["host / storage / PD GB/s", " / ".join(f"{x / 1e9:.2f}" for x in
                                                 (model.host_bytes_per_s, model.storage_bytes_per_s, model.pd_bytes_per_s))],
         ["spec accept rate", "n/a" if model.spec_accept_rate is None else f"{model.spec_accept_rate:.3f}"],
+        ["co-located replicas' contention", "n/a" if model.contention is None else f"{model.contention:.2f}"],
         ["fit: median / max relative error",
          f"{model.fit.get('median_rel_err', float('nan')):.1%} / {model.fit.get('max_rel_err', float('nan')):.1%}"],
         ["examples: prefill 512 / decode step b=1, b=32 (ms)",
@@ -261,7 +264,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from strata.plan.results import compare_text, result_text
 
     cost = cost_model_from_args(args)
-    result = simulate(workload_from_args(args, args.request_rate), deployment_from_args(args), cost, args.sim_seed)
+    result = simulate(workload_from_args(args, args.request_rate), deployment_from_args(args, cost), cost, args.sim_seed)
     print(result_text(result))
     if args.compare_json:
         with open(args.compare_json) as f:
@@ -294,7 +297,7 @@ def cmd_size(args: argparse.Namespace) -> int:
     cost = cost_model_from_args(args)
     slo = SLO(args.slo_ttft_p99, args.slo_itl_p99)
     workload = workload_from_args(args, rate)
-    best, tried = size(workload, deployment_from_args(args), cost, slo, args.max_workers, pd=not args.no_pd,
+    best, tried = size(workload, deployment_from_args(args, cost), cost, slo, args.max_workers, pd=not args.no_pd,
                        dp=not args.no_dp, prefill_cost=args.prefill_cost, decode_cost=args.decode_cost,
                        seed=args.sim_seed, progress=lambda s: print(s, file=sys.stderr, flush=True))  # fmt: skip
     rows = [

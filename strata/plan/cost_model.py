@@ -10,6 +10,7 @@ in a few features of the step, summed over its requests:
             + per_row_large   x rows  x [rows >= threshold]   linears, per token, large-row kernel (BLAS)
             + per_decode_ctx  x sum of c over decode rows    attention reads of decodes
             + per_prefill_attn x sum of n (c + n / 2) / 1e3  attention of prefill chunks (key x query pairs)
+            + per_prefill_ctx x sum of c over prefill chunks / 1e3   reading a chunk's cached KV (per key)
 
 `row_threshold` is where the engine switches kernels (the CPU's block-quantized linears go from the
 int8 kernel to dequantize + BLAS at 32 rows: `ModelRunner.quantized_row_limit`); None means one
@@ -33,8 +34,9 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURES = ("overhead", "overhead_large", "per_row", "per_row_large", "per_decode_ctx", "per_prefill_attn")
-ATTN_UNIT = 1e3  # per_prefill_attn is seconds per thousand (query, key) pairs
+FEATURES = ("overhead", "overhead_large", "per_row", "per_row_large", "per_decode_ctx", "per_prefill_attn",
+            "per_prefill_ctx")  # fmt: skip
+ATTN_UNIT = 1e3  # per_prefill_attn is seconds per thousand (query, key) pairs; per_prefill_ctx per thousand keys
 
 
 @dataclass(frozen=True)
@@ -48,17 +50,17 @@ class Segment:
 
 def step_features(segments: Iterable[Segment], row_threshold: int | None) -> np.ndarray:
     """The feature vector (order of FEATURES) of one step."""
-    rows = decode_ctx = attn = 0.0
+    rows = decode_ctx = attn = prefill_ctx = 0.0
     for s in segments:
         rows += s.new_len
         if s.decode:
             decode_ctx += s.new_len * s.context_len + s.new_len * (s.new_len - 1) / 2
         else:
             attn += s.new_len * (s.context_len + s.new_len / 2) / ATTN_UNIT
+            prefill_ctx += s.context_len / ATTN_UNIT
     large = row_threshold is not None and rows >= row_threshold
-    return np.array(
-        [0.0 if large else 1.0, 1.0 if large else 0.0, 0.0 if large else rows, rows if large else 0.0, decode_ctx, attn]
-    )
+    small_rows, large_rows = (0.0, rows) if large else (rows, 0.0)
+    return np.array([float(not large), float(large), small_rows, large_rows, decode_ctx, attn, prefill_ctx])
 
 
 def chunked_prefill_steps(
@@ -118,6 +120,9 @@ class CostModel:
     pd_latency_s: float = 0.002  # per transfer (handshake, framing)
     spec_accept_rate: float | None = None  # per drafted token; None: no speculative decoding
     spec_max_draft: int = 8
+    # replicas sharing one machine: each busy one more slows a step by this fraction (measured on
+    # two co-located workers; None: not measured, the simulator's --contention applies)
+    contention: float | None = None
     source: str = ""
     fit: dict[str, float] = field(default_factory=dict)  # fit quality: median / max relative error, samples
 
@@ -130,6 +135,8 @@ class CostModel:
             raise ValueError(f"cost-model coefficients must be finite and >= 0, got {bad}")
         if self.spec_accept_rate is not None and not 0 <= self.spec_accept_rate < 1:
             raise ValueError(f"spec_accept_rate must be in [0, 1), got {self.spec_accept_rate}")
+        if self.contention is not None and not (math.isfinite(self.contention) and self.contention >= 0):
+            raise ValueError(f"contention must be finite and >= 0, got {self.contention}")
         for name in ("host_bytes_per_s", "storage_bytes_per_s", "pd_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -3,6 +3,9 @@
     server   TTFT of prompts sent one at a time as token ids (prefill, plus the per-request
              overhead, fitted as its own coefficient) and the median ITL of B concurrent streams
              (a decode step of batch B). Against a router the KV size comes from its first worker.
+    colocated  (a router with two or more workers on one host) the same decode batch and the same
+             prompt on the first worker alone, then on the first two at once: how much a second
+             busy replica slows a step (`contention`, what the simulator's processor sharing uses)
     pd       (`--pd-transfer`, with a base calibration of one worker) isolated requests through a
              PD router: what their TTFT exceeds the worker's own overhead + prefill + first decode
              step by is the prefill -> decode handoff, fitted as pd_latency_s + bytes / pd_bytes_per_s
@@ -26,11 +29,12 @@ from strata.plan.cost_model import CostModel, Sample, Segment, chunked_prefill_s
 @dataclass(frozen=True)
 class ServerPlan:
     prefill_lens: tuple[int, ...] = (32, 128, 512, 1024)
-    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 128),)
+    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 128), (256, 32))  # (cached, new)
     decode_batches: tuple[int, ...] = (1, 4, 16, 48)
     decode_context: int = 128
+    long_decodes: tuple[tuple[int, int], ...] = ((1, 1024), (4, 1024))  # (batch, context): what context costs
     decode_tokens: int = 24
-    repeats: int = 2
+    repeats: int = 3
     chunked_prefill_size: int = 2048
     max_batch_tokens: int = 8192
     row_threshold: int | None = 32
@@ -58,22 +62,82 @@ def calibrate_server(base_url: str, plan: ServerPlan = ServerPlan(), api_key: st
         info = _first_worker_info(base, api_key) or info
     kv_tokens, kv_bytes = _find(info, "num_kv_tokens"), _find(info, "kv_bytes")
     bytes_per_token = int(kv_bytes // kv_tokens) if kv_tokens and kv_bytes else 0
+    colocated = _colocated_workers(_workers(base, api_key))
+    contention = None
+    if len(colocated) >= 2:
+        contention = asyncio.run(_contention(colocated[:2], model, api_key, pool, plan, progress or (lambda s: None)))
     cm = fit(samples, plan.row_threshold, kv_bytes_per_token=bytes_per_token, source=f"server {base} ({model})",
-             **measure_rates())  # fmt: skip
+             contention=contention, **measure_rates())  # fmt: skip
     return cm, samples
 
 
-def _first_worker_info(base: str, api_key: str | None) -> dict | None:
+def _workers(base: str, api_key: str | None) -> list[str]:
+    """The worker URLs a router lists at /workers ([] for a plain server)."""
     import httpx
-
-    from strata.bench import server_info
 
     try:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         workers = httpx.get(f"{base}/workers", headers=headers, timeout=10).json().get("workers") or []
-    except (httpx.HTTPError, ValueError, AttributeError):
-        return None
-    return server_info.server_info(workers[0]["url"], api_key) if workers else None
+        return [w["url"] for w in workers if isinstance(w, dict) and isinstance(w.get("url"), str)]
+    except (httpx.HTTPError, ValueError, AttributeError, TypeError):
+        return []
+
+
+def _colocated_workers(urls: list[str]) -> list[str]:
+    """The workers on the host of the first one (a router's --launch N, or several servers on one host)."""
+    from urllib.parse import urlsplit
+
+    hosts = [urlsplit(u).hostname for u in urls]
+    return [u for u, h in zip(urls, hosts) if h == hosts[0]] if urls else []
+
+
+def _first_worker_info(base: str, api_key: str | None) -> dict | None:
+    from strata.bench import server_info
+
+    workers = _workers(base, api_key)
+    return server_info.server_info(workers[0], api_key) if workers else None
+
+
+async def _contention(urls: list[str], model: str, api_key: str | None, pool, plan: ServerPlan, say,
+                      batch: int = 8, prompt_len: int = 512) -> float | None:  # fmt: skip
+    """How much a second busy co-located worker slows a step: a decode batch's median ITL and a
+    prompt's TTFT on urls[0] alone, then on both at once (the same load on each), repeated; the
+    mean of the two slowdowns, less 1 (1: the machine is split evenly; 0: no interference)."""
+    from strata.bench.http_client import OpenAIClient
+
+    rng = random.Random(plan.seed + 1)
+    fresh = lambda n: [rng.choice(pool) for _ in range(n)]  # noqa: E731
+    clients = [OpenAIClient(u, api_key=api_key) for u in urls]
+
+    def body(ids: list[int], max_tokens: int) -> dict:
+        return {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0, "ignore_eos": True,
+                "stream": True}  # fmt: skip
+
+    async def decode_itl(client) -> list[float]:
+        recs = await asyncio.gather(*(client.send("completions", body(fresh(16), 32), 16) for _ in range(batch)))
+        return [g for r in recs if r.ok for g in r.itls[len(r.itls) // 4 : -max(1, len(r.itls) // 4)]]
+
+    async def ttft(client) -> list[float]:
+        rec = await client.send("completions", body(fresh(prompt_len), 1), prompt_len)
+        return [rec.ttft] if rec.ok and rec.ttft is not None else []
+
+    ratios = []
+    try:
+        for c in clients:
+            await c.send("completions", body(fresh(16), 4), 16)  # warm-up
+        for what, measure in (("ITL of a decode batch", decode_itl), ("TTFT of a prompt", ttft)):
+            alone, both = [], []
+            for _ in range(plan.repeats + 1):
+                say(f"calibrate: {what} on one co-located worker, then on two at once")
+                alone += await measure(clients[0])
+                for got in await asyncio.gather(*(measure(c) for c in clients)):
+                    both += got
+            if alone and both:
+                ratios.append(statistics.median(both) / statistics.median(alone))
+    finally:
+        for c in clients:
+            await c.close()
+    return max(0.0, statistics.mean(ratios) - 1.0) if ratios else None
 
 
 def _find(obj: Any, key: str) -> Any:
@@ -119,18 +183,20 @@ async def _server_samples(base, model, api_key, pool, plan: ServerPlan, say) -> 
                 say(f"calibrate: TTFT of {n} tokens after {cached} cached")
                 s = prefill_sample(await client.send("completions", body(prefix + fresh(n), 1), cached + n), n, cached)
                 samples += [s] if s else []
-        for b in plan.decode_batches:
-            say(f"calibrate: ITL of {b} concurrent streams")
-            prefix = fresh(plan.decode_context - 8)
+        decodes = [(b, plan.decode_context) for b in plan.decode_batches] + list(plan.long_decodes)
+        for b, context in decodes:
+            say(f"calibrate: ITL of {b} concurrent streams at {context} tokens of context")
+            prefix = fresh(context - 8)  # cached first, so the streams' prefills stay short
             await client.send("completions", body(prefix, 1), len(prefix))
             recs = await asyncio.gather(
-                *(client.send("completions", body(prefix + fresh(8), plan.decode_tokens), plan.decode_context) for _ in range(b))
+                *(client.send("completions", body(prefix + fresh(8), plan.decode_tokens), context) for _ in range(b))
             )
             # the middle of the streams: every request decodes, no prefill runs
             gaps = [g for r in recs if r.ok for g in r.itls[len(r.itls) // 4 : -max(1, len(r.itls) // 4)]]
             if gaps:
-                ctx = plan.decode_context + plan.decode_tokens // 2
-                samples.append(Sample.of_steps([[Segment(1, ctx, True)] * b], statistics.median(gaps), thr, f"ITL batch {b}"))
+                ctx = context + plan.decode_tokens // 2
+                what = f"ITL batch {b} at {context}"
+                samples.append(Sample.of_steps([[Segment(1, ctx, True)] * b], statistics.median(gaps), thr, what))
     finally:
         await client.close()
     return samples

@@ -25,6 +25,7 @@ TRUE = {
     "per_row_large": 0.0026,
     "per_decode_ctx": 3e-6,
     "per_prefill_attn": 5e-4,  # ~20% of a 2k-token prefill, as on this CPU
+    "per_prefill_ctx": 0.08,  # 20 ms to gather 256 cached tokens under a short chunk
 }
 
 
@@ -38,7 +39,7 @@ def _synthetic_samples(noise: float, seed: int = 0, request_overhead: float = 0.
         if kind in ("decode", "mixed"):
             segs += [Segment(1, rng.randint(16, 3000), True) for _ in range(rng.randint(1, 64))]
         if kind in ("prefill", "mixed"):
-            segs += [Segment(rng.randint(8, 2048), rng.choice([0, 0, 512, 1500]), False)]
+            segs += [Segment(rng.choice([rng.randint(8, 64), rng.randint(8, 2048)]), rng.choice([0, 0, 256, 512, 1500]), False)]
         t = truth.step_s(segs) * (1 + rng.gauss(0, noise))
         reqs = 1.0 if kind == "prefill" and request_overhead and rng.random() < 0.5 else 0.0
         s = Sample.of_steps([segs], t + reqs * request_overhead, 32, f"{kind} {i}")  # each its own configuration
@@ -75,7 +76,7 @@ def test_features_of_a_step():
     f = Sample.of_steps([[Segment(1, 100, True), Segment(50, 200, False)]], 1.0, row_threshold=64).features
     assert dict(zip(FEATURES, f)) == {
         "overhead": 1.0, "overhead_large": 0.0, "per_row": 51.0, "per_row_large": 0.0,
-        "per_decode_ctx": 100.0, "per_prefill_attn": 50 * (200 + 25) / 1e3,
+        "per_decode_ctx": 100.0, "per_prefill_attn": 50 * (200 + 25) / 1e3, "per_prefill_ctx": 200 / 1e3,
     }  # fmt: skip
 
 
@@ -122,3 +123,55 @@ def test_the_pd_handoff_fit_recovers_latency_and_bandwidth():
     assert model.pd_latency_s == pytest.approx(0.3, rel=1e-6)
     assert model.pd_bytes_per_s == pytest.approx(2e8, rel=1e-6)
     assert len(rows) == 3 and model.coef == base.coef
+
+
+def test_contention_of_co_located_workers_from_their_timings(monkeypatch):
+    """Two workers on one host: a decode batch and a prompt measured on the first alone, then on
+    both at once. With steps 1.5x slower while both are busy, the measured contention is 0.5."""
+    import asyncio
+
+    from strata.bench import http_client
+    from strata.bench.metrics import RequestRecord
+    from strata.plan import remote
+
+    busy: set[str] = set()
+
+    class FakeClient:
+        def __init__(self, url, api_key=None):
+            self.url = url
+
+        async def send(self, endpoint, body, prompt_len):
+            busy.add(self.url)
+            await asyncio.sleep(0.01)  # the other worker's load arrives in the meantime
+            step = 0.02 * (1.5 if len(busy) > 1 else 1.0)
+            tokens = body["max_tokens"]
+            ttft = 0.1 * (1.5 if len(busy) > 1 else 1.0) if len(body["prompt"]) > 100 else step
+            rec = RequestRecord(start=0.0, chunk_times=[ttft + i * step for i in range(tokens)])
+            await asyncio.sleep(0.01)
+            busy.discard(self.url)
+            return rec
+
+        async def close(self):
+            pass
+
+    monkeypatch.setattr(http_client, "OpenAIClient", FakeClient)
+    urls = remote._colocated_workers(["http://127.0.0.1:1", "http://10.0.0.2:2", "http://127.0.0.1:3"])
+    assert urls == ["http://127.0.0.1:1", "http://127.0.0.1:3"]
+    got = asyncio.run(remote._contention(urls, "m", None, list(range(10, 90)), remote.ServerPlan(), lambda s: None))
+    assert got == pytest.approx(0.5, abs=1e-6)
+    assert remote._colocated_workers([]) == []
+
+
+def test_the_simulator_takes_the_calibrated_contention_unless_told(tmp_path):
+    from strata.cli import build_parser
+    from strata.plan.cli import deployment_from_args
+
+    parser = build_parser()
+    args = parser.parse_args(["plan", "simulate", "--calibration", "x.json", "--replicas-per-host", "2"])
+    measured = CostModel(coef={"overhead": 0.01}, contention=0.4)
+    assert deployment_from_args(args, measured).contention == 0.4
+    assert deployment_from_args(args, CostModel(coef={"overhead": 0.01})).contention == 1.0
+    args = parser.parse_args(["plan", "simulate", "--calibration", "x.json", "--contention", "0.7"])
+    assert deployment_from_args(args, measured).contention == 0.7
+    with pytest.raises(ValueError, match="contention"):
+        CostModel(coef={}, contention=-0.1)
