@@ -334,6 +334,7 @@ HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
+SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
 SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
@@ -419,6 +420,9 @@ class EngineConfig:
     # token's KV, as full-attention layers do (the hierarchical cache and PD use this layout)
     sliding_kv: str = "window"
     swa_full_tokens_ratio: float = 0.5  # window-group pages per primary (full-attention) page
+    # with --sliding-kv window: "shared" = full and window layers draw pages from one pool of the
+    # memory the ratio gives (the split follows the workload); "split" = a fixed pool per group
+    swa_pool: str = "shared"
     # a prefix hit whose window KV is gone recomputes it by re-feeding the last W - 1 tokens (exact
     # only where window KV depends on nothing before the window: docs/ARCHITECTURE.md)
     swa_replay: bool = False
@@ -483,6 +487,8 @@ class EngineConfig:
             )
         if self.sliding_kv not in SLIDING_KV_MODES:
             raise ValueError(f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}")
+        if self.swa_pool not in SWA_POOLS:
+            raise ValueError(f"swa_pool must be one of {SWA_POOLS}, got {self.swa_pool!r}")
         if self.swa_replay and self.sliding_kv != "window":
             raise ValueError("--swa-replay recomputes the window groups' KV; it needs --sliding-kv window")
         if self.quantization not in QUANTIZATION_METHODS:
@@ -523,6 +529,7 @@ _CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "quantization": QUANTIZATION_METHODS,
     "sliding_kv": SLIDING_KV_MODES,
+    "swa_pool": SWA_POOLS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
 _HELP = {
@@ -536,7 +543,10 @@ _HELP = {
     "(dequantize), gguf (require the blocks), int8 / int4 (quantize a float checkpoint)",
     "sliding_kv": "sliding-window layers: window (a KV pool per window size, about W tokens per request; "
     "the prefix cache keeps what resuming a window reads) or full (every token, like full layers)",
-    "swa_full_tokens_ratio": "with --sliding-kv window: pages of each window group per full-attention page",
+    "swa_full_tokens_ratio": "with --sliding-kv window: pages of each window group per full-attention page "
+    "(with --swa-pool shared: what sizes the one pool)",
+    "swa_pool": "with --sliding-kv window: shared (full and window layers draw pages from one pool, the split "
+    "follows the workload; one window size and a full layer needed, else split) or split (a pool per group)",
     "swa_replay": "with --sliding-kv window: a cached prefix whose window KV was given back is still used; "
     "the window layers' KV is recomputed from its last W - 1 tokens (exact only for models whose window "
     "KV depends on nothing before the window, see docs/ARCHITECTURE.md)",

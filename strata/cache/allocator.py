@@ -3,8 +3,10 @@
 The KV pool is ``num_pages * page_size`` slots; slot ``page * page_size + offset`` holds the KV of one
 token. The allocator only hands out page ids; it knows nothing about what is stored in them.
 A model with sliding-window layers gets a `GroupedPageAllocator`: the same page ids, and behind each
-one a page of every window group's own, smaller pool, which can be given back on its own once the
-positions it holds fall out of the window.
+one a page of every window group's, which can be given back on its own once the positions it holds
+fall out of the window. The window groups' pages come from pools of their own (`split`) or, with
+`shared`, from the same pool as the primary pages: a page a window gave back can hold a full layer's
+KV next, so the split between the groups follows the workload instead of a fixed ratio.
 """
 
 from __future__ import annotations
@@ -46,23 +48,33 @@ class PageAllocator:
     def can_alloc(self, n: int) -> bool:
         return n <= len(self._free_list)
 
-    def drop_absent(self, pages: Sequence[int], present: np.ndarray) -> None:
-        """Give back each group's page where ``present[i, g]`` says page i came without its part."""
-        for g, group in enumerate(self.groups):
-            group.drop([p for p, has in zip(pages, present[:, g]) if not has])
-
     def group_pages_held(self, pages: Iterable[int]) -> list[int]:
         """Per window group, how many of these (primary) pages still hold that group's KV."""
         idx = np.asarray(list(pages), dtype=np.int64)
         return [int((g.to_group[idx] >= 0).sum()) if len(idx) else 0 for g in self.groups]
+
+    def held_pages(self, pages: int, sequences: int = 1) -> int:
+        """Pages of the pool that `pages` primary pages of `sequences` requests hold."""
+        return pages
+
+    def pool_cost(self, n: int, present: np.ndarray | None = None) -> int:
+        """Pages of the pool that allocating n pages takes (`present`: see GroupedPageAllocator)."""
+        return n
+
+    def tail_parts(self, num_pages: int, end: int) -> np.ndarray | None:
+        """Which window groups' parts n pages ending at token `end` need (None: no groups)."""
+        return None
+
+    shared = False  # window groups drawing from this pool (GroupedPageAllocator)
 
     def is_free(self, page: int) -> bool:
         if not 0 <= page < self.num_pages:
             raise ValueError(f"page {page} out of range [0, {self.num_pages})")
         return bool(self._is_free[page])
 
-    def alloc(self, n: int) -> list[int] | None:
-        """Take ``n`` pages: all of them, or None (and nothing is taken)."""
+    def alloc(self, n: int, present: np.ndarray | None = None) -> list[int] | None:
+        """Take ``n`` pages: all of them, or None (and nothing is taken). (`present`: for window
+        groups, GroupedPageAllocator.)"""
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if n == 0:
@@ -143,20 +155,56 @@ class WindowGroup:
         return int(live.sum())
 
 
+class _SharedPages:
+    """A window group's view of the pool it shares with the primary pages (`GroupedPageAllocator`
+    with `shared`): its pages are the primary pool's, taken and given back there."""
+
+    def __init__(self, pool: GroupedPageAllocator) -> None:
+        self.pool = pool
+
+    @property
+    def num_pages(self) -> int:
+        return self.pool.num_pages
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free_pages
+
+    def alloc(self, n: int) -> list[int] | None:
+        return PageAllocator.alloc(self.pool, n)
+
+    def free(self, pages: Iterable[int]) -> None:
+        PageAllocator.free(self.pool, pages)
+
+    def reset(self) -> None:
+        pass  # the pool resets itself
+
+
 class GroupedPageAllocator(PageAllocator):
     """Pages of a model whose layers attend differently: one page id space (the primary group: the
-    full-attention layers, or no storage at all when every layer is windowed) and one `WindowGroup`
-    per sliding-window size. Allocating a page allocates it in every group; freeing it frees what
+    full-attention layers, or no storage at all when every layer is windowed) and a `WindowGroup`
+    per group of window layers. Allocating a page allocates it in every group; freeing it frees what
     each group still holds; `drop` frees a group's part alone while the full layers keep theirs.
 
     The prefix cache and the scheduler deal in primary pages as before; this class keeps each
-    group's own pages behind them.
+    group's own pages behind them. With `shared` every group draws from the primary pool (pages of
+    one size: each group has as many layers as the primary one, see `MHAKVPool`), so a primary page
+    costs `page_cost` pages of the pool while all its groups hold their part.
     """
 
-    def __init__(self, num_pages: int, page_size: int, groups: Sequence[tuple[int, int]]) -> None:
-        """groups: (window, group pages) per sliding-window size."""
-        self.groups = [WindowGroup(w, n, num_pages, page_size) for w, n in groups]
+    def __init__(self, num_pages: int, page_size: int, groups: Sequence[tuple[int, int]], shared: bool = False) -> None:
+        """groups: (window, group pages) per window group (with `shared` the pages are ignored)."""
+        self.shared = shared
+        self.groups = [WindowGroup(w, 0 if shared else n, num_pages, page_size) for w, n in groups]
+        if shared:
+            for g in self.groups:
+                g.allocator = _SharedPages(self)
         super().__init__(num_pages, page_size)
+
+    @property
+    def page_cost(self) -> int:
+        """Pages of the pool one newly allocated primary page takes (1 unless `shared`)."""
+        return 1 + len(self.groups) if self.shared else 1
 
     def reset(self) -> None:
         super().reset()
@@ -164,18 +212,50 @@ class GroupedPageAllocator(PageAllocator):
             g.allocator.reset()
             g.to_group[:] = -1
 
-    def can_alloc(self, n: int) -> bool:
-        return n <= self.num_free_pages and all(n <= g.num_free_pages for g in self.groups)
+    def can_alloc(self, n: int, present: np.ndarray | None = None) -> bool:
+        if self.shared:
+            return self.pool_cost(n, present) <= self.num_free_pages
+        wanted = [n] * len(self.groups) if present is None else present.sum(axis=0).tolist()
+        return n <= self.num_free_pages and all(k <= g.num_free_pages for k, g in zip(wanted, self.groups))
 
-    def alloc(self, n: int) -> list[int] | None:
-        if not self.can_alloc(n):
+    def pool_cost(self, n: int, present: np.ndarray | None = None) -> int:
+        if not self.shared:
+            return n
+        return n * self.page_cost if present is None else n + int(present.sum())
+
+    def alloc(self, n: int, present: np.ndarray | None = None) -> list[int] | None:
+        """n primary pages and, behind each, a page of every window group, or only of the groups
+        `present[i, g]` names (the rest start as tombstones: pages whose window KV is not needed,
+        such as a promoted page that lacks it or one before a transferred prompt's last window)."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if present is not None and present.shape != (n, len(self.groups)):
+            raise ValueError(f"present must be [{n}, {len(self.groups)}], got {list(present.shape)}")
+        if not self.can_alloc(n, present):
             return None
         pages = super().alloc(n)
         if n:
             idx = np.asarray(pages, dtype=np.int64)
-            for g in self.groups:
-                g.to_group[idx] = g.allocator.alloc(n)
+            for gi, g in enumerate(self.groups):
+                rows = idx if present is None else idx[present[:, gi]]
+                if len(rows):
+                    g.to_group[rows] = g.allocator.alloc(len(rows))
         return pages
+
+    def tail_parts(self, num_pages: int, end: int) -> np.ndarray:
+        """[num_pages, groups]: the pages of a sequence's first `end` tokens that a query at `end`
+        reads in each group (those covering [end - W + 1, end)); the others need no window KV."""
+        first = np.arange(num_pages)[:, None]
+        starts = np.array([max(0, end - g.window + 1) // self.page_size for g in self.groups])
+        return first >= starts[None, :]
+
+    def held_pages(self, pages: int, sequences: int = 1) -> int:
+        """Pages of the pool that `pages` primary pages of `sequences` requests hold once each has
+        given back what fell out of its windows (shared; otherwise the primary pages alone)."""
+        if not self.shared:
+            return pages
+        window_pages = max(g.window for g in self.groups) // self.page_size + 2
+        return pages + len(self.groups) * min(pages, sequences * window_pages)
 
     def free(self, pages: Iterable[int]) -> None:
         pages = list(pages)
@@ -210,5 +290,8 @@ class GroupedPageAllocator(PageAllocator):
                     g.to_group[a], g.to_group[b] = g.to_group[b], -1
 
     def __repr__(self) -> str:
+        if self.shared:
+            groups = ", ".join(f"W{g.window}: {int((g.to_group >= 0).sum())} held" for g in self.groups)
+            return f"GroupedPageAllocator(shared, free={self.num_free_pages}/{self.num_pages}, {groups}, page_size={self.page_size})"
         groups = ", ".join(f"W{g.window}: {g.num_free_pages}/{g.num_pages}" for g in self.groups)
         return f"GroupedPageAllocator(free={self.num_free_pages}/{self.num_pages}, {groups}, page_size={self.page_size})"

@@ -185,6 +185,11 @@ class DSV4Plan:
     reason: str
     v4: DSV4Config
 
+    @property
+    def context_pages(self) -> int:
+        """Pages of context one request can hold (KVPlan's counterpart): every primary page."""
+        return self.num_pages
+
     def describe(self) -> str:
         kinds = self.v4.layer_kinds
         parts = [f"{sum(k != 'sliding' for k in kinds)} compressed layers' entries ({self.num_pages} pages)"]

@@ -43,6 +43,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from strata.cache.allocator import PageAllocator
 from strata.cache.host_pool import HostKVPool
 from strata.cache.kv_pool import KVPool
@@ -163,11 +165,11 @@ class HiCache:
     def evict(self, num_pages: int) -> int:
         return self.device.evict(num_pages)  # demotes through the eviction listener
 
-    def evict_window(self, wanted: Sequence[int]) -> list[int]:
-        return self.device.evict_window(wanted)
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
+        return self.device.evict_window(wanted, tails)
 
-    def make_room(self, num_pages: int) -> bool:
-        return self.device.make_room(num_pages)
+    def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool:
+        return self.device.make_room(num_pages, present)
 
     def window_pages(self) -> list[int]:
         return self.device.window_pages()
@@ -274,13 +276,14 @@ class HiCache:
         self.pinned.update(hits)
         self.device.inc_lock(match.node)  # keep the matched prefix while making room
         try:
-            if not self.device.make_room(len(hits)):
+            host_pages = [self.l2[d] for d in hits]
+            parts = self.host.presence(host_pages) if self.allocator.groups else None  # window KV they carry
+            if not self.device.make_room(len(hits), parts):
                 return match, 0, 0
-            l1_pages = self.allocator.alloc(len(hits))
+            l1_pages = self.allocator.alloc(len(hits), parts)
             if l1_pages is None:
                 return match, 0, 0
-            present = self.host.copy_to_l1(self.l1, [self.l2[d] for d in hits], l1_pages)
-            self.allocator.drop_absent(l1_pages, present)
+            self.host.copy_to_l1(self.l1, host_pages, l1_pages)
             end = match.cached_len + len(hits) * ps
             present = self.device.insert(tokens[:end], match.pages + l1_pages)
             # only pages past `present` now belong to the tree; anything before it was already there

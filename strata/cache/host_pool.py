@@ -33,11 +33,14 @@ class HostKVPool:
         self.data[torch.tensor(host_pages)] = data
         self.present[host_pages] = present
 
-    def copy_to_l1(self, l1: KVPool, host_pages: list[int], l1_pages: list[int]) -> np.ndarray:
-        """Write host pages into freshly allocated L1 pages; returns which window groups' parts they
-        carry ([n, groups]; the caller gives the other groups' pages back)."""
-        l1.write_pages(l1_pages, self.data[torch.tensor(host_pages)])
+    def presence(self, host_pages: list[int]) -> np.ndarray:
+        """Which window groups' parts host pages carry: [n, groups]."""
         return self.present[host_pages]
+
+    def copy_to_l1(self, l1: KVPool, host_pages: list[int], l1_pages: list[int]) -> None:
+        """Write host pages into L1 pages allocated with their `presence` (each group's part where
+        the L1 page has one)."""
+        l1.write_pages(l1_pages, self.data[torch.tensor(host_pages)])
 
     def page_payload(self, host_page: int) -> bytes:
         return tensor_bytes(self.data[host_page]) + self.present[host_page].tobytes()

@@ -11,6 +11,13 @@ sliding-window size forms a group of its own with a smaller buffer, indexed by i
 about W tokens per request, as pages that fall out of the window go back while the request runs.
 When every layer is windowed (Mistral's sliding configs) the primary group stores nothing: its page
 ids only name positions.
+
+Shared (`--swa-pool shared`, one window size, at least one full layer): every group draws its pages
+from one pool, so the memory goes wherever the workload needs it (long cached conversations: full
+layers; many running windows: window layers) instead of a fixed split. Pages are then of one size:
+F full layers give F buffers per K and V, each holding a page of one layer; the window layers are
+cut into ceil(S / F) groups of up to F layers, layer i of a group in buffer i. A primary page and
+each group's page behind it are different pages of the same buffers.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ class KVPool(ABC):
     device: torch.device
     windows: list[int]  # the window size of each window group (empty: one group, every layer)
     scratch_page: int | None = None  # a never-allocated page for `--swa-replay` (window groups only)
+    shared: bool = False  # the window groups' pages come from the primary pool (MHAKVPool)
 
     @property
     def grouped(self) -> bool:
@@ -97,10 +105,12 @@ class MHAKVPool(KVPool):
         dtype: torch.dtype,
         device: torch.device,
         group_pages: dict[int, int] | None = None,
+        shared: bool = False,
     ):
         """layer_windows: each layer's window (None: full), or a layer count (all full).
         group_pages: pages of each window size's own group; None: every layer in the primary group
-        (windowed layers then keep every token's KV, as a full layer does)."""
+        (windowed layers then keep every token's KV, as a full layer does). shared: the window
+        groups' pages come from the primary pool (`shares_pool` says where that applies)."""
         if isinstance(layer_windows, int):
             layer_windows = [None] * layer_windows
         group_pages = group_pages or {}
@@ -109,25 +119,53 @@ class MHAKVPool(KVPool):
         self.num_slots = num_pages * page_size
         self.dtype = dtype
         self.device = torch.device(device)
-        self.windows = sorted(group_pages)  # window group g (1-based in group_of) has windows[g - 1]
-        self.group_pages = [group_pages[w] for w in self.windows]
-        self.group_of = [
-            self.windows.index(w) + 1 if w is not None and w in group_pages else 0 for w in layer_windows
-        ]
+        if shared and not self.shares_pool(layer_windows, group_pages):
+            raise ValueError("a shared pool needs one window size and at least one full-attention layer")
+        self.shared = shared
         # zeros, not empty: padded attention gathers slots it masks out (the unwritten tail of a
         # request's last page, padding rows), and a masked 0 * NaN from uninitialised memory is NaN
         # with window groups the full layers get one page more, never allocated: where a replayed
         # window's tokens write their full-layer KV (`--swa-replay` keeps the cached one)
-        self.scratch_page = num_pages if self.windows else None
-        self.k: list[torch.Tensor] = []
-        self.v: list[torch.Tensor] = []
-        for g in self.group_of:
-            pages = num_pages + (self.scratch_page is not None) if g == 0 else self.group_pages[g - 1]
+        self.scratch_page = num_pages if group_pages else None
+
+        def buffer(pages: int) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (pages * page_size, num_kv_heads, head_dim)
-            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
-            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+
+        if shared:
+            full = sum(w is None for w in layer_windows)
+            windowed = [i for i, w in enumerate(layer_windows) if w is not None]
+            num_groups = -(-len(windowed) // full)
+            self.windows = [layer_windows[windowed[0]]] * num_groups
+            self.group_pages = [num_pages] * num_groups
+            self.group_of = [0] * len(layer_windows)
+            buffers = [buffer(num_pages + 1) for _ in range(full)]
+            lane = {}  # layer -> its buffer: full layers in order, then each group's layers in order
+            for i in (i for i, w in enumerate(layer_windows) if w is None):
+                lane[i] = len(lane)
+            for j, i in enumerate(windowed):
+                self.group_of[i], lane[i] = 1 + j // full, j % full
+            self.k = [buffers[lane[i]][0] for i in range(len(layer_windows))]
+            self.v = [buffers[lane[i]][1] for i in range(len(layer_windows))]
+        else:
+            self.windows = sorted(group_pages)  # window group g (1-based in group_of) has windows[g - 1]
+            self.group_pages = [group_pages[w] for w in self.windows]
+            self.group_of = [
+                self.windows.index(w) + 1 if w is not None and w in group_pages else 0 for w in layer_windows
+            ]
+            self.k, self.v = [], []
+            for g in self.group_of:
+                k, v = buffer(num_pages + (self.scratch_page is not None) if g == 0 else self.group_pages[g - 1])
+                self.k.append(k)
+                self.v.append(v)
 
         self.page_maps: list[np.ndarray] = []  # per window group: primary page -> its page (-1: none)
+
+    @staticmethod
+    def shares_pool(layer_windows: Sequence[int | None], group_pages: dict[int, int]) -> bool:
+        """Whether these layers can draw every group's pages from one pool: one window size, and a
+        full-attention layer to size the pages by."""
+        return len(group_pages) == 1 and any(w is None for w in layer_windows)
 
     def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
         """The allocator's page map of each window group (`WindowGroup.to_group`), in group order."""
@@ -191,7 +229,8 @@ class MHAKVPool(KVPool):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        unique = {id(t): t for t in self.k + self.v}.values()  # shared: layers share buffers
+        return sum(t.numel() * t.element_size() for t in unique)
 
     @property
     def layout(self) -> str:
@@ -199,6 +238,7 @@ class MHAKVPool(KVPool):
         return (
             f"layers={len(self.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};"
             f"page={self.page_size}" + (f";window_groups={self.windows}" if self.windows else "")
+            + (";shared" if self.shared else "")
         )
 
     def layer_bytes_per_token(self) -> int:
@@ -207,6 +247,8 @@ class MHAKVPool(KVPool):
 
     def bytes_by_group(self) -> list[int]:
         per_layer = self.layer_bytes_per_token() * self.page_size
+        if self.shared:  # every page of the pool spans one page of each buffer
+            return [per_layer * self.group_of.count(0)] * (len(self.windows) + 1)
         return [per_layer * self.group_of.count(g) for g in range(len(self.windows) + 1)]
 
     @staticmethod

@@ -24,7 +24,8 @@ caller still owns x and y (duplicates of a and b) and frees them::
 Locks count on a node and all its ancestors (``lock_ref`` of a node = locks held on it or below), so
 an unlocked node has only unlocked descendants. Eviction frees unlocked leaves least recently used
 first; a parent left childless becomes a candidate. Eviction trims a leaf's tail pages when only part
-of it is needed, so ``evict(n)`` frees exactly ``min(n, evictable_pages)`` pages.
+of it is needed, so ``evict(n)`` frees exactly ``min(n, evictable_pages)`` pages (a tree over
+sliding-window KV takes whole leaves instead: a leaf cut short would end where its window is gone).
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from strata.cache.allocator import PageAllocator
 
@@ -91,9 +94,11 @@ class PrefixCache(Protocol):
 
     - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
       first; returns the number freed.
-    - ``evict_window(wanted)``: frees up to wanted[g] pages of each window group of a
-      `GroupedPageAllocator` (`WindowRadixCache`); returns the count per group (zeros elsewhere).
-    - ``make_room(n)``: evicts until n pages can be allocated in every KV group; True if they can.
+    - ``evict_window(wanted, tails=True)``: frees up to wanted[g] pages of each window group of a
+      `GroupedPageAllocator` (`WindowRadixCache`; only KV no match reads unless ``tails``); returns
+      the count per group (zeros elsewhere).
+    - ``make_room(n)``: evicts until n pages can be allocated in every KV group (in a shared pool:
+      n times its page cost); True if they can.
     - ``window_pages()``: per window group, the pages the cache holds (walks the tree).
     - ``evictable_pages`` (unlocked), ``protected_pages`` (locked), ``total_pages`` (both).
     - ``reset()``: drop everything, freeing all pages to the allocator (RuntimeError while locked).
@@ -117,8 +122,8 @@ class PrefixCache(Protocol):
     def inc_lock(self, node: TreeNode) -> None: ...
     def dec_lock(self, node: TreeNode) -> None: ...
     def evict(self, num_pages: int) -> int: ...
-    def evict_window(self, wanted: Sequence[int]) -> list[int]: ...
-    def make_room(self, num_pages: int) -> bool: ...
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]: ...
+    def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool: ...
     def window_pages(self) -> list[int]: ...
     @property
     def evictable_pages(self) -> int: ...
@@ -142,7 +147,9 @@ class SingleTier:
 
     allocator: PageAllocator
 
-    def make_room(self, num_pages: int) -> bool:
+    def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool:
+        if self.allocator.shared:
+            return self._make_shared_room(num_pages, present)
         short = num_pages - self.allocator.num_free_pages
         if short > 0:
             self.evict(short)
@@ -150,6 +157,21 @@ class SingleTier:
         if groups and any(g.num_free_pages < num_pages for g in groups):
             self.evict_window([num_pages - g.num_free_pages for g in groups])
         return self.allocator.can_alloc(num_pages)
+
+    def _make_shared_room(self, num_pages: int, present: np.ndarray | None) -> bool:
+        """make_room for window groups that share the primary pool: each new page takes `page_cost`
+        of it (or 1 + its `present` parts). Frees, in order, window KV no match reads (interiors),
+        least recently used cached leaves whole (every group's part with them), then inner nodes'
+        window KV."""
+        a = self.allocator
+        need = a.pool_cost(num_pages, present)
+        if need > a.num_free_pages:
+            self.evict_window([need - a.num_free_pages] * len(a.groups), tails=False)
+        while need > a.num_free_pages and self.evict(-(-(need - a.num_free_pages) // a.page_cost)):
+            pass
+        if need > a.num_free_pages:
+            self.evict_window([need - a.num_free_pages] * len(a.groups))
+        return a.can_alloc(num_pages, present)
 
     def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         return self.match_prefix(token_ids)
@@ -186,6 +208,8 @@ class RadixCache(SingleTier):
     freed, prefix_tokens being the tokens before them on their path from the root (a slower tier
     behind this cache copies them there).
     """
+
+    trims_leaves = True  # evict may take a leaf's tail pages alone (False: whole leaves only)
 
     def __init__(self, allocator: PageAllocator, on_evict: EvictListener | None = None) -> None:
         self.allocator = allocator
@@ -328,7 +352,7 @@ class RadixCache(SingleTier):
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
             want = num_pages - freed
-            if len(node.value) > want:  # only part of this leaf is needed: drop its tail pages
+            if self.trims_leaves and len(node.value) > want:  # only part of this leaf is needed: drop its tail
                 keep = len(node.value) - want
                 self._before_free(node, keep)
                 self.allocator.free(node.value[keep:])
@@ -344,7 +368,7 @@ class RadixCache(SingleTier):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
-    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)
 
     def window_pages(self) -> list[int]:
@@ -440,7 +464,7 @@ class NoPrefixCache(SingleTier):
     def evict(self, num_pages: int) -> int:
         return 0
 
-    def evict_window(self, wanted: Sequence[int]) -> list[int]:
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)
 
     def window_pages(self) -> list[int]:

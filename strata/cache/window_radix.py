@@ -43,6 +43,9 @@ class WindowRadixCache(RadixCache):
     """PrefixCache for a `GroupedPageAllocator`: matches only prefixes every window group can resume
     from, and frees window-group KV the tree no longer needs (`evict_window`)."""
 
+    # a leaf's remainder would end where its window KV is gone (interiors are swept first): unmatchable
+    trims_leaves = False
+
     def __init__(self, allocator: GroupedPageAllocator, replay: bool = False) -> None:
         super().__init__(allocator)
         self.allocator: GroupedPageAllocator = allocator
@@ -63,15 +66,17 @@ class WindowRadixCache(RadixCache):
         # the inserting request's copies still hold window KV the tree may have dropped: keep it
         self.allocator.adopt(cached, given)
 
-    def evict_window(self, wanted: Sequence[int]) -> list[int]:
-        """Free up to wanted[g] pages of window group g. Returns the pages freed per group."""
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
+        """Free up to wanted[g] pages of window group g (only interiors unless `tails`). Returns
+        the pages freed per group."""
         freed = []
+        ends = None
         for group, want in zip(self.allocator.groups, wanted):
             got = 0
             if want > 0:
-                ends = self._ends()
+                ends = self._ends() if ends is None or tails else ends
                 got = self._sweep_interiors(group, want, ends)
-                if got < want:
+                if got < want and tails:
                     got += self._evict_tails(group, want - got, ends)
             freed.append(got)
         return freed

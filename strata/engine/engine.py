@@ -202,7 +202,10 @@ class Engine:
 
         pool_config = self.parallel.local_config() if self.parallel else model_config  # this rank's KV heads
         # a GPU rank sizes its shard of the pool from its own device; CPU ranks share the host's memory
-        plan = plan_kv_pool(cfg, pool_config if device.type == "cuda" else model_config, kv_dtype, device, context_len)
+        plan = plan_kv_pool(
+            cfg, pool_config if device.type == "cuda" else model_config, kv_dtype, device, context_len,
+            shareable=self.parallel is None and model_config.dsv4 is None and model_config.mla is None,
+        )
         num_pages = plan.num_pages
         mla = model_config.mla
         if model_config.dsv4 is not None:  # DeepSeek-V4: sliding K, compressor windows, compressed entries
@@ -224,10 +227,14 @@ class Engine:
         else:
             kv_pool = MHAKVPool(
                 plan.layer_windows, pool_config.num_kv_heads, model_config.head_dim, num_pages,
-                cfg.page_size, kv_dtype, device, group_pages=plan.group_pages,
+                cfg.page_size, kv_dtype, device, group_pages=plan.group_pages, shared=plan.shared,
             )
         if kv_pool.grouped:
-            allocator = GroupedPageAllocator(num_pages, cfg.page_size, list(plan.group_pages.items()))
+            if kv_pool.shared:  # one group per slice of the window layers, every one from the same pool
+                groups = list(zip(kv_pool.windows, kv_pool.group_pages))
+            else:
+                groups = list(plan.group_pages.items())
+            allocator = GroupedPageAllocator(num_pages, cfg.page_size, groups, shared=kv_pool.shared)
             kv_pool.attach_page_maps([g.to_group for g in allocator.groups])
             cache = (
                 NoPrefixCache(allocator) if cfg.disable_radix_cache
@@ -272,7 +279,7 @@ class Engine:
             kernels=kernel_info() if device.type == "cpu" else {},
             decode_loop=decode_loop_name(self.model) if device.type == "cpu" else "python",
             kv_dtype=kv_dtype,
-            num_kv_tokens=num_pages * cfg.page_size,
+            num_kv_tokens=plan.context_pages * cfg.page_size,
             kv_bytes=kv_pool.nbytes,
             kv_reason=plan.reason,
             kv_groups=plan.describe(),
@@ -563,6 +570,13 @@ class KVPlan:
     num_pages: int  # primary pages (the full layers'; names only, when every layer is windowed)
     group_pages: dict[int, int]  # window -> pages of that window group ({}: one pool for all layers)
     reason: str  # where the size came from
+    shared: bool = False  # every group draws from the num_pages of the primary pool (--swa-pool shared)
+    window_reserve: int = 0  # shared: pages the window groups take beside one request's longest context
+
+    @property
+    def context_pages(self) -> int:
+        """Pages of context one request can hold in the full layers (all of them unless shared)."""
+        return max(1, self.num_pages - self.window_reserve)
 
     def layout(self, page_size: int, kv_dtype: torch.dtype):
         """The pool as the other parallel ranks build their shards of it."""
@@ -574,6 +588,10 @@ class KVPlan:
 
     def describe(self) -> str:
         full = sum(w is None or w not in self.group_pages for w in self.layer_windows)
+        if self.shared:
+            windowed = len(self.layer_windows) - full
+            return (f"{full} layers keep every token, {windowed} window-{next(iter(self.group_pages))} layers "
+                    f"give back what falls out of it; one shared pool of {self.num_pages} pages")  # fmt: skip
         parts = [f"{full} layers keep every token ({self.num_pages} pages)"]
         for w, n in self.group_pages.items():
             parts.append(f"{self.layer_windows.count(w)} window-{w} layers: {n} pages")
@@ -589,13 +607,15 @@ def kv_layer_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
 
 
 def plan_kv_pool(
-    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int
+    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int,
+    shareable: bool = False,
 ) -> KVPlan:
     """Size the pool. --kv-cache-tokens sets the primary pages (the tokens of context the full
     layers hold); otherwise --mem-fraction-static of memory is split so each window group gets
     --swa-full-tokens-ratio pages per primary page. A window group never gets fewer pages than one
     request can need at once (its window plus a prefill chunk, a few pages of slack) nor more than
-    the primary pages."""
+    the primary pages. With --swa-pool shared (where `shareable` and the layers allow it) the same
+    memory becomes one pool of pages of the full layers' size that every group draws from."""
     windows = [spec.window for spec in mc.layers]
     ps = cfg.page_size
     grouped = cfg.sliding_kv == "window" and any(w is not None for w in windows)
@@ -619,6 +639,12 @@ def plan_kv_pool(
         for w in sorted({w for w in windows if w is not None}):
             least = -(-(w + min(chunk, context_len)) // ps) + 3
             group_pages[w] = min(num_pages, max(least, math.ceil(ratio * num_pages)))
+    if grouped and shareable and cfg.swa_pool == "shared" and MHAKVPool.shares_pool(windows, group_pages):
+        full = len(windows) - windowed
+        pages = num_pages + math.ceil(next(iter(group_pages.values())) * windowed / full)  # the same bytes
+        (w,) = group_pages
+        reserve = -(-windowed // full) * (-(-(w + min(chunk, context_len)) // ps) + 1)  # a window + chunk per group
+        return KVPlan(windows, pages, {w: pages}, reason, shared=True, window_reserve=min(reserve, pages - 1))
     return KVPlan(windows, num_pages, group_pages, reason)
 
 

@@ -183,10 +183,11 @@ class Scheduler(WindowKV, KVAccounting):
             raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
         self._validate([rid], prompt_ids, params)
         need = math.ceil(len(prompt_ids) / self.page_size)
-        if not self.cache.make_room(need):
+        parts = self.allocator.tail_parts(need, len(prompt_ids))  # window KV only for the prompt's last window
+        if not self.cache.make_room(need, parts):
             return None
         req = self._new_req(rid, prompt_ids, params, params.seed, depends_on=None)
-        req.pages = self.allocator.alloc(need)
+        req.pages = self.allocator.alloc(need, parts)
         req.admitted_once = True
         self.prealloc[rid] = req
         return req
@@ -403,7 +404,8 @@ class Scheduler(WindowKV, KVAccounting):
 
     def _admit(self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool) -> None:
         prefill_budget = self.config.max_prefill_tokens
-        available = self.allocator.num_free_pages + self.cache.evictable_pages - self._reserved_pages()
+        held = self.allocator.held_pages  # pool pages per primary pages (more with a shared window pool)
+        available = self.allocator.num_free_pages + self.cache.evictable_pages - held(self._reserved_pages(), len(self.running))
         admitted_now: list[Req] = []
         for req in self._waiting_order():
             if len(self.running) >= self.config.max_running_requests or budget <= 0 or prefill_budget <= 0:
@@ -420,7 +422,7 @@ class Scheduler(WindowKV, KVAccounting):
                 continue  # next step it reuses what the other request is computing now
             rest = req.seq_len - match.cached_len
             remaining_new = req.params.max_new_tokens - len(req.output_ids)
-            need_pages = math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size)
+            need_pages = held(math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size))
             if need_pages > available and not (batch_empty and not self.running):
                 break
             self.cache.inc_lock(match.node)

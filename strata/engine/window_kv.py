@@ -20,7 +20,7 @@ class WindowKV:
         no window page free the chunk waits while other requests make progress in this step (their
         windows move on and give pages back); only a request `alone` in its step evicts for one."""
         groups = self.allocator.groups
-        if groups and n > 0:
+        if groups and n > 0 and not self.allocator.shared:  # (shared: the window KV competes like any)
             room = min(g.num_free_pages for g in groups)
             fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
             if fits <= 0 and not alone:
@@ -48,13 +48,19 @@ class WindowKV:
             return True
         start = max(0, end - max(g.window for g in self.allocator.groups) + 1) // ps * ps
         count = (end - start) // ps
-        short = [count - g.num_free_pages for g in self.allocator.groups]
-        if any(n > 0 for n in short):
-            if not alone:
+        a = self.allocator
+        if a.shared:  # count pages in each group, from the one pool
+            need = count * len(a.groups)
+            if need > a.num_free_pages and not (alone and self.cache.make_room(-(-need // a.page_cost))):
                 return False
-            self.cache.evict_window(short)
-            if any(g.num_free_pages < count for g in self.allocator.groups):
-                return False
+        else:
+            short = [count - g.num_free_pages for g in a.groups]
+            if any(n > 0 for n in short):
+                if not alone:
+                    return False
+                self.cache.evict_window(short)
+                if any(g.num_free_pages < count for g in a.groups):
+                    return False
         req.replay_pages = [g.allocator.alloc(count) for g in self.allocator.groups]
         req.replay_from, req.replay_end = start, end
         req.kv_len = start

@@ -10,6 +10,7 @@ import random
 import time
 
 import msgspec
+import numpy as np
 import pytest
 import zmq
 
@@ -102,6 +103,10 @@ def test_windowed_model_prefill_then_decode(tiny_models, radix):
         d.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i, bootstrap_addr=p.disagg_endpoint)
         p.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i)
         rids.append(f"w{i}")
+    # the decode side reserves window KV only for each prompt's last window (page size 4, window 8)
+    for g in d.scheduler.allocator.groups:
+        held = [int((g.to_group[np.asarray(r.pages)] >= 0).sum()) for r in d.scheduler.prealloc.values()]
+        assert held and all(n <= (8 - 1) // 4 + 2 for n in held)
     outs = run_pair(p, d, rids)
     assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == want
     d.scheduler.check_no_leaks()

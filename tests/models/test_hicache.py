@@ -204,14 +204,18 @@ def run_one(engine: Engine, prompt: list[int]):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
     """Gemma 3 (window 8, a KV pool per layer group): pages demoted, promoted and restored from L3
-    carry their window groups' parts or say they lack them; answers stay those of a plain engine."""
+    carry their window groups' parts or say they lack them; answers stay those of a plain engine.
+    (A split pool, so that L1's pressure falls on whole pages: the same prompt sent again matches
+    inside its cached leaf, a point whose window KV a shared pool gives back first; the shared pool
+    through the tiers is the next test's.)"""
     model = tiny_models["gemma3"]
     prompt = LONG + [1, 2, 3]
     plain = Engine(str(model), dtype="float32", kv_cache_tokens=256, page_size=page_size,
                    disable_radix_cache=True)
     expected = plain.generate([prompt], GREEDY)[0].token_ids
     storage = str(tmp_path / "l3")
-    eng = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage)
+    eng = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage,
+                      swa_pool="split")
     assert eng.scheduler.allocator.groups  # the windowed layout, not every layer in one pool
     assert eng.generate([prompt], GREEDY)[0].token_ids == expected
     fill_l1(eng, 0)
@@ -221,8 +225,36 @@ def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
     check_hierarchy_leaks(eng)
     eng.close()
     eng2 = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage,
-                       hicache_prefetch_policy="wait_complete")
+                       hicache_prefetch_policy="wait_complete", swa_pool="split")
     tokens, last = run_one(eng2, prompt)
+    assert tokens == expected and last.cached_tokens_details["storage"] >= 100
+    check_hierarchy_leaks(eng2)
+    eng2.close()
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_shared_window_pool_through_the_tiers(tiny_models, tmp_path, page_size):
+    """Gemma 3 with full and window layers drawing from one L1 pool: a conversation pushed out of L1
+    comes back from L2, and after a restart from L3, with only the window KV its next turn reads
+    (promoted pages take pool pages for the parts they carry); its tokens stay a plain engine's."""
+    model = tiny_models["gemma3"]
+    storage = str(tmp_path / "l3")
+    eng = make_engine(model, page_size=page_size, kv_cache_tokens=160, hicache_storage_backend="file",
+                      hicache_storage_path=storage)
+    assert eng.scheduler.allocator.shared
+    prompt = LONG + [1, 2, 3]
+    first = eng.generate([prompt], GREEDY)[0]
+    turn2 = prompt + first.token_ids + [4, 5]
+    plain = Engine(str(model), dtype="float32", kv_cache_tokens=256, page_size=page_size, disable_radix_cache=True)
+    expected = plain.generate([turn2], GREEDY)[0].token_ids
+    fill_l1(eng, 1)
+    tokens, last = run_one(eng, turn2)
+    assert tokens == expected and last.cached_tokens_details["host"] >= 100
+    check_hierarchy_leaks(eng)
+    eng.close()
+    eng2 = make_engine(model, page_size=page_size, kv_cache_tokens=160, hicache_storage_backend="file",
+                       hicache_storage_path=storage, hicache_prefetch_policy="wait_complete")
+    tokens, last = run_one(eng2, turn2)
     assert tokens == expected and last.cached_tokens_details["storage"] >= 100
     check_hierarchy_leaks(eng2)
     eng2.close()

@@ -65,8 +65,8 @@ def test_radix_hit_past_the_window_is_exact(tiny_models, expected, family, page_
 
 
 def _group_pages_in_use(engine) -> int:
-    g = engine.scheduler.allocator.groups[0]
-    return g.num_pages - g.num_free_pages
+    """Pages the (first) window group holds behind primary pages (split or shared pool alike)."""
+    return int((engine.scheduler.allocator.groups[0].to_group >= 0).sum())
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral_sw"])
@@ -99,16 +99,21 @@ def test_window_layers_full_layout_is_exact_too(tiny_models, expected):
     assert got == expected["gemma3"]
 
 
+@pytest.mark.parametrize("pool", ["split", "shared"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_small_window_pool_under_pressure_stays_exact(tiny_models, page_size):
-    """Many requests sharing prefixes and continuing earlier turns, through a window pool too small
-    to keep everything: the cache gives window KV back (interiors, then tails), requests are
-    retracted when needed, every token is still transformers', no page of any group leaks."""
+def test_small_window_pool_under_pressure_stays_exact(tiny_models, page_size, pool):
+    """Many requests sharing prefixes and continuing earlier turns, through a pool too small to keep
+    everything: the cache gives window KV back (interiors, then tails, or whole leaves when the pool
+    is shared), requests are retracted when needed, every token is still transformers', no page of
+    any group leaks."""
     model_dir = tiny_models["gemma3"]
     ref = hf_model(model_dir)
-    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=600, page_size=page_size,
-                    chunked_prefill_size=7, swa_full_tokens_ratio=0.1)
-    assert engine.scheduler.allocator.groups[0].num_pages < 600 // page_size
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=600 if pool == "split" else 300,
+                    page_size=page_size, chunked_prefill_size=7, swa_full_tokens_ratio=0.1, swa_pool=pool)
+    allocator = engine.scheduler.allocator
+    assert allocator.shared == (pool == "shared") and len(allocator.groups) == (2 if allocator.shared else 1)
+    if pool == "split":
+        assert allocator.groups[0].num_pages < 600 // page_size
     system = [(3 * i + 5) % 380 + 2 for i in range(40)]
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     prompts = [system + [(11 * i + j) % 380 + 2 for j in range(5 + i)] for i in range(6)]
@@ -153,7 +158,7 @@ def test_a_prefill_chunk_waits_rather_than_evict_the_cached_window_tails(tiny_mo
     conversation's next turn still resumes from all of it."""
     model_dir = tiny_models["gemma3"]
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1000, page_size=1,
-                    chunked_prefill_size=7, swa_full_tokens_ratio=0.034)
+                    chunked_prefill_size=7, swa_full_tokens_ratio=0.034, swa_pool="split")
     # window 8: room for 3 cached windows and a prefill (8 + 7), not two prefills
     assert engine.scheduler.allocator.groups[0].num_pages == 34
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
@@ -168,6 +173,37 @@ def test_a_prefill_chunk_waits_rather_than_evict_the_cached_window_tails(tiny_mo
     assert r2.cached_tokens == len(turn1) + len(r1.token_ids) - 1
     assert r2.token_ids == hf_greedy(ref, turn2, params.max_new_tokens)
     engine.scheduler.check_no_leaks()
+
+
+def _conversations(engine, firsts: list[list[int]], params: SamplingParams) -> list:
+    """Each conversation's first turn (together), then each one's second turn (one at a time)."""
+    r1 = engine.generate(firsts, params)
+    seconds = [t + r.token_ids + [30, 31] for t, r in zip(firsts, r1)]
+    return [(t2, engine.generate([t2], params)[0]) for t2 in seconds]
+
+
+def test_a_shared_pool_keeps_the_conversations_a_split_one_loses(tiny_models):
+    """Four cached conversations at the same KV memory: the split layout's fixed window pool (a
+    tenth of the full layers' pages) cannot hold their last windows beside a running request's,
+    so later turns lose hits; the shared pool gives the window layers what the workload needs and
+    every second turn resumes from all of its first turn, with transformers' tokens."""
+    model_dir = tiny_models["gemma3"]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    firsts = [[(7 * i + 3 * k) % 380 + 2 for i in range(40)] for k in (1, 2, 3, 4)]
+    results = {}
+    for pool in ("split", "shared"):
+        engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=300, page_size=1, chunked_prefill_size=8,
+                        swa_full_tokens_ratio=0.1, swa_pool=pool)
+        results[pool] = (_conversations(engine, firsts, params), engine.scheduler.runner.kv.nbytes)
+        engine.scheduler.check_no_leaks()
+    (split, split_bytes), (shared, shared_bytes) = results["split"], results["shared"]
+    assert shared_bytes == split_bytes
+    done = [len(t) - 2 - 1 for t, _ in shared]  # turn 1 and its answer, less the last sampled token
+    assert [r.cached_tokens for _, r in shared] == done
+    assert sum(r.cached_tokens for _, r in split) < sum(done)
+    ref = hf_model(model_dir)
+    for (t, a), (_, b) in zip(shared, split):
+        assert a.token_ids == b.token_ids == hf_greedy(ref, t, params.max_new_tokens)
 
 
 def _drop_cached_window_kv(engine) -> None:

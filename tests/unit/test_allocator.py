@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from strata.cache.allocator import OutOfPages, PageAllocator
+from strata.cache.allocator import GroupedPageAllocator, OutOfPages, PageAllocator
 
 
 def test_initial_state():
@@ -133,3 +133,51 @@ def test_randomized_against_set():
             held -= set(batch)
         assert a.num_free_pages == 32 - len(held)
         assert all(not a.is_free(p) for p in held)
+
+
+# ------------------------------------------------------------- window groups sharing the pool
+
+
+def test_shared_pool_page_costs_and_gives_back():
+    """With `shared`, a new page takes one page of the pool for the primary group and one per window
+    group; a window group's page given back (behind the window) is the pool's again, for any group."""
+    a = GroupedPageAllocator(12, 4, [(8, 12), (8, 12)], shared=True)
+    assert a.page_cost == 3 and a.num_free_pages == 12
+    pages = a.alloc(3)
+    assert a.num_free_pages == 3 and not a.can_alloc(2) and a.can_alloc(1)
+    behind = [int(g.to_group[pages[0]]) for g in a.groups]
+    used = {*pages, *(int(g.to_group[p]) for g in a.groups for p in pages)}
+    assert len(used) == 9  # every part is a page of its own
+    for g in a.groups:
+        assert g.drop([pages[0]]) == 1
+    assert a.num_free_pages == 5 and a.usable_prefix(pages) == 3  # a query at 12 reads from 5 on
+    more = a.alloc(1)
+    assert set(more) | {int(g.to_group[more[0]]) for g in a.groups} <= set(range(12)) - (used - set(behind))
+    a.free(pages + more)
+    assert a.num_free_pages == 12 and all((g.to_group < 0).all() for g in a.groups)
+    assert a.alloc(5) is None and a.num_free_pages == 12  # all or nothing
+    a.reset()
+    assert a.num_free_pages == 12
+
+
+def test_shared_pool_randomized_accounting():
+    """Random allocs, window drops and frees: the pool's free pages plus every group's held pages
+    always add up, and no page is handed out twice."""
+    rng = random.Random(0)
+    a = GroupedPageAllocator(64, 2, [(6, 64)] * 3, shared=True)
+    live: list[int] = []
+    for _ in range(2000):
+        op = rng.random()
+        if op < 0.4:
+            got = a.alloc(rng.randint(1, 4))
+            live += got or []
+        elif op < 0.7 and live:
+            g = rng.choice(a.groups)
+            g.drop(rng.sample(live, min(len(live), rng.randint(1, 3))))
+        elif live:
+            out = rng.sample(live, min(len(live), rng.randint(1, 3)))
+            a.free(out)
+            live = [p for p in live if p not in out]
+        held = [int(g.to_group[p]) for g in a.groups for p in live if g.to_group[p] >= 0]
+        assert len(set(held) | set(live)) == len(held) + len(live)
+        assert a.num_free_pages + len(live) + len(held) == 64

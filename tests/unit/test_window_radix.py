@@ -250,3 +250,83 @@ def test_replay_keeps_full_layer_pages_of_leaves_without_their_window():
     assert alloc.num_free_pages == 98  # the full layers' pages stay cached
     assert cache.match_prefix(a + [0]).cached_len == 30  # matched as is: the scheduler replays
     check_groups(alloc, cache)
+
+
+# ------------------------------------------------------------- window groups sharing the pool
+
+
+def check_shared(alloc, cache, private=()) -> None:
+    """A shared pool: free + the tree's primary pages + `private` + every group's live pages == all,
+    and no page of the pool is named twice (as a primary page or behind one)."""
+    held = tree_pages(cache) + list(private)
+    idx = np.asarray(held, dtype=np.int64)
+    live = [g.to_group[idx][g.to_group[idx] >= 0].tolist() if held else [] for g in alloc.groups]
+    named = held + [p for group in live for p in group]
+    assert len(set(named)) == len(named)
+    assert alloc.num_free_pages + len(named) == alloc.num_pages
+    for g in alloc.groups:
+        assert (g.to_group[np.setdiff1d(np.arange(alloc.num_pages), held)] == -1).all()
+
+
+def test_shared_make_room_gives_back_window_interiors_before_whole_conversations():
+    """Two cached conversations in a shared pool of 3 parts per page: making room first takes the
+    window KV no match reads (pages more than a window before each leaf's end), and only then a
+    least recently used leaf; both conversations stay matchable at their ends while interiors last."""
+    alloc = GroupedPageAllocator(240, 1, [(4, 240)] * 2, shared=True)
+    cache = WindowRadixCache(alloc)
+    a, b = list(range(100, 130)), list(range(200, 230))
+    insert_fresh(alloc, cache, a)
+    insert_fresh(alloc, cache, b)
+    assert alloc.page_cost == 3 and alloc.num_free_pages == 240 - 2 * 30 * 3
+    assert cache.make_room(30)  # 90 pages: 60 free + 30 of the 2 x 2 x 27 interior parts
+    check_shared(alloc, cache)
+    assert alloc.num_free_pages >= 90
+    assert cache.match_prefix(a).cached_len == 30 and cache.match_prefix(b).cached_len == 30
+    assert cache.make_room(60)  # 180 pages: 60 free + all 108 interior parts are not enough
+    check_shared(alloc, cache)
+    assert sorted(cache.match_prefix(x).cached_len for x in (a, b)) == [0, 30]  # the older one went
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("ps", [1, 2])
+def test_shared_pool_random_operations_keep_the_pool_accounted(seed, ps):
+    rng = random.Random(seed)
+    alloc = GroupedPageAllocator(120, ps, [(3, 120)] * 3, shared=True)
+    cache = WindowRadixCache(alloc)
+    locked = []
+    for _ in range(400):
+        op = rng.random()
+        if op < 0.45:
+            n = rng.randint(1, 12)
+            tokens = [rng.randint(0, 3) for _ in range(n * ps)]
+            m = cache.match_prefix(tokens)
+            assert alloc.usable_prefix(m.pages) == len(m.pages)
+            cache.inc_lock(m.node)
+            ok = cache.make_room(n - len(m.pages))
+            cache.dec_lock(m.node)
+            new = alloc.alloc(n - len(m.pages)) if ok else None
+            if new is None:
+                continue
+            pages = m.pages + new
+            present = cache.insert(tokens, pages)
+            alloc.free(pages[len(m.pages) : max(len(m.pages), present // ps)])
+        elif op < 0.6:
+            tokens = [rng.randint(0, 3) for _ in range(rng.randint(1, 10) * ps)]
+            m = cache.match_prefix(tokens)
+            cache.inc_lock(m.node)
+            locked.append(m)
+        elif op < 0.75 and locked:
+            cache.dec_lock(locked.pop(rng.randrange(len(locked))).node)
+        elif op < 0.9:
+            cache.make_room(rng.randint(0, 12))
+            for m in locked:  # a lock holder's window before its end survives
+                for g in alloc.groups:
+                    need = m.pages[max(0, m.cached_len - g.window + 1) // ps :]
+                    assert (g.to_group[np.asarray(need, dtype=np.int64)] >= 0).all()
+        else:
+            cache.evict(rng.randint(0, 10))
+        check_shared(alloc, cache)
+    for m in locked:
+        cache.dec_lock(m.node)
+    cache.reset()
+    assert alloc.num_free_pages == alloc.num_pages
