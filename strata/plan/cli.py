@@ -163,9 +163,18 @@ def deployment_from_args(args: argparse.Namespace, cost=None):
         replica=replica,
         storage_tokens=None if math.isinf(storage) else int(storage),
         replicas_per_host=args.replicas_per_host,
-        contention=args.contention if args.contention is not None else
-        (cost.contention if cost is not None and cost.contention is not None else 1.0),
-    )  # fmt: skip
+        **contention_from(args.contention, cost),
+    )
+
+
+def contention_from(flag: float | None, cost) -> dict[str, float | None]:
+    """Deployment's contention figures: --contention for every step, else the calibration's
+    measured ones, else 1 (full processor sharing)."""
+    if flag is not None:
+        return {"contention": flag, "contention_prefill": flag}
+    if cost is not None and cost.contention is not None:
+        return {"contention": cost.contention, "contention_prefill": cost.contention_prefill}
+    return {"contention": 1.0, "contention_prefill": None}
 
 
 def workload_from_args(args: argparse.Namespace, rate: float):
@@ -250,7 +259,8 @@ def calibration_text(model) -> str:
         ["host / storage / PD GB/s", " / ".join(f"{x / 1e9:.2f}" for x in
                                                 (model.host_bytes_per_s, model.storage_bytes_per_s, model.pd_bytes_per_s))],
         ["spec accept rate", "n/a" if model.spec_accept_rate is None else f"{model.spec_accept_rate:.3f}"],
-        ["co-located replicas' contention", "n/a" if model.contention is None else f"{model.contention:.2f}"],
+        ["co-located replicas' contention: decode / prefill",
+         " / ".join("n/a" if c is None else f"{c:.2f}" for c in (model.contention, model.contention_prefill))],
         ["fit: median / max relative error",
          f"{model.fit.get('median_rel_err', float('nan')):.1%} / {model.fit.get('max_rel_err', float('nan')):.1%}"],
         ["examples: prefill 512 / decode step b=1, b=32 (ms)",

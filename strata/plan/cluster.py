@@ -18,7 +18,8 @@ step, whose end is the first token the client sees.
 Co-location: `replicas_per_host` > 1 puts that many replicas on one machine's compute (the CPU
 case, `strata router --launch 2` on one box). `Host` shares it: while k of its replicas are in a
 step, each step progresses at 1 / (1 + contention x (k - 1)) of its solo speed (processor
-sharing: contention 1 = they split the machine evenly, 0 = no interference), and every step in
+sharing: contention 1 = they split the machine evenly, 0 = no interference; one figure for decode
+steps, one for steps with prefill chunks), and every step in
 flight is re-timed whenever one starts or ends.
 """
 
@@ -68,7 +69,8 @@ class Deployment:
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
     storage_tokens: int | None = 0  # shared L3 capacity (tokens); None: unbounded; 0: no L3
     replicas_per_host: int = 1
-    contention: float = 1.0
+    contention: float = 1.0  # slowdown per other busy co-located replica, of a decode step
+    contention_prefill: float | None = None  # of a step with prefill chunks (None: `contention`)
     cache_threshold: float = 0.3  # the cache_aware policy's knobs (RouterConfig's defaults)
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
@@ -79,7 +81,7 @@ class Deployment:
         for name in ("policy", "prefill_policy"):
             if getattr(self, name) not in POLICIES:
                 raise ValueError(f"{name} must be one of {tuple(POLICIES)}, got {getattr(self, name)!r}")
-        if self.replicas_per_host < 1 or self.contention < 0:
+        if self.replicas_per_host < 1 or self.contention < 0 or (self.contention_prefill or 0) < 0:
             raise ValueError("replicas_per_host must be >= 1 and contention >= 0")
 
     @property
@@ -92,32 +94,35 @@ class Deployment:
 
 
 class Host:
-    """Processor sharing of one machine among the steps of its co-located replicas."""
+    """Processor sharing of one machine among the steps of its co-located replicas: with k steps in
+    flight each advances at 1 / (1 + c (k - 1)) of its solo speed, c by the step's kind (a decode
+    step, memory-bound, suffers less from a neighbour than a prefill chunk does)."""
 
-    def __init__(self, loop: EventLoop, contention: float):
+    def __init__(self, loop: EventLoop, contention: float, contention_prefill: float | None = None):
         self.loop, self.contention = loop, contention
-        self.active: dict[int, list] = {}  # id(replica) -> [work left (solo seconds), done callback, version]
+        self.contention_prefill = contention if contention_prefill is None else contention_prefill
+        # id(replica) -> [work left (solo seconds), done callback, version, contention]
+        self.active: dict[int, list] = {}
         self.updated = 0.0
         self.version = itertools.count()
 
-    def _rate(self) -> float:
-        return 1.0 / (1.0 + self.contention * max(0, len(self.active) - 1))
+    def _rate(self, contention: float) -> float:
+        return 1.0 / (1.0 + contention * max(0, len(self.active) - 1))
 
     def _advance(self) -> None:
-        elapsed = (self.loop.now - self.updated) * self._rate()
+        elapsed = self.loop.now - self.updated
         for entry in self.active.values():
-            entry[0] = max(0.0, entry[0] - elapsed)
+            entry[0] = max(0.0, entry[0] - elapsed * self._rate(entry[3]))
         self.updated = self.loop.now
 
     def _reschedule(self) -> None:
-        rate = self._rate()
         for key, entry in self.active.items():
             entry[2] = next(self.version)
-            self.loop.at(self.loop.now + entry[0] / rate, self._finish, key, entry[2])
+            self.loop.at(self.loop.now + entry[0] / self._rate(entry[3]), self._finish, key, entry[2])
 
-    def run(self, replica, seconds: float, done: Callable[[], None]) -> None:
+    def run(self, replica, seconds: float, done: Callable[[], None], prefill: bool = False) -> None:
         self._advance()
-        self.active[id(replica)] = [seconds, done, 0]
+        self.active[id(replica)] = [seconds, done, 0, self.contention_prefill if prefill else self.contention]
         self._reschedule()
 
     def _finish(self, key: int, version: int) -> None:
@@ -169,7 +174,7 @@ class Simulation:
         def make(name: str, index: int, on_finish) -> Replica:
             host = None
             if dep.replicas_per_host > 1:
-                host = hosts.setdefault(index // dep.replicas_per_host, Host(self.loop, dep.contention))
+                host = hosts.setdefault(index // dep.replicas_per_host, Host(self.loop, dep.contention, dep.contention_prefill))
             return Replica(name, dep.replica, cost, self.loop, self.storage, on_finish, host, random.Random(rng.random()))
 
         self.decode = [_Worker(f"r{i}", make(f"r{i}", i, self._on_finish)) for i in range(dep.num_replicas)]

@@ -120,9 +120,11 @@ class CostModel:
     pd_latency_s: float = 0.002  # per transfer (handshake, framing)
     spec_accept_rate: float | None = None  # per drafted token; None: no speculative decoding
     spec_max_draft: int = 8
-    # replicas sharing one machine: each busy one more slows a step by this fraction (measured on
-    # two co-located workers; None: not measured, the simulator's --contention applies)
+    # replicas sharing one machine: each busy one more slows a decode step / a step with prefill
+    # chunks by this fraction (measured on two co-located workers; None: not measured, the
+    # simulator's --contention applies)
     contention: float | None = None
+    contention_prefill: float | None = None
     source: str = ""
     fit: dict[str, float] = field(default_factory=dict)  # fit quality: median / max relative error, samples
 
@@ -135,8 +137,10 @@ class CostModel:
             raise ValueError(f"cost-model coefficients must be finite and >= 0, got {bad}")
         if self.spec_accept_rate is not None and not 0 <= self.spec_accept_rate < 1:
             raise ValueError(f"spec_accept_rate must be in [0, 1), got {self.spec_accept_rate}")
-        if self.contention is not None and not (math.isfinite(self.contention) and self.contention >= 0):
-            raise ValueError(f"contention must be finite and >= 0, got {self.contention}")
+        for name in ("contention", "contention_prefill"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be finite and >= 0, got {value}")
         for name in ("host_bytes_per_s", "storage_bytes_per_s", "pd_bytes_per_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

@@ -27,7 +27,7 @@ from strata.plan.cost_model import (
 )
 
 RATE_FIELDS = ("host_bytes_per_s", "storage_bytes_per_s", "pd_bytes_per_s", "pd_latency_s", "request_overhead_s",
-               "contention")  # fmt: skip
+               "contention", "contention_prefill")  # fmt: skip
 
 
 def calibrate_json(paths: Sequence[str], row_threshold: int | None = None, chunked_prefill_size: int = 2048,

@@ -63,11 +63,11 @@ def calibrate_server(base_url: str, plan: ServerPlan = ServerPlan(), api_key: st
     kv_tokens, kv_bytes = _find(info, "num_kv_tokens"), _find(info, "kv_bytes")
     bytes_per_token = int(kv_bytes // kv_tokens) if kv_tokens and kv_bytes else 0
     colocated = _colocated_workers(_workers(base, api_key))
-    contention = None
+    contention = (None, None)
     if len(colocated) >= 2:
         contention = asyncio.run(_contention(colocated[:2], model, api_key, pool, plan, progress or (lambda s: None)))
     cm = fit(samples, plan.row_threshold, kv_bytes_per_token=bytes_per_token, source=f"server {base} ({model})",
-             contention=contention, **measure_rates())  # fmt: skip
+             contention=contention[0], contention_prefill=contention[1], **measure_rates())  # fmt: skip
     return cm, samples
 
 
@@ -99,10 +99,10 @@ def _first_worker_info(base: str, api_key: str | None) -> dict | None:
 
 
 async def _contention(urls: list[str], model: str, api_key: str | None, pool, plan: ServerPlan, say,
-                      batch: int = 8, prompt_len: int = 512) -> float | None:  # fmt: skip
+                      batch: int = 8, prompt_len: int = 512) -> tuple[float | None, float | None]:  # fmt: skip
     """How much a second busy co-located worker slows a step: a decode batch's median ITL and a
-    prompt's TTFT on urls[0] alone, then on both at once (the same load on each), repeated; the
-    mean of the two slowdowns, less 1 (1: the machine is split evenly; 0: no interference)."""
+    prompt's TTFT on urls[0] alone, then on both at once (the same load on each), repeated. Returns
+    each slowdown less 1, (decode, prefill) (1: the machine is split evenly; 0: no interference)."""
     from strata.bench.http_client import OpenAIClient
 
     rng = random.Random(plan.seed + 1)
@@ -132,12 +132,11 @@ async def _contention(urls: list[str], model: str, api_key: str | None, pool, pl
                 alone += await measure(clients[0])
                 for got in await asyncio.gather(*(measure(c) for c in clients)):
                     both += got
-            if alone and both:
-                ratios.append(statistics.median(both) / statistics.median(alone))
+            ratios.append(max(0.0, statistics.median(both) / statistics.median(alone) - 1) if alone and both else None)
     finally:
         for c in clients:
             await c.close()
-    return max(0.0, statistics.mean(ratios) - 1.0) if ratios else None
+    return ratios[0], ratios[1]
 
 
 def _find(obj: Any, key: str) -> Any:

@@ -108,6 +108,7 @@ class SimRequest:
 class Step:
     items: list[tuple[SimRequest, int, int]]  # (request, tokens fed, drafted tokens among them)
     seconds: float  # of the host's compute (wall time when alone)
+    prefill: bool = False  # it feeds prefill chunks (co-located replicas slow it by contention_prefill)
     started: float = 0.0
 
 
@@ -291,7 +292,7 @@ class Replica:
         if self.compute is None:
             self.loop.at(self.loop.now + step.seconds, self._end_step, step)
         else:
-            self.compute.run(self, step.seconds, lambda: self._end_step(step))
+            self.compute.run(self, step.seconds, lambda: self._end_step(step), step.prefill)
 
     def _schedule(self) -> Step | None:
         step = self._schedule_once()
@@ -338,7 +339,7 @@ class Replica:
         items = [(r, 1 + drafts.get(id(r), 0), drafts.get(id(r), 0)) for r in decodes]
         items += [(r, n, 0) for r, n in extends]
         segments = [Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items]
-        return Step(items, self.cost.step_s(segments) + copy_s)
+        return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
 
     def _chunk_len(self, r: SimRequest, budget: int) -> int:
         chunk = self.cfg.chunked_prefill_size

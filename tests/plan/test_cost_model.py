@@ -127,7 +127,7 @@ def test_the_pd_handoff_fit_recovers_latency_and_bandwidth():
 
 def test_contention_of_co_located_workers_from_their_timings(monkeypatch):
     """Two workers on one host: a decode batch and a prompt measured on the first alone, then on
-    both at once. With steps 1.5x slower while both are busy, the measured contention is 0.5."""
+    both at once. Decode steps 1.5x slower while both are busy, prefills 1.8x: contention 0.5 and 0.8."""
     import asyncio
 
     from strata.bench import http_client
@@ -145,7 +145,7 @@ def test_contention_of_co_located_workers_from_their_timings(monkeypatch):
             await asyncio.sleep(0.01)  # the other worker's load arrives in the meantime
             step = 0.02 * (1.5 if len(busy) > 1 else 1.0)
             tokens = body["max_tokens"]
-            ttft = 0.1 * (1.5 if len(busy) > 1 else 1.0) if len(body["prompt"]) > 100 else step
+            ttft = 0.1 * (1.8 if len(busy) > 1 else 1.0) if len(body["prompt"]) > 100 else step
             rec = RequestRecord(start=0.0, chunk_times=[ttft + i * step for i in range(tokens)])
             await asyncio.sleep(0.01)
             busy.discard(self.url)
@@ -158,7 +158,7 @@ def test_contention_of_co_located_workers_from_their_timings(monkeypatch):
     urls = remote._colocated_workers(["http://127.0.0.1:1", "http://10.0.0.2:2", "http://127.0.0.1:3"])
     assert urls == ["http://127.0.0.1:1", "http://127.0.0.1:3"]
     got = asyncio.run(remote._contention(urls, "m", None, list(range(10, 90)), remote.ServerPlan(), lambda s: None))
-    assert got == pytest.approx(0.5, abs=1e-6)
+    assert got == pytest.approx((0.5, 0.8), abs=1e-6)  # (decode, prefill)
     assert remote._colocated_workers([]) == []
 
 
@@ -168,10 +168,12 @@ def test_the_simulator_takes_the_calibrated_contention_unless_told(tmp_path):
 
     parser = build_parser()
     args = parser.parse_args(["plan", "simulate", "--calibration", "x.json", "--replicas-per-host", "2"])
-    measured = CostModel(coef={"overhead": 0.01}, contention=0.4)
-    assert deployment_from_args(args, measured).contention == 0.4
+    measured = CostModel(coef={"overhead": 0.01}, contention=0.4, contention_prefill=0.9)
+    dep = deployment_from_args(args, measured)
+    assert (dep.contention, dep.contention_prefill) == (0.4, 0.9)
     assert deployment_from_args(args, CostModel(coef={"overhead": 0.01})).contention == 1.0
     args = parser.parse_args(["plan", "simulate", "--calibration", "x.json", "--contention", "0.7"])
-    assert deployment_from_args(args, measured).contention == 0.7
+    dep = deployment_from_args(args, measured)
+    assert (dep.contention, dep.contention_prefill) == (0.7, 0.7)
     with pytest.raises(ValueError, match="contention"):
         CostModel(coef={}, contention=-0.1)

@@ -155,3 +155,18 @@ def test_co_located_replicas_share_the_machine(cost):
     assert second.ttft == pytest.approx(0.220 - 0.055)
     apart = run_checked(wl, Deployment(2, policy="least_load"), cost)
     assert [x.ttft for x in apart.records] == pytest.approx([0.110, 0.110])
+
+
+def test_co_located_steps_slow_each_other_by_their_own_kind():
+    """Processor sharing with a contention per step kind: a decode step beside a prefill chunk,
+    decodes unaffected (0), prefills sharing evenly (1): the decode ends on time, the chunk gets
+    half speed while both run."""
+    from strata.plan.cluster import EventLoop, Host
+
+    loop = EventLoop()
+    host = Host(loop, contention=0.0, contention_prefill=1.0)
+    ends = {}
+    host.run("decode-replica", 1.0, lambda: ends.setdefault("decode", loop.now), prefill=False)
+    host.run("prefill-replica", 1.0, lambda: ends.setdefault("prefill", loop.now), prefill=True)
+    loop.run()
+    assert ends["decode"] == pytest.approx(1.0) and ends["prefill"] == pytest.approx(1.5)
