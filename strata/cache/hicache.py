@@ -165,6 +165,9 @@ class HiCache:
     def evict(self, num_pages: int) -> int:
         return self.device.evict(num_pages)  # demotes through the eviction listener
 
+    def keep_resumable(self, node) -> None:
+        self.device.keep_resumable(node)
+
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return self.device.evict_window(wanted, tails)
 

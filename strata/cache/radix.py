@@ -43,7 +43,7 @@ EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "pins", "last_access", "id")
+    __slots__ = ("children", "parent", "key", "value", "lock_ref", "pins", "resume", "last_access", "id")
 
     def __init__(
         self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, last_access: int, node_id: int
@@ -54,6 +54,7 @@ class TreeNode:
         self.value = value
         self.lock_ref = 0
         self.pins = 0  # locks taken on this node itself (a request whose cached prefix ends here)
+        self.resume = False  # a request's prompt ended here: a later one may resume here (`keep_resumable`)
         self.last_access = last_access  # value of a monotonic counter, not wall time
         self.id = node_id  # creation order; breaks LRU ties deterministically
 
@@ -94,6 +95,9 @@ class PrefixCache(Protocol):
 
     - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
       first; returns the number freed.
+    - ``keep_resumable(node)``: a request's prompt ended at the end of ``node``, so its next turn (or a
+      retry) resumes there even when the text that follows re-tokenizes differently: a window cache
+      keeps what resuming there reads, as it does at leaf ends and branch points.
     - ``evict_window(wanted, tails=True)``: frees up to wanted[g] pages of each window group of a
       `GroupedPageAllocator` (`WindowRadixCache`; only KV no match reads unless ``tails``); returns
       the count per group (zeros elsewhere).
@@ -122,6 +126,7 @@ class PrefixCache(Protocol):
     def inc_lock(self, node: TreeNode) -> None: ...
     def dec_lock(self, node: TreeNode) -> None: ...
     def evict(self, num_pages: int) -> int: ...
+    def keep_resumable(self, node: TreeNode) -> None: ...
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]: ...
     def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool: ...
     def window_pages(self) -> list[int]: ...
@@ -368,6 +373,10 @@ class RadixCache(SingleTier):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
+    def keep_resumable(self, node: TreeNode) -> None:
+        if node is not self.root:
+            node.resume = True
+
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)
 
@@ -463,6 +472,9 @@ class NoPrefixCache(SingleTier):
 
     def evict(self, num_pages: int) -> int:
         return 0
+
+    def keep_resumable(self, node: TreeNode) -> None:
+        pass
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)

@@ -7,11 +7,13 @@ KV (`GroupedPageAllocator`). A cached prefix of length P is usable when the full
 query at P reads; `match_prefix` returns the longest such prefix.
 
 Where a match may end matters, not every page boundary: the end of a leaf (the next turn of a
-conversation continues it), a branch point (a shared system prompt), and the end of a locked node
-(a running request resumes there). A node with one child ends only where an earlier insert or
+conversation continues it), a branch point (a shared system prompt), the end of a locked node (a
+running request resumes there), and the end of a request's prompt (`keep_resumable`: a retry, or a
+next turn whose copy of the answer re-tokenizes differently, diverges between it and the leaf's end). A node with one child ends only where an earlier insert or
 prefill chunk happened to stop. So each node's guard is the end of the first such node at or
-below it, and its pages wholly before guard - W + 1 are its interior: no match worth keeping reads
-them. When a window group runs short (`evict_window`), the cache gives its KV back in two passes:
+below it, and its pages wholly before guard - W + 1 - page_size are its interior: no match worth
+keeping reads them (the page of slack lets a match end one page before a guard: a retried prompt
+matches up to its last token, not through it). When a window group runs short (`evict_window`), the cache gives its KV back in two passes:
 
 1. interiors, least recently used nodes first. Safe on locked nodes too: a running request's
    prefix ends at a locked node, at or below the guard, and it reads nothing before that end - W.
@@ -21,13 +23,14 @@ them. When a window group runs short (`evict_window`), the cache gives its KV ba
    up its window KV). With `replay` (--swa-replay) leaves become tombstones too: the scheduler
    recomputes a hit's window, so the full layers' pages keep their value.
 
-Example, window 4, page size 2, a branch point at 6 (two children) and a leaf ending at 16::
+Example, window 4, page size 2, a branch point at 10 (two children) and a leaf ending at 22::
 
-    a (0..6)   [p0 p1 p2]   guard 6:  interior = pages wholly before 3 -> p0
-    b (6..10)  [p3 p4]      one child, guard 16: interior = all of b
-    c (10..16) [p5 p6 p7]   leaf, guard 16: interior = p5
+    a (0..10)  [p0 .. p4]    guard 10: interior = pages wholly before 5 -> p0 p1
+    b (10..14) [p5 p6]       one child, guard 22: interior = pages wholly before 17 -> all of b
+    c (14..22) [p7 .. p10]   leaf, guard 22: interior = p7
 
-After pass 1 the tree still matches at 6 and at 16; a request diverging at 8 matches 6 tokens.
+After pass 1 the tree still matches at 10 and at 22 (and at 20); a request diverging at 12
+matches 10 tokens.
 """
 
 from __future__ import annotations
@@ -93,7 +96,7 @@ class WindowRadixCache(RadixCache):
             stack.extend((child, end) for child in node.children.values())
         ends: dict[TreeNode, tuple[int, int]] = {}
         for node, end in reversed(order):  # children before their parents
-            if node.pins or len(node.children) != 1:
+            if node.pins or node.resume or len(node.children) != 1:
                 ends[node] = (end, end)
             else:
                 ends[node] = (end, ends[next(iter(node.children.values()))][1])
@@ -108,7 +111,7 @@ class WindowRadixCache(RadixCache):
         while heap and freed < want:
             node = heapq.heappop(heap)[3]
             end, guard = ends[node]
-            deep = (guard - group.window + 1 - (end - len(node.key))) // ps
+            deep = (guard - group.window + 1 - ps - (end - len(node.key))) // ps
             if deep > 0:
                 freed += group.drop(node.value[:deep])
         return freed

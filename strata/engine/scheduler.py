@@ -621,6 +621,8 @@ class Scheduler(WindowKV, KVAccounting):
         tokens = self._insert_computed(req, full)
         match = self.cache.match_prefix(tokens)
         assert match.cached_len == full, "just inserted"
+        if req.kv_len >= len(req.prompt_ids):  # the prompt is in: its next turn or a retry resumes here
+            self.cache.keep_resumable(match.node)
         self.cache.inc_lock(match.node)
         self.cache.dec_lock(req.prefix_node)
         req.prefix_node = match.node

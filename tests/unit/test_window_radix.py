@@ -126,12 +126,13 @@ def test_interior_sweep_then_tails_order():
     group = alloc.groups[0]
     used = group.num_pages - group.num_free_pages
     assert used == 45
-    # 20 - 3 + 10 - 3 + 15 - 3 = 36 interior pages; ask for exactly those
-    assert cache.evict_window([36]) == [36]
-    # each node keeps the 3 pages before its end, all a query at that end reads
+    # 20 - 4 + 10 - 4 + 15 - 4 = 33 interior pages; ask for exactly those
+    assert cache.evict_window([33]) == [33]
+    # each node keeps the 3 pages before its end, all a query at that end reads, and one of slack
     assert cache.match_prefix(a + [0]).cached_len == 30
     assert cache.match_prefix(b + [0]).cached_len == 35
     assert cache.match_prefix(a[:20] + [0]).cached_len == 20  # the branch point kept its tail
+    assert cache.match_prefix(a[:29]).cached_len == 29  # a page before the end: the slack
     assert cache.match_prefix(a[:25] + [0]).cached_len == 20  # mid-node: interior gone, backs off
     check_groups(alloc, cache)
 
@@ -160,7 +161,7 @@ def test_locked_interior_is_swept_but_the_locked_end_is_not():
     insert_fresh(alloc, cache, a)
     m = cache.match_prefix(a + [0])
     cache.inc_lock(m.node)
-    assert cache.evict_window([1000]) == [37]  # interior only: the lock holder reads the last 3
+    assert cache.evict_window([1000]) == [36]  # interior only: the lock holder reads the last 3 (+ slack)
     assert all(alloc.groups[0].to_group[p] >= 0 for p in m.pages[-3:])
     assert cache.match_prefix(a + [0]).cached_len == 40
     cache.dec_lock(m.node)
@@ -235,7 +236,7 @@ def test_nodes_left_by_chunked_inserts_do_not_guard_their_pages():
     for end in range(7, 43, 7):  # chunks of 7 tokens
         insert_fresh(alloc, cache, a[:end])
     assert len(list(cache._nodes())) == 7
-    assert cache.evict_window([39]) == [39]  # every page but the 3 before the chain's end
+    assert cache.evict_window([38]) == [38]  # every page but the 3 before the chain's end and a page of slack
     assert cache.match_prefix(a + [0]).cached_len == 42
     assert cache.match_prefix(a[:21] + [0]).cached_len == 0
     check_groups(alloc, cache)
@@ -278,11 +279,11 @@ def test_shared_make_room_gives_back_window_interiors_before_whole_conversations
     insert_fresh(alloc, cache, a)
     insert_fresh(alloc, cache, b)
     assert alloc.page_cost == 3 and alloc.num_free_pages == 240 - 2 * 30 * 3
-    assert cache.make_room(30)  # 90 pages: 60 free + 30 of the 2 x 2 x 27 interior parts
+    assert cache.make_room(30)  # 90 pages: 60 free + 30 of the 2 x 2 x 26 interior parts
     check_shared(alloc, cache)
     assert alloc.num_free_pages >= 90
     assert cache.match_prefix(a).cached_len == 30 and cache.match_prefix(b).cached_len == 30
-    assert cache.make_room(60)  # 180 pages: 60 free + all 108 interior parts are not enough
+    assert cache.make_room(60)  # 180 pages: 60 free + all 104 interior parts are not enough
     check_shared(alloc, cache)
     assert sorted(cache.match_prefix(x).cached_len for x in (a, b)) == [0, 30]  # the older one went
 
@@ -330,3 +331,20 @@ def test_shared_pool_random_operations_keep_the_pool_accounted(seed, ps):
         cache.dec_lock(m.node)
     cache.reset()
     assert alloc.num_free_pages == alloc.num_pages
+
+
+def test_a_prompt_end_stays_resumable_after_the_answer_extends_it():
+    """A conversation's turn (prompt 0..30, answer 30..40) cached as one chain: after a sweep the
+    next turn still resumes at the prompt's end when its copy of the answer differs, and a retry
+    of the same prompt (matched up to its last token) resumes a page before it."""
+    alloc, cache = make(ps=1)
+    turn = list(range(100, 140))
+    insert_fresh(alloc, cache, turn[:30])
+    cache.keep_resumable(cache.match_prefix(turn[:30]).node)
+    insert_fresh(alloc, cache, turn)
+    cache.evict_window([1000], tails=False)
+    check_groups(alloc, cache)
+    assert cache.match_prefix(turn + [0]).cached_len == 40
+    assert cache.match_prefix(turn[:30] + [7, 7, 7]).cached_len == 30  # the answer re-tokenized
+    assert cache.match_prefix(turn[:29]).cached_len == 29  # the same prompt again
+    assert cache.match_prefix(turn[:20] + [7]).cached_len == 0  # elsewhere: interior, gone
