@@ -206,6 +206,26 @@ def test_a_shared_pool_keeps_the_conversations_a_split_one_loses(tiny_models):
         assert a.token_ids == b.token_ids == hf_greedy(ref, t, params.max_new_tokens)
 
 
+def test_a_next_turn_that_re_tokenizes_the_answer_still_resumes_at_the_prompt_end(tiny_models):
+    """Clients send the previous answer back as text, which may tokenize differently from the tokens
+    generated: the next turn then diverges inside the cached chain, between the prompt's end and
+    the answer's. Under pressure (interiors swept) it still resumes at the prompt's end, and a
+    retry of the same prompt one token before it; tokens are transformers'."""
+    model_dir = tiny_models["gemma3"]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    firsts = [[(7 * i + 3 * k) % 380 + 2 for i in range(40)] for k in (1, 2, 3, 4)]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=300, page_size=1, chunked_prefill_size=8,
+                    swa_full_tokens_ratio=0.1)
+    engine.generate(firsts, params)
+    retold = [t + [5, 6, 7, 30, 31] for t in firsts]  # not the answer it got
+    ref = hf_model(model_dir)
+    for t in retold:
+        r = engine.generate([t], params)[0]
+        assert r.cached_tokens == 40 and r.token_ids == hf_greedy(ref, t, params.max_new_tokens)
+    assert engine.generate([firsts[3]], params)[0].cached_tokens == 39
+    engine.scheduler.check_no_leaks()
+
+
 def _drop_cached_window_kv(engine) -> None:
     """Give back every window page the prefix cache holds, as memory pressure may."""
     cache, groups = engine.scheduler.cache, engine.scheduler.allocator.groups
