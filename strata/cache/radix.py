@@ -97,7 +97,8 @@ class PrefixCache(Protocol):
       first; returns the number freed.
     - ``keep_resumable(node)``: a request's prompt ended at the end of ``node``, so its next turn (or a
       retry) resumes there even when the text that follows re-tokenizes differently: a window cache
-      keeps what resuming there reads, as it does at leaf ends and branch points.
+      keeps what resuming there reads, as it does at leaf ends and branch points (only the latest
+      prompt end on a path: an earlier turn's is passed by the later one).
     - ``evict_window(wanted, tails=True)``: frees up to wanted[g] pages of each window group of a
       `GroupedPageAllocator` (`WindowRadixCache`; only KV no match reads unless ``tails``); returns
       the count per group (zeros elsewhere).
@@ -374,8 +375,15 @@ class RadixCache(SingleTier):
         return freed
 
     def keep_resumable(self, node: TreeNode) -> None:
-        if node is not self.root:
-            node.resume = True
+        """Mark node's end; the prompt ends above it on its path are a conversation's earlier turns,
+        which this one continues past: they stop being kept."""
+        if node is self.root:
+            return
+        node.resume = True
+        up = node.parent
+        while up is not None and up is not self.root:
+            up.resume = False
+            up = up.parent
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)

@@ -18,10 +18,19 @@ class WindowKV:
         W of them: when those are short, a chunk that fits the free window pages is fed rather than
         one that would first evict the cache's window KV (the tails later requests resume from). With
         no window page free the chunk waits while other requests make progress in this step (their
-        windows move on and give pages back); only a request `alone` in its step evicts for one."""
-        groups = self.allocator.groups
-        if groups and n > 0 and not self.allocator.shared:  # (shared: the window KV competes like any)
-            room = min(g.num_free_pages for g in groups)
+        windows move on and give pages back); only a request `alone` in its step evicts for one. In a
+        shared pool the same holds for the pool's pages (a chunk takes `page_cost` per page while it
+        runs): window KV no match reads is given back first, then a chunk that fits is fed rather
+        than evicting cached conversations for a longer one."""
+        groups, a = self.allocator.groups, self.allocator
+        if groups and n > 0:
+            if a.shared:
+                short = a.pool_cost(max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))) - a.num_free_pages
+                if short > 0:
+                    self.cache.evict_window([short] * len(groups), tails=False)
+                room = a.num_free_pages // a.page_cost
+            else:
+                room = min(g.num_free_pages for g in groups)
             fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
             if fits <= 0 and not alone:
                 return 0
