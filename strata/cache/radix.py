@@ -375,15 +375,7 @@ class RadixCache(SingleTier):
         return freed
 
     def keep_resumable(self, node: TreeNode) -> None:
-        """Mark node's end; the prompt ends above it on its path are a conversation's earlier turns,
-        which this one continues past: they stop being kept."""
-        if node is self.root:
-            return
-        node.resume = True
-        up = node.parent
-        while up is not None and up is not self.root:
-            up.resume = False
-            up = up.parent
+        pass  # a full-attention tree resumes anywhere (WindowRadixCache keeps what resuming reads)
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)

@@ -65,6 +65,17 @@ class WindowRadixCache(RadixCache):
         node, pos, pages = self._descend(tuple(token_ids[: usable * self.page_size]))
         return MatchResult(node, pos, pages)
 
+    def keep_resumable(self, node: TreeNode) -> None:
+        """Mark node's end; the prompt ends above it on its path are a conversation's earlier turns,
+        which this one continues past: they stop being kept."""
+        if node is self.root:
+            return
+        node.resume = True
+        up = node.parent
+        while up is not None and up is not self.root:
+            up.resume = False
+            up = up.parent
+
     def _on_present(self, cached: list[int], given: Sequence[int]) -> None:
         # the inserting request's copies still hold window KV the tree may have dropped: keep it
         self.allocator.adopt(cached, given)

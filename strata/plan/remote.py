@@ -115,7 +115,7 @@ async def _contention(urls: list[str], model: str, api_key: str | None, pool, pl
 
     async def decode_itl(client) -> list[float]:
         recs = await asyncio.gather(*(client.send("completions", body(fresh(16), 32), 16) for _ in range(batch)))
-        return [g for r in recs if r.ok for g in r.itls[len(r.itls) // 4 : -max(1, len(r.itls) // 4)]]
+        return _middle_gaps(recs)
 
     async def ttft(client) -> list[float]:
         rec = await client.send("completions", body(fresh(prompt_len), 1), prompt_len)
@@ -137,6 +137,12 @@ async def _contention(urls: list[str], model: str, api_key: str | None, pool, pl
         for c in clients:
             await c.close()
     return ratios[0], ratios[1]
+
+
+def _middle_gaps(recs) -> list[float]:
+    """Inter-token gaps of the middle half of each successful stream: there every request of the
+    batch decodes and no prefill runs."""
+    return [g for r in recs if r.ok for g in r.itls[len(r.itls) // 4 : -max(1, len(r.itls) // 4)]]
 
 
 def _find(obj: Any, key: str) -> Any:
@@ -191,7 +197,7 @@ async def _server_samples(base, model, api_key, pool, plan: ServerPlan, say) -> 
                 *(client.send("completions", body(prefix + fresh(8), plan.decode_tokens), context) for _ in range(b))
             )
             # the middle of the streams: every request decodes, no prefill runs
-            gaps = [g for r in recs if r.ok for g in r.itls[len(r.itls) // 4 : -max(1, len(r.itls) // 4)]]
+            gaps = _middle_gaps(recs)
             if gaps:
                 ctx = context + plan.decode_tokens // 2
                 what = f"ITL batch {b} at {context}"
