@@ -13,9 +13,13 @@ next turn whose copy of the answer re-tokenizes differently, diverges between it
 prefill chunk happened to stop. So each node's guard is the end of the first such node at or
 below it, and its pages wholly before guard - W + 1 - page_size are its interior: no match worth
 keeping reads them (the page of slack lets a match end one page before a guard: a retried prompt
-matches up to its last token, not through it). When a window group runs short (`evict_window`), the cache gives its KV back in two passes:
+matches up to its last token, not through it). When a window group runs short (`evict_window`),
+the cache gives its KV back in two passes:
 
-1. interiors, least recently used nodes first. Safe on locked nodes too: a running request's
+1. interiors, least recently used nodes first, in two rounds: the pages more than 2W before the
+   guard, then the rest. A match that diverges less than W before a guard (a system prompt reused
+   by another question diverges at the system prompt's end, inside the chain its first request
+   cached) so resumes while the far interiors last. Safe on locked nodes too: a running request's
    prefix ends at a locked node, at or below the guard, and it reads nothing before that end - W.
 2. what is left, on unlocked nodes, least recently used first: a leaf goes whole (its full-layer
    pages too: without its tail it can no longer be matched at its end); an inner node becomes a
@@ -81,18 +85,32 @@ class WindowRadixCache(RadixCache):
         self.allocator.adopt(cached, given)
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
-        """Free up to wanted[g] pages of window group g (only interiors unless `tails`). Returns
-        the pages freed per group."""
-        freed = []
-        ends = None
-        for group, want in zip(self.allocator.groups, wanted):
-            got = 0
-            if want > 0:
-                ends = self._ends() if ends is None or tails else ends
-                got = self._sweep_interiors(group, want, ends)
-                if got < want and tails:
-                    got += self._evict_tails(group, want - got, ends)
-            freed.append(got)
+        """Free up to wanted[g] pages of window group g (only interiors unless `tails`). In a shared
+        pool every group's pages are the pool's: wanted is one figure, and a page any group gives
+        back counts for all. Returns the pages freed per group.
+
+        Interiors go in two rounds: first what lies more than 2W before a guard, then what lies more
+        than W before it. So while the far interiors last, a match diverging up to W before a guard
+        still resumes: a system prompt shared by questions shorter than W, on its first reuse, which
+        diverges at the system prompt's end, inside the chain its first request cached."""
+        groups = self.allocator.groups
+        shared = self.allocator.shared
+        want = [max(wanted)] * len(groups) if shared else list(wanted)
+        freed = [0] * len(groups)
+
+        def took(g: int, got: int) -> None:
+            freed[g] += got
+            for k in range(len(want)) if shared else (g,):
+                want[k] -= got
+
+        if any(w > 0 for w in want):
+            ends = self._ends()
+            for reach in (2, 1):
+                self._sweep_interiors(want, took, ends, reach)
+        if tails:
+            for g, group in enumerate(groups):
+                if want[g] > 0:  # a tail pass changes the tree: ends again for each group
+                    took(g, self._evict_tails(group, want[g], self._ends()))
         return freed
 
     def _ends(self) -> dict[TreeNode, tuple[int, int]]:
@@ -113,19 +131,23 @@ class WindowRadixCache(RadixCache):
                 ends[node] = (end, ends[next(iter(node.children.values()))][1])
         return ends
 
-    def _sweep_interiors(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
-        """Pass 1: interiors (pages wholly before guard - W + 1), least recently used nodes first."""
+    def _sweep_interiors(
+        self, want: list[int], took, ends: dict[TreeNode, tuple[int, int]], reach: int
+    ) -> None:
+        """Pass 1: interiors, the pages wholly before guard - reach * W + 1 (less a page of slack),
+        least recently used nodes first, every group of a node before the next node (a match needs
+        all of them)."""
         ps = self.page_size
         heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root]
         heapq.heapify(heap)
-        freed = 0
-        while heap and freed < want:
+        while heap and any(w > 0 for w in want):
             node = heapq.heappop(heap)[3]
             end, guard = ends[node]
-            deep = (guard - group.window + 1 - ps - (end - len(node.key))) // ps
-            if deep > 0:
-                freed += group.drop(node.value[:deep])
-        return freed
+            start = end - len(node.key)
+            for g, group in enumerate(self.allocator.groups):
+                deep = (guard - reach * group.window + 1 - ps - start) // ps
+                if deep > 0 and want[g] > 0:
+                    took(g, group.drop(node.value[:deep]))
 
     def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
         """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among

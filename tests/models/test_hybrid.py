@@ -227,6 +227,27 @@ def test_a_next_turn_that_re_tokenizes_the_answer_still_resumes_at_the_prompt_en
     engine.scheduler.check_no_leaks()
 
 
+@pytest.mark.parametrize("kv_tokens", [420, 460])
+def test_a_system_prompt_is_resumed_by_its_first_other_question(tiny_models, kv_tokens):
+    """Four 40-token system prompts, each cached with one question, then asked another question
+    (shorter than the window): that request diverges at the system prompt's end, inside the chain
+    the first cached, yet under pressure it resumes from all of the system prompt, with
+    transformers' tokens (the window before a chain's guard goes last among its interiors)."""
+    model_dir = tiny_models["gemma3"]
+    params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
+    systems = [[(7 * i + 3 * k) % 380 + 2 for i in range(40)] for k in (1, 2, 3, 4)]
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=kv_tokens, page_size=1,
+                    chunked_prefill_size=16, swa_full_tokens_ratio=0.1)
+    for s in systems:
+        engine.generate([s + [11, 12, 13, 14, 15]], params)
+    ref = hf_model(model_dir)
+    for s in systems:
+        t = s + [21, 22, 23, 24, 25]
+        r = engine.generate([t], params)[0]
+        assert r.cached_tokens == 40 and r.token_ids == hf_greedy(ref, t, params.max_new_tokens)
+    engine.scheduler.check_no_leaks()
+
+
 def _drop_cached_window_kv(engine) -> None:
     """Give back every window page the prefix cache holds, as memory pressure may."""
     cache, groups = engine.scheduler.cache, engine.scheduler.allocator.groups

@@ -348,3 +348,47 @@ def test_a_prompt_end_stays_resumable_after_the_answer_extends_it():
     assert cache.match_prefix(turn[:30] + [7, 7, 7]).cached_len == 30  # the answer re-tokenized
     assert cache.match_prefix(turn[:29]).cached_len == 29  # the same prompt again
     assert cache.match_prefix(turn[:20] + [7]).cached_len == 0  # elsewhere: interior, gone
+
+
+def test_a_match_just_before_a_guard_resumes_while_far_interiors_last():
+    """A system prompt's first reuse diverges at its end, a question's length before the chain's
+    guard: interiors more than 2W before a guard go first, so it resumes until they run out."""
+    alloc, cache = make(ps=1)
+    a = list(range(100, 130))
+    insert_fresh(alloc, cache, a)
+    group = alloc.groups[0]
+    # window 4, guard 30: far interior = pages before 30 - 8 + 1 - 1 = 22, near = 22..25
+    assert cache.evict_window([22]) == [22]
+    assert cache.match_prefix(a[:25] + [0]).cached_len == 25  # reads 22..24
+    assert cache.match_prefix(a[:21] + [0]).cached_len == 0  # before the near band: gone
+    assert cache.evict_window([4]) == [4]  # then the near band goes
+    assert cache.match_prefix(a[:25] + [0]).cached_len == 0
+    assert cache.match_prefix(a + [0]).cached_len == 30
+    assert group.num_pages - group.num_free_pages == 4
+    check_groups(alloc, cache)
+
+
+def test_the_near_band_goes_node_by_node_across_groups():
+    """Two groups, two chains: asking for one chain's near band takes the least recently used
+    chain's in both groups (a match needs every group), and leaves the other chain's whole."""
+    alloc, cache = make(ps=1, groups=((4, 128), (4, 128)))
+    a, b = list(range(100, 130)), list(range(200, 230))
+    insert_fresh(alloc, cache, a)
+    insert_fresh(alloc, cache, b)
+    cache.match_prefix(b)  # b most recent
+    assert cache.evict_window([44, 44]) == [44, 44]  # both chains' far interiors, every group
+    assert cache.evict_window([4, 4]) == [4, 4]
+    assert cache.match_prefix(a[:25] + [0]).cached_len == 0
+    assert cache.match_prefix(b[:25] + [0]).cached_len == 25
+    check_groups(alloc, cache)
+
+
+def test_a_shared_pool_frees_what_it_was_asked_for_once_not_per_group():
+    alloc = GroupedPageAllocator(240, 1, [(4, 240)] * 2, shared=True)
+    cache = WindowRadixCache(alloc)
+    a = list(range(100, 130))
+    insert_fresh(alloc, cache, a)
+    free = alloc.num_free_pages
+    assert sum(cache.evict_window([10, 10], tails=False)) == 22  # 10 asked: group 0's 22 far pages at once
+    assert alloc.num_free_pages == free + 22
+    assert cache.match_prefix(a[:25] + [0]).cached_len == 25
