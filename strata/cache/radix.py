@@ -173,7 +173,9 @@ class SingleTier:
         need = a.pool_cost(num_pages, present)
         if need > a.num_free_pages:
             self.evict_window([need - a.num_free_pages] * len(a.groups), tails=False)
-        while need > a.num_free_pages and self.evict(-(-(need - a.num_free_pages) // a.page_cost)):
+        # least recently used leaves whole, unless the next one's band (window KV kept past W before
+        # its guards) alone covers what is short: then that goes and the conversation stays
+        while need > a.num_free_pages and not self._spare_band(need - a.num_free_pages) and self.evict(1):
             pass
         if need > a.num_free_pages:
             self.evict_window([need - a.num_free_pages] * len(a.groups))
@@ -376,6 +378,9 @@ class RadixCache(SingleTier):
 
     def keep_resumable(self, node: TreeNode) -> None:
         pass  # a full-attention tree resumes anywhere (WindowRadixCache keeps what resuming reads)
+
+    def _spare_band(self, short: int) -> bool:
+        return False  # no window KV (WindowRadixCache)
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)

@@ -11,26 +11,29 @@ conversation continues it), a branch point (a shared system prompt), the end of 
 running request resumes there), and the end of a request's prompt (`keep_resumable`: a retry, or a
 next turn whose copy of the answer re-tokenizes differently, diverges between it and the leaf's end). A node with one child ends only where an earlier insert or
 prefill chunk happened to stop. So each node's guard is the end of the first such node at or
-below it, and its pages wholly before guard - W + 1 - page_size are its interior: no match worth
-keeping reads them (the page of slack lets a match end one page before a guard: a retried prompt
+below it, and its pages wholly before guard - W - W / 4 + 1 - page_size are its interior: no match
+worth keeping reads them (the page of slack lets a match end one page before a guard: a retried prompt
 matches up to its last token, not through it). When a window group runs short (`evict_window`),
 the cache gives its KV back in two passes:
 
 1. interiors, least recently used nodes first, in two rounds: the pages more than 2W before the
-   guard, then the rest. A match that diverges less than W before a guard (a system prompt reused
-   by another question diverges at the system prompt's end, inside the chain its first request
-   cached) so resumes while the far interiors last. Safe on locked nodes too: a running request's
-   prefix ends at a locked node, at or below the guard, and it reads nothing before that end - W.
+   guard, then down to W + W / 4 (`NEAR_BANDS`). That last W / 4, the band, lets a match that
+   diverges a little before a guard resume (a system prompt reused by another question diverges
+   at the system prompt's end, a question's length before the guard of the chain its first request
+   cached). Safe on locked nodes too: a running request's prefix ends at a locked node, at or below
+   the guard, and it reads nothing before that end - W.
 2. what is left, on unlocked nodes, least recently used first: a leaf goes whole (its full-layer
-   pages too: without its tail it can no longer be matched at its end); an inner node becomes a
+   pages too: without its tail it can no longer be matched at its end), unless its path's band
+   alone covers what is short (then only the band goes, `_band`; in a shared pool `make_room` asks
+   the same of each leaf it would evict, `_spare_band`); an inner node becomes a
    tombstone and its children stay matchable (a branch is never lost because a node above it gave
    up its window KV). With `replay` (--swa-replay) leaves become tombstones too: the scheduler
    recomputes a hit's window, so the full layers' pages keep their value.
 
 Example, window 4, page size 2, a branch point at 10 (two children) and a leaf ending at 22::
 
-    a (0..10)  [p0 .. p4]    guard 10: interior = pages wholly before 5 -> p0 p1
-    b (10..14) [p5 p6]       one child, guard 22: interior = pages wholly before 17 -> all of b
+    a (0..10)  [p0 .. p4]    guard 10: interior = pages wholly before 4 -> p0 p1
+    b (10..14) [p5 p6]       one child, guard 22: interior = pages wholly before 16 -> all of b
     c (14..22) [p7 .. p10]   leaf, guard 22: interior = p7
 
 After pass 1 the tree still matches at 10 and at 22 (and at 20); a request diverging at 12
@@ -44,6 +47,13 @@ from collections.abc import Sequence
 
 from strata.cache.allocator import GroupedPageAllocator, WindowGroup
 from strata.cache.radix import MatchResult, RadixCache, TreeNode
+
+
+# Pass 1's rounds: each keeps W (1 + extra) before every guard, the window KV farthest from the
+# guards going first across the whole tree. The last keeps W / 4 more than a match at the guard
+# reads, so one diverging up to W / 4 before it resumes too (a shared system prompt's first reuse by
+# another question): a cost of W / 4 per cached chain, which an LRU chain gives back when it goes.
+NEAR_BANDS = (1.0, 0.25)
 
 
 class WindowRadixCache(RadixCache):
@@ -89,10 +99,8 @@ class WindowRadixCache(RadixCache):
         pool every group's pages are the pool's: wanted is one figure, and a page any group gives
         back counts for all. Returns the pages freed per group.
 
-        Interiors go in two rounds: first what lies more than 2W before a guard, then what lies more
-        than W before it. So while the far interiors last, a match diverging up to W before a guard
-        still resumes: a system prompt shared by questions shorter than W, on its first reuse, which
-        diverges at the system prompt's end, inside the chain its first request cached."""
+        Interiors go in two rounds (`NEAR_BANDS`): first what lies more than 2W before a guard, then
+        down to W + W / 4 before it."""
         groups = self.allocator.groups
         shared = self.allocator.shared
         want = [max(wanted)] * len(groups) if shared else list(wanted)
@@ -105,8 +113,8 @@ class WindowRadixCache(RadixCache):
 
         if any(w > 0 for w in want):
             ends = self._ends()
-            for reach in (2, 1):
-                self._sweep_interiors(want, took, ends, reach)
+            for extra in NEAR_BANDS:
+                self._sweep_interiors(want, took, ends, extra)
         if tails:
             for g, group in enumerate(groups):
                 if want[g] > 0:  # a tail pass changes the tree: ends again for each group
@@ -132,11 +140,11 @@ class WindowRadixCache(RadixCache):
         return ends
 
     def _sweep_interiors(
-        self, want: list[int], took, ends: dict[TreeNode, tuple[int, int]], reach: int
+        self, want: list[int], took, ends: dict[TreeNode, tuple[int, int]], extra: float
     ) -> None:
-        """Pass 1: interiors, the pages wholly before guard - reach * W + 1 (less a page of slack),
-        least recently used nodes first, every group of a node before the next node (a match needs
-        all of them)."""
+        """Pass 1, one round: interiors, the pages wholly before guard - (1 + extra) W + 1 (less a
+        page of slack), least recently used nodes first, every group of a node before the next node
+        (a match needs all of them)."""
         ps = self.page_size
         heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root]
         heapq.heapify(heap)
@@ -145,9 +153,40 @@ class WindowRadixCache(RadixCache):
             end, guard = ends[node]
             start = end - len(node.key)
             for g, group in enumerate(self.allocator.groups):
-                deep = (guard - reach * group.window + 1 - ps - start) // ps
+                deep = (guard - group.window - int(extra * group.window) + 1 - ps - start) // ps
                 if deep > 0 and want[g] > 0:
                     took(g, group.drop(node.value[:deep]))
+
+    def _band(self, leaf: TreeNode, groups, ends: dict[TreeNode, tuple[int, int]]) -> list[tuple[WindowGroup, list[int]]]:
+        """The pages of `groups` that pass 1 keeps past W before the guards (the W / 4 band) on the
+        unlocked nodes of leaf's unbranched path: what the leaf's conversation gives back first."""
+        ps, band = self.page_size, []
+        node, guard = leaf, ends[leaf][0]  # a leaf guards its end (ends' guards may predate a removal)
+        while node is not self.root and len(node.children) <= 1 and node.lock_ref == 0:
+            end = ends[node][0]
+            guard = end if node.pins or node.resume else guard
+            start = end - len(node.key)
+            for group in groups:
+                deep = (guard - group.window + 1 - ps - start) // ps
+                if deep > 0:
+                    pages = [p for p, alive in zip(node.value[:deep], group.alive(node.value[:deep])) if alive]
+                    if pages:
+                        band.append((group, pages))
+            node = node.parent
+        return band
+
+    def _spare_band(self, short: int) -> bool:
+        """Shared pool: if the least recently used leaf's band covers `short` pool pages, give it
+        back (that conversation stays matchable at its guards) and return True."""
+        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        if not leaves:
+            return False
+        band = self._band(min(leaves, key=lambda n: (n.last_access, n.id)), self.allocator.groups, self._ends())
+        if sum(len(pages) for _, pages in band) < short:
+            return False
+        for group, pages in band:
+            group.drop(pages)
+        return True
 
     def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
         """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among
@@ -162,6 +201,10 @@ class WindowRadixCache(RadixCache):
             if node.children or self.replay:  # with replay a leaf without its window stays usable
                 freed += group.drop(node.value)
                 continue
+            band = self._band(node, [group], ends)
+            if sum(len(pages) for _, pages in band) >= want - freed:  # its band is enough: the leaf stays
+                freed += sum(group.drop(pages) for _, pages in band)
+                break
             held = int(group.alive(node.value).sum())
             parent = node.parent
             self._remove_leaf(node)

@@ -158,10 +158,10 @@ def test_a_prefill_chunk_waits_rather_than_evict_the_cached_window_tails(tiny_mo
     conversation's next turn still resumes from all of it."""
     model_dir = tiny_models["gemma3"]
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1000, page_size=1,
-                    chunked_prefill_size=7, swa_full_tokens_ratio=0.042, swa_pool="split")
-    # window 8: room for 3 cached turns' windows (from a page before each prompt's end to its answer's
-    # end: 13 pages) and a prefill (8 + 7), not two prefills
-    assert engine.scheduler.allocator.groups[0].num_pages == 42
+                    chunked_prefill_size=9, swa_full_tokens_ratio=0.047, swa_pool="split")
+    # window 8: room for 3 cached turns' windows (from W / 4 and a page before each prompt's end to
+    # its answer's end: 15 pages) and a prefill (8 + 9), not two prefills
+    assert engine.scheduler.allocator.groups[0].num_pages == 47
     params = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
     turn1 = [(5 * i + 1) % 380 + 2 for i in range(30)]
     r1 = engine.generate([turn1], params)[0]

@@ -126,13 +126,15 @@ def test_interior_sweep_then_tails_order():
     group = alloc.groups[0]
     used = group.num_pages - group.num_free_pages
     assert used == 45
-    # 20 - 4 + 10 - 4 + 15 - 4 = 33 interior pages; ask for exactly those
-    assert cache.evict_window([33]) == [33]
-    # each node keeps the 3 pages before its end, all a query at that end reads, and one of slack
+    # 20 - 5 + 10 - 5 + 15 - 5 = 30 interior pages; ask for exactly those
+    assert cache.evict_window([30]) == [30]
+    # each node keeps the 3 pages before its end, all a query at that end reads, one of slack, and
+    # W / 4 = 1 more (a match may diverge that far before a guard)
     assert cache.match_prefix(a + [0]).cached_len == 30
     assert cache.match_prefix(b + [0]).cached_len == 35
     assert cache.match_prefix(a[:20] + [0]).cached_len == 20  # the branch point kept its tail
     assert cache.match_prefix(a[:29]).cached_len == 29  # a page before the end: the slack
+    assert cache.match_prefix(a[:28] + [0]).cached_len == 28  # two before: the W / 4 band
     assert cache.match_prefix(a[:25] + [0]).cached_len == 20  # mid-node: interior gone, backs off
     check_groups(alloc, cache)
 
@@ -143,7 +145,7 @@ def test_tail_pass_tombstones_inner_nodes_and_keeps_children():
     cache.inc_lock(m.node)  # b's leaf is in use: its tail must stay
     cache.match_prefix(a[:20] + [0])  # refresh the inner node: a's leaf is now the LRU
     freed = cache.evict_window([40])[0]
-    assert freed >= 36
+    assert freed >= 35  # interiors (30, the locked leaf's too), then a's leaf whole (5)
     assert cache.match_prefix(b + [0]).cached_len == 35  # locked leaf untouched
     assert cache.match_prefix(a + [0]).cached_len < 30  # a's leaf went whole (LRU, unlocked)
     assert alloc.groups[0].to_group[m.pages[-1]] >= 0
@@ -161,7 +163,7 @@ def test_locked_interior_is_swept_but_the_locked_end_is_not():
     insert_fresh(alloc, cache, a)
     m = cache.match_prefix(a + [0])
     cache.inc_lock(m.node)
-    assert cache.evict_window([1000]) == [36]  # interior only: the lock holder reads the last 3 (+ slack)
+    assert cache.evict_window([1000]) == [35]  # interior only: the lock holder reads the last 3 (+ slack, + W / 4)
     assert all(alloc.groups[0].to_group[p] >= 0 for p in m.pages[-3:])
     assert cache.match_prefix(a + [0]).cached_len == 40
     cache.dec_lock(m.node)
@@ -236,7 +238,7 @@ def test_nodes_left_by_chunked_inserts_do_not_guard_their_pages():
     for end in range(7, 43, 7):  # chunks of 7 tokens
         insert_fresh(alloc, cache, a[:end])
     assert len(list(cache._nodes())) == 7
-    assert cache.evict_window([38]) == [38]  # every page but the 3 before the chain's end and a page of slack
+    assert cache.evict_window([37]) == [37]  # every page but the 3 before the chain's end, a page of slack, W / 4
     assert cache.match_prefix(a + [0]).cached_len == 42
     assert cache.match_prefix(a[:21] + [0]).cached_len == 0
     check_groups(alloc, cache)
@@ -352,43 +354,45 @@ def test_a_prompt_end_stays_resumable_after_the_answer_extends_it():
 
 def test_a_match_just_before_a_guard_resumes_while_far_interiors_last():
     """A system prompt's first reuse diverges at its end, a question's length before the chain's
-    guard: interiors more than 2W before a guard go first, so it resumes until they run out."""
-    alloc, cache = make(ps=1)
-    a = list(range(100, 130))
+    guard. Window 8, guard 40: pass 1 first takes what lies more than 2W before the guard (a match
+    may then diverge up to W before it), then down to W + W / 4 (2 tokens) and a page of slack."""
+    alloc, cache = make(ps=1, groups=((8, 128),))
+    a = list(range(100, 140))
     insert_fresh(alloc, cache, a)
     group = alloc.groups[0]
-    # window 4, guard 30: far interior = pages before 30 - 8 + 1 - 1 = 22, near = 22..25
-    assert cache.evict_window([22]) == [22]
-    assert cache.match_prefix(a[:25] + [0]).cached_len == 25  # reads 22..24
-    assert cache.match_prefix(a[:21] + [0]).cached_len == 0  # before the near band: gone
-    assert cache.evict_window([4]) == [4]  # then the near band goes
-    assert cache.match_prefix(a[:25] + [0]).cached_len == 0
-    assert cache.match_prefix(a + [0]).cached_len == 30
-    assert group.num_pages - group.num_free_pages == 4
+    assert cache.evict_window([24]) == [24]  # pages before 40 - 16
+    assert cache.match_prefix(a[:31] + [0]).cached_len == 31  # reads 24..30
+    assert cache.match_prefix(a[:30] + [0]).cached_len == 0  # would read 23: gone
+    assert cache.evict_window([100], tails=False) == [6]  # then down to the last 10
+    assert cache.match_prefix(a[:31] + [0]).cached_len == 0
+    assert cache.match_prefix(a[:37] + [0]).cached_len == 37  # 3 before the guard still resumes
+    assert cache.match_prefix(a + [0]).cached_len == 40
+    assert group.num_pages - group.num_free_pages == 10
     check_groups(alloc, cache)
 
 
 def test_the_near_band_goes_node_by_node_across_groups():
-    """Two groups, two chains: asking for one chain's near band takes the least recently used
-    chain's in both groups (a match needs every group), and leaves the other chain's whole."""
-    alloc, cache = make(ps=1, groups=((4, 128), (4, 128)))
-    a, b = list(range(100, 130)), list(range(200, 230))
+    """Two groups, two chains: asking for one chain's band between 2W and W + W / 4 before its guard
+    takes the least recently used chain's in both groups (a match needs every group), and leaves
+    the other chain's whole."""
+    alloc, cache = make(ps=1, groups=((8, 128), (8, 128)))
+    a, b = list(range(100, 140)), list(range(200, 240))
     insert_fresh(alloc, cache, a)
     insert_fresh(alloc, cache, b)
     cache.match_prefix(b)  # b most recent
-    assert cache.evict_window([44, 44]) == [44, 44]  # both chains' far interiors, every group
-    assert cache.evict_window([4, 4]) == [4, 4]
-    assert cache.match_prefix(a[:25] + [0]).cached_len == 0
-    assert cache.match_prefix(b[:25] + [0]).cached_len == 25
+    assert cache.evict_window([48, 48]) == [48, 48]  # both chains' far interiors, every group
+    assert cache.evict_window([6, 6]) == [6, 6]
+    assert cache.match_prefix(a[:31] + [0]).cached_len == 0
+    assert cache.match_prefix(b[:31] + [0]).cached_len == 31
     check_groups(alloc, cache)
 
 
 def test_a_shared_pool_frees_what_it_was_asked_for_once_not_per_group():
-    alloc = GroupedPageAllocator(240, 1, [(4, 240)] * 2, shared=True)
+    alloc = GroupedPageAllocator(240, 1, [(8, 240)] * 2, shared=True)
     cache = WindowRadixCache(alloc)
-    a = list(range(100, 130))
+    a = list(range(100, 140))
     insert_fresh(alloc, cache, a)
     free = alloc.num_free_pages
-    assert sum(cache.evict_window([10, 10], tails=False)) == 22  # 10 asked: group 0's 22 far pages at once
-    assert alloc.num_free_pages == free + 22
-    assert cache.match_prefix(a[:25] + [0]).cached_len == 25
+    assert sum(cache.evict_window([10, 10], tails=False)) == 24  # 10 asked: group 0's 24 far pages at once
+    assert alloc.num_free_pages == free + 24
+    assert cache.match_prefix(a[:31] + [0]).cached_len == 31
