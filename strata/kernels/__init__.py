@@ -5,10 +5,11 @@ build, a build whose instruction set this CPU lacks, or `STRATA_CPU_KERNELS=0` i
 Every caller (strata/layers: norm, rope, attention, quant; the llama MLP) keeps its pure-PyTorch path
 for that case and for non-CPU tensors; tests check the two agree.
 
-Builds ("targets"): `native` (-march=native: AVX-512 where the CPU has it, else AVX2, else scalar) and
-`x86-64-v3` (AVX2 + FMA + F16C, the fast path of most x86 CPUs). The default is native;
-`STRATA_CPU_KERNELS=x86-64-v3` selects the other, and the tests run the kernel suite against both, so
-an AVX-512 machine also proves the AVX2 paths. A build is loaded only if every ISA extension it was
+Builds ("targets"): `native` (-march=native: AVX-512 where the CPU has it, else AVX2, else scalar),
+`x86-64-v3` (AVX2 + FMA + F16C, the fast path of most x86 CPUs) and `x86-64-v4` (AVX-512 without
+VNNI or BF16). The default is native; `STRATA_CPU_KERNELS=<target>` selects another, and the tests
+run the kernel suites against each this CPU can run, so an AVX-512 machine also proves the AVX2 paths
+and the 512-bit paths' fallbacks. A build is loaded only if every ISA extension it was
 compiled with is in this CPU's flags (checked before building and again on the loaded module).
 
 Builds are cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name
@@ -43,6 +44,12 @@ STALE_LOCK_S = 20 * 60  # a build takes ~1-2 min on two cores; a lock this old w
 TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {
     "native": ("native", None),
     "x86-64-v3": ("x86-64-v3", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
+    # AVX-512 F/BW/DQ/VL without VNNI or BF16 (Skylake-X class): the 512-bit paths' fallbacks
+    "x86-64-v4": (
+        "x86-64-v4",
+        frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx512f", "avx512bw", "avx512dq",
+                   "avx512vl", "avx512cd"}),
+    ),
 }
 # names the module's compiled_isa() reports -> the /proc/cpuinfo flag each needs
 ISA_FLAGS = {

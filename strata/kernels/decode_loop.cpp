@@ -28,24 +28,26 @@ enum class LinearKind : int64_t { kQ4 = 0, kQ8 = 1, kFloat = 2 };
 
 struct Linear {
   LinearKind kind;
-  at::Tensor a, b, c;  // q4: qs, d, m; q8: qs, d; float: the weight
+  at::Tensor a, b, c;  // q4: qp, dp, mp; q8: qp, dp (packed, strata.layers.quant); float: the weight
   c10::optional<at::Tensor> bias;
+  int64_t rows;  // output features
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == LinearKind::kFloat) return at::linear(x, a, bias);
-    at::Tensor out = kind == LinearKind::kQ4 ? strata_ops::q4_linear(x, a, b, c) : strata_ops::q8_linear(x, a, b);
+    at::Tensor out = kind == LinearKind::kQ4 ? strata_ops::q4_linear(x, a, b, c, rows)
+                                             : strata_ops::q8_linear(x, a, b, rows);
     if (bias) out.add_(bias->to(out.scalar_type()));  // QuantLinear.forward's order
     return out;
   }
 };
 
 Linear make_linear(int64_t kind, at::Tensor a, c10::optional<at::Tensor> b, c10::optional<at::Tensor> c,
-                   c10::optional<at::Tensor> bias) {
+                   c10::optional<at::Tensor> bias, int64_t rows) {
   TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (q4), 1 (q8) or 2 (float), got ", kind);
   const auto k = static_cast<LinearKind>(kind);
   TORCH_CHECK(k == LinearKind::kFloat || b.has_value(), "a q4/q8 linear needs its scales");
   TORCH_CHECK(k != LinearKind::kQ4 || c.has_value(), "a q4 linear needs its offsets");
-  return {k, a, b.value_or(at::Tensor()), c.value_or(at::Tensor()), bias};
+  return {k, a, b.value_or(at::Tensor()), c.value_or(at::Tensor()), bias, rows};
 }
 
 struct Layer {
@@ -62,16 +64,17 @@ struct Layer {
 
 class DecodeLoop {
  public:
-  // One layer, appended in order; linears as (kind, a, b, c, bias) (see make_linear).
+  // One layer, appended in order; linears as (kind, a, b, c, bias, rows) (see make_linear).
   void add_layer(at::Tensor in_norm, at::Tensor post_norm, double eps, std::vector<pybind11::object> linears,
                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin,
                  double scale, int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
     TORCH_CHECK(linears.size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", linears.size());
     std::vector<Linear> lin;
     for (const auto& spec : linears) {
-      auto [kind, a, b, c, bias] = spec.cast<std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>,
-                                                        c10::optional<at::Tensor>, c10::optional<at::Tensor>>>();
-      lin.push_back(make_linear(kind, a, b, c, bias));
+      auto [kind, a, b, c, bias, rows] =
+          spec.cast<std::tuple<int64_t, at::Tensor, c10::optional<at::Tensor>, c10::optional<at::Tensor>,
+                               c10::optional<at::Tensor>, int64_t>>();
+      lin.push_back(make_linear(kind, a, b, c, bias, rows));
     }
     TORCH_CHECK(num_heads > 0 && num_kv_heads > 0 && head_dim > 0 && num_heads % num_kv_heads == 0,
                 "heads (", num_heads, ") must be a positive multiple of kv heads (", num_kv_heads, ")");

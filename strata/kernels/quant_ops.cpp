@@ -24,10 +24,13 @@
 //
 // The integer sums are exact; only the float accumulation order differs between the SIMD paths and
 // the scalar loop, which stays as the reference. QuantLinear.emulated_mm (strata.layers.quant)
-// reproduces the same arithmetic in PyTorch for the tests. Three SIMD paths: AVX2 (one block of 32 per
-// 256-bit step, vpmaddubsw + vpmaddwd), AVX-512BW (two blocks per 512-bit step, the same two
-// instructions) and AVX-512 VNNI (two blocks per step, one vpdpbusd); the AVX-512 builds finish an
-// odd block count with the AVX2 step.
+// reproduces the same arithmetic in PyTorch for the tests.
+//
+// The kernels read the weights packed (layout below, made once by strata.layers.quant): 16 output
+// rows side by side, so each dot-product instruction adds 4 channels of 16 rows at once against
+// 4 activation bytes broadcast to every lane, and a block's unpacked weights serve every activation
+// row of a tile. Three SIMD paths: AVX-512 VNNI (vpdpbusd), AVX-512BW (vpmaddubsw + vpmaddwd, 16
+// lanes) and AVX2 (the same two instructions, the 16 rows as two halves of 8).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -126,14 +129,21 @@ QuantRows quantize_rows(const at::Tensor& x) {
   return r;
 }
 
-#if defined(STRATA_QUANT_AVX2)
-inline float hsum8(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+// ----------------------------------------------------------------------------------------------
+// Weights as the kernels keep them: 16 output rows interleaved (strata.layers.quant packs them).
+//
+//   q4  qp uint8 [G, K/32, 4, 16, 4], dp, mp [G, K/32, 16]   (G = ceil(N / 16); rows past N are 0)
+//       qp[g, b, j, l, t] = byte 16b + 4j + t of row 16g + l in the row-major layout above: its low
+//       nibble is channel 32b + 4j + t, its high nibble channel 32b + 16 + 4j + t.
+//   q8  qp int8 [G, K/32, 8, 16, 4], dp [G, K/32, 32/S, 16]
+//       qp[g, b, j, l, t] = weight (16g + l, 32b + 4j + t); dp[g, b, s, l] the scale of its sub-block s.
+//
+// So one 64-byte load holds 4 consecutive channels of 16 rows, one per 32-bit lane, and one dot-
+// product instruction with 4 activation bytes broadcast to every lane adds 16 rows x 4 channels:
+// no horizontal sums, the unpacked weights serve every activation row of a tile, and the scales of
+// 16 rows are one vector. (AVX2 takes the 16 lanes as two halves of 8.)
 
+#if defined(STRATA_QUANT_AVX2)
 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 
@@ -144,242 +154,234 @@ inline __m256i unpack_q4(const uint8_t* p) {
   return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
 }
 
-// Eight int32 partial sums of u[i] * s[i] over 32 bytes (u unsigned <= 128, s signed >= -127):
-// lanes 0-3 cover bytes 0-15, lanes 4-7 bytes 16-31.
-inline __m256 dot_u8s8(__m256i u, __m256i s) {
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // 16 x int16, no saturation for these ranges
-  return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-}
-#endif
-
-#if defined(STRATA_QUANT_AVX512)
-// Sixteen int32 partial sums of u[i] * s[i] over 64 bytes (two blocks; the same ranges as dot_u8s8):
-// lanes 0-7 cover block 0 (bytes 0-31), lanes 8-15 block 1.
-inline __m512 dot2_u8s8(__m512i u, __m512i s) {
-#if defined(__AVX512VNNI__)
-  return _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), u, s));
-#else
-  const __m512i pairs = _mm512_maddubs_epi16(u, s);
-  return _mm512_cvtepi32_ps(_mm512_madd_epi16(pairs, _mm512_set1_epi16(1)));
-#endif
+inline int32_t load_i32(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
 }
 
-// p[0], p[1] (p[0..3]) as the low lanes of a float vector.
-inline __m128 load2(const float* p) { return _mm_castpd_ps(_mm_load_sd(reinterpret_cast<const double*>(p))); }
-inline __m128 load2(const c10::Half* p) {
-  int32_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return _mm_cvtph_ps(_mm_cvtsi32_si128(bits));
-}
-inline __m128 load4(const float* p) { return _mm_loadu_ps(p); }
-inline __m128 load4(const c10::Half* p) { return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))); }
-
-// p[0], p[1] spread over lanes 0-7 and 8-15 (one scale per block of a two-block step).
-template <typename S>
-inline __m512 spread2(const S* p) {
-  const __m512i idx = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(load2(p)));
-}
-
-// p[0..3] spread over lanes 0-3, 4-7, 8-11, 12-15 (one scale per 16 channels).
-template <typename S>
-inline __m512 spread4(const S* p) {
-  const __m512i idx = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(load4(p)));
-}
-#endif
-
-// One block (AVX-512: two) of a weight row as the dot products take it: the weights as unsigned
-// bytes, what gives x their sign (q8: w's sign; q4's are all positive: unused) and the scale per lane.
-#if defined(STRATA_QUANT_AVX2)
-struct Block {
-  __m256i u, sign;
-  __m256 scale;
-};
-#endif
-#if defined(STRATA_QUANT_AVX512)
-struct Block2 {
-  __m512i u;
-  __mmask64 sign;
-  __m512 scale;
-};
-#endif
-
-// Integer dot products of one weight row with RT activation rows (RT a compile-time constant, so
-// the accumulators live in registers), scaled per block: result[r] = sum_b scale_b,r * isum_b,r.
-// Blocks are taken two at a time into separate accumulators (two independent FMA chains).
-template <int RT, typename Weights>
-inline void dot_rows(const Weights& w, const QuantRows& x, int64_t row0, int64_t K, int64_t nb, float* result) {
-#if defined(STRATA_QUANT_AVX2)
-  __m256 acc0[RT], acc1[RT];
-  for (int r = 0; r < RT; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const int8_t* xq = x.q.data() + row0 * K;
-  const float* xd = x.d.data() + row0 * nb;
-  int64_t b = 0;
-#if defined(STRATA_QUANT_AVX512)
-  // two blocks per step in one register; the odd last block (if any) takes the AVX2 step below
-  __m512 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm512_setzero_ps();
-  for (; b + 2 <= nb; b += 2) {
-    const auto [u, sign, ws] = w.block2(b);
-    for (int r = 0; r < RT; ++r) {
-      const __m512i xv = _mm512_loadu_si512(xq + r * K + b * kBlock);
-      const __m512 scale = _mm512_mul_ps(ws, spread2(xd + r * nb + b));
-      acc[r] = _mm512_fmadd_ps(dot2_u8s8(u, w.signed_x2(xv, sign)), scale, acc[r]);
-    }
+// Eight lanes: rows 8h .. 8h + 7 of a group.
+struct Lanes8 {
+  static constexpr int kLanes = 8;
+  using I = __m256i;
+  using F = __m256;
+  static I load(const void* p) { return _mm256_loadu_si256(static_cast<const __m256i*>(p)); }
+  static I bcast(const int8_t* p) { return _mm256_set1_epi32(load_i32(p)); }
+  static I low_nibbles(I v) { return _mm256_and_si256(v, _mm256_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm256_and_si256(_mm256_srli_epi16(v, 4), _mm256_set1_epi8(0x0F)); }
+  // acc + the 4-byte dot products of u (unsigned, <= 128) and s (signed, >= -127): no saturation
+  static I dot(I acc, I u, I s) {
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
+  static I abs8(I w) { return _mm256_abs_epi8(w); }
+  static I sign_of(I x, I w) { return _mm256_sign_epi8(x, w); }  // 0 where w is 0: |w| is too
+  static I zero_i() { return _mm256_setzero_si256(); }
+  static F zero() { return _mm256_setzero_ps(); }
+  static F to_float(I v) { return _mm256_cvtepi32_ps(v); }
+  static F set1(float v) { return _mm256_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  template <typename S>
+  static F scales(const S* p) { return load8(p); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
+};
 #endif
-  for (; b + 2 <= nb; b += 2) {
-    for (int half = 0; half < 2; ++half) {
-      const int64_t bb = b + half;
-      const auto [u, sign, ws] = w.block(bb);
-      for (int r = 0; r < RT; ++r) {
-        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + bb * kBlock));
-        const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xd[r * nb + bb]));
-        const __m256 dot = dot_u8s8(u, w.signed_x(xv, sign));
-        if (half == 0) {
-          acc0[r] = _mm256_fmadd_ps(dot, scale, acc0[r]);
-        } else {
-          acc1[r] = _mm256_fmadd_ps(dot, scale, acc1[r]);
+
+#if defined(STRATA_QUANT_AVX512)
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const c10::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+
+// Sixteen lanes: a whole group.
+struct Lanes16 {
+  static constexpr int kLanes = 16;
+  using I = __m512i;
+  using F = __m512;
+  static I load(const void* p) { return _mm512_loadu_si512(p); }
+  static I bcast(const int8_t* p) { return _mm512_set1_epi32(load_i32(p)); }
+  static I low_nibbles(I v) { return _mm512_and_si512(v, _mm512_set1_epi8(0x0F)); }
+  static I high_nibbles(I v) { return _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F)); }
+  static I dot(I acc, I u, I s) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, u, s);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
+#endif
+  }
+  static I abs8(I w) { return _mm512_abs_epi8(w); }
+  static I sign_of(I x, I w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
+  static I zero_i() { return _mm512_setzero_si512(); }
+  static F zero() { return _mm512_setzero_ps(); }
+  static F to_float(I v) { return _mm512_cvtepi32_ps(v); }
+  static F set1(float v) { return _mm512_set1_ps(v); }
+  static F fmadd(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  template <typename S>
+  static F scales(const S* p) { return load16f(p); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
+};
+#endif
+
+constexpr int64_t kGroup = 16;  // weight rows interleaved in one group
+
+// A packed q4 weight: qp [G, nb, 4, 16, 4], dp and mp [G, nb, 16] of S.
+template <typename S>
+struct Q4Packed {
+  const uint8_t* q;
+  const S* d;
+  const S* m;
+  int64_t nb;
+
+  // lanes [h * V::kLanes, ...) of group g for RT activation rows (xq, xd, xs, xc of the first; rows K
+  // apart): out[r][lane] += its dot products. d * (xd * isum + xc) + m * xs per block (see the top).
+  template <typename V, int RT>
+  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float* xs, const float* xc, int64_t K,
+           typename V::F* acc) const {
+    const int64_t lane0 = h * V::kLanes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* qb = q + (g * nb + b) * 256 + lane0 * 4;
+      typename V::I isum[RT];
+      for (int r = 0; r < RT; ++r) isum[r] = V::zero_i();
+      for (int j = 0; j < 4; ++j) {
+        const typename V::I v = V::load(qb + j * 64);
+        const typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
+        for (int r = 0; r < RT; ++r) {
+          const int8_t* x = xq + r * K + b * kBlock + 4 * j;
+          isum[r] = V::dot(isum[r], lo, V::bcast(x));
+          isum[r] = V::dot(isum[r], hi, V::bcast(x + 16));
         }
+      }
+      const typename V::F dv = V::scales(d + (g * nb + b) * kGroup + lane0);
+      const typename V::F mv = V::scales(m + (g * nb + b) * kGroup + lane0);
+      for (int r = 0; r < RT; ++r) {
+        const int64_t o = r * nb + b;
+        const typename V::F t = V::fmadd(V::to_float(isum[r]), V::set1(xd[o]), V::set1(xc[o]));
+        acc[r] = V::fmadd(mv, V::set1(xs[o]), V::fmadd(dv, t, acc[r]));
       }
     }
   }
-  for (; b < nb; ++b) {
-    const auto [u, sign, ws] = w.block(b);
-    for (int r = 0; r < RT; ++r) {
-      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
-      const __m256 scale = _mm256_mul_ps(ws, _mm256_set1_ps(xd[r * nb + b]));
-      acc0[r] = _mm256_fmadd_ps(dot_u8s8(u, w.signed_x(xv, sign)), scale, acc0[r]);
-    }
-  }
-  for (int r = 0; r < RT; ++r) result[r] = hsum8(_mm256_add_ps(acc0[r], acc1[r]));
-#if defined(STRATA_QUANT_AVX512)
-  for (int r = 0; r < RT; ++r) result[r] += _mm512_reduce_add_ps(acc[r]);
-#endif
-#else
-  for (int r = 0; r < RT; ++r) {
-    const int8_t* xq = x.q.data() + (row0 + r) * K;
-    float sum = 0.f;
-    for (int64_t b = 0; b < nb; ++b) sum += w.scalar_block(b, xq + b * kBlock) * x.d[(row0 + r) * nb + b];
-    result[r] = sum;
-  }
-#endif
-}
 
-// One q4 weight row: unsigned nibbles, one scale per block (stored as S).
-template <typename S>
-struct Q4Row {
-  const uint8_t* q;
-  const S* d;
-#if defined(STRATA_QUANT_AVX2)
-  Block block(int64_t b) const { return {unpack_q4(q + b * 16), _mm256_setzero_si256(), _mm256_set1_ps(scale1(d + b))}; }
-  static __m256i signed_x(__m256i xv, __m256i) { return xv; }
-#endif
-#if defined(STRATA_QUANT_AVX512)
-  // blocks b and b + 1: their 32 bytes become [b low nibbles | b high | b+1 low | b+1 high]
-  Block2 block2(int64_t b) const {
-    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * 16));
-    const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(raw), _mm256_srli_epi16(raw, 4), 1);
-    const __m512i ordered = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-    return {_mm512_and_si512(ordered, _mm512_set1_epi8(0x0F)), 0, spread2(d + b)};
-  }
-  static __m512i signed_x2(__m512i xv, __mmask64) { return xv; }
-#endif
-  // d_b * sum_j q_j xq_j (the caller multiplies by the activation scale)
-  float scalar_block(int64_t b, const int8_t* xq) const {
-    const uint8_t* qb = q + b * 16;
-    int32_t isum = 0;
-    for (int64_t j = 0; j < 16; ++j) isum += (qb[j] & 15) * xq[j] + (qb[j] >> 4) * xq[j + 16];
-    return scale1(d + b) * static_cast<float>(isum);
-  }
-};
-
-// One q8 weight row with one scale (stored as S) per G input channels: |w| times x with w's sign.
-template <int G, typename S>
-struct Q8Row {
-  const int8_t* q;
-  const S* d;
-  static constexpr int64_t kSubs = kBlock / G;
-#if defined(STRATA_QUANT_AVX2)
-  Block block(int64_t b) const {
-    const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + b * kBlock));
-    // lanes 0-3 of the dot product hold channels 0-15 of the block, lanes 4-7 channels 16-31
-    const __m256 scale = kSubs == 1 ? _mm256_set1_ps(scale1(d + b))
-                                    : _mm256_set_m128(_mm_set1_ps(scale1(d + b * kSubs + kSubs - 1)),
-                                                      _mm_set1_ps(scale1(d + b * kSubs)));
-    return {_mm256_sign_epi8(w, w), w, scale};
-  }
-  static __m256i signed_x(__m256i xv, __m256i sign) { return _mm256_sign_epi8(xv, sign); }
-#endif
-#if defined(STRATA_QUANT_AVX512)
-  // blocks b and b + 1: |w| as unsigned bytes and the lanes where w < 0 (x is negated there)
-  Block2 block2(int64_t b) const {
-    const __m512i w = _mm512_loadu_si512(q + b * kBlock);
-    const __m512 scale = kSubs == 1 ? spread2(d + b) : spread4(d + b * kSubs);
-    return {_mm512_abs_epi8(w), _mm512_movepi8_mask(w), scale};
-  }
-  static __m512i signed_x2(__m512i xv, __mmask64 sign) {
-    return _mm512_mask_sub_epi8(xv, sign, _mm512_setzero_si512(), xv);
-  }
-#endif
-  float scalar_block(int64_t b, const int8_t* xq) const {
+  // The scalar reference: weight row 16g + l with one activation row.
+  float scalar(int64_t g, int64_t l, const int8_t* xq, const float* xd, const float* xs, const float* xc) const {
     float sum = 0.f;
-    for (int64_t sub = 0; sub < kSubs; ++sub) {
+    for (int64_t b = 0; b < nb; ++b) {
       int32_t isum = 0;
-      for (int64_t j = sub * G; j < (sub + 1) * G; ++j) isum += q[b * kBlock + j] * xq[j];
-      sum += scale1(d + b * kSubs + sub) * static_cast<float>(isum);
+      for (int64_t j = 0; j < 4; ++j) {
+        const uint8_t* p = q + (g * nb + b) * 256 + j * 64 + l * 4;
+        for (int64_t t = 0; t < 4; ++t) {
+          isum += (p[t] & 15) * xq[b * kBlock + 4 * j + t] + (p[t] >> 4) * xq[b * kBlock + 16 + 4 * j + t];
+        }
+      }
+      const int64_t o = (g * nb + b) * kGroup + l;
+      sum += scale1(d + o) * (xd[b] * static_cast<float>(isum) + xc[b]) + scale1(m + o) * xs[b];
     }
     return sum;
   }
 };
 
-// sum_b m_b xs_b + d_b xc_b: the q4 offset and centring terms of one (weight row, activation row).
-template <typename S>
-inline float q4_offset(const S* m, const S* d, const float* xs, const float* xc, int64_t nb) {
-  float offset = 0.f;
-  int64_t b = 0;
-#if defined(STRATA_QUANT_AVX2)
-  __m256 off = _mm256_setzero_ps();
-  for (; b + 8 <= nb; b += 8) {
-    off = _mm256_fmadd_ps(load8(m + b), _mm256_loadu_ps(xs + b), off);
-    off = _mm256_fmadd_ps(load8(d + b), _mm256_loadu_ps(xc + b), off);
+// A packed q8 weight with one scale per G input channels: qp [G, nb, 8, 16, 4], dp [G, nb, 32/G, 16].
+template <int G, typename S>
+struct Q8Packed {
+  const int8_t* q;
+  const S* d;
+  int64_t nb;
+  static constexpr int kSubs = kBlock / G;
+
+  template <typename V, int RT>
+  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*, int64_t K,
+           typename V::F* acc) const {
+    const int64_t lane0 = h * V::kLanes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const int8_t* qb = q + (g * nb + b) * 512 + lane0 * 4;
+      for (int sub = 0; sub < kSubs; ++sub) {
+        typename V::I isum[RT];
+        for (int r = 0; r < RT; ++r) isum[r] = V::zero_i();
+        for (int j = sub * (8 / kSubs); j < (sub + 1) * (8 / kSubs); ++j) {
+          const typename V::I w = V::load(qb + j * 64);
+          const typename V::I u = V::abs8(w);
+          for (int r = 0; r < RT; ++r) {
+            isum[r] = V::dot(isum[r], u, V::sign_of(V::bcast(xq + r * K + b * kBlock + 4 * j), w));
+          }
+        }
+        const typename V::F dv = V::scales(d + ((g * nb + b) * kSubs + sub) * kGroup + lane0);
+        for (int r = 0; r < RT; ++r) acc[r] = V::fmadd(dv, V::mul(V::to_float(isum[r]), V::set1(xd[r * nb + b])), acc[r]);
+      }
+    }
   }
-  offset = hsum8(off);
+
+  float scalar(int64_t g, int64_t l, const int8_t* xq, const float* xd, const float*, const float*) const {
+    float sum = 0.f;
+    for (int64_t b = 0; b < nb; ++b) {
+      for (int sub = 0; sub < kSubs; ++sub) {
+        int32_t isum = 0;
+        for (int64_t j = sub * (8 / kSubs); j < (sub + 1) * (8 / kSubs); ++j) {
+          const int8_t* p = q + (g * nb + b) * 512 + j * 64 + l * 4;
+          for (int64_t t = 0; t < 4; ++t) isum += p[t] * xq[b * kBlock + 4 * j + t];
+        }
+        sum += scale1(d + ((g * nb + b) * kSubs + sub) * kGroup + l) * xd[b] * static_cast<float>(isum);
+      }
+    }
+    return sum;
+  }
+};
+
+// One group's 16 outputs for RT activation rows from r0: result[r][lane].
+template <int RT, typename W>
+inline void group_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, int64_t K, int64_t nb,
+                       float (*result)[kGroup]) {
+  const int8_t* xq = x.q.data() + r0 * K;
+  const float *xd = x.d.data() + r0 * nb, *xs = x.s.data() + r0 * nb, *xc = x.c.data() + r0 * nb;
+#if defined(STRATA_QUANT_AVX512)
+  using V = Lanes16;
+#elif defined(STRATA_QUANT_AVX2)
+  using V = Lanes8;
 #endif
-  for (; b < nb; ++b) offset += scale1(m + b) * xs[b] + scale1(d + b) * xc[b];
-  return offset;
+#if defined(STRATA_QUANT_AVX2)
+  for (int h = 0; h < kGroup / V::kLanes; ++h) {
+    typename V::F acc[RT];
+    for (int r = 0; r < RT; ++r) acc[r] = V::zero();
+    w.template dot<V, RT>(g, h, xq, xd, xs, xc, K, acc);
+    for (int r = 0; r < RT; ++r) V::store(result[r] + h * V::kLanes, acc[r]);
+  }
+#else
+  for (int r = 0; r < RT; ++r) {
+    for (int64_t l = 0; l < kGroup; ++l) result[r][l] = w.scalar(g, l, xq + r * K, xd + r * nb, xs + r * nb, xc + r * nb);
+  }
+#endif
 }
 
-// Output columns [n0, n1) of all M rows: activation rows kRowBlock at a time (kept in cache while
-// the thread walks its weight rows), kRowTile at a time per weight row. make_row(n) gives weight
-// row n; offset(n, r, result) adds what the format adds per (weight row, activation row).
-template <typename OT, typename MakeRow, typename Offset>
-void linear_rows(const QuantRows& x, int64_t M, int64_t K, int64_t n0, int64_t n1, OT* out, int64_t N,
-                 MakeRow make_row, Offset offset) {
+// Output columns of groups [g0, g1) for all M rows: activation rows kRowBlock at a time (kept in
+// cache while the thread walks its groups), kRowTile at a time per group.
+template <typename OT, typename W>
+void linear_groups(const W& w, const QuantRows& x, int64_t M, int64_t K, int64_t g0, int64_t g1, OT* out,
+                   int64_t N) {
   const int64_t nb = K / kBlock;
-  float result[kRowTile];
+  float result[kRowTile][kGroup];
   for (int64_t mt = 0; mt < M; mt += kRowBlock) {
     const int64_t m_end = std::min(M, mt + kRowBlock);
-    for (int64_t n = n0; n < n1; ++n) {
-      const auto w = make_row(n);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t cols = std::min(kGroup, N - g * kGroup);
       for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
         const int64_t rn = std::min(kRowTile, m_end - r0);
         switch (rn) {
-          case 1: dot_rows<1>(w, x, r0, K, nb, result); break;
-          case 2: dot_rows<2>(w, x, r0, K, nb, result); break;
-          case 3: dot_rows<3>(w, x, r0, K, nb, result); break;
-          default: dot_rows<4>(w, x, r0, K, nb, result); break;
+          case 1: group_rows<1>(w, x, g, r0, K, nb, result); break;
+          case 2: group_rows<2>(w, x, g, r0, K, nb, result); break;
+          case 3: group_rows<3>(w, x, g, r0, K, nb, result); break;
+          default: group_rows<4>(w, x, g, r0, K, nb, result); break;
         }
-        for (int64_t r = 0; r < rn; ++r) out[(r0 + r) * N + n] = static_cast<OT>(result[r] + offset(n, r0 + r));
+        for (int64_t r = 0; r < rn; ++r) {
+          OT* o = out + (r0 + r) * N + g * kGroup;
+          for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
+        }
       }
     }
   }
 }
 
-// Every entry point checks dtypes, devices, layouts and that the weight's rows and block columns agree
-// with K before it touches a data pointer: a mismatch raises a RuntimeError naming the argument, the
-// sizes it has and the ones it needs, instead of reading out of bounds.
+// Every entry point checks dtypes, devices, layouts and that the weight's groups, blocks and rows
+// agree with K and N before it touches a data pointer: a mismatch raises a RuntimeError naming the
+// argument, the sizes it has and the ones it needs, instead of reading out of bounds.
 
 // A float32/bf16/fp16/fp64 dtype, the ones the kernels are compiled for.
 void check_float_dtype(at::ScalarType dtype, const char* name) {
@@ -395,44 +397,47 @@ void check_x(const at::Tensor& x) {
   TORCH_CHECK(x.size(1) % kBlock == 0, "K (", x.size(1), ") must be a multiple of ", kBlock);
 }
 
-void check_param(const at::Tensor& t, at::ScalarType dtype, int64_t rows, int64_t cols, const char* name) {
+void check_param(const at::Tensor& t, at::ScalarType dtype, at::IntArrayRef sizes, const char* name) {
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous, got sizes ", t.sizes(), " with strides ", t.strides());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
-  TORCH_CHECK(t.dim() == 2 && t.size(0) == rows && t.size(1) == cols, name, " must be [", rows, ", ", cols,
-              "], got ", t.sizes());
+  TORCH_CHECK(t.sizes() == sizes, name, " must be ", sizes, ", got ", t.sizes());
 }
 
-// Scales (or offsets): float32 or float16 [rows, cols].
-void check_scales(const at::Tensor& t, int64_t rows, int64_t cols, const char* name) {
+// Scales (or offsets): float32 or float16 of `sizes`.
+void check_scales(const at::Tensor& t, at::IntArrayRef sizes, const char* name) {
   TORCH_CHECK(t.scalar_type() == at::kFloat || t.scalar_type() == at::kHalf, name,
               " must be float32 or float16, got ", t.scalar_type());
-  check_param(t, t.scalar_type(), rows, cols, name);
+  check_param(t, t.scalar_type(), sizes, name);
 }
 
-// A q4 weight over K input channels: qs uint8 [N, K/2], d and m [N, K/32] of one dtype.
-void check_q4(const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m, int64_t K) {
+// N output rows in G = ceil(N / 16) groups of a weight over K input channels.
+int64_t check_groups(const at::Tensor& qp, int64_t K, int64_t N, int64_t quads) {
   TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
-  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K / 2], got sizes ", qs.sizes());
-  const int64_t N = qs.size(0);
-  check_param(qs, at::kByte, N, K / 2, "qs");
-  check_scales(d, N, K / kBlock, "d");
-  check_scales(m, N, K / kBlock, "m");
-  TORCH_CHECK(d.scalar_type() == m.scalar_type(), "d (", d.scalar_type(), ") and m (", m.scalar_type(),
+  TORCH_CHECK(qp.dim() == 5, "qp must be [G, K / 32, ", quads, ", 16, 4], got sizes ", qp.sizes());
+  const int64_t G = qp.size(0);
+  TORCH_CHECK(N > (G - 1) * kGroup && N <= G * kGroup, "N (", N, ") must be within the ", G, " groups of 16 rows of qp");
+  return G;
+}
+
+// A packed q4 weight: qp uint8 [G, K/32, 4, 16, 4], dp and mp [G, K/32, 16] of one dtype.
+void check_q4(const at::Tensor& qp, const at::Tensor& dp, const at::Tensor& mp, int64_t K, int64_t N) {
+  const int64_t G = check_groups(qp, K, N, 4);
+  check_param(qp, at::kByte, {G, K / kBlock, 4, kGroup, 4}, "qp");
+  check_scales(dp, {G, K / kBlock, kGroup}, "dp");
+  check_scales(mp, {G, K / kBlock, kGroup}, "mp");
+  TORCH_CHECK(dp.scalar_type() == mp.scalar_type(), "dp (", dp.scalar_type(), ") and mp (", mp.scalar_type(),
               ") must share a dtype");
 }
 
-// A q8 weight over K input channels: qs int8 [N, K], d float32 or float16 [N, K/S]; returns S (16 or 32).
-int64_t check_q8(const at::Tensor& qs, const at::Tensor& d, int64_t K) {
-  TORCH_CHECK(K % kBlock == 0, "K (", K, ") must be a multiple of ", kBlock);
-  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K], got sizes ", qs.sizes());
-  TORCH_CHECK(d.dim() == 2 && d.size(1) > 0 && K % d.size(1) == 0, "d must be [N, K / S] with K = ", K, ", got sizes ",
-              d.sizes());
-  const int64_t S = K / d.size(1);
-  TORCH_CHECK(S == 16 || S == 32, "q8 weights take one scale per 16 or 32 input channels, got ", S);
-  check_param(qs, at::kChar, qs.size(0), K, "qs");
-  check_scales(d, qs.size(0), K / S, "d");
-  return S;
+// A packed q8 weight: qp int8 [G, K/32, 8, 16, 4], dp float32 or float16 [G, K/32, 32/S, 16]; returns S.
+int64_t check_q8(const at::Tensor& qp, const at::Tensor& dp, int64_t K, int64_t N) {
+  const int64_t G = check_groups(qp, K, N, 8);
+  check_param(qp, at::kChar, {G, K / kBlock, 8, kGroup, 4}, "qp");
+  TORCH_CHECK(dp.dim() == 4 && (dp.size(2) == 1 || dp.size(2) == 2),
+              "dp must be [G, K / 32, 32 / S, 16] with S = 16 or 32, got sizes ", dp.sizes());
+  check_scales(dp, {G, K / kBlock, dp.size(2), kGroup}, "dp");
+  return kBlock / dp.size(2);
 }
 
 void check_row_range(int64_t start, int64_t end, int64_t N) {
@@ -440,64 +445,54 @@ void check_row_range(int64_t start, int64_t end, int64_t N) {
               " weight rows [0, ", N, ")");
 }
 
-// Rows of output columns each thread takes: enough to amortise the dispatch, and an even split.
-int64_t grain(int64_t N, int64_t M) {
-  return std::max<int64_t>(1, std::min<int64_t>(64, N / (4 * at::get_num_threads()) / std::max<int64_t>(1, M / 16)));
+// Groups each thread takes: enough to amortise the dispatch, and an even split.
+int64_t grain(int64_t G, int64_t M) {
+  return std::max<int64_t>(1, std::min<int64_t>(4, G / (4 * at::get_num_threads()) / std::max<int64_t>(1, M / 16)));
 }
 
-// x [M, K] float/bf16/fp16 -> [M, N] in x's dtype.
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) {
-  check_x(x);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  check_q4(qs, d, m, K);
+// x [M, K] float/bf16/fp16/fp64 @ weight^T -> [M, N] in x's dtype, groups split over the threads.
+template <typename MakeWeights>
+at::Tensor packed_linear(const at::Tensor& x, int64_t N, int64_t G, at::ScalarType scale_dtype, MakeWeights make) {
+  const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const QuantRows xq = quantize_rows(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q4_linear", [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
-    const uint8_t* q = qs.data_ptr<uint8_t>();
-    const int64_t nb = K / kBlock;
-    with_scale_type(d.scalar_type(), [&](auto tag) {
-      using S = decltype(tag);
-      const S* dp = static_cast<const S*>(d.data_ptr());
-      const S* mp = static_cast<const S*>(m.data_ptr());
-      at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
-        linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q4Row<S>{q + n * (K / 2), dp + n * nb}; },
-                    [&](int64_t n, int64_t row) {
-                      return q4_offset(mp + n * nb, dp + n * nb, xq.s.data() + row * nb, xq.c.data() + row * nb, nb);
-                    });
+    with_scale_type(scale_dtype, [&](auto tag) {
+      make(tag, [&](const auto& w) {
+        at::parallel_for(0, G, grain(G, M), [&](int64_t g0, int64_t g1) { linear_groups(w, xq, M, K, g0, g1, op, N); });
       });
     });
   });
   return out;
 }
 
-at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) {
+at::Tensor q4_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, at::Tensor mp, int64_t N) {
   check_x(x);
-  const int64_t M = x.size(0), K = x.size(1), N = qs.size(0);
-  const int64_t S = check_q8(qs, d, K);
-  at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return out;
-  const QuantRows xq = quantize_rows(x);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "q8_linear", [&] {
-    scalar_t* op = out.data_ptr<scalar_t>();
-    const int8_t* q = qs.data_ptr<int8_t>();
-    const auto none = [](int64_t, int64_t) { return 0.f; };
-    with_scale_type(d.scalar_type(), [&](auto tag) {
-      using ST = decltype(tag);
-      const ST* dp = static_cast<const ST*>(d.data_ptr());
-      at::parallel_for(0, N, grain(N, M), [&](int64_t n0, int64_t n1) {
-        if (S == 16) {
-          linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q8Row<16, ST>{q + n * K, dp + n * (K / 16)}; },
-                      none);
-        } else {
-          linear_rows(xq, M, K, n0, n1, op, N, [&](int64_t n) { return Q8Row<32, ST>{q + n * K, dp + n * (K / 32)}; },
-                      none);
-        }
-      });
-    });
+  const int64_t K = x.size(1);
+  check_q4(qp, dp, mp, K, N);
+  return packed_linear(x, N, qp.size(0), dp.scalar_type(), [&](auto tag, auto&& run) {
+    using S = decltype(tag);
+    run(Q4Packed<S>{qp.data_ptr<uint8_t>(), static_cast<const S*>(dp.data_ptr()), static_cast<const S*>(mp.data_ptr()),
+                    K / kBlock});
   });
-  return out;
+}
+
+at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) {
+  check_x(x);
+  const int64_t K = x.size(1);
+  const int64_t S = check_q8(qp, dp, K, N);
+  return packed_linear(x, N, qp.size(0), dp.scalar_type(), [&](auto tag, auto&& run) {
+    using ST = decltype(tag);
+    const int8_t* q = qp.data_ptr<int8_t>();
+    const ST* d = static_cast<const ST*>(dp.data_ptr());
+    if (S == 16) {
+      run(Q8Packed<16, ST>{q, d, K / kBlock});
+    } else {
+      run(Q8Packed<32, ST>{q, d, K / kBlock});
+    }
+  });
 }
 
 // 32 weights of one block in OT: w[j] = q[j] * scale[j / 8] + offset (the matmul path for many rows
@@ -525,15 +520,23 @@ template <typename OT>
 constexpr bool kSimdDequant = std::is_same_v<OT, float> || std::is_same_v<OT, c10::BFloat16> || std::is_same_v<OT, c10::Half>;
 #endif
 
+// The bytes of row l of a group's block (quads of 4 bytes, 64 apart) in row-major order.
+template <typename T>
+inline void gather_row(const T* block, int64_t l, int quads, T* row) {
+  for (int j = 0; j < quads; ++j) std::memcpy(row + 4 * j, block + j * 64 + l * 4, 4);
+}
+
 template <typename OT, typename ST>
 void q4_dequant_rows(const uint8_t* q, const ST* dp, const ST* mp, int64_t K, int64_t n0, int64_t n1,
                      int64_t start, OT* op) {
   const int64_t nb = K / kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     OT* row = op + (n - start) * K;
+    const int64_t g = n / kGroup, l = n % kGroup;
     for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* qb = q + n * (K / 2) + b * 16;
-      const float db = scale1(dp + n * nb + b), mb = scale1(mp + n * nb + b);
+      uint8_t qb[16];
+      gather_row(q + (g * nb + b) * 256, l, 4, qb);
+      const float db = scale1(dp + (g * nb + b) * kGroup + l), mb = scale1(mp + (g * nb + b) * kGroup + l);
 #if defined(STRATA_QUANT_AVX2)
       if constexpr (kSimdDequant<OT>) {
         const float scales[4] = {db, db, db, db};
@@ -552,56 +555,60 @@ void q4_dequant_rows(const uint8_t* q, const ST* dp, const ST* mp, int64_t K, in
 template <typename OT, typename ST>
 void q8_dequant_rows(const int8_t* q, const ST* dp, int64_t K, int64_t S, int64_t n0, int64_t n1, int64_t start,
                      OT* op) {
+  const int64_t nb = K / kBlock, subs = kBlock / S;
   for (int64_t n = n0; n < n1; ++n) {
     OT* row = op + (n - start) * K;
-    const ST* dn = dp + n * (K / S);
-    int64_t k = 0;
+    const int64_t g = n / kGroup, l = n % kGroup;
+    for (int64_t b = 0; b < nb; ++b) {
+      int8_t qb[kBlock];
+      gather_row(q + (g * nb + b) * 512, l, 8, qb);
+      const float lo = scale1(dp + ((g * nb + b) * subs) * kGroup + l);
+      const float hi = scale1(dp + ((g * nb + b) * subs + subs - 1) * kGroup + l);
 #if defined(STRATA_QUANT_AVX2)
-    if constexpr (kSimdDequant<OT>) {
-      for (; k < K; k += kBlock) {
-        const ST* sub = dn + k / S;
-        const float lo = scale1(sub), hi = scale1(sub + (S == 16 ? 1 : 0));
+      if constexpr (kSimdDequant<OT>) {
         const float scales[4] = {lo, lo, hi, hi};
-        store_block(row + k, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + n * K + k)), true, scales, 0.f);
+        store_block(row + b * kBlock, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb)), true, scales, 0.f);
+        continue;
       }
-    }
 #endif
-    for (; k < K; ++k) row[k] = static_cast<OT>(scale1(dn + k / S) * static_cast<float>(q[n * K + k]));
+      for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<OT>((j < 16 ? lo : hi) * static_cast<float>(qb[j]));
+    }
   }
 }
 
-// Weight rows [start, end) of a q4 weight as `dtype` [end - start, K].
-at::Tensor q4_dequantize(at::Tensor qs, at::Tensor d, at::Tensor m, int64_t start, int64_t end, at::ScalarType dtype) {
-  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K / 2], got sizes ", qs.sizes());
-  const int64_t N = qs.size(0), K = qs.size(1) * 2;
-  check_q4(qs, d, m, K);
+// Weight rows [start, end) of a packed q4 weight of N rows as `dtype` [end - start, K].
+at::Tensor q4_dequantize(at::Tensor qp, at::Tensor dp, at::Tensor mp, int64_t N, int64_t start, int64_t end,
+                         at::ScalarType dtype) {
+  TORCH_CHECK(qp.dim() == 5, "qp must be [G, K / 32, 4, 16, 4], got sizes ", qp.sizes());
+  const int64_t K = qp.size(1) * kBlock;
+  check_q4(qp, dp, mp, K, N);
   check_row_range(start, end, N);
   check_float_dtype(dtype, "dtype");
-  at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
+  at::Tensor out = at::empty({end - start, K}, qp.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
-    with_scale_type(d.scalar_type(), [&](auto tag) {
+    with_scale_type(dp.scalar_type(), [&](auto tag) {
       using ST = decltype(tag);
       at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-        q4_dequant_rows<scalar_t, ST>(qs.data_ptr<uint8_t>(), static_cast<const ST*>(d.data_ptr()),
-                                      static_cast<const ST*>(m.data_ptr()), K, n0, n1, start, out.data_ptr<scalar_t>());
+        q4_dequant_rows<scalar_t, ST>(qp.data_ptr<uint8_t>(), static_cast<const ST*>(dp.data_ptr()),
+                                      static_cast<const ST*>(mp.data_ptr()), K, n0, n1, start, out.data_ptr<scalar_t>());
       });
     });
   });
   return out;
 }
 
-at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end, at::ScalarType dtype) {
-  TORCH_CHECK(qs.dim() == 2, "qs must be [N, K], got sizes ", qs.sizes());
-  const int64_t N = qs.size(0), K = qs.size(1);
-  const int64_t S = check_q8(qs, d, K);
+at::Tensor q8_dequantize(at::Tensor qp, at::Tensor dp, int64_t N, int64_t start, int64_t end, at::ScalarType dtype) {
+  TORCH_CHECK(qp.dim() == 5, "qp must be [G, K / 32, 8, 16, 4], got sizes ", qp.sizes());
+  const int64_t K = qp.size(1) * kBlock;
+  const int64_t S = check_q8(qp, dp, K, N);
   check_row_range(start, end, N);
   check_float_dtype(dtype, "dtype");
-  at::Tensor out = at::empty({end - start, K}, qs.options().dtype(dtype));
+  at::Tensor out = at::empty({end - start, K}, qp.options().dtype(dtype));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
-    with_scale_type(d.scalar_type(), [&](auto tag) {
+    with_scale_type(dp.scalar_type(), [&](auto tag) {
       using ST = decltype(tag);
       at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-        q8_dequant_rows<scalar_t, ST>(qs.data_ptr<int8_t>(), static_cast<const ST*>(d.data_ptr()), K, S, n0, n1, start,
+        q8_dequant_rows<scalar_t, ST>(qp.data_ptr<int8_t>(), static_cast<const ST*>(dp.data_ptr()), K, S, n0, n1, start,
                                       out.data_ptr<scalar_t>());
       });
     });
@@ -612,13 +619,15 @@ at::Tensor q8_dequantize(at::Tensor qs, at::Tensor d, int64_t start, int64_t end
 }  // namespace
 
 namespace strata_ops {  // ops.h: for the decode loop (decode_loop.cpp)
-at::Tensor q4_linear(at::Tensor x, at::Tensor qs, at::Tensor d, at::Tensor m) { return ::q4_linear(x, qs, d, m); }
-at::Tensor q8_linear(at::Tensor x, at::Tensor qs, at::Tensor d) { return ::q8_linear(x, qs, d); }
+at::Tensor q4_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, at::Tensor mp, int64_t N) {
+  return ::q4_linear(x, qp, dp, mp, N);
+}
+at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) { return ::q8_linear(x, qp, dp, N); }
 }  // namespace strata_ops
 
 void register_quant_ops(pybind11::module_& m) {
-  m.def("q4_linear", &q4_linear, "x [M, K] @ q4 weight^T -> [M, N] (int8 dot products)");
-  m.def("q8_linear", &q8_linear, "x [M, K] @ q8 weight^T -> [M, N] (int8 dot products)");
-  m.def("q4_dequantize", &q4_dequantize, "q4 weight rows [start, end) -> [end - start, K]");
-  m.def("q8_dequantize", &q8_dequantize, "q8 weight rows [start, end) -> [end - start, K]");
+  m.def("q4_linear", &q4_linear, "x [M, K] @ packed q4 weight of N rows^T -> [M, N] (int8 dot products)");
+  m.def("q8_linear", &q8_linear, "x [M, K] @ packed q8 weight of N rows^T -> [M, N] (int8 dot products)");
+  m.def("q4_dequantize", &q4_dequantize, "packed q4 weight rows [start, end) of N -> [end - start, K]");
+  m.def("q8_dequantize", &q8_dequantize, "packed q8 weight rows [start, end) of N -> [end - start, K]");
 }

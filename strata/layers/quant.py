@@ -14,6 +14,10 @@ Scales and offsets are kept in float16 when every one of a layer's is exactly a 
 Q4_0, Q4_1 and Q8_0 store them so), else in float32: a q4 block is then 20 bytes per 32 weights
 instead of 24, and a decode step reads the fewer bytes.
 
+A layer holds its blocks packed for the kernels (`pack_rows`, `pack_scales`): 16 output rows
+interleaved, 4 bytes of each side by side, so one SIMD lane per row (quant_ops.cpp). The row-major
+layout above is what checkpoints and GGUF converters speak; `qs`, `d`, `m` give it back (copies).
+
 `QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
 int8 per block of 32, integer dot products with AVX2 or AVX-512 VNNI, as llama.cpp does) for up to
 `kernel_max_rows` rows (decode); above that (prefill, big batches) and without the kernels it dequantizes chunks of
@@ -75,10 +79,11 @@ class QuantLinear(nn.Module, ABC):
     """
 
     format: str
-    # From this many rows on, dequantizing chunks for a BLAS matmul beats the int8 kernel (whose cost
-    # grows with rows x weights, while dequantizing costs weights once). Measured on AVX2 (Zen 3),
-    # SmolLM2's layers, fp32: see docs/BENCHMARKS.md.
-    kernel_max_rows: int = 32
+    # From this many rows on, dequantizing chunks for a BLAS matmul may beat the int8 kernel (whose
+    # cost grows with rows x weights, while dequantizing costs weights once). With the packed layout
+    # the kernel was still faster at 128 rows on SmolLM2's layers, AVX-512 VNNI (vs bf16 BLAS) and
+    # the AVX2 build (vs fp32 BLAS): see docs/BENCHMARKS.md.
+    kernel_max_rows: int = 128
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -95,6 +100,12 @@ class QuantLinear(nn.Module, ABC):
     @abstractmethod
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         """The weight rows `index` selects (a slice, or row ids) as float32 [rows, in_features], in torch."""
+
+    def _ids(self, index: slice | torch.Tensor) -> torch.Tensor:
+        """Row ids of `index` (a slice or ids) as int64 [T]."""
+        if isinstance(index, slice):
+            return torch.arange(self.out_features)[index]
+        return index.reshape(-1).long()
 
     def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Weight rows [start, end) as `dtype` [end - start, in_features], in pure torch."""
@@ -161,7 +172,9 @@ class QuantLinear(nn.Module, ABC):
 
 
 class Q4Linear(QuantLinear):
-    """4-bit, asymmetric, blocks of 32: w = d * q + m (see the module docstring for the byte order)."""
+    """4-bit, asymmetric, blocks of 32: w = d * q + m (see the module docstring for the byte order).
+    Held packed (`pack_rows`): `qp` [G, K/32, 4, 16, 4], `dp`, `mp` [G, K/32, 16]; `qs`, `d`, `m` give
+    the row-major layout back."""
 
     format = "q4"
 
@@ -171,9 +184,9 @@ class Q4Linear(QuantLinear):
         if qs.dtype != torch.uint8 or d.shape != (n, nb) or m.shape != (n, nb):
             raise ValueError(f"q4 blocks need qs uint8 [N, K/2], d and m [N, K/32]; got {qs.shape} {d.shape} {m.shape}")
         dtype = scale_dtype(d, m)
-        self.register_buffer("qs", qs.contiguous())  # [N, K/2] uint8
-        self.register_buffer("d", d.to(dtype).contiguous())  # [N, K/32] float16 or float32
-        self.register_buffer("m", m.to(dtype).contiguous())  # [N, K/32]
+        self.register_buffer("qp", pack_rows(qs, 4))  # uint8 [G, K/32, 4, 16, 4]
+        self.register_buffer("dp", pack_scales(d.to(dtype), 1)[:, :, 0])  # [G, K/32, 16] float16 or float32
+        self.register_buffer("mp", pack_scales(m.to(dtype), 1)[:, :, 0])
 
     @classmethod
     @torch.no_grad()
@@ -189,31 +202,49 @@ class Q4Linear(QuantLinear):
         q = torch.round((w - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
         return cls(pack_nibbles(q.view(n, k)), d, lo, bias)
 
+    @property
+    def qs(self) -> torch.Tensor:
+        """uint8 [N, K/2] in the row-major byte order (a copy)."""
+        return packed_rows(self.qp, self._ids(slice(None)))
+
+    @property
+    def d(self) -> torch.Tensor:
+        return packed_scales(self.dp[:, :, None], self._ids(slice(None)))
+
+    @property
+    def m(self) -> torch.Tensor:
+        return packed_scales(self.mp[:, :, None], self._ids(slice(None)))
+
     def unpacked(self, index: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """q of the rows `index` selects: uint8 [rows, K/32, 32]."""
-        qs = self.qs[index].view(-1, self.in_features // BLOCK, BLOCK // 2)
+        qs = packed_rows(self.qp, self._ids(index)).view(-1, self.in_features // BLOCK, BLOCK // 2)
         return torch.cat([qs & 15, qs >> 4], dim=2)
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        w = self.unpacked(index).float().mul_(self.d[index][..., None]).add_(self.m[index][..., None])
+        ids = self._ids(index)
+        d, m = packed_scales(self.dp[:, :, None], ids), packed_scales(self.mp[:, :, None], ids)
+        w = self.unpacked(ids).float().mul_(d[..., None]).add_(m[..., None])
         return w.view(-1, self.in_features)
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
-        return ops.q4_linear(x, b["qs"], b["d"], b["m"])
+        return ops.q4_linear(x, b["qp"], b["dp"], b["mp"], self.out_features)
 
     def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        return ops.q4_dequantize(self.qs, self.d, self.m, start, end, dtype)
+        return ops.q4_dequantize(self.qp, self.dp, self.mp, self.out_features, start, end, dtype)
 
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, xs, xc = quantize_activations(x)
+        d, m = self.d, self.m
         sums = torch.einsum("mbj,nbj->mnb", xq, self.unpacked().float())  # exact integers in float32
-        offsets = self.m[None] * xs[:, None] + self.d[None] * xc[:, None]  # [M, N, K/32]
-        return (sums * (self.d[None] * xd[:, None]) + offsets).sum(-1)
+        offsets = m[None] * xs[:, None] + d[None] * xc[:, None]  # [M, N, K/32]
+        return (sums * (d[None] * xd[:, None]) + offsets).sum(-1)
 
 
 class Q8Linear(QuantLinear):
-    """8-bit, symmetric, one scale per `group` (32 or 16) input channels: w = d * q."""
+    """8-bit, symmetric, one scale per `group` (32 or 16) input channels: w = d * q. Held packed
+    (`pack_rows`): `qp` [G, K/32, 8, 16, 4], `dp` [G, K/32, 32/group, 16]; `qs`, `d` give the row-major
+    layout back."""
 
     format = "q8"
 
@@ -222,8 +253,8 @@ class Q8Linear(QuantLinear):
         self.group = self.in_features // max(1, d.shape[1])
         if qs.dtype != torch.int8 or self.group not in (16, 32) or d.shape != (self.out_features, self.in_features // self.group):
             raise ValueError(f"q8 blocks need qs int8 [N, K], d [N, K/32] or [N, K/16]; got {qs.shape} {d.shape}")
-        self.register_buffer("qs", qs.contiguous())  # [N, K] int8
-        self.register_buffer("d", d.to(scale_dtype(d)).contiguous())  # [N, K/group] float16 or float32
+        self.register_buffer("qp", pack_rows(qs, 8))  # int8 [G, K/32, 8, 16, 4]
+        self.register_buffer("dp", pack_scales(d.to(scale_dtype(d)), BLOCK // self.group))  # [G, K/32, subs, 16]
 
     @classmethod
     @torch.no_grad()
@@ -237,16 +268,26 @@ class Q8Linear(QuantLinear):
         q = torch.round(w * inv[..., None]).clamp_(-127, 127).to(torch.int8)
         return cls(q.view(n, k), d, bias)
 
+    @property
+    def qs(self) -> torch.Tensor:
+        """int8 [N, K] (a copy)."""
+        return packed_rows(self.qp, self._ids(slice(None)))
+
+    @property
+    def d(self) -> torch.Tensor:
+        return packed_scales(self.dp, self._ids(slice(None)))
+
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
-        q = self.qs[index].view(-1, self.in_features // self.group, self.group).float()
-        return q.mul_(self.d[index][..., None]).view(-1, self.in_features)
+        ids = self._ids(index)
+        q = packed_rows(self.qp, ids).view(-1, self.in_features // self.group, self.group).float()
+        return q.mul_(packed_scales(self.dp, ids)[..., None]).view(-1, self.in_features)
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
-        return ops.q8_linear(x, b["qs"], b["d"])
+        return ops.q8_linear(x, b["qp"], b["dp"], self.out_features)
 
     def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        return ops.q8_dequantize(self.qs, self.d, start, end, dtype)
+        return ops.q8_dequantize(self.qp, self.dp, self.out_features, start, end, dtype)
 
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, _, _ = quantize_activations(x)
@@ -255,6 +296,40 @@ class Q8Linear(QuantLinear):
         sums = torch.einsum("msj,nsj->mns", xq.view(rows, subs, self.group), w)
         scale = self.d[None] * xd.repeat_interleave(BLOCK // self.group, dim=1)[:, None]  # [M, N, subs]
         return (sums * scale).sum(-1)
+
+
+GROUP = 16  # weight rows interleaved in the packed layout
+
+
+def pack_rows(q: torch.Tensor, quads: int) -> torch.Tensor:
+    """Row-major weight bytes [N, K/32 * quads * 4] (q4: qs, quads 4; q8: qs, quads 8) -> the kernels'
+    layout [G, K/32, quads, 16, 4], G = ceil(N / 16): 4 bytes of each of 16 rows side by side (rows
+    past N are zeros). See strata/kernels/quant_ops.cpp."""
+    n, width = q.shape
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, width, dtype=q.dtype)
+    padded[:n] = q
+    return padded.view(groups, GROUP, width // (quads * 4), quads, 4).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def pack_scales(s: torch.Tensor, subs: int) -> torch.Tensor:
+    """Scales [N, K/32 * subs] -> [G, K/32, subs, 16] (rows past N are zeros)."""
+    n, width = s.shape
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, width, dtype=s.dtype)
+    padded[:n] = s
+    return padded.view(groups, GROUP, width // subs, subs).permute(0, 2, 3, 1).contiguous()
+
+
+def packed_rows(qp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a packed weight, row-major: [len(ids), K/32 * quads * 4]."""
+    picked = qp[ids // GROUP, :, :, ids % GROUP]  # [T, K/32, quads, 4]
+    return picked.reshape(len(ids), -1)
+
+
+def packed_scales(sp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of packed scales [G, K/32, subs, 16], row-major: [len(ids), K/32 * subs]."""
+    return sp[ids // GROUP, :, :, ids % GROUP].reshape(len(ids), -1)
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:

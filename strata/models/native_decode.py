@@ -36,14 +36,14 @@ def enabled_by_env() -> bool:
 
 
 def _linear_spec(module: nn.Module) -> tuple | None:
-    """(kind, a, b, c, bias) as DecodeLoop.add_layer takes it, or None if the loop cannot run it."""
+    """(kind, a, b, c, bias, rows) as DecodeLoop.add_layer takes it, or None if the loop cannot run it."""
     bias = module._buffers.get("bias") if isinstance(module, QuantLinear) else getattr(module, "bias", None)
     if type(module) is Q4Linear:
-        return (0, module.qs, module.d, module.m, bias)
+        return (0, module.qp, module.dp, module.mp, bias, module.out_features)
     if type(module) is Q8Linear:
-        return (1, module.qs, module.d, None, bias)
+        return (1, module.qp, module.dp, None, bias, module.out_features)
     if type(module) is nn.Linear:
-        return (2, module.weight, None, None, bias)
+        return (2, module.weight, None, None, bias, module.out_features)
     return None
 
 

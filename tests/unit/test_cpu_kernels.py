@@ -19,9 +19,10 @@ from strata.layers.rope import RotaryEmbedding
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 
 
-@pytest.fixture(scope="module", params=["native", "x86-64-v3"])
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64-v4"])
 def ops(request):
-    """Each build this CPU can run: on an AVX-512 machine the x86-64-v3 build proves the AVX2 paths."""
+    """Each build this CPU can run: on an AVX-512 machine the x86-64-v3 build proves the AVX2 paths,
+    x86-64-v4 the 512-bit paths without VNNI or BF16."""
     if shutil.which("c++") is None and shutil.which("g++") is None:
         pytest.skip("no C++ compiler: the kernels cannot be built here")
     if not kernels.target_supported(request.param):
@@ -30,6 +31,8 @@ def ops(request):
     assert module is not None, "a C++ compiler is present but the CPU kernels failed to build (see the log)"
     if request.param == "x86-64-v3":
         assert "avx2" in module.compiled_isa() and "avx512f" not in module.compiled_isa()
+    if request.param == "x86-64-v4":
+        assert "avx512bw" in module.compiled_isa() and "avx512vnni" not in module.compiled_isa()
     with kernels.using(request.param):
         yield module
 

@@ -73,9 +73,9 @@ def random_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantLinear:
 FORMATS = ["q4", "q8", "q8/16", "q4h", "q8h", "q8/16h"]
 
 
-@pytest.fixture(params=["native", "x86-64-v3"])
+@pytest.fixture(params=["native", "x86-64-v3", "x86-64-v4"])
 def build(request):
-    """Each kernel build this CPU can run (on an AVX-512 machine the second is the AVX2 build)."""
+    """Each kernel build this CPU can run (on an AVX-512 machine: AVX2, and AVX-512 without VNNI)."""
     if not kernels.target_supported(request.param):
         pytest.skip(f"this CPU cannot run the {request.param} build")
     module = kernels.load(request.param)
@@ -90,8 +90,8 @@ def build(request):
 @pytest.mark.parametrize("k", [576, 608, 32])
 def test_kernel_matches_its_emulation(build, fmt, rows, k):
     """The int8 dot-product kernel computes exactly the emulated arithmetic (up to float sum order),
-    for row counts on either side of its 4-row and 64-row tiles, and block counts even (the AVX-512
-    paths take two blocks a step), odd (their last block takes the 256-bit step) and one."""
+    for row counts on either side of its 4-row and 64-row tiles, block counts even, odd and one, and
+    130 weight rows: the last group of 16 is partly padding, which no output may show."""
     gen = torch.Generator().manual_seed(rows)
     layer = random_layer(fmt, 130, k, gen)
     x = torch.randn(rows, k, generator=gen)
@@ -137,72 +137,80 @@ def test_many_rows_take_the_native_dequant_matmul(build, fmt, monkeypatch):
 # pointer arithmetic. A case: the call, given a valid q4 and q8 layer of 64 x 64, and a message fragment.
 BAD_CALLS = {
     "K not a multiple of 32": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 48), q4.qs, q4.d, q4.m),
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 48), q4.qp, q4.dp, q4.mp, 64),
         "K (48) must be a multiple of 32",
     ),
     "x's K unlike the weight's": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 96), q4.qs, q4.d, q4.m),
-        "qs must be [64, 48], got [64, 32]",
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 96), q4.qp, q4.dp, q4.mp, 64),
+        "qp must be [4, 3, 4, 16, 4], got [4, 2, 4, 16, 4]",
     ),
-    "scale rows unlike the weight's": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs, q4.d[:10].contiguous(), q4.m),
-        "d must be [64, 2], got [10, 2]",
+    "scale groups unlike the weight's": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp, q4.dp[:1].contiguous(), q4.mp, 64),
+        "dp must be [4, 2, 16], got [1, 2, 16]",
+    ),
+    "N beyond the groups": (
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp, q4.dp, q4.mp, 65),
+        "N (65) must be within the 4 groups of 16 rows of qp",
+    ),
+    "N a group short": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp, q8.dp, 48),
+        "N (48) must be within the 4 groups of 16 rows of qp",
     ),
     "q8 scales per 8 channels": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs, torch.zeros(64, 8)),
-        "one scale per 16 or 32 input channels, got 8",
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp, torch.zeros(4, 2, 4, 16), 64),
+        "dp must be [G, K / 32, 32 / S, 16] with S = 16 or 32, got sizes [4, 2, 4, 16]",
     ),
-    "q8 weight columns unlike K": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs[:, :32].contiguous(), q8.d),
-        "qs must be [64, 64], got [64, 32]",
+    "q8 weight blocks unlike K": (
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp[:, :1].contiguous(), q8.dp, 64),
+        "qp must be [4, 2, 8, 16, 4], got [4, 1, 8, 16, 4]",
     ),
     "q4 blocks stored as int8": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs.view(torch.int8), q4.d, q4.m),
-        "qs must be Byte, got Char",
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp.view(torch.int8), q4.dp, q4.mp, 64),
+        "qp must be Byte, got Char",
     ),
     "float64 scales": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs, q8.d.double()),
-        "d must be float32 or float16, got Double",
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp, q8.dp.double(), 64),
+        "dp must be float32 or float16, got Double",
     ),
     "q4 scales and offsets of two dtypes": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qs, q4.d.half(), q4.m),
-        "d (Half) and m (Float) must share a dtype",
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp, q4.dp.half(), q4.mp, 64),
+        "dp (Half) and mp (Float) must share a dtype",
     ),
     "integer x": (
-        lambda ops, q4, q8: ops.q8_linear(torch.ones(1, 64, dtype=torch.int32), q8.qs, q8.d),
+        lambda ops, q4, q8: ops.q8_linear(torch.ones(1, 64, dtype=torch.int32), q8.qp, q8.dp, 64),
         "x must be float32, bfloat16, float16 or float64, got Int",
     ),
     "x not 2-d": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(64), q4.qs, q4.d, q4.m),
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(64), q4.qp, q4.dp, q4.mp, 64),
         "x must be [rows, K], got sizes [64]",
     ),
     "x not contiguous": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(64, 2).t(), q4.qs, q4.d, q4.m),
+        lambda ops, q4, q8: ops.q4_linear(torch.randn(64, 2).t(), q4.qp, q4.dp, q4.mp, 64),
         "x must be contiguous",
     ),
     "weight not contiguous": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qs.t(), q8.d),
-        "qs must be contiguous",
+        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp.transpose(1, 2), q8.dp, 64),
+        "qp must be contiguous",
     ),
     "rows before 0": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.d, q4.m, -1, 10, torch.float32),
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qp, q4.dp, q4.mp, 64, -1, 10, torch.float32),
         "rows [-1, 10) are not a range within the 64 weight rows [0, 64)",
     ),
     "rows past the weight": (
-        lambda ops, q4, q8: ops.q8_dequantize(q8.qs, q8.d, 60, 65, torch.float32),
+        lambda ops, q4, q8: ops.q8_dequantize(q8.qp, q8.dp, 64, 60, 65, torch.float32),
         "rows [60, 65) are not a range within the 64 weight rows [0, 64)",
     ),
     "rows reversed": (
-        lambda ops, q4, q8: ops.q8_dequantize(q8.qs, q8.d, 10, 5, torch.float32),
+        lambda ops, q4, q8: ops.q8_dequantize(q8.qp, q8.dp, 64, 10, 5, torch.float32),
         "rows [10, 5) are not a range within the 64 weight rows",
     ),
     "dequantized to int32": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.d, q4.m, 0, 64, torch.int32),
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qp, q4.dp, q4.mp, 64, 0, 64, torch.int32),
         "dtype must be float32, bfloat16, float16 or float64, got Int",
     ),
-    "dequantizing a 1-d weight": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qs[0], q4.d, q4.m, 0, 1, torch.float32),
-        "qs must be [N, K / 2], got sizes [32]",
+    "dequantizing a 2-d weight": (
+        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.dp, q4.mp, 64, 0, 1, torch.float32),
+        "qp must be [G, K / 32, 4, 16, 4], got sizes [64, 32]",
     ),
 }
 
@@ -276,6 +284,21 @@ def test_concat_rows_merges_one_format_and_joins_mixed_ones():
     mixed = concat_rows([a, c], bias=torch.ones(48))
     assert isinstance(mixed, ConcatLinear)
     torch.testing.assert_close(mixed(x), torch.cat([a(x), c(x)], dim=1) + 1)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_packed_layout_gives_the_row_major_blocks_back(fmt):
+    """The kernels' layout (16 rows interleaved, padded to a whole group) round-trips the blocks it
+    was built from, and its groups hold what the layout says."""
+    gen = torch.Generator().manual_seed(6)
+    layer = random_layer(fmt, 37, 96, gen)
+    again = Q4Linear(layer.qs, layer.d, layer.m) if fmt.startswith("q4") else Q8Linear(layer.qs, layer.d)
+    assert torch.equal(again.qp, layer.qp) and torch.equal(again.dp, layer.dp)
+    quads = 4 if fmt.startswith("q4") else 8
+    assert layer.qp.shape == (3, 3, quads, 16, 4)
+    row, block, quad = 21, 2, 1  # group 1, lane 5
+    assert torch.equal(layer.qp[1, block, quad, 5], layer.qs[row, block * quads * 4 + quad * 4 :][:4])
+    assert not layer.qp[2, :, :, 5:].any()  # rows 37.. of the last group are zeros
 
 
 def test_gather_rows_is_an_embedding_lookup():
