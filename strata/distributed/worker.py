@@ -29,6 +29,7 @@ from strata.distributed import messages as msg
 from strata.distributed.comm import Comm
 from strata.distributed.errors import RankFailure
 from strata.distributed.sharding import ShardPlan
+from strata.layers.quant import decode_rows_first
 
 logger = logging.getLogger("strata.worker")
 PR_SET_PDEATHSIG = 1
@@ -98,9 +99,11 @@ class Worker:
     @torch.inference_mode()
     def run_step(self, step: msg.Step) -> None:
         ids, positions, attn, sample_rows = build_step(step, self.page_size, self.device)
-        hidden = self.model(ids, positions, attn, self.kv)
-        if sample_rows is not None:
-            self.model.compute_logits(hidden[sample_rows])
+        samples = 0 if sample_rows is None else len(sample_rows)
+        with decode_rows_first(len(ids), samples, attn.num_decode):  # as the driver's ModelRunner
+            hidden = self.model(ids, positions, attn, self.kv)
+            if sample_rows is not None:
+                self.model.compute_logits(hidden[sample_rows])
 
     def read_pages(self, pages: list[int]) -> None:
         from strata.distributed.kv import pad_heads

@@ -16,7 +16,7 @@ from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_r
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.quant import QuantLinear
+from strata.layers.quant import QuantLinear, decode_rows_first
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
@@ -130,13 +130,15 @@ class ModelRunner:
         fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+        with decode_rows_first(len(fb.input_ids), len(fb.sample_rows), fb.attn.num_decode):
+            hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
         self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:
             return None
         # grammar masks are computed on the CPU while an accelerator runs the forward
         self.add_grammar_masks(fb.rows, fb.sampling)
-        logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
+        with decode_rows_first(len(fb.input_ids), len(fb.sample_rows), fb.attn.num_decode):
+            logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
         if out.accepted is not None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -70,6 +71,26 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, d, s, 8 * (s - d * q.sum(dim=2))
 
 
+# {rows of a linear's input: how many of them lead as a step's decode rows} (decode_rows_first)
+_DECODE_ROWS: dict[int, int] = {}
+
+
+@contextmanager
+def decode_rows_first(token_rows: int, sample_rows: int, num_decode: int):
+    """Within: a block-quantized linear over a step's `token_rows` (or its `sample_rows`, the LM
+    head's input) computes the first `num_decode` rows, the step's decode and verification tokens,
+    with the int8 kernel whatever the step's size; only the other rows go by `kernel_max_rows`. So a
+    decoded token's logits do not depend on what shares its step: a prefill chunk of another request,
+    or speculation's drafts, cannot change a greedy output."""
+    global _DECODE_ROWS
+    saved = _DECODE_ROWS
+    _DECODE_ROWS = {token_rows: num_decode, sample_rows: num_decode} if num_decode > 0 else {}
+    try:
+        yield
+    finally:
+        _DECODE_ROWS = saved
+
+
 class QuantLinear(nn.Module, ABC):
     """`y = x @ dequantize().T + bias`, with the weight stored in blocks (one of the formats above).
 
@@ -79,11 +100,11 @@ class QuantLinear(nn.Module, ABC):
     """
 
     format: str
-    # From this many rows on, dequantizing chunks for a BLAS matmul may beat the int8 kernel (whose
-    # cost grows with rows x weights, while dequantizing costs weights once). With the packed layout
-    # the kernel was still faster at 128 rows on SmolLM2's layers, AVX-512 VNNI (vs bf16 BLAS) and
-    # the AVX2 build (vs fp32 BLAS): see docs/BENCHMARKS.md.
-    kernel_max_rows: int = 128
+    # From this many rows on, forward dequantizes chunks for a BLAS matmul (whose cost is the
+    # weights once, while the int8 kernel's grows with rows x weights), except a step's decode rows
+    # (decode_rows_first), which always take the kernel: with the packed layout it is faster than
+    # dequantizing up to 128 rows and more on SmolLM2's layers (docs/BENCHMARKS.md).
+    kernel_max_rows: int = 32
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -155,8 +176,13 @@ class QuantLinear(nn.Module, ABC):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
-        if ops is not None and x2d.shape[0] < self.kernel_max_rows:
+        rows = x2d.shape[0]
+        if ops is not None and rows < self.kernel_max_rows:
             out = self.kernel_mm(ops, x2d)
+        elif ops is not None and (lead := _DECODE_ROWS.get(rows, 0)) > 0:  # see decode_rows_first
+            out = self.kernel_mm(ops, x2d) if lead >= rows else torch.cat(
+                [self.kernel_mm(ops, x2d[:lead]), self.dequant_mm(x2d[lead:], ops)]
+            )
         else:
             out = self.dequant_mm(x2d, ops)
         bias = self._buffers["bias"]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step

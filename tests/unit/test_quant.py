@@ -475,3 +475,21 @@ def test_config_choices_cover_the_quantizers():
     from strata.config import QUANTIZATION_METHODS
 
     assert set(QUANT_METHODS) < set(QUANTIZATION_METHODS)
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8/16h"])
+def test_decode_rows_take_the_kernel_whatever_shares_their_step(build, fmt):
+    """A step of 5 decode rows and a 40-token prefill chunk: inside decode_rows_first the decode rows
+    compute exactly what they compute in a step of their own (the int8 kernel), the chunk's rows what
+    the float path gives them; outside it the whole step takes the float path."""
+    gen = torch.Generator().manual_seed(7)
+    layer = random_layer(fmt, 48, 96, gen)
+    x = torch.randn(45, 96, generator=gen)
+    alone = layer(x[:5])  # 5 rows < kernel_max_rows: the kernel
+    with quant.decode_rows_first(45, 45, 5):
+        mixed = layer(x)
+    assert torch.equal(mixed[:5], alone)
+    assert torch.equal(mixed[5:], layer.dequant_mm(x[5:], build))
+    assert not torch.equal(layer(x)[:5], alone)  # the float path: what a prefill in the step used to cause
+    with quant.decode_rows_first(45, 3, 3):  # the LM head's input: 3 sampled rows of decodes
+        assert torch.equal(layer(x[:3]), layer.kernel_mm(build, x[:3]))
