@@ -173,13 +173,17 @@ class SingleTier:
         need = a.pool_cost(num_pages, present)
         if need > a.num_free_pages:
             self.evict_window([need - a.num_free_pages] * len(a.groups), tails=False)
-        # least recently used leaves whole, unless the next one's band (window KV kept past W before
-        # its guards) alone covers what is short: then that goes and the conversation stays
-        while need > a.num_free_pages and not self._spare_band(need - a.num_free_pages) and self.evict(1):
-            pass
+        self._free_leaves(need)
         if need > a.num_free_pages:
             self.evict_window([need - a.num_free_pages] * len(a.groups))
         return a.can_alloc(num_pages, present)
+
+    def _free_leaves(self, need: int) -> None:
+        """Shared pool: least recently used leaves whole until `need` pool pages are free
+        (WindowRadixCache may give back a leaf's band instead)."""
+        a = self.allocator
+        while need > a.num_free_pages and self.evict(-(-(need - a.num_free_pages) // a.page_cost)):
+            pass
 
     def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
         return self.match_prefix(token_ids)
@@ -378,9 +382,6 @@ class RadixCache(SingleTier):
 
     def keep_resumable(self, node: TreeNode) -> None:
         pass  # a full-attention tree resumes anywhere (WindowRadixCache keeps what resuming reads)
-
-    def _spare_band(self, short: int) -> bool:
-        return False  # no window KV (WindowRadixCache)
 
     def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
         return [0] * len(wanted)  # no window groups (WindowRadixCache has them)

@@ -25,7 +25,7 @@ the cache gives its KV back in two passes:
 2. what is left, on unlocked nodes, least recently used first: a leaf goes whole (its full-layer
    pages too: without its tail it can no longer be matched at its end), unless its path's band
    alone covers what is short (then only the band goes, `_band`; in a shared pool `make_room` asks
-   the same of each leaf it would evict, `_spare_band`); an inner node becomes a
+   the same of each leaf it would evict, `_free_leaves`); an inner node becomes a
    tombstone and its children stay matchable (a branch is never lost because a node above it gave
    up its window KV). With `replay` (--swa-replay) leaves become tombstones too: the scheduler
    recomputes a hit's window, so the full layers' pages keep their value.
@@ -175,18 +175,24 @@ class WindowRadixCache(RadixCache):
             node = node.parent
         return band
 
-    def _spare_band(self, short: int) -> bool:
-        """Shared pool: if the least recently used leaf's band covers `short` pool pages, give it
-        back (that conversation stays matchable at its guards) and return True."""
-        leaves = [n for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-        if not leaves:
-            return False
-        band = self._band(min(leaves, key=lambda n: (n.last_access, n.id)), self.allocator.groups, self._ends())
-        if sum(len(pages) for _, pages in band) < short:
-            return False
-        for group, pages in band:
-            group.drop(pages)
-        return True
+    def _free_leaves(self, need: int) -> None:
+        """Shared pool: least recently used leaves go whole until `need` pool pages are free, but a
+        leaf whose path's band alone covers what is still short gives back only that (and stays)."""
+        a = self.allocator
+        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
+        heapq.heapify(heap)
+        ends = self._ends()  # the positions hold through removals; _band works out guards itself
+        while need > a.num_free_pages and heap:
+            node = heapq.heappop(heap)[2]
+            band = self._band(node, a.groups, ends)
+            if sum(len(pages) for _, pages in band) >= need - a.num_free_pages:
+                for group, pages in band:
+                    group.drop(pages)
+                return
+            parent = node.parent
+            self._remove_leaf(node)
+            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
 
     def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
         """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among
