@@ -14,9 +14,7 @@ collective fails, so no worker outlives its replica.
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -30,18 +28,9 @@ from strata.distributed.comm import Comm
 from strata.distributed.errors import RankFailure
 from strata.distributed.sharding import ShardPlan
 from strata.layers.quant import decode_rows_first
+from strata.process import die_with_parent, settle_heap
 
 logger = logging.getLogger("strata.worker")
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent_pid:
-        os._exit(1)
 
 
 def build_step(step: msg.Step, page_size: int, device: torch.device):
@@ -160,6 +149,7 @@ def main() -> int:
     worker = None
     try:
         worker = Worker(init)
+        settle_heap()
         worker.loop()
     except RankFailure as exc:
         logger.error("%s; exiting", exc)

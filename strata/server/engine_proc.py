@@ -18,7 +18,6 @@ the engine keeps serving. The process ignores SIGINT/SIGTERM: the frontend decid
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import logging
 import os
@@ -32,6 +31,7 @@ from strata.config import EngineConfig
 from strata.distributed.errors import RankFailure
 from strata.engine.outputs import RequestOutput
 from strata.layers.expert_load import expert_load_summary
+from strata.process import die_with_parent, settle_heap
 from strata.redact import install_log_redaction, scrub, secret_values
 from strata.server import io
 
@@ -40,18 +40,6 @@ logger = logging.getLogger("strata.engine_proc")
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent still lives
 BACKGROUND_POLL_MS = 1  # the pause between steps that can only make background progress
 MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine gives up and exits (the frontend reports it)
-PR_SET_PDEATHSIG = 1
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Ask Linux to SIGKILL us when the parent dies, so no engine outlives its server."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the idle loop's parent check still applies
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
-        os._exit(1)
 
 
 class EngineLoop:
@@ -306,6 +294,7 @@ def main(argv: list[str] | None = None) -> int:
         secrets = secret_values(config)
         install_log_redaction(secrets)
         engine = Engine(**{f: getattr(config, f) for f in config.__dataclass_fields__})
+        settle_heap()
         push.send(io.encode(io.EngineReady(engine_info(engine))))
     except Exception as exc:  # noqa: BLE001 -- whatever stops the load, the server must hear why
         logger.error("engine failed to start:\n%s", traceback.format_exc())

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from strata.config import SCALAR_TYPES, EngineConfig, add_engine_args, engine_config_from_args, field_comments
+from strata.process import settle_heap
 from strata.redact import install_log_redaction, secret_values, with_env_secrets
 from strata.server.config import LOG_LEVELS, ServerConfig
 
@@ -292,6 +293,7 @@ async def _serve(
                 info = await client.wait_ready()
             except EngineUnavailable:
                 return  # client.fail() logged why, and the server is exiting
+            settle_heap()  # the tokenizer, app and engine info are loaded: keep collections short
             print(
                 f"strata serve: ready at http://{url_host}:{port} (model {name!r}, context {info.context_len}, "
                 f"KV cache {info.num_kv_tokens} tokens; {time.perf_counter() - started:.1f}s after start)",
