@@ -350,19 +350,30 @@ class RadixCache(SingleTier):
             yield n
             stack.extend(n.children.values())
 
-    def evict(self, num_pages: int) -> int:
-        if num_pages <= 0 or self._evictable == 0:
-            return 0
-        ps = self.page_size
+    def _lru_leaves(self) -> Iterator[TreeNode]:
+        """Unlocked leaves, least recently used first. When the caller removes the leaf it was just
+        given (`_remove_leaf`) and that leaves its parent an unlocked leaf, the parent joins in turn."""
         heap = [
             (n.last_access, n.id, n)
             for n in self._nodes()
             if not n.children and n.lock_ref == 0 and n is not self.root
         ]
         heapq.heapify(heap)
+        while heap:
+            node = heapq.heappop(heap)[2]
+            parent = node.parent
+            yield node
+            if node.parent is None and not parent.children and parent.lock_ref == 0 and parent is not self.root:
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+
+    def evict(self, num_pages: int) -> int:
+        if num_pages <= 0 or self._evictable == 0:
+            return 0
+        ps = self.page_size
         freed = 0
-        while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+        for node in self._lru_leaves():
+            if freed >= num_pages:
+                break
             want = num_pages - freed
             if self.trims_leaves and len(node.value) > want:  # only part of this leaf is needed: drop its tail
                 keep = len(node.value) - want
@@ -373,11 +384,7 @@ class RadixCache(SingleTier):
                 freed += want
                 self._evictable -= want
                 break
-            parent = node.parent
-            assert parent is not None
             freed += self._remove_leaf(node)
-            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
     def keep_resumable(self, node: TreeNode) -> None:

@@ -145,7 +145,6 @@ class WindowRadixCache(RadixCache):
         """Pass 1, one round: interiors, the pages wholly before guard - (1 + extra) W + 1 (less a
         page of slack), least recently used nodes first, every group of a node before the next node
         (a match needs all of them)."""
-        ps = self.page_size
         heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root]
         heapq.heapify(heap)
         while heap and any(w > 0 for w in want):
@@ -153,21 +152,27 @@ class WindowRadixCache(RadixCache):
             end, guard = ends[node]
             start = end - len(node.key)
             for g, group in enumerate(self.allocator.groups):
-                deep = (guard - group.window - int(extra * group.window) + 1 - ps - start) // ps
+                deep = self._pages_before(guard, start, group.window, extra)
                 if deep > 0 and want[g] > 0:
                     took(g, group.drop(node.value[:deep]))
 
+    def _pages_before(self, guard: int, start: int, window: int, extra: float) -> int:
+        """How many pages of a node starting at `start` lie wholly before guard - (1 + extra) W + 1,
+        less a page of slack: those no match worth keeping reads (with extra 0: none at all)."""
+        ps = self.page_size
+        return (guard - window - int(extra * window) + 1 - ps - start) // ps
+
     def _band(self, leaf: TreeNode, groups, ends: dict[TreeNode, tuple[int, int]]) -> list[tuple[WindowGroup, list[int]]]:
-        """The pages of `groups` that pass 1 keeps past W before the guards (the W / 4 band) on the
-        unlocked nodes of leaf's unbranched path: what the leaf's conversation gives back first."""
-        ps, band = self.page_size, []
+        """The live pages of `groups` more than W before the guards on the unlocked nodes of leaf's
+        unbranched path (after pass 1: the W / 4 band): what the leaf's conversation gives back first."""
+        band = []
         node, guard = leaf, ends[leaf][0]  # a leaf guards its end (ends' guards may predate a removal)
         while node is not self.root and len(node.children) <= 1 and node.lock_ref == 0:
             end = ends[node][0]
             guard = end if node.pins or node.resume else guard
             start = end - len(node.key)
             for group in groups:
-                deep = (guard - group.window + 1 - ps - start) // ps
+                deep = self._pages_before(guard, start, group.window, 0.0)
                 if deep > 0:
                     pages = [p for p, alive in zip(node.value[:deep], group.alive(node.value[:deep])) if alive]
                     if pages:
@@ -179,20 +184,18 @@ class WindowRadixCache(RadixCache):
         """Shared pool: least recently used leaves go whole until `need` pool pages are free, but a
         leaf whose path's band alone covers what is still short gives back only that (and stays)."""
         a = self.allocator
-        heap = [(n.last_access, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0 and n is not self.root]
-        heapq.heapify(heap)
+        if need <= a.num_free_pages:
+            return
         ends = self._ends()  # the positions hold through removals; _band works out guards itself
-        while need > a.num_free_pages and heap:
-            node = heapq.heappop(heap)[2]
+        for node in self._lru_leaves():
             band = self._band(node, a.groups, ends)
             if sum(len(pages) for _, pages in band) >= need - a.num_free_pages:
                 for group, pages in band:
                     group.drop(pages)
                 return
-            parent = node.parent
             self._remove_leaf(node)
-            if not parent.children and parent.lock_ref == 0 and parent is not self.root:
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            if need <= a.num_free_pages:
+                return
 
     def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
         """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among

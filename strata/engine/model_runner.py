@@ -132,12 +132,11 @@ class ModelRunner:
             self.parallel.send_step(fb)
         with decode_rows_first(len(fb.input_ids), len(fb.sample_rows), fb.attn.num_decode):
             hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
-        self.hidden = hidden if self.keep_hidden else None
-        if fb.sampling is None:
-            return None
-        # grammar masks are computed on the CPU while an accelerator runs the forward
-        self.add_grammar_masks(fb.rows, fb.sampling)
-        with decode_rows_first(len(fb.input_ids), len(fb.sample_rows), fb.attn.num_decode):
+            self.hidden = hidden if self.keep_hidden else None
+            if fb.sampling is None:
+                return None
+            # grammar masks are computed on the CPU while an accelerator runs the forward
+            self.add_grammar_masks(fb.rows, fb.sampling)
             logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
