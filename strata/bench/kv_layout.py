@@ -24,8 +24,8 @@ import torch
 
 from strata.cache.dsv4_pool import bytes_per_token as dsv4_bytes_per_token
 from strata.cache.dsv4_pool import context_bytes as dsv4_context_bytes
+from strata.cache.kv_plan import kv_layer_bytes_per_token
 from strata.config import ModelConfig
-from strata.engine.engine import kv_layer_bytes_per_token
 
 CONTEXT_LENS = (8192, 65536)
 

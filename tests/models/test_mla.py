@@ -17,9 +17,9 @@ from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
 from tiny_models import MLA_FAMILIES, constant_tensors, make_model
 
 from strata import Engine, SamplingParams
+from strata.cache.kv_plan import plan_kv_pool
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
 from strata.config import EngineConfig, ModelConfig
-from strata.engine.engine import plan_kv_pool
 from strata.engine.request import Req
 from strata.layers.mla import deinterleave
 from strata.mla_config import MLAConfig
@@ -124,7 +124,7 @@ def test_published_deepseek_v3_config_and_its_kv_bytes_per_token():
     assert (latent, mha, mha // latent) == (70_272, 4_997_120, 71)
     plan = plan_kv_pool(EngineConfig(mem_fraction_static=0.5, page_size=16), mc, torch.bfloat16, torch.device("cpu"),
                         context_len=1 << 20)
-    from strata.engine.engine import total_memory_bytes
+    from strata.cache.kv_plan import total_memory_bytes
 
     assert plan.num_pages == int(total_memory_bytes(torch.device("cpu")) * 0.5 / latent) // 16
 
