@@ -34,6 +34,7 @@ from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
 from strata.engine.speculative import Speculator
+from strata.engine.stopping import stop_reason
 from strata.engine.window_kv import WindowKV
 from strata.grammar.compiler import GrammarCompiler
 from strata.layers.sampler import SamplerOutput, sampling_row
@@ -473,8 +474,8 @@ class Scheduler(WindowKV, KVAccounting):
                     req.grammar.accept(token)
                 if req.params.logprobs is not None:
                     req.pending_logprobs.append(_token_logprob(sampled, row + j, token, req.params.logprobs))
-                self._check_finished(req, token)
-                if req.finished:
+                if reason := stop_reason(req, token, self.context_len):
+                    self._finish(req, reason)
                     break
             row += 1 + drafted
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -515,41 +516,6 @@ class Scheduler(WindowKV, KVAccounting):
         return self._grammars
 
     _grammars: GrammarCompiler | None = None
-
-    def _check_finished(self, req: Req, token: int) -> None:
-        p = req.params
-        out_len = len(req.output_ids)
-        if req.grammar is not None and (grammar_done := self._check_grammar(req, token)):
-            return self._finish(req, grammar_done)
-        may_stop = out_len >= p.min_new_tokens
-        if may_stop and token in p.stop_token_ids:
-            req.matched_stop = token
-            return self._finish(req, "stop")
-        if may_stop and not p.ignore_eos and token in req.eos_token_ids:
-            req.matched_stop = token
-            return self._finish(req, "stop")
-        if req.detokenizer is not None:
-            req.detokenizer.add(token)
-            if req.detokenizer.matched_stop is not None:
-                req.matched_stop = req.detokenizer.matched_stop
-                return self._finish(req, "stop")
-        if out_len >= p.max_new_tokens or req.seq_len >= self.context_len:
-            self._finish(req, "length")
-
-    def _check_grammar(self, req: Req, token: int) -> str | None:
-        """The finish reason structured output imposes after `token`, if any: "stop" once the grammar
-        is complete (nothing but end of text may follow), "error" if the matcher broke."""
-        grammar = req.grammar
-        if grammar.error is not None:
-            req.error = f"structured output failed: {grammar.error}"
-            return "error"
-        if not grammar.is_complete:
-            return None
-        if token in req.eos_token_ids or token in req.params.stop_token_ids:
-            req.matched_stop = token
-        elif req.detokenizer is not None:
-            req.detokenizer.add(token)
-        return "stop"
 
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
