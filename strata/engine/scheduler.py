@@ -208,8 +208,9 @@ class Scheduler(WindowKV, KVAccounting):
             req.grammar.accept(first_token)
         if logprob is not None and req.params.logprobs is not None:
             req.pending_logprobs.append(logprob)
-        self._check_finished(req, first_token)
-        if not req.finished:
+        if reason := stop_reason(req, first_token, self.context_len):
+            self._finish(req, reason)
+        else:
             self.pending_outputs.append(req.make_output())
 
     def fail_prefilled(self, rid: str, error: str) -> None:
