@@ -13,7 +13,9 @@ speculation (in alternating order: `--speculative-algorithm` as given, ngram whe
 prompts no earlier round used, so neither
 the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
 scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
-(tokens per verifying request-step) and draft length the adaptive policy chose.
+(tokens per verifying request-step) and draft length the adaptive policy chose. Batch 1 also
+reports what a step costs by its rows (1: a decode, 1 + k: a verification of k drafts), each as a
+multiple of the engine-without-speculation's decode step: the ratio speculation has to beat.
 
 With `--llamacpp` (llama-cpp-python installed) llama.cpp runs the batch-1 scenarios too, on the
 default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLookupDecoding`).
@@ -22,6 +24,7 @@ default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import inspect
 import itertools
@@ -29,6 +32,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 
+from strata.bench.step_timer import StepTimer, StepTiming
 from strata.sampling_params import SamplingParams
 
 # modules whose documentation the grounded workload quotes (all in the standard library)
@@ -81,6 +85,20 @@ class ScenarioResult:
     identical: bool = True
     llamacpp_off_tok_s: list[float] = field(default_factory=list)
     llamacpp_lookup_tok_s: list[float] = field(default_factory=list)
+    # batch 1: the ms of each step without prefill, by its rows (1: a decode; 1 + k: a verification
+    # of k drafts), with speculation on, and the off engine's one-row steps
+    on_step_ms: dict[int, list[float]] = field(default_factory=dict)
+    off_step_ms: list[float] = field(default_factory=list)
+
+    def step_costs(self) -> dict | None:
+        """Median step ms by rows (and how many), and each as a multiple of the off engine's decode
+        step: what a verification costs against the step it replaces. None outside batch 1."""
+        if not self.off_step_ms:
+            return None
+        base = statistics.median(self.off_step_ms)
+        by_rows = {rows: {"ms": statistics.median(ms), "steps": len(ms), "vs_decode": statistics.median(ms) / base}
+                   for rows, ms in sorted(self.on_step_ms.items())}
+        return {"off_decode_ms": base, "on_by_rows": by_rows}
 
     def summary(self) -> dict:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
@@ -93,6 +111,7 @@ class ScenarioResult:
             "draft_length": med(self.draft_length),
             "output_tokens_per_round": med(self.output_tokens),
             "identical_outputs": self.identical,
+            "step_costs": self.step_costs(),
             "llamacpp_tok_s": med(self.llamacpp_off_tok_s),
             "llamacpp_lookup_tok_s": med(self.llamacpp_lookup_tok_s),
             "llamacpp_ratio": (
@@ -144,14 +163,21 @@ def prompts_for(kind: str, engine, cfg: SpecBenchConfig) -> list[list[int]]:
     return [engine.chat_ids([{"role": "user", "content": t}]) for t in texts]
 
 
-def _run(engine, prompts: list[list[int]], batch1: bool, output_len: int) -> tuple[list[list[int]], float]:
+def _run(
+    engine, prompts: list[list[int]], batch1: bool, output_len: int, steps: list[StepTiming] | None = None
+) -> tuple[list[list[int]], float]:
+    """The outputs and the seconds they took; `steps` collects each engine step's timing."""
     params = SamplingParams(temperature=0, max_new_tokens=output_len)
-    start = time.perf_counter()
-    if batch1:
-        outs = [engine.generate(p, params)[0].token_ids for p in prompts]
-    else:
-        outs = [r.token_ids for r in engine.generate(prompts, params)]
-    return outs, time.perf_counter() - start
+    with StepTimer(engine) if steps is not None else contextlib.nullcontext() as timer:
+        start = time.perf_counter()
+        if batch1:
+            outs = [engine.generate(p, params)[0].token_ids for p in prompts]
+        else:
+            outs = [r.token_ids for r in engine.generate(prompts, params)]
+        seconds = time.perf_counter() - start
+    if timer is not None:
+        steps.extend(timer.steps)
+    return outs, seconds
 
 
 def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
@@ -178,9 +204,14 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             prompts = [pool[(cursor[kind] + i) % len(pool)] for i in range(size)]
             cursor[kind] += size
             before = dict(on.scheduler.spec.stats.as_dict())
-            timings = {}
+            timings, steps = {}, {"off": [], "on": []}
             for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                timings[which] = _run(off if which == "off" else on, prompts, batch1, cfg.output_len)
+                engine = off if which == "off" else on
+                timings[which] = _run(engine, prompts, batch1, cfg.output_len, steps[which] if batch1 else None)
+            for s in steps["on"]:
+                if s.no_prefill:
+                    result.on_step_ms.setdefault(s.num_tokens, []).append(1000.0 * s.duration_s)
+            result.off_step_ms += [1000.0 * s.duration_s for s in steps["off"] if s.no_prefill]
             (off_out, off_s), (on_out, on_s) = timings["off"], timings["on"]
             tokens = sum(len(o) for o in on_out)
             result.identical &= off_out == on_out
@@ -251,6 +282,12 @@ def format_text(results: list[ScenarioResult]) -> str:
             f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
             f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
         )
+    for r in results:
+        costs = r.step_costs()
+        if costs is not None:
+            rows = ", ".join(f"{n}: {c['ms']:.2f} ({c['vs_decode']:.2f}x, {c['steps']})" for n, c in costs["on_by_rows"].items())
+            lines.append(f"{r.scenario}: decode step off {costs['off_decode_ms']:.2f} ms; on, by rows "
+                         f"(ms, x the off step, steps): {rows}")
     return "\n".join(lines)
 
 

@@ -34,6 +34,7 @@ class StepTiming:
     process_s: float = 0.0
     num_reqs: int = 0
     num_decode: int = 0  # requests fed one token (decoding)
+    num_verify: int = 0  # requests fed their drafted tokens after one (verifying a speculation)
     num_tokens: int = 0  # tokens fed to the forward (decode tokens + prefill chunks)
     num_sampled: int = 0  # tokens generated
     num_finished: int = 0  # requests that finished in this step
@@ -51,6 +52,11 @@ class StepTiming:
     @property
     def decode_only(self) -> bool:
         return self.num_reqs > 0 and self.num_decode == self.num_reqs
+
+    @property
+    def no_prefill(self) -> bool:
+        """Every request decodes or verifies drafts (the step's rows are num_tokens)."""
+        return self.num_reqs > 0 and self.num_decode + self.num_verify == self.num_reqs
 
     def piece_ms(self) -> dict[str, float]:
         return {p: 1000.0 * getattr(self, f"{p}_s") for p in PIECES}
@@ -123,6 +129,7 @@ class StepTimer:
             if batch is not None:
                 self.current.num_reqs = len(batch.reqs)
                 self.current.num_decode = batch.num_decode
+                self.current.num_verify = sum(1 for r in batch.reqs if r.draft_ids)
                 self.current.num_tokens = batch.num_tokens
                 self.current.num_sampled = len(batch.sampled_reqs())
             return batch

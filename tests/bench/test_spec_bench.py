@@ -22,4 +22,13 @@ def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
         assert s["identical_outputs"] and s["off_tok_s"] > 0 and s["on_tok_s"] > 0
     if algorithm == "draft":
         assert all(r.accept_length[0] > 1 for r in results)  # drafts were fed and accepted
-    assert "on tok/s" in format_text(results)
+    costs = results[0].summary()["step_costs"]  # batch 1: step cost by rows; none for concurrent rounds
+    assert costs["off_decode_ms"] > 0 and results[1].summary()["step_costs"] is None
+    rows = costs["on_by_rows"]
+    assert all(c["ms"] > 0 and c["steps"] > 0 for c in rows.values())
+    drafted_rows = sum(c["steps"] for n, c in rows.items() if n > 1)
+    assert (drafted_rows > 0) == (results[0].draft_length[0] > 0)  # verifications show as steps of 1 + k rows
+    # every token-producing step without prefill is counted once: decodes and verifications
+    assert sum(c["steps"] for c in rows.values()) <= results[0].output_tokens[0]
+    text = format_text(results)
+    assert "on tok/s" in text and "chat-batch1: decode step off" in text
