@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 SLOW_GC_S = 0.05  # a collection pausing the process this long is logged
+SLOW_GC_LOG_EVERY_S = 60.0  # at most one such line per minute (it counts the ones it did not log)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -37,14 +38,20 @@ def die_with_parent(parent_pid: int) -> None:
 
 
 class GCPauseLog:
-    """A `gc.callbacks` entry that logs collections longer than `slow_s` and counts all pauses."""
+    """A `gc.callbacks` entry that counts collections and their pauses, and logs those longer than
+    `slow_s` (one line per `every_s` at most, saying how many it did not log)."""
 
-    def __init__(self, slow_s: float = SLOW_GC_S, clock: Callable[[], float] = time.perf_counter):
-        self.slow_s, self.clock = slow_s, clock
+    def __init__(
+        self, slow_s: float = SLOW_GC_S, every_s: float = SLOW_GC_LOG_EVERY_S,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.slow_s, self.every_s, self.clock = slow_s, every_s, clock
         self.started = 0.0
         self.collections = 0
         self.pause_s = 0.0
         self.slow = 0
+        self._logged_at = float("-inf")
+        self._unlogged = 0  # slow collections since the last line
 
     def __call__(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -53,12 +60,19 @@ class GCPauseLog:
         took = self.clock() - self.started
         self.collections += 1
         self.pause_s += took
-        if took >= self.slow_s:
-            self.slow += 1
-            logger.warning(
-                "a garbage collection (generation %d, %d objects freed) paused this process for %.0f ms",
-                info.get("generation", -1), info.get("collected", 0), took * 1e3,
-            )
+        if took < self.slow_s:
+            return
+        self.slow += 1
+        now = self.clock()
+        if now - self._logged_at < self.every_s:
+            self._unlogged += 1
+            return
+        since = f" ({self._unlogged} more since the last report)" if self._unlogged else ""
+        logger.warning(
+            "a garbage collection (generation %d, %d objects freed) paused this process for %.0f ms%s",
+            info.get("generation", -1), info.get("collected", 0), took * 1e3, since,
+        )
+        self._logged_at, self._unlogged = now, 0
 
 
 _pause_log: GCPauseLog | None = None
