@@ -318,7 +318,6 @@ def _wait_idle(server, timeout: float = 15) -> dict:
 
 
 def test_disconnect_mid_stream_frees_kv(server):
-    before = _wait_idle(server)["num_aborted_requests"]
     body = {
         "model": "tiny",
         "prompt": "Hello",
@@ -327,16 +326,23 @@ def test_disconnect_mid_stream_frees_kv(server):
         "stream": True,
         "ignore_eos": True,
     }
-    with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        received = [line for line, _ in zip(lines, range(4)) if line]
-        assert received
-        assert server.info()["num_running_reqs"] == 1
-    start = time.monotonic()
-    info = _wait_idle(server)
-    assert time.monotonic() - start < 10  # 480 tokens would take far longer than an abort
-    assert info["num_aborted_requests"] == before + 1
+    # the tiny model writes 480 tokens in ~0.3 s: on a loaded machine the request can finish before
+    # the disconnect reaches the engine, so a run that ends unaborted (its KV freed all the same) is
+    # tried again; three in a row would mean disconnects are not acted on
+    for _ in range(3):
+        before = _wait_idle(server)["num_aborted_requests"]
+        with server.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            received = [line for line, _ in zip(lines, range(4)) if line]
+            assert received
+        start = time.monotonic()
+        info = _wait_idle(server)
+        assert time.monotonic() - start < 10
+        if info["num_aborted_requests"] == before + 1:
+            return
+        assert info["num_aborted_requests"] == before
+    raise AssertionError("three streams closed after 4 chunks all ran to completion: disconnects were not aborted")
 
 
 def test_non_stream_disconnect_aborts(server):
