@@ -96,8 +96,10 @@ class ScenarioResult:
         if not self.off_step_ms:
             return None
         base = statistics.median(self.off_step_ms)
-        by_rows = {rows: {"ms": statistics.median(ms), "steps": len(ms), "vs_decode": statistics.median(ms) / base}
-                   for rows, ms in sorted(self.on_step_ms.items())}
+        by_rows = {}
+        for rows, ms in sorted(self.on_step_ms.items()):
+            med = statistics.median(ms)
+            by_rows[rows] = {"ms": med, "steps": len(ms), "vs_decode": med / base}
         return {"off_decode_ms": base, "on_by_rows": by_rows}
 
     def summary(self) -> dict:
