@@ -220,28 +220,14 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
   for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
-// scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
+// Keys [j_from, j_to) of a tile scored one by one: scores[g * kKeyTile + jj] = q_g . key_jj. Kept out
+// of line, so that every caller runs the same arithmetic (decode attention recomputes a short
+// row's last keys with it: see attention_impl).
 template <typename CT>
-inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
-  int64_t jj = 0;
-#if defined(STRATA_SIMD16)
-  if constexpr (kHasLoad16<CT>) {
-    if (D % 16 == 0) {
-      alignas(64) float kt[16 * 256];
-      if (D <= 256) {
-        for (; jj + 16 <= jn; jj += 16) {  // 16 keys at a time: widen once, then one reduction tree per head
-          for (int k = 0; k < 16; ++k) {
-            for (int64_t d = 0; d < D; d += 16) store16(kt + k * D + d, load16(keys[jj + k] + d));
-          }
-          for (int64_t g = 0; g < G; ++g) store16(scores + g * kKeyTile + jj, dot16(qf + g * D, kt, D));
-        }
-      }
-    }
-  }
-#endif
-  if (jj == jn) return;
+__attribute__((noinline)) void scalar_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys,
+                                             int64_t j_from, int64_t j_to, float* scores) {
   std::vector<float> kf(D);
-  for (; jj < jn; ++jj) {
+  for (int64_t jj = j_from; jj < j_to; ++jj) {
     load_row(keys[jj], kf.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
@@ -251,6 +237,35 @@ inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* 
       scores[g * kKeyTile + jj] = s;
     }
   }
+}
+
+// How many of a tile's first jn keys tile_scores scores 16 at a time (the rest: scalar_scores).
+template <typename CT>
+inline int64_t simd_keys(int64_t D, int64_t jn) {
+#if defined(STRATA_SIMD16)
+  if constexpr (kHasLoad16<CT>) {
+    if (D % 16 == 0 && D <= 256) return jn / 16 * 16;
+  }
+#endif
+  return 0;
+}
+
+// scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
+template <typename CT>
+inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
+  const int64_t simd = simd_keys<CT>(D, jn);
+#if defined(STRATA_SIMD16)
+  if constexpr (kHasLoad16<CT>) {
+    alignas(64) float kt[16 * 256];
+    for (int64_t jj = 0; jj < simd; jj += 16) {  // 16 keys at a time: widen once, then one reduction tree per head
+      for (int k = 0; k < 16; ++k) {
+        for (int64_t d = 0; d < D; d += 16) store16(kt + k * D + d, load16(keys[jj + k] + d));
+      }
+      for (int64_t g = 0; g < G; ++g) store16(scores + g * kKeyTile + jj, dot16(qf + g * D, kt, D));
+    }
+  }
+#endif
+  scalar_scores<CT>(qf, G, D, keys, simd, jn, scores);
 }
 
 #if defined(__AVX512BF16__)
@@ -338,6 +353,35 @@ inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* cons
   }
 }
 
+// Runs of decode tokens that attend together: a verification's k + 1 entries (one request's
+// consecutive positions over the same pages) share each tile of keys and values. The first token of
+// each run, with T at the end. A token joins the run before it when its position is one more than the
+// previous token's, its keys start where theirs do (no window cuts in between) and its page-table row
+// holds the same pages over the keys it reads; runs hold at most kMaxRunRows tokens.
+constexpr int64_t kMaxRunRows = 16;
+
+std::vector<int64_t> attention_runs(int64_t T, const int64_t* own, const int64_t* pos, const int64_t* pt,
+                                    int64_t pages_per_row, int64_t page_size, int64_t window) {
+  std::vector<int64_t> starts{0};
+  for (int64_t t = 1; t < T; ++t) {
+    const int64_t first = window_start(pos[t], window);
+    const int64_t used = pos[t] / page_size + 1;  // pages holding keys .. pos[t]
+    const bool joins = t - starts.back() < kMaxRunRows && pos[t] == pos[t - 1] + 1 &&
+                       first == window_start(pos[t - 1], window) &&
+                       (own[t] == own[t - 1] ||
+                        std::equal(pt + own[t] * pages_per_row + first / page_size, pt + own[t] * pages_per_row + used,
+                                   pt + own[t - 1] * pages_per_row + first / page_size));
+    if (!joins) starts.push_back(t);
+  }
+  starts.push_back(T);
+  return starts;
+}
+
+// Decode attention. A work item is (run of tokens, KV head, key range): its R tokens x G query heads
+// read each tile of keys and values once. Every query row's arithmetic is what it would be alone
+// (a run of one): its scores over its own keys (those a shorter row scored 16 at a time that it
+// would score one by one are scored again one by one), its own online softmax, and zero
+// probabilities for the keys past its own, so a token's result does not depend on its neighbours.
 template <typename QT, typename CT>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& owner,
@@ -356,6 +400,10 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t* own = owner.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
+  const std::vector<int64_t> runs = attention_runs(T, own, pos, pt, pages_per_row, page_size, window);
+  const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
+  int64_t max_run = 1;
+  for (int64_t i = 0; i < num_runs; ++i) max_run = std::max(max_run, runs[i + 1] - runs[i]);
 
   // Long key ranges are split into ranges of kSplitKeys keys, attended in parallel, and their
   // partial softmaxes merged in order. The ranges depend on the token's own keys only, never on
@@ -371,27 +419,41 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     part_acc.resize(T * Hkv * splits * G * D);
   }
 
-  at::parallel_for(0, T * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> qf(G * D), acc(G * D), scores(G * kKeyTile), m(G), l(G);
+  at::parallel_for(0, num_runs * Hkv * splits, 1, [&](int64_t begin, int64_t end) {
+    // per query row (r, g) of a run, at r * G + g
+    std::vector<float> qf(max_run * G * D), acc(max_run * G * D), scores(max_run * G * kKeyTile);
+    std::vector<float> m(max_run * G), l(max_run * G);
+    std::vector<int64_t> row_end(max_run);
     const CT* keys[kKeyTile];
     const CT* values[kKeyTile];
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t split = item % splits, tk = item / splits;
-      const int64_t t = tk / Hkv, kvh = tk % Hkv;
-      const int64_t first = window_start(pos[t], window), n = pos[t] + 1;  // keys [first, n)
-      const int64_t jbeg = std::min(n, first + split * kSplitKeys), jend = std::min(n, jbeg + kSplitKeys);
-      const int64_t* pages = pt + own[t] * pages_per_row;
-      for (int64_t g = 0; g < G; ++g) {
-        const QT* src = qp + t * q_stride + (kvh * G + g) * D;
-        for (int64_t d = 0; d < D; ++d) qf[g * D + d] = to_f(src[d]) * fscale;
+      const int64_t split = item % splits, rk = item / splits;
+      const int64_t run = rk / Hkv, kvh = rk % Hkv;
+      const int64_t t0 = runs[run], R = runs[run + 1] - t0, last = t0 + R - 1;
+      // the run's tokens share their first key and (below their own ends) their key ranges
+      const int64_t first = window_start(pos[t0], window);
+      const int64_t jbeg = std::min(pos[last] + 1, first + split * kSplitKeys);
+      int64_t jend = jbeg;
+      for (int64_t r = 0; r < R; ++r) {
+        row_end[r] = std::min(pos[t0 + r] + 1, first + (split + 1) * kSplitKeys);  // keys [jbeg, row_end)
+        jend = std::max(jend, row_end[r]);
       }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(m.begin(), m.end(), -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.end(), 0.f);
-      if (sinks && split == 0) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+      const int64_t* pages = pt + own[last] * pages_per_row;
+      for (int64_t r = 0; r < R; ++r) {
         for (int64_t g = 0; g < G; ++g) {
-          m[g] = sinks[kvh * G + g];
-          l[g] = 1.f;
+          const QT* src = qp + (t0 + r) * q_stride + (kvh * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = to_f(src[d]) * fscale;
+        }
+      }
+      std::fill(acc.begin(), acc.begin() + R * G * D, 0.f);
+      std::fill(m.begin(), m.begin() + R * G, -std::numeric_limits<float>::infinity());
+      std::fill(l.begin(), l.begin() + R * G, 0.f);
+      if (sinks && split == 0) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+        for (int64_t r = 0; r < R; ++r) {
+          for (int64_t g = 0; g < G; ++g) {
+            m[r * G + g] = sinks[kvh * G + g];
+            l[r * G + g] = 1.f;
+          }
         }
       }
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
@@ -406,46 +468,70 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
           if (D % 32 == 0) {
-            tile_scores_bf16(qp + t * q_stride + kvh * G * D, G, D, keys, jn, scores.data());
-            for (int64_t g = 0; g < G; ++g) {
-              for (int64_t jj = 0; jj < jn; ++jj) scores[g * kKeyTile + jj] *= fscale;
+            for (int64_t r = 0; r < R; ++r) {
+              const int64_t rn = std::min(jn, row_end[r] - j0);
+              float* sr = scores.data() + r * G * kKeyTile;
+              if (rn <= 0) continue;
+              tile_scores_bf16(qp + (t0 + r) * q_stride + kvh * G * D, G, D, keys, rn, sr);
+              for (int64_t g = 0; g < G; ++g) {
+                for (int64_t jj = 0; jj < rn; ++jj) sr[g * kKeyTile + jj] *= fscale;
+              }
             }
             scored = true;
           }
         }
 #endif
-        if (!scored) tile_scores<CT>(qf.data(), G, D, keys, jn, scores.data());
-        if (softcap > 0) {
-          for (int64_t g = 0; g < G; ++g) softcap_scores(scores.data() + g * kKeyTile, jn, softcap);
-        }
-        for (int64_t g = 0; g < G; ++g) {
-          float* sg = scores.data() + g * kKeyTile;
-          float tile_max = sg[0];
-          for (int64_t jj = 1; jj < jn; ++jj) tile_max = std::max(tile_max, sg[jj]);
-          const float new_max = std::max(m[g], tile_max);
-          const float correction = std::exp(m[g] - new_max);  // exp(-inf) = 0 on the first tile
-          l[g] = l[g] * correction + exp_shifted(sg, jn, new_max);
-          m[g] = new_max;
-          if (correction != 1.f) {
-            float* ag = acc.data() + g * D;
-            for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+        if (!scored) {
+          tile_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
+          const int64_t simd = simd_keys<CT>(D, jn);
+          for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
+            const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
+            if (rn > 0 && own_simd < simd) {
+              scalar_scores<CT>(qf.data() + r * G * D, G, D, keys, own_simd, rn, scores.data() + r * G * kKeyTile);
+            }
           }
         }
-        tile_values<CT>(scores.data(), G, D, values, jn, acc.data());
-      }
-      if (splits > 1) {
-        const int64_t base = item * G;
-        for (int64_t g = 0; g < G; ++g) {
-          part_m[base + g] = m[g];
-          part_l[base + g] = l[g];
-          std::copy(acc.begin() + g * D, acc.begin() + (g + 1) * D, part_acc.begin() + (base + g) * D);
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t rn = std::min(jn, row_end[r] - j0);  // this row's keys in the tile
+          for (int64_t g = 0; g < G; ++g) {
+            const int64_t i = r * G + g;
+            float* sg = scores.data() + i * kKeyTile;
+            if (rn <= 0) {  // past this row's keys: no weight, its state untouched
+              std::fill(sg, sg + jn, 0.f);
+              continue;
+            }
+            if (softcap > 0) softcap_scores(sg, rn, softcap);
+            float tile_max = sg[0];
+            for (int64_t jj = 1; jj < rn; ++jj) tile_max = std::max(tile_max, sg[jj]);
+            const float new_max = std::max(m[i], tile_max);
+            const float correction = std::exp(m[i] - new_max);  // exp(-inf) = 0 on the first tile
+            l[i] = l[i] * correction + exp_shifted(sg, rn, new_max);
+            m[i] = new_max;
+            if (correction != 1.f) {
+              float* ag = acc.data() + i * D;
+              for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+            }
+            std::fill(sg + rn, sg + jn, 0.f);
+          }
         }
-        continue;
+        tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
       }
-      for (int64_t g = 0; g < G; ++g) {
-        QT* dst = op + (t * H + kvh * G + g) * D;
-        const float inv = 1.f / l[g];
-        for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[g * D + d] * inv);
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t t = t0 + r;
+        if (splits > 1) {
+          const int64_t base = ((t * Hkv + kvh) * splits + split) * G;
+          for (int64_t g = 0; g < G; ++g) {
+            part_m[base + g] = m[r * G + g];
+            part_l[base + g] = l[r * G + g];
+            std::copy(acc.begin() + (r * G + g) * D, acc.begin() + (r * G + g + 1) * D, part_acc.begin() + (base + g) * D);
+          }
+          continue;
+        }
+        for (int64_t g = 0; g < G; ++g) {
+          QT* dst = op + (t * H + kvh * G + g) * D;
+          const float inv = 1.f / l[r * G + g];
+          for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[(r * G + g) * D + d] * inv);
+        }
       }
     }
   });

@@ -30,7 +30,9 @@
 // rows side by side, so each dot-product instruction adds 4 channels of 16 rows at once against
 // 4 activation bytes broadcast to every lane, and a block's unpacked weights serve every activation
 // row of a tile. Three SIMD paths: AVX-512 VNNI (vpdpbusd), AVX-512BW (vpmaddubsw + vpmaddwd, 16
-// lanes) and AVX2 (the same two instructions, the 16 rows as two halves of 8).
+// lanes) and AVX2 (the same two instructions, the 16 rows as two halves of 8). Without VNNI, a q4
+// block adds its vpmaddubsw pair sums as int16 (they cannot overflow: see Q4Packed::dot) and widens
+// them to int32 once per block instead of once per instruction.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -173,6 +175,10 @@ struct Lanes8 {
   static I dot(I acc, I u, I s) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
   }
+  // dot() in two halves: int16 pair sums added up first (pair_dot), widened to int32 once (widen)
+  static constexpr bool kPairSums = true;
+  static I pair_dot(I acc16, I u, I s) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(u, s)); }
+  static I widen(I acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
   static I abs8(I w) { return _mm256_abs_epi8(w); }
   static I sign_of(I x, I w) { return _mm256_sign_epi8(x, w); }  // 0 where w is 0: |w| is too
   static I zero_i() { return _mm256_setzero_si256(); }
@@ -209,6 +215,13 @@ struct Lanes16 {
     return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u, s), _mm512_set1_epi16(1)));
 #endif
   }
+#if defined(__AVX512VNNI__)
+  static constexpr bool kPairSums = false;  // one instruction already: nothing to save
+#else
+  static constexpr bool kPairSums = true;
+#endif
+  static I pair_dot(I acc16, I u, I s) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(u, s)); }
+  static I widen(I acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
   static I abs8(I w) { return _mm512_abs_epi8(w); }
   static I sign_of(I x, I w) { return _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(w), _mm512_setzero_si512(), x); }
   static I zero_i() { return _mm512_setzero_si512(); }
@@ -248,9 +261,17 @@ struct Q4Packed {
         const typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
         for (int r = 0; r < RT; ++r) {
           const int8_t* x = xq + r * K + b * kBlock + 4 * j;
-          isum[r] = V::dot(isum[r], lo, V::bcast(x));
-          isum[r] = V::dot(isum[r], hi, V::bcast(x + 16));
+          if constexpr (V::kPairSums) {
+            // a block's 8 int16 pair sums per lane stay within int16: |sum| <= 8 * 2 * 15 * 127 = 30480
+            // (nibbles <= 15, activations in -127..127), so they add as int16 and widen once below
+            isum[r] = V::pair_dot(V::pair_dot(isum[r], lo, V::bcast(x)), hi, V::bcast(x + 16));
+          } else {
+            isum[r] = V::dot(V::dot(isum[r], lo, V::bcast(x)), hi, V::bcast(x + 16));
+          }
         }
+      }
+      if constexpr (V::kPairSums) {
+        for (int r = 0; r < RT; ++r) isum[r] = V::widen(isum[r]);
       }
       const typename V::F dv = V::scales(d + (g * nb + b) * kGroup + lane0);
       const typename V::F mv = V::scales(m + (g * nb + b) * kGroup + lane0);

@@ -820,3 +820,48 @@ def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(ops, wind
     for b in range(len(lengths)):
         assert torch.equal(run([b]), together[b : b + 1]), lengths[b]
         assert torch.equal(run([b] * 4)[2:3], together[b : b + 1]), lengths[b]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (48, 4, 4), (40, 8, 2)])
+@pytest.mark.parametrize("window,softcap,sinks", [(0, 0.0, False), (300, 0.0, True), (0, 30.0, False), (40, 0.0, False)])
+def test_a_verifications_rows_get_the_bits_each_would_get_alone(ops, dtype, head_dim, heads, kv_heads, window,
+                                                                softcap, sinks):
+    """A speculative verification feeds k + 1 decode entries of one request at consecutive positions
+    (one page-table row each, or one row shared), which the kernel attends as one run sharing every
+    tile of keys; each entry's output is bit-identical to the same token attended alone, for runs
+    that end inside a 16-key chunk, cross a 64-key tile, the 256-key split and a window's start."""
+    gen = torch.Generator().manual_seed(11)
+    page_size, num_pages = 16, 48
+    k_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_pages * page_size, kv_heads, head_dim, generator=gen).to(dtype)
+    pages = torch.randperm(num_pages, generator=gen)
+    sink = torch.randn(heads, generator=gen) if sinks else None
+    for first_pos, rows in [(5, 6), (57, 9), (250, 10), (300, 16), (330, 17), (700, 3)]:
+        positions = torch.arange(first_pos, first_pos + rows)
+        q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+
+        def attend(q_rows, pos_rows, owner, table):
+            out = torch.empty_like(q_rows)
+            ops.paged_attention(out, q_rows, k_cache, v_cache, table, owner, pos_rows, page_size, 0.125,
+                                window=window, softcap=softcap, sinks=sink)
+            return out
+
+        table = pages.view(1, -1).repeat(rows, 1).contiguous()
+        one_row = pages.view(1, -1).contiguous()
+        per_entry = attend(q, positions, torch.arange(rows), table)  # the runner's layout: a row per entry
+        shared = attend(q, positions, torch.zeros(rows, dtype=torch.int64), one_row)
+        for r in range(rows):
+            alone = attend(q[r : r + 1].contiguous(), positions[r : r + 1].contiguous(), torch.zeros(1, dtype=torch.int64),
+                           one_row)
+            assert torch.equal(per_entry[r : r + 1], alone), (first_pos, r)
+            assert torch.equal(shared[r : r + 1], alone), (first_pos, r)
+        # and it is attention: the reference over each row's own keys
+        slots = (pages.repeat_interleave(page_size) * page_size + torch.arange(page_size).repeat(num_pages))
+        ref = torch.cat([
+            reference_attention(q[r : r + 1], k_cache, v_cache, [1], [slots[: int(positions[r]) + 1]], 0.125,
+                                window=window or None, sinks=sink, softcap=softcap or None)
+            for r in range(rows)
+        ])
+        torch.testing.assert_close(per_entry.float(), ref.float(), atol=2e-2 if dtype == torch.bfloat16 else 1e-4,
+                                   rtol=2e-2 if dtype == torch.bfloat16 else 1e-4)
