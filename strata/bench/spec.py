@@ -13,9 +13,13 @@ speculation (in alternating order: `--speculative-algorithm` as given, ngram whe
 prompts no earlier round used, so neither
 the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
 scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
-(tokens per verifying request-step) and draft length the adaptive policy chose. Batch 1 also
-reports what a step costs by its rows (1: a decode, 1 + k: a verification of k drafts), each as a
-multiple of the engine-without-speculation's decode step: the ratio speculation has to beat.
+(tokens per verifying request-step) and draft length the adaptive policy chose. Output tok/s is
+end to end: a request's tokens over the time from its submission to its last token, prefill
+included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
+the first, the per-stream rate a reader of a streamed answer sees: speculation speeds up only this
+part, never the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a
+verification of k drafts), each as a multiple of the engine-without-speculation's decode step:
+the ratio speculation has to beat.
 
 With `--llamacpp` (llama-cpp-python installed) llama.cpp runs the batch-1 scenarios too, on the
 default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLookupDecoding`).
@@ -79,6 +83,10 @@ class ScenarioResult:
     off_tok_s: list[float] = field(default_factory=list)  # per round
     on_tok_s: list[float] = field(default_factory=list)
     ratios: list[float] = field(default_factory=list)
+    # batch 1: the decode phase alone (tokens after each request's first, over the time after it)
+    off_decode_tok_s: list[float] = field(default_factory=list)
+    on_decode_tok_s: list[float] = field(default_factory=list)
+    decode_ratios: list[float] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
     accept_length: list[float] = field(default_factory=list)
     draft_length: list[float] = field(default_factory=list)
@@ -109,6 +117,9 @@ class ScenarioResult:
             "off_tok_s": med(self.off_tok_s),
             "on_tok_s": med(self.on_tok_s),
             "ratio": med(self.ratios),
+            "off_decode_tok_s": med(self.off_decode_tok_s),
+            "on_decode_tok_s": med(self.on_decode_tok_s),
+            "decode_ratio": med(self.decode_ratios),
             "accept_length": med(self.accept_length),
             "draft_length": med(self.draft_length),
             "output_tokens_per_round": med(self.output_tokens),
@@ -165,21 +176,55 @@ def prompts_for(kind: str, engine, cfg: SpecBenchConfig) -> list[list[int]]:
     return [engine.chat_ids([{"role": "user", "content": t}]) for t in texts]
 
 
+@dataclass
+class RunTiming:
+    outputs: list[list[int]]
+    seconds: float  # the whole run
+    decode_tokens: int = 0  # batch 1: tokens after each request's first output
+    decode_seconds: float = 0.0  # batch 1: time after each request's first output
+
+    @property
+    def tok_s(self) -> float:
+        return sum(len(o) for o in self.outputs) / self.seconds
+
+    @property
+    def decode_tok_s(self) -> float | None:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None
+
+
+def _stream_one(engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], int, float]:
+    """One request streamed: its tokens, and the tokens and seconds after its first output."""
+    ids: list[int] = []
+    first_at, first_n = None, 0
+    for out in engine.stream(prompt, params):
+        ids += out.new_token_ids
+        if first_at is None and out.new_token_ids:
+            first_at, first_n = time.perf_counter(), len(out.new_token_ids)
+    if first_at is None:
+        return ids, 0, 0.0
+    return ids, len(ids) - first_n, time.perf_counter() - first_at
+
+
 def _run(
     engine, prompts: list[list[int]], batch1: bool, output_len: int, steps: list[StepTiming] | None = None
-) -> tuple[list[list[int]], float]:
-    """The outputs and the seconds they took; `steps` collects each engine step's timing."""
+) -> RunTiming:
+    """The outputs and what they took; `steps` collects each engine step's timing."""
     params = SamplingParams(temperature=0, max_new_tokens=output_len)
     with StepTimer(engine) if steps is not None else contextlib.nullcontext() as timer:
         start = time.perf_counter()
         if batch1:
-            outs = [engine.generate(p, params)[0].token_ids for p in prompts]
+            run = RunTiming([], 0.0)
+            for p in prompts:
+                ids, tokens, seconds = _stream_one(engine, p, params)
+                run.outputs.append(ids)
+                run.decode_tokens += tokens
+                run.decode_seconds += seconds
         else:
-            outs = [r.token_ids for r in engine.generate(prompts, params)]
-        seconds = time.perf_counter() - start
+            run = RunTiming([r.token_ids for r in engine.generate(prompts, params)], 0.0)
+        run.seconds = time.perf_counter() - start
     if timer is not None:
         steps.extend(timer.steps)
-    return outs, seconds
+    return run
 
 
 def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
@@ -214,13 +259,16 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
                 if s.no_prefill:
                     result.on_step_ms.setdefault(s.num_tokens, []).append(1000.0 * s.duration_s)
             result.off_step_ms += [1000.0 * s.duration_s for s in steps["off"] if s.no_prefill]
-            (off_out, off_s), (on_out, on_s) = timings["off"], timings["on"]
-            tokens = sum(len(o) for o in on_out)
-            result.identical &= off_out == on_out
-            result.output_tokens.append(tokens)
-            result.off_tok_s.append(sum(len(o) for o in off_out) / off_s)
-            result.on_tok_s.append(tokens / on_s)
+            off_run, on_run = timings["off"], timings["on"]
+            result.identical &= off_run.outputs == on_run.outputs
+            result.output_tokens.append(sum(len(o) for o in on_run.outputs))
+            result.off_tok_s.append(off_run.tok_s)
+            result.on_tok_s.append(on_run.tok_s)
             result.ratios.append(result.on_tok_s[-1] / result.off_tok_s[-1])
+            if batch1 and off_run.decode_tok_s and on_run.decode_tok_s:
+                result.off_decode_tok_s.append(off_run.decode_tok_s)
+                result.on_decode_tok_s.append(on_run.decode_tok_s)
+                result.decode_ratios.append(on_run.decode_tok_s / off_run.decode_tok_s)
             after = on.scheduler.spec.stats.as_dict()
             steps = after["verify_steps"] - before["verify_steps"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
@@ -230,8 +278,10 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             if llama is not None and batch1:
                 for lookup, sink in ((False, result.llamacpp_off_tok_s), (True, result.llamacpp_lookup_tok_s)):
                     sink.append(llama.run(prompts, cfg.output_len, lookup))
+            decode = (f"; decode phase off {result.off_decode_tok_s[-1]:.1f}, on {result.on_decode_tok_s[-1]:.1f} "
+                      f"(x{result.decode_ratios[-1]:.2f})" if batch1 and result.decode_ratios else "")
             progress(f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
-                     f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}")
+                     f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}")
         results.append(result)
     return results
 
@@ -284,6 +334,11 @@ def format_text(results: list[ScenarioResult]) -> str:
             f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
             f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
         )
+    for r in results:
+        s = r.summary()
+        if s["decode_ratio"] is not None:
+            lines.append(f"{r.scenario}: decode phase (after each first token) off {s['off_decode_tok_s']:.1f} tok/s, "
+                         f"on {s['on_decode_tok_s']:.1f} tok/s, ratio {s['decode_ratio']:.2f}")
     for r in results:
         costs = r.step_costs()
         if costs is not None:

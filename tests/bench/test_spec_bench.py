@@ -30,5 +30,11 @@ def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
     assert (drafted_rows > 0) == (results[0].draft_length[0] > 0)  # verifications show as steps of 1 + k rows
     # every token-producing step without prefill is counted once: decodes and verifications
     assert sum(c["steps"] for c in rows.values()) <= results[0].output_tokens[0]
+    # batch 1 also times the decode phase (after each first token); concurrent rounds do not
+    b1, conc = results[0].summary(), results[1].summary()
+    assert b1["off_decode_tok_s"] > 0 and b1["on_decode_tok_s"] > 0
+    assert b1["decode_ratio"] == pytest.approx(b1["on_decode_tok_s"] / b1["off_decode_tok_s"])
+    assert conc["decode_ratio"] is None
     text = format_text(results)
     assert "on tok/s" in text and "chat-batch1: decode step off" in text
+    assert "chat-batch1: decode phase (after each first token)" in text
