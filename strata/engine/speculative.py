@@ -29,8 +29,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 DEFAULT_PRIOR_ACCEPT = 0.5  # assumed per-token acceptance before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-trials the learned per-match-length rate counts for, against a request's own
 REQUEST_DECAY = 0.9  # a request's acceptance history forgets at this rate per verify step
@@ -153,43 +151,78 @@ class StepCost:
     """Step time t = a + b * rows + c * prefill_tokens (rows: decoding requests' tokens and drafted
     ones; prefill_tokens: the step's prefill chunks), fitted by least squares with forgetting, per
     batch size (decoding requests, by powers of two: the kernels a step runs change with its rows,
-    so one line over every size would misprice a row) and over all steps for sizes seen too rarely."""
+    so one line over every size would misprice a row) and over all steps for sizes seen too rarely.
+
+    It runs twice a step on the scheduler's thread, so it is plain float arithmetic on 3 x 3 sums
+    (numpy's per-call overhead on arrays this small cost a one-row CPU step a few percent)."""
 
     def __init__(self, decay: float = 0.99):
         self.decay = decay
-        self.fits: dict[int | None, np.ndarray] = {}  # bucket (None: all) -> decayed [X^T X | X^T t]
+        # bucket (None: all) -> decayed [X^T X rows (3 x 3), X^T t (3)]
+        self.fits: dict[int | None, tuple[list[list[float]], list[float]]] = {}
+        self._solved: dict[int, tuple[float, float, float]] = {}  # bucket -> coefficients since the last observe
 
     def observe(self, num_decodes: int, rows: int, prefill_tokens: int, seconds: float) -> None:
-        x = np.array([1.0, rows, prefill_tokens])
+        x = (1.0, float(rows), float(prefill_tokens))
+        d = self.decay
         for key in (None, batch_bucket(num_decodes)):
-            m = self.fits.get(key)
-            if m is None:
-                m = self.fits[key] = np.zeros((3, 4))
-            m *= self.decay
-            m[:, :3] += np.outer(x, x)
-            m[:, 3] += x * seconds
+            fit = self.fits.get(key)
+            if fit is None:
+                fit = self.fits[key] = ([[0.0] * 3 for _ in range(3)], [0.0] * 3)
+            xtx, xty = fit
+            for i in range(3):
+                row = xtx[i]
+                for j in range(3):
+                    row[j] = row[j] * d + x[i] * x[j]
+                xty[i] = xty[i] * d + x[i] * seconds
+        self._solved.clear()
 
     def coefficients(self, num_decodes: int) -> tuple[float, float, float]:
         """(a, b, c): seconds, seconds per row, seconds per prefill token at this batch size. Until
         the steps seen vary in rows enough to tell b, it is guessed as a / MAX_SLOPE_GUESS."""
-        m = self.fits.get(batch_bucket(num_decodes))
-        if m is None or m[0, 0] < MIN_FIT_STEPS:
-            m = self.fits.get(None)
-        if m is None:
+        bucket = batch_bucket(num_decodes)
+        solved = self._solved.get(bucket)
+        if solved is None:
+            solved = self._solved[bucket] = self._solve(bucket)
+        return solved
+
+    def _solve(self, bucket: int) -> tuple[float, float, float]:
+        fit = self.fits.get(bucket)
+        if fit is None or fit[0][0][0] < MIN_FIT_STEPS:
+            fit = self.fits.get(None)
+        if fit is None:
             return 0.0, 0.0, 0.0
-        xtx, xty = m[:, :3], m[:, 3]
-        w = xtx[0, 0]
-        mean_rows = xtx[0, 1] / w
-        ridge = np.diag([0.0, 1e-6 * w, 1e-6 * w])  # keeps the system solvable where a feature never varies
-        if xtx[1, 1] / w - mean_rows * mean_rows > 1.0:
-            a, b, c = np.linalg.solve(xtx + ridge, xty)
+        xtx, xty = fit
+        w = xtx[0][0]
+        mean_rows = xtx[0][1] / w
+        ridge = (0.0, 1e-6 * w, 1e-6 * w)  # keeps the system solvable where a feature never varies
+        if xtx[1][1] / w - mean_rows * mean_rows > 1.0:
+            a, b, c = _solve_linear([[xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)], xty)
             if a > 0 and b >= 0:
-                return float(a), float(b), max(0.0, float(c))
+                return a, b, max(0.0, c)
         # rows barely vary: fit t = a' + c * prefill, then split a' = a + b * mean_rows by the guess
-        keep = [0, 2]
-        a1, c = np.linalg.solve(xtx[np.ix_(keep, keep)] + ridge[np.ix_(keep, keep)], xty[keep])
-        a = max(float(a1), 0.0) / (1.0 + mean_rows / MAX_SLOPE_GUESS)
-        return a, a / MAX_SLOPE_GUESS, max(0.0, float(c))
+        a1, c = _solve_linear([[xtx[0][0], xtx[0][2]], [xtx[2][0], xtx[2][2] + ridge[2]]], [xty[0], xty[2]])
+        a = max(a1, 0.0) / (1.0 + mean_rows / MAX_SLOPE_GUESS)
+        return a, a / MAX_SLOPE_GUESS, max(0.0, c)
+
+
+def _solve_linear(m: list[list[float]], y: list[float]) -> list[float]:
+    """x with m x = y for a small nonsingular m (Gaussian elimination with partial pivoting)."""
+    n = len(y)
+    a = [list(row) + [y[i]] for i, row in enumerate(m)]
+    for col in range(n):
+        pivot = max(range(col, n), key=lambda r: abs(a[r][col]))
+        a[col], a[pivot] = a[pivot], a[col]
+        if a[col][col] == 0.0:
+            raise ValueError("singular system")
+        for r in range(col + 1, n):
+            f = a[r][col] / a[col][col]
+            for k in range(col, n + 1):
+                a[r][k] -= f * a[col][k]
+    x = [0.0] * n
+    for i in reversed(range(n)):
+        x[i] = (a[i][n] - sum(a[i][k] * x[k] for k in range(i + 1, n))) / a[i][i]
+    return x
 
 
 def batch_bucket(num_decodes: int) -> int:
