@@ -14,8 +14,7 @@ prompts no earlier round used, so neither
 the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
 scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
 (tokens per verifying request-step) and draft length the adaptive policy chose. Output tok/s is
-end to end: a request's tokens over the time from its submission to its last token, prefill
-included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
+end to end: the round's output tokens over its wall time, prefill included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
 the first, the per-stream rate a reader of a streamed answer sees: speculation speeds up only this
 part, never the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a
 verification of k drafts), each as a multiple of the engine-without-speculation's decode step:
@@ -265,10 +264,13 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             result.off_tok_s.append(off_run.tok_s)
             result.on_tok_s.append(on_run.tok_s)
             result.ratios.append(result.on_tok_s[-1] / result.off_tok_s[-1])
+            decode = ""
             if batch1 and off_run.decode_tok_s and on_run.decode_tok_s:
                 result.off_decode_tok_s.append(off_run.decode_tok_s)
                 result.on_decode_tok_s.append(on_run.decode_tok_s)
                 result.decode_ratios.append(on_run.decode_tok_s / off_run.decode_tok_s)
+                decode = (f"; decode phase off {off_run.decode_tok_s:.1f}, on {on_run.decode_tok_s:.1f} "
+                          f"(x{result.decode_ratios[-1]:.2f})")
             after = on.scheduler.spec.stats.as_dict()
             steps = after["verify_steps"] - before["verify_steps"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
@@ -278,8 +280,6 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             if llama is not None and batch1:
                 for lookup, sink in ((False, result.llamacpp_off_tok_s), (True, result.llamacpp_lookup_tok_s)):
                     sink.append(llama.run(prompts, cfg.output_len, lookup))
-            decode = (f"; decode phase off {result.off_decode_tok_s[-1]:.1f}, on {result.on_decode_tok_s[-1]:.1f} "
-                      f"(x{result.decode_ratios[-1]:.2f})" if batch1 and result.decode_ratios else "")
             progress(f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
                      f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}")
         results.append(result)
