@@ -1,6 +1,6 @@
 // The kernels' entry points as another translation unit calls them (decode_loop.cpp): the same
 // functions the Python module exposes, with the same argument checks. Each is defined in the file
-// that owns the kernel (cpu_ops.cpp, quant_ops.cpp) as a forwarder to its implementation there.
+// that owns the kernel (cpu_ops.cpp, attention_ops.cpp, quant_ops.cpp) as a forwarder to its implementation there.
 #pragma once
 
 #include <torch/extension.h>

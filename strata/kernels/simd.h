@@ -1,4 +1,4 @@
-// A 16-float vector for the CPU kernels (cpu_ops.cpp), so each kernel is written once for both
+// A 16-float vector for the CPU kernels (cpu_ops.cpp, attention_ops.cpp), so each kernel is written once for both
 // instruction sets it has a SIMD path for:
 //
 //   AVX-512F            V16 is one __m512 (the code the kernels were first written and tuned with);
