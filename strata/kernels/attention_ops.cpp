@@ -167,6 +167,7 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
 template <typename CT>
 __attribute__((noinline)) void scalar_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys,
                                              int64_t j_from, int64_t j_to, float* scores) {
+  if (j_from >= j_to) return;  // a tile scored 16 at a time throughout
   std::vector<float> kf(D);
   for (int64_t jj = j_from; jj < j_to; ++jj) {
     load_row(keys[jj], kf.data(), D);
