@@ -153,8 +153,9 @@ class StepCost:
     batch size (decoding requests, by powers of two: the kernels a step runs change with its rows,
     so one line over every size would misprice a row) and over all steps for sizes seen too rarely.
 
-    It runs twice a step on the scheduler's thread, so it is plain float arithmetic on 3 x 3 sums
-    (numpy's per-call overhead on arrays this small cost a one-row CPU step a few percent)."""
+    It runs every step on the scheduler's thread, so it is plain float arithmetic on 3 x 3 sums, and
+    a bucket's solution is kept until the next observation (numpy's per-call overhead on arrays this
+    small, twice a step, cost a one-row CPU step ~1%)."""
 
     def __init__(self, decay: float = 0.99):
         self.decay = decay
@@ -197,7 +198,8 @@ class StepCost:
         mean_rows = xtx[0][1] / w
         ridge = (0.0, 1e-6 * w, 1e-6 * w)  # keeps the system solvable where a feature never varies
         if xtx[1][1] / w - mean_rows * mean_rows > 1.0:
-            a, b, c = _solve_linear([[xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)], xty)
+            ridged = [[xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+            a, b, c = _solve_linear(ridged, xty)
             if a > 0 and b >= 0:
                 return a, b, max(0.0, c)
         # rows barely vary: fit t = a' + c * prefill, then split a' = a + b * mean_rows by the guess
