@@ -79,7 +79,14 @@ void with_scale_type(at::ScalarType dtype, F&& f) {
 }
 
 constexpr int64_t kBlock = 32;     // input channels per activation block (and per q4 weight block)
-constexpr int64_t kRowTile = 4;    // activation rows sharing one unpacked weight block
+// Most activation rows sharing one unpacked weight block: as many as the registers hold. AVX-512's 32
+// keep 9 rows' integer sums and float accumulators (a speculative verification of 8 drafts is one
+// tile); AVX2's 16 hold 4 rows of each 8-lane half.
+#if defined(STRATA_QUANT_AVX512)
+constexpr int64_t kRowTile = 9;
+#else
+constexpr int64_t kRowTile = 4;
+#endif
 constexpr int64_t kRowBlock = 64;  // activation rows kept in cache while a thread walks its weight rows
 
 // Activation rows quantized: q [M, K] int8; d, s, c [M, K / 32] float.
@@ -372,8 +379,29 @@ inline void group_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, in
 #endif
 }
 
+// One group's outputs for rows [r0, r0 + rn), rn <= kRowTile, into result.
+template <typename W>
+inline void tile_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, int64_t rn, int64_t K, int64_t nb,
+                      float (*result)[kGroup]) {
+  switch (rn) {
+    case 1: group_rows<1>(w, x, g, r0, K, nb, result); break;
+    case 2: group_rows<2>(w, x, g, r0, K, nb, result); break;
+    case 3: group_rows<3>(w, x, g, r0, K, nb, result); break;
+#if defined(STRATA_QUANT_AVX512)
+    case 4: group_rows<4>(w, x, g, r0, K, nb, result); break;
+    case 5: group_rows<5>(w, x, g, r0, K, nb, result); break;
+    case 6: group_rows<6>(w, x, g, r0, K, nb, result); break;
+    case 7: group_rows<7>(w, x, g, r0, K, nb, result); break;
+    case 8: group_rows<8>(w, x, g, r0, K, nb, result); break;
+#endif
+    default: group_rows<kRowTile>(w, x, g, r0, K, nb, result); break;
+  }
+}
+
 // Output columns of groups [g0, g1) for all M rows: activation rows kRowBlock at a time (kept in
-// cache while the thread walks its groups), kRowTile at a time per group.
+// cache while the thread walks its groups), split into as few tiles of at most kRowTile rows as
+// there can be, as even as they go (AVX2, 5 rows: 2 + 3, not 4 + 1): much of a tile's cost is per
+// weight block (reading and unpacking it), so a nearly empty tile costs much of a full one.
 template <typename OT, typename W>
 void linear_groups(const W& w, const QuantRows& x, int64_t M, int64_t K, int64_t g0, int64_t g1, OT* out,
                    int64_t N) {
@@ -381,20 +409,17 @@ void linear_groups(const W& w, const QuantRows& x, int64_t M, int64_t K, int64_t
   float result[kRowTile][kGroup];
   for (int64_t mt = 0; mt < M; mt += kRowBlock) {
     const int64_t m_end = std::min(M, mt + kRowBlock);
+    const int64_t tiles = (m_end - mt + kRowTile - 1) / kRowTile;
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t cols = std::min(kGroup, N - g * kGroup);
-      for (int64_t r0 = mt; r0 < m_end; r0 += kRowTile) {
-        const int64_t rn = std::min(kRowTile, m_end - r0);
-        switch (rn) {
-          case 1: group_rows<1>(w, x, g, r0, K, nb, result); break;
-          case 2: group_rows<2>(w, x, g, r0, K, nb, result); break;
-          case 3: group_rows<3>(w, x, g, r0, K, nb, result); break;
-          default: group_rows<4>(w, x, g, r0, K, nb, result); break;
-        }
+      for (int64_t t = 0, r0 = mt; t < tiles; ++t) {
+        const int64_t rn = (m_end - r0) / (tiles - t);  // the rest shared evenly: earlier tiles never larger
+        tile_rows(w, x, g, r0, rn, K, nb, result);
         for (int64_t r = 0; r < rn; ++r) {
           OT* o = out + (r0 + r) * N + g * kGroup;
           for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
         }
+        r0 += rn;
       }
     }
   }

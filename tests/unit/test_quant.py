@@ -86,11 +86,12 @@ def build(request):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 17, 70])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 17, 19, 70])
 @pytest.mark.parametrize("k", [576, 608, 32])
 def test_kernel_matches_its_emulation(build, fmt, rows, k):
     """The int8 dot-product kernel computes exactly the emulated arithmetic (up to float sum order),
-    for row counts on either side of its 4-row and 64-row tiles, block counts even, odd and one, and
+    for every tile size (1 to 9 rows, AVX2's and AVX-512's), row counts split into several tiles
+    (10, 17, 19) and past its 64-row blocks (70), block counts even, odd and one, and
     130 weight rows: the last group of 16 is partly padding, which no output may show."""
     gen = torch.Generator().manual_seed(rows)
     layer = random_layer(fmt, 130, k, gen)
