@@ -123,6 +123,21 @@ void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   });
 }
 
+// max(s[0], ..., s[n - 1]) for n >= 1 (exact: the order does not matter).
+inline float max_of(const float* s, int64_t n) {
+  float top = s[0];
+  int64_t i = 0;
+#if defined(STRATA_SIMD16)
+  if (n >= 16) {
+    V16 acc = load16(s);
+    for (i = 16; i + 16 <= n; i += 16) acc = vmax(acc, load16(s + i));
+    top = reduce_max(acc);
+  }
+#endif
+  for (; i < n; ++i) top = std::max(top, s[i]);
+  return top;
+}
+
 // s[i] = exp(s[i] - shift) for i < n; returns the sum.
 inline float exp_shifted(float* s, int64_t n, float shift) {
   float sum = 0.f;
@@ -211,30 +226,36 @@ inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* 
 }
 
 #if defined(__AVX512BF16__)
+// Keys [jj, jj + 16) scored for every head, each key by the same instructions whichever lanes it
+// shares (the last key's pointer stands in for keys past the tile: their lanes are not stored).
+inline void block_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
+                              int64_t jj, __mmask16 store, float* scores) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
+      for (int k = 0; k < 16; ++k) {
+        acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
+      }
+    }
+    _mm512_mask_storeu_ps(scores + g * kKeyTile + jj, store, reduce16(acc));
+  }
+}
+
 // bf16 queries and keys: scores with the bf16 dot-product instruction (32 products per
-// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales.
+// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales. A
+// tile's last keys (fewer than 16) go as a 16-key block of their own: a key's score is the same
+// whichever tile position or row length put it there.
 inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
                              int64_t jn, float* scores) {
   int64_t jj = 0;
-  for (; jj + 16 <= jn; jj += 16) {
-    for (int64_t g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
-        for (int k = 0; k < 16; ++k) {
-          acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
-        }
-      }
-      _mm512_storeu_ps(scores + g * kKeyTile + jj, reduce16(acc));
-    }
-  }
-  for (; jj < jn; ++jj) {
-    for (int64_t g = 0; g < G; ++g) {
-      float s = 0.f;
-      for (int64_t d = 0; d < D; ++d) s += static_cast<float>(qb[g * D + d]) * static_cast<float>(keys[jj][d]);
-      scores[g * kKeyTile + jj] = s;
-    }
+  for (; jj + 16 <= jn; jj += 16) block_scores_bf16(qb, G, D, keys, jj, 0xFFFF, scores);
+  if (jj < jn) {
+    const c10::BFloat16* padded[kKeyTile + 16];
+    const int64_t rest = jn - jj;
+    for (int64_t k = 0; k < 16; ++k) padded[jj + k] = keys[jj + std::min(k, rest - 1)];
+    block_scores_bf16(qb, G, D, padded, jj, static_cast<__mmask16>((1u << rest) - 1), scores);
   }
 }
 #endif
@@ -443,9 +464,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
               continue;
             }
             if (softcap > 0) softcap_scores(sg, rn, softcap);
-            float tile_max = sg[0];
-            for (int64_t jj = 1; jj < rn; ++jj) tile_max = std::max(tile_max, sg[jj]);
-            const float new_max = std::max(m[i], tile_max);
+            const float new_max = std::max(m[i], max_of(sg, rn));
             const float correction = std::exp(m[i] - new_max);  // exp(-inf) = 0 on the first tile
             l[i] = l[i] * correction + exp_shifted(sg, rn, new_max);
             m[i] = new_max;
