@@ -97,6 +97,25 @@ struct QuantRows {
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, float* c) {
+#if defined(STRATA_QUANT_AVX512)
+  if constexpr (kHasLoad16<T>) {  // the same scale and codes (cvtps rounds to nearest even, as nearbyint does)
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      const __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      const float scale = amax / 127.f;
+      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
+      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
+      const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+      d[b] = scale;
+      s[b] = sum;
+      c[b] = 8.f * (sum - scale * static_cast<float>(qsum));
+    }
+    return;
+  }
+#endif
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const T* xb = x + b * kBlock;
     float amax = 0.f, sum = 0.f;
