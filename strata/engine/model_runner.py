@@ -16,7 +16,7 @@ from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_r
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.quant import QuantLinear, decode_rows_first
+from strata.layers.quant import QuantLinear, step_rows
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
@@ -130,7 +130,8 @@ class ModelRunner:
         fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        with decode_rows_first(len(fb.input_ids), len(fb.sample_rows), fb.attn.num_decode):
+        nd = fb.attn.num_decode
+        with step_rows(len(fb.input_ids), len(fb.sample_rows), nd, fb.attn.q_len[nd:].tolist()):
             hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
             self.hidden = hidden if self.keep_hidden else None
             if fb.sampling is None:

@@ -334,10 +334,16 @@ class Scheduler(WindowKV, KVAccounting):
         return max(0, math.ceil(end / self.page_size) - len(req.pages))
 
     def _chunk_len(self, req: Req, budget: int, batch_empty: bool) -> int:
+        """Prompt tokens `req` feeds this step (0: none). A prompt goes in pieces of
+        chunked_prefill_size from where its computation starts (or whole, without chunking), never cut
+        to fit what is left of a step: a piece that does not fit waits for a later step, unless the
+        step would be empty. So a request's pieces, and with them its prefill's arithmetic (and its
+        greedy output), do not depend on what shares its steps."""
         n = req.extend_len
         chunk = self.config.chunked_prefill_size
         if chunk > 0:
-            return min(n, chunk, budget)
+            n = min(n, chunk)
+            return n if n <= budget else (min(n, budget) if batch_empty else 0)
         # chunking disabled: the whole rest in one go; alone it may exceed the batch budget
         return n if (n <= budget or batch_empty) else 0
 

@@ -24,10 +24,11 @@ page-table entries (those pages may already be freed):
 sliding and full layers differ) are built on first use and shared by the later layers.
 On the CPU the native kernels (strata.kernels) store the new K/V and run decode attention straight
 from the pool, one pass per (token, KV head) with an online softmax: no gather, no padding. Extend
-(prefill) segments whose requests all read at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash
--style extend attention (2-3x faster than masked SDPA for many short prompts); longer ones use
-SDPA, whose blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes), or explicit
-matmuls and softmax when the layer soft-caps or has sinks (SDPA can do neither).
+(prefill) requests that read at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash-style
+extend attention (2-3x faster than masked SDPA for many short prompts); longer ones use SDPA, whose
+blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes), or explicit matmuls and
+softmax when the layer soft-caps or has sinks (SDPA can do neither), one request at a time: each
+request's path and shapes are its own, so its result does not depend on what shares its step.
 `reference_attention` is the per-request loop kept as the test oracle.
 """
 
@@ -66,9 +67,10 @@ class WindowView:
     """What the layers with one window size read in a step, built on first use and shared."""
 
     window: int | None  # None: full causal (also when the window covers every request's keys)
-    extend_keys_read: int  # the most keys an extend request reads (decides kernel or SDPA)
+    extend_keys_read: list[int]  # keys each extend request reads (decides kernel or SDPA, request by request)
     decode: SegmentMeta | None = None  # torch-path views, built when first needed
     extend: SegmentMeta | None = None
+    extend_alone: dict[int, SegmentMeta] = field(default_factory=dict)  # extend i's own torch-path view
 
 
 @dataclass
@@ -160,7 +162,7 @@ class AttentionMetadata:
             if effective not in self.views:
                 eq, ekv = self.q_len[self.num_decode :], self.kv_len[self.num_decode :]
                 reads = ekv if effective is None else torch.minimum(ekv, eq + effective - 1)
-                self.views[effective] = WindowView(effective, int(reads.max()) if len(reads) else 0)
+                self.views[effective] = WindowView(effective, reads.tolist())
             view = self.views[window] = self.views[effective]
         return view
 
@@ -175,6 +177,15 @@ class AttentionMetadata:
         if view.extend is None:
             view.extend = self._segment(slice(self.num_decode, None), view.window)
         return view.extend
+
+    def extend_alone_segment(self, view: WindowView, i: int) -> SegmentMeta:
+        """The torch path's view of extend i (request num_decode + i) by itself, built once."""
+        seg = view.extend_alone.get(i)
+        if seg is None:
+            b = self.num_decode + i
+            seg = view.extend_alone[i] = self._segment(slice(b, b + 1), view.window)
+            seg.token_start = int(self.extend_q_start[i])
+        return seg
 
     def _segment(self, rows: slice, window: int | None) -> SegmentMeta:
         # decodes are one token each, so request row r < num_decode is token r, and the extends start there
@@ -275,15 +286,28 @@ def paged_attention(
         out[:nd] = _segment_attention(q[:nd], k_cache, v_cache, seg, scale, softcap, sinks)
     if nd == num_tokens:
         return out
-    kernel_fits = head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
-    if ops and ops.has_simd() and kernel_fits and view.extend_keys_read <= EXTEND_KERNEL_MAX_KV:
+    # Each extend request goes its own way, by the keys it reads (never by what shares its step, so
+    # its output is the same alone or in any batch): short reads through the kernel, all in one
+    # call; long ones through SDPA, each request by itself (a padded batch's shapes would change a
+    # request's blocking, and so its bits).
+    kernel_fits = ops and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
+    reads = view.extend_keys_read
+    on_kernel = [i for i, r in enumerate(reads) if kernel_fits and r <= EXTEND_KERNEL_MAX_KV]
+    if on_kernel:
+        b = None if len(on_kernel) == len(reads) else torch.tensor(on_kernel)
+        pick = (lambda t: t) if b is None else (lambda t: t[b])
         ops.extend_attention(
-            out, q, k_cache, v_cache, meta.page_table[nd:], meta.extend_q_start, meta.q_len[nd:],
-            meta.kv_len[nd:], meta.page_size, scale, **options,
+            out, q, k_cache, v_cache, pick(meta.page_table[nd:]), pick(meta.extend_q_start), pick(meta.q_len[nd:]),
+            pick(meta.kv_len[nd:]), meta.page_size, scale, **options,
         )
-    else:
-        seg = meta.extend_segment(view)
-        out[nd:] = _segment_attention(q[nd:], k_cache, v_cache, seg, scale, softcap, sinks)
+    if len(on_kernel) == len(reads):
+        return out
+    kernel = set(on_kernel)
+    for i in range(len(reads)):
+        if i not in kernel:
+            seg = meta.extend_alone_segment(view, i)
+            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+            out[rows] = _segment_attention(q[rows], k_cache, v_cache, seg, scale, softcap, sinks)
     return out
 
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from contextlib import contextmanager
 from functools import partial
 
@@ -71,24 +72,36 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, d, s, 8 * (s - d * q.sum(dim=2))
 
 
-# {rows of a linear's input: how many of them lead as a step's decode rows} (decode_rows_first)
-_DECODE_ROWS: dict[int, int] = {}
+# {rows of a linear's input: the rows of it that take the int8 kernel, as [start, end) runs} (step_rows)
+_KERNEL_ROWS: dict[int, list[tuple[int, int]]] = {}
 
 
 @contextmanager
-def decode_rows_first(token_rows: int, sample_rows: int, num_decode: int):
+def step_rows(token_rows: int, sample_rows: int, num_decode: int, extend_lens: Sequence[int] = ()):
     """Within: a block-quantized linear over a step's `token_rows` (or its `sample_rows`, the LM
-    head's input) computes the first `num_decode` rows, the step's decode and verification tokens,
-    with the int8 kernel whatever the step's size; only the other rows go by `kernel_max_rows`. So a
-    decoded token's logits do not depend on what shares its step: a prefill chunk of another request,
-    or speculation's drafts, cannot change a greedy output."""
-    global _DECODE_ROWS
-    saved = _DECODE_ROWS
-    _DECODE_ROWS = {token_rows: num_decode, sample_rows: num_decode} if num_decode > 0 else {}
+    head's input) picks its path request by request, never by the step's size: the step's decode
+    and verification tokens (its first `num_decode` rows) and each prefill chunk shorter than
+    `kernel_max_rows` (`extend_lens`, in row order after them) take the int8 kernel; longer chunks
+    dequantize for a matmul; every sampled row takes the kernel. Both paths compute a row the same
+    whatever else is in the call, so a request's tokens, logits and KV do not depend on what shares
+    its step (another request's prefill chunk, speculation's drafts, a busier batch), and neither
+    can a greedy output."""
+    global _KERNEL_ROWS
+    saved = _KERNEL_ROWS
+    runs: list[tuple[int, int]] = [(0, num_decode)] if num_decode > 0 else []
+    start = num_decode
+    for n in extend_lens:
+        if n < QuantLinear.kernel_max_rows:
+            if runs and runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], start + n)
+            else:
+                runs.append((start, start + n))
+        start += n
+    _KERNEL_ROWS = {token_rows: runs, sample_rows: [(0, sample_rows)]}
     try:
         yield
     finally:
-        _DECODE_ROWS = saved
+        _KERNEL_ROWS = saved
 
 
 class QuantLinear(nn.Module, ABC):
@@ -102,7 +115,7 @@ class QuantLinear(nn.Module, ABC):
     format: str
     # From this many rows on, forward dequantizes chunks for a BLAS matmul (whose cost is the
     # weights once, while the int8 kernel's grows with rows x weights), except a step's decode rows
-    # (decode_rows_first), which always take the kernel: with the packed layout it is faster than
+    # (step_rows), which always take the kernel: with the packed layout it is faster than
     # dequantizing up to 128 rows and more on SmolLM2's layers (docs/BENCHMARKS.md).
     kernel_max_rows: int = 32
 
@@ -177,18 +190,37 @@ class QuantLinear(nn.Module, ABC):
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
         rows = x2d.shape[0]
-        if ops is not None and rows < self.kernel_max_rows:
+        runs = _KERNEL_ROWS.get(rows) if ops is not None else None
+        if runs is not None:  # a step's input: its requests' own paths (see step_rows)
+            out = self._planned_mm(ops, x2d, runs)
+        elif ops is not None and rows < self.kernel_max_rows:
             out = self.kernel_mm(ops, x2d)
-        elif ops is not None and (lead := _DECODE_ROWS.get(rows, 0)) > 0:  # see decode_rows_first
-            out = self.kernel_mm(ops, x2d) if lead >= rows else torch.cat(
-                [self.kernel_mm(ops, x2d[:lead]), self.dequant_mm(x2d[lead:], ops)]
-            )
         else:
             out = self.dequant_mm(x2d, ops)
         bias = self._buffers["bias"]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step
         if bias is not None:
             out = out.add_(bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _planned_mm(self, ops, x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
+        """x [rows, in_features]: the rows in `runs` ([start, end) ranges) by the kernel, the rest by
+        dequant_mm, each path in one call."""
+        rows = x.shape[0]
+        if not runs:
+            return self.dequant_mm(x, ops)
+        if runs == [(0, rows)]:
+            return self.kernel_mm(ops, x)
+        if len(runs) == 1 and runs[0][0] == 0:  # decode rows, then prefill chunks: no gathering
+            lead = runs[0][1]
+            return torch.cat([self.kernel_mm(ops, x[:lead]), self.dequant_mm(x[lead:], ops)])
+        on_kernel = torch.zeros(rows, dtype=torch.bool)
+        for start, end in runs:
+            on_kernel[start:end] = True
+        kernel_ids, other_ids = on_kernel.nonzero().view(-1), (~on_kernel).nonzero().view(-1)
+        out = x.new_empty(rows, self.out_features)
+        out[kernel_ids] = self.kernel_mm(ops, x[kernel_ids].contiguous())
+        out[other_ids] = self.dequant_mm(x[other_ids], ops)
+        return out
 
     def extra_repr(self) -> str:
         return (

@@ -147,7 +147,9 @@ def test_one_view_per_window_size_per_step():
                 paged_attention(q, kv, kv, *caches, meta, 0.25, window=window)
         assert meta.view(16) is not meta.view(None)
         assert meta.view(100) is meta.view(None)  # a window as long as every request is no window
-        assert meta.view(16).extend is not None and meta.view(16).extend.kv_slots.shape[1] == 20 + 16 - 1
+        alone = meta.view(16).extend_alone  # the torch path takes each extend by itself
+        assert set(alone) == {0, 1} and alone[1].kv_slots.shape[1] == 20 + 16 - 1
+        assert (alone[0].token_start, alone[0].num_tokens, alone[1].token_start) == (2, 30, 32)
 
 
 def test_single_fresh_prefill_takes_the_causal_path():
@@ -173,3 +175,38 @@ def test_bad_layer_settings_are_refused(kwargs, message):
     q, kv = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
     with pytest.raises(ValueError, match=re.escape(message)):
         paged_attention(q, kv, kv, torch.zeros(64, 2, 16), torch.zeros(64, 2, 16), meta, 0.25, **kwargs)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
+@pytest.mark.parametrize("window", [None, 200])
+def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
+    """A request's prefill attention is computed by its own path and shapes (the kernel for short
+    reads, SDPA for long ones, one request at a time), so its output bits are the same alone and
+    beside any other prefills: short, long, with a cached prefix or without."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, dim = 4, 2, 16
+    # (new tokens, tokens in KV after the step): a short one, a long one, a long chunk after a prefix
+    requests = {"short": (40, 40), "long": (300, 300), "chunk": (200, 500), "other": (700, 700)}
+    pages = {name: torch.arange(i * 1000, i * 1000 + 1000) for i, name in enumerate(requests)}
+    tensors = {
+        name: [torch.randn(q, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)]
+        for name, (q, _) in requests.items()
+    }
+    cache = torch.randn(4000, kv_heads, dim, generator=gen), torch.randn(4000, kv_heads, dim, generator=gen)
+
+    def step(names: list[str]) -> dict[str, torch.Tensor]:
+        k_cache, v_cache = cache[0].clone(), cache[1].clone()  # cached prefixes as they were
+        meta = AttentionMetadata.build(
+            [requests[n][0] for n in names], [requests[n][1] for n in names],
+            torch.stack([pages[n] for n in names]), 1, 0, torch.device("cpu"),
+        )
+        q, k, v = (torch.cat([tensors[n][i] for n in names]) for i in range(3))
+        with contextlib.nullcontext() if native else kernels.disabled():
+            out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, window=window)
+        return dict(zip(names, out.split([requests[n][0] for n in names])))
+
+    alone = {name: step([name])[name] for name in ("short", "long", "chunk")}
+    for names in (["short", "long"], ["long", "short", "chunk"], ["other", "chunk", "short", "long"]):
+        for name, out in step(names).items():
+            if name in alone:
+                assert torch.equal(out, alone[name]), (names, name)

@@ -480,17 +480,47 @@ def test_config_choices_cover_the_quantizers():
 
 @pytest.mark.parametrize("fmt", ["q4", "q8/16h"])
 def test_decode_rows_take_the_kernel_whatever_shares_their_step(build, fmt):
-    """A step of 5 decode rows and a 40-token prefill chunk: inside decode_rows_first the decode rows
+    """A step of 5 decode rows and a 40-token prefill chunk: inside step_rows the decode rows
     compute exactly what they compute in a step of their own (the int8 kernel), the chunk's rows what
     the float path gives them; outside it the whole step takes the float path."""
     gen = torch.Generator().manual_seed(7)
     layer = random_layer(fmt, 48, 96, gen)
     x = torch.randn(45, 96, generator=gen)
     alone = layer(x[:5])  # 5 rows < kernel_max_rows: the kernel
-    with quant.decode_rows_first(45, 45, 5):
+    with quant.step_rows(45, 6, 5, [40]):
         mixed = layer(x)
     assert torch.equal(mixed[:5], alone)
     assert torch.equal(mixed[5:], layer.dequant_mm(x[5:], build))
     assert not torch.equal(layer(x)[:5], alone)  # the float path: what a prefill in the step used to cause
-    with quant.decode_rows_first(45, 3, 3):  # the LM head's input: 3 sampled rows of decodes
+    with quant.step_rows(45, 3, 3, [40]):  # the LM head's input: 3 sampled rows of decodes
         assert torch.equal(layer(x[:3]), layer.kernel_mm(build, x[:3]))
+
+
+@pytest.mark.parametrize("fmt", ["q4", "q8/16h"])
+def test_a_prefill_chunk_computes_the_same_whatever_shares_its_step(build, fmt):
+    """Each request's rows go by its own chunk, never by the step's size: a short chunk (under
+    kernel_max_rows) takes the kernel and a long one the float path, alone or beside decodes and
+    other chunks, short or long, in any order; and every sampled row takes the kernel."""
+    gen = torch.Generator().manual_seed(8)
+    layer = random_layer(fmt, 48, 96, gen)
+    short, long_, other = (torch.randn(n, 96, generator=gen) for n in (20, 40, 50))
+    decodes = torch.randn(3, 96, generator=gen)
+
+    def step(parts: list[torch.Tensor], num_decode: int = 0) -> list[torch.Tensor]:
+        x = torch.cat(parts)
+        lens = [len(p) for p in parts]
+        with quant.step_rows(len(x), len(parts), num_decode, lens[1:] if num_decode else lens):
+            out = layer(x)
+        return list(out.split(lens))
+
+    short_alone, long_alone = step([short])[0], step([long_])[0]
+    assert torch.equal(short_alone, layer.kernel_mm(build, short))
+    assert torch.equal(long_alone, layer.dequant_mm(long_, build))
+    for parts, nd in (([decodes, short, long_], 3), ([long_, short], 0), ([other, short, long_], 0),
+                      ([decodes, long_, other, short], 3)):
+        got = dict(zip(map(id, parts), step(parts, nd)))
+        assert torch.equal(got[id(short)], short_alone)
+        assert torch.equal(got[id(long_)], long_alone)
+    rows = torch.cat([decodes, short[:1], long_[:1]])  # the LM head's input: one sampled row a request
+    with quant.step_rows(63, 5, 3, [20, 40]):
+        assert torch.equal(layer(rows), layer.kernel_mm(build, rows))
