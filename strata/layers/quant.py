@@ -72,8 +72,9 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     return q, d, s, 8 * (s - d * q.sum(dim=2))
 
 
-# {rows of a linear's input: the rows of it that take the int8 kernel, as [start, end) runs} (step_rows)
-_KERNEL_ROWS: dict[int, list[tuple[int, int]]] = {}
+# {rows of a linear's input: (the [start, end) runs of it that take the int8 kernel, each request's
+# [start, end) of the rest)} (step_rows)
+_ROW_PLANS: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
 
 
 @contextmanager
@@ -81,27 +82,29 @@ def step_rows(token_rows: int, sample_rows: int, num_decode: int, extend_lens: S
     """Within: a block-quantized linear over a step's `token_rows` (or its `sample_rows`, the LM
     head's input) picks its path request by request, never by the step's size: the step's decode
     and verification tokens (its first `num_decode` rows) and each prefill chunk shorter than
-    `kernel_max_rows` (`extend_lens`, in row order after them) take the int8 kernel; longer chunks
-    dequantize for a matmul; every sampled row takes the kernel. Both paths compute a row the same
-    whatever else is in the call, so a request's tokens, logits and KV do not depend on what shares
-    its step (another request's prefill chunk, speculation's drafts, a busier batch), and neither
-    can a greedy output."""
-    global _KERNEL_ROWS
-    saved = _KERNEL_ROWS
+    `kernel_max_rows` (`extend_lens`, in row order after them) take the int8 kernel; each longer
+    chunk is its own matmul with the dequantized weights; every sampled row takes the kernel. The
+    kernel computes a row the same whatever else is in the call, so a request's tokens, logits and
+    KV do not depend on what shares its step (another request's prefill chunk, speculation's
+    drafts, a busier batch), and neither can a greedy output."""
+    global _ROW_PLANS
+    saved = _ROW_PLANS
     runs: list[tuple[int, int]] = [(0, num_decode)] if num_decode > 0 else []
+    others: list[tuple[int, int]] = []
     start = num_decode
     for n in extend_lens:
-        if n < QuantLinear.kernel_max_rows:
-            if runs and runs[-1][1] == start:
-                runs[-1] = (runs[-1][0], start + n)
-            else:
-                runs.append((start, start + n))
+        if n >= QuantLinear.kernel_max_rows:
+            others.append((start, start + n))
+        elif runs and runs[-1][1] == start:
+            runs[-1] = (runs[-1][0], start + n)
+        else:
+            runs.append((start, start + n))
         start += n
-    _KERNEL_ROWS = {token_rows: runs, sample_rows: [(0, sample_rows)]}
+    _ROW_PLANS = {token_rows: (runs, others), sample_rows: ([(0, sample_rows)], [])}
     try:
         yield
     finally:
-        _KERNEL_ROWS = saved
+        _ROW_PLANS = saved
 
 
 class QuantLinear(nn.Module, ABC):
@@ -168,11 +171,21 @@ class QuantLinear(nn.Module, ABC):
     def dequant_mm(self, x: torch.Tensor, ops=None) -> torch.Tensor:
         """x [rows, in_features] -> [rows, out_features]: dequantize DEQUANT_CHUNK_NUMEL weights at a
         time into x.dtype (natively with `ops`, else in torch), then a dense matmul."""
+        return self.dequant_mm_each([x], ops)[0]
+
+    def dequant_mm_each(self, xs: list[torch.Tensor], ops=None) -> list[torch.Tensor]:
+        """dequant_mm of each input (one per request), the weights dequantized once for all: a
+        separate matmul per input, so an input's result does not depend on the others (a BLAS may
+        block, and so round, a row differently in a taller matrix)."""
         n, k = self.out_features, self.in_features
         step = n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
         dequantize = self.dequantize_rows if ops is None else partial(self.kernel_dequantize, ops)
-        parts = [F.linear(x, dequantize(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+        parts: list[list[torch.Tensor]] = [[] for _ in xs]
+        for i in range(0, n, step):
+            w = dequantize(i, min(i + step, n), xs[0].dtype)
+            for part, x in zip(parts, xs):
+                part.append(F.linear(x, w))
+        return [p[0] if len(p) == 1 else torch.cat(p, dim=1) for p in parts]
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Oracle of the quantization itself: float32 matmul with the dequantized weight, in x.dtype."""
@@ -190,9 +203,9 @@ class QuantLinear(nn.Module, ABC):
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
         rows = x2d.shape[0]
-        runs = _KERNEL_ROWS.get(rows) if ops is not None else None
-        if runs is not None:  # a step's input: its requests' own paths (see step_rows)
-            out = self._planned_mm(ops, x2d, runs)
+        plan = _ROW_PLANS.get(rows) if ops is not None else None
+        if plan is not None:  # a step's input: its requests' own paths (see step_rows)
+            out = self._planned_mm(ops, x2d, *plan)
         elif ops is not None and rows < self.kernel_max_rows:
             out = self.kernel_mm(ops, x2d)
         else:
@@ -202,24 +215,21 @@ class QuantLinear(nn.Module, ABC):
             out = out.add_(bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
 
-    def _planned_mm(self, ops, x: torch.Tensor, runs: list[tuple[int, int]]) -> torch.Tensor:
-        """x [rows, in_features]: the rows in `runs` ([start, end) ranges) by the kernel, the rest by
-        dequant_mm, each path in one call."""
-        rows = x.shape[0]
-        if not runs:
-            return self.dequant_mm(x, ops)
-        if runs == [(0, rows)]:
+    def _planned_mm(self, ops, x: torch.Tensor, runs: list[tuple[int, int]], others: list[tuple[int, int]]) -> torch.Tensor:
+        """x [rows, in_features]: the rows in `runs` ([start, end) ranges) by the kernel in one call,
+        each range of `others` by its own matmul with the dequantized weights."""
+        if runs == [(0, x.shape[0])]:
             return self.kernel_mm(ops, x)
-        if len(runs) == 1 and runs[0][0] == 0:  # decode rows, then prefill chunks: no gathering
-            lead = runs[0][1]
-            return torch.cat([self.kernel_mm(ops, x[:lead]), self.dequant_mm(x[lead:], ops)])
-        on_kernel = torch.zeros(rows, dtype=torch.bool)
-        for start, end in runs:
-            on_kernel[start:end] = True
-        kernel_ids, other_ids = on_kernel.nonzero().view(-1), (~on_kernel).nonzero().view(-1)
-        out = x.new_empty(rows, self.out_features)
-        out[kernel_ids] = self.kernel_mm(ops, x[kernel_ids].contiguous())
-        out[other_ids] = self.dequant_mm(x[other_ids], ops)
+        out = x.new_empty(x.shape[0], self.out_features)
+        if len(runs) == 1:
+            (start, end), = runs
+            out[start:end] = self.kernel_mm(ops, x[start:end])
+        elif runs:
+            ids = torch.cat([torch.arange(start, end) for start, end in runs])
+            out[ids] = self.kernel_mm(ops, x[ids].contiguous())
+        if others:
+            for (start, end), y in zip(others, self.dequant_mm_each([x[s:e] for s, e in others], ops)):
+                out[start:end] = y
         return out
 
     def extra_repr(self) -> str:

@@ -186,13 +186,13 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim = 4, 2, 16
     # (new tokens, tokens in KV after the step): a short one, a long one, a long chunk after a prefix
-    requests = {"short": (40, 40), "long": (300, 300), "chunk": (200, 500), "other": (700, 700)}
+    requests = {"short": (40, 40), "long": (300, 300), "chunk": (200, 500), "other": (700, 700), "mid": (100, 120)}
     pages = {name: torch.arange(i * 1000, i * 1000 + 1000) for i, name in enumerate(requests)}
     tensors = {
         name: [torch.randn(q, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)]
         for name, (q, _) in requests.items()
     }
-    cache = torch.randn(4000, kv_heads, dim, generator=gen), torch.randn(4000, kv_heads, dim, generator=gen)
+    cache = torch.randn(5000, kv_heads, dim, generator=gen), torch.randn(5000, kv_heads, dim, generator=gen)
 
     def step(names: list[str]) -> dict[str, torch.Tensor]:
         k_cache, v_cache = cache[0].clone(), cache[1].clone()  # cached prefixes as they were
@@ -205,8 +205,9 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
             out = paged_attention(q, k, v, k_cache, v_cache, meta, 0.25, window=window)
         return dict(zip(names, out.split([requests[n][0] for n in names])))
 
-    alone = {name: step([name])[name] for name in ("short", "long", "chunk")}
-    for names in (["short", "long"], ["long", "short", "chunk"], ["other", "chunk", "short", "long"]):
+    alone = {name: step([name])[name] for name in ("short", "long", "chunk", "mid")}
+    for names in (["short", "long"], ["long", "short", "chunk"], ["other", "chunk", "short", "long"],
+                  ["mid", "short"], ["short", "other", "mid"]):
         for name, out in step(names).items():
             if name in alone:
                 assert torch.equal(out, alone[name]), (names, name)
