@@ -290,24 +290,19 @@ def paged_attention(
     # its output is the same alone or in any batch): short reads through the kernel, all in one
     # call; long ones through SDPA, each request by itself (a padded batch's shapes would change a
     # request's blocking, and so its bits).
-    kernel_fits = ops and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
+    kernel_fits = bool(ops) and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
     reads = view.extend_keys_read
-    on_kernel = [i for i, r in enumerate(reads) if kernel_fits and r <= EXTEND_KERNEL_MAX_KV]
-    if on_kernel:
-        b = None if len(on_kernel) == len(reads) else torch.tensor(on_kernel)
-        pick = (lambda t: t) if b is None else (lambda t: t[b])
+    on_kernel = [kernel_fits and r <= EXTEND_KERNEL_MAX_KV for r in reads]
+    if any(on_kernel):
+        ids = slice(None) if all(on_kernel) else torch.tensor([i for i, k in enumerate(on_kernel) if k])
         ops.extend_attention(
-            out, q, k_cache, v_cache, pick(meta.page_table[nd:]), pick(meta.extend_q_start), pick(meta.q_len[nd:]),
-            pick(meta.kv_len[nd:]), meta.page_size, scale, **options,
+            out, q, k_cache, v_cache, meta.page_table[nd:][ids], meta.extend_q_start[ids], meta.q_len[nd:][ids],
+            meta.kv_len[nd:][ids], meta.page_size, scale, **options,
         )
-    if len(on_kernel) == len(reads):
-        return out
-    kernel = set(on_kernel)
-    for i in range(len(reads)):
-        if i not in kernel:
-            seg = meta.extend_alone_segment(view, i)
-            rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-            out[rows] = _segment_attention(q[rows], k_cache, v_cache, seg, scale, softcap, sinks)
+    for i in (i for i, k in enumerate(on_kernel) if not k):
+        seg = meta.extend_alone_segment(view, i)
+        rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
+        out[rows] = _segment_attention(q[rows], k_cache, v_cache, seg, scale, softcap, sinks)
     return out
 
 
