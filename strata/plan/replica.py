@@ -5,8 +5,9 @@ Each step mirrors `Scheduler._schedule_once` (strata/engine/scheduler.py):
     1. (PD decode) requests whose prompt KV arrived join the running batch as decodes
     2. every decode needs one more KV slot; out of room even after evicting the prefix cache,
        running requests are retracted (fewest outputs, longest prompt first) and re-queued
-    3. requests part-way through a chunked prefill continue (pieces of chunked_prefill_size, never
-       cut to fit: a piece that does not fit the step's budget, max_batch_tokens - decodes, waits)
+    3. requests part-way through a chunked prefill continue (pieces of chunked_prefill_size; one
+       that does not fit the step's budget, max_batch_tokens - decodes, waits, unless it is the
+       step's first piece, which is cut to fit)
     4. waiting requests are admitted in arrival order while the running limit, the token budget,
        max_prefill_tokens and the KV budget allow; the KV budget keeps back new_token_ratio x the
        remaining outputs of running requests (0.7, decaying 0.001 per step to 0.1). An admitted
@@ -326,7 +327,7 @@ class Replica:
         budget = cfg.max_batch_tokens - len(decodes)
         extends: list[tuple[SimRequest, int]] = []
         for r in [r for r in self.running if r.extend_len > 1]:
-            n = self._chunk_len(r, budget, batch_empty=not decodes and not extends)
+            n = self._chunk_len(r, budget, not decodes and not extends, first_piece=not extends)
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 continue
             extends.append((r, n))
@@ -341,13 +342,14 @@ class Replica:
         segments = [Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items]
         return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
 
-    def _chunk_len(self, r: SimRequest, budget: int, batch_empty: bool) -> int:
-        # whole pieces of chunked_prefill_size, never cut to fit: one that does not fit waits
+    def _chunk_len(self, r: SimRequest, budget: int, batch_empty: bool, first_piece: bool) -> int:
+        # pieces of chunked_prefill_size, cut to fit only as the step's first piece; others wait
         chunk = self.cfg.chunked_prefill_size
-        n = min(r.extend_len, chunk) if chunk > 0 else r.extend_len
-        if n <= budget:
-            return n
-        return (min(n, budget) if chunk > 0 else n) if batch_empty else 0
+        if chunk > 0:
+            n = min(r.extend_len, chunk)
+            return n if n <= budget else (min(n, budget) if first_piece else 0)
+        n = r.extend_len
+        return n if (n <= budget or batch_empty) else 0
 
     def _reserved_tokens(self) -> float:
         return sum(
@@ -390,7 +392,7 @@ class Replica:
             if need > available and not (batch_empty and not self.running):
                 self._unadmit(r)
                 break
-            n = self._chunk_len(r, min(budget, prefill_budget), batch_empty)
+            n = self._chunk_len(r, min(budget, prefill_budget), batch_empty, first_piece=not extends)
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 self._unadmit(r)
                 break

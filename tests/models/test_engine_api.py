@@ -188,3 +188,27 @@ def test_a_request_computes_the_same_alone_and_in_any_batch(llama_dir, dtype):
     assert answers(eng.generate(prompts, params)) == alone
     order = [3, 1, 0, 2]
     assert answers(eng.generate([prompts[i] for i in order], params)) == [alone[i] for i in order]
+
+
+
+def test_prefill_progresses_beside_decodes_when_pieces_exceed_the_step_budget(llama_dir):
+    """Prompt pieces are not cut to fit a step, except the step's first: with a step budget below
+    --chunked-prefill-size, a new prompt is still prefilled while another request decodes; it does
+    not wait for the decoding one to finish."""
+    eng = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=4096, page_size=4, chunked_prefill_size=64,
+                 max_batch_tokens=40)
+    rng = random.Random(9)
+    first_prompt, second_prompt = ([rng.randrange(3, 200) for _ in range(n)] for n in (30, 100))
+    (first,) = eng.add_request(first_prompt, greedy(40))
+    while not eng.step():
+        pass  # the first request's prefill
+    (second,) = eng.add_request(second_prompt, greedy(40))
+    done: dict[str, list[int]] = {first: [], second: []}
+    first_len_when_second_started = None
+    while eng.scheduler.has_work():
+        for o in eng.step():
+            done[o.rid].extend(o.new_token_ids)
+        if first_len_when_second_started is None and done[second]:
+            first_len_when_second_started = len(done[first])
+    assert first_len_when_second_started is not None and first_len_when_second_started < 39
+    assert [len(done[first]), len(done[second])] == [39, 40]  # the first's first token came before the loop
