@@ -27,7 +27,7 @@ from strata.distributed import messages as msg
 from strata.distributed.comm import Comm
 from strata.distributed.errors import RankFailure
 from strata.distributed.sharding import ShardPlan
-from strata.layers.quant import step_rows
+from strata.layers.quant import step_rows_for
 from strata.process import die_with_parent, settle_heap
 
 logger = logging.getLogger("strata.worker")
@@ -89,8 +89,7 @@ class Worker:
     def run_step(self, step: msg.Step) -> None:
         ids, positions, attn, sample_rows = build_step(step, self.page_size, self.device)
         samples = 0 if sample_rows is None else len(sample_rows)
-        nd = attn.num_decode
-        with step_rows(len(ids), samples, nd, attn.q_len[nd:].tolist()):  # as the driver's ModelRunner
+        with step_rows_for(attn, samples):  # as the driver's ModelRunner
             hidden = self.model(ids, positions, attn, self.kv)
             if sample_rows is not None:
                 self.model.compute_logits(hidden[sample_rows])

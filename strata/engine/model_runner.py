@@ -16,7 +16,7 @@ from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_r
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.quant import QuantLinear, step_rows
+from strata.layers.quant import QuantLinear, step_rows_for
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
@@ -130,8 +130,7 @@ class ModelRunner:
         fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        nd = fb.attn.num_decode
-        with step_rows(len(fb.input_ids), len(fb.sample_rows), nd, fb.attn.q_len[nd:].tolist()):
+        with step_rows_for(fb.attn, len(fb.sample_rows)):
             hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
             self.hidden = hidden if self.keep_hidden else None
             if fb.sampling is None:

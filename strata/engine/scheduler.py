@@ -31,6 +31,7 @@ from strata.cache.radix import PrefixCache
 from strata.config import EngineConfig
 from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
+from strata.engine.chunking import prefill_piece
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
 from strata.engine.speculative import Speculator
@@ -286,7 +287,8 @@ class Scheduler(WindowKV, KVAccounting):
         extends: list[tuple[Req, int]] = []
         for req in [r for r in self.running if r.extend_len > 1]:
             alone = not decodes and not extends
-            n = self._alloc_chunk(req, self._chunk_len(req, budget, alone, first_piece=not extends), alone)
+            n = prefill_piece(req.extend_len, self.config.chunked_prefill_size, budget, alone, first_piece=not extends)
+            n = self._alloc_chunk(req, n, alone)
             if n <= 0:
                 continue
             extends.append((req, n))
@@ -332,22 +334,6 @@ class Scheduler(WindowKV, KVAccounting):
 
     def _pages_short(self, req: Req, end: int) -> int:
         return max(0, math.ceil(end / self.page_size) - len(req.pages))
-
-    def _chunk_len(self, req: Req, budget: int, batch_empty: bool, first_piece: bool) -> int:
-        """Prompt tokens `req` feeds this step (0: none). A prompt goes in pieces of
-        chunked_prefill_size from where its computation starts (or whole, without chunking), not cut
-        to fit what is left of a step: a piece that does not fit waits for a later step. Only the
-        step's first piece is cut to the budget when it must be (a budget below chunked_prefill_size,
-        or many decodes), so prefill always progresses. With the default sizes no piece is ever cut,
-        so a request's pieces, and with them its prefill's arithmetic (and its greedy output), do
-        not depend on what shares its steps."""
-        n = req.extend_len
-        chunk = self.config.chunked_prefill_size
-        if chunk > 0:
-            n = min(n, chunk)
-            return n if n <= budget else (min(n, budget) if first_piece else 0)
-        # chunking disabled: the whole rest in one go; alone it may exceed the batch budget
-        return n if (n <= budget or batch_empty) else 0
 
     def _reserve_decode_pages(self, decodes: list[Req]) -> None:
         """Give every decode whose last page is full a new page, retracting others if needed."""
@@ -441,7 +427,10 @@ class Scheduler(WindowKV, KVAccounting):
             if self.config.swa_replay and self.allocator.groups and not self._start_replay(req, batch_empty):
                 self._release_kv(req, cache_it=False)
                 break
-            n = self._chunk_len(req, min(budget, prefill_budget), batch_empty, first_piece=not extends)
+            n = prefill_piece(
+                req.extend_len, self.config.chunked_prefill_size, min(budget, prefill_budget), batch_empty,
+                first_piece=not extends,
+            )
             n = self._alloc_chunk(req, n, batch_empty)
             if n <= 0:
                 self._release_kv(req, cache_it=False)

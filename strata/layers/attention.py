@@ -183,16 +183,15 @@ class AttentionMetadata:
         seg = view.extend_alone.get(i)
         if seg is None:
             b = self.num_decode + i
-            seg = view.extend_alone[i] = self._segment(slice(b, b + 1), view.window)
-            seg.token_start = int(self.extend_q_start[i])
+            seg = view.extend_alone[i] = self._segment(slice(b, b + 1), view.window, int(self.extend_q_start[i]))
         return seg
 
-    def _segment(self, rows: slice, window: int | None) -> SegmentMeta:
+    def _segment(self, rows: slice, window: int | None, token_start: int | None = None) -> SegmentMeta:
         # decodes are one token each, so request row r < num_decode is token r, and the extends start there
         floor = None if self.key_floor is None else self.key_floor[rows]
         return _segment(
-            rows.start, self.q_len[rows], self.kv_len[rows], self.page_table[rows], self.page_size,
-            self.device, window, floor,
+            rows.start if token_start is None else token_start, self.q_len[rows], self.kv_len[rows],
+            self.page_table[rows], self.page_size, self.device, window, floor,
         )
 
 

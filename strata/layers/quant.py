@@ -107,6 +107,13 @@ def step_rows(token_rows: int, sample_rows: int, num_decode: int, extend_lens: S
         _ROW_PLANS = saved
 
 
+def step_rows_for(meta, sample_rows: int):
+    """step_rows for a step's AttentionMetadata (decodes first, then one q_len per prefill chunk)
+    and the number of rows it samples."""
+    nd = meta.num_decode
+    return step_rows(int(meta.q_len.sum()), sample_rows, nd, meta.q_len[nd:].tolist())
+
+
 class QuantLinear(nn.Module, ABC):
     """`y = x @ dequantize().T + bias`, with the weight stored in blocks (one of the formats above).
 

@@ -38,6 +38,7 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from strata.engine.chunking import prefill_piece
 from strata.plan.cost_model import CostModel, Segment
 from strata.plan.kv_tiers import DeviceCache, LRUBlocks, block_hashes
 from strata.plan.workload import SimTurn
@@ -327,7 +328,8 @@ class Replica:
         budget = cfg.max_batch_tokens - len(decodes)
         extends: list[tuple[SimRequest, int]] = []
         for r in [r for r in self.running if r.extend_len > 1]:
-            n = self._chunk_len(r, budget, not decodes and not extends, first_piece=not extends)
+            n = prefill_piece(r.extend_len, cfg.chunked_prefill_size, budget, not decodes and not extends,
+                              first_piece=not extends)
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 continue
             extends.append((r, n))
@@ -341,15 +343,6 @@ class Replica:
         items += [(r, n, 0) for r, n in extends]
         segments = [Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items]
         return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
-
-    def _chunk_len(self, r: SimRequest, budget: int, batch_empty: bool, first_piece: bool) -> int:
-        # pieces of chunked_prefill_size, cut to fit only as the step's first piece; others wait
-        chunk = self.cfg.chunked_prefill_size
-        if chunk > 0:
-            n = min(r.extend_len, chunk)
-            return n if n <= budget else (min(n, budget) if first_piece else 0)
-        n = r.extend_len
-        return n if (n <= budget or batch_empty) else 0
 
     def _reserved_tokens(self) -> float:
         return sum(
@@ -392,7 +385,8 @@ class Replica:
             if need > available and not (batch_empty and not self.running):
                 self._unadmit(r)
                 break
-            n = self._chunk_len(r, min(budget, prefill_budget), batch_empty, first_piece=not extends)
+            n = prefill_piece(r.extend_len, self.cfg.chunked_prefill_size, min(budget, prefill_budget), batch_empty,
+                              first_piece=not extends)
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 self._unadmit(r)
                 break
