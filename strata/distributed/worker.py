@@ -27,7 +27,6 @@ from strata.distributed import messages as msg
 from strata.distributed.comm import Comm
 from strata.distributed.errors import RankFailure
 from strata.distributed.sharding import ShardPlan
-from strata.layers.quant import step_rows_for
 from strata.process import die_with_parent, settle_heap
 
 logger = logging.getLogger("strata.worker")
@@ -88,11 +87,9 @@ class Worker:
     @torch.inference_mode()
     def run_step(self, step: msg.Step) -> None:
         ids, positions, attn, sample_rows = build_step(step, self.page_size, self.device)
-        samples = 0 if sample_rows is None else len(sample_rows)
-        with step_rows_for(attn, samples):  # as the driver's ModelRunner
-            hidden = self.model(ids, positions, attn, self.kv)
-            if sample_rows is not None:
-                self.model.compute_logits(hidden[sample_rows])
+        hidden = self.model(ids, positions, attn, self.kv)
+        if sample_rows is not None:
+            self.model.compute_logits(hidden[sample_rows])
 
     def read_pages(self, pages: list[int]) -> None:
         from strata.distributed.kv import pad_heads

@@ -11,8 +11,9 @@ def prefill_piece(remaining: int, chunk: int, budget: int, batch_empty: bool, fi
     starts, not cut to fit what is left of a step: a piece that does not fit waits for a later step.
     Only the step's first piece is cut to the budget when it must be (a budget below `chunk`, or many
     decodes), so prefill always progresses. With the default sizes no piece is ever cut, so a
-    request's pieces, and with them its prefill's arithmetic (and its greedy output), do not depend on
-    what shares its steps. Without chunking the whole rest goes in one step; alone (`batch_empty`) it
+    request's pieces do not depend on what shares its steps: the CPU kernels compute a prompt's rows
+    the same however it is cut, and this keeps the per-request fallback paths (SDPA, the BLAS)
+    invariant too. Without chunking the whole rest goes in one step; alone (`batch_empty`) it
     may exceed the budget."""
     if chunk > 0:
         n = min(remaining, chunk)

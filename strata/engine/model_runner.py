@@ -16,7 +16,6 @@ from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_r
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.quant import QuantLinear, step_rows_for
 from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
 
 
@@ -32,11 +31,6 @@ class ModelRunner:
         self.device = device
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
-        # block-quantized linears compute steps of fewer rows than this with int8 activations, and
-        # larger ones in float: a token's logits depend on which side of it its step falls
-        self.quantized_row_limit = min(
-            (m.kernel_max_rows for m in model.modules() if isinstance(m, QuantLinear)), default=None
-        )
         # tensor/expert parallel (strata.distributed.runtime.ParallelRuntime): the other ranks run each step too
         self.parallel = None
         # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
@@ -130,14 +124,13 @@ class ModelRunner:
         fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        with step_rows_for(fb.attn, len(fb.sample_rows)):
-            hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
-            self.hidden = hidden if self.keep_hidden else None
-            if fb.sampling is None:
-                return None
-            # grammar masks are computed on the CPU while an accelerator runs the forward
-            self.add_grammar_masks(fb.rows, fb.sampling)
-            logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
+        hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+        self.hidden = hidden if self.keep_hidden else None
+        if fb.sampling is None:
+            return None
+        # grammar masks are computed on the CPU while an accelerator runs the forward
+        self.add_grammar_masks(fb.rows, fb.sampling)
+        logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
         if out.accepted is not None:

@@ -300,9 +300,6 @@ class Scheduler(WindowKV, KVAccounting):
         if self.spec is not None and decodes:
             base = len(decodes) + sum(n for _, n in extends)
             budget = self.config.max_batch_tokens - base
-            limit = self.runner.quantized_row_limit
-            if limit is not None and base < limit:  # drafts keep the step's arithmetic what it was
-                budget = min(budget, limit - 1 - base)
             verifying = self._plan_drafts(decodes, len(decodes), budget)
             decodes = [r for r in decodes if not r.draft_ids]
         self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)

@@ -37,7 +37,10 @@ logger = logging.getLogger(__name__)
 
 ENV_VAR = "STRATA_CPU_KERNELS"
 _DIR = Path(__file__).parent
-SOURCES = (_DIR / "cpu_ops.cpp", _DIR / "attention_ops.cpp", _DIR / "quant_ops.cpp", _DIR / "decode_loop.cpp")
+SOURCES = (
+    _DIR / "cpu_ops.cpp", _DIR / "attention_ops.cpp", _DIR / "extend_attention.cpp", _DIR / "quant_ops.cpp",
+    _DIR / "decode_loop.cpp",
+)
 DEFAULT_TARGET = "native"
 STALE_LOCK_S = 20 * 60  # a build takes ~1-2 min on two cores; a lock this old was left by a killed one
 # target -> (-march value, CPU flags it needs; None: whatever this CPU has)

@@ -1,8 +1,8 @@
-// Attention kernels over the paged KV pool: the K/V store, decode attention read straight from the
-// pool (a speculative verification's k + 1 entries as one run sharing each key tile), and flash-style
-// extend attention for short contexts; each with a sliding window, per-head sinks and a logit
-// softcap. Scores and accumulators stay in float throughout (more exact than the bf16 PyTorch
-// path); the tests compare them with the float32 oracle, strata.layers.attention.reference_attention.
+// Attention kernels over the paged KV pool: the K/V store and decode attention read straight from the
+// pool (a speculative verification's k + 1 entries as one run sharing each key tile), with a sliding
+// window, per-head sinks and a logit softcap (prefill's extend attention: extend_attention.cpp).
+// Scores and accumulators stay in float throughout (more exact than the bf16 PyTorch path); the
+// tests compare them with the float32 oracle, strata.layers.attention.reference_attention.
 //
 // The SIMD paths are written once against the 16-float vector of simd.h (one __m512 with AVX-512,
 // two __m256 with AVX2 + FMA + F16C) under STRATA_SIMD16; the scalar loops are the fallback and
@@ -10,6 +10,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_common.h"
 #include "common.h"
 #include "ops.h"
 #include "simd.h"
@@ -22,58 +23,6 @@
 #include <vector>
 
 namespace {
-
-// The two caches: [slots, kv_heads, head_dim] float, contiguous, alike.
-void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
-  check_cpu_contiguous(k_cache, "k_cache");
-  check_cpu_contiguous(v_cache, "v_cache");
-  check_float(k_cache, "k_cache");
-  TORCH_CHECK(k_cache.dim() == 3, "k_cache must be [slots, kv_heads, head_dim], got sizes ", k_cache.sizes());
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(), "v_cache (",
-              v_cache.sizes(), ", ", v_cache.scalar_type(), ") must match k_cache (", k_cache.sizes(), ", ",
-              k_cache.scalar_type(), ")");
-}
-
-// Keys a page-table row of `pages_per_row` pages holds (saturating instead of overflowing).
-int64_t key_capacity(int64_t pages_per_row, int64_t page_size) {
-  if (pages_per_row > 0 && page_size > std::numeric_limits<int64_t>::max() / pages_per_row) {
-    return std::numeric_limits<int64_t>::max();
-  }
-  return pages_per_row * page_size;
-}
-
-// Keys first_key .. end_key - 1 of page-table row b are read from pages
-// row[first_key / page_size .. ceil(end_key / page_size)): each must be one of the pool's num_pages
-// pages (0 <= first_key and end_key <= key_capacity are the caller's checks). Pages before
-// first_key (behind a sliding window) are not read, so their entries may be anything.
-void check_pages_read(const int64_t* page_table, int64_t pages_per_row, int64_t b, int64_t first_key, int64_t end_key,
-                      int64_t page_size, int64_t num_pages) {
-  const int64_t* row = page_table + b * pages_per_row;
-  const int64_t used = end_key <= first_key ? 0 : (end_key - 1) / page_size + 1;
-  for (int64_t i = first_key / page_size; i < used; ++i) {
-    TORCH_CHECK(row[i] >= 0 && row[i] < num_pages, "page_table[", b, "][", i, "] = ", row[i],
-                " is outside the KV pool's pages [0, ", num_pages, ") (read for the request's keys [", first_key,
-                ", ", end_key, "))");
-  }
-}
-
-// The layer options both attention kernels take: window (keys a query sees, itself included; <= 0:
-// all), softcap (scores become softcap * tanh(scores / softcap); 0: off), sinks (float32 [H], one
-// logit per query head that joins every softmax with no value row; None: none). Returns the sinks'
-// data or nullptr.
-const float* check_layer_options(int64_t H, double softcap, const c10::optional<at::Tensor>& sinks) {
-  TORCH_CHECK(softcap >= 0 && std::isfinite(softcap), "softcap must be finite and >= 0 (0: off), got ", softcap);
-  if (!sinks.has_value()) return nullptr;
-  check_cpu_contiguous(*sinks, "sinks");
-  TORCH_CHECK(sinks->scalar_type() == at::kFloat, "sinks must be float32, got ", sinks->scalar_type());
-  TORCH_CHECK(sinks->dim() == 1 && sinks->size(0) == H, "sinks must be [heads = ", H, "], got sizes ", sinks->sizes());
-  return sinks->data_ptr<float>();
-}
-
-// The first key a query at `pos` sees.
-inline int64_t window_start(int64_t pos, int64_t window) {
-  return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;
-}
 
 // ---------------------------------------------------------------------------------------------
 // Paged attention.
@@ -158,14 +107,6 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   }
   return sum;
 }
-
-#if defined(STRATA_SIMD16)
-// cap * tanh(x / cap), with tanh(y) = 1 - 2 / (exp(2y) + 1) (exp16 saturates: +-1 at the ends).
-inline V16 softcap16(V16 x, float cap) {
-  const V16 e = exp16(vmul(x, vset1(2.f / cap)));
-  return vmul(vset1(cap), vsub(vset1(1.f), vdiv(vset1(2.f), vadd(e, vset1(1.f)))));
-}
-#endif
 
 // s[i] = cap * tanh(s[i] / cap) for i < n.
 inline void softcap_scores(float* s, int64_t n, float cap) {
@@ -542,26 +483,6 @@ void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache
   });
 }
 
-// What both attention entry points take: q [T, H, D] (token rows), out [T, H, D] contiguous in q's
-// dtype, the two caches [slots, Hkv, D] alike, H a multiple of Hkv, an int64 page table
-// [requests, max_pages], page_size >= 1. Returns the pool's pages, slots / page_size (the pool is
-// num_pages * page_size slots, strata.cache.kv_pool).
-int64_t check_attention_io(const at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
-                           const at::Tensor& v_cache, const at::Tensor& page_table, int64_t page_size) {
-  check_token_rows(q, "q");
-  check_cpu_contiguous(out, "out");
-  TORCH_CHECK(out.sizes() == q.sizes() && out.scalar_type() == q.scalar_type(), "out (", out.sizes(), ", ",
-              out.scalar_type(), ") must match q (", q.sizes(), ", ", q.scalar_type(), ")");
-  check_caches(k_cache, v_cache);
-  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
-  TORCH_CHECK(k_cache.size(2) == D, "the caches' head_dim (", k_cache.size(2), ") must be q's (", D, ")");
-  TORCH_CHECK(Hkv > 0 && H % Hkv == 0, "q's ", H, " heads must be a multiple of the caches' ", Hkv, " KV heads");
-  index_data(page_table, 2, "page_table", "[requests, max_pages]");
-  TORCH_CHECK(page_size >= 1, "page_size must be at least 1, got ", page_size);
-  return k_cache.size(0) / page_size;
-}
-
-// out[t] = attention of query token t over keys 0 .. positions[t] of request owner[t] (the last
 // `window` of them when window > 0); softcap and sinks as in check_layer_options.
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                      at::Tensor owner, at::Tensor positions, int64_t page_size, double scale, int64_t window,
@@ -596,240 +517,6 @@ void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tenso
   });
 }
 
-// ---------------------------------------------------------------------------------------------
-// Extend (prefill) attention: flash-style over query blocks.
-//
-// Request b feeds q_len[b] tokens starting at flattened token q_start[b]; after this step it has
-// kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that (with
-// a window W, the last W of them). A work item is (request, KV head, block of kQueryBlock tokens):
-// its QB * G query rows share every 16-key tile, which is widened and transposed once ([D][16]
-// floats) so each row's 16 scores are D broadcast-FMAs with no horizontal sums; then an online
-// softmax and P @ V. Tiles start at the block's first window start, so keys before it are never read.
-// ---------------------------------------------------------------------------------------------
-constexpr int64_t kQueryBlock = 16;
-
-#if defined(STRATA_SIMD16)
-// acc rows r0.. (columns d .. d + 16 NB) = corr * acc + P @ V over the tile's keys skip .. visible - 1,
-// accumulators in registers.
-template <int R, int NB>
-inline void pv_block(float* acc, const float* p, const float* corr, const float* vt, int64_t r0, int64_t D, int64_t d,
-                     int64_t skip, int64_t visible) {
-  V16 a[R][NB];
-  for (int r = 0; r < R; ++r) {
-    const V16 c = vset1(corr[r]);
-    for (int b = 0; b < NB; ++b) a[r][b] = vmul(load16(acc + (r0 + r) * D + d + 16 * b), c);
-  }
-  for (int64_t k = skip; k < visible; ++k) {
-    V16 v[NB];
-    for (int b = 0; b < NB; ++b) v[b] = load16(vt + k * D + d + 16 * b);
-    for (int r = 0; r < R; ++r) {
-      const V16 pk = vset1(p[r * 16 + k]);
-      for (int b = 0; b < NB; ++b) a[r][b] = vfmadd(pk, v[b], a[r][b]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < NB; ++b) store16(acc + (r0 + r) * D + d + 16 * b, a[r][b]);
-  }
-}
-
-// R query rows (r0 ..) against one 16-key tile, of which they see keys skip .. visible - 1 (skip > 0
-// at a window's edge): scores, online-softmax update, P @ V into acc. Independent accumulators
-// (4 per row for the scores, R x 4 d-blocks for P @ V) keep the FMA pipes busy instead of waiting
-// on one dependency chain.
-template <int R>
-inline void extend_rows(const float* qf, float* acc, float* m, float* l, const float* kt, const float* vt, float* p,
-                        int64_t r0, int64_t D, int64_t skip, int64_t visible, float softcap) {
-  const Mask16 valid = first_lanes(visible), behind = first_lanes(skip);
-  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
-  V16 sc[R];
-  for (int r = 0; r < R; ++r) {
-    const float* qr = qf + (r0 + r) * D;
-    V16 a0 = vzero(), a1 = vzero(), a2 = vzero(), a3 = vzero();
-    for (int64_t d = 0; d < D; d += 4) {
-      a0 = vfmadd(vset1(qr[d]), load16(kt + d * 16), a0);
-      a1 = vfmadd(vset1(qr[d + 1]), load16(kt + (d + 1) * 16), a1);
-      a2 = vfmadd(vset1(qr[d + 2]), load16(kt + (d + 2) * 16), a2);
-      a3 = vfmadd(vset1(qr[d + 3]), load16(kt + (d + 3) * 16), a3);
-    }
-    V16 score = vadd(vadd(a0, a1), vadd(a2, a3));
-    if (softcap > 0) score = softcap16(score, softcap);
-    sc[r] = vselect(valid, score, minus_inf);
-    if (skip > 0) sc[r] = vselect(behind, minus_inf, sc[r]);
-  }
-  float corr[R];
-  for (int r = 0; r < R; ++r) {
-    const int64_t row = r0 + r;
-    const float new_max = std::max(m[row], reduce_max(sc[r]));
-    corr[r] = std::exp(m[row] - new_max);
-    V16 pv = vselect(valid, exp16(vsub(sc[r], vset1(new_max))), vzero());
-    if (skip > 0) pv = vselect(behind, vzero(), pv);
-    l[row] = l[row] * corr[r] + reduce_add(pv);
-    m[row] = new_max;
-    store16(p + r * 16, pv);
-  }
-  // 4 d-blocks per row (up to 16 accumulators) only with AVX-512's 32 registers; AVX2 has 16 ymm,
-  // each V16 taking two
-  if (kRegsPerV16 == 1 && D % 64 == 0) {
-    for (int64_t d = 0; d < D; d += 64) pv_block<R, 4>(acc, p, corr, vt, r0, D, d, skip, visible);
-  } else {
-    for (int64_t d = 0; d < D; d += 16) pv_block<R, 1>(acc, p, corr, vt, r0, D, d, skip, visible);
-  }
-}
-
-template <typename QT, typename CT>
-void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT* vc, const int64_t* pages,
-                 int64_t page_size, int64_t Hkv, int64_t kvh, int64_t G, int64_t D, int64_t tok0, int64_t ntok,
-                 int64_t pos0, float scale, int64_t window, float softcap, const float* sinks, float* buf) {
-  const int64_t rows = ntok * G;
-  float* qf = buf;                        // [rows][D]
-  float* acc = qf + rows * D;             // [rows][D]
-  float* m = acc + rows * D;              // [rows]
-  float* l = m + rows;                    // [rows]
-  float* kt = l + rows;                   // [D][16]
-  float* vt = kt + D * 16;                // [16][D]
-  float* p = vt + 16 * D;                 // [4][16]
-  for (int64_t i = 0; i < ntok; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const QT* src = qp + (tok0 + i) * q_stride + (kvh * G + g) * D;
-      float* dst = qf + (i * G + g) * D;
-      for (int64_t d = 0; d < D; ++d) dst[d] = to_f(src[d]) * scale;
-    }
-  }
-  std::fill(acc, acc + rows * D, 0.f);
-  std::fill(m, m + rows, -std::numeric_limits<float>::infinity());
-  std::fill(l, l + rows, 0.f);
-  if (sinks) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
-    for (int64_t r = 0; r < rows; ++r) {
-      m[r] = sinks[kvh * G + r % G];
-      l[r] = 1.f;
-    }
-  }
-  // keys [first_key, n_keys): from the first token's window start to the last token's position
-  const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
-  for (int64_t j0 = first_key; j0 < n_keys; j0 += 16) {
-    const int64_t jn = std::min<int64_t>(16, n_keys - j0);
-    for (int64_t k = 0; k < 16; ++k) {
-      if (k < jn) {
-        const int64_t j = j0 + k;
-        const int64_t slot = pages[j / page_size] * page_size + j % page_size;
-        const CT* krow = kc + (slot * Hkv + kvh) * D;
-        const CT* vrow = vc + (slot * Hkv + kvh) * D;
-        for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = to_f(krow[d]);
-        if constexpr (kHasLoad16<CT>) {  // D % 16 == 0
-          for (int64_t d = 0; d < D; d += 16) store16(vt + k * D + d, load16(vrow + d));
-        } else {
-          for (int64_t d = 0; d < D; ++d) vt[k * D + d] = to_f(vrow[d]);
-        }
-      } else {
-        for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = 0.f;
-        for (int64_t d = 0; d < D; ++d) vt[k * D + d] = 0.f;
-      }
-    }
-    for (int64_t i = 0; i < ntok; ++i) {
-      const int64_t pos = pos0 + i;
-      const int64_t skip = std::max<int64_t>(0, window_start(pos, window) - j0);  // lanes behind its window
-      if (pos < j0 || skip >= jn) continue;  // this token sees none of the tile
-      const int64_t visible = std::min<int64_t>(jn, pos - j0 + 1);
-      for (int64_t g0 = 0; g0 < G; g0 += 4) {
-        const int64_t r0 = i * G + g0;
-        switch (std::min<int64_t>(4, G - g0)) {
-          case 4: extend_rows<4>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
-          case 3: extend_rows<3>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
-          case 2: extend_rows<2>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
-          default: extend_rows<1>(qf, acc, m, l, kt, vt, p, r0, D, skip, visible, softcap); break;
-        }
-      }
-    }
-  }
-  for (int64_t i = 0; i < ntok; ++i) {
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t r = i * G + g;
-      QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
-      const float inv = 1.f / l[r];
-      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
-    }
-  }
-}
-#endif
-
-// out[q_start[b] + i] = attention of request b's token i (see above); window, softcap and sinks as
-// in check_layer_options. Needs a SIMD build (AVX2 or AVX-512: has_simd()) and head_dim % 16 == 0;
-// callers use SDPA otherwise.
-void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
-                      at::Tensor q_start, at::Tensor q_len, at::Tensor kv_len, int64_t page_size, double scale,
-                      int64_t window, double softcap, c10::optional<at::Tensor> sinks) {
-  const int64_t num_pages = check_attention_io(out, q, k_cache, v_cache, page_table, page_size);
-  const float* sink_logits = check_layer_options(q.size(1), softcap, sinks);
-  const int64_t T = q.size(0), D = q.size(2), B = page_table.size(0), pages_per_row = page_table.size(1);
-  const int64_t* qs = index_data(q_start, 1, "q_start", "[requests]");
-  const int64_t* ql = index_data(q_len, 1, "q_len", "[requests]");
-  const int64_t* kl = index_data(kv_len, 1, "kv_len", "[requests]");
-  TORCH_CHECK(q_start.numel() == B && q_len.numel() == B && kv_len.numel() == B, "q_start (", q_start.numel(),
-              "), q_len (", q_len.numel(), ") and kv_len (", kv_len.numel(), ") need one entry per page-table row (",
-              B, ")");
-  TORCH_CHECK(D % 16 == 0 && D <= 512, "extend_attention needs head_dim % 16 == 0 and at most 512, got ", D);
-  // Request b's tokens [q_start, q_start + q_len) lie in [0, T), in order and disjoint: they read
-  // q and write out rows there, and keys window_start(kv_len - q_len) .. kv_len - 1 from their pages.
-  const int64_t capacity = key_capacity(pages_per_row, page_size);
-  const int64_t* pt = page_table.data_ptr<int64_t>();
-  int64_t tokens_end = 0;  // end of the previous request's tokens
-  for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(ql[b] >= 0 && ql[b] <= T, "q_len[", b, "] = ", ql[b], " is outside [0, ", T, "], the query tokens");
-    TORCH_CHECK(qs[b] >= tokens_end && qs[b] <= T - ql[b], "q_start[", b, "] = ", qs[b], " is outside [", tokens_end,
-                ", ", T - ql[b], "]: request ", b, "'s ", ql[b], " tokens must lie within the ", T,
-                " query tokens, after the previous request's");
-    TORCH_CHECK(kl[b] >= ql[b], "kv_len[", b, "] = ", kl[b], " is less than q_len[", b, "] = ", ql[b],
-                ": the keys include the new tokens");
-    TORCH_CHECK(kl[b] <= capacity, "kv_len[", b, "] = ", kl[b], " is past [0, ", capacity, "]: request ", b,
-                " has more keys than pages (", pages_per_row, " pages of ", page_size, ")");
-    check_pages_read(pt, pages_per_row, b, window_start(kl[b] - ql[b], window), kl[b], page_size, num_pages);
-    tokens_end = qs[b] + ql[b];
-  }
-#if !defined(STRATA_SIMD16)
-  TORCH_CHECK(false, "extend_attention needs AVX2 (with FMA and F16C) or AVX-512");
-#else
-  const int64_t Hkv = k_cache.size(1), G = q.size(1) / Hkv;
-  struct Item { int64_t b, kvh, tok0, ntok, pos0, keys; };
-  std::vector<Item> items;
-  for (int64_t b = 0; b < B; ++b) {
-    for (int64_t i0 = 0; i0 < ql[b]; i0 += kQueryBlock) {
-      const int64_t ntok = std::min(kQueryBlock, ql[b] - i0), pos0 = kl[b] - ql[b] + i0;
-      for (int64_t h = 0; h < Hkv; ++h) {
-        items.push_back({b, h, qs[b] + i0, ntok, pos0, pos0 + ntok - window_start(pos0, window)});
-      }
-    }
-  }
-  // costliest first (they read the most keys), dealt round-robin so each thread gets a fair share
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.keys > b.keys; });
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
-  const float fscale = static_cast<float>(scale);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
-    using QT = scalar_t;
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, k_cache.scalar_type(), "extend_attention_kv", [&] {
-      using CT = scalar_t;
-      {
-        const QT* qp = q.data_ptr<QT>();
-        QT* op = out.data_ptr<QT>();
-        const CT* kc = k_cache.data_ptr<CT>();
-        const CT* vc = v_cache.data_ptr<CT>();
-        at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
-          const int64_t rows = kQueryBlock * G;
-          std::vector<float> buf(2 * rows * D + 2 * rows + 32 * D + 64);
-          for (int64_t tid = begin; tid < end; ++tid) {
-            for (size_t it = tid; it < items.size(); it += nthreads) {
-              const Item& w = items[it];
-              extend_item<QT, CT>(qp, q.stride(0), op, kc, vc, pt + w.b * pages_per_row, page_size, Hkv, w.kvh, G, D,
-                                  w.tok0, w.ntok, w.pos0, fscale, window, static_cast<float>(softcap), sink_logits,
-                                  buf.data());
-            }
-          }
-        });
-      }
-    });
-  });
-#endif
-}
-
 }  // namespace
 
 namespace strata_ops {  // ops.h: for the decode loop (decode_loop.cpp)
@@ -848,9 +535,5 @@ void register_attention_ops(pybind11::module_& m) {
   m.def("paged_attention", &paged_attention, pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
         pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("owner"), pybind11::arg("positions"),
         pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("window") = 0,
-        pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
-  m.def("extend_attention", &extend_attention, pybind11::arg("out"), pybind11::arg("q"), pybind11::arg("k_cache"),
-        pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("q_start"), pybind11::arg("q_len"),
-        pybind11::arg("kv_len"), pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
 }

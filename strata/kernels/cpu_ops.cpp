@@ -1,7 +1,7 @@
 // CPU kernels for the elementwise ops of a forward step: residual add + RMSNorm, rotary embedding in
 // place, SiLU(gate) * up; and the Python module that registers every kernel file's entry points
-// (attention_ops.cpp: the K/V store and attention; quant_ops.cpp: block-quantized matmuls;
-// decode_loop.cpp: the native layer loop).
+// (attention_ops.cpp: the K/V store and decode attention; extend_attention.cpp: prefill attention;
+// quant_ops.cpp: block-quantized matmuls; decode_loop.cpp: the native layer loop).
 //
 // The kernels reproduce the rounding of the PyTorch code they replace (RMSNorm.reference,
 // RotaryEmbedding.reference, the MLP's silu * up): values are computed in float and rounded to the
@@ -269,11 +269,13 @@ at::Tensor silu_and_mul(at::Tensor gate_up) { return ::silu_and_mul(gate_up); }
 }  // namespace strata_ops
 
 void register_attention_ops(pybind11::module_& m);  // attention_ops.cpp
+void register_extend_attention(pybind11::module_& m);  // extend_attention.cpp
 void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
 void register_decode_loop(pybind11::module_& m);  // decode_loop.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention_ops(m);
+  register_extend_attention(m);
   register_quant_ops(m);
   register_decode_loop(m);
   m.def("has_avx512", [] {

@@ -505,11 +505,6 @@ int64_t check_q8(const at::Tensor& qp, const at::Tensor& dp, int64_t K, int64_t 
   return kBlock / dp.size(2);
 }
 
-void check_row_range(int64_t start, int64_t end, int64_t N) {
-  TORCH_CHECK(0 <= start && start <= end && end <= N, "rows [", start, ", ", end, ") are not a range within the ", N,
-              " weight rows [0, ", N, ")");
-}
-
 // Groups each thread takes: enough to amortise the dispatch, and an even split.
 int64_t grain(int64_t G, int64_t M) {
   return std::max<int64_t>(1, std::min<int64_t>(4, G / (4 * at::get_num_threads()) / std::max<int64_t>(1, M / 16)));
@@ -560,127 +555,6 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) {
   });
 }
 
-// 32 weights of one block in OT: w[j] = q[j] * scale[j / 8] + offset (the matmul path for many rows
-// dequantizes a chunk of weight rows into the activations' dtype and hands it to the BLAS). bf16 and
-// fp16 are rounded to nearest even from the float result, as torch's conversion rounds.
-#if defined(STRATA_QUANT_AVX2)
-template <typename OT>
-inline void store_block(OT* dst, __m256i bytes, bool is_signed, const float* scales, float offset) {
-  const __m128i halves[2] = {_mm256_castsi256_si128(bytes), _mm256_extracti128_si256(bytes, 1)};
-  alignas(32) float w[kBlock];
-  for (int i = 0; i < 4; ++i) {
-    const __m128i eight = (i & 1) ? _mm_srli_si128(halves[i / 2], 8) : halves[i / 2];
-    const __m256i ints = is_signed ? _mm256_cvtepi8_epi32(eight) : _mm256_cvtepu8_epi32(eight);
-    _mm256_storeu_ps((std::is_same_v<OT, float> ? reinterpret_cast<float*>(dst) : w) + 8 * i,
-                     _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints), _mm256_set1_ps(scales[i]), _mm256_set1_ps(offset)));
-  }
-  if constexpr (!std::is_same_v<OT, float>) {
-    store16(dst, load16(w));
-    store16(dst + 16, load16(w + 16));
-  }
-}
-
-// The dtypes store_block writes.
-template <typename OT>
-constexpr bool kSimdDequant = std::is_same_v<OT, float> || std::is_same_v<OT, c10::BFloat16> || std::is_same_v<OT, c10::Half>;
-#endif
-
-// The bytes of row l of a group's block (quads of 4 bytes, 64 apart) in row-major order.
-template <typename T>
-inline void gather_row(const T* block, int64_t l, int quads, T* row) {
-  for (int j = 0; j < quads; ++j) std::memcpy(row + 4 * j, block + j * 64 + l * 4, 4);
-}
-
-template <typename OT, typename ST>
-void q4_dequant_rows(const uint8_t* q, const ST* dp, const ST* mp, int64_t K, int64_t n0, int64_t n1,
-                     int64_t start, OT* op) {
-  const int64_t nb = K / kBlock;
-  for (int64_t n = n0; n < n1; ++n) {
-    OT* row = op + (n - start) * K;
-    const int64_t g = n / kGroup, l = n % kGroup;
-    for (int64_t b = 0; b < nb; ++b) {
-      uint8_t qb[16];
-      gather_row(q + (g * nb + b) * 256, l, 4, qb);
-      const float db = scale1(dp + (g * nb + b) * kGroup + l), mb = scale1(mp + (g * nb + b) * kGroup + l);
-#if defined(STRATA_QUANT_AVX2)
-      if constexpr (kSimdDequant<OT>) {
-        const float scales[4] = {db, db, db, db};
-        store_block(row + b * kBlock, unpack_q4(qb), false, scales, mb);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < 16; ++j) {
-        row[b * kBlock + j] = static_cast<OT>(db * static_cast<float>(qb[j] & 15) + mb);
-        row[b * kBlock + 16 + j] = static_cast<OT>(db * static_cast<float>(qb[j] >> 4) + mb);
-      }
-    }
-  }
-}
-
-template <typename OT, typename ST>
-void q8_dequant_rows(const int8_t* q, const ST* dp, int64_t K, int64_t S, int64_t n0, int64_t n1, int64_t start,
-                     OT* op) {
-  const int64_t nb = K / kBlock, subs = kBlock / S;
-  for (int64_t n = n0; n < n1; ++n) {
-    OT* row = op + (n - start) * K;
-    const int64_t g = n / kGroup, l = n % kGroup;
-    for (int64_t b = 0; b < nb; ++b) {
-      int8_t qb[kBlock];
-      gather_row(q + (g * nb + b) * 512, l, 8, qb);
-      const float lo = scale1(dp + ((g * nb + b) * subs) * kGroup + l);
-      const float hi = scale1(dp + ((g * nb + b) * subs + subs - 1) * kGroup + l);
-#if defined(STRATA_QUANT_AVX2)
-      if constexpr (kSimdDequant<OT>) {
-        const float scales[4] = {lo, lo, hi, hi};
-        store_block(row + b * kBlock, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qb)), true, scales, 0.f);
-        continue;
-      }
-#endif
-      for (int64_t j = 0; j < kBlock; ++j) row[b * kBlock + j] = static_cast<OT>((j < 16 ? lo : hi) * static_cast<float>(qb[j]));
-    }
-  }
-}
-
-// Weight rows [start, end) of a packed q4 weight of N rows as `dtype` [end - start, K].
-at::Tensor q4_dequantize(at::Tensor qp, at::Tensor dp, at::Tensor mp, int64_t N, int64_t start, int64_t end,
-                         at::ScalarType dtype) {
-  TORCH_CHECK(qp.dim() == 5, "qp must be [G, K / 32, 4, 16, 4], got sizes ", qp.sizes());
-  const int64_t K = qp.size(1) * kBlock;
-  check_q4(qp, dp, mp, K, N);
-  check_row_range(start, end, N);
-  check_float_dtype(dtype, "dtype");
-  at::Tensor out = at::empty({end - start, K}, qp.options().dtype(dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q4_dequantize", [&] {
-    with_scale_type(dp.scalar_type(), [&](auto tag) {
-      using ST = decltype(tag);
-      at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-        q4_dequant_rows<scalar_t, ST>(qp.data_ptr<uint8_t>(), static_cast<const ST*>(dp.data_ptr()),
-                                      static_cast<const ST*>(mp.data_ptr()), K, n0, n1, start, out.data_ptr<scalar_t>());
-      });
-    });
-  });
-  return out;
-}
-
-at::Tensor q8_dequantize(at::Tensor qp, at::Tensor dp, int64_t N, int64_t start, int64_t end, at::ScalarType dtype) {
-  TORCH_CHECK(qp.dim() == 5, "qp must be [G, K / 32, 8, 16, 4], got sizes ", qp.sizes());
-  const int64_t K = qp.size(1) * kBlock;
-  const int64_t S = check_q8(qp, dp, K, N);
-  check_row_range(start, end, N);
-  check_float_dtype(dtype, "dtype");
-  at::Tensor out = at::empty({end - start, K}, qp.options().dtype(dtype));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "q8_dequantize", [&] {
-    with_scale_type(dp.scalar_type(), [&](auto tag) {
-      using ST = decltype(tag);
-      at::parallel_for(start, end, 16, [&](int64_t n0, int64_t n1) {
-        q8_dequant_rows<scalar_t, ST>(qp.data_ptr<int8_t>(), static_cast<const ST*>(dp.data_ptr()), K, S, n0, n1, start,
-                                      out.data_ptr<scalar_t>());
-      });
-    });
-  });
-  return out;
-}
-
 }  // namespace
 
 namespace strata_ops {  // ops.h: for the decode loop (decode_loop.cpp)
@@ -693,6 +567,4 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) { re
 void register_quant_ops(pybind11::module_& m) {
   m.def("q4_linear", &q4_linear, "x [M, K] @ packed q4 weight of N rows^T -> [M, N] (int8 dot products)");
   m.def("q8_linear", &q8_linear, "x [M, K] @ packed q8 weight of N rows^T -> [M, N] (int8 dot products)");
-  m.def("q4_dequantize", &q4_dequantize, "packed q4 weight rows [start, end) of N -> [end - start, K]");
-  m.def("q8_dequantize", &q8_dequantize, "packed q8 weight rows [start, end) of N -> [end - start, K]");
 }

@@ -1,4 +1,4 @@
-// A 16-float vector for the CPU kernels (cpu_ops.cpp, attention_ops.cpp), so each kernel is written once for both
+// A 16-float vector for the CPU kernels (cpu_ops.cpp, attention_ops.cpp, ...), so each kernel is written once for both
 // instruction sets it has a SIMD path for:
 //
 //   AVX-512F            V16 is one __m512 (the code the kernels were first written and tuned with);
@@ -64,6 +64,8 @@ inline float reduce_max(V16 x) { return _mm512_reduce_max_ps(x); }
 // Lanes 0 .. n-1 (0 <= n <= 16); vselect: those lanes from x, the others from other.
 inline Mask16 first_lanes(int64_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
 inline V16 vselect(Mask16 m, V16 x, V16 other) { return _mm512_mask_mov_ps(other, m, x); }
+inline Mask16 vle(V16 a, V16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LE_OQ); }  // lanes with a <= b
+inline Mask16 mask_and(Mask16 a, Mask16 b) { return static_cast<__mmask16>(a & b); }
 
 inline V16 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline V16 load16(const c10::BFloat16* p) {
@@ -197,6 +199,8 @@ inline Mask16 first_lanes(int64_t n) {
 inline V16 vselect(Mask16 m, V16 x, V16 other) {
   return {_mm256_blendv_ps(other.lo, x.lo, m.lo), _mm256_blendv_ps(other.hi, x.hi, m.hi)};
 }
+inline Mask16 vle(V16 a, V16 b) { return {_mm256_cmp_ps(a.lo, b.lo, _CMP_LE_OQ), _mm256_cmp_ps(a.hi, b.hi, _CMP_LE_OQ)}; }
+inline Mask16 mask_and(Mask16 a, Mask16 b) { return {_mm256_and_ps(a.lo, b.lo), _mm256_and_ps(a.hi, b.hi)}; }
 
 inline __m256 widen_bf16(__m128i raw) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));

@@ -24,11 +24,12 @@ page-table entries (those pages may already be freed):
 sliding and full layers differ) are built on first use and shared by the later layers.
 On the CPU the native kernels (strata.kernels) store the new K/V and run decode attention straight
 from the pool, one pass per (token, KV head) with an online softmax: no gather, no padding. Extend
-(prefill) requests that read at most EXTEND_KERNEL_MAX_KV keys use the kernels' flash-style
-extend attention (2-3x faster than masked SDPA for many short prompts); longer ones use SDPA, whose
-blocked matrix multiplies win there (measured on AVX-512, SmolLM2 shapes), or explicit matmuls and
-softmax when the layer soft-caps or has sinks (SDPA can do neither), one request at a time: each
-request's path and shapes are its own, so its result does not depend on what shares its step.
+(prefill) requests take the kernels' flash-style extend attention, whose rows compute the same bits
+in any batch and in any chunking of their prompt (2-2.6x faster than SDPA on a 400-token prompt,
+AVX-512, SmolLM2 shapes); without the kernels, or with a head dim they do not take (MLA's 576),
+SDPA, or explicit matmuls and softmax when the layer soft-caps or has sinks (SDPA can do neither),
+one request at a time: each request's path and shapes are its own, so its result does not depend
+on what shares its step.
 `reference_attention` is the per-request loop kept as the test oracle.
 """
 
@@ -58,7 +59,6 @@ class SegmentMeta:
     causal: bool = False  # a single request with nothing cached and no window: plain causal attention
 
 
-EXTEND_KERNEL_MAX_KV = 256
 EXTEND_KERNEL_MAX_HEAD_DIM = 512  # the extend kernel's limit (MLA's latent rows, 576, take SDPA)
 
 
@@ -67,7 +67,6 @@ class WindowView:
     """What the layers with one window size read in a step, built on first use and shared."""
 
     window: int | None  # None: full causal (also when the window covers every request's keys)
-    extend_keys_read: list[int]  # keys each extend request reads (decides kernel or SDPA, request by request)
     decode: SegmentMeta | None = None  # torch-path views, built when first needed
     extend: SegmentMeta | None = None
     extend_alone: dict[int, SegmentMeta] = field(default_factory=dict)  # extend i's own torch-path view
@@ -160,9 +159,7 @@ class AttentionMetadata:
             # a window as long as every request's keys is no window: those layers share the full view
             effective = None if window is None or window >= int(self.kv_len.max()) else window
             if effective not in self.views:
-                eq, ekv = self.q_len[self.num_decode :], self.kv_len[self.num_decode :]
-                reads = ekv if effective is None else torch.minimum(ekv, eq + effective - 1)
-                self.views[effective] = WindowView(effective, reads.tolist())
+                self.views[effective] = WindowView(effective)
             view = self.views[window] = self.views[effective]
         return view
 
@@ -285,20 +282,16 @@ def paged_attention(
         out[:nd] = _segment_attention(q[:nd], k_cache, v_cache, seg, scale, softcap, sinks)
     if nd == num_tokens:
         return out
-    # Each extend request goes its own way, by the keys it reads (never by what shares its step, so
-    # its output is the same alone or in any batch): short reads through the kernel, all in one
-    # call; long ones through SDPA, each request by itself (a padded batch's shapes would change a
-    # request's blocking, and so its bits).
-    kernel_fits = bool(ops) and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
-    reads = view.extend_keys_read
-    on_kernel = [kernel_fits and r <= EXTEND_KERNEL_MAX_KV for r in reads]
-    if any(on_kernel):
-        ids = slice(None) if all(on_kernel) else torch.tensor([i for i, k in enumerate(on_kernel) if k])
+    # Extends: the kernel for all of them in one call where it fits (its rows compute the same in any
+    # batch and in any chunk of their prompt), else SDPA or matmuls one request at a time (a padded
+    # batch's shapes would change a request's blocking, and so its bits).
+    if ops and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM:
         ops.extend_attention(
-            out, q, k_cache, v_cache, meta.page_table[nd:][ids], meta.extend_q_start[ids], meta.q_len[nd:][ids],
-            meta.kv_len[nd:][ids], meta.page_size, scale, **options,
+            out, q, k_cache, v_cache, meta.page_table[nd:], meta.extend_q_start, meta.q_len[nd:],
+            meta.kv_len[nd:], meta.page_size, scale, **options,
         )
-    for i in (i for i, k in enumerate(on_kernel) if not k):
+        return out
+    for i in range(len(meta.q_len) - nd):
         seg = meta.extend_alone_segment(view, i)
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
         out[rows] = _segment_attention(q[rows], k_cache, v_cache, seg, scale, softcap, sinks)

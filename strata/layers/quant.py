@@ -19,9 +19,12 @@ interleaved, 4 bytes of each side by side, so one SIMD lane per row (quant_ops.c
 layout above is what checkpoints and GGUF converters speak; `qs`, `d`, `m` give it back (copies).
 
 `QuantLinear.forward` runs the native kernel (strata/kernels/quant_ops.cpp: activations quantized to
-int8 per block of 32, integer dot products with AVX2 or AVX-512 VNNI, as llama.cpp does) for up to
-`kernel_max_rows` rows (decode); above that (prefill, big batches) and without the kernels it dequantizes chunks of
-weight rows and calls `F.linear`. Two oracles in pure torch: `reference_forward`
+int8 per block of 32, integer dot products with AVX2 or AVX-512 VNNI, as llama.cpp does) for every
+row, decode and prefill alike: it is faster than dequantizing for a BLAS matmul at every row count
+measured (1.2-1.3x at 512 rows, 2-3x at 32-128, on SmolLM2's layers), and it computes a row the same
+whatever else is in the call, so a request's tokens, logits and KV do not depend on what shares its
+step or how its prompt is chunked. Without the kernels (other devices, no SIMD build) it
+dequantizes chunks of weight rows and calls `F.linear`. Two oracles in pure torch: `reference_forward`
 (float32 matmul with the dequantized weight: the quantization error) and `emulated_forward` (the
 kernel's own arithmetic, int8 activations included: the kernel's parity test).
 
@@ -33,9 +36,6 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from contextlib import contextmanager
-from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -73,45 +73,6 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
 
 
 # {rows of a linear's input: (the [start, end) runs of it that take the int8 kernel, each request's
-# [start, end) of the rest)} (step_rows)
-_ROW_PLANS: dict[int, tuple[list[tuple[int, int]], list[tuple[int, int]]]] = {}
-
-
-@contextmanager
-def step_rows(token_rows: int, sample_rows: int, num_decode: int, extend_lens: Sequence[int] = ()):
-    """Within: a block-quantized linear over a step's `token_rows` (or its `sample_rows`, the LM
-    head's input) picks its path request by request, never by the step's size: the step's decode
-    and verification tokens (its first `num_decode` rows) and each prefill chunk shorter than
-    `kernel_max_rows` (`extend_lens`, in row order after them) take the int8 kernel; each longer
-    chunk is its own matmul with the dequantized weights; every sampled row takes the kernel. The
-    kernel computes a row the same whatever else is in the call, so a request's tokens, logits and
-    KV do not depend on what shares its step (another request's prefill chunk, speculation's
-    drafts, a busier batch), and neither can a greedy output."""
-    global _ROW_PLANS
-    saved = _ROW_PLANS
-    runs: list[tuple[int, int]] = [(0, num_decode)] if num_decode > 0 else []
-    others: list[tuple[int, int]] = []
-    start = num_decode
-    for n in extend_lens:
-        if n >= QuantLinear.kernel_max_rows:
-            others.append((start, start + n))
-        elif runs and runs[-1][1] == start:
-            runs[-1] = (runs[-1][0], start + n)
-        else:
-            runs.append((start, start + n))
-        start += n
-    _ROW_PLANS = {token_rows: (runs, others), sample_rows: ([(0, sample_rows)], [])}
-    try:
-        yield
-    finally:
-        _ROW_PLANS = saved
-
-
-def step_rows_for(meta, sample_rows: int):
-    """step_rows for a step's AttentionMetadata (decodes first, then one q_len per prefill chunk)
-    and the number of rows it samples."""
-    nd = meta.num_decode
-    return step_rows(int(meta.q_len.sum()), sample_rows, nd, meta.q_len[nd:].tolist())
 
 
 class QuantLinear(nn.Module, ABC):
@@ -123,11 +84,6 @@ class QuantLinear(nn.Module, ABC):
     """
 
     format: str
-    # From this many rows on, forward dequantizes chunks for a BLAS matmul (whose cost is the
-    # weights once, while the int8 kernel's grows with rows x weights), except a step's decode rows
-    # (step_rows), which always take the kernel: with the packed layout it is faster than
-    # dequantizing up to 128 rows and more on SmolLM2's layers (docs/BENCHMARKS.md).
-    kernel_max_rows: int = 32
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -164,10 +120,6 @@ class QuantLinear(nn.Module, ABC):
         """x [rows, in_features] contiguous -> [rows, out_features] with the native kernel `ops`."""
 
     @abstractmethod
-    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        """`dequantize_rows` with the native kernels `ops`."""
-
-    @abstractmethod
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         """The native kernel's arithmetic in torch (int8 activations): float32 [rows, out_features]."""
 
@@ -175,24 +127,13 @@ class QuantLinear(nn.Module, ABC):
         """The weight the blocks stand for: float32 [out_features, in_features]."""
         return self.dequantize_rows(0, self.out_features)
 
-    def dequant_mm(self, x: torch.Tensor, ops=None) -> torch.Tensor:
-        """x [rows, in_features] -> [rows, out_features]: dequantize DEQUANT_CHUNK_NUMEL weights at a
-        time into x.dtype (natively with `ops`, else in torch), then a dense matmul."""
-        return self.dequant_mm_each([x], ops)[0]
-
-    def dequant_mm_each(self, xs: list[torch.Tensor], ops=None) -> list[torch.Tensor]:
-        """dequant_mm of each input (one per request), the weights dequantized once for all: a
-        separate matmul per input, so an input's result does not depend on the others (a BLAS may
-        block, and so round, a row differently in a taller matrix)."""
+    def dequant_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [rows, in_features] -> [rows, out_features] without the kernels: dequantize
+        DEQUANT_CHUNK_NUMEL weights at a time into x.dtype, then a dense matmul."""
         n, k = self.out_features, self.in_features
         step = n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
-        dequantize = self.dequantize_rows if ops is None else partial(self.kernel_dequantize, ops)
-        parts: list[list[torch.Tensor]] = [[] for _ in xs]
-        for i in range(0, n, step):
-            w = dequantize(i, min(i + step, n), xs[0].dtype)
-            for part, x in zip(parts, xs):
-                part.append(F.linear(x, w))
-        return [p[0] if len(p) == 1 else torch.cat(p, dim=1) for p in parts]
+        parts = [F.linear(x, self.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Oracle of the quantization itself: float32 matmul with the dequantized weight, in x.dtype."""
@@ -209,35 +150,11 @@ class QuantLinear(nn.Module, ABC):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
-        rows = x2d.shape[0]
-        plan = _ROW_PLANS.get(rows) if ops is not None else None
-        if plan is not None:  # a step's input: its requests' own paths (see step_rows)
-            out = self._planned_mm(ops, x2d, *plan)
-        elif ops is not None and rows < self.kernel_max_rows:
-            out = self.kernel_mm(ops, x2d)
-        else:
-            out = self.dequant_mm(x2d, ops)
+        out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
         bias = self._buffers["bias"]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step
         if bias is not None:
             out = out.add_(bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
-
-    def _planned_mm(self, ops, x: torch.Tensor, runs: list[tuple[int, int]], others: list[tuple[int, int]]) -> torch.Tensor:
-        """x [rows, in_features]: the rows in `runs` ([start, end) ranges) by the kernel in one call,
-        each range of `others` by its own matmul with the dequantized weights."""
-        if runs == [(0, x.shape[0])]:
-            return self.kernel_mm(ops, x)
-        out = x.new_empty(x.shape[0], self.out_features)
-        if len(runs) == 1:
-            (start, end), = runs
-            out[start:end] = self.kernel_mm(ops, x[start:end])
-        elif runs:
-            ids = torch.cat([torch.arange(start, end) for start, end in runs])
-            out[ids] = self.kernel_mm(ops, x[ids].contiguous())
-        if others:
-            for (start, end), y in zip(others, self.dequant_mm_each([x[s:e] for s, e in others], ops)):
-                out[start:end] = y
-        return out
 
     def extra_repr(self) -> str:
         return (
@@ -305,9 +222,6 @@ class Q4Linear(QuantLinear):
         b = self._buffers
         return ops.q4_linear(x, b["qp"], b["dp"], b["mp"], self.out_features)
 
-    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        return ops.q4_dequantize(self.qp, self.dp, self.mp, self.out_features, start, end, dtype)
-
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, xs, xc = quantize_activations(x)
         d, m = self.d, self.m
@@ -360,9 +274,6 @@ class Q8Linear(QuantLinear):
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
         b = self._buffers
         return ops.q8_linear(x, b["qp"], b["dp"], self.out_features)
-
-    def kernel_dequantize(self, ops, start: int, end: int, dtype: torch.dtype) -> torch.Tensor:
-        return ops.q8_dequantize(self.qp, self.dp, self.out_features, start, end, dtype)
 
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, _, _ = quantize_activations(x)

@@ -10,8 +10,7 @@ stays the oracle and runs every step that does not qualify.
 A model qualifies when its layers are the plain decoder (`strata.models.decoder`): "pre" norm
 layout without q/k norms or Gemma's (1 + w) norms, multi-head (not latent) attention, a dense SiLU
 MLP, and linears that are q4/q8 blocks or plain float weights (prepacked or mixed-format ones
-keep the Python loop). A step qualifies when every token decodes, there are fewer rows than the
-block kernels' `kernel_max_rows` (more take the dequantizing path), nothing replays a window, and
+keep the Python loop). A step qualifies when every token decodes, nothing replays a window, and
 the tensors are on the CPU in the weights' dtype. `STRATA_DECODE_LOOP=0` switches it off.
 """
 
@@ -55,9 +54,9 @@ def _has_hooks(root: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in root.modules())
 
 
-def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], int, torch.dtype] | None:
-    """DecodeLoop.add_layer's arguments for each layer, the rows from which the loop stops (the
-    block kernels' kernel_max_rows) and the activations' dtype; None when the model does not qualify.
+def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], torch.dtype] | None:
+    """DecodeLoop.add_layer's arguments for each layer and the activations' dtype; None when the
+    model does not qualify.
     Hooks on any layer module (tensor parallel's all-reduces, tracing) keep the Python loop: the
     native one would skip them."""
     cfg = model.config
@@ -65,7 +64,7 @@ def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], int, torc
         return None
     if _has_hooks(model.layers):
         return None
-    layers, max_rows, dtypes = [], 1 << 30, set()
+    layers, dtypes = [], set()
     for layer, rope in zip(model.layers, model.layer_ropes):
         attn, mlp = layer.self_attn, layer.mlp
         if type(attn) is not attention_cls or type(mlp) is not MLP or mlp.act != "silu":
@@ -74,7 +73,6 @@ def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], int, torc
         specs = [_linear_spec(m) for m in linears]
         if any(s is None for s in specs):
             return None
-        max_rows = min([max_rows] + [m.kernel_max_rows for m in linears if isinstance(m, QuantLinear)])
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         dtypes.update(n.weight.dtype for n in norms)
         if any(n.weight.device.type != "cpu" for n in norms) or norms[0].eps != norms[1].eps:
@@ -87,15 +85,14 @@ def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], int, torc
         ))
     if len(dtypes) != 1:
         return None
-    return layers, max_rows, dtypes.pop()
+    return layers, dtypes.pop()
 
 
 class NativeDecode:
     """The layer loop of one `DecoderForCausalLM` in native code (see the module docstring)."""
 
-    def __init__(self, loop, max_rows: int, dtype: torch.dtype):
+    def __init__(self, loop, dtype: torch.dtype):
         self.loop = loop
-        self.max_rows = max_rows  # steps with this many rows or more keep the Python loop
         self.dtype = dtype
         self.steps = 0  # steps run natively (tests and benchmarks read it)
 
@@ -108,11 +105,11 @@ class NativeDecode:
         plan = _plan(model, attention_cls)
         if ops is None or not hasattr(ops, "DecodeLoop") or plan is None:
             return None
-        layers, max_rows, dtype = plan
+        layers, dtype = plan
         loop = ops.DecodeLoop()
         for args in layers:
             loop.add_layer(*args)
-        return cls(loop, max_rows, dtype)
+        return cls(loop, dtype)
 
     @staticmethod
     def supported(model: nn.Module, attention_cls: type) -> bool:
@@ -120,9 +117,9 @@ class NativeDecode:
         return _plan(model, attention_cls) is not None
 
     def accepts(self, x: torch.Tensor, meta: AttentionMetadata, kv) -> bool:
-        """Whether this step can run natively (every token decodes, few rows, nothing replayed)."""
+        """Whether this step can run natively (every token decodes, nothing replayed)."""
         rows = x.shape[0]
-        if not (0 < rows < self.max_rows and rows == meta.num_decode and x.dtype == self.dtype):
+        if not (0 < rows == meta.num_decode and x.dtype == self.dtype):
             return False
         if kernels.usable(x) is None:  # on another device, or the kernels switched off (kernels.disabled())
             return False

@@ -108,7 +108,7 @@ def calibrate_engine(engine, plan: EnginePlan = EnginePlan(), progress=None) -> 
     # every prompt + its outputs must fit the model's context (and the pool): longer ones are cut
     longest = min(engine.state.context_len, engine.state.num_kv_tokens) - 48
     fresh = lambda n: [rng.choice(pool) for _ in range(max(1, min(n, longest)))]  # noqa: E731
-    thr = engine.scheduler.runner.quantized_row_limit
+    thr = None  # the engine computes a row the same way at every step size: one regime
     samples: list[Sample] = []
 
     _drive(engine, [(0, fresh(16), 4) for _ in range(4)], thr, "warm-up")

@@ -93,7 +93,7 @@ def add_plan_args(subparsers) -> None:
     g.add_argument("--pd-transfer", action="store_true",
                    help="--base-url is a PD router and --from-json one worker's calibration: measure the handoff")  # fmt: skip
     g.add_argument("--row-threshold", type=int, default=None,
-                   help="rows where the step changes kernels (server/json; the engine reports its own)")  # fmt: skip
+                   help="rows from which a server's step changes kernels (server/json; default: one regime)")  # fmt: skip
     g.add_argument("--spec-scenario", default=None, help="spec JSON: which scenario's accept length")
     g.add_argument("--quick", action="store_true", help="a smaller engine plan (about a minute)")
     g.add_argument("--output", default="calibration.json", metavar="FILE")
@@ -220,7 +220,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                                             args.max_batch_tokens, args.spec_scenario)  # fmt: skip
     elif args.base_url:
         plan = remote.ServerPlan(chunked_prefill_size=args.chunked_prefill_size, max_batch_tokens=args.max_batch_tokens,
-                              row_threshold=args.row_threshold if args.row_threshold is not None else 32)  # fmt: skip
+                              row_threshold=args.row_threshold)  # fmt: skip
         model, samples = remote.calibrate_server(args.base_url, plan, args.api_key, progress=say)
     else:
         import dataclasses

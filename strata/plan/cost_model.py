@@ -12,9 +12,9 @@ in a few features of the step, summed over its requests:
             + per_prefill_attn x sum of n (c + n / 2) / 1e3  attention of prefill chunks (key x query pairs)
             + per_prefill_ctx x sum of c over prefill chunks / 1e3   reading a chunk's cached KV (per key)
 
-`row_threshold` is where the engine switches kernels (the CPU's block-quantized linears go from the
-int8 kernel to dequantize + BLAS at 32 rows: `ModelRunner.quantized_row_limit`); None means one
-regime (GPUs), and then the two "large" features are unused. A measurement that spans several steps
+`row_threshold` is where an engine switches kernels (an engine that moves to a BLAS past some step
+size, as Strata's CPU linears once did at 32 rows); None means one regime (Strata, which computes
+every row with the same kernel), and then the two "large" features are unused. A measurement that spans several steps
 (a whole prefill, a decode median) is the sum of its steps' features, so every source — the
 in-process engine, a server's TTFT/ITL, one-batch JSON figures — fits the same linear model.
 

@@ -37,7 +37,7 @@ class ServerPlan:
     repeats: int = 3
     chunked_prefill_size: int = 2048
     max_batch_tokens: int = 8192
-    row_threshold: int | None = 32
+    row_threshold: int | None = None  # rows from which the server changes kernels (None: one regime)
     seed: int = 0
 
 

@@ -12,8 +12,8 @@ import torch
 from strata import kernels
 from strata.layers.attention import AttentionMetadata, paged_attention, reference_attention
 
-# decodes (q_len 1) first, then extends with and without a cached prefix; `long` adds one request
-# past the extend kernel's EXTEND_KERNEL_MAX_KV (SDPA, or matmuls, for the extends)
+# decodes (q_len 1) first, then extends with and without a cached prefix; `long` adds a request of
+# many tiles and query blocks
 BATCHES = {
     "mixed": ([9, 40, 1, 7, 20, 5, 64], [1, 1, 1, 7, 12, 5, 30], 3),
     "mixed-long": ([9, 40, 1, 7, 20, 5, 64, 300], [1, 1, 1, 7, 12, 5, 30, 45], 3),
@@ -180,9 +180,9 @@ def test_bad_layer_settings_are_refused(kwargs, message):
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("window", [None, 200])
 def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
-    """A request's prefill attention is computed by its own path and shapes (the kernel for short
-    reads, SDPA for long ones, one request at a time), so its output bits are the same alone and
-    beside any other prefills: short, long, with a cached prefix or without."""
+    """A request's prefill attention is computed by its own path and shapes (the kernel, or SDPA one
+    request at a time), so its output bits are the same alone and beside any other prefills: short,
+    long, with a cached prefix or without."""
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim = 4, 2, 16
     # (new tokens, tokens in KV after the step): a short one, a long one, a long chunk after a prefix
@@ -211,3 +211,35 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
         for name, out in step(names).items():
             if name in alone:
                 assert torch.equal(out, alone[name]), (names, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(9, 3), (4, 4), (8, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
+@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize("feature", [None, "window", "all"])
+def test_a_prefill_attends_the_same_however_its_prompt_is_chunked(dtype, shape, page_size, feature):
+    """The extend kernel computes a query row the same whichever rows share its work item and
+    wherever its chunk starts: a prompt prefilled at once, in chunks of any size, or after a cached
+    prefix (a radix hit) gives the same bits for every token."""
+    ops = kernels.usable(torch.zeros(1))
+    if ops is None or not ops.has_simd():
+        pytest.skip("the extend kernel needs AVX2 or AVX-512")
+    options = {"window": {"window": 37}, "all": {"window": 37, "softcap": 1.5, "sinks": True}}.get(feature, {})
+    heads, kv_heads, dim, n = *shape, 64, 300
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    sinks = torch.randn(heads, generator=gen) if options.pop("sinks", False) else None
+    table = torch.arange(n // page_size + 1).view(1, -1)
+
+    def chunk(a: int, b: int) -> torch.Tensor:
+        k_cache, v_cache = (torch.zeros(n + page_size, kv_heads, dim, dtype=dtype) for _ in range(2))
+        k_cache[:a], v_cache[:a] = k[:a], v[:a]  # the cached prefix (pages are slots in order)
+        meta = AttentionMetadata.build([b - a], [b], table, page_size, 0, torch.device("cpu"))
+        return paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, dim**-0.5, sinks=sinks, **options)
+
+    whole = chunk(0, n)
+    ref = reference_attention(q, k, v, [n], [torch.arange(n)], dim**-0.5, sinks=sinks, **options)
+    torch.testing.assert_close(whole.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
+    for cuts in ([0, 1, 300], [0, 100, 200, 300], [0, 17, 50, 51, 129, 300], [0, 299, 300], [0, 64, 300]):
+        for a, b in zip(cuts, cuts[1:]):
+            assert torch.equal(chunk(a, b), whole[a:b]), (cuts, a, b)

@@ -117,23 +117,6 @@ def test_forward_with_and_without_kernels(build, fmt, dtype):
         assert rel_err(layer(x), layer.reference_forward(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_many_rows_take_the_native_dequant_matmul(build, fmt, monkeypatch):
-    """From kernel_max_rows on, forward dequantizes chunks natively (the torch dequantization up to
-    one fused multiply-add's rounding) for a float matmul: the float reference's result."""
-    monkeypatch.setattr(quant, "DEQUANT_CHUNK_NUMEL", 16 * 192)  # several chunks
-    gen = torch.Generator().manual_seed(5)
-    layer = random_layer(fmt, 100, 192, gen)
-    for start, end in ((0, 100), (3, 40), (99, 100)):
-        got = layer.kernel_dequantize(build, start, end, torch.float32)
-        torch.testing.assert_close(got, layer.dequantize_rows(start, end), atol=1e-7, rtol=1e-6)
-    torch.testing.assert_close(
-        layer.kernel_dequantize(build, 0, 100, torch.bfloat16).float(), layer.dequantize(), atol=1e-7, rtol=8e-3
-    )
-    x = torch.randn(layer.kernel_max_rows, 192, generator=gen)
-    torch.testing.assert_close(layer(x), layer.reference_forward(x), atol=1e-4, rtol=1e-4)
-
-
 # Bad arguments: each raises a RuntimeError naming the argument and the sizes it needs, before any
 # pointer arithmetic. A case: the call, given a valid q4 and q8 layer of 64 x 64, and a message fragment.
 BAD_CALLS = {
@@ -192,26 +175,6 @@ BAD_CALLS = {
     "weight not contiguous": (
         lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp.transpose(1, 2), q8.dp, 64),
         "qp must be contiguous",
-    ),
-    "rows before 0": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qp, q4.dp, q4.mp, 64, -1, 10, torch.float32),
-        "rows [-1, 10) are not a range within the 64 weight rows [0, 64)",
-    ),
-    "rows past the weight": (
-        lambda ops, q4, q8: ops.q8_dequantize(q8.qp, q8.dp, 64, 60, 65, torch.float32),
-        "rows [60, 65) are not a range within the 64 weight rows [0, 64)",
-    ),
-    "rows reversed": (
-        lambda ops, q4, q8: ops.q8_dequantize(q8.qp, q8.dp, 64, 10, 5, torch.float32),
-        "rows [10, 5) are not a range within the 64 weight rows",
-    ),
-    "dequantized to int32": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qp, q4.dp, q4.mp, 64, 0, 64, torch.int32),
-        "dtype must be float32, bfloat16, float16 or float64, got Int",
-    ),
-    "dequantizing a 2-d weight": (
-        lambda ops, q4, q8: ops.q4_dequantize(q4.qs, q4.dp, q4.mp, 64, 0, 1, torch.float32),
-        "qp must be [G, K / 32, 4, 16, 4], got sizes [64, 32]",
     ),
 }
 
@@ -479,48 +442,17 @@ def test_config_choices_cover_the_quantizers():
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8/16h"])
-def test_decode_rows_take_the_kernel_whatever_shares_their_step(build, fmt):
-    """A step of 5 decode rows and a 40-token prefill chunk: inside step_rows the decode rows
-    compute exactly what they compute in a step of their own (the int8 kernel), the chunk's rows what
-    the float path gives them; outside it the whole step takes the float path."""
-    gen = torch.Generator().manual_seed(7)
-    layer = random_layer(fmt, 48, 96, gen)
-    x = torch.randn(45, 96, generator=gen)
-    alone = layer(x[:5])  # 5 rows < kernel_max_rows: the kernel
-    with quant.step_rows(45, 6, 5, [40]):
-        mixed = layer(x)
-    assert torch.equal(mixed[:5], alone)
-    assert torch.equal(mixed[5:], layer.dequant_mm(x[5:], build))
-    assert not torch.equal(layer(x)[:5], alone)  # the float path: what a prefill in the step used to cause
-    with quant.step_rows(45, 3, 3, [40]):  # the LM head's input: 3 sampled rows of decodes
-        assert torch.equal(layer(x[:3]), layer.kernel_mm(build, x[:3]))
-
-
-@pytest.mark.parametrize("fmt", ["q4", "q8/16h"])
-def test_a_prefill_chunk_computes_the_same_whatever_shares_its_step(build, fmt):
-    """Each request's rows go by its own chunk, never by the step's size: a short chunk (under
-    kernel_max_rows) takes the kernel and a long one the float path, alone or beside decodes and
-    other chunks, short or long, in any order; and every sampled row takes the kernel."""
+def test_a_row_computes_the_same_in_any_call(build, fmt):
+    """The kernel takes every row, decode or prefill: a row's output is the same bits alone, in a
+    short call or in a long one (a prefill chunk beside decodes, any other chunks, in any order), so a
+    request's logits and KV never depend on what shares its step or how its prompt is chunked."""
     gen = torch.Generator().manual_seed(8)
     layer = random_layer(fmt, 48, 96, gen)
-    short, long_, other = (torch.randn(n, 96, generator=gen) for n in (20, 40, 50))
-    decodes = torch.randn(3, 96, generator=gen)
-
-    def step(parts: list[torch.Tensor], num_decode: int = 0) -> list[torch.Tensor]:
-        x = torch.cat(parts)
-        lens = [len(p) for p in parts]
-        with quant.step_rows(len(x), len(parts), num_decode, lens[1:] if num_decode else lens):
-            out = layer(x)
-        return list(out.split(lens))
-
-    short_alone, long_alone = step([short])[0], step([long_])[0]
-    assert torch.equal(short_alone, layer.kernel_mm(build, short))
-    assert torch.equal(long_alone, layer.dequant_mm(long_, build))
-    for parts, nd in (([decodes, short, long_], 3), ([long_, short], 0), ([other, short, long_], 0),
-                      ([decodes, long_, other, short], 3)):
-        got = dict(zip(map(id, parts), step(parts, nd)))
-        assert torch.equal(got[id(short)], short_alone)
-        assert torch.equal(got[id(long_)], long_alone)
-    rows = torch.cat([decodes, short[:1], long_[:1]])  # the LM head's input: one sampled row a request
-    with quant.step_rows(63, 5, 3, [20, 40]):
-        assert torch.equal(layer(rows), layer.kernel_mm(build, rows))
+    x = torch.randn(150, 96, generator=gen)
+    alone = torch.cat([layer(x[i : i + 1]) for i in range(len(x))])
+    assert torch.equal(layer(x), alone)
+    for perm in (torch.randperm(150, generator=gen), torch.arange(149, -1, -1)):
+        assert torch.equal(layer(x[perm]), alone[perm])
+    for start, end in ((0, 3), (3, 40), (40, 150), (17, 18)):
+        assert torch.equal(layer(x[start:end]), alone[start:end])
+    torch.testing.assert_close(layer(x), layer.emulated_forward(x), **PARITY[torch.float32])
