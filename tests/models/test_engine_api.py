@@ -6,8 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
-from strata import Engine, SamplingParams
+from strata import Engine, SamplingParams, kernels
 
 PROMPT = "The quick brown fox jumps over"
 
@@ -188,6 +189,34 @@ def test_a_request_computes_the_same_alone_and_in_any_batch(llama_dir, dtype):
     assert answers(eng.generate(prompts, params)) == alone
     order = [3, 1, 0, 2]
     assert answers(eng.generate([prompts[i] for i in order], params)) == [alone[i] for i in order]
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_request_computes_the_same_however_its_prompt_is_chunked_or_cached(llama_dir, dtype):
+    """On the CPU kernels every prompt row is computed by itself (the int8 kernel, the extend kernel's
+    lane-wise attention): a request's tokens and logprobs are the same bits with its prompt fed whole,
+    in pieces of any size, or after a radix hit on a prefix another request computed."""
+    ops = kernels.usable(torch.zeros(1))
+    if ops is None or not ops.has_simd():
+        pytest.skip("needs the SIMD kernels")
+    rng = random.Random(6)
+    prefix = [rng.randrange(3, 200) for _ in range(150)]
+    prompt = prefix + [rng.randrange(3, 200) for _ in range(90)]
+    other = prefix + [rng.randrange(3, 200) for _ in range(30)]
+    params = greedy(12, logprobs=2)
+
+    def answer(chunk: int, cache: bool) -> tuple:
+        eng = Engine(str(llama_dir), dtype=dtype, quantization="int4", kv_cache_tokens=8192, page_size=4,
+                     chunked_prefill_size=chunk, disable_radix_cache=not cache)
+        if cache:
+            eng.generate([other], greedy(1))
+        (r,) = eng.generate([prompt], params)
+        assert r.cached_tokens == (148 if cache else 0)  # whole pages of the shared prefix
+        return r.token_ids, [(lp.logprob, [(t.token_id, t.logprob) for t in lp.top]) for lp in r.choices[0].logprobs]
+
+    whole = answer(4096, cache=False)
+    for chunk, cache in ((64, False), (37, False), (4096, True), (50, True)):
+        assert answer(chunk, cache) == whole, (chunk, cache)
 
 
 
