@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import random
 import re
 
@@ -241,5 +242,5 @@ def test_a_prefill_attends_the_same_however_its_prompt_is_chunked(dtype, shape, 
     ref = reference_attention(q, k, v, [n], [torch.arange(n)], dim**-0.5, sinks=sinks, **options)
     torch.testing.assert_close(whole.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
     for cuts in ([0, 1, 300], [0, 100, 200, 300], [0, 17, 50, 51, 129, 300], [0, 299, 300], [0, 64, 300]):
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in itertools.pairwise(cuts):
             assert torch.equal(chunk(a, b), whole[a:b]), (cuts, a, b)
