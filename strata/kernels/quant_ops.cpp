@@ -54,6 +54,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -89,11 +90,32 @@ constexpr int64_t kRowTile = 4;
 #endif
 constexpr int64_t kRowBlock = 64;  // activation rows kept in cache while a thread walks its weight rows
 
-// Activation rows quantized: q [M, K] int8; d, s, c [M, K / 32] float.
+// Activation rows quantized: q [M, K] int8; d, s, c [M, K / 32] float. The SIMD builds keep each
+// tile's rows (for_each_tile) interleaved: a tile of rn rows from r0 holds its bytes at
+// q[r0 K + ((8 b + j) rn + r) 4 + t] (byte 4 j + t of block b of its row r) and its block values at
+// d[r0 nb + b rn + r], so the dot products of all its rows read one pointer at fixed offsets. The
+// scalar build keeps rows whole (row m at q[m K], d[m nb]).
 struct QuantRows {
   std::vector<int8_t> q;
   std::vector<float> d, s, c;
 };
+
+// The tiles of M activation rows: kRowBlock rows at a time (kept in cache while a thread walks its
+// weight rows), each split into as few tiles of at most kRowTile rows as there can be, as even as
+// they go (AVX2, 5 rows: 2 + 3, not 4 + 1): much of a tile's cost is per weight block (reading and
+// unpacking it), so a nearly empty tile costs much of a full one. f(block_start, block_end, r0, rn).
+template <typename F>
+inline void for_each_tile(int64_t M, F&& f) {
+  for (int64_t mt = 0; mt < M; mt += kRowBlock) {
+    const int64_t m_end = std::min(M, mt + kRowBlock);
+    const int64_t tiles = (m_end - mt + kRowTile - 1) / kRowTile;
+    for (int64_t t = 0, r0 = mt; t < tiles; ++t) {
+      const int64_t rn = (m_end - r0) / (tiles - t);  // the rest shared evenly: earlier tiles never larger
+      f(mt, m_end, r0, rn);
+      r0 += rn;
+    }
+  }
+}
 
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, float* c) {
@@ -139,19 +161,40 @@ void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, float* c
 }
 
 QuantRows quantize_rows(const at::Tensor& x) {
-  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
   QuantRows r;
   r.q.resize(M * K);
-  r.d.resize(M * K / kBlock);
-  r.s.resize(M * K / kBlock);
-  r.c.resize(M * K / kBlock);
+  r.d.resize(M * nb);
+  r.s.resize(M * nb);
+  r.c.resize(M * nb);
+#if defined(STRATA_QUANT_AVX2)
+  std::vector<int64_t> tile_start(M), tile_rows(M);  // each row's tile
+  for_each_tile(M, [&](int64_t, int64_t, int64_t r0, int64_t rn) {
+    for (int64_t m = r0; m < r0 + rn; ++m) tile_start[m] = r0, tile_rows[m] = rn;
+  });
+#endif
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_rows", [&] {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+#if defined(STRATA_QUANT_AVX2)
+      std::vector<int8_t> q(K);
+      std::vector<float> d(nb), s(nb), c(nb);
       for (int64_t m = m0; m < m1; ++m) {
-        const int64_t o = m * K / kBlock;
+        quantize_row(xp + m * K, K, q.data(), d.data(), s.data(), c.data());
+        const int64_t r0 = tile_start[m], rn = tile_rows[m], row = m - r0;
+        int8_t* tq = r.q.data() + r0 * K + row * 4;
+        for (int64_t b = 0; b < nb; ++b) {
+          for (int64_t j = 0; j < 8; ++j) std::memcpy(tq + (8 * b + j) * rn * 4, q.data() + b * kBlock + 4 * j, 4);
+          const int64_t o = r0 * nb + b * rn + row;
+          r.d[o] = d[b], r.s[o] = s[b], r.c[o] = c[b];
+        }
+      }
+#else
+      for (int64_t m = m0; m < m1; ++m) {
+        const int64_t o = m * nb;
         quantize_row(xp + m * K, K, r.q.data() + m * K, r.d.data() + o, r.s.data() + o, r.c.data() + o);
       }
+#endif
     });
   });
   return r;
@@ -243,6 +286,12 @@ struct Lanes16 {
   }
 #if defined(__AVX512VNNI__)
   static constexpr bool kPairSums = false;  // one instruction already: nothing to save
+  // dot(acc, u, bcast(p)) with the 4 bytes at p broadcast by the instruction itself ({1to16}): GCC
+  // does not fold the broadcast into vpdpbusd, and a separate one costs a uop per row and 4 channels
+  static I dot_bcast(I acc, I u, const int8_t* p) {
+    asm("vpdpbusd %[x]%{1to16%}, %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u), [x] "m"(*reinterpret_cast<const int32_t*>(p)));
+    return acc;
+  }
 #else
   static constexpr bool kPairSums = true;
 #endif
@@ -272,10 +321,11 @@ struct Q4Packed {
   const S* m;
   int64_t nb;
 
-  // lanes [h * V::kLanes, ...) of group g for RT activation rows (xq, xd, xs, xc of the first; rows K
-  // apart): out[r][lane] += its dot products. d * (xd * isum + xc) + m * xs per block (see the top).
+  // lanes [h * V::kLanes, ...) of group g for the RT activation rows of one tile (xq, xd, xs, xc: the
+  // tile's, interleaved as QuantRows says): out[r][lane] += its dot products. d * (xd * isum + xc) +
+  // m * xs per block (see the top).
   template <typename V, int RT>
-  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float* xs, const float* xc, int64_t K,
+  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float* xs, const float* xc,
            typename V::F* acc) const {
     const int64_t lane0 = h * V::kLanes;
     for (int64_t b = 0; b < nb; ++b) {
@@ -286,13 +336,14 @@ struct Q4Packed {
         const typename V::I v = V::load(qb + j * 64);
         const typename V::I lo = V::low_nibbles(v), hi = V::high_nibbles(v);
         for (int r = 0; r < RT; ++r) {
-          const int8_t* x = xq + r * K + b * kBlock + 4 * j;
+          const int8_t* x = xq + ((8 * b + j) * RT + r) * 4;  // channels 4j.. (low nibbles)
+          const int8_t* x16 = x + 4 * RT * 4;                  // channels 16 + 4j.. (high nibbles)
           if constexpr (V::kPairSums) {
             // a block's 8 int16 pair sums per lane stay within int16: |sum| <= 8 * 2 * 15 * 127 = 30480
             // (nibbles <= 15, activations in -127..127), so they add as int16 and widen once below
-            isum[r] = V::pair_dot(V::pair_dot(isum[r], lo, V::bcast(x)), hi, V::bcast(x + 16));
+            isum[r] = V::pair_dot(V::pair_dot(isum[r], lo, V::bcast(x)), hi, V::bcast(x16));
           } else {
-            isum[r] = V::dot(V::dot(isum[r], lo, V::bcast(x)), hi, V::bcast(x + 16));
+            isum[r] = V::dot_bcast(V::dot_bcast(isum[r], lo, x), hi, x16);
           }
         }
       }
@@ -302,7 +353,7 @@ struct Q4Packed {
       const typename V::F dv = V::scales(d + (g * nb + b) * kGroup + lane0);
       const typename V::F mv = V::scales(m + (g * nb + b) * kGroup + lane0);
       for (int r = 0; r < RT; ++r) {
-        const int64_t o = r * nb + b;
+        const int64_t o = b * RT + r;
         const typename V::F t = V::fmadd(V::to_float(isum[r]), V::set1(xd[o]), V::set1(xc[o]));
         acc[r] = V::fmadd(mv, V::set1(xs[o]), V::fmadd(dv, t, acc[r]));
       }
@@ -336,7 +387,7 @@ struct Q8Packed {
   static constexpr int kSubs = kBlock / G;
 
   template <typename V, int RT>
-  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*, int64_t K,
+  void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*,
            typename V::F* acc) const {
     const int64_t lane0 = h * V::kLanes;
     for (int64_t b = 0; b < nb; ++b) {
@@ -348,11 +399,11 @@ struct Q8Packed {
           const typename V::I w = V::load(qb + j * 64);
           const typename V::I u = V::abs8(w);
           for (int r = 0; r < RT; ++r) {
-            isum[r] = V::dot(isum[r], u, V::sign_of(V::bcast(xq + r * K + b * kBlock + 4 * j), w));
+            isum[r] = V::dot(isum[r], u, V::sign_of(V::bcast(xq + ((8 * b + j) * RT + r) * 4), w));
           }
         }
         const typename V::F dv = V::scales(d + ((g * nb + b) * kSubs + sub) * kGroup + lane0);
-        for (int r = 0; r < RT; ++r) acc[r] = V::fmadd(dv, V::mul(V::to_float(isum[r]), V::set1(xd[r * nb + b])), acc[r]);
+        for (int r = 0; r < RT; ++r) acc[r] = V::fmadd(dv, V::mul(V::to_float(isum[r]), V::set1(xd[b * RT + r])), acc[r]);
       }
     }
   }
@@ -388,7 +439,7 @@ inline void group_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, in
   for (int h = 0; h < kGroup / V::kLanes; ++h) {
     typename V::F acc[RT];
     for (int r = 0; r < RT; ++r) acc[r] = V::zero();
-    w.template dot<V, RT>(g, h, xq, xd, xs, xc, K, acc);
+    w.template dot<V, RT>(g, h, xq, xd, xs, xc, acc);
     for (int r = 0; r < RT; ++r) V::store(result[r] + h * V::kLanes, acc[r]);
   }
 #else
@@ -417,31 +468,34 @@ inline void tile_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, int
   }
 }
 
-// Output columns of groups [g0, g1) for all M rows: activation rows kRowBlock at a time (kept in
-// cache while the thread walks its groups), split into as few tiles of at most kRowTile rows as
-// there can be, as even as they go (AVX2, 5 rows: 2 + 3, not 4 + 1): much of a tile's cost is per
-// weight block (reading and unpacking it), so a nearly empty tile costs much of a full one.
+// Output columns of groups [g0, g1) for all M rows, tile by tile (for_each_tile), each block of
+// rows over all the groups before the next.
 template <typename OT, typename W>
 void linear_groups(const W& w, const QuantRows& x, int64_t M, int64_t K, int64_t g0, int64_t g1, OT* out,
                    int64_t N) {
   const int64_t nb = K / kBlock;
   float result[kRowTile][kGroup];
-  for (int64_t mt = 0; mt < M; mt += kRowBlock) {
-    const int64_t m_end = std::min(M, mt + kRowBlock);
-    const int64_t tiles = (m_end - mt + kRowTile - 1) / kRowTile;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // one block of rows: (r0, rn)
+  int64_t block_start = -1;
+  auto run_block = [&]() {
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t cols = std::min(kGroup, N - g * kGroup);
-      for (int64_t t = 0, r0 = mt; t < tiles; ++t) {
-        const int64_t rn = (m_end - r0) / (tiles - t);  // the rest shared evenly: earlier tiles never larger
+      for (const auto& [r0, rn] : tiles) {
         tile_rows(w, x, g, r0, rn, K, nb, result);
         for (int64_t r = 0; r < rn; ++r) {
           OT* o = out + (r0 + r) * N + g * kGroup;
           for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
         }
-        r0 += rn;
       }
     }
-  }
+    tiles.clear();
+  };
+  for_each_tile(M, [&](int64_t mt, int64_t, int64_t r0, int64_t rn) {
+    if (mt != block_start && !tiles.empty()) run_block();
+    block_start = mt;
+    tiles.emplace_back(r0, rn);
+  });
+  run_block();
 }
 
 // Every entry point checks dtypes, devices, layouts and that the weight's groups, blocks and rows
