@@ -15,6 +15,7 @@ machine's cores split over the ranks), killed by the kernel if rank 0 dies.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
@@ -75,9 +76,12 @@ class ParallelRuntime:
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             )
             proc = subprocess.Popen([sys.executable, "-m", "strata.distributed.worker"], stdin=subprocess.PIPE)
-            proc.stdin.write(msgspec.json.encode(init))
-            proc.stdin.close()
             self.procs.append(proc)
+            # a worker whose interpreter dies at once closes the pipe first: _wait_started reports it
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.write(msgspec.json.encode(init))
+            with contextlib.suppress(BrokenPipeError):
+                proc.stdin.close()
         # if the engine never gets to shutdown() (its load failed), the workers go with this object
         self._finalizer = weakref.finalize(self, _kill_all, self.procs)
         try:

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 from tiny_models import make_model
 
 from strata import Engine, SamplingParams
+from strata.distributed import runtime
 from strata.distributed.errors import RankFailure
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
@@ -84,8 +86,18 @@ def test_close_stops_the_workers_cleanly(llama):
     assert [p.returncode for p in procs] == [0]  # a Stop message, not a kill
 
 
-def test_a_worker_that_cannot_start_fails_the_engine_at_once(llama, monkeypatch):
+@pytest.mark.parametrize("dead_before_init", [False, True])
+def test_a_worker_that_cannot_start_fails_the_engine_at_once(llama, monkeypatch, dead_before_init):
     monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the worker's interpreter dies before any import
+    if dead_before_init:  # it is gone before its init message is written (a broken pipe)
+        spawn = subprocess.Popen
+
+        def spawn_and_wait(*args, **kwargs):
+            proc = spawn(*args, **kwargs)
+            proc.wait()
+            return proc
+
+        monkeypatch.setattr(runtime.subprocess, "Popen", spawn_and_wait)
     start = time.monotonic()
     with pytest.raises(RankFailure, match="failed to start"):
         Engine(str(llama), dtype="float32", kv_cache_tokens=256, tp_size=2)
