@@ -250,11 +250,11 @@ class Scheduler(WindowKV, KVAccounting):
         self.cache.poll()
         if self.disagg is not None:
             self.disagg.poll()
+        start = time.perf_counter()  # speculation's cost includes looking drafts up (in schedule)
         batch = self.schedule()
         if batch is None and self.cache.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
-            start = time.perf_counter()
             watch = self.spec.watch(batch) if self.spec is not None else None
             try:
                 sampled = self.runner.forward(batch)
