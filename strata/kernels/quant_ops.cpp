@@ -313,20 +313,27 @@ struct Lanes16 {
 
 constexpr int64_t kGroup = 16;  // weight rows interleaved in one group
 
-// A step streams each weight from memory once; with the hardware prefetcher alone a tile of several
-// rows stalls on its lines (on Zen 4, a 1536 x 576 q4 weight out of cache at 9 rows took ~50 us, ~20%
-// more than with this), so each block asks for the weight bytes this far ahead (8 blocks: the next
-// group's too, a thread's groups being contiguous) and their scales.
-constexpr int64_t kPrefetchBytes = 2048;
+// A step streams each weight from memory once; with the hardware prefetcher alone an AVX-512 tile of
+// several rows stalls on its lines (on Zen 4, a 1536 x 576 q4 weight out of cache at 9 rows took
+// ~53 us against ~43 with this), so each block asks for the block this many ahead (the next group's
+// too, a thread's groups being contiguous) and its scales. Not on AVX2: there the kernel is
+// compute-bound past one row, and the same prefetches measured slower (9 rows ~91 -> ~98 us).
+#if defined(STRATA_QUANT_AVX512)
+constexpr bool kPrefetch = true;
+#else
+constexpr bool kPrefetch = false;
+#endif
+constexpr int64_t kPrefetchBlocks = 8;
+// The weight bytes of the block kPrefetchBlocks after `block` (Bytes a block).
 template <int64_t Bytes>
-inline void prefetch_block(const void* p) {
-  const char* c = static_cast<const char*>(p);
+inline void prefetch_weights(const void* block) {
+  const char* c = static_cast<const char*>(block) + kPrefetchBlocks * Bytes;
   for (int64_t o = 0; o < Bytes; o += 64) __builtin_prefetch(c + o, 0, 3);
 }
-// A block's scales (PerBlock of them) as many blocks ahead as its weights (WeightBytes a block).
-template <int64_t WeightBytes, int64_t PerBlock, typename S>
-inline void prefetch_scales(const S* d) {
-  __builtin_prefetch(d + kPrefetchBytes / WeightBytes * PerBlock, 0, 3);
+// The scales of the block kPrefetchBlocks after the one whose scales start at `scales` (PerBlock a block).
+template <int64_t PerBlock, typename S>
+inline void prefetch_scales(const S* scales) {
+  __builtin_prefetch(scales + kPrefetchBlocks * PerBlock, 0, 3);
 }
 
 // A packed q4 weight: qp [G, nb, 4, 16, 4], dp and mp [G, nb, 16] of S.
@@ -346,9 +353,11 @@ struct Q4Packed {
     const int64_t lane0 = h * V::kLanes;
     for (int64_t b = 0; b < nb; ++b) {
       const uint8_t* qb = q + (g * nb + b) * 256 + lane0 * 4;
-      prefetch_block<256>(q + (g * nb + b) * 256 + kPrefetchBytes);
-      prefetch_scales<256, kGroup>(d + (g * nb + b) * kGroup);
-      prefetch_scales<256, kGroup>(m + (g * nb + b) * kGroup);
+      if constexpr (kPrefetch) {
+        prefetch_weights<256>(q + (g * nb + b) * 256);
+        prefetch_scales<kGroup>(d + (g * nb + b) * kGroup);
+        prefetch_scales<kGroup>(m + (g * nb + b) * kGroup);
+      }
       typename V::I isum[RT];
       for (int r = 0; r < RT; ++r) isum[r] = V::zero_i();
       for (int j = 0; j < 4; ++j) {
@@ -411,8 +420,10 @@ struct Q8Packed {
     const int64_t lane0 = h * V::kLanes;
     for (int64_t b = 0; b < nb; ++b) {
       const int8_t* qb = q + (g * nb + b) * 512 + lane0 * 4;
-      prefetch_block<512>(q + (g * nb + b) * 512 + 2 * kPrefetchBytes);
-      prefetch_scales<256, kSubs * kGroup>(d + (g * nb + b) * kSubs * kGroup);
+      if constexpr (kPrefetch) {
+        prefetch_weights<512>(q + (g * nb + b) * 512);
+        prefetch_scales<kSubs * kGroup>(d + (g * nb + b) * kSubs * kGroup);
+      }
       for (int sub = 0; sub < kSubs; ++sub) {
         typename V::I isum[RT];
         for (int r = 0; r < RT; ++r) isum[r] = V::zero_i();
