@@ -117,12 +117,15 @@ inline void softcap_scores(float* s, int64_t n, float cap) {
   for (; i < n; ++i) s[i] = cap * std::tanh(s[i] / cap);
 }
 
-// scores[g * kKeyTile + jj] = q_g . key_jj for the first jn keys of a tile, one by one (qf: G rows
-// of D floats, scaled): the path of builds without SIMD and of head sizes the blocks below do not take.
+// Keys [j_from, j_to) of a tile scored one by one: scores[g * kKeyTile + jj] = q_g . key_jj. Kept out
+// of line, so that every caller runs the same arithmetic (decode attention recomputes a short
+// row's last keys with it: see attention_impl).
 template <typename CT>
-void scalar_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
+__attribute__((noinline)) void scalar_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys,
+                                             int64_t j_from, int64_t j_to, float* scores) {
+  if (j_from >= j_to) return;  // a tile scored 16 at a time throughout
   std::vector<float> kf(D);
-  for (int64_t jj = 0; jj < jn; ++jj) {
+  for (int64_t jj = j_from; jj < j_to; ++jj) {
     load_row(keys[jj], kf.data(), D);
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = qf + g * D;
@@ -134,91 +137,67 @@ void scalar_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys,
   }
 }
 
-// SIMD builds score keys 16 at a time, a key per lane: the 16 keys of a block are transposed once
-// (kt[d] lane k = channel d of key k) and every query row of the work item (a verification's rows
-// times the KV head's query heads) adds D products of its broadcast channels into one vector, in
-// four interleaved partial sums. No horizontal sums; a key's score is the same arithmetic in any
-// lane, so a row's scores do not depend on the rows, keys or block it shares its vectors with.
-// With AVX512-BF16 and bf16 queries and keys, a lane holds a pair of channels and one instruction
-// adds both products (kt[p] lane k = channels 2p, 2p + 1 of key k).
-constexpr int64_t kMaxBlockDim = 256;  // largest head size scored in blocks (its transposed block stays in L1)
-
-template <typename QT, typename CT>
-constexpr bool kBf16Scores =
-#if defined(__AVX512BF16__)
-    std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
-#else
-    false;
-#endif
-
-// Whether decode attention scores in 16-key blocks (else scalar_scores).
-template <typename QT, typename CT>
-bool block_scored(int64_t D) {
+// How many of a tile's first jn keys tile_scores scores 16 at a time (the rest: scalar_scores).
+template <typename CT>
+inline int64_t simd_keys(int64_t D, int64_t jn) {
 #if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<CT>) {
-    return D <= kMaxBlockDim && D % (kBf16Scores<QT, CT> ? 32 : 16) == 0;
+    if (D % 16 == 0 && D <= 256) return jn / 16 * 16;
   }
 #endif
-  return false;
+  return 0;
 }
 
+// scores[g * kKeyTile + jj] = q_g . key_jj for the keys of one tile (qf: G rows of D floats).
+template <typename CT>
+inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* keys, int64_t jn, float* scores) {
+  const int64_t simd = simd_keys<CT>(D, jn);
 #if defined(STRATA_SIMD16)
-// 16 keys (some pointers may repeat: lanes past a tile's end are never stored) transposed into kt:
-// D vectors of floats, or with kBf16Scores D / 2 vectors of channel pairs.
-template <typename QT, typename CT>
-void transpose_keys(const CT* const* keys, int64_t D, V16* kt) {
-  V16 r[16];
-  if constexpr (kBf16Scores<QT, CT>) {
-#if defined(__AVX512BF16__)
-    for (int64_t c = 0; c < D; c += 32) {  // 32 channels = 16 pairs of each key
-      for (int k = 0; k < 16; ++k) r[k] = _mm512_castsi512_ps(_mm512_loadu_si512(keys[k] + c));
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) kt[c / 2 + i] = r[i];
-    }
-#endif
-  } else if constexpr (kHasLoad16<CT>) {
-    for (int64_t d = 0; d < D; d += 16) {
-      for (int k = 0; k < 16; ++k) r[k] = load16(keys[k] + d);
-      transpose16(r);
-      for (int i = 0; i < 16; ++i) kt[d + i] = r[i];
+  if constexpr (kHasLoad16<CT>) {
+    alignas(64) float kt[16 * 256];
+    for (int64_t jj = 0; jj < simd; jj += 16) {  // 16 keys at a time: widen once, then one reduction tree per head
+      for (int k = 0; k < 16; ++k) {
+        for (int64_t d = 0; d < D; d += 16) store16(kt + k * D + d, load16(keys[jj + k] + d));
+      }
+      for (int64_t g = 0; g < G; ++g) store16(scores + g * kKeyTile + jj, dot16(qf + g * D, kt, D));
     }
   }
+#endif
+  scalar_scores<CT>(qf, G, D, keys, simd, jn, scores);
 }
 
-// Lane k = q . key k of a transposed block. q: D floats, scaled (or with kBf16Scores D bf16, not scaled:
-// the caller scales the result).
-template <typename QT, typename CT>
-inline V16 block_scores(const void* q, int64_t D, const V16* kt) {
-  V16 a[4] = {vzero(), vzero(), vzero(), vzero()};
-  if constexpr (kBf16Scores<QT, CT>) {
 #if defined(__AVX512BF16__)
-    const char* qb = static_cast<const char*>(q);
-    for (int64_t p = 0; p < D / 2; p += 4) {
-      for (int u = 0; u < 4; ++u) {
-        int32_t pair;
-        std::memcpy(&pair, qb + 4 * (p + u), 4);
-        a[u] = _mm512_dpbf16_ps(a[u], (__m512bh)_mm512_set1_epi32(pair), (__m512bh)_mm512_castps_si512(kt[p + u]));
+// Keys [jj, jj + 16) scored for every head, each key by the same instructions whichever lanes it
+// shares (the last key's pointer stands in for keys past the tile: their lanes are not stored).
+inline void block_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
+                              int64_t jj, __mmask16 store, float* scores) {
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 acc[16];
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 32) {
+      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
+      for (int k = 0; k < 16; ++k) {
+        acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
       }
     }
-#endif
-  } else {
-    const float* qf = static_cast<const float*>(q);
-    for (int64_t d = 0; d < D; d += 4) {
-      for (int u = 0; u < 4; ++u) a[u] = vfmadd(vset1(qf[d + u]), kt[d + u], a[u]);
-    }
+    _mm512_mask_storeu_ps(scores + g * kKeyTile + jj, store, reduce16(acc));
   }
-  return vadd(vadd(a[0], a[1]), vadd(a[2], a[3]));
 }
 
-// The first n (1 .. 16) lanes of s to p.
-inline void store_first(float* p, V16 s, int64_t n) {
-  if (n == 16) {
-    store16(p, s);
-    return;
+// bf16 queries and keys: scores with the bf16 dot-product instruction (32 products per
+// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales. A
+// tile's last keys (fewer than 16) go as a 16-key block of their own: a key's score is the same
+// whichever tile position or row length put it there.
+inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
+                             int64_t jn, float* scores) {
+  int64_t jj = 0;
+  for (; jj + 16 <= jn; jj += 16) block_scores_bf16(qb, G, D, keys, jj, 0xFFFF, scores);
+  if (jj < jn) {
+    const c10::BFloat16* padded[kKeyTile + 16];
+    const int64_t rest = jn - jj;
+    for (int64_t k = 0; k < 16; ++k) padded[jj + k] = keys[jj + std::min(k, rest - 1)];
+    block_scores_bf16(qb, G, D, padded, jj, static_cast<__mmask16>((1u << rest) - 1), scores);
   }
-  alignas(64) float lanes[16];
-  store16(lanes, s);
-  std::copy(lanes, lanes + n, p);
 }
 #endif
 
@@ -241,51 +220,30 @@ inline void values_block(const float* probs, int64_t D, const CT* const* values,
 constexpr int64_t kValueHeads = kRegsPerV16 == 1 ? 8 : 6;
 #endif
 
-#if defined(STRATA_SIMD16)
-// The SIMD loop of tile_values, over value rows of type VT.
-template <typename VT>
-void values_groups(const float* probs, int64_t G, int64_t D, const VT* const* values, int64_t jn, float* acc) {
-  const int64_t groups = (G + kValueHeads - 1) / kValueHeads;
-  const int64_t gs = (G + groups - 1) / groups;  // heads per group, as even as possible
-  for (int64_t d = 0; d < D; d += 16) {
-    for (int64_t g0 = 0; g0 < G; g0 += gs) {
-      switch (std::min(gs, G - g0)) {
-        case 1: values_block<1>(probs, D, values, jn, acc, g0, d); break;
-        case 2: values_block<2>(probs, D, values, jn, acc, g0, d); break;
-        case 3: values_block<3>(probs, D, values, jn, acc, g0, d); break;
-        case 4: values_block<4>(probs, D, values, jn, acc, g0, d); break;
-        case 5: values_block<5>(probs, D, values, jn, acc, g0, d); break;
-        case 6: values_block<6>(probs, D, values, jn, acc, g0, d); break;
-        case 7: values_block<7>(probs, D, values, jn, acc, g0, d); break;
-        default: values_block<8>(probs, D, values, jn, acc, g0, d); break;
-      }
-    }
-  }
-}
-#endif
-
-// acc_g += sum_jj p[g][jj] * value_jj. widened: room for the tile's values in float (kKeyTile x D):
-// where several groups of heads read each value (a verification's rows), they are widened once
-// (exactly) instead of once per group.
+// acc_g += sum_jj p[g][jj] * value_jj.
 template <typename CT>
-inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* const* values, int64_t jn, float* acc,
-                        float* widened) {
+inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* const* values, int64_t jn, float* acc) {
 #if defined(STRATA_SIMD16)
   if constexpr (kHasLoad16<CT>) {
-    if (D % 16 == 0) {
-      if (std::is_same_v<CT, float> || G <= kValueHeads) {
-        values_groups(probs, G, D, values, jn, acc);
-        return;
+   if (D % 16 == 0) {
+    const int64_t groups = (G + kValueHeads - 1) / kValueHeads;
+    const int64_t gs = (G + groups - 1) / groups;  // heads per group, as even as possible
+    for (int64_t d = 0; d < D; d += 16) {
+      for (int64_t g0 = 0; g0 < G; g0 += gs) {
+        switch (std::min(gs, G - g0)) {
+          case 1: values_block<1>(probs, D, values, jn, acc, g0, d); break;
+          case 2: values_block<2>(probs, D, values, jn, acc, g0, d); break;
+          case 3: values_block<3>(probs, D, values, jn, acc, g0, d); break;
+          case 4: values_block<4>(probs, D, values, jn, acc, g0, d); break;
+          case 5: values_block<5>(probs, D, values, jn, acc, g0, d); break;
+          case 6: values_block<6>(probs, D, values, jn, acc, g0, d); break;
+          case 7: values_block<7>(probs, D, values, jn, acc, g0, d); break;
+          default: values_block<8>(probs, D, values, jn, acc, g0, d); break;
+        }
       }
-      const float* rows[kKeyTile];
-      for (int64_t jj = 0; jj < jn; ++jj) {
-        float* row = widened + jj * D;
-        for (int64_t d = 0; d < D; d += 16) store16(row + d, load16(values[jj] + d));
-        rows[jj] = row;
-      }
-      values_groups(probs, G, D, rows, jn, acc);
-      return;
     }
+    return;
+   }
   }
 #endif
   std::vector<float> vf(D);
@@ -324,10 +282,10 @@ std::vector<int64_t> attention_runs(int64_t T, const int64_t* own, const int64_t
 }
 
 // Decode attention. A work item is (run of tokens, KV head, key range): its R tokens x G query heads
-// read each tile of keys and values once (each 16-key block transposed once for all of them). Every
-// query row's arithmetic is what it would be alone (a run of one): a key's score is the same in any
-// lane, the row keeps its own online softmax, and keys past its own get zero probability, so a
-// token's result does not depend on its neighbours.
+// read each tile of keys and values once. Every query row's arithmetic is what it would be alone
+// (a run of one): its scores over its own keys (those a shorter row scored 16 at a time that it
+// would score one by one are scored again one by one), its own online softmax, and zero
+// probabilities for the keys past its own, so a token's result does not depend on its neighbours.
 template <typename QT, typename CT>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& owner,
@@ -346,7 +304,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   const int64_t* own = owner.data_ptr<int64_t>();
   const int64_t* pos = positions.data_ptr<int64_t>();
   const float fscale = static_cast<float>(scale);
-  const bool blocks = block_scored<QT, CT>(D);
   const std::vector<int64_t> runs = attention_runs(T, own, pos, pt, pages_per_row, page_size, window);
   const int64_t num_runs = static_cast<int64_t>(runs.size()) - 1;
   int64_t max_run = 1;
@@ -373,14 +330,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     std::vector<int64_t> row_end(max_run);
     const CT* keys[kKeyTile];
     const CT* values[kKeyTile];
-#if defined(STRATA_SIMD16)
-    std::vector<V16> kt(blocks ? D : 0);
-#endif
-#if defined(STRATA_SIMD16)
-    std::vector<float> widened(max_run * G > kValueHeads ? kKeyTile * D : 0);  // tile_values' room
-#else
-    std::vector<float> widened;
-#endif
     for (int64_t item = begin; item < end; ++item) {
       const int64_t split = item % splits, rk = item / splits;
       const int64_t run = rk / Hkv, kvh = rk % Hkv;
@@ -419,28 +368,33 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
         }
-#if defined(STRATA_SIMD16)
-        if (blocks) {
-          for (int64_t b0 = 0; b0 < jn; b0 += 16) {
-            const int64_t bn = std::min<int64_t>(16, jn - b0);
-            const CT* block[16];
-            for (int64_t k = 0; k < 16; ++k) block[k] = keys[b0 + std::min(k, bn - 1)];
-            transpose_keys<QT, CT>(block, D, kt.data());
+        bool scored = false;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
+          if (D % 32 == 0) {
             for (int64_t r = 0; r < R; ++r) {
-              const int64_t rn = std::min(bn, row_end[r] - j0 - b0);  // this row's keys in the block
-              for (int64_t g = 0; g < G && rn > 0; ++g) {
-                const int64_t i = r * G + g;
-                const V16 s = kBf16Scores<QT, CT>
-                    ? vmul(block_scores<QT, CT>(qp + (t0 + r) * q_stride + (kvh * G + g) * D, D, kt.data()),
-                           vset1(fscale))
-                    : block_scores<QT, CT>(qf.data() + i * D, D, kt.data());
-                store_first(scores.data() + i * kKeyTile + b0, s, rn);
+              const int64_t rn = std::min(jn, row_end[r] - j0);
+              float* sr = scores.data() + r * G * kKeyTile;
+              if (rn <= 0) continue;
+              tile_scores_bf16(qp + (t0 + r) * q_stride + kvh * G * D, G, D, keys, rn, sr);
+              for (int64_t g = 0; g < G; ++g) {
+                for (int64_t jj = 0; jj < rn; ++jj) sr[g * kKeyTile + jj] *= fscale;
               }
             }
+            scored = true;
           }
         }
 #endif
-        if (!blocks) scalar_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
+        if (!scored) {
+          tile_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
+          const int64_t simd = simd_keys<CT>(D, jn);
+          for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
+            const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
+            if (rn > 0 && own_simd < simd) {
+              scalar_scores<CT>(qf.data() + r * G * D, G, D, keys, own_simd, rn, scores.data() + r * G * kKeyTile);
+            }
+          }
+        }
         for (int64_t r = 0; r < R; ++r) {
           const int64_t rn = std::min(jn, row_end[r] - j0);  // this row's keys in the tile
           for (int64_t g = 0; g < G; ++g) {
@@ -462,7 +416,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
             std::fill(sg + rn, sg + jn, 0.f);
           }
         }
-        tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data(), widened.data());
+        tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t t = t0 + r;

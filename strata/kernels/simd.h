@@ -10,7 +10,7 @@
 // The AVX2 versions reproduce the AVX-512 ones lane for lane: the same exp polynomial and
 // clamping (2^n applied in two exact steps so the result is rounded once, like scalef, subnormals
 // included), the same round-to-nearest-even conversions to bf16/fp16, and reduce_add / reduce_max
-// in the same order as _mm512_reduce_*_ps.
+// in the same order as _mm512_reduce_*_ps. Only reduce16 / dot16 sum in a different order.
 //
 // Everything is in an unnamed namespace: each translation unit (possibly compiled for a different
 // -march) gets its own copy, so no inline function is shared between differently compiled objects.
@@ -123,30 +123,32 @@ inline void store16(c10::BFloat16* p, V16 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
 }
 
-// r[i] lane k <- r[k] lane i: a 16 x 16 transpose in registers (32-bit elements of any kind).
-inline void transpose16(V16* r) {
-  __m512 t[16], u[16];
-  for (int i = 0; i < 16; i += 2) {  // per 128-bit chunk: rows i, i + 1 interleaved
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+// Lane i of the result = the sum of all lanes of v[i] (16 horizontal sums as one transpose-add tree).
+inline V16 reduce16(const V16* v) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i) {
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
-  for (int i = 0; i < 16; i += 4) {  // u[4a + c] chunk L: column 4L + c of rows 4a .. 4a + 3
-    const __m512d t0 = _mm512_castps_pd(t[i]), t1 = _mm512_castps_pd(t[i + 1]);
-    const __m512d t2 = _mm512_castps_pd(t[i + 2]), t3 = _mm512_castps_pd(t[i + 3]);
-    u[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(t0, t2));
-    u[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(t0, t2));
-    u[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(t1, t3));
-    u[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(t1, t3));
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  for (int c = 0; c < 4; ++c) {  // column 4L + c: chunk L of u[c], u[4 + c], u[8 + c], u[12 + c]
-    const __m512 v0 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0x44), v1 = _mm512_shuffle_f32x4(u[c], u[4 + c], 0xEE);
-    const __m512 v2 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0x44);
-    const __m512 v3 = _mm512_shuffle_f32x4(u[8 + c], u[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_f32x4(v0, v2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(v0, v2, 0xDD);
-    r[8 + c] = _mm512_shuffle_f32x4(v1, v3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(v1, v3, 0xDD);
+  // b[i] holds keys 4i..4i+3 in every 128-bit chunk; add the chunks, keeping keys in order
+  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// Lane k = q . rows[k], for the 16 rows of a row-major [16][D] float block; D % 16 == 0.
+// One accumulator per row (16 of the 32 registers), then one reduction tree.
+inline V16 dot16(const float* q, const float* rows, int64_t D) {
+  __m512 acc[16];
+  for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 qv = _mm512_loadu_ps(q + d);
+    for (int k = 0; k < 16; ++k) acc[k] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(rows + k * D + d), acc[k]);
   }
+  return reduce16(acc);
 }
 
 #elif defined(STRATA_SIMD16_AVX2)
@@ -274,32 +276,39 @@ inline void store16(c10::BFloat16* p, V16 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm256_permute4x64_epi64(packed, 0xD8));
 }
 
-// r[i] lane k <- r[k] lane i for 8 vectors of 8 floats.
-inline void transpose8(__m256* r) {
-  __m256 t[8], u[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // u[4a + c] half L: column 4L + c of rows 4a .. 4a + 3
-    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
-  }
+// Lane i of the result = the sum of all lanes of v[i], for 8 vectors of 8 floats.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+  // b0: per 128-bit half, the partial sums of v0..v3 (low half: lanes 0-3, high half: lanes 4-7)
+  const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
 }
 
-// r[i] lane k <- r[k] lane i: a 16 x 16 transpose, as four 8 x 8 ones.
-inline void transpose16(V16* r) {
-  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 lanes 0-7, rows 0-7 lanes 8-15, rows 8-15 ...
-  for (int k = 0; k < 8; ++k) a[k] = r[k].lo, b[k] = r[k].hi, c[k] = r[8 + k].lo, d[k] = r[8 + k].hi;
-  transpose8(a), transpose8(b), transpose8(c), transpose8(d);
-  for (int i = 0; i < 8; ++i) r[i] = {a[i], c[i]}, r[8 + i] = {b[i], d[i]};
+// Lane i of the result = the sum of all lanes of v[i].
+inline V16 reduce16(const V16* v) {
+  __m256 s[16];
+  for (int i = 0; i < 16; ++i) s[i] = _mm256_add_ps(v[i].lo, v[i].hi);
+  return {reduce8(s), reduce8(s + 8)};
 }
+
+// Lane k = q . rows[k] for 8 rows of a row-major [.][D] block; D % 16 == 0.
+inline __m256 dot8(const float* q, const float* rows, int64_t D) {
+  __m256 acc[8];
+  for (int k = 0; k < 8; ++k) acc[k] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m256 q0 = _mm256_loadu_ps(q + d), q1 = _mm256_loadu_ps(q + d + 8);
+    for (int k = 0; k < 8; ++k) {
+      acc[k] = _mm256_fmadd_ps(q0, _mm256_loadu_ps(rows + k * D + d), acc[k]);
+      acc[k] = _mm256_fmadd_ps(q1, _mm256_loadu_ps(rows + k * D + d + 8), acc[k]);
+    }
+  }
+  return reduce8(acc);
+}
+
+// Lane k = q . rows[k], for the 16 rows of a row-major [16][D] float block; D % 16 == 0.
+// Eight rows at a time: 16 accumulators would need all 32 ymm halves and spill.
+inline V16 dot16(const float* q, const float* rows, int64_t D) { return {dot8(q, rows, D), dot8(q, rows + 8 * D, D)}; }
 #endif
 
 }  // namespace
