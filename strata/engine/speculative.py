@@ -298,6 +298,12 @@ class DraftPolicy:
         own_acc, own_tried = history
         return min(0.99, (own_acc + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT))
 
+    def allows(self, num_decodes: int) -> bool:
+        """Whether this step of num_decodes decoding requests may draft at all: the guard's say, asked
+        once per step before any draft is looked up (a vetoed step spends nothing on drafting)."""
+        self.vetoed = self.adaptive and not self.guard.allows(num_decodes)
+        return not self.vetoed
+
     def choose(self, candidates: list[Candidate], base_tokens: int, num_decodes: int, budget: int) -> list[int]:
         """Draft lengths (<= len(draft), summing to <= budget), in the order of `candidates`.
 
@@ -306,15 +312,14 @@ class DraftPolicy:
         errs towards drafting less); num_decodes: requests that yield a token (the step's output
         without drafts). A drafted token at depth j of a request with acceptance p is expected to
         add p^j tokens of output; tokens are taken best first while (E + gain) / t(T + 1) > E / t(T),
-        and the guard may veto them all."""
+        (the guard's veto comes before, in `allows`)."""
         lengths = [0] * len(candidates)
         if not self.adaptive:
             for i, c in enumerate(candidates):
                 lengths[i] = min(len(c.draft), self.max_draft, max(0, budget))
                 budget -= lengths[i]
             return lengths
-        self.vetoed = bool(candidates) and not self.guard.allows(num_decodes)
-        if not candidates or self.vetoed:
+        if not candidates:
             return lengths
         a, b, _ = self.cost.coefficients(num_decodes)
         heap = [(-c.accept_rate, i, 1) for i, c in enumerate(candidates) if c.draft]
@@ -351,7 +356,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     declined: int = 0  # request-steps with a proposal the policy chose not to feed
-    vetoed: int = 0  # of those, request-steps the guard stood down (drafting measured slower at that load)
+    vetoed: int = 0  # request-steps the guard stood down before any lookup (drafting measured slower at that load)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # chosen length -> request-steps
 
     @property
@@ -401,6 +406,9 @@ class Speculator:
         """decodes: (request, most tokens it may draft); base_tokens: the step's tokens without drafts;
         num_decodes: requests the step yields a token for. Returns (request, drafts, match length) for
         the requests that draft this step."""
+        if decodes and not self.policy.allows(num_decodes):
+            self.stats.vetoed += len(decodes)
+            return []
         candidates = []
         for req, limit in decodes:
             limit = min(limit, self.max_draft)
@@ -413,7 +421,6 @@ class Speculator:
                 candidates.append(Candidate(req, draft, match_len, self.policy.accept_rate(req.spec_history, match_len)))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
         self.stats.declined += sum(1 for k in lengths if k == 0)
-        self.stats.vetoed += len(lengths) if self.policy.vetoed else 0
         chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
         if self.draft_model is not None:
             drafts = self.draft_model.draft([(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen])

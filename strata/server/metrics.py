@@ -97,7 +97,8 @@ class ServerMetrics:
         self.spec_counts = Gauge(
             "strata:spec_events", "Speculative decoding since start: verify_steps (request-steps that fed "
             "drafts), drafted_tokens, accepted_tokens, declined (proposals the policy chose not to feed), vetoed "
-            "(of those, the ones its guard stood down: drafting measured slower at that batch size).",
+            "(request-steps its guard stood down before looking drafts up: drafting measured slower at that "
+            "batch size).",
             ["model_name", "kind"], registry=r,
         )  # fmt: skip
         self.spec_accept_len = gauge(
