@@ -356,7 +356,7 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     declined: int = 0  # request-steps with a proposal the policy chose not to feed
-    vetoed: int = 0  # request-steps the guard stood down before any lookup (drafting measured slower at that load)
+    vetoed: int = 0  # request-steps the guard stood down, before any lookup (drafting measured slower there)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # chosen length -> request-steps
 
     @property

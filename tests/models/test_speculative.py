@@ -343,7 +343,8 @@ def test_policy_stands_down_where_the_guard_says_drafts_are_slower():
         policy.cost.observe(8, rows, 0, 0.030 + 0.0001 * rows)  # cheap rows: the model would draft
     run_guard(policy.guard, 8, 100, plain_rate=100.0, draft_rate=70.0)
     wants = [Candidate(i, [1] * 4, 4, 0.9) for i in range(8)]
-    chosen = [sum(policy.choose(wants, 8, 8, budget=100)) if policy.allows(8) else 0 for _ in range(EXPLORE_EVERY * 2)]
+    steps = range(EXPLORE_EVERY * 2)
+    chosen = [sum(policy.choose(wants, 8, 8, budget=100)) if policy.allows(8) else 0 for _ in steps]
     assert sum(1 for c in chosen if c) == 2 and max(chosen) == 32
 
 
