@@ -286,7 +286,6 @@ class DraftPolicy:
         self.adaptive = adaptive
         self.cost = StepCost()
         self.guard = DraftGuard()
-        self.vetoed = False  # whether the guard stood the last step's drafts down
         # accepted / tried drafted tokens per n-gram match length, decayed
         self.by_match: dict[int, list[float]] = {}
 
@@ -301,8 +300,7 @@ class DraftPolicy:
     def allows(self, num_decodes: int) -> bool:
         """Whether this step of num_decodes decoding requests may draft at all: the guard's say, asked
         once per step before any draft is looked up (a vetoed step spends nothing on drafting)."""
-        self.vetoed = self.adaptive and not self.guard.allows(num_decodes)
-        return not self.vetoed
+        return not self.adaptive or self.guard.allows(num_decodes)
 
     def choose(self, candidates: list[Candidate], base_tokens: int, num_decodes: int, budget: int) -> list[int]:
         """Draft lengths (<= len(draft), summing to <= budget), in the order of `candidates`.
