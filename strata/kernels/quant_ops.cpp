@@ -248,7 +248,6 @@ struct Lanes8 {
   static constexpr bool kPairSums = true;
   static I pair_dot(I acc16, I u, I s) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(u, s)); }
   static I widen(I acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
-  static constexpr bool kUnsignedX = false;  // maddubs pairs of 255 x 127 would saturate int16
   static I abs8(I w) { return _mm256_abs_epi8(w); }
   static I sign_of(I x, I w) { return _mm256_sign_epi8(x, w); }  // 0 where w is 0: |w| is too
   static I zero_i() { return _mm256_setzero_si256(); }
@@ -298,14 +297,9 @@ struct Lanes16 {
 #endif
   static I pair_dot(I acc16, I u, I s) { return _mm512_add_epi16(acc16, _mm512_maddubs_epi16(u, s)); }
 #if defined(__AVX512VNNI__)
-  // q8: vpdpbusd takes the activations, stored as x + 128, for its unsigned operand and the weights as
-  // they are, instead of |w| and x with w's sign (two more instructions per row); the difference is
-  // 128 times a weight sum, one instruction per weight vector for every row of the tile
-  static constexpr bool kUnsignedX = true;
+  // q8 with unsigned activations (kQ8UnsignedX): the weight sum per lane, and isum - 128 * wsum
   static I sum_bytes(I acc, I w) { return _mm512_dpbusd_epi32(acc, _mm512_set1_epi8(1), w); }
   static I sub_128x(I isum, I wsum) { return _mm512_sub_epi32(isum, _mm512_slli_epi32(wsum, 7)); }
-#else
-  static constexpr bool kUnsignedX = false;
 #endif
   static I widen(I acc16) { return _mm512_madd_epi16(acc16, _mm512_set1_epi16(1)); }
   static I abs8(I w) { return _mm512_abs_epi8(w); }
@@ -323,6 +317,17 @@ struct Lanes16 {
 #endif
 
 constexpr int64_t kGroup = 16;  // weight rows interleaved in one group
+
+// q8 with VNNI: vpdpbusd takes the activations, stored as x + 128 (their sign bits flipped), for its
+// unsigned operand and the weights as they are, instead of |w| and x with w's sign (two more
+// instructions per row); the difference is 128 times a weight sum, one instruction per weight
+// vector for every row of the tile. Not with vpmaddubsw (AVX2, AVX-512BW): its int16 pair sums of
+// 255 x 127 would saturate.
+#if defined(STRATA_QUANT_AVX512) && defined(__AVX512VNNI__)
+constexpr bool kQ8UnsignedX = true;
+#else
+constexpr bool kQ8UnsignedX = false;
+#endif
 
 // A step streams each weight from memory once; with the hardware prefetcher alone an AVX-512 tile of
 // several rows stalls on its lines (on Zen 4, a 1536 x 576 q4 weight out of cache at 9 rows took
@@ -425,12 +430,7 @@ struct Q8Packed {
   const S* d;
   int64_t nb;
   static constexpr int kSubs = kBlock / G;
-  // whether dot() takes the activation bytes as x + 128 (their sign bits flipped)
-#if defined(STRATA_QUANT_AVX512) && defined(__AVX512VNNI__)
-  static constexpr bool kFlipX = true;
-#else
-  static constexpr bool kFlipX = false;
-#endif
+  static constexpr bool kFlipX = kQ8UnsignedX;  // dot() takes the activation bytes as x + 128
 
   template <typename V, int RT>
   void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*,
@@ -445,8 +445,8 @@ struct Q8Packed {
       for (int sub = 0; sub < kSubs; ++sub) {
         typename V::I isum[RT];
         for (int r = 0; r < RT; ++r) isum[r] = V::zero_i();
-        if constexpr (V::kUnsignedX) {
-          // the activations come as x + 128 (kFlipX): sum (x + 128) w - 128 sum w = sum x w, exact in int32
+        if constexpr (kFlipX) {
+          // sum (x + 128) w - 128 sum w = sum x w, exact in int32
           typename V::I wsum = V::zero_i();
           for (int j = sub * (8 / kSubs); j < (sub + 1) * (8 / kSubs); ++j) {
             const typename V::I w = V::load(qb + j * 64);
