@@ -1,6 +1,6 @@
 // Extend (prefill) attention over the paged KV pool, flash-style, with a sliding window, per-head
 // sinks and a logit softcap; scores and accumulators in float (the tests compare with the float32
-// oracle, strata.layers.attention.reference_attention).
+// oracle, strata.layers.attention.reference_attention; bf16 on AVX512-BF16: see tile_scores_bf16).
 //
 // Request b feeds q_len[b] tokens starting at flattened token q_start[b]; after this step it has
 // kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that (with
@@ -23,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -84,12 +85,79 @@ inline void pv_four(float* acc, const float* pt, const float* corr, const float*
   }
 }
 
+#if defined(__AVX512BF16__)
+// bf16 queries and cache with AVX512-BF16: the products by the bf16 dot-product instruction, two
+// per lane per instruction. Scores: a vector's queries as bf16 pairs ([D / 2][16] dwords, unscaled)
+// against each key's pairs broadcast, then scaled. P @ V: two keys per instruction, each lane a
+// dimension's pair of values (values_dim) and the rows' probabilities rounded to bf16 in pairs, as
+// PyTorch's bf16 attention rounds them. A lane's arithmetic is still its own row's alone.
+inline void tile_scores_bf16(const int32_t* qpairs, const int32_t* const* keys, int64_t half_d, float scale, V16* s) {
+  __m512 a[16];
+  for (int k = 0; k < 16; ++k) a[k] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < half_d; ++i) {
+    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qpairs + i * 16);
+    for (int k = 0; k < 16; ++k) a[k] = _mm512_dpbf16_ps(a[k], qv, (__m512bh)_mm512_set1_epi32(keys[k][i]));
+  }
+  const __m512 sc = _mm512_set1_ps(scale);
+  for (int k = 0; k < 16; ++k) s[k] = _mm512_mul_ps(a[k], sc);
+}
+
+// pairs[16 kp + r] = row r's probabilities of keys 2 kp and 2 kp + 1 as a bf16 pair (p: the 16 keys'
+// probabilities, one vector per key, the rows in lanes).
+inline void probability_pairs(const V16* p, int32_t* pairs) {
+  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(order);
+  for (int kp = 0; kp < 8; ++kp) {
+    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[2 * kp + 1], p[2 * kp]);  // keys 2kp, 2kp + 1
+    _mm512_storeu_si512(pairs + 16 * kp, _mm512_permutexvar_epi16(idx, both));
+  }
+}
+
+// R rows' accumulators, chunks c0 .. c0 + NC - 1 (acc in values_dim order) = corr * acc + P @ V over
+// the tile's npairs key pairs; vector (kp C + c) 2 + {0, 1} of vpairs: the unpacked values of pair kp,
+// chunk c.
+template <int R, int NC>
+inline void pv_rows_bf16(float* acc, const int32_t* pairs, const float* corr, const int32_t* vpairs, int64_t D,
+                         int64_t c0, int64_t npairs) {
+  const int64_t C = D / 32;
+  __m512 a[R][2 * NC];
+  for (int r = 0; r < R; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int b = 0; b < 2 * NC; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 32 * c0 + 16 * b), c);
+  }
+  for (int64_t kp = 0; kp < npairs; ++kp) {
+    const int32_t* v = vpairs + (kp * C + c0) * 32;
+    for (int r = 0; r < R; ++r) {
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[16 * kp + r]);
+      for (int b = 0; b < 2 * NC; ++b) {
+        a[r][b] = _mm512_dpbf16_ps(a[r][b], (__m512bh)_mm512_loadu_si512(v + 16 * b), w);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    for (int b = 0; b < 2 * NC; ++b) _mm512_storeu_ps(acc + r * D + 32 * c0 + 16 * b, a[r][b]);
+  }
+}
+
+// Four rows through pv_rows_bf16, two chunks (4 x 4 accumulators) at a time where D allows.
+inline void pv_four_bf16(float* acc, const int32_t* pairs, const float* corr, const int32_t* vpairs, int64_t D,
+                         int64_t npairs) {
+  const int64_t C = D / 32;
+  int64_t c = 0;
+  for (; c + 2 <= C; c += 2) pv_rows_bf16<4, 2>(acc, pairs, corr, vpairs, D, c, npairs);
+  if (c < C) pv_rows_bf16<4, 1>(acc, pairs, corr, vpairs, D, c, npairs);
+}
+#endif
+
 // What one thread keeps for the item it works on (sized for the largest item).
 struct ItemBuffers {
   std::vector<float> qt, acc, m, l, pos, first, kt, vf, pt, corr;
+  // the bf16 path's: queries as pairs, probability pairs, unpacked value pairs, a zero key or value
+  std::vector<int32_t> qpairs, ppairs, vpairs, zeros;
   ItemBuffers(int64_t lanes, int64_t D)
       : qt(lanes * D), acc(lanes * D), m(lanes), l(lanes), pos(lanes), first(lanes), kt(D * 16), vf(16 * D),
-        pt(256), corr(16) {}
+        pt(256), corr(16), qpairs(lanes * D / 2), ppairs(128), vpairs(8 * D), zeros(D / 2) {}
 };
 
 // One work item: tokens tok0 .. tok0 + ntok - 1 of a request, at positions pos0 .., with the G query
@@ -101,12 +169,26 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
   const int64_t rows = ntok * G, nvec = (rows + 15) / 16;
   float *qt = w.qt.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float *kt = w.kt.data(), *vf = w.vf.data(), *pt = w.pt.data(), *corr = w.corr.data();
+  bool bf16 = false;  // the bf16 dot-product path (see tile_scores_bf16)
+#if defined(__AVX512BF16__)
+  bf16 = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && D % 32 == 0;
+  const int64_t half_d = D / 2, chunks = D / 32;
+  const int32_t* key_pairs[16];  // the tile's keys as bf16 pairs (a zero row where masked)
+  const CT* value_rows[16];
+#endif
   for (int64_t r = 0; r < nvec * 16; ++r) {
     const int64_t row = std::min(r, rows - 1);  // lanes past the last row repeat it (never written out)
     const int64_t i = row / G, g = row % G;
     const QT* src = qp + (tok0 + i) * q_stride + (kvh * G + g) * D;
+#if defined(__AVX512BF16__)
+    if (bf16) {
+      int32_t* column = w.qpairs.data() + (r / 16) * half_d * 16 + r % 16;
+      const int32_t* pairs = reinterpret_cast<const int32_t*>(src);
+      for (int64_t d = 0; d < half_d; ++d) column[d * 16] = pairs[d];
+    }
+#endif
     float* column = qt + (r / 16) * D * 16 + r % 16;
-    for (int64_t d = 0; d < D; ++d) column[d * 16] = to_f(src[d]) * scale;
+    for (int64_t d = 0; d < D && !bf16; ++d) column[d * 16] = to_f(src[d]) * scale;
     w.pos[r] = static_cast<float>(pos0 + i);
     w.first[r] = static_cast<float>(window_start(pos0 + i, window));
     m[r] = sinks ? sinks[kvh * G + g] : kNoMax;  // a sink joins the softmax as a score with no value
@@ -123,7 +205,16 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
     for (int64_t k = 0; k < 16; ++k) {
       float* vd = vf + k * D;
       const int64_t j = j0 + k;
-      if (j < first_key || k >= jn) {
+      const bool outside = j < first_key || k >= jn;
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        const int64_t slot = outside ? 0 : pages[j / page_size] * page_size + j % page_size;
+        key_pairs[k] = outside ? w.zeros.data() : reinterpret_cast<const int32_t*>(kc + (slot * Hkv + kvh) * D);
+        value_rows[k] = outside ? reinterpret_cast<const CT*>(w.zeros.data()) : vc + (slot * Hkv + kvh) * D;
+        continue;
+      }
+#endif
+      if (outside) {
         for (int64_t d = 0; d < D; ++d) kt[d * 16 + k] = 0.f;
         std::fill(vd, vd + D, 0.f);
         continue;
@@ -138,6 +229,20 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
         load_row(vrow, vd, D);
       }
     }
+#if defined(__AVX512BF16__)
+    const int64_t npairs = (jn + 1) / 2;  // key pairs P @ V reads (a pair past jn weighs zero)
+    if (bf16) {
+      for (int64_t kp = 0; kp < npairs; ++kp) {
+        for (int64_t c = 0; c < chunks; ++c) {
+          const __m512i a = _mm512_loadu_si512(value_rows[2 * kp] + 32 * c);
+          const __m512i b = _mm512_loadu_si512(value_rows[2 * kp + 1] + 32 * c);
+          int32_t* dst = w.vpairs.data() + (kp * chunks + c) * 32;
+          _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+          _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi16(a, b));
+        }
+      }
+    }
+#endif
     for (int64_t v = 0; v < nvec; ++v) {
       // lanes are in token order: lane 0 holds the vector's least position and window start
       const float* pos = w.pos.data() + v * 16;
@@ -145,7 +250,10 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
       if (j0 > pos[15] || j0 + jn - 1 < first[0]) continue;  // no row of the vector sees the tile
       const bool whole = jn == 16 && j0 + 15 <= pos[0] && j0 >= first[15];  // every row sees every key
       V16 s[16];
-      tile_scores_t(qt + v * D * 16, kt, D, s);
+#if defined(__AVX512BF16__)
+      if (bf16) tile_scores_bf16(w.qpairs.data() + v * half_d * 16, key_pairs, half_d, scale, s);
+#endif
+      if (!bf16) tile_scores_t(qt + v * D * 16, kt, D, s);
       if (softcap > 0) {
         for (int k = 0; k < 16; ++k) s[k] = softcap16(s[k], softcap);
       }
@@ -166,12 +274,22 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
       for (int k = 0; k < 16; ++k) {
         V16 p = exp16(vsub(s[k], m_new));
         if (!whole) p = vselect(seen[k], p, vzero());
-        store16(pt + k * 16, p);
+        s[k] = p;
         sum = vadd(sum, p);
       }
       store16(m + v * 16, m_new);
       store16(l + v * 16, vadd(vmul(load16(l + v * 16), c), sum));
       store16(corr, c);
+#if defined(__AVX512BF16__)
+      if (bf16) {
+        probability_pairs(s, w.ppairs.data());
+        for (int64_t r0 = 0; r0 < 16 && v * 16 + r0 < rows; r0 += 4) {
+          pv_four_bf16(acc + (v * 16 + r0) * D, w.ppairs.data() + r0, corr + r0, w.vpairs.data(), D, npairs);
+        }
+        continue;
+      }
+#endif
+      for (int k = 0; k < 16; ++k) store16(pt + k * 16, s[k]);
       for (int64_t r0 = 0; r0 < 16 && v * 16 + r0 < rows; r0 += 4) {
         pv_four(acc + (v * 16 + r0) * D, pt + r0, corr + r0, vf, D, jn);
       }
@@ -181,7 +299,11 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
     const int64_t i = r / G, g = r % G;
     QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
     const float inv = 1.f / l[r];
-    for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
+    if (bf16) {  // acc in values_dim order
+      for (int64_t p = 0; p < D; ++p) dst[p / 32 * 32 + values_dim(p % 32)] = round_to<QT>(acc[r * D + p] * inv);
+    } else {
+      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
+    }
   }
 }
 #endif

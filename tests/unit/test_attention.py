@@ -66,6 +66,17 @@ def test_head_dim_the_kernels_do_not_vectorise(batch, feature):
     check_against_reference(torch.float32, 1e-5, (4, 2), 1, BATCHES[batch], head_dim=24, **options)
 
 
+@pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
+@pytest.mark.parametrize("shape", [(9, 3), (8, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
+@pytest.mark.parametrize("batch", ["mixed-long", "extend-only"])
+@pytest.mark.parametrize("feature", [None, "all"])
+def test_bf16_head_dims_of_the_dot_product_paths(head_dim, shape, batch, feature):
+    """bf16 with head_dim a multiple of 32: with AVX512-BF16 the decode and extend kernels multiply
+    by the bf16 dot-product instruction (one, two, three and four 32-dimension chunks here)."""
+    check_against_reference(torch.bfloat16, 2e-2, shape, 16, BATCHES[batch], head_dim=head_dim,
+                            **FEATURES.get(feature, {}))
+
+
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("bad_page", [-1, 10**9], ids=["minus-one", "out-of-range"])
 @pytest.mark.parametrize("backend_name", ["kernels", "pytorch"])
