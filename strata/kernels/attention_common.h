@@ -63,11 +63,6 @@ const float* check_layer_options(int64_t H, double softcap, const c10::optional<
   return sinks->data_ptr<float>();
 }
 
-// The bf16 P @ V paths (AVX512-BF16) multiply two keys per instruction, each lane a dimension's pair
-// of values (the unpack of two value rows); a row's accumulator then holds each 32-dimension chunk in
-// the unpack's order: position p holds dimension values_dim(p).
-inline int64_t values_dim(int64_t p) { return p < 16 ? 8 * (p / 4) + p % 4 : 8 * ((p - 16) / 4) + 4 + (p - 16) % 4; }
-
 // The first key a query at `pos` sees.
 inline int64_t window_start(int64_t pos, int64_t window) {
   return window > 0 ? std::max<int64_t>(0, pos - window + 1) : 0;

@@ -3,8 +3,8 @@
 // window, per-head sinks and a logit softcap (prefill's extend attention: extend_attention.cpp).
 // Scores and accumulators stay in float throughout; with bf16 queries and cache on a CPU with
 // AVX512-BF16, decode attention multiplies by the bf16 dot-product instruction and so rounds its
-// probabilities to bf16 before P @ V (as PyTorch's bf16 attention does). The tests compare them with
-// the float32 oracle, strata.layers.attention.reference_attention.
+// probabilities to bf16 before P @ V, as PyTorch's bf16 attention does (attention_bf16.h). The tests
+// compare them with the float32 oracle, strata.layers.attention.reference_attention.
 //
 // The SIMD paths are written once against the 16-float vector of simd.h (one __m512 with AVX-512,
 // two __m256 with AVX2 + FMA + F16C) under STRATA_SIMD16; the scalar loops are the fallback and
@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_bf16.h"
 #include "attention_common.h"
 #include "common.h"
 #include "ops.h"
@@ -35,7 +36,6 @@ namespace {
 // request b is at slot page_table[b][j / page_size] * page_size + j % page_size. The new tokens' K/V are first stored
 // at out_slots. Query head h reads KV head h / (H / Hkv). Softmax is online, in float.
 // ---------------------------------------------------------------------------------------------
-constexpr int64_t kKeyTile = 64;
 constexpr int64_t kSplitKeys = 256;  // decode attention: keys per range a long sequence is split into
 
 template <typename QT, typename CT>
@@ -167,201 +167,6 @@ inline void tile_scores(const float* qf, int64_t G, int64_t D, const CT* const* 
 #endif
   scalar_scores<CT>(qf, G, D, keys, simd, jn, scores);
 }
-
-#if defined(__AVX512BF16__)
-// Keys [jj, jj + 16) scored for every head, each key by the same instructions whichever lanes it
-// shares (the last key's pointer stands in for keys past the tile: their lanes are not stored).
-inline void block_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
-                              int64_t jj, __mmask16 store, float* scores) {
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[16];
-    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
-      for (int k = 0; k < 16; ++k) {
-        acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
-      }
-    }
-    _mm512_mask_storeu_ps(scores + g * kKeyTile + jj, store, reduce16(acc));
-  }
-}
-
-// bf16 queries and keys: scores with the bf16 dot-product instruction (32 products per
-// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales. A
-// tile's last keys (fewer than 16) go as a 16-key block of their own: a key's score is the same
-// whichever tile position or row length put it there.
-inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
-                             int64_t jn, float* scores) {
-  int64_t jj = 0;
-  for (; jj + 16 <= jn; jj += 16) block_scores_bf16(qb, G, D, keys, jj, 0xFFFF, scores);
-  if (jj < jn) {
-    const c10::BFloat16* padded[kKeyTile + 16];
-    const int64_t rest = jn - jj;
-    for (int64_t k = 0; k < 16; ++k) padded[jj + k] = keys[jj + std::min(k, rest - 1)];
-    block_scores_bf16(qb, G, D, padded, jj, static_cast<__mmask16>((1u << rest) - 1), scores);
-  }
-}
-
-// 16 rows of 16 dwords transposed: out[c] lane k = r[k] lane c (unpack 32, unpack 64, two 128-bit shuffles).
-inline void transpose16_epi32(const __m512i* r, __m512i* out) {
-  __m512i t[16], w[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // w[4i + k], 128-bit chunk c: column 4c + k of rows 4i .. 4i + 3
-    w[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    w[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    w[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    w[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int k = 0; k < 4; ++k) {
-    const __m512i y0 = _mm512_shuffle_i32x4(w[k], w[4 + k], 0x44), y1 = _mm512_shuffle_i32x4(w[k], w[4 + k], 0xEE);
-    const __m512i z0 = _mm512_shuffle_i32x4(w[8 + k], w[12 + k], 0x44);
-    const __m512i z1 = _mm512_shuffle_i32x4(w[8 + k], w[12 + k], 0xEE);
-    out[k] = _mm512_shuffle_i32x4(y0, z0, 0x88);
-    out[4 + k] = _mm512_shuffle_i32x4(y0, z0, 0xDD);
-    out[8 + k] = _mm512_shuffle_i32x4(y1, z1, 0x88);
-    out[12 + k] = _mm512_shuffle_i32x4(y1, z1, 0xDD);
-  }
-}
-
-// From this many query rows (a verification's rows x the heads of a KV head) a 16-key block is
-// scored transposed: its keys turned once into D / 2 vectors of one bf16 pair per key, so each row's
-// 16 scores need no horizontal sums. The sums are block_scores_bf16's, lane for lane and in its
-// reduction tree's order (pair l of chunk h into lane l's partial, then
-// ((l0 + l2) + (l1 + l3)) per four lanes, then (q0 + q2) + (q1 + q3)): the same bits, so a row's
-// scores do not depend on which path its run took. Fewer rows do not pay back the transpose.
-constexpr int64_t kTransposedRows = 6;
-
-// scores[i * kKeyTile + jj] = q_i . key_jj for the n query rows q[i] (32 C bf16 each) and the tile's
-// jn keys; unscaled, the caller scales. C a template argument: the chunk loop unrolled, the 16 lane
-// partials in registers.
-template <int C>
-void tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, const c10::BFloat16* const* keys,
-                                 int64_t jn, float* scores) {
-  alignas(64) __m512i kt[16 * C];  // kt[16 h + l] lane k: bf16 pair l of chunk h of key k
-  for (int64_t jj = 0; jj < jn; jj += 16) {
-    const int64_t last = std::min<int64_t>(16, jn - jj) - 1;
-    for (int h = 0; h < C; ++h) {
-      __m512i r[16];
-      for (int64_t k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(keys[jj + std::min(k, last)] + 32 * h);
-      transpose16_epi32(r, kt + 16 * h);
-    }
-    const __mmask16 store = static_cast<__mmask16>((1u << (last + 1)) - 1);
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t* qd = reinterpret_cast<const int32_t*>(q[i]);
-      __m512 s[16];
-      for (int l = 0; l < 16; ++l) {
-        __m512 a = _mm512_setzero_ps();
-        for (int h = 0; h < C; ++h) {
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32(qd[16 * h + l]), (__m512bh)kt[16 * h + l]);
-        }
-        s[l] = a;
-      }
-      __m512 c[4];
-      for (int m = 0; m < 4; ++m) {
-        c[m] = _mm512_add_ps(_mm512_add_ps(s[4 * m], s[4 * m + 2]), _mm512_add_ps(s[4 * m + 1], s[4 * m + 3]));
-      }
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
-      _mm512_mask_storeu_ps(scores + i * kKeyTile + jj, store, total);
-    }
-  }
-}
-
-// The transposed scoring for D = 32 C, C <= 8; false (nothing scored) for other D.
-inline bool tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, int64_t D,
-                                        const c10::BFloat16* const* keys, int64_t jn, float* scores) {
-  switch (D) {
-    case 32: tile_scores_bf16_transposed<1>(q, n, keys, jn, scores); return true;
-    case 64: tile_scores_bf16_transposed<2>(q, n, keys, jn, scores); return true;
-    case 96: tile_scores_bf16_transposed<3>(q, n, keys, jn, scores); return true;
-    case 128: tile_scores_bf16_transposed<4>(q, n, keys, jn, scores); return true;
-    case 160: tile_scores_bf16_transposed<5>(q, n, keys, jn, scores); return true;
-    case 192: tile_scores_bf16_transposed<6>(q, n, keys, jn, scores); return true;
-    case 224: tile_scores_bf16_transposed<7>(q, n, keys, jn, scores); return true;
-    case 256: tile_scores_bf16_transposed<8>(q, n, keys, jn, scores); return true;
-    default: return false;
-  }
-}
-
-// bf16 values: acc_i += sum_jj p_i[jj] * value_jj with the bf16 dot-product instruction, two keys
-// per instruction: each lane holds a dimension's pair (value_j[d], value_j+1[d]) and the pair
-// (p[j], p[j + 1]) is broadcast, so the probabilities go as bf16 (what a bf16 model's attention
-// multiplies the values by in PyTorch) and a row's products and sums are its own whatever rows it
-// shares the tile with. A row's accumulator holds each 32-dimension chunk as the unpack leaves it
-// (values_dim); values_unpermute restores the order once its keys are done.
-constexpr int64_t kValueHeadsBf16 = 12;  // 24 accumulators of the 32 registers
-
-// Chunk c (dimensions 32c .. 32c + 31) of rows i0 .. i0 + GN - 1; pairs: per row, kKeyTile / 2 dwords.
-template <int GN>
-inline void values_block_bf16(const int32_t* pairs, int64_t D, const c10::BFloat16* const* values, int64_t npairs,
-                              float* acc, int64_t i0, int64_t c) {
-  __m512 lo[GN], hi[GN];
-  for (int g = 0; g < GN; ++g) {
-    lo[g] = _mm512_loadu_ps(acc + (i0 + g) * D + 32 * c);
-    hi[g] = _mm512_loadu_ps(acc + (i0 + g) * D + 32 * c + 16);
-  }
-  for (int64_t p = 0; p < npairs; ++p) {
-    const __m512i a = _mm512_loadu_si512(values[2 * p] + 32 * c), b = _mm512_loadu_si512(values[2 * p + 1] + 32 * c);
-    const __m512bh vlo = (__m512bh)_mm512_unpacklo_epi16(a, b), vhi = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    for (int g = 0; g < GN; ++g) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[(i0 + g) * (kKeyTile / 2) + p]);
-      lo[g] = _mm512_dpbf16_ps(lo[g], vlo, w);
-      hi[g] = _mm512_dpbf16_ps(hi[g], vhi, w);
-    }
-  }
-  for (int g = 0; g < GN; ++g) {
-    _mm512_storeu_ps(acc + (i0 + g) * D + 32 * c, lo[g]);
-    _mm512_storeu_ps(acc + (i0 + g) * D + 32 * c + 16, hi[g]);
-  }
-}
-
-// acc_i += sum_jj probs_i[jj] * value_jj for n rows (probs: kKeyTile floats per row, zero past a
-// row's keys) and the tile's jn keys; D % 32 == 0. `values` has room for one more pointer.
-inline void tile_values_bf16(const float* probs, int64_t n, int64_t D, const c10::BFloat16** values, int64_t jn,
-                             float* acc, int32_t* pairs) {
-  const int64_t npairs = (jn + 1) / 2;
-  for (int64_t i = 0; i < n; ++i) {  // each row's probabilities as bf16 (round to nearest even)
-    c10::BFloat16* pb = reinterpret_cast<c10::BFloat16*>(pairs + i * (kKeyTile / 2));
-    for (int64_t jj = 0; jj < jn; jj += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + i * kKeyTile + jj));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + jj), (__m256i)h);
-    }
-    if (jn % 2) pb[jn] = c10::BFloat16(0.f);
-  }
-  if (jn % 2) values[jn] = values[jn - 1];  // weighs zero
-  const int64_t groups = (n + kValueHeadsBf16 - 1) / kValueHeadsBf16;
-  const int64_t gs = (n + groups - 1) / groups;
-  for (int64_t c = 0; c < D / 32; ++c) {
-    for (int64_t i0 = 0; i0 < n; i0 += gs) {
-      switch (std::min(gs, n - i0)) {
-        case 1: values_block_bf16<1>(pairs, D, values, npairs, acc, i0, c); break;
-        case 2: values_block_bf16<2>(pairs, D, values, npairs, acc, i0, c); break;
-        case 3: values_block_bf16<3>(pairs, D, values, npairs, acc, i0, c); break;
-        case 4: values_block_bf16<4>(pairs, D, values, npairs, acc, i0, c); break;
-        case 5: values_block_bf16<5>(pairs, D, values, npairs, acc, i0, c); break;
-        case 6: values_block_bf16<6>(pairs, D, values, npairs, acc, i0, c); break;
-        case 7: values_block_bf16<7>(pairs, D, values, npairs, acc, i0, c); break;
-        case 8: values_block_bf16<8>(pairs, D, values, npairs, acc, i0, c); break;
-        case 9: values_block_bf16<9>(pairs, D, values, npairs, acc, i0, c); break;
-        case 10: values_block_bf16<10>(pairs, D, values, npairs, acc, i0, c); break;
-        case 11: values_block_bf16<11>(pairs, D, values, npairs, acc, i0, c); break;
-        default: values_block_bf16<12>(pairs, D, values, npairs, acc, i0, c); break;
-      }
-    }
-  }
-}
-
-// A row's accumulator back in dimension order (see values_dim).
-inline void values_unpermute(float* acc, int64_t D) {
-  float chunk[32];
-  for (int64_t c = 0; c < D; c += 32) {
-    for (int64_t p = 0; p < 32; ++p) chunk[values_dim(p)] = acc[c + p];
-    std::copy(chunk, chunk + 32, acc + c);
-  }
-}
-#endif
 
 #if defined(STRATA_SIMD16)
 // Columns d .. d + 15 of heads g0 .. g0 + GN - 1: acc_g += sum_jj p[g][jj] * value_jj, the GN

@@ -1,6 +1,6 @@
 // Extend (prefill) attention over the paged KV pool, flash-style, with a sliding window, per-head
 // sinks and a logit softcap; scores and accumulators in float (the tests compare with the float32
-// oracle, strata.layers.attention.reference_attention; bf16 on AVX512-BF16: see tile_scores_bf16).
+// oracle, strata.layers.attention.reference_attention; bf16 on AVX512-BF16: attention_bf16.h).
 //
 // Request b feeds q_len[b] tokens starting at flattened token q_start[b]; after this step it has
 // kv_len[b] keys, so its token i sits at position kv_len - q_len + i and sees keys 0 .. that (with
@@ -16,6 +16,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "attention_bf16.h"
 #include "attention_common.h"
 #include "common.h"
 #include "simd.h"
@@ -85,71 +86,6 @@ inline void pv_four(float* acc, const float* pt, const float* corr, const float*
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 queries and cache with AVX512-BF16: the products by the bf16 dot-product instruction, two
-// per lane per instruction. Scores: a vector's queries as bf16 pairs ([D / 2][16] dwords, unscaled)
-// against each key's pairs broadcast, then scaled. P @ V: two keys per instruction, each lane a
-// dimension's pair of values (values_dim) and the rows' probabilities rounded to bf16 in pairs, as
-// PyTorch's bf16 attention rounds them. A lane's arithmetic is still its own row's alone.
-inline void tile_scores_bf16(const int32_t* qpairs, const int32_t* const* keys, int64_t half_d, float scale, V16* s) {
-  __m512 a[16];
-  for (int k = 0; k < 16; ++k) a[k] = _mm512_setzero_ps();
-  for (int64_t i = 0; i < half_d; ++i) {
-    const __m512bh qv = (__m512bh)_mm512_loadu_si512(qpairs + i * 16);
-    for (int k = 0; k < 16; ++k) a[k] = _mm512_dpbf16_ps(a[k], qv, (__m512bh)_mm512_set1_epi32(keys[k][i]));
-  }
-  const __m512 sc = _mm512_set1_ps(scale);
-  for (int k = 0; k < 16; ++k) s[k] = _mm512_mul_ps(a[k], sc);
-}
-
-// pairs[16 kp + r] = row r's probabilities of keys 2 kp and 2 kp + 1 as a bf16 pair (p: the 16 keys'
-// probabilities, one vector per key, the rows in lanes).
-inline void probability_pairs(const V16* p, int32_t* pairs) {
-  alignas(64) static const int16_t order[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
-                                                8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i idx = _mm512_load_si512(order);
-  for (int kp = 0; kp < 8; ++kp) {
-    const __m512i both = (__m512i)_mm512_cvtne2ps_pbh(p[2 * kp + 1], p[2 * kp]);  // keys 2kp, 2kp + 1
-    _mm512_storeu_si512(pairs + 16 * kp, _mm512_permutexvar_epi16(idx, both));
-  }
-}
-
-// R rows' accumulators, chunks c0 .. c0 + NC - 1 (acc in values_dim order) = corr * acc + P @ V over
-// the tile's npairs key pairs; vector (kp C + c) 2 + {0, 1} of vpairs: the unpacked values of pair kp,
-// chunk c.
-template <int R, int NC>
-inline void pv_rows_bf16(float* acc, const int32_t* pairs, const float* corr, const int32_t* vpairs, int64_t D,
-                         int64_t c0, int64_t npairs) {
-  const int64_t C = D / 32;
-  __m512 a[R][2 * NC];
-  for (int r = 0; r < R; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-    for (int b = 0; b < 2 * NC; ++b) a[r][b] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 32 * c0 + 16 * b), c);
-  }
-  for (int64_t kp = 0; kp < npairs; ++kp) {
-    const int32_t* v = vpairs + (kp * C + c0) * 32;
-    for (int r = 0; r < R; ++r) {
-      const __m512bh w = (__m512bh)_mm512_set1_epi32(pairs[16 * kp + r]);
-      for (int b = 0; b < 2 * NC; ++b) {
-        a[r][b] = _mm512_dpbf16_ps(a[r][b], (__m512bh)_mm512_loadu_si512(v + 16 * b), w);
-      }
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    for (int b = 0; b < 2 * NC; ++b) _mm512_storeu_ps(acc + r * D + 32 * c0 + 16 * b, a[r][b]);
-  }
-}
-
-// Four rows through pv_rows_bf16, two chunks (4 x 4 accumulators) at a time where D allows.
-inline void pv_four_bf16(float* acc, const int32_t* pairs, const float* corr, const int32_t* vpairs, int64_t D,
-                         int64_t npairs) {
-  const int64_t C = D / 32;
-  int64_t c = 0;
-  for (; c + 2 <= C; c += 2) pv_rows_bf16<4, 2>(acc, pairs, corr, vpairs, D, c, npairs);
-  if (c < C) pv_rows_bf16<4, 1>(acc, pairs, corr, vpairs, D, c, npairs);
-}
-#endif
-
 // What one thread keeps for the item it works on (sized for the largest item).
 struct ItemBuffers {
   std::vector<float> qt, acc, m, l, pos, first, kt, vf, pt, corr;
@@ -169,7 +105,7 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
   const int64_t rows = ntok * G, nvec = (rows + 15) / 16;
   float *qt = w.qt.data(), *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data();
   float *kt = w.kt.data(), *vf = w.vf.data(), *pt = w.pt.data(), *corr = w.corr.data();
-  bool bf16 = false;  // the bf16 dot-product path (see tile_scores_bf16)
+  bool bf16 = false;  // the bf16 dot-product path (attention_bf16.h)
 #if defined(__AVX512BF16__)
   bf16 = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16> && D % 32 == 0;
   const int64_t half_d = D / 2, chunks = D / 32;
@@ -251,7 +187,7 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
       const bool whole = jn == 16 && j0 + 15 <= pos[0] && j0 >= first[15];  // every row sees every key
       V16 s[16];
 #if defined(__AVX512BF16__)
-      if (bf16) tile_scores_bf16(w.qpairs.data() + v * half_d * 16, key_pairs, half_d, scale, s);
+      if (bf16) lane_scores_bf16(w.qpairs.data() + v * half_d * 16, key_pairs, half_d, scale, s);
 #endif
       if (!bf16) tile_scores_t(qt + v * D * 16, kt, D, s);
       if (softcap > 0) {
