@@ -8,6 +8,7 @@
 
 #include <c10/util/BFloat16.h>
 
+#include "common.h"
 #include "simd.h"
 
 #include <algorithm>
@@ -129,17 +130,9 @@ void tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, const
 // The transposed scoring for D = 32 C, C <= 8; false (nothing scored) for other D.
 inline bool tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, int64_t D,
                                         const c10::BFloat16* const* keys, int64_t jn, float* scores) {
-  switch (D) {
-    case 32: tile_scores_bf16_transposed<1>(q, n, keys, jn, scores); return true;
-    case 64: tile_scores_bf16_transposed<2>(q, n, keys, jn, scores); return true;
-    case 96: tile_scores_bf16_transposed<3>(q, n, keys, jn, scores); return true;
-    case 128: tile_scores_bf16_transposed<4>(q, n, keys, jn, scores); return true;
-    case 160: tile_scores_bf16_transposed<5>(q, n, keys, jn, scores); return true;
-    case 192: tile_scores_bf16_transposed<6>(q, n, keys, jn, scores); return true;
-    case 224: tile_scores_bf16_transposed<7>(q, n, keys, jn, scores); return true;
-    case 256: tile_scores_bf16_transposed<8>(q, n, keys, jn, scores); return true;
-    default: return false;
-  }
+  if (D % 32 != 0 || D > 256) return false;
+  with_count<8>(D / 32, [&]<int C>() { tile_scores_bf16_transposed<C>(q, n, keys, jn, scores); });
+  return true;
 }
 
 // bf16 values: acc_i += sum_jj p_i[jj] * value_jj with the bf16 dot-product instruction, two keys
@@ -192,20 +185,9 @@ inline void tile_values_bf16(const float* probs, int64_t n, int64_t D, const c10
   const int64_t gs = (n + groups - 1) / groups;
   for (int64_t c = 0; c < D / 32; ++c) {
     for (int64_t i0 = 0; i0 < n; i0 += gs) {
-      switch (std::min(gs, n - i0)) {
-        case 1: values_block_bf16<1>(pairs, D, values, npairs, acc, i0, c); break;
-        case 2: values_block_bf16<2>(pairs, D, values, npairs, acc, i0, c); break;
-        case 3: values_block_bf16<3>(pairs, D, values, npairs, acc, i0, c); break;
-        case 4: values_block_bf16<4>(pairs, D, values, npairs, acc, i0, c); break;
-        case 5: values_block_bf16<5>(pairs, D, values, npairs, acc, i0, c); break;
-        case 6: values_block_bf16<6>(pairs, D, values, npairs, acc, i0, c); break;
-        case 7: values_block_bf16<7>(pairs, D, values, npairs, acc, i0, c); break;
-        case 8: values_block_bf16<8>(pairs, D, values, npairs, acc, i0, c); break;
-        case 9: values_block_bf16<9>(pairs, D, values, npairs, acc, i0, c); break;
-        case 10: values_block_bf16<10>(pairs, D, values, npairs, acc, i0, c); break;
-        case 11: values_block_bf16<11>(pairs, D, values, npairs, acc, i0, c); break;
-        default: values_block_bf16<12>(pairs, D, values, npairs, acc, i0, c); break;
-      }
+      with_count<kValueHeadsBf16>(std::min(gs, n - i0), [&]<int GN>() {
+        values_block_bf16<GN>(pairs, D, values, npairs, acc, i0, c);
+      });
     }
   }
 }

@@ -197,16 +197,9 @@ inline void tile_values(const float* probs, int64_t G, int64_t D, const CT* cons
     const int64_t gs = (G + groups - 1) / groups;  // heads per group, as even as possible
     for (int64_t d = 0; d < D; d += 16) {
       for (int64_t g0 = 0; g0 < G; g0 += gs) {
-        switch (std::min(gs, G - g0)) {
-          case 1: values_block<1>(probs, D, values, jn, acc, g0, d); break;
-          case 2: values_block<2>(probs, D, values, jn, acc, g0, d); break;
-          case 3: values_block<3>(probs, D, values, jn, acc, g0, d); break;
-          case 4: values_block<4>(probs, D, values, jn, acc, g0, d); break;
-          case 5: values_block<5>(probs, D, values, jn, acc, g0, d); break;
-          case 6: values_block<6>(probs, D, values, jn, acc, g0, d); break;
-          case 7: values_block<7>(probs, D, values, jn, acc, g0, d); break;
-          default: values_block<8>(probs, D, values, jn, acc, g0, d); break;
-        }
+        with_count<kValueHeads>(std::min(gs, G - g0), [&]<int GN>() {
+          values_block<GN>(probs, D, values, jn, acc, g0, d);
+        });
       }
     }
     return;

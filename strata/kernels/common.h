@@ -24,6 +24,16 @@ inline void load_row(const T* src, float* dst, int64_t n) {
   for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// f.template operator()<N>() with N = n, for 1 <= n <= Max (n past Max: Max): a run-time count as a
+// template argument, for the kernels whose accumulators are register arrays of that size.
+template <int Max, typename F>
+inline void with_count(int64_t n, F&& f) {
+  if constexpr (Max > 1) {
+    if (n < Max) return with_count<Max - 1>(n, f);
+  }
+  f.template operator()<Max>();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Argument checks. Every entry point checks the dtypes, devices, layouts and sizes of its tensors
 // and every index it will follow (slots, page-table entries, positions, token ranges) before any
