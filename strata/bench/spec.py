@@ -31,6 +31,7 @@ import contextlib
 import importlib
 import inspect
 import itertools
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -292,6 +293,8 @@ class _LlamaCpp:
     def __init__(self, gguf, threads: int | None):
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        threads = threads or os.cpu_count() or 1  # as Strata's torch threads (llama-cpp-python's default: half)
 
         def make(draft):
             # verifying drafts reads every fed row's logits: llama-cpp-python keeps them only with
