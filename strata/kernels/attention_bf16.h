@@ -23,6 +23,15 @@ constexpr int64_t kKeyTile = 64;  // decode attention: keys per tile (the stride
 // the unpack's order: position p holds dimension values_dim(p).
 inline int64_t values_dim(int64_t p) { return p < 16 ? 8 * (p / 4) + p % 4 : 8 * ((p - 16) / 4) + 4 + (p - 16) % 4; }
 
+// A row's accumulator back in dimension order (see values_dim).
+inline void values_unpermute(float* acc, int64_t D) {
+  float chunk[32];
+  for (int64_t c = 0; c < D; c += 32) {
+    for (int64_t p = 0; p < 32; ++p) chunk[values_dim(p)] = acc[c + p];
+    std::copy(chunk, chunk + 32, acc + c);
+  }
+}
+
 #if defined(__AVX512BF16__)
 // ---------------------------------------------------------------------------------------------
 // Decode attention
@@ -192,14 +201,6 @@ inline void tile_values_bf16(const float* probs, int64_t n, int64_t D, const c10
   }
 }
 
-// A row's accumulator back in dimension order (see values_dim).
-inline void values_unpermute(float* acc, int64_t D) {
-  float chunk[32];
-  for (int64_t c = 0; c < D; c += 32) {
-    for (int64_t p = 0; p < 32; ++p) chunk[values_dim(p)] = acc[c + p];
-    std::copy(chunk, chunk + 32, acc + c);
-  }
-}
 
 // ---------------------------------------------------------------------------------------------
 // Extend attention: the rows of a work item across the 16 lanes

@@ -329,7 +329,6 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           }
         }
       }
-      [[maybe_unused]] bool permuted = false;  // acc in tile_values_bf16's order
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
         const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
@@ -398,17 +397,15 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
           if (bf16_dots) {
             tile_values_bf16(scores.data(), R * G, D, values, jn, acc.data(), prob_pairs.data());
-            valued = permuted = true;
+            valued = true;
           }
         }
 #endif
         if (!valued) tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
       }
-#if defined(__AVX512BF16__)
-      if (permuted) {
+      if (bf16_dots) {  // acc in tile_values_bf16's order
         for (int64_t i = 0; i < R * G; ++i) values_unpermute(acc.data() + i * D, D);
       }
-#endif
       for (int64_t r = 0; r < R; ++r) {
         const int64_t t = t0 + r;
         if (splits > 1) {

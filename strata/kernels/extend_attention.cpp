@@ -235,11 +235,8 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
     const int64_t i = r / G, g = r % G;
     QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
     const float inv = 1.f / l[r];
-    if (bf16) {  // acc in values_dim order
-      for (int64_t p = 0; p < D; ++p) dst[p / 32 * 32 + values_dim(p % 32)] = round_to<QT>(acc[r * D + p] * inv);
-    } else {
-      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
-    }
+    if (bf16) values_unpermute(acc + r * D, D);  // from values_dim order
+    for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
   }
 }
 #endif

@@ -36,6 +36,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "common.h"
 #include "ops.h"
 #include "simd.h"
 
@@ -514,19 +515,7 @@ inline void group_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, in
 template <typename W>
 inline void tile_rows(const W& w, const QuantRows& x, int64_t g, int64_t r0, int64_t rn, int64_t K, int64_t nb,
                       float (*result)[kGroup]) {
-  switch (rn) {
-    case 1: group_rows<1>(w, x, g, r0, K, nb, result); break;
-    case 2: group_rows<2>(w, x, g, r0, K, nb, result); break;
-    case 3: group_rows<3>(w, x, g, r0, K, nb, result); break;
-#if defined(STRATA_QUANT_AVX512)
-    case 4: group_rows<4>(w, x, g, r0, K, nb, result); break;
-    case 5: group_rows<5>(w, x, g, r0, K, nb, result); break;
-    case 6: group_rows<6>(w, x, g, r0, K, nb, result); break;
-    case 7: group_rows<7>(w, x, g, r0, K, nb, result); break;
-    case 8: group_rows<8>(w, x, g, r0, K, nb, result); break;
-#endif
-    default: group_rows<kRowTile>(w, x, g, r0, K, nb, result); break;
-  }
+  with_count<kRowTile>(rn, [&]<int RT>() { group_rows<RT>(w, x, g, r0, K, nb, result); });
 }
 
 // Output columns of groups [g0, g1) for all M rows, tile by tile (for_each_tile), each block of
