@@ -32,6 +32,7 @@ from strata.config import EngineConfig
 from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
 from strata.engine.chunking import prefill_piece
+from strata.engine.draft_steps import DraftSteps
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
 from strata.engine.speculative import Speculator
@@ -49,7 +50,7 @@ RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at 
 IN_BATCH_PREFIX_TOKENS = 32  # a new prefix shared with a request admitted this step defers the second
 
 
-class Scheduler(WindowKV, KVAccounting):
+class Scheduler(WindowKV, KVAccounting, DraftSteps):
     def __init__(
         self,
         config: EngineConfig,
@@ -309,26 +310,6 @@ class Scheduler(WindowKV, KVAccounting):
             num_decode=len(decodes),
         )
 
-    def _plan_drafts(self, decodes: list[Req], base_tokens: int, budget: int) -> list[Req]:
-        """Speculative decoding: the decodes that feed drafted tokens this step, with `draft_ids` set
-        and pages for them allocated (from free pages only: drafts never evict cached KV)."""
-        eligible = []
-        for req in decodes:
-            # every accepted draft is one more output token, plus the target's own at the end
-            limit = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
-            if limit > 0 and req.replay_from is None:
-                eligible.append((req, limit))
-        verifying = []
-        for req, draft, match_len in self.spec.plan(eligible, base_tokens, len(decodes), budget):
-            k = len(draft)
-            while k > 0 and not self.allocator.can_alloc(self._pages_short(req, req.kv_len + 1 + k)):
-                k -= 1
-            if k > 0:
-                req.pages.extend(self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k)) or [])
-                req.draft_ids, req.draft_match = draft[:k], match_len
-                verifying.append(req)
-        return verifying
-
     def _pages_short(self, req: Req, end: int) -> int:
         return max(0, math.ceil(end / self.page_size) - len(req.pages))
 
@@ -483,26 +464,6 @@ class Scheduler(WindowKV, KVAccounting):
                 self._drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
-
-    def _take_tokens(self, req: Req, n: int, sampled: SamplerOutput, row: int) -> tuple[list[int], int]:
-        """The tokens a request that sampled at `row` (and after) appends, and the KV length they
-        leave it with. Drafted tokens: the accepted run, then the target's own token (its correction
-        at the first rejection, or one more after the last draft); the KV of rejected drafts is
-        dropped and their pages freed."""
-        drafts, req.draft_ids = req.draft_ids, []
-        accepted = 0
-        if drafts:
-            flags = sampled.accepted[row : row + len(drafts)].tolist()
-            while accepted < len(drafts) and flags[accepted]:
-                accepted += 1
-        tokens = drafts[:accepted] + [int(sampled.token_ids[row + accepted])]
-        kv_end = req.kv_len + n - len(drafts) + accepted
-        if drafts:
-            keep = math.ceil(kv_end / self.page_size)
-            self.allocator.free(req.pages[keep:])
-            del req.pages[keep:]
-            self.spec.verified(req, len(drafts), accepted)
-        return tokens, kv_end
 
     @property
     def grammars(self) -> GrammarCompiler:
