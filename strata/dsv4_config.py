@@ -1,5 +1,5 @@
 """The DeepSeek-V4 part of a model's config: `DSV4Config`, read from HF's config.json (model type
-`deepseek_v4`) by `dsv4_from_hf`. `strata.config.ModelConfig` holds one; its layers are then
+`deepseek_v4`) by `dsv4_from_hf`. `strata.model_config.ModelConfig` holds one; its layers are then
 `strata.models.deepseek_v4`'s and keep their state in `strata.cache.dsv4_pool.DSV4KVPool`.
 
 Per layer (`layer_kinds`):
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from strata.config import RopeConfig
+    from strata.model_config import RopeConfig
 
 LAYER_KINDS = {
     "sliding_attention": "sliding",

@@ -1,6 +1,6 @@
 """The multi-head latent attention part of a model's config (DeepSeek-V2/V3): `MLAConfig`, read from
 HF's config.json by `mla_from_hf`, and the softmax scale transformers gives it (`mla_scale`).
-`strata.config.ModelConfig` holds one; its layers then attend through `strata.layers.mla` and keep
+`strata.model_config.ModelConfig` holds one; its layers then attend through `strata.layers.mla` and keep
 their KV in `strata.cache.kv_pool.LatentKVPool`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from strata.config import RopeConfig
+    from strata.model_config import RopeConfig
 
 # HF model types whose attention is MLA
 _MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")

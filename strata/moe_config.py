@@ -1,5 +1,5 @@
 """The mixture-of-experts part of a model's config: `MoEConfig`, read from each family's HF spelling
-(`moe_from_hf`), and which layers are sparse (`moe_layers`). `strata.config.ModelConfig` holds one."""
+(`moe_from_hf`), and which layers are sparse (`moe_layers`). `strata.model_config.ModelConfig` holds one."""
 
 from __future__ import annotations
 

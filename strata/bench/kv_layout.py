@@ -25,7 +25,7 @@ import torch
 from strata.cache.dsv4_pool import bytes_per_token as dsv4_bytes_per_token
 from strata.cache.dsv4_pool import context_bytes as dsv4_context_bytes
 from strata.cache.kv_plan import kv_layer_bytes_per_token
-from strata.config import ModelConfig
+from strata.model_config import ModelConfig
 
 CONTEXT_LENS = (8192, 65536)
 

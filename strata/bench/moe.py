@@ -69,8 +69,8 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
     """The four implementations of one MoE layer, with the same random weights (biases included)."""
     import transformers
 
-    from strata.config import ModelConfig
     from strata.layers.moe import MoE
+    from strata.model_config import ModelConfig
 
     cls_name, module, block_name, extra = FAMILIES[cfg.family]
     fields = dict(

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
+from strata.model_config import ModelConfig
 
 KV_CONTEXTS_CAP = 64  # default pool never exceeds this many full contexts
 

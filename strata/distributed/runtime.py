@@ -27,7 +27,7 @@ from pathlib import Path
 import msgspec
 import torch
 
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.distributed import messages as msg
 from strata.distributed.comm import STARTUP_TIMEOUT_S, Comm
 from strata.distributed.eplb import imbalance, initial_placement, load_placements, plan_placement, rank_loads
@@ -35,6 +35,7 @@ from strata.distributed.errors import RankFailure
 from strata.distributed.layers import ShardedLoad, expert_layers
 from strata.distributed.sharding import ShardPlan, check_supported
 from strata.layers.expert_load import expert_load_delta
+from strata.model_config import ModelConfig
 
 logger = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.config import ModelConfig
+from strata.model_config import ModelConfig
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 

@@ -51,8 +51,8 @@ def build_step(step: msg.Step, page_size: int, device: torch.device):
 
 class Worker:
     def __init__(self, init: msg.WorkerInit):
-        from strata.config import ModelConfig
         from strata.distributed.layers import ShardedLoad
+        from strata.model_config import ModelConfig
         from strata.models import get_model_class
         from strata.weights.loader import load_model
 

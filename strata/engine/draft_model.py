@@ -23,10 +23,10 @@ import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
-from strata.config import ModelConfig
 from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req
+from strata.model_config import ModelConfig
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)

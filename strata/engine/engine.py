@@ -28,12 +28,13 @@ from strata.cache.kv_plan import KV_CONTEXTS_CAP, plan_kv_pool, total_memory_byt
 from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
 from strata.kernels import describe_kernels, kernel_info
 from strata.layers.quant import describe_weights
+from strata.model_config import ModelConfig
 from strata.models.native_decode import decode_loop_name
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer

@@ -25,10 +25,10 @@ import torch
 from torch import nn
 
 from strata.cache.dsv4_pool import DSV4KVPool, entry_slots
-from strata.config import ModelConfig, RopeConfig
 from strata.layers.attention import AttentionMetadata, SegmentMeta
 from strata.layers.hyper_connection import unweighted_rms_norm
 from strata.layers.rope import inv_freq_and_scale
+from strata.model_config import ModelConfig, RopeConfig
 
 
 class RMSNorm32(nn.Module):

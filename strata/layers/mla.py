@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.cache.kv_pool import LatentKVPool
-from strata.config import ModelConfig
 from strata.layers.attention import AttentionMetadata, paged_attention, segment_attention
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
+from strata.model_config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6  # transformers' q_a_layernorm / kv_a_layernorm keep their default, not rms_norm_eps
 PREFILL_FORMS = ("auto", "absorbed", "decompressed")

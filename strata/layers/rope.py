@@ -7,8 +7,8 @@ import math
 
 import torch
 
-from strata.config import RopeConfig
 from strata.kernels import token_rows, usable
+from strata.model_config import RopeConfig
 
 
 def inv_freq_and_scale(rope: RopeConfig, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:

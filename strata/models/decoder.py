@@ -25,7 +25,6 @@ from torch import nn
 
 from strata import kernels
 from strata.cache.kv_pool import KVPool, MHAKVPool
-from strata.config import LayerSpec, ModelConfig
 from strata.layers.activation import check_activation
 from strata.layers.attention import AttentionMetadata, paged_attention
 from strata.layers.mla import MLAttention
@@ -33,6 +32,7 @@ from strata.layers.mlp import MLP
 from strata.layers.moe import MoE
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
+from strata.model_config import LayerSpec, ModelConfig
 from strata.models.native_decode import NativeDecode
 
 

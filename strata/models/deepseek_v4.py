@@ -27,11 +27,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.cache.dsv4_pool import DSV4KVPool
-from strata.config import ModelConfig
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
 from strata.layers.hyper_connection import HyperConnection, HyperHead
 from strata.layers.moe import grouped_linear, grouped_mm_works
+from strata.model_config import ModelConfig
 
 
 def clamped_silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -29,8 +29,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from strata.config import ModelConfig
 from strata.layers.norm import RMSNorm
+from strata.model_config import ModelConfig
 
 OWN = ("enorm.", "hnorm.", "eh_proj.")  # the MTP layer's own modules, beside its decoder layer
 SHARED = ("embed_tokens.", "shared_head.head.")  # the target's embedding and head, stored again

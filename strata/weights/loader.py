@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from strata.config import QUANTIZATION_METHODS, ModelConfig
+from strata.config import QUANTIZATION_METHODS
 from strata.layers.quant import (
     QUANT_METHODS,
     Q4Linear,
@@ -18,6 +18,7 @@ from strata.layers.quant import (
     concat_rows,
     quantize_model,
 )
+from strata.model_config import ModelConfig
 from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
 

@@ -9,9 +9,9 @@ import itertools
 import pytest
 import torch
 
-from strata.config import ModelConfig
 from strata.distributed.eplb import imbalance, initial_placement, plan_placement, rank_loads, replicate
 from strata.distributed.sharding import ShardPlan, check_supported, head_split
+from strata.model_config import ModelConfig
 
 
 @pytest.mark.parametrize(

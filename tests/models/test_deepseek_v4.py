@@ -25,8 +25,8 @@ from tiny_models import constant_tensors
 
 from strata import Engine, SamplingParams
 from strata.cache.dsv4_pool import DSV4KVPool
-from strata.config import ModelConfig
 from strata.engine.request import Req
+from strata.model_config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 # 150 tokens: 37 CSA entries (top-4 kept per query), 9 HCA entries, the window 16

@@ -10,7 +10,7 @@ from test_parity import hf_greedy, hf_model
 from tiny_models import make_model
 
 from strata import Engine, SamplingParams
-from strata.config import ModelConfig
+from strata.model_config import ModelConfig
 
 WINDOWED = ["mistral_sw", "qwen2_sw", "gemma2", "gemma3"]  # tiny_models.FAMILIES, window 8
 WINDOW = 8

@@ -19,10 +19,11 @@ from tiny_models import MLA_FAMILIES, constant_tensors, make_model
 from strata import Engine, SamplingParams
 from strata.cache.kv_plan import plan_kv_pool
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
-from strata.config import EngineConfig, ModelConfig
+from strata.config import EngineConfig
 from strata.engine.request import Req
 from strata.layers.mla import deinterleave
 from strata.mla_config import MLAConfig
+from strata.model_config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SHARED = PROMPTS[2][:32] + [7, 8, 9]  # shares a 32-token prefix with PROMPTS[2]

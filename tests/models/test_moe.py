@@ -11,8 +11,8 @@ from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
 from tiny_models import MOE_FAMILIES, constant_tensors, make_model
 
 from strata import Engine, SamplingParams
-from strata.config import ModelConfig
 from strata.engine.request import Req
+from strata.model_config import ModelConfig
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SHARED = PROMPTS[2][:32] + [7, 8, 9]  # shares a 32-token prefix with PROMPTS[2]

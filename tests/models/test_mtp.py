@@ -15,7 +15,7 @@ from test_parity import PROMPTS, hf_greedy, hf_model
 from tiny_models import make_model, randomize_constants
 
 from strata import Engine, SamplingParams
-from strata.config import ModelConfig
+from strata.model_config import ModelConfig
 
 NUM_LAYERS = 2  # tiny_models' default
 

@@ -10,11 +10,11 @@ import torch
 import torch.nn.functional as F
 
 from strata import kernels
-from strata.config import RopeConfig
 from strata.layers.attention import reference_attention
 from strata.layers.norm import RMSNorm
 from strata.layers.packed import PackedLinear, pack_linears
 from strata.layers.rope import RotaryEmbedding
+from strata.model_config import RopeConfig
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 

@@ -9,9 +9,9 @@ import torch
 import transformers
 
 from strata.bench.moe import load_hf_moe_block
-from strata.config import ModelConfig
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
 from strata.layers.moe_routing import ROUTING
+from strata.model_config import ModelConfig
 
 BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, initializer_range=0.5)
