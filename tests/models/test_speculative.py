@@ -105,6 +105,51 @@ def test_greedy_identical_with_accepted_runs_and_rejections(tiny_models, family,
     assert stats.accepted_tokens < stats.drafted_tokens, stats  # and some drafts were rejected
 
 
+@pytest.fixture(scope="module")
+def other_families(tmp_path_factory):
+    """Tiny models of the families whose layers differ from Llama's: MoE, latent attention, sinks,
+    softcaps, sliding windows in every layer, partial rotary, DeepSeek-V4 (tokenizers included)."""
+    from tiny_dsv4 import make_dsv4
+    from tiny_models import build_tokenizer, make_model
+
+    root = tmp_path_factory.mktemp("spec_families")
+    dirs = {}
+    for family in ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v2_lora", "deepseek_v3", "gemma2", "mistral_sw",
+                   "phi3"):
+        dirs[family] = make_model(root / family, family)
+    dirs["dsv4"] = make_dsv4(root / "dsv4")
+    build_tokenizer(dirs["dsv4"])
+    return dirs
+
+
+@pytest.mark.parametrize("family,kw", [
+    ("mixtral", {}),
+    ("qwen3_moe", {"dtype": "bfloat16", "page_size": 4, "chunked_prefill_size": 8}),
+    ("gpt_oss", {}),
+    ("deepseek_v2_lora", {"dtype": "bfloat16"}),
+    ("deepseek_v3", {"quantization": "int4", "dtype": "bfloat16"}),
+    ("gemma2", {"page_size": 4}),
+    ("mistral_sw", {"page_size": 4, "chunked_prefill_size": 8}),
+    ("phi3", {"dtype": "bfloat16"}),
+    ("dsv4", {}),
+    ("dsv4", {"dtype": "bfloat16", "page_size": 4}),
+])  # fmt: skip
+def test_greedy_identical_with_drafts_in_every_family(other_families, family, kw):
+    """Verification rows attend, route and project as lone decodes do, whatever the layers are: the
+    oracle drafter's long accepted runs and rejections, and the n-gram drafter, leave greedy output
+    as it is without drafts."""
+    prompts = ["The quick brown fox", "Hello world!", "Numbers 0123", *REPETITIVE]
+    model_dir = other_families[family]
+    off = [r.token_ids for r in run_all(engine(model_dir, False, **kw), prompts, greedy(40))]
+    oracle = engine(model_dir, True, **kw)
+    refs = {tuple(oracle.encode(p)): out for p, out in zip(prompts, off)}
+    oracle.scheduler.spec.drafter = OracleDrafter(refs)
+    assert [r.token_ids for r in run_all(oracle, prompts, greedy(40))] == off
+    stats = oracle.scheduler.spec.stats
+    assert stats.accepted_tokens > stats.verify_steps and stats.accepted_tokens < stats.drafted_tokens, stats
+    assert [r.token_ids for r in run_all(engine(model_dir, True, **kw), prompts, greedy(40))] == off
+
+
 def test_logprobs_stop_strings_max_tokens_and_n_agree(llama_dir):
     prompt = "The quick brown fox"
     off_engine = engine(llama_dir, False)
