@@ -31,6 +31,7 @@ import torch
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
 from strata.layers.attention import AttentionMetadata
+from strata.layers.sampler import argmax_rows
 from strata.models.mtp import load_mtp_layer
 
 logger = logging.getLogger(__name__)
@@ -148,7 +149,7 @@ class MTPDrafter:
 
     def _argmax(self, states: torch.Tensor) -> list[int]:
         logits = self.target.compute_logits(states)[:, : self.vocab_size]
-        return logits.argmax(-1).tolist()
+        return argmax_rows(logits).tolist()
 
     # ------------------------------------------------------------------ the layer's forward
 

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from strata.kernels import usable
+
 
 @dataclass
 class SamplingBatch:
@@ -144,6 +146,16 @@ def filter_probs(probs_sorted: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     return probs_sorted.masked_fill(drop, 0.0)
 
 
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """logits [B, V] -> each row's argmax, as torch.argmax (the first NaN, else the first maximum); the
+    CPU kernel reads a float32 row by vector maxima, PyTorch's reduction one value at a time."""
+    ops = usable(logits)
+    readable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+    if ops is not None and readable and hasattr(ops, "argmax_rows"):
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     """logits: [B, V] float32 raw model outputs (may be modified in place). Logprobs are reported from
     the raw distribution; grammar masks, penalties and the cut-offs shape only the choice.
@@ -158,7 +170,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     logits = apply_penalties(logits, s)
     if s.grammar_bitmask is not None:
         apply_token_bitmask_(logits, s.grammar_rows, s.grammar_bitmask)
-    greedy_ids = logits.argmax(dim=-1)
+    greedy_ids = argmax_rows(logits)
     drafts = s.draft_ids
     if s.all_greedy:
         out.token_ids = greedy_ids

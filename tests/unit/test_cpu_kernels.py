@@ -515,6 +515,49 @@ def test_silu_and_mul_matches_pytorch(ops, dtype):
     torch.testing.assert_close(ops.silu_and_mul(batched), expected.view(1, 5, 40), **tol)
 
 
+def argmax_cases() -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.randn(n, generator=gen) for n in (1, 7, 16, 255, 256, 257, 1000, 4096, 49152 + 13)]
+    ties = torch.zeros(1000)
+    ties[[300, 700, 999]] = 2.0  # the first of equal maxima
+    masked = torch.full((2000,), -float("inf"))  # a grammar's mask: a few allowed tokens
+    masked[[1500, 40, 1999]] = torch.tensor([3.0, -7.0, 3.0])
+    rows += [ties, masked, torch.zeros(600), torch.full((700,), -float("inf"))]
+    signed = torch.full((800,), -1.0)
+    signed[[513, 100]] = torch.tensor([0.0, -0.0])  # -0 == +0: the first zero
+    rows.append(signed)
+    for n, at, value in [(1000, 999, float("nan")), (1000, 5, float("nan")), (1000, 600, float("inf")),
+                         (1000, 600, -float("inf")), (300, 280, float("nan")), (300, 290, float("inf"))]:
+        row = torch.randint(-50, 50, (n,), generator=gen).float()  # integers: ties at the maximum too
+        row[at] = value
+        rows.append(row)
+    two_nans = torch.randn(512, generator=gen)
+    two_nans[[400, 30]] = float("nan")
+    two_nans[200] = float("inf")
+    rows.append(two_nans)
+    return rows
+
+
+def test_argmax_rows_is_torch_argmax(ops):
+    """The first maximum, and the first NaN where a row has one, whatever its length and its infinities."""
+    for row in argmax_cases():
+        assert ops.argmax_rows(row.view(1, -1)).tolist() == [int(row.argmax())], row
+    gen = torch.Generator().manual_seed(1)
+    batch = torch.randn(9, 1000, generator=gen)
+    batch[3, 17] = float("nan")
+    wide = torch.randn(5, 1100, generator=gen)
+    for x in (batch, wide[:, :1000], wide[1:4, 37:800], torch.randn(0, 64)):  # rows with a stride, none at all
+        assert torch.equal(ops.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("case", ["dtype", "transposed", "empty_row", "three_dims"])
+def test_argmax_rows_rejects_what_it_cannot_read(ops, case):
+    x = {"dtype": torch.zeros(2, 8, dtype=torch.bfloat16), "transposed": torch.zeros(8, 2).t(),
+         "empty_row": torch.zeros(2, 0), "three_dims": torch.zeros(2, 2, 2)}[case]
+    with pytest.raises(RuntimeError, match="x must be"):
+        ops.argmax_rows(x)
+
+
 def test_disabled_falls_back_to_pytorch():
     with kernels.disabled():
         assert kernels.cpu_ops() is None and kernels.usable(torch.zeros(1)) is None
