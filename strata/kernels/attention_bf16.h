@@ -23,13 +23,29 @@ constexpr int64_t kKeyTile = 64;  // decode attention: keys per tile (the stride
 // the unpack's order: position p holds dimension values_dim(p).
 inline int64_t values_dim(int64_t p) { return p < 16 ? 8 * (p / 4) + p % 4 : 8 * ((p - 16) / 4) + 4 + (p - 16) % 4; }
 
-// A row's accumulator back in dimension order (see values_dim).
+// A row's accumulator back in dimension order (see values_dim); D % 32 == 0.
 inline void values_unpermute(float* acc, int64_t D) {
+#if defined(__AVX512F__)
+  struct Order {  // where dimension d sits: chunk position (d < 16: from the low half, else the high)
+    alignas(64) int32_t pos[32];
+    Order() {
+      for (int p = 0; p < 32; ++p) pos[values_dim(p)] = p;
+    }
+  };
+  static const Order order;
+  const __m512i lo = _mm512_load_si512(order.pos), hi = _mm512_load_si512(order.pos + 16);
+  for (int64_t c = 0; c < D; c += 32) {
+    const __m512 a = _mm512_loadu_ps(acc + c), b = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(a, lo, b));
+    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(a, hi, b));
+  }
+#else
   float chunk[32];
   for (int64_t c = 0; c < D; c += 32) {
     for (int64_t p = 0; p < 32; ++p) chunk[values_dim(p)] = acc[c + p];
     std::copy(chunk, chunk + 32, acc + c);
   }
+#endif
 }
 
 #if defined(__AVX512BF16__)

@@ -111,6 +111,17 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
+// s[i] *= f for i < n <= kKeyTile, a whole vector at a time: a row of scores has kKeyTile floats, so
+// the lanes past n (not read before they are set again) are scaled too.
+inline void scale_scores(float* s, int64_t n, float f) {
+#if defined(STRATA_SIMD16)
+  const V16 fv = vset1(f);
+  for (int64_t i = 0; i < n; i += 16) store16(s + i, vmul(load16(s + i), fv));
+#else
+  for (int64_t i = 0; i < n; ++i) s[i] *= f;
+#endif
+}
+
 // s[i] = cap * tanh(s[i] / cap) for i < n.
 inline void softcap_scores(float* s, int64_t n, float cap) {
   int64_t i = 0;
@@ -365,7 +376,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
           const int64_t j = j0 + jj;
-          const int64_t slot = pages[j / page_size] * page_size + j % page_size;
+          const int64_t slot = page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
         }
@@ -385,9 +396,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
               float* sr = scores.data() + r * G * kKeyTile;
               if (rn <= 0) continue;
               if (!transposed) tile_scores_bf16(qp + (t0 + r) * q_stride + kvh * G * D, G, D, keys, rn, sr);
-              for (int64_t g = 0; g < G; ++g) {
-                for (int64_t jj = 0; jj < rn; ++jj) sr[g * kKeyTile + jj] *= fscale;
-              }
+              for (int64_t g = 0; g < G; ++g) scale_scores(sr + g * kKeyTile, rn, fscale);
             }
             scored = true;
           }
