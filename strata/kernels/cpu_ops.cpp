@@ -1,7 +1,8 @@
 // CPU kernels for the elementwise ops of a forward step: residual add + RMSNorm, rotary embedding in
-// place, SiLU(gate) * up, each row's argmax (greedy sampling); and the Python module that registers every kernel file's entry points
-// (attention_ops.cpp: the K/V store and decode attention; extend_attention.cpp: prefill attention;
-// quant_ops.cpp: block-quantized matmuls; decode_loop.cpp: the native layer loop).
+// place, SiLU(gate) * up, each row's argmax (greedy sampling); and the Python module that registers
+// every kernel file's entry points (attention_ops.cpp: the K/V store and decode attention;
+// extend_attention.cpp: prefill attention; quant_ops.cpp: block-quantized matmuls; decode_loop.cpp:
+// the native layer loop).
 //
 // The kernels reproduce the rounding of the PyTorch code they replace (RMSNorm.reference,
 // RotaryEmbedding.reference, the MLP's silu * up): values are computed in float and rounded to the

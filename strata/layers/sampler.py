@@ -151,6 +151,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     CPU kernel reads a float32 row by vector maxima, PyTorch's reduction one value at a time."""
     ops = usable(logits)
     readable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
+    readable = readable and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])  # rows apart
     if ops is not None and readable and hasattr(ops, "argmax_rows"):
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.layers.sampler import SamplingBatch, apply_penalties, sample
+from strata.layers.sampler import SamplingBatch, apply_penalties, argmax_rows, sample
 from strata.sampling_params import SamplingParams
 
 
@@ -153,3 +153,14 @@ def test_greedy_rows_keep_a_draft_only_if_it_is_the_argmax():
     out = sample(logits, s)
     assert out.token_ids.tolist() == [1, 1, 0]
     assert out.accepted.tolist() == [True, False, False]
+
+
+def test_greedy_argmax_is_torch_argmax_for_any_layout():
+    """The kernel where it can read the rows, torch.argmax elsewhere: the same answers either way."""
+    gen = torch.Generator().manual_seed(0)
+    wide = torch.randn(4, 700, generator=gen)
+    wide[2, 100] = float("nan")
+    wide[3, :] = -float("inf")
+    cases = [wide, wide[:, :600], wide[:1].expand(3, 700), wide.t(), wide.double(), torch.randn(2, 3, 40, generator=gen)]
+    for x in cases:
+        assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
