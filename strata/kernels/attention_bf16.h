@@ -217,7 +217,6 @@ inline void tile_values_bf16(const float* probs, int64_t n, int64_t D, const c10
   }
 }
 
-
 // ---------------------------------------------------------------------------------------------
 // Extend attention: the rows of a work item across the 16 lanes
 // ---------------------------------------------------------------------------------------------

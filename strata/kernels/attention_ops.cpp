@@ -304,6 +304,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   // sequence's last key range is often short, and contiguous chunks of items could leave one thread
   // the long ranges (550 keys, 3 KV heads, 2 threads: 1062 against 588 keys). Which thread attends
   // an item does not change its arithmetic.
+  // A run's first key (its tokens share it) and keys [jbeg, jend) of its range `split`: a token
+  // attends them up to its own position (the run's last token, all of them).
+  struct KeyRange { int64_t first, jbeg, jend; };
+  auto key_range = [&](int64_t run, int64_t split) {
+    const int64_t first = window_start(pos[runs[run]], window), end = pos[runs[run + 1] - 1] + 1;
+    const int64_t jbeg = std::min(end, first + split * kSplitKeys);
+    return KeyRange{first, jbeg, std::max(jbeg, std::min(end, first + (split + 1) * kSplitKeys))};
+  };
   const int64_t num_items = num_runs * Hkv * splits;
   const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
   std::vector<int64_t> order, bounds{0};  // thread b's items: order[bounds[b] .. bounds[b + 1])
@@ -311,11 +319,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     std::vector<std::pair<int64_t, int64_t>> costs;  // (rows x keys, plus a range's fixed work; item)
     for (int64_t item = 0; item < num_items; ++item) {
       const int64_t split = item % splits, run = item / splits / Hkv;
-      const int64_t R = runs[run + 1] - runs[run], end = pos[runs[run + 1] - 1] + 1;
-      const int64_t first = window_start(pos[runs[run]], window);
-      const int64_t keys = std::max<int64_t>(0, std::min(end, first + (split + 1) * kSplitKeys) -
-                                                    std::min(end, first + split * kSplitKeys));
-      costs.emplace_back(R * (keys + 16), item);
+      const KeyRange kr = key_range(run, split);
+      costs.emplace_back((runs[run + 1] - runs[run]) * (kr.jend - kr.jbeg + 16), item);
     }
     std::stable_sort(costs.begin(), costs.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     std::vector<std::vector<int64_t>> dealt(nthreads);
@@ -346,13 +351,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       const int64_t split = item % splits, rk = item / splits;
       const int64_t run = rk / Hkv, kvh = rk % Hkv;
       const int64_t t0 = runs[run], R = runs[run + 1] - t0, last = t0 + R - 1;
-      // the run's tokens share their first key and (below their own ends) their key ranges
-      const int64_t first = window_start(pos[t0], window);
-      const int64_t jbeg = std::min(pos[last] + 1, first + split * kSplitKeys);
-      int64_t jend = jbeg;
-      for (int64_t r = 0; r < R; ++r) {
+      const auto [first, jbeg, jend] = key_range(run, split);
+      for (int64_t r = 0; r < R; ++r) {  // below their own ends, the run's tokens share the range
         row_end[r] = std::min(pos[t0 + r] + 1, first + (split + 1) * kSplitKeys);  // keys [jbeg, row_end)
-        jend = std::max(jend, row_end[r]);
       }
       const int64_t* pages = pt + own[last] * pages_per_row;
       for (int64_t r = 0; r < R && !bf16_dots; ++r) {  // float queries (the bf16 dot products read q as it is)
