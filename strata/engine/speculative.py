@@ -35,7 +35,7 @@ REQUEST_DECAY = 0.9  # a request's acceptance history forgets at this rate per v
 MAX_SLOPE_GUESS = 32.0  # before the cost of a token is measured: a step of 33 tokens costs two of one
 GUARD_DECAY = 0.95  # the guard's output rates forget at this rate per step of their batch size
 GUARD_MIN_STEPS = 3.0  # (decayed) steps an arm needs before the guard compares it
-EXPLORE_EVERY = 16  # one step in this many (per batch size) takes the arm the guard would not
+EXPLORE_EVERY = 16  # steps (per batch size) an arm may go unseen before the guard takes it
 EXPLORE_FIRST = 3  # until the plain arm is measured, one step in this many does not draft
 MIN_FIT_STEPS = 8.0  # (decayed) steps a batch size needs before its own cost fit is used
 
@@ -236,18 +236,22 @@ class DraftGuard:
     """Per batch size (decoding requests, by powers of two): the output rate — tokens the decoding
     requests yielded per second of decoding (a step's time less its prefill chunks' estimated cost)
     — of steps that fed drafts and of those that did not, decayed. Where drafting
-    has measured slower than not, `allows` says no; one step in EXPLORE_EVERY takes the other arm
-    (drafting where it is vetoed, plain where the policy always drafts), so both rates stay measured
-    and a veto lifts when drafting pays again."""
+    has measured slower than not, `allows` says no. An arm not seen for EXPLORE_EVERY steps is taken
+    once (drafting where it is vetoed, plain where drafting wins), so both rates stay measured and a
+    veto lifts when drafting pays again; steps that had nothing to draft count as plain ones, so
+    where the drafter misses often enough, drafting never stands down to measure."""
 
     def __init__(self) -> None:
         self.arms: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> [tokens, seconds, steps]
         self.turns: dict[int, int] = {}
+        self.seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> the turn it was last observed or taken
 
     def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
-        arm = self.arms.setdefault((batch_bucket(num_decodes), drafted), [0.0, 0.0, 0.0])
+        b = batch_bucket(num_decodes)
+        arm = self.arms.setdefault((b, drafted), [0.0, 0.0, 0.0])
         d = GUARD_DECAY
         arm[0], arm[1], arm[2] = arm[0] * d + tokens, arm[1] * d + seconds, arm[2] * d + 1.0
+        self.seen[(b, drafted)] = self.turns.get(b, 0)
 
     def rate(self, num_decodes: int, drafted: bool) -> float | None:
         """Measured tokens per second of this arm at this batch size (None: too few steps yet)."""
@@ -265,7 +269,14 @@ class DraftGuard:
             return turn % EXPLORE_FIRST != 0  # measure the plain rate soon
         if drafted is None:
             return True
-        return (drafted >= plain) != (turn % EXPLORE_EVERY == 0)
+        prefer = drafted >= plain
+        # the other arm is taken once EXPLORE_EVERY turns have passed without it being seen or taken:
+        # steps that found nothing to draft, or whose drafts the policy declined, measure the plain
+        # arm for free
+        if turn - self.seen.get((b, not prefer), 0) >= EXPLORE_EVERY:
+            self.seen[(b, not prefer)] = turn
+            return not prefer
+        return prefer
 
 
 @dataclass

@@ -380,6 +380,23 @@ def test_guard_vetoes_drafting_that_measures_slower_and_keeps_measuring():
     assert batch_bucket(33) == batch_bucket(64) != batch_bucket(65)
 
 
+def test_guard_explores_only_an_arm_not_seen_lately():
+    """Steps that found nothing to draft measure the plain arm on their own: while they come often
+    enough the guard takes no plain step of its own; once they stop, it does, one in EXPLORE_EVERY."""
+    guard = DraftGuard()
+    run_guard(guard, 1, 100, plain_rate=30.0, draft_rate=45.0)
+    forced = 0
+    for step in range(200):
+        allowed = guard.allows(1)
+        forced += not allowed
+        nothing_found = step % (EXPLORE_EVERY // 2) == 0  # a plain step the drafter's miss made
+        drafted = allowed and not nothing_found
+        guard.observe(1, drafted, tokens=2 if drafted else 1, seconds=(2 / 45.0) if drafted else 1 / 30.0)
+    assert forced == 0
+    # no more misses: forced plain steps come back at the old rate
+    assert explorations(run_guard(guard, 1, 160, plain_rate=30.0, draft_rate=45.0), False)
+
+
 def test_policy_stands_down_where_the_guard_says_drafts_are_slower():
     from strata.engine.speculative import Candidate
 
