@@ -317,8 +317,23 @@ def test_drafter_prefers_the_requests_own_text_then_recent_requests():
     drafter = NgramDrafter(2, 4, shared_tokens=1000)
     drafter.propose("a", [5, 6, 7, 8, 9], [], 3)
     drafter.finish("a")
-    assert drafter.propose("b", [1, 5, 6], [], 3) == ([7, 8, 9], 2)  # from request a
+    assert drafter.propose("b", [1, 5, 6], [], 3) == ([7, 8, 9], -2)  # from request a: the length negated
     assert drafter.propose("c", [5, 6, 1, 2, 5, 6], [], 3) == ([1, 2, 5], 2)  # its own text wins a tie
+    assert drafter.propose("d", [7, 5, 6, 5, 6], [], 3) == ([5, 6], 2)  # even when its draft is shorter
+    assert drafter.propose("e", [6, 7, 1, 5, 6, 7], [], 3) == ([8, 9], -3)  # a longer match elsewhere wins
+
+
+def test_drafts_from_other_requests_learn_their_acceptance_apart():
+    """Drafts found in other requests' texts are accepted far less often than a request's own: the
+    policy keeps their rate apart, and a request's record with its own text does not lift them."""
+    policy = DraftPolicy(max_draft=8)
+    for _ in range(50):
+        policy.record(2, drafted=4, accepted=4)  # own text, length 2: always right
+        policy.record(-2, drafted=4, accepted=0)  # others' texts, length 2: always wrong
+    good_history = (20.0, 20.0)
+    assert policy.accept_rate(good_history, 2) > 0.95
+    assert policy.accept_rate(good_history, -2) < 0.05
+    assert policy.accept_rate((0.0, 0.0), -2) == policy.accept_rate(good_history, -2)
 
 
 def test_step_cost_fit_and_policy_decisions():
