@@ -215,14 +215,14 @@ class ModelRunner:
             s.repetition_penalties = table[:, 3]
             s.seen_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
             for i, r in enumerate(reqs):
-                s.seen_mask[i, torch.tensor(r.prompt_ids + outputs[i], dtype=torch.int64)] = True
+                s.seen_mask[i, torch.tensor(r.prompt_ids + outputs[i], dtype=torch.int64, device=dev)] = True
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             s.frequency_penalties = table[:, 4]
             s.presence_penalties = table[:, 5]
             s.output_counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=dev)
             for i, out in enumerate(outputs):
                 if out:
-                    ids = torch.tensor(out, dtype=torch.int64)
+                    ids = torch.tensor(out, dtype=torch.int64, device=dev)
                     s.output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
         banned = [(i, r) for i, r in enumerate(reqs) if len(outputs[i]) < r.params.min_new_tokens]
         if banned:
@@ -231,5 +231,5 @@ class ModelRunner:
                 stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
                 ids = [t for t in stop_ids if t < vocab]
                 if ids:
-                    s.banned_mask[i, torch.tensor(ids)] = True
+                    s.banned_mask[i, torch.tensor(ids, device=dev)] = True
         return s

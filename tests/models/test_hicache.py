@@ -134,9 +134,10 @@ def test_engines_share_a_file_backend_with_the_default_prefetch_policy(llama_dir
 def test_engines_whose_kv_differs_never_exchange_pages(llama_dir, tmp_path, other):
     """Quantized weights or another KV dtype make other KV bytes: the namespace keeps them apart."""
     storage = str(tmp_path / "shared")
-    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    device = {"device": "cpu"} if "quantization" in other else {}  # block quantization: the CPU kernels
+    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage, **device)
     b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                    hicache_prefetch_policy="wait_complete", **other)
+                    hicache_prefetch_policy="wait_complete", **other, **device)
     assert a.hicache.namespace != b.hicache.namespace
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()

@@ -112,14 +112,14 @@ def test_states_and_chained_drafts_match_transformers(mtp_model, page_size):
     seq = req.prompt_ids + req.output_ids
     assert len(req.output_ids) == 1
     expected, _ = oracle_states(main, mtp, seq)
-    torch.testing.assert_close(drafter.seqs[rid].state, expected[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4)
     assert drafter.draft([(rid, seq, 4)]) == [oracle_chain(main, mtp, seq, 4)]
     for _ in range(4):  # verification steps (the random layer's drafts are mostly rejected)
         engine.step()
     seq = req.prompt_ids + req.output_ids
     assert req.spec_verify_steps > 0 and drafter.seqs[rid].end == len(seq) - 1
     expected, _ = oracle_states(main, mtp, seq)
-    torch.testing.assert_close(drafter.seqs[rid].state, expected[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4)
     assert drafter.draft([(rid, seq, 3)]) == [oracle_chain(main, mtp, seq, 3)]
 
 
@@ -157,7 +157,7 @@ def test_accepted_runs_extend_the_layer_rows(mtp_model, expected):
         seq = req.prompt_ids + req.output_ids
         assert drafter.seqs[rid].end == len(seq) - 1
         states, _ = oracle_states(main, mtp, seq)
-        torch.testing.assert_close(drafter.seqs[rid].state, states[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(drafter.seqs[rid].state.cpu(), states[-1], atol=1e-4, rtol=1e-4)
     assert max(runs) >= 3 and 0 in runs
     assert req.output_ids == expected[0]
 
@@ -209,8 +209,8 @@ def test_checkpoints_without_the_layer_are_refused(tmp_path):
 def test_int8_weights_quantize_the_layer_and_keep_the_output(mtp_model):
     model_dir = mtp_model[0]
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
-    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, quantization="int8")
-    engine = mtp_engine(model_dir, quantization="int8")
+    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, quantization="int8", device="cpu")
+    engine = mtp_engine(model_dir, quantization="int8", device="cpu")
     drafter = engine.scheduler.spec.draft_model
     assert type(drafter.layer.decoder.layers[0].self_attn.o_proj).__name__ == "Q8Linear"
     expected = [r.choices[0].token_ids for r in plain.generate(PROMPTS, params)]

@@ -36,6 +36,8 @@ def greedy(max_new: int = 24, **kw) -> SamplingParams:
 def engine(model_dir, spec: bool, **kw) -> Engine:
     options = dict(dtype="float32", kv_cache_tokens=2048, page_size=1)
     options.update(kw)
+    if options.get("quantization"):
+        options.setdefault("device", "cpu")  # block quantization runs on the CPU kernels
     if spec:
         options.update(speculative_algorithm="ngram", speculative_fixed_length=True)
     return Engine(str(model_dir), **options)
