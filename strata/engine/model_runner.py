@@ -46,12 +46,14 @@ class ModelRunner:
         entries: list[Req] = []
         q_lens: list[int] = []
         kv_lens: list[int] = []
+        spans: list[tuple[Req, int]] = []  # (request, its entries)
         num_decode = batch.num_decode
         for b, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
             end = req.kv_len + n
             ids.extend(req.seq_slice(req.kv_len, min(end, req.seq_len)))
             ids.extend(req.draft_ids[: max(0, end - req.seq_len)])
             verifying = bool(req.draft_ids) and n == 1 + len(req.draft_ids)
+            spans.append((req, n if verifying else 1))
             if verifying:
                 entries.extend([req] * n)
                 q_lens.extend([1] * n)
@@ -65,8 +67,10 @@ class ModelRunner:
                 sample_rows.extend(range(len(ids) - 1 - len(req.draft_ids), len(ids)))
         max_pages = max(len(r.pages) for r in entries)
         page_table = np.zeros((len(entries), max_pages), dtype=np.int64)
-        for e, req in enumerate(entries):
-            page_table[e, : len(req.pages)] = req.pages
+        e = 0
+        for req, rows in spans:  # a verification's entries share one row of pages, converted once
+            page_table[e : e + rows, : len(req.pages)] = req.pages
+            e += rows
         attn = AttentionMetadata.build(
             q_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, num_decode, self.device
         )
