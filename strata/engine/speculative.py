@@ -315,6 +315,20 @@ class DraftPolicy:
         own_acc, own_tried = history
         return min(0.99, (own_acc + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT))
 
+    def could_draft(self, histories: list[tuple[float, float]], base_tokens: int, num_decodes: int) -> bool:
+        """Whether `choose` could give any of these requests (their acceptance histories) a draft this
+        step: the best rate any proposal of theirs could be estimated at (the best prior of any match
+        length, a length not seen yet included) passes its first test. Where it cannot, the step's
+        rows cost more than any draft could gain (a large batch), and nothing need be looked up."""
+        if not self.adaptive:
+            return True
+        a, b, _ = self.cost.coefficients(num_decodes)
+        prior = max([DEFAULT_PRIOR_ACCEPT] + [(acc + DEFAULT_PRIOR_ACCEPT) / (tried + 1.0)
+                                              for acc, tried in self.by_match.values()])
+        best = max(min(0.99, max(prior, (acc + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)))
+                   for acc, tried in histories)
+        return best * (a + b * base_tokens) > float(max(num_decodes, 1)) * b
+
     def allows(self, num_decodes: int) -> bool:
         """Whether this step of num_decodes decoding requests may draft at all: the guard's say, asked
         once per step before any draft is looked up (a vetoed step spends nothing on drafting)."""
@@ -371,7 +385,7 @@ class SpecStats:
     verify_steps: int = 0  # request-steps that fed drafts
     drafted_tokens: int = 0
     accepted_tokens: int = 0
-    declined: int = 0  # request-steps with a proposal the policy chose not to feed
+    declined: int = 0  # request-steps the policy fed no draft: a proposal not worth its row, or none could be
     vetoed: int = 0  # request-steps the guard stood down, before any lookup (drafting measured slower there)
     draft_lengths: dict[int, int] = field(default_factory=dict)  # chosen length -> request-steps
 
@@ -424,6 +438,10 @@ class Speculator:
         the requests that draft this step."""
         if decodes and not self.policy.allows(num_decodes):
             self.stats.vetoed += len(decodes)
+            return []
+        histories = [r.spec_history for r, _ in decodes]
+        if decodes and not self.policy.could_draft(histories, base_tokens, num_decodes):
+            self.stats.declined += len(decodes)  # no proposal could pay for its row: none looked up
             return []
         candidates = []
         for req, limit in decodes:

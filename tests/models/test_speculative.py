@@ -365,6 +365,54 @@ def test_step_cost_fit_and_policy_decisions():
     assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
 
 
+
+def test_a_step_where_no_draft_could_pay_looks_nothing_up():
+    """could_draft bounds choose: where it says no, no candidate these requests could propose (any
+    match length, own text or others') would be fed, so the speculator skips the lookups."""
+    from strata.engine.speculative import Candidate, Speculator
+
+    rng = random.Random(3)
+    skipped = 0
+    for trial in range(300):
+        policy = DraftPolicy(max_draft=8)
+        a, b = rng.uniform(0.002, 0.05), rng.uniform(0.0002, 0.004)
+        for rows in (1, 2, 4, 9, 16, 33, 64, 5, 12):
+            policy.cost.observe(1, rows, 0, a + b * rows)
+        for n in rng.sample([-5, -3, -2, 2, 3, 4, 5], rng.randrange(0, 5)):
+            tried = rng.uniform(0, 40)
+            policy.by_match[n] = [rng.uniform(0, tried), tried]
+        decodes = rng.choice([1, 2, 8, 32, 64, 128])
+        histories = [(acc, acc + rng.uniform(0, 5)) for acc in (rng.uniform(0, 10) for _ in range(decodes))]
+        candidates = [Candidate(i, [1] * 8, m, policy.accept_rate(h, m))
+                      for i, h in enumerate(histories) for m in [rng.choice([-4, -2, 2, 3, 5, 7])]]
+        if not policy.could_draft(histories, decodes, decodes):
+            skipped += 1
+            assert sum(policy.choose(candidates, decodes, decodes, budget=10_000)) == 0, trial
+    assert 30 < skipped < 270  # both answers were tested
+
+    class Counting:
+        lookups = 0
+
+        def propose(self, *args):
+            Counting.lookups += 1
+            return [7, 8, 9], 3
+
+    class Config:
+        speculative_ngram_min, speculative_ngram_max, speculative_shared_tokens = 2, 5, 1024
+        speculative_num_draft_tokens, speculative_fixed_length = 8, False
+
+    class R:
+        rid, prompt_ids, output_ids, spec_history, grammar = "r", [1, 2, 3], [4], (0.0, 0.0), None
+
+    spec = Speculator(Config())
+    spec.drafter = Counting()
+    for rows in (1, 2, 4, 9, 16, 33, 64, 5, 12):  # a row costs as much as the rest of a step
+        spec.policy.cost.observe(1, rows, 0, 0.005 + 0.005 * rows)
+    spec.policy.guard.allows = lambda n: True
+    assert spec.plan([(R(), 8)] * 64, 64, 64, budget=1000) == [] and Counting.lookups == 0
+    assert spec.stats.declined == 64
+    assert spec.plan([(R(), 8)], 1, 1, budget=1000) and Counting.lookups == 1
+
 def run_guard(guard: DraftGuard, decodes: int, steps: int, plain_rate: float, draft_rate: float) -> list[bool]:
     """Steps of one batch size where the policy always wants to draft: what the guard allows, with
     each arm's measured output rate (tokens per second) as given."""
