@@ -108,6 +108,12 @@ class GenerateResult:
         return sum(len(c.token_ids) for c in self.choices)
 
 
+def has_float_matmuls(model: torch.nn.Module) -> bool:
+    """Whether any of the model's linears multiplies float weights through BLAS (nn.Linear, or the
+    oneDNN-packed PackedLinear) rather than the block kernels, which compute a row the same in any call."""
+    return any(type(m) is torch.nn.Linear or type(m).__name__ == "PackedLinear" for m in model.modules())
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -283,6 +289,13 @@ class Engine:
         )
         self._ids = itertools.count()
         self._outputs: dict[str, list[RequestOutput]] = {}
+        if cfg.speculative_algorithm != "none" and has_float_matmuls(self.model):
+            logger.warning(
+                "speculative decoding over float weights: BLAS matmuls (oneDNN/MKL on the CPU, cuBLAS on GPUs) "
+                "may round a row differently by the call's size, so a verification's rows can differ in the last "
+                "bits from the same tokens decoded one at a time and a greedy answer can turn at a near-tie; "
+                "block-quantized weights (GGUF, --quantization int8/int4) compute a row the same in any call"
+            )
         logger.info(
             "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "
             "KV cache: %d tokens (%.0f MiB, %s)",

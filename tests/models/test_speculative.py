@@ -542,3 +542,21 @@ def test_a_draft_model_with_another_tokenizer_is_refused(llama_dir, tmp_path):
         draft_engine(llama_dir, other)
     with pytest.raises(ValueError, match="go together"):
         Engine(str(llama_dir), speculative_algorithm="draft")
+
+
+def test_speculation_over_float_weights_warns_that_blas_rows_can_round_apart(llama_dir, caplog):
+    """BLAS matmuls (oneDNN/MKL, cuBLAS) may sum a row in another order when the call has more rows, so
+    with float weights a verification's rows are not promised the bits of one-at-a-time decoding; the
+    engine says so at start. Block-quantized weights run the kernels that compute a row the same in any call."""
+    from strata.engine.engine import has_float_matmuls
+
+    with caplog.at_level("WARNING", logger="strata.engine.engine"):
+        float_engine = engine(llama_dir, True)
+    assert has_float_matmuls(float_engine.model)
+    assert "speculative decoding over float weights" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="strata.engine.engine"):
+        quantized = engine(llama_dir, True, quantization="int8")
+        plain = engine(llama_dir, False)
+    assert not has_float_matmuls(quantized.model) and has_float_matmuls(plain.model)
+    assert "speculative decoding over float weights" not in caplog.text
