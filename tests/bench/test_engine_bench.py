@@ -46,17 +46,36 @@ def test_step_timer_leaves_the_engine_as_it_was(engine):
     assert type(engine.scheduler.runner.model).__name__ != "_TimedModel"
 
 
-def test_offline_counts_tokens_and_reports_the_window(engine, tiny_tokenizer):
+def test_offline_counts_tokens_and_reports_the_window(engine, tiny_tokenizer, monkeypatch):
+    from strata.bench import offline
+    from strata.bench.window import completion_window
+
     convs = make_dataset(
         DatasetConfig(name="random", num_prompts=10, input_len=20, output_len=8, range_ratio=0.25),
         tiny_tokenizer,
     )
+    seen = {}
+    real_window = offline.engine_window
+
+    def spy(steps, finish_times, *args, **kwargs):
+        seen.update(steps=steps, finish_times=finish_times)
+        return real_window(steps, finish_times, *args, **kwargs)
+
+    monkeypatch.setattr(offline, "engine_window", spy)
     r = run_strata_offline(engine, convs)
     in_len = sum(len(c.turns[0].ids) for c in convs)
     out_len = sum(c.turns[0].output_len for c in convs)
     assert r.num_requests == 10 and r.output_tokens == out_len and r.input_tokens == in_len
     assert r.total_tok_s == pytest.approx((in_len + out_len) / r.duration_s)
-    assert r.window is not None and r.window.step_source == "engine decode steps"
+    # the window is made of the engine's own steps: every request's finish and every sampled token
+    assert len(seen["finish_times"]) == 10 and sum(s.num_sampled for s in seen["steps"]) == out_len
+    steps = seen["steps"]
+    span = steps[-1].end - steps[0].end + steps[0].duration_s
+    if completion_window(seen["finish_times"], run_span=span) is None:
+        # the 20%-90% completions fell within a tenth of the run: a busy machine stalled other steps
+        assert r.window is None
+    else:
+        assert r.window is not None and r.window.step_source == "engine decode steps"
     assert r.expert_load is None and r.expert_load_summary is None  # a dense model
 
 
