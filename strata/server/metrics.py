@@ -17,7 +17,7 @@ engine sends with every batch and on request. Each server has its own registry (
     strata:cache_hit_rate                   cached_tokens_total / prompt_tokens_total
     strata:num_retracted_reqs               retractions so far (KV ran out during decode)
     strata:spec_*                           speculative decoding, since start: request-steps that verified
-                                            drafts, tokens drafted / accepted, proposals the policy declined,
+                                            drafts, tokens drafted / accepted, request-steps the policy gave no draft,
                                             mean accept length, request-steps per chosen draft length
     strata:moe_expert_tokens{layer, expert}  a MoE model's tokens routed to each expert of each MoE
                                             layer since start (a token counts once per chosen expert);
@@ -96,7 +96,8 @@ class ServerMetrics:
         # speculative decoding's counters, cumulative in the engine
         self.spec_counts = Gauge(
             "strata:spec_events", "Speculative decoding since start: verify_steps (request-steps that fed "
-            "drafts), drafted_tokens, accepted_tokens, declined (proposals the policy chose not to feed), vetoed "
+            "drafts), drafted_tokens, accepted_tokens, declined (request-steps the policy gave no draft: a proposal "
+            "not worth its row, or a step where none could be, when nothing is looked up), vetoed "
             "(request-steps its guard stood down before looking drafts up: drafting measured slower at that "
             "batch size).",
             ["model_name", "kind"], registry=r,
