@@ -308,26 +308,26 @@ class DraftPolicy:
         towards what drafts found by n-grams of this length achieved across requests. A draft from
         other requests' texts (match_len < 0) takes that alone: the request's history tells how its
         own text repeats, not how it follows another's."""
+        prior = self._prior(match_len)
+        return min(0.99, prior) if match_len < 0 else _blend(history, prior)
+
+    def _prior(self, match_len: int | None) -> float:
+        """What drafts found by n-grams of this length achieved (DEFAULT_PRIOR_ACCEPT where none yet)."""
         acc, tried = self.by_match.get(match_len, (0.0, 0.0))
-        prior = (acc + DEFAULT_PRIOR_ACCEPT) / (tried + 1.0)
-        if match_len < 0:
-            return min(0.99, prior)
-        own_acc, own_tried = history
-        return min(0.99, (own_acc + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT))
+        return (acc + DEFAULT_PRIOR_ACCEPT) / (tried + 1.0)
 
     def could_draft(self, histories: list[tuple[float, float]], base_tokens: int, num_decodes: int) -> bool:
         """Whether `choose` could give any of these requests (their acceptance histories) a draft this
-        step: the best rate any proposal of theirs could be estimated at (the best prior of any match
-        length, a length not seen yet included) passes its first test. Where it cannot, the step's
-        rows cost more than any draft could gain (a large batch), and nothing need be looked up."""
+        step: the best rate any proposal of theirs could be estimated at (`accept_rate` with the best
+        prior of any match length, a length not seen yet included) passes its first test. Where it
+        cannot, the step's rows cost more than any draft could gain (a large batch), and nothing need
+        be looked up."""
         if not self.adaptive:
             return True
         a, b, _ = self.cost.coefficients(num_decodes)
-        prior = max([DEFAULT_PRIOR_ACCEPT] + [(acc + DEFAULT_PRIOR_ACCEPT) / (tried + 1.0)
-                                              for acc, tried in self.by_match.values()])
-        best = max(min(0.99, max(prior, (acc + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)))
-                   for acc, tried in histories)
-        return best * (a + b * base_tokens) > float(max(num_decodes, 1)) * b
+        prior = max(self._prior(m) for m in [*self.by_match, None])  # None: a length not seen yet
+        best = max(max(min(0.99, prior), _blend(h, prior)) for h in histories)
+        return _pays(best, a, b, base_tokens, float(max(num_decodes, 1)))
 
     def allows(self, num_decodes: int) -> bool:
         """Whether this step of num_decodes decoding requests may draft at all: the guard's say, asked
@@ -358,8 +358,7 @@ class DraftPolicy:
         while heap and budget > 0:
             neg_gain, i, depth = heapq.heappop(heap)
             gain = -neg_gain
-            # worth it iff (E + g) / (a + b (T + 1)) > E / (a + b T)  <=>  g (a + b T) > E b
-            if gain * (a + b * tokens) <= expected * b:
+            if not _pays(gain, a, b, tokens, expected):
                 break  # gains only shrink from here
             lengths[i] = depth
             expected += gain
@@ -376,6 +375,18 @@ class DraftPolicy:
         stats = self.by_match.setdefault(match_len, [0.0, 0.0])
         stats[0] = stats[0] * 0.99 + accepted
         stats[1] = stats[1] * 0.99 + accepted + (accepted < drafted)
+
+
+def _blend(history: tuple[float, float], prior: float) -> float:
+    """A request's own acceptance (accepted, tried) pulled towards `prior` by PRIOR_WEIGHT pseudo-trials."""
+    own_acc, own_tried = history
+    return min(0.99, (own_acc + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT))
+
+
+def _pays(gain: float, a: float, b: float, tokens: int, expected: float) -> bool:
+    """Whether one more drafted row worth `gain` expected tokens raises the step's output rate:
+    (E + g) / (a + b (T + 1)) > E / (a + b T)  <=>  g (a + b T) > E b."""
+    return gain * (a + b * tokens) > expected * b
 
 
 @dataclass

@@ -365,7 +365,6 @@ def test_step_cost_fit_and_policy_decisions():
     assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
 
 
-
 def test_a_step_where_no_draft_could_pay_looks_nothing_up():
     """could_draft bounds choose: where it says no, no candidate these requests could propose (any
     match length, own text or others') would be fed, so the speculator skips the lookups."""
@@ -412,6 +411,7 @@ def test_a_step_where_no_draft_could_pay_looks_nothing_up():
     assert spec.plan([(R(), 8)] * 64, 64, 64, budget=1000) == [] and Counting.lookups == 0
     assert spec.stats.declined == 64
     assert spec.plan([(R(), 8)], 1, 1, budget=1000) and Counting.lookups == 1
+
 
 def run_guard(guard: DraftGuard, decodes: int, steps: int, plain_rate: float, draft_rate: float) -> list[bool]:
     """Steps of one batch size where the policy always wants to draft: what the guard allows, with
