@@ -108,10 +108,20 @@ class GenerateResult:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def has_float_matmuls(model: torch.nn.Module) -> bool:
-    """Whether any of the model's linears multiplies float weights through BLAS (nn.Linear, or the
-    oneDNN-packed PackedLinear) rather than the block kernels, which compute a row the same in any call."""
-    return any(type(m) is torch.nn.Linear or type(m).__name__ == "PackedLinear" for m in model.modules())
+# Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears, and whatever the
+# weight format, MoE routers and stacked experts, MLA's absorbed up-projections, DeepSeek-V4's grouped
+# output projection.
+BLAS_MATMUL_MODULES = frozenset({"PackedLinear", "Router", "Experts", "KVUpProjection", "GroupedLinear"})
+
+
+def blas_matmuls(model: torch.nn.Module) -> list[str]:
+    """The kinds of the model's modules that multiply float weights through BLAS rather than the native
+    kernels (block-quantized, or DenseLinear's packed bf16/float32), which compute a row the same in
+    any call."""
+    return sorted({
+        type(m).__name__ for m in model.modules()
+        if type(m) is torch.nn.Linear or type(m).__name__ in BLAS_MATMUL_MODULES
+    })
 
 
 def pick_device(name: str) -> torch.device:
@@ -289,12 +299,13 @@ class Engine:
         )
         self._ids = itertools.count()
         self._outputs: dict[str, list[RequestOutput]] = {}
-        if cfg.speculative_algorithm != "none" and has_float_matmuls(self.model):
+        if cfg.speculative_algorithm != "none" and blas_matmuls(self.model):
             logger.warning(
-                "speculative decoding over float weights: BLAS matmuls (oneDNN/MKL on the CPU, cuBLAS on GPUs) "
-                "may round a row differently by the call's size, so a verification's rows can differ in the last "
-                "bits from the same tokens decoded one at a time and a greedy answer can turn at a near-tie; "
-                "block-quantized weights (GGUF, --quantization int8/int4) compute a row the same in any call"
+                "speculative decoding over float weights on BLAS: the matmuls of this model's %s modules "
+                "(oneDNN/MKL on the CPU, cuBLAS on GPUs) may round a row differently by the call's size, so a verification's "
+                "rows can differ in the last bits from the same tokens decoded one at a time and a greedy answer "
+                "can turn at a near-tie; the native CPU kernels (block-quantized and packed bf16/float32 linears) "
+                "compute a row the same in any call", ", ".join(blas_matmuls(self.model))
             )
         logger.info(
             "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "

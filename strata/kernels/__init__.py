@@ -39,7 +39,7 @@ ENV_VAR = "STRATA_CPU_KERNELS"
 _DIR = Path(__file__).parent
 SOURCES = (
     _DIR / "cpu_ops.cpp", _DIR / "attention_ops.cpp", _DIR / "extend_attention.cpp", _DIR / "quant_ops.cpp",
-    _DIR / "decode_loop.cpp",
+    _DIR / "decode_loop.cpp", _DIR / "dense_ops.cpp",
 )
 DEFAULT_TARGET = "native"
 STALE_LOCK_S = 20 * 60  # a build takes ~1-2 min on two cores; a lock this old was left by a killed one

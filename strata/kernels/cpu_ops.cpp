@@ -339,12 +339,14 @@ void register_attention_ops(pybind11::module_& m);  // attention_ops.cpp
 void register_extend_attention(pybind11::module_& m);  // extend_attention.cpp
 void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
 void register_decode_loop(pybind11::module_& m);  // decode_loop.cpp
+void register_dense_ops(pybind11::module_& m);  // dense_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention_ops(m);
   register_extend_attention(m);
   register_quant_ops(m);
   register_decode_loop(m);
+  register_dense_ops(m);
   m.def("has_avx512", [] {
 #if defined(__AVX512F__)
     return true;

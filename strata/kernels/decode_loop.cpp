@@ -13,8 +13,9 @@
 //   h, residual = add_rms_norm(o(attention), residual)
 //   x           = down(silu(gate) * up)   with gate | up = gate_up(h)
 //
-// Linears are q4 / q8 blocks (the int8 dot-product kernels) or float weights (at::linear, as
-// F.linear computes them), each with an optional bias.
+// Linears are q4 / q8 blocks (the int8 dot-product kernels), packed bf16 / float32 weights (the dense
+// kernel, strata.layers.packed.DenseLinear) or plain float weights (at::linear, as F.linear computes
+// them), each with an optional bias.
 #include <torch/extension.h>
 
 #include <tuple>
@@ -24,16 +25,18 @@
 
 namespace {
 
-enum class LinearKind : int64_t { kQ4 = 0, kQ8 = 1, kFloat = 2 };
+enum class LinearKind : int64_t { kQ4 = 0, kQ8 = 1, kFloat = 2, kDense = 3 };
 
 struct Linear {
   LinearKind kind;
-  at::Tensor a, b, c;  // q4: qp, dp, mp; q8: qp, dp (packed, strata.layers.quant); float: the weight
-  c10::optional<at::Tensor> bias;
+  at::Tensor a, b, c;  // q4: qp, dp, mp; q8: qp, dp (packed, strata.layers.quant); float: the weight;
+                       // dense: the packed weight (strata.layers.packed)
+  c10::optional<at::Tensor> bias;  // dense: float32, added before rounding (DenseLinear.forward's)
   int64_t rows;  // output features
 
   at::Tensor operator()(const at::Tensor& x) const {
     if (kind == LinearKind::kFloat) return at::linear(x, a, bias);
+    if (kind == LinearKind::kDense) return strata_ops::dense_linear(x, a, bias, rows);
     at::Tensor out = kind == LinearKind::kQ4 ? strata_ops::q4_linear(x, a, b, c, rows)
                                              : strata_ops::q8_linear(x, a, b, rows);
     if (bias) out.add_(bias->to(out.scalar_type()));  // QuantLinear.forward's order
@@ -43,9 +46,9 @@ struct Linear {
 
 Linear make_linear(int64_t kind, at::Tensor a, c10::optional<at::Tensor> b, c10::optional<at::Tensor> c,
                    c10::optional<at::Tensor> bias, int64_t rows) {
-  TORCH_CHECK(kind >= 0 && kind <= 2, "linear kind must be 0 (q4), 1 (q8) or 2 (float), got ", kind);
+  TORCH_CHECK(kind >= 0 && kind <= 3, "linear kind must be 0 (q4), 1 (q8), 2 (float) or 3 (dense), got ", kind);
   const auto k = static_cast<LinearKind>(kind);
-  TORCH_CHECK(k == LinearKind::kFloat || b.has_value(), "a q4/q8 linear needs its scales");
+  TORCH_CHECK(k == LinearKind::kFloat || k == LinearKind::kDense || b.has_value(), "a q4/q8 linear needs its scales");
   TORCH_CHECK(k != LinearKind::kQ4 || c.has_value(), "a q4 linear needs its offsets");
   return {k, a, b.value_or(at::Tensor()), c.value_or(at::Tensor()), bias, rows};
 }

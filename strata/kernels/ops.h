@@ -11,6 +11,7 @@ namespace strata_ops {
 
 at::Tensor q4_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, at::Tensor mp, int64_t N);
 at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N);
+at::Tensor dense_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias, int64_t N);
 void store_kv(at::Tensor k, at::Tensor v, at::Tensor k_cache, at::Tensor v_cache, at::Tensor out_slots);
 void paged_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tensor v_cache, at::Tensor page_table,
                      at::Tensor owner, at::Tensor positions, int64_t page_size, double scale, int64_t window,

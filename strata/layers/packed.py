@@ -1,48 +1,155 @@
-"""bf16 linear layers with weights prepacked for oneDNN (CPU).
+"""Float linear layers with weights prepacked at load time (CPU).
 
-`torch.nn.functional.linear` on bf16 CPU tensors reorders the weight into oneDNN's blocked layout
-on every call; packing it once at load time makes every projection faster, most of all the
-one-row matmuls of a decode step (weights streamed from memory: ~1.3x). `pack_linears` swaps each
-bf16 `nn.Linear` of a loaded model (and the tied output head) for a `PackedLinear`, after checking
-on a random input that the packed op gives the same result; on any failure the model is left as it
-was. Off with the other CPU fast paths under STRATA_CPU_KERNELS=0.
+`DenseLinear` holds a bf16 or float32 weight packed 16 output rows side by side for the native
+kernel (`dense_linear`, strata/kernels/dense_ops.cpp). Each output row's bits depend on its input row
+alone, never on how many rows share the call, which BLAS does not promise (oneDNN and MKL pick
+blocking and K splits by the matrix sizes): so a speculative verification's rows equal one-at-a-time
+decoding over float weights too, as they do over block-quantized ones. It is also the faster
+kernel here, most of all for the few-row matmuls of decode steps (docs/BENCHMARKS.md).
+
+Where the native kernels cannot be built (no compiler, an unknown CPU), bf16 linears fall back to
+oneDNN-prepacked weights (`PackedLinear`): `F.linear` on bf16 CPU tensors reorders the weight into
+oneDNN's blocked layout on every call, and packing it once makes every projection faster. Neither
+promises the invariance above; the engine warns when speculation runs over them.
+
+`pack_linears` swaps each float `nn.Linear` of a loaded CPU model (and the tied output head) for
+whichever applies, after checking on a random input that it matches F.linear; on any failure the
+model is left as it was. Off with the other CPU fast paths under STRATA_CPU_KERNELS=0;
+STRATA_DENSE_KERNEL=0 turns off the dense kernel alone (oneDNN packing or BLAS then), for A/B runs.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import kernels
 from strata.kernels import enabled_by_env
 
 logger = logging.getLogger(__name__)
 
+GROUP = 16  # output rows side by side in DenseLinear's packed weight
+DENSE_ENV_VAR = "STRATA_DENSE_KERNEL"
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+
+def pack_dense(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] bf16 -> [G, K/2, 16, 2] (channel pairs of 16 rows); float32 -> [G, K, 16]. G = ceil(N / 16),
+    the last group's missing rows zero."""
+    n, k = weight.shape
+    groups = -(-n // GROUP)
+    padded = torch.zeros(groups * GROUP, k, dtype=weight.dtype)
+    padded[:n] = weight.detach()
+    if weight.dtype == torch.bfloat16:
+        return padded.view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return padded.view(groups, GROUP, k).permute(0, 2, 1).contiguous()
+
+
+def unpack_dense(wp: torch.Tensor, n: int) -> torch.Tensor:
+    """pack_dense's inverse: the [N, K] weight."""
+    if wp.dim() == 4:
+        return wp.permute(0, 2, 1, 3).reshape(wp.shape[0] * GROUP, -1)[:n]
+    return wp.permute(0, 2, 1).reshape(wp.shape[0] * GROUP, -1)[:n]
+
+
+class DenseLinear(nn.Module):
+    """y = x @ W^T + b over a packed bf16/float32 weight, by the native kernel of the build `target`
+    (the one loaded when the model was: a model keeps its kernels, as the quantized layers do)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, target: str, tied_embedding: bool = False):
+        super().__init__()
+        self.tied_embedding = tied_embedding  # a copy of the embedding table serving as the output head
+        if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
+            raise ValueError(f"DenseLinear takes a 2-D bf16 or float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+        if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
+            raise ValueError(f"a bf16 DenseLinear needs an even number of inputs, got {weight.shape[1]}")
+        self.out_features, self.in_features = weight.shape
+        self.target = target
+        self.register_buffer("wp", pack_dense(weight), persistent=False)
+        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wp.dtype
+
+    def unpacked(self) -> torch.Tensor:
+        return unpack_dense(self.wp, self.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features)
+        ops = kernels.load(self.target) if x.is_cpu and self.wp.is_cpu else None
+        if ops is None:  # moved off the CPU after packing
+            bias = None if self.bias is None else self.bias.to(x.dtype)
+            return F.linear(x, self.unpacked().to(x.dtype), bias)
+        out = ops.dense_linear(rows.to(self.dtype).contiguous(), self.wp, self.bias, self.out_features)
+        return out.view(*lead, self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"{str(self.dtype).removeprefix('torch.')}, kernels {self.target}")
+
+
+def float_weight(module: nn.Module) -> torch.Tensor:
+    """The [N, K] weight of a float linear, packed (DenseLinear) or not (nn.Linear)."""
+    return module.unpacked() if isinstance(module, DenseLinear) else module.weight
+
+
+def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
-def _pack(weight: torch.Tensor) -> torch.Tensor:
+def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
 class PackedLinear(nn.Module):
+    """A bf16 linear with its weight prepacked for oneDNN: the fallback where the native kernels are
+    unavailable."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = _pack(weight)  # an opaque oneDNN tensor: a plain attribute, not a parameter
+        self.packed = _onednn_pack(weight)  # an opaque oneDNN tensor: a plain attribute, not a parameter
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = _linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
+        out = _onednn_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, onednn_packed"
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
+    return torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+def dense_target() -> str | None:
+    """The native build DenseLinear would run here, if it runs and matches F.linear (bf16 and float32);
+    None also under DENSE_ENV_VAR=0 (oneDNN packing or BLAS then, for A/B comparisons)."""
+    if os.environ.get(DENSE_ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+        return None
+    if not enabled_by_env() or kernels.cpu_ops() is None or not hasattr(kernels.cpu_ops(), "dense_linear"):
+        return None
+    target = kernels.selected_target()
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for dtype in (torch.bfloat16, torch.float32):
+            w = torch.randn(40, 32, generator=gen).to(dtype)
+            b = torch.randn(40, generator=gen).to(dtype)
+            x = torch.randn(5, 32, generator=gen).to(dtype)
+            if not _close(DenseLinear(w, b, target)(x), F.linear(x, w, b)):
+                logger.warning("the native dense kernel disagrees with F.linear (%s); not using it", dtype)
+                return None
+    except Exception as exc:  # a build without the kernel, ...
+        logger.info("native dense linears unavailable (%s)", exc)
+        return None
+    return target
 
 
 def packing_works() -> bool:
@@ -54,36 +161,37 @@ def packing_works() -> bool:
         w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
         b = torch.randn(48, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
-        return torch.allclose(
-            _linear(x, _pack(w), b).float(), F.linear(x, w, b).float(), atol=0.05, rtol=0.02
-        )
+        return _close(_onednn_linear(x, _onednn_pack(w), b), F.linear(x, w, b))
     except Exception as exc:  # an op missing from this torch build, an unsupported CPU, ...
         logger.info("oneDNN weight packing unavailable (%s)", exc)
         return False
 
 
 def pack_linears(model: nn.Module) -> int:
-    """Replace the model's bf16 CPU nn.Linear modules (and a tied output head) by PackedLinear.
-    Returns how many were packed."""
+    """Replace the model's float CPU nn.Linear modules (and a tied output head) by DenseLinear (bf16 and
+    float32, the native kernels), or by oneDNN's PackedLinear (bf16 only) where those are unavailable.
+    Returns how many were replaced."""
     targets = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
-        if type(child) is nn.Linear
-        and child.weight.dtype == torch.bfloat16
-        and child.weight.device.type == "cpu"
+        if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
-    if not targets or not packing_works():
-        return 0
-    for parent, name, child in targets:
-        setattr(parent, name, PackedLinear(child.weight, child.bias))
-    count = len(targets)
     embed = getattr(model, "embed_tokens", None)
-    if (
-        getattr(model, "lm_head", "absent") is None
-        and embed is not None
-        and embed.weight.dtype == torch.bfloat16
-    ):
-        model.lm_head = PackedLinear(embed.weight, None)  # tied: a packed copy of the embedding matrix
+    if getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding) and embed.weight.is_cpu:
+        targets.append((model, "lm_head", embed))  # tied: a packed copy of the embedding matrix, no bias
+    if not targets:
+        return 0
+    target = dense_target()
+    onednn = target is None and packing_works()
+    count = 0
+    for parent, name, child in targets:
+        weight, bias = child.weight, getattr(child, "bias", None)
+        if target is not None and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)):
+            setattr(parent, name, DenseLinear(weight, bias, target, tied_embedding=child is embed))
+        elif onednn and weight.dtype == torch.bfloat16:
+            setattr(parent, name, PackedLinear(weight, bias))
+        else:
+            continue
         count += 1
     return count

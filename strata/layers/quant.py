@@ -379,7 +379,7 @@ def describe_weights(model: nn.Module) -> str:
     for module in model.modules():
         if isinstance(module, QuantLinear):
             name = module.format if not isinstance(module, Q8Linear) or module.group == BLOCK else "q8/16"
-        elif isinstance(module, nn.Linear) or type(module).__name__ == "PackedLinear":
+        elif isinstance(module, nn.Linear) or type(module).__name__ in ("PackedLinear", "DenseLinear"):
             name = "float"
         else:
             continue
@@ -391,7 +391,9 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
     """Replace the decoder layers' nn.Linear modules and the output projection by `QuantLinear`s, in place.
 
     With tied embeddings and `tied_lm_head`, `model.lm_head` becomes a quantized copy of the embedding
-    table (the lookup keeps the float table). A linear the method cannot store (in_features not a
+    table (the lookup keeps the float table); without `tied_lm_head` the head stays float (the
+    embedding, or the packed copy of it that `strata.layers.packed` made). Linears the loader packed
+    (DenseLinear) are quantized from the weights they hold. A linear the method cannot store (in_features not a
     multiple of 32) stays float, with a warning. Returns the model.
     """
     if method not in QUANT_METHODS:
@@ -402,19 +404,27 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
             f"block quantization runs on the CPU; the model is on {sorted(devices)}. "
             "Use --device cpu or --quantization none."
         )
+    from strata.layers.packed import DenseLinear
+
     cls = QUANT_METHODS[method]
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    targets = [(name, m) for name, m in targets if name.startswith("layers.") or name == "lm_head"]
+    head = getattr(model, "lm_head", "absent")
+    tied_copy = isinstance(head, DenseLinear) and head.tied_embedding  # pack_linears' copy of the embedding
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, DenseLinear))]
+    targets = [(name, m) for name, m in targets if name.startswith("layers.") or (name == "lm_head" and not tied_copy)]
     kept: list[str] = []
     for name, linear in targets:
         try:
-            quantized = cls.from_weight(linear.weight, linear.bias)
+            if isinstance(linear, DenseLinear):  # packed by the loader: quantize the weight it holds
+                weight = linear.unpacked()
+                quantized = cls.from_weight(weight, None if linear.bias is None else linear.bias.to(weight.dtype))
+            else:
+                quantized = cls.from_weight(linear.weight, linear.bias)
         except ValueError as e:
             kept.append(f"{name} ({e})")
             continue
         parent_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent_name) if parent_name else model, attr, quantized)
-    tied = getattr(model, "lm_head", "absent") is None and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
+    tied = (head is None or tied_copy) and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
     if tied and tied_lm_head:
         try:
             model.lm_head = cls.from_weight(model.embed_tokens.weight)

@@ -9,8 +9,8 @@ stays the oracle and runs every step that does not qualify.
 
 A model qualifies when its layers are the plain decoder (`strata.models.decoder`): "pre" norm
 layout without q/k norms or Gemma's (1 + w) norms, multi-head (not latent) attention, a dense SiLU
-MLP, and linears that are q4/q8 blocks or plain float weights (prepacked or mixed-format ones
-keep the Python loop). A step qualifies when every token decodes, nothing replays a window, and
+MLP, and linears that are q4/q8 blocks, natively packed bf16/float32 weights or plain float weights
+(oneDNN-prepacked or mixed-format ones keep the Python loop). A step qualifies when every token decodes, nothing replays a window, and
 the tensors are on the CPU in the weights' dtype. `STRATA_DECODE_LOOP=0` switches it off.
 """
 
@@ -25,6 +25,7 @@ from strata import kernels
 from strata.cache.kv_pool import MHAKVPool
 from strata.layers.attention import AttentionMetadata
 from strata.layers.mlp import MLP
+from strata.layers.packed import DenseLinear
 from strata.layers.quant import Q4Linear, Q8Linear, QuantLinear
 
 ENV_VAR = "STRATA_DECODE_LOOP"
@@ -43,6 +44,8 @@ def _linear_spec(module: nn.Module) -> tuple | None:
         return (1, module.qp, module.dp, None, bias, module.out_features)
     if type(module) is nn.Linear:
         return (2, module.weight, None, None, bias, module.out_features)
+    if type(module) is DenseLinear and kernels.load(module.target) is kernels.cpu_ops():
+        return (3, module.wp, None, None, bias, module.out_features)
     return None
 
 

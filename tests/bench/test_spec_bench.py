@@ -12,7 +12,10 @@ from strata.bench.spec import SpecBenchConfig, format_text, run
 def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
     options = dict(model=str(llama_dir), dtype="float32", kv_cache_tokens=4096)
     if algorithm == "draft":  # the target as its own draft model: every draft is kept
-        options.update(speculative_algorithm="draft", speculative_draft_model=str(llama_dir))
+        # a fixed draft length: the adaptive policy, timing drafts that cost a full target step each,
+        # may rightly decline them all on a busy machine, and this test is about the bench's plumbing
+        options.update(speculative_algorithm="draft", speculative_draft_model=str(llama_dir),
+                       speculative_fixed_length=True)
     cfg = SpecBenchConfig(scenarios=("chat-batch1", "chat-concurrent"), batch1_prompts=2, concurrency=3,
                           output_len=12, rounds=1)
     results = run(cfg, options, progress=lambda _: None)

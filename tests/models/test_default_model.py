@@ -26,7 +26,7 @@ def test_greedy_chat_answer_matches_transformers(default_dir):
             prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32, pad_token_id=0
         )[0, len(ids) :].tolist()
     engine = Engine(None, dtype="float32", kv_cache_tokens=4096, quantization="none")  # the GGUF dequantized
-    assert engine.state.weights == "float x120"
+    assert engine.state.weights == "float x121"  # 120 in the layers, and the tied head's packed copy
     got = engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
     assert engine.chat_ids(messages) == ids
     assert got.token_ids == expected

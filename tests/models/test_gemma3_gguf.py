@@ -30,6 +30,7 @@ from test_parity import hf_greedy
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
 
 from strata import Engine, SamplingParams
+from strata.layers.packed import float_weight
 from strata.weights import default_model
 from strata.weights.default_model import GEMMA3_270M_NAME, find_gemma3_270m_gguf, resolve_model_path
 from strata.weights.gguf import convert_gguf_to_hf, hf_tensor_name
@@ -265,7 +266,7 @@ def test_quantized_gguf_runs_on_its_blocks(tiny: Gemma3ForCausalLM, tmp_path: Pa
     with torch.no_grad():
         for name, module in blocks.model.named_modules():
             if isinstance(module, QuantLinear) and name.startswith("layers."):
-                assert torch.equal(module.dequantize(), plain.model.get_submodule(name).weight), name
+                assert torch.equal(module.dequantize(), float_weight(plain.model.get_submodule(name))), name
         ids = torch.tensor(PROMPT)
         assert torch.equal(blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids))
     one = SamplingParams(temperature=0, max_new_tokens=1, logprobs=5)

@@ -29,6 +29,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from strata.layers.packed import float_weight
 from strata.weights import default_model
 from strata.weights.default_model import (
     DEFAULT_MODEL_NAME,
@@ -337,7 +338,7 @@ def test_quantized_gguf_runs_on_its_blocks(qtype: str, tie: bool, tmp_path: Path
     with torch.no_grad():
         for name, module in blocks.model.named_modules():
             if isinstance(module, QuantLinear) and name.startswith("layers."):
-                assert torch.equal(module.dequantize(), plain.model.get_submodule(name).weight), name
+                assert torch.equal(module.dequantize(), float_weight(plain.model.get_submodule(name))), name
         ids = torch.tensor(PROMPT_IDS[0])
         assert torch.equal(blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids))
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)

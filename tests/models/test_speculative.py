@@ -8,8 +8,9 @@ import random
 from collections import Counter
 
 import pytest
+import torch
 
-from strata import Engine, SamplingParams
+from strata import Engine, SamplingParams, kernels
 from strata.engine.speculative import (
     EXPLORE_EVERY,
     DraftGuard,
@@ -544,19 +545,48 @@ def test_a_draft_model_with_another_tokenizer_is_refused(llama_dir, tmp_path):
         Engine(str(llama_dir), speculative_algorithm="draft")
 
 
-def test_speculation_over_float_weights_warns_that_blas_rows_can_round_apart(llama_dir, caplog):
-    """BLAS matmuls (oneDNN/MKL, cuBLAS) may sum a row in another order when the call has more rows, so
-    with float weights a verification's rows are not promised the bits of one-at-a-time decoding; the
-    engine says so at start. Block-quantized weights run the kernels that compute a row the same in any call."""
-    from strata.engine.engine import has_float_matmuls
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_greedy_identical_over_float_weights(tmp_path, dtype):
+    """Float weights run the native dense kernel, whose rows do not depend on the call's size, so a
+    verification's rows are one-at-a-time decoding's bits. At this size oneDNN's packed bf16 linears
+    (the fallback without the kernels) round some verification rows apart: 3 of these 6 answers turn."""
+    from tiny_models import make_model
+
+    from strata.layers.packed import DenseLinear
+
+    if kernels.cpu_ops() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    model_dir = make_model(tmp_path / "wide", "llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=4,
+                           num_attention_heads=8, num_key_value_heads=2, initializer_range=0.08)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 300) for _ in range(rng.randrange(20, 120))] for _ in range(6)]
+    kw = dict(dtype=dtype, page_size=16, device="cpu")  # the CPU's kernels
+    off_engine = engine(model_dir, False, **kw)
+    linears = [m for m in off_engine.model.modules() if isinstance(m, (torch.nn.Linear, DenseLinear))]
+    assert linears and all(isinstance(m, DenseLinear) for m in linears)
+    off = [r.token_ids for r in run_all(off_engine, prompts, greedy(48))]
+    on_engine = engine(model_dir, True, **kw)
+    on_engine.scheduler.spec.drafter = OracleDrafter({tuple(p): r for p, r in zip(prompts, off)})
+    assert [r.token_ids for r in run_all(on_engine, prompts, greedy(48))] == off
+    stats = on_engine.scheduler.spec.stats
+    assert stats.accepted_tokens > 3 * stats.verify_steps and stats.accepted_tokens < stats.drafted_tokens, stats
+
+
+def test_speculation_over_blas_matmuls_warns_that_rows_can_round_apart(llama_dir, caplog):
+    """Without the native kernels float weights go through BLAS (oneDNN/MKL, cuBLAS), which may sum a row
+    in another order when the call has more rows, so a verification's rows are not promised the bits of
+    one-at-a-time decoding; the engine says so at start. The native kernels (block-quantized weights, and
+    the dense kernel for float ones) compute a row the same in any call: no warning."""
+    from strata.engine.engine import blas_matmuls
 
     with caplog.at_level("WARNING", logger="strata.engine.engine"):
-        float_engine = engine(llama_dir, True)
-    assert has_float_matmuls(float_engine.model)
-    assert "speculative decoding over float weights" in caplog.text
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="strata.engine.engine"):
+        native = engine(llama_dir, True, device="cpu")
         quantized = engine(llama_dir, True, quantization="int8")
-        plain = engine(llama_dir, False)
-    assert not has_float_matmuls(quantized.model) and has_float_matmuls(plain.model)
-    assert "speculative decoding over float weights" not in caplog.text
+    if kernels.cpu_ops() is not None:
+        assert blas_matmuls(native.model) == [] and blas_matmuls(quantized.model) == []
+        assert "speculative decoding over float weights" not in caplog.text
+    with kernels.disabled(), caplog.at_level("WARNING", logger="strata.engine.engine"):
+        blas = engine(llama_dir, True, device="cpu")
+        plain = engine(llama_dir, False, device="cpu")
+    assert blas_matmuls(blas.model) == ["Linear"] and blas_matmuls(plain.model) == ["Linear"]
+    assert caplog.text.count("speculative decoding over float weights") == 1

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from strata import kernels
 from strata.layers.attention import reference_attention
 from strata.layers.norm import RMSNorm
-from strata.layers.packed import PackedLinear, pack_linears
+from strata.layers.packed import DenseLinear, PackedLinear, pack_dense, pack_linears, unpack_dense
 from strata.layers.rope import RotaryEmbedding
 from strata.model_config import RopeConfig
 
@@ -566,29 +566,95 @@ def test_disabled_falls_back_to_pytorch():
         assert torch.equal(norm(x), norm.reference(x))
 
 
-def test_packed_linear_matches_linear_and_packs_the_tied_head():
-    from strata.layers.packed import packing_works
+DENSE_SHAPES = [(130, 64), (48, 32), (576, 576), (1000, 2048), (17, 34), (1, 2)]
 
-    if not packing_works():
-        pytest.skip("oneDNN bf16 packing is not available on this CPU/torch build")
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("n,k", DENSE_SHAPES)
+def test_dense_linear_rows_do_not_depend_on_the_call(ops, dtype, n, k):
+    """A row's output bits are the same alone, as the first m rows of any call, and at any place in a
+    call (every tile size: 1-9 rows on AVX-512, 1-4 on AVX2, tails of groups, row counts past several
+    tiles), and within rounding of F.linear; outputs past N (the padded last group) are never written."""
+    gen = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=gen).to(dtype)
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(40, k, generator=gen).to(dtype)
+    wp = pack_dense(w)
+    full = ops.dense_linear(x, wp, bias, n)
+    want = F.linear(x.double(), w.double(), bias.double())
+    scale = want.abs().max().item()
+    assert full.dtype == dtype and (full.double() - want).abs().max().item() <= TOL[dtype] * scale
+    for m in [*range(1, 13), 17, 19, 33]:
+        assert torch.equal(ops.dense_linear(x[:m].contiguous(), wp, bias, n), full[:m]), m
+    for r in (0, 5, 9, 39):
+        assert torch.equal(ops.dense_linear(x[r : r + 1].contiguous(), wp, bias, n), full[r : r + 1]), r
+    order = torch.randperm(40, generator=gen)
+    assert torch.equal(ops.dense_linear(x[order].contiguous(), wp, None, n), ops.dense_linear(x, wp, None, n)[order])
+    assert torch.equal(unpack_dense(wp, n), w)
+
+
+def test_dense_linear_rejects_bad_arguments(ops):
+    w = torch.randn(20, 8)
+    wp = pack_dense(w)
+    x = torch.randn(3, 8)
+    cases = [
+        ((x.to(torch.float16), wp, None, 20), "bfloat16 or float32"),
+        ((x, wp.to(torch.bfloat16), None, 20), "must have x's dtype"),
+        ((x, wp, None, 40), r"wp must be \[3, 8, 16\]"),
+        ((x[:, :6].contiguous(), wp, None, 20), r"wp must be \[2, 6, 16\]"),
+        ((x, wp, torch.zeros(19), 20), r"bias must be \[20\]"),
+        ((x, wp, torch.zeros(20, dtype=torch.float64), 20), "bias must be float32"),
+        ((x.t(), wp, None, 20), "x must be contiguous"),
+        ((torch.randn(3, 7).to(torch.bfloat16), torch.zeros(2, 3, 16, 2, dtype=torch.bfloat16), None, 20), "even K"),
+        ((x, wp, None, 0), "N must be positive"),
+    ]
+    for args, message in cases:
+        with pytest.raises(RuntimeError, match=message):
+            ops.dense_linear(*args)
+    assert ops.dense_linear(x[:0], wp, None, 20).shape == (0, 20)
+
+
+def test_pack_linears_makes_dense_linears_and_packs_the_tied_head():
+    if kernels.cpu_ops() is None:
+        pytest.skip("the CPU kernels could not be built here")
     torch.manual_seed(0)
-    model = torch.nn.Module()
-    model.embed_tokens = torch.nn.Embedding(50, 24).to(torch.bfloat16)
-    model.proj = torch.nn.Linear(24, 40, bias=True).to(torch.bfloat16)
-    model.lm_head = None
-    reference = model.proj
-    x = torch.randn(3, 24).to(torch.bfloat16)
-    expected = reference(x)
-    assert pack_linears(model) == 2
-    assert isinstance(model.proj, PackedLinear) and isinstance(model.lm_head, PackedLinear)
-    torch.testing.assert_close(model.proj(x).float(), expected.float(), atol=0.05, rtol=0.02)
-    torch.testing.assert_close(
-        model.lm_head(x).float(), F.linear(x, model.embed_tokens.weight).float(), atol=0.05, rtol=0.02
-    )
+    for dtype in (torch.bfloat16, torch.float32):
+        model = torch.nn.Module()
+        model.embed_tokens = torch.nn.Embedding(50, 24).to(dtype)
+        model.proj = torch.nn.Linear(24, 40, bias=True).to(dtype)
+        model.odd = torch.nn.Linear(7, 5).to(dtype)  # bf16 needs an even K: left as it is
+        model.lm_head = None
+        reference, odd = model.proj, model.odd
+        x = torch.randn(3, 24).to(dtype)
+        expected = reference(x)
+        assert pack_linears(model) == (2 if dtype == torch.bfloat16 else 3)
+        assert isinstance(model.proj, DenseLinear) and isinstance(model.lm_head, DenseLinear)
+        assert (model.odd is odd) == (dtype == torch.bfloat16)
+        torch.testing.assert_close(model.proj(x).float(), expected.float(), atol=TOL[dtype], rtol=TOL[dtype])
+        torch.testing.assert_close(
+            model.lm_head(x).float(), F.linear(x, model.embed_tokens.weight).float(), atol=TOL[dtype], rtol=TOL[dtype]
+        )
+        lead = model.proj(torch.stack([x, x]))  # leading dims kept, rows independent of the call
+        assert lead.shape == (2, 3, 40) and torch.equal(lead[1], model.proj(x))
     with kernels.disabled():  # the switch covers packing too
         other = torch.nn.Module()
         other.proj = torch.nn.Linear(24, 40).to(torch.bfloat16)
         assert pack_linears(other) == 0
+
+
+def test_onednn_packing_is_the_fallback_without_native_kernels(monkeypatch):
+    from strata.layers import packed
+
+    if not packed.packing_works():
+        pytest.skip("oneDNN bf16 packing is not available on this CPU/torch build")
+    monkeypatch.setattr(packed, "dense_target", lambda: None)
+    model = torch.nn.Module()
+    model.proj = torch.nn.Linear(24, 40).to(torch.bfloat16)
+    model.f32 = torch.nn.Linear(24, 40)
+    x = torch.randn(3, 24).to(torch.bfloat16)
+    expected = model.proj(x)
+    assert pack_linears(model) == 1 and isinstance(model.proj, PackedLinear) and type(model.f32) is torch.nn.Linear
+    torch.testing.assert_close(model.proj(x).float(), expected.float(), atol=0.05, rtol=0.02)
 
 
 @pytest.mark.parametrize(

@@ -19,6 +19,7 @@ from strata import Engine, SamplingParams, kernels
 from strata.engine.batch import ScheduleBatch
 from strata.engine.request import Req
 from strata.layers import quant
+from strata.layers.packed import DenseLinear
 from strata.layers.quant import (
     QUANT_METHODS,
     ConcatLinear,
@@ -348,12 +349,13 @@ def test_quantized_model_computes_its_dequantized_weights(tiny_models, family, m
     model_dir = tiny_models[family]
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
     quantize_model(engine.model, method)
-    assert [name for name, m in engine.model.named_modules() if isinstance(m, nn.Linear)] == []
+    assert [name for name, m in engine.model.named_modules() if isinstance(m, (nn.Linear, DenseLinear))] == []
     head = engine.model.lm_head
     assert isinstance(head, QuantLinear)
     if family == "qwen2":
         assert engine.model.layers[0].self_attn.qkv_proj.bias is not None
-    ref = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
+    with kernels.disabled():  # plain nn.Linear weights, for _load_dequantized to overwrite
+        ref = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
     _load_dequantized(ref, engine.model)
     head_weight = head.dequantize()
     with kernels.disabled():
@@ -393,7 +395,7 @@ def test_quantized_model_stays_close_and_generates(tiny_models, dtype, method):
 def test_tied_embedding_can_stay_float_for_logits(tiny_models):
     engine = Engine(str(tiny_models["llama_tied_llama3"]), dtype="float32", kv_cache_tokens=512)
     quantize_model(engine.model, "int8", tied_lm_head=False)
-    assert engine.model.lm_head is None
+    assert not isinstance(engine.model.lm_head, QuantLinear)  # the embedding, or the loader's packed copy
     assert isinstance(engine.model.layers[0].mlp.down_proj, Q8Linear)
     assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
 
@@ -412,7 +414,7 @@ def test_unquantizable_layers_stay_float(tmp_path, caplog):
     with caplog.at_level("WARNING", logger="strata.layers.quant"):
         quantize_model(engine.model, "int4")
     assert "stay unquantized" in caplog.text
-    assert isinstance(engine.model.layers[0].self_attn.o_proj, nn.Linear)
+    assert isinstance(engine.model.layers[0].self_attn.o_proj, (nn.Linear, DenseLinear))
     assert isinstance(engine.model.layers[0].mlp.gate_up_proj, Q4Linear)
     assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
 
