@@ -22,7 +22,7 @@ run: setup
 # The second run repeats the kernel-, quantization- and parity-sensitive tests with the AVX2 kernel
 # build and torch's own kernels held to AVX2, so an AVX-512 machine proves the AVX2 paths as well.
 AVX2_TESTS := tests/unit/test_cpu_kernels.py tests/unit/test_quant.py tests/unit/test_attention.py tests/models/test_parity.py \
-	tests/models/test_native_decode.py
+	tests/models/test_native_decode.py tests/unit/test_moe_routing.py tests/models/test_speculative.py
 
 test: setup
 	$(PY) -m pytest -q

@@ -108,10 +108,14 @@ class GenerateResult:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-# Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears, and whatever the
-# weight format, MoE routers and stacked experts, MLA's absorbed up-projections, DeepSeek-V4's grouped
-# output projection.
-BLAS_MATMUL_MODULES = frozenset({"PackedLinear", "Router", "Experts", "KVUpProjection", "GroupedLinear"})
+# Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears; MoE routers and
+# expert stacks, MLA's absorbed up-projections and DeepSeek-V4's grouped output projection unless
+# packed for the native kernels (`native_kernel`); expert-parallel experts; DeepSeek-V4's MoE,
+# hyper-connections and compressed attention.
+BLAS_MATMUL_MODULES = frozenset({
+    "PackedLinear", "Router", "Experts", "EPExperts", "KVUpProjection", "GroupedLinear", "DSV4MoE",
+    "HyperConnection", "HyperHead", "DSV4Attention",
+})
 
 
 def blas_matmuls(model: torch.nn.Module) -> list[str]:
@@ -120,7 +124,8 @@ def blas_matmuls(model: torch.nn.Module) -> list[str]:
     any call."""
     return sorted({
         type(m).__name__ for m in model.modules()
-        if type(m) is torch.nn.Linear or type(m).__name__ in BLAS_MATMUL_MODULES
+        if type(m) is torch.nn.Linear
+        or (type(m).__name__ in BLAS_MATMUL_MODULES and not getattr(m, "native_kernel", False))
     })
 
 

@@ -38,6 +38,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 namespace {
 
@@ -249,7 +250,20 @@ void linear_groups(const W& w, const typename W::X* x, int64_t M, int64_t K, int
   }
 }
 
-void check_dense(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N) {
+// wp's sizes for N outputs over K inputs in `dtype`: [lead..., G, K/2, 16, 2] (bf16) or [lead..., G, K, 16].
+std::vector<int64_t> packed_sizes(at::ScalarType dtype, std::vector<int64_t> lead, int64_t N, int64_t K) {
+  lead.push_back((N + kGroup - 1) / kGroup);
+  if (dtype == at::kBFloat16) {
+    lead.insert(lead.end(), {K / 2, kGroup, 2});
+  } else {
+    lead.insert(lead.end(), {K, kGroup});
+  }
+  return lead;
+}
+
+// lead: wp's (and bias's) leading dims, {} for one weight, {E} for E weights.
+void check_dense(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
+                 const std::vector<int64_t>& lead) {
   check_cpu_contiguous(x, "x");
   check_cpu_contiguous(wp, "wp");
   TORCH_CHECK(x.dim() == 2, "x must be [rows, K], got sizes ", x.sizes());
@@ -258,44 +272,85 @@ void check_dense(const at::Tensor& x, const at::Tensor& wp, const c10::optional<
   TORCH_CHECK(wp.scalar_type() == x.scalar_type(), "wp (", wp.scalar_type(), ") must have x's dtype (",
               x.scalar_type(), ")");
   const int64_t K = x.size(1);
-  TORCH_CHECK(N > 0, "N must be positive, got ", N);
-  const int64_t G = (N + kGroup - 1) / kGroup;
-  if (x.scalar_type() == at::kBFloat16) {
-    TORCH_CHECK(K % 2 == 0, "a bf16 dense linear needs an even K, got ", K);
-    TORCH_CHECK(wp.sizes() == at::IntArrayRef({G, K / 2, kGroup, 2}), "wp must be [", G, ", ", K / 2, ", 16, 2] for N = ",
-                N, " and K = ", K, ", got sizes ", wp.sizes());
-  } else {
-    TORCH_CHECK(wp.sizes() == at::IntArrayRef({G, K, kGroup}), "wp must be [", G, ", ", K, ", 16] for N = ", N,
-                " and K = ", K, ", got sizes ", wp.sizes());
-  }
+  TORCH_CHECK(N > 0 && K > 0, "N and K must be positive, got N = ", N, " and K = ", K);
+  TORCH_CHECK(x.scalar_type() != at::kBFloat16 || K % 2 == 0, "a bf16 dense linear needs an even K, got ", K);
+  const std::vector<int64_t> want = packed_sizes(x.scalar_type(), lead, N, K);
+  TORCH_CHECK(wp.sizes() == at::IntArrayRef(want), "wp must be ", at::IntArrayRef(want), " for N = ", N, " and K = ",
+              K, ", got sizes ", wp.sizes());
   if (bias) {
     check_cpu_contiguous(*bias, "bias");
     TORCH_CHECK(bias->scalar_type() == at::kFloat, "bias must be float32, got ", bias->scalar_type());
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N, "bias must be [", N, "], got sizes ", bias->sizes());
+    std::vector<int64_t> bias_sizes = lead;
+    bias_sizes.push_back(N);
+    TORCH_CHECK(bias->sizes() == at::IntArrayRef(bias_sizes), "bias must be ", at::IntArrayRef(bias_sizes), ", got sizes ",
+                bias->sizes());
   }
 }
 
-// x [M, K] (bf16 or float32) @ packed weight of N rows^T (+ bias) -> [M, N] in x's dtype.
-at::Tensor dense_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias, int64_t N) {
-  check_dense(x, wp, bias, N);
-  const int64_t M = x.size(0), K = x.size(1), G = wp.size(0);
+// Rows [r0, r1) of x against packed weight `index` (and bias row `index`).
+struct Segment {
+  int64_t r0, r1, index;
+};
+
+// x [M, K] against the segments' weights -> [M, N] in x's dtype. The work is (segment, group) units,
+// each thread a run of them: ~even shares, at least 2 groups (a lone row's work is tiny).
+at::Tensor run_segments(const at::Tensor& x, const at::Tensor& wp, const c10::optional<at::Tensor>& bias, int64_t N,
+                        const std::vector<Segment>& segments) {
+  const int64_t M = x.size(0), K = x.size(1), G = (N + kGroup - 1) / kGroup;
   at::Tensor out = at::empty({M, N}, x.options());
-  if (M == 0) return out;
-  if (K == 0) return bias ? bias->to(x.scalar_type()).expand({M, N}).contiguous() : out.zero_();
+  if (segments.empty()) return out;
   const float* b = bias ? bias->data_ptr<float>() : nullptr;
+  const int64_t weight_elems = G * K * kGroup;  // per packed weight, bf16 or float32
   const int64_t group_bytes = K * kGroup * static_cast<int64_t>(x.element_size());
-  // each thread a run of whole groups: ~even shares, at least 2 groups (a lone row's work is tiny)
-  const int64_t grain = std::max<int64_t>(2, (G + at::get_num_threads() - 1) / at::get_num_threads());
-  auto run = [&](const auto& w, const auto* xp, auto* op) {
-    at::parallel_for(0, G, grain, [&](int64_t g0, int64_t g1) { linear_groups(w, xp, M, K, g0, g1, b, op, N, group_bytes); });
+  const int64_t units = static_cast<int64_t>(segments.size()) * G;
+  const int64_t grain = std::max<int64_t>(2, (units + at::get_num_threads() - 1) / at::get_num_threads());
+  auto run = [&](auto make_weights, const auto* xp, auto* op) {
+    at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
+      for (int64_t s = u0 / G; s * G < u1; ++s) {
+        const Segment& seg = segments[s];
+        const int64_t g0 = std::max(u0, s * G) - s * G, g1 = std::min(u1, (s + 1) * G) - s * G;
+        linear_groups(make_weights(seg.index), xp + seg.r0 * K, seg.r1 - seg.r0, K, g0, g1,
+                      b ? b + seg.index * N : nullptr, op + seg.r0 * N, N, group_bytes);
+      }
+    });
   };
   if (x.scalar_type() == at::kBFloat16) {
-    run(Bf16Weights{reinterpret_cast<const uint16_t*>(wp.data_ptr()), K}, reinterpret_cast<const uint16_t*>(x.data_ptr()),
+    const auto* w = reinterpret_cast<const uint16_t*>(wp.data_ptr());
+    run([&](int64_t e) { return Bf16Weights{w + e * weight_elems, K}; }, reinterpret_cast<const uint16_t*>(x.data_ptr()),
         out.data_ptr<at::BFloat16>());
   } else {
-    run(F32Weights{wp.data_ptr<float>(), K}, x.data_ptr<float>(), out.data_ptr<float>());
+    const float* w = wp.data_ptr<float>();
+    run([&](int64_t e) { return F32Weights{w + e * weight_elems, K}; }, x.data_ptr<float>(), out.data_ptr<float>());
   }
   return out;
+}
+
+// x [M, K] (bf16 or float32) @ packed weight of N rows^T (+ bias [N]) -> [M, N] in x's dtype.
+at::Tensor dense_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> bias, int64_t N) {
+  check_dense(x, wp, bias, N, {});
+  std::vector<Segment> segments;
+  if (x.size(0) > 0) segments.push_back({0, x.size(0), 0});
+  return run_segments(x, wp, bias, N, segments);
+}
+
+// x [M, K] with rows grouped by weight: rows [ends[e-1], ends[e]) (ends[-1] = 0) against packed weight
+// e of wp [E, ...] (+ bias [E, N]) -> [M, N]: a mixture of experts' rows sorted by expert.
+at::Tensor dense_grouped_linear(at::Tensor x, at::Tensor wp, at::Tensor ends, c10::optional<at::Tensor> bias,
+                                int64_t N) {
+  TORCH_CHECK(wp.dim() >= 1, "wp must be [E, ...], got sizes ", wp.sizes());
+  const int64_t E = wp.size(0);
+  check_dense(x, wp, bias, N, {E});
+  const int64_t* end = index_data(ends, 1, "ends", "[E]");
+  TORCH_CHECK(ends.size(0) == E, "ends must have one entry per weight (", E, "), got ", ends.size(0));
+  std::vector<Segment> segments;
+  for (int64_t e = 0, r0 = 0; e < E; r0 = end[e], ++e) {
+    TORCH_CHECK(end[e] >= r0 && end[e] <= x.size(0), "ends must rise from 0 to the rows of x (", x.size(0), "), got ",
+                end[e], " at ", e, " after ", r0);
+    if (end[e] > r0) segments.push_back({r0, end[e], e});
+  }
+  TORCH_CHECK(E == 0 || end[E - 1] == x.size(0), "ends must end at the rows of x (", x.size(0), "), got ",
+              E ? end[E - 1] : 0);
+  return run_segments(x, wp, bias, N, segments);
 }
 
 }  // namespace
@@ -307,6 +362,9 @@ at::Tensor dense_linear(at::Tensor x, at::Tensor wp, c10::optional<at::Tensor> b
 }  // namespace strata_ops
 
 void register_dense_ops(pybind11::module_& m) {
+  m.def("dense_grouped_linear", &dense_grouped_linear, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("ends"),
+        pybind11::arg("bias"), pybind11::arg("N"),
+        "x [M, K] with rows grouped by weight (rows ends[e-1]:ends[e] take weight e of wp [E, ...]) -> [M, N]");
   m.def("dense_linear", &dense_linear, pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias"),
         pybind11::arg("N"),
         "x [M, K] @ packed bf16/float32 weight of N rows^T (+ float32 bias) -> [M, N]; each row's bits "

@@ -27,6 +27,7 @@ from torch import nn
 from strata.cache.dsv4_pool import DSV4KVPool, entry_slots
 from strata.layers.attention import AttentionMetadata, SegmentMeta
 from strata.layers.hyper_connection import unweighted_rms_norm
+from strata.layers.packed import grouped_dense, pack_groups
 from strata.layers.rope import inv_freq_and_scale
 from strata.model_config import ModelConfig, RopeConfig
 
@@ -73,14 +74,27 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class GroupedLinear(nn.Module):
     """Block-diagonal projection: input [T, g, d_in] -> [T, g, d_out], group i by weight rows
-    [i * d_out, (i + 1) * d_out). Not an nn.Linear, so no weight format swaps it for a dense one."""
+    [i * d_out, (i + 1) * d_out). Not an nn.Linear, so no weight format swaps it for a dense one; on
+    the CPU `pack` adds the groups packed for the native dense kernel (rows independent of the call)."""
 
     def __init__(self, in_per_group: int, out_features: int, groups: int):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
+        self.packed_target: str | None = None
+
+    @property
+    def native_kernel(self) -> bool:
+        return self.packed_target is not None
+
+    def pack(self, target: str) -> None:
+        self.register_buffer("packed", pack_groups(self.weight.detach().view(self.groups, -1, self.weight.shape[1])),
+                             persistent=False)
+        self.packed_target = target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed_target is not None and x.is_cpu:
+            return grouped_dense(x, self.packed, self.weight.shape[0] // self.groups, self.packed_target)
         w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [g, d_in, d_out]
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 

@@ -38,6 +38,7 @@ from torch import nn
 from strata.cache.kv_pool import LatentKVPool
 from strata.layers.attention import AttentionMetadata, paged_attention, segment_attention
 from strata.layers.norm import RMSNorm
+from strata.layers.packed import grouped_dense, pack_groups
 from strata.layers.rope import RotaryEmbedding
 from strata.model_config import ModelConfig
 
@@ -54,12 +55,26 @@ class KVUpProjection(nn.Module):
     """kv_b_proj: a latent c [kv_lora_rank] -> each head's key nope part [qk_nope_head_dim] and value
     [v_head_dim]; weight [H * (qk_nope + v_head_dim), kv_lora_rank], per head its key rows then its
     value rows (HF's layout). A plain parameter, not an nn.Linear: the absorbed form multiplies by
-    its per-head blocks, so weight quantization and packing leave it as it is."""
+    its per-head blocks, so weight quantization leaves it as it is. On the CPU `pack` adds those
+    blocks packed per head for the native dense kernel (W_uk transposed, W_uv as it is), so the
+    absorbed products of a token never depend on the other rows of the step; `expand` (long
+    prefills) keeps the plain weight."""
 
     def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int):
         super().__init__()
         self.num_heads, self.nope_dim, self.v_dim = num_heads, qk_nope_head_dim, v_head_dim
         self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
+        self.packed_target: str | None = None
+
+    @property
+    def native_kernel(self) -> bool:
+        return self.packed_target is not None
+
+    def pack(self, target: str) -> None:
+        w_uk, w_uv = (w.detach() for w in self._blocks())
+        self.register_buffer("uk_packed", pack_groups(w_uk.transpose(1, 2)), persistent=False)  # [H, L rows]
+        self.register_buffer("uv_packed", pack_groups(w_uv), persistent=False)  # [H, v rows]
+        self.packed_target = target
 
     def _blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_uk [H, qk_nope, L], W_uv [H, v_head_dim, L]), views of the weight."""
@@ -68,11 +83,15 @@ class KVUpProjection(nn.Module):
 
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, qk_nope] -> [T, H, L]: each head's query nope part as a query over latents."""
+        if self.packed_target is not None and q_nope.is_cpu:
+            return grouped_dense(q_nope, self.uk_packed, self.weight.shape[1], self.packed_target)
         w_uk, _ = self._blocks()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def values(self, out_latent: torch.Tensor) -> torch.Tensor:
         """[T, H, L] (attention-weighted latents) -> [T, H, v_head_dim]."""
+        if self.packed_target is not None and out_latent.is_cpu:
+            return grouped_dense(out_latent, self.uv_packed, self.v_dim, self.packed_target)
         _, w_uv = self._blocks()
         return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 

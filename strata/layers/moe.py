@@ -27,7 +27,7 @@ from torch import nn
 
 from strata.layers.activation import act_and_mul, check_activation, clamped_swiglu
 from strata.layers.mlp import MLP
-from strata.layers.moe_routing import get_routing
+from strata.layers.moe_routing import get_routing, row_sum, sigmoid32
 from strata.moe_config import MoEConfig
 
 EXPERT_BACKENDS = ("grouped_mm", "loop")
@@ -76,15 +76,29 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
 
 
 class Router(nn.Module):
-    """The router's linear (weight [E, H], optional bias) and DeepSeek-V3's score correction bias."""
+    """The router's linear (weight [E, H], optional bias) and DeepSeek-V3's score correction bias.
+    `pack` gives it a packed copy for the native dense kernel (strata.layers.packed), so a token's
+    logits, and so its experts, never depend on the other rows of the step."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
         self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
         self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.correction_bias else None
+        self.dense: nn.Module | None = None
+
+    @property
+    def native_kernel(self) -> bool:
+        return self.dense is not None
+
+    def pack(self, target: str) -> None:
+        from strata.layers.packed import DenseLinear
+
+        self.dense = DenseLinear(self.weight, self.bias, target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> logits [T, E]
+        if self.dense is not None and x.is_cpu:
+            return self.dense(x)
         return F.linear(x, self.weight, self.bias)
 
 
@@ -106,6 +120,51 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.empty(E, hidden_size)) if cfg.expert_bias else None
         self.backend: str | None = None  # None: grouped_mm where it works, else loop
+        self.out_features = {"gate_up_proj": 2 * I, "down_proj": hidden_size}
+        self.packed_target: str | None = None  # set by pack(): the native kernel build the stacks run on
+
+    @property
+    def native_kernel(self) -> bool:
+        return self.packed_target is not None
+
+    def pack(self, target: str) -> None:
+        """Hold each stack packed for the native dense kernel instead (`{name}_packed` [E, ...], each
+        expert as strata.layers.packed.pack_dense lays it out; biases as float32), so that a row's
+        output never depends on the other rows of the call, as with BLAS it may. The float stacks are
+        dropped, not kept twice; `unpacked(name)` rebuilds one."""
+        from strata.layers.packed import pack_groups
+
+        for name in ("gate_up_proj", "down_proj"):
+            weight = self._parameters[name]
+            packed = pack_groups(weight.detach())
+            self._parameters[name] = None
+            self.register_buffer(f"{name}_packed", packed, persistent=False)
+            bias = getattr(self, f"{name}_bias")
+            if bias is not None:
+                setattr(self, f"{name}_bias", nn.Parameter(bias.detach().float().contiguous(), requires_grad=False))
+        self.packed_target = target
+
+    def unpacked(self, name: str) -> torch.Tensor:
+        """The [E, N, K] stack `name` (gate_up_proj or down_proj), packed or not."""
+        from strata.layers.packed import unpack_dense
+
+        if self.packed_target is None:
+            return getattr(self, name)
+        return torch.stack([unpack_dense(w, self.out_features[name]) for w in getattr(self, f"{name}_packed")])
+
+    def _project(self, x: torch.Tensor, name: str, group_ends: torch.Tensor, backend: str,
+                 row_expert: torch.Tensor) -> torch.Tensor:
+        """Rows x grouped by expert @ each one's `name` stack^T, + its bias."""
+        bias = getattr(self, f"{name}_bias")
+        if self.packed_target is not None and x.is_cpu:
+            from strata import kernels
+
+            ops = kernels.load(self.packed_target)
+            ends = group_ends.to(torch.int64)
+            return ops.dense_grouped_linear(x.contiguous(), getattr(self, f"{name}_packed"), ends, bias,
+                                            self.out_features[name])
+        y = grouped_linear(x, getattr(self, name), group_ends, backend)
+        return y if bias is None else y + bias[row_expert]
 
     def forward(
         self,
@@ -121,20 +180,16 @@ class Experts(nn.Module):
         order = experts.reshape(-1).argsort(stable=True)  # [T * k]
         group_ends = counts.cumsum(0).to(torch.int32)  # [E]
         rows = x[order // k]  # [T * k, H]
-        h = grouped_linear(rows, self.gate_up_proj, group_ends, backend)  # [T * k, 2I]
-        if self.gate_up_proj_bias is not None:
-            row_expert = experts.reshape(-1)[order]  # [T * k], ascending
-            h = h + self.gate_up_proj_bias[row_expert]
+        row_expert = experts.reshape(-1)[order]  # [T * k], ascending (the biases' rows)
+        h = self._project(rows, "gate_up_proj", group_ends, backend, row_expert)  # [T * k, 2I]
         if self.act == "clamped_swiglu":
             h = clamped_swiglu(h, self.limit, self.alpha)
         else:
             h = act_and_mul(h.contiguous(), self.act)
-        y = grouped_linear(h, self.down_proj, group_ends, backend)  # [T * k, H]
-        if self.down_proj_bias is not None:
-            y = y + self.down_proj_bias[row_expert]
+        y = self._project(h, "down_proj", group_ends, backend, row_expert)  # [T * k, H]
         out = torch.empty_like(y, dtype=torch.float32)
         out[order] = y.float() * weights.reshape(-1)[order, None]  # back to row order t * k + j
-        return out.view(T, k, -1).sum(dim=1).to(x.dtype)
+        return row_sum(out.view(T, k, -1).transpose(1, 2)).squeeze(-1).to(x.dtype)  # each row's k in order
 
     def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]:
         """Copy one checkpoint tensor in: a stacked one under our own name (`gate_up_proj`, ...,
@@ -197,7 +252,7 @@ class MoE(nn.Module):
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+                shared = sigmoid32(self.shared_expert_gate(x)).to(shared.dtype) * shared
             out = out + shared
         return out
 

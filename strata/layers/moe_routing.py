@@ -8,6 +8,14 @@ own router module on random inputs.
 The contract: `logits` is [T, E] (any float dtype; the functions compute in float32), the result is
 (weights [T, top_k] float32, experts [T, top_k] int64). The order of a token's k choices carries no
 meaning (the expert outputs are summed).
+
+A token's result must not depend on the other tokens of the step (a speculative verification's rows
+must route as lone decodes do), and torch's CPU kernels do not promise that for every op: an
+elementwise sigmoid runs a vectorized body and a scalar tail that round differently, and which
+elements fall in the tail depends on the element count; a reduction over a short last dim may
+associate its terms by the tensor's shape. So sums over a token's choices go left to right
+(`row_sum`) and sigmoids are taken in float64 (`sigmoid32`: the two paths then agree after rounding
+to float32 but for values within a float64 ulp of a float32 rounding boundary).
 """
 
 from __future__ import annotations
@@ -17,6 +25,19 @@ from typing import Protocol
 import torch
 
 from strata.moe_config import MoEConfig
+
+
+def row_sum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., n] summed over the last dim left to right, keepdim: the same bits for a row in any tensor."""
+    total = x[..., :1]
+    for j in range(1, x.shape[-1]):
+        total = total + x[..., j : j + 1]
+    return total
+
+
+def sigmoid32(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) in float32, computed in float64 (see the module docstring)."""
+    return torch.sigmoid(x.double()).float()
 
 
 class RoutingFn(Protocol):
@@ -31,7 +52,7 @@ def softmax_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Te
     probs = torch.softmax(logits.float(), dim=-1)
     weights, experts = torch.topk(probs, cfg.top_k, dim=-1)
     if cfg.norm_topk_prob:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights / row_sum(weights)
     return weights, experts
 
 
@@ -59,14 +80,14 @@ def sigmoid_group_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: to
     correction bias, limited to the best `topk_groups` groups (a group scored by the sum of its best
     two); the weights are the chosen experts' scores without the bias, renormalised if
     `norm_topk_prob`, times `routed_scaling_factor`."""
-    scores = logits.float().sigmoid()
+    scores = sigmoid32(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_groups > 1:
         choice = choice.masked_fill(~_group_mask(choice, cfg, "top2_sum"), float("-inf"))
     experts = torch.topk(choice, cfg.top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if cfg.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        weights = weights / (row_sum(weights) + 1e-20)
     return weights * cfg.routed_scaling_factor, experts
 
 

@@ -14,7 +14,10 @@ promises the invariance above; the engine warns when speculation runs over them.
 
 `pack_linears` swaps each float `nn.Linear` of a loaded CPU model (and the tied output head) for
 whichever applies, after checking on a random input that it matches F.linear; on any failure the
-model is left as it was. Off with the other CPU fast paths under STRATA_CPU_KERNELS=0;
+model is left as it was. With the native kernels it also packs the float matmuls outside linear
+layers (each module's `pack`, run by the grouped entry `dense_grouped_linear`): MoE routers and
+expert stacks (strata.layers.moe), MLA's absorbed up-projections (strata.layers.mla) and
+DeepSeek-V4's grouped output projection (strata.layers.dsv4_attention). Off with the other CPU fast paths under STRATA_CPU_KERNELS=0;
 STRATA_DENSE_KERNEL=0 turns off the dense kernel alone (oneDNN packing or BLAS then), for A/B runs.
 """
 
@@ -93,6 +96,21 @@ class DenseLinear(nn.Module):
                 f"{str(self.dtype).removeprefix('torch.')}, kernels {self.target}")
 
 
+def pack_groups(weights: torch.Tensor) -> torch.Tensor:
+    """[g, N, K] -> [g, *pack_dense's layout]: one packed weight per group (or expert, or head)."""
+    return torch.stack([pack_dense(w) for w in weights])
+
+
+def grouped_dense(x: torch.Tensor, packed: torch.Tensor, n: int, target: str) -> torch.Tensor:
+    """x [T, g, K] -> [T, g, n]: slice i of every token through packed weight i of `packed` (pack_groups),
+    each row's bits independent of T, as dense_linear's are."""
+    tokens, groups, k = x.shape
+    rows = x.transpose(0, 1).reshape(groups * tokens, k)
+    ends = torch.arange(1, groups + 1, dtype=torch.int64) * tokens
+    out = kernels.load(target).dense_grouped_linear(rows.contiguous(), packed, ends, None, n)
+    return out.view(groups, tokens, n).transpose(0, 1)
+
+
 def float_weight(module: nn.Module) -> torch.Tensor:
     """The [N, K] weight of a float linear, packed (DenseLinear) or not (nn.Linear)."""
     return module.unpacked() if isinstance(module, DenseLinear) else module.weight
@@ -167,10 +185,21 @@ def packing_works() -> bool:
         return False
 
 
+def _fits(weight: torch.Tensor) -> bool:
+    """Whether the dense kernel takes this weight ([..., N, K]): float32, or bf16 with an even K."""
+    return weight.is_cpu and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0))
+
+
 def pack_linears(model: nn.Module) -> int:
     """Replace the model's float CPU nn.Linear modules (and a tied output head) by DenseLinear (bf16 and
-    float32, the native kernels), or by oneDNN's PackedLinear (bf16 only) where those are unavailable.
-    Returns how many were replaced."""
+    float32, the native kernels), or by oneDNN's PackedLinear (bf16 only) where those are unavailable;
+    with the native kernels, MoE routers and expert stacks, MLA's absorbed up-projections and
+    DeepSeek-V4's grouped projections are packed for them too. Returns how many modules were replaced
+    or packed."""
+    from strata.layers.dsv4_attention import GroupedLinear
+    from strata.layers.mla import KVUpProjection
+    from strata.layers.moe import Experts, Router
+
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -180,18 +209,27 @@ def pack_linears(model: nn.Module) -> int:
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding) and embed.weight.is_cpu:
         targets.append((model, "lm_head", embed))  # tied: a packed copy of the embedding matrix, no bias
-    if not targets:
+    grouped = [m for m in model.modules()
+               if isinstance(m, (Experts, Router, KVUpProjection, GroupedLinear)) and not m.native_kernel]
+    if not targets and not grouped:
         return 0
     target = dense_target()
     onednn = target is None and packing_works()
     count = 0
     for parent, name, child in targets:
         weight, bias = child.weight, getattr(child, "bias", None)
-        if target is not None and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[1] % 2 == 0)):
+        if target is not None and _fits(weight):
             setattr(parent, name, DenseLinear(weight, bias, target, tied_embedding=child is embed))
         elif onednn and weight.dtype == torch.bfloat16:
             setattr(parent, name, PackedLinear(weight, bias))
         else:
             continue
         count += 1
+    for module in grouped if target is not None else []:
+        weights = [module.gate_up_proj, module.down_proj] if isinstance(module, Experts) else [module.weight]
+        if isinstance(module, KVUpProjection):  # its blocks are packed over both of the weight's dims
+            weights = [module.weight, module.weight.t()]
+        if all(_fits(w) for w in weights):
+            module.pack(target)
+            count += 1
     return count

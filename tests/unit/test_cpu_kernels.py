@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from strata import kernels
 from strata.layers.attention import reference_attention
 from strata.layers.norm import RMSNorm
-from strata.layers.packed import DenseLinear, PackedLinear, pack_dense, pack_linears, unpack_dense
+from strata.layers.packed import (
+    DenseLinear,
+    PackedLinear,
+    grouped_dense,
+    pack_dense,
+    pack_groups,
+    pack_linears,
+    unpack_dense,
+)
 from strata.layers.rope import RotaryEmbedding
 from strata.model_config import RopeConfig
 
@@ -593,6 +601,60 @@ def test_dense_linear_rows_do_not_depend_on_the_call(ops, dtype, n, k):
     assert torch.equal(unpack_dense(wp, n), w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_dense_grouped_linear_gives_each_row_its_weight(ops, dtype):
+    """Rows grouped by expert (some experts with none, one with a lone row): each row gets its own
+    expert's product (+ that expert's bias), the bits dense_linear gives that row alone."""
+    gen = torch.Generator().manual_seed(7)
+    E, n, k = 6, 40, 64
+    counts = [3, 0, 11, 1, 0, 9]
+    w = torch.randn(E, n, k, generator=gen).to(dtype)
+    bias = torch.randn(E, n, generator=gen)
+    x = torch.randn(sum(counts), k, generator=gen).to(dtype)
+    wp = torch.stack([pack_dense(w[e]) for e in range(E)])
+    ends = torch.tensor(counts).cumsum(0)
+    got = ops.dense_grouped_linear(x, wp, ends, bias, n)
+    start = 0
+    for e, count in enumerate(counts):
+        rows = x[start : start + count]
+        for r in range(count):
+            assert torch.equal(got[start + r], ops.dense_linear(rows[r : r + 1].contiguous(), wp[e], bias[e], n)[0])
+        if count:
+            want = F.linear(rows.double(), w[e].double(), bias[e].double())
+            assert (got[start : start + count].double() - want).abs().max() <= TOL[dtype] * want.abs().max()
+        start += count
+    plain = ops.dense_grouped_linear(x, wp, ends, None, n)
+    assert torch.equal(plain[3:14], ops.dense_linear(x[3:14].contiguous(), wp[2], None, n))
+    bad = [
+        ((x, wp, torch.tensor([3, 3, 14, 15, 15]), None, n), "one entry per weight"),
+        ((x, wp, torch.tensor([3, 2, 14, 15, 15, 24]), None, n), "must rise"),
+        ((x, wp, torch.tensor([3, 3, 14, 15, 15, 23]), None, n), "must end at the rows"),
+        ((x, wp, ends.int(), None, n), "int64"),
+        ((x, wp, ends, bias[0], n), r"bias must be \[6, 40\]"),
+        ((x, wp[0], ends, None, n), "wp must be"),
+    ]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            ops.dense_grouped_linear(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_grouped_dense_is_a_batched_matmul_whose_rows_stand_alone(ops, dtype):
+    """grouped_dense (MLA's per-head products, DeepSeek-V4's grouped projection): slice i of each token
+    through weight i, as torch.bmm computes it up to rounding, and each token's bits the same alone."""
+    gen = torch.Generator().manual_seed(11)
+    tokens, groups, n, k = 13, 5, 24, 32
+    w = torch.randn(groups, n, k, generator=gen).to(dtype)
+    x = torch.randn(tokens, groups, k, generator=gen).to(dtype)
+    packed = pack_groups(w)
+    got = grouped_dense(x, packed, n, kernels.selected_target())
+    want = torch.bmm(x.transpose(0, 1).double(), w.double().transpose(1, 2)).transpose(0, 1)
+    assert got.shape == (tokens, groups, n)
+    assert (got.double() - want).abs().max() <= TOL[dtype] * want.abs().max()
+    for t in range(tokens):
+        assert torch.equal(grouped_dense(x[t : t + 1], packed, n, kernels.selected_target()), got[t : t + 1]), t
+
+
 def test_dense_linear_rejects_bad_arguments(ops):
     w = torch.randn(20, 8)
     wp = pack_dense(w)
@@ -606,7 +668,7 @@ def test_dense_linear_rejects_bad_arguments(ops):
         ((x, wp, torch.zeros(20, dtype=torch.float64), 20), "bias must be float32"),
         ((x.t(), wp, None, 20), "x must be contiguous"),
         ((torch.randn(3, 7).to(torch.bfloat16), torch.zeros(2, 3, 16, 2, dtype=torch.bfloat16), None, 20), "even K"),
-        ((x, wp, None, 0), "N must be positive"),
+        ((x, wp, None, 0), "N and K must be positive"),
     ]
     for args, message in cases:
         with pytest.raises(RuntimeError, match=message):

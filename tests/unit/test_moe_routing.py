@@ -10,6 +10,7 @@ import transformers
 
 from strata.bench.moe import load_hf_moe_block
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
+from strata.layers.packed import dense_target, pack_linears
 from strata.layers.moe_routing import ROUTING
 from strata.model_config import ModelConfig
 
@@ -101,27 +102,51 @@ def test_routing_function_equals_transformers_router(name):
         assert not torch.equal(experts.sort(-1).values, torch.topk(logits, moe_cfg.top_k).indices.sort(-1).values)
 
 
-@pytest.mark.parametrize("backend", ["grouped_mm", "loop"])
+@pytest.mark.parametrize("backend", ["grouped_mm", "loop", "native"])
 @pytest.mark.parametrize("name", list(CASES))
 def test_moe_block_equals_transformers(name, backend):
     """Routing, grouped experts, GPT-OSS's biased clamped SwiGLU, shared experts (Qwen2-MoE's
-    sigmoid-gated one, DeepSeek's ungated ones): our block's output is transformers' block's."""
+    sigmoid-gated one, DeepSeek's ungated ones): our block's output is transformers' block's. With
+    the router and the expert stacks packed for the native dense kernel ("native", as the loader
+    leaves a CPU model), each token's output is also the same bits alone as among the others."""
     if backend == "grouped_mm" and not grouped_mm_works("cpu", torch.float32):
         pytest.skip("this torch has no CPU grouped GEMM")
+    if backend == "native" and dense_target() is None:
+        pytest.skip("the CPU kernels could not be built here")
     hf_cfg, moe_cfg, _, block_cls = hf_case(name)
     hf_block = block_cls(hf_cfg).eval()
     randomize(hf_block)
     ours = MoE(BASE["hidden_size"], moe_cfg)
-    ours.experts.backend = backend
     load_hf_moe_block(ours, hf_block, gpt_oss=name == "gpt_oss")
+    if backend == "native":
+        assert pack_linears(ours) >= 2 and ours.gate.native_kernel and ours.experts.native_kernel
+        assert ours.experts.gate_up_proj is None  # packed in place of the float stack, not beside it
+    else:
+        ours.experts.backend = backend
     x = torch.randn(T, BASE["hidden_size"])
     with torch.no_grad():
         expected = hf_block(x.unsqueeze(0))
         expected = (expected[0] if isinstance(expected, tuple) else expected)[0]
         ours.expert_load.zero_()
         got = ours(x)
-    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
-    assert int(ours.expert_load.sum()) == T * moe_cfg.top_k
+        assert int(ours.expert_load.sum()) == T * moe_cfg.top_k
+        if backend == "native":
+            for t in range(T):
+                assert torch.equal(ours(x[t : t + 1]), got[t : t + 1]), t
+    tol = 1e-4 if backend == "native" else 1e-5  # the kernel sums in its own order, not BLAS's
+    torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
+
+
+def test_packed_experts_unpack_to_their_stacks():
+    _, moe_cfg, _, _ = hf_case("gpt_oss")
+    if dense_target() is None:
+        pytest.skip("the CPU kernels could not be built here")
+    ours = MoE(BASE["hidden_size"], moe_cfg)
+    randomize(ours)
+    stacks = {name: getattr(ours.experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    pack_linears(ours)
+    for name, stack in stacks.items():
+        assert torch.equal(ours.experts.unpacked(name), stack)
 
 
 def test_grouped_linear_backends_equal_a_per_token_loop():
