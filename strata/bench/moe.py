@@ -5,6 +5,8 @@ same family with the same weights, timed in the same run.
 Implementations (each one's largest difference from transformers' eager output is reported):
     strata              our block, torch's grouped GEMM over the rows grouped by expert
     strata-loop         our block, one matmul per expert that got rows
+    strata-native       our block as the CPU loader leaves it: router and expert stacks packed for the
+                        native dense kernel (each token's output independent of the batch)
     transformers        transformers' block, its default experts implementation (grouped_mm)
     transformers-eager  transformers' block, experts_implementation="eager" (a loop over the experts
                         hit, masks built with one_hot)
@@ -29,7 +31,7 @@ FAMILIES = {
     "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeSparseMoeBlock", {"norm_topk_prob": True}),
     "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssMLP", {}),
 }
-IMPLEMENTATIONS = ("strata", "strata-loop", "transformers", "transformers-eager")
+IMPLEMENTATIONS = ("strata", "strata-loop", "strata-native", "transformers", "transformers-eager")
 
 
 @dataclass(frozen=True)
@@ -66,10 +68,12 @@ def load_hf_moe_block(ours, hf_block: torch.nn.Module, gpt_oss: bool) -> None:
 
 
 def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
-    """The four implementations of one MoE layer, with the same random weights (biases included)."""
+    """The implementations of one MoE layer, with the same random weights (biases included);
+    strata-native only where the native kernels run."""
     import transformers
 
     from strata.layers.moe import MoE
+    from strata.layers.packed import dense_target, pack_linears
     from strata.model_config import ModelConfig
 
     cls_name, module, block_name, extra = FAMILIES[cfg.family]
@@ -97,11 +101,14 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
                     t.copy_(torch.randn_like(t) * 0.1)
         blocks[impl] = block.to(dtype).eval()
     moe_cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "num_hidden_layers": 1}).moe
-    for impl in ("strata", "strata-loop"):
+    for impl in ("strata", "strata-loop", "strata-native"):
         ours = MoE(cfg.hidden_size, moe_cfg)
         load_hf_moe_block(ours, blocks["transformers"], gpt_oss=cfg.family == "gpt_oss")
         ours.experts.backend = "grouped_mm" if impl == "strata" else "loop"
-        blocks[impl] = ours.to(dtype).eval()
+        ours = ours.to(dtype).eval()
+        if impl == "strata-native" and (dense_target() is None or not pack_linears(ours)):
+            continue
+        blocks[impl] = ours
     return blocks
 
 
