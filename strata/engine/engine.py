@@ -307,10 +307,10 @@ class Engine:
         if cfg.speculative_algorithm != "none" and blas_matmuls(self.model):
             logger.warning(
                 "speculative decoding over float weights on BLAS: the matmuls of this model's %s modules "
-                "(oneDNN/MKL on the CPU, cuBLAS on GPUs) may round a row differently by the call's size, so a verification's "
-                "rows can differ in the last bits from the same tokens decoded one at a time and a greedy answer "
-                "can turn at a near-tie; the native CPU kernels (block-quantized and packed bf16/float32 linears) "
-                "compute a row the same in any call", ", ".join(blas_matmuls(self.model))
+                "(oneDNN/MKL on the CPU, cuBLAS on GPUs) may round a row differently by the call's size, so a "
+                "verification's rows can differ in the last bits from the same tokens decoded one at a time and a "
+                "greedy answer can turn at a near-tie; the native CPU kernels (block-quantized and packed "
+                "bf16/float32 weights) compute a row the same in any call", ", ".join(blas_matmuls(self.model))
             )
         logger.info(
             "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "

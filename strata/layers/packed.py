@@ -17,8 +17,9 @@ whichever applies, after checking on a random input that it matches F.linear; on
 model is left as it was. With the native kernels it also packs the float matmuls outside linear
 layers (each module's `pack`, run by the grouped entry `dense_grouped_linear`): MoE routers and
 expert stacks (strata.layers.moe), MLA's absorbed up-projections (strata.layers.mla) and
-DeepSeek-V4's grouped output projection (strata.layers.dsv4_attention). Off with the other CPU fast paths under STRATA_CPU_KERNELS=0;
-STRATA_DENSE_KERNEL=0 turns off the dense kernel alone (oneDNN packing or BLAS then), for A/B runs.
+DeepSeek-V4's grouped output projection (strata.layers.dsv4_attention). Off with the other CPU
+fast paths under STRATA_CPU_KERNELS=0; STRATA_DENSE_KERNEL=0 turns off the dense kernel alone
+(oneDNN packing or BLAS then), for A/B runs.
 """
 
 from __future__ import annotations
