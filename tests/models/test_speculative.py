@@ -554,8 +554,9 @@ def test_a_draft_model_with_another_tokenizer_is_refused(llama_dir, tmp_path):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_greedy_identical_over_float_weights(tmp_path, dtype):
     """Float weights run the native dense kernel, whose rows do not depend on the call's size, so a
-    verification's rows are one-at-a-time decoding's bits. At this size oneDNN's packed bf16 linears
-    (the fallback without the kernels) round some verification rows apart: 3 of these 6 answers turn."""
+    verification's rows are one-at-a-time decoding's bits. At this width oneDNN's packed bf16 linears
+    (the fallback without the kernels) round some verification rows apart: with 6 such prompts and
+    these drafts, 3 answers turned."""
     from tiny_models import make_model
 
     from strata.layers.packed import DenseLinear
