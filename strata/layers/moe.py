@@ -25,9 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata import kernels
 from strata.layers.activation import act_and_mul, check_activation, clamped_swiglu
 from strata.layers.mlp import MLP
 from strata.layers.moe_routing import get_routing, row_sum, sigmoid32
+from strata.layers.packed import DenseLinear, pack_groups, unpack_dense
 from strata.moe_config import MoEConfig
 
 EXPERT_BACKENDS = ("grouped_mm", "loop")
@@ -92,8 +94,6 @@ class Router(nn.Module):
         return self.dense is not None
 
     def pack(self, target: str) -> None:
-        from strata.layers.packed import DenseLinear
-
         self.dense = DenseLinear(self.weight, self.bias, target)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> logits [T, E]
@@ -132,8 +132,6 @@ class Experts(nn.Module):
         expert as strata.layers.packed.pack_dense lays it out; biases as float32), so that a row's
         output never depends on the other rows of the call, as with BLAS it may. The float stacks are
         dropped, not kept twice; `unpacked(name)` rebuilds one."""
-        from strata.layers.packed import pack_groups
-
         for name in ("gate_up_proj", "down_proj"):
             weight = self._parameters[name]
             packed = pack_groups(weight.detach())
@@ -146,8 +144,6 @@ class Experts(nn.Module):
 
     def unpacked(self, name: str) -> torch.Tensor:
         """The [E, N, K] stack `name` (gate_up_proj or down_proj), packed or not."""
-        from strata.layers.packed import unpack_dense
-
         if self.packed_target is None:
             return getattr(self, name)
         return torch.stack([unpack_dense(w, self.out_features[name]) for w in getattr(self, f"{name}_packed")])
@@ -157,8 +153,6 @@ class Experts(nn.Module):
         """Rows x grouped by expert @ each one's `name` stack^T, + its bias."""
         bias = getattr(self, f"{name}_bias")
         if self.packed_target is not None and x.is_cpu:
-            from strata import kernels
-
             ops = kernels.load(self.packed_target)
             ends = group_ends.to(torch.int64)
             return ops.dense_grouped_linear(x.contiguous(), getattr(self, f"{name}_packed"), ends, bias,

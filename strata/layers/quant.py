@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata import kernels
+from strata.layers.packed import DenseLinear
 
 logger = logging.getLogger(__name__)
 
@@ -393,8 +394,8 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
     With tied embeddings and `tied_lm_head`, `model.lm_head` becomes a quantized copy of the embedding
     table (the lookup keeps the float table); without `tied_lm_head` the head stays float (the
     embedding, or the packed copy of it that `strata.layers.packed` made). Linears the loader packed
-    (DenseLinear) are quantized from the weights they hold. A linear the method cannot store (in_features not a
-    multiple of 32) stays float, with a warning. Returns the model.
+    (DenseLinear) are quantized from the weights they hold. A linear the method cannot store
+    (in_features not a multiple of 32) stays float, with a warning. Returns the model.
     """
     if method not in QUANT_METHODS:
         raise ValueError(f"quantization must be one of {tuple(QUANT_METHODS)}, got {method!r}")
@@ -404,8 +405,6 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
             f"block quantization runs on the CPU; the model is on {sorted(devices)}. "
             "Use --device cpu or --quantization none."
         )
-    from strata.layers.packed import DenseLinear
-
     cls = QUANT_METHODS[method]
     head = getattr(model, "lm_head", "absent")
     tied_copy = isinstance(head, DenseLinear) and head.tied_embedding  # pack_linears' copy of the embedding
