@@ -33,6 +33,7 @@ from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
 from strata.kernels import describe_kernels, kernel_info
+from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
 from strata.model_config import ModelConfig
 from strata.models.native_decode import decode_loop_name
@@ -106,27 +107,6 @@ class GenerateResult:
     @property
     def completion_tokens(self) -> int:
         return sum(len(c.token_ids) for c in self.choices)
-
-
-# Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears; MoE routers and
-# expert stacks, MLA's absorbed up-projections and DeepSeek-V4's grouped output projection unless
-# packed for the native kernels (`native_kernel`); expert-parallel experts; DeepSeek-V4's MoE,
-# hyper-connections and compressed attention.
-BLAS_MATMUL_MODULES = frozenset({
-    "PackedLinear", "Router", "Experts", "EPExperts", "KVUpProjection", "GroupedLinear", "DSV4MoE",
-    "HyperConnection", "HyperHead", "DSV4Attention",
-})
-
-
-def blas_matmuls(model: torch.nn.Module) -> list[str]:
-    """The kinds of the model's modules that multiply float weights through BLAS rather than the native
-    kernels (block-quantized, or DenseLinear's packed bf16/float32), which compute a row the same in
-    any call."""
-    return sorted({
-        type(m).__name__ for m in model.modules()
-        if type(m) is torch.nn.Linear
-        or (type(m).__name__ in BLAS_MATMUL_MODULES and not getattr(m, "native_kernel", False))
-    })
 
 
 def pick_device(name: str) -> torch.device:
@@ -304,13 +284,14 @@ class Engine:
         )
         self._ids = itertools.count()
         self._outputs: dict[str, list[RequestOutput]] = {}
-        if cfg.speculative_algorithm != "none" and blas_matmuls(self.model):
+        blas = blas_matmuls(self.model) if cfg.speculative_algorithm != "none" else []
+        if blas:
             logger.warning(
                 "speculative decoding over float weights on BLAS: the matmuls of this model's %s modules "
                 "(oneDNN/MKL on the CPU, cuBLAS on GPUs) may round a row differently by the call's size, so a "
                 "verification's rows can differ in the last bits from the same tokens decoded one at a time and a "
                 "greedy answer can turn at a near-tie; the native CPU kernels (block-quantized and packed "
-                "bf16/float32 weights) compute a row the same in any call", ", ".join(blas_matmuls(self.model))
+                "bf16/float32 weights) compute a row the same in any call", ", ".join(blas)
             )
         logger.info(
             "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "

@@ -70,10 +70,15 @@ class KVUpProjection(nn.Module):
     def native_kernel(self) -> bool:
         return self.packed_target is not None
 
-    def pack(self, target: str) -> None:
+    def pack_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `pack` packs, as [H, N, K] stacks: W_uk^T (L rows over qk_nope) and W_uv (v rows over L)."""
         w_uk, w_uv = (w.detach() for w in self._blocks())
-        self.register_buffer("uk_packed", pack_groups(w_uk.transpose(1, 2)), persistent=False)  # [H, L rows]
-        self.register_buffer("uv_packed", pack_groups(w_uv), persistent=False)  # [H, v rows]
+        return w_uk.transpose(1, 2), w_uv
+
+    def pack(self, target: str) -> None:
+        uk, uv = self.pack_sources()
+        self.register_buffer("uk_packed", pack_groups(uk), persistent=False)
+        self.register_buffer("uv_packed", pack_groups(uv), persistent=False)
         self.packed_target = target
 
     def _blocks(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -117,6 +117,27 @@ def float_weight(module: nn.Module) -> torch.Tensor:
     return module.unpacked() if isinstance(module, DenseLinear) else module.weight
 
 
+# Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears; MoE routers and
+# expert stacks, MLA's absorbed up-projections and DeepSeek-V4's grouped output projection unless
+# packed for the native kernels (`native_kernel`); expert-parallel experts; DeepSeek-V4's MoE,
+# hyper-connections and compressed attention.
+BLAS_MATMUL_MODULES = frozenset({
+    "PackedLinear", "Router", "Experts", "EPExperts", "KVUpProjection", "GroupedLinear", "DSV4MoE",
+    "HyperConnection", "HyperHead", "DSV4Attention",
+})
+
+
+def blas_matmuls(model: torch.nn.Module) -> list[str]:
+    """The kinds of the model's modules that multiply float weights through BLAS rather than the native
+    kernels (block-quantized, or DenseLinear's packed bf16/float32), which compute a row the same in
+    any call."""
+    return sorted({
+        type(m).__name__ for m in model.modules()
+        if type(m) is torch.nn.Linear
+        or (type(m).__name__ in BLAS_MATMUL_MODULES and not getattr(m, "native_kernel", False))
+    })
+
+
 def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
@@ -227,9 +248,12 @@ def pack_linears(model: nn.Module) -> int:
             continue
         count += 1
     for module in grouped if target is not None else []:
-        weights = [module.gate_up_proj, module.down_proj] if isinstance(module, Experts) else [module.weight]
-        if isinstance(module, KVUpProjection):  # its blocks are packed over both of the weight's dims
-            weights = [module.weight, module.weight.t()]
+        if isinstance(module, Experts):
+            weights = [module.gate_up_proj, module.down_proj]
+        elif isinstance(module, KVUpProjection):
+            weights = list(module.pack_sources())
+        else:
+            weights = [module.weight]
         if all(_fits(w) for w in weights):
             module.pack(target)
             count += 1

@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from strata import Engine, SamplingParams, kernels
-from strata.engine.engine import blas_matmuls
 from strata.engine.speculative import (
     EXPLORE_EVERY,
     DraftGuard,
@@ -22,6 +21,7 @@ from strata.engine.speculative import (
     StepCost,
     batch_bucket,
 )
+from strata.layers.packed import blas_matmuls
 
 REPETITIVE = [
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
