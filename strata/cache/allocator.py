@@ -113,7 +113,9 @@ class PageAllocator:
             raise ValueError(f"page freed twice in one call: {pages}")
         for p in pages:
             is_free[p] = 1
-        self._free_list.extend(pages)
+        # back on the stack so that the next alloc hands them out in the order they came: a sequence
+        # that frees its last pages (rejected drafts) and grows again keeps its slots in ascending order
+        self._free_list.extend(reversed(pages))
 
     def __repr__(self) -> str:
         return f"PageAllocator(free={self.num_free_pages}/{self.num_pages}, page_size={self.page_size})"

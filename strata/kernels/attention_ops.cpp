@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -288,11 +289,12 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   int64_t max_n = 0;
   for (int64_t t = 0; t < T; ++t) max_n = std::max(max_n, pos[t] + 1 - window_start(pos[t], window));
   const int64_t splits = std::max<int64_t>(1, (max_n + kSplitKeys - 1) / kSplitKeys);
-  std::vector<float> part_m, part_l, part_acc;
+  // every (token, KV head, range) is one work item's, which writes all of its entries: left uninitialized
+  std::unique_ptr<float[]> part_m, part_l, part_acc;
   if (splits > 1) {
-    part_m.resize(T * Hkv * splits * G);
-    part_l.resize(T * Hkv * splits * G);
-    part_acc.resize(T * Hkv * splits * G * D);
+    part_m.reset(new float[T * Hkv * splits * G]);
+    part_l.reset(new float[T * Hkv * splits * G]);
+    part_acc.reset(new float[T * Hkv * splits * G * D]);
   }
 
   // bf16 queries and keys on a CPU with AVX512-BF16: scores and values by the bf16 dot-product instruction
@@ -455,7 +457,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           for (int64_t g = 0; g < G; ++g) {
             part_m[base + g] = m[r * G + g];
             part_l[base + g] = l[r * G + g];
-            std::copy(acc.begin() + (r * G + g) * D, acc.begin() + (r * G + g + 1) * D, part_acc.begin() + (base + g) * D);
+            std::copy(acc.begin() + (r * G + g) * D, acc.begin() + (r * G + g + 1) * D, part_acc.get() + (base + g) * D);
           }
           continue;
         }
@@ -468,25 +470,30 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     }
   });
   if (splits == 1) return;
-  for (int64_t tk = 0; tk < T * Hkv; ++tk) {  // merge: rescale each range to the common max
-    const int64_t t = tk / Hkv, kvh = tk % Hkv;
-    for (int64_t g = 0; g < G; ++g) {
-      float top = -std::numeric_limits<float>::infinity();
-      for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, part_m[(tk * splits + sp) * G + g]);
-      float total = 0.f;
-      std::vector<float> sum(D, 0.f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t idx = (tk * splits + sp) * G + g;
-        if (part_l[idx] == 0.f) continue;  // an empty range
-        const float w = std::exp(part_m[idx] - top);
-        total += w * part_l[idx];
-        for (int64_t d = 0; d < D; ++d) sum[d] += w * part_acc[idx * D + d];
+  // merge: rescale each range to the common max (a verification's rows in parallel: its T x Hkv x G
+  // merges would otherwise run on one thread after the others finish)
+  at::parallel_for(0, T * Hkv, 8, [&](int64_t tk0, int64_t tk1) {
+    std::vector<float> sum(D);
+    for (int64_t tk = tk0; tk < tk1; ++tk) {
+      const int64_t t = tk / Hkv, kvh = tk % Hkv;
+      for (int64_t g = 0; g < G; ++g) {
+        float top = -std::numeric_limits<float>::infinity();
+        for (int64_t sp = 0; sp < splits; ++sp) top = std::max(top, part_m[(tk * splits + sp) * G + g]);
+        float total = 0.f;
+        std::fill(sum.begin(), sum.end(), 0.f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          const int64_t idx = (tk * splits + sp) * G + g;
+          if (part_l[idx] == 0.f) continue;  // an empty range
+          const float w = std::exp(part_m[idx] - top);
+          total += w * part_l[idx];
+          for (int64_t d = 0; d < D; ++d) sum[d] += w * part_acc[idx * D + d];
+        }
+        QT* dst = op + (t * H + kvh * G + g) * D;
+        const float inv = 1.f / total;  // as the unsplit path: one range gives bit-identical results
+        for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(sum[d] * inv);
       }
-      QT* dst = op + (t * H + kvh * G + g) * D;
-      const float inv = 1.f / total;  // as the unsplit path: one range gives bit-identical results
-      for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(sum[d] * inv);
     }
-  }
+  });
 }
 
 // k_cache[out_slots[t]] = k[t], v_cache[out_slots[t]] = v[t] (converted to the cache dtype).

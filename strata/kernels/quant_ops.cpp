@@ -118,23 +118,66 @@ inline void for_each_tile(int64_t M, F&& f) {
   }
 }
 
+#if defined(STRATA_SIMD16_AVX512)
+// 16 codes: x rounded to int8 at q (|x| <= 127: nothing saturates), and their values as floats.
+inline V16 store_codes(int8_t* q, V16 x) {
+  const __m512i c = _mm512_cvtps_epi32(x);  // rounds to nearest even, as nearbyint does
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(c));
+  return _mm512_cvtepi32_ps(c);
+}
+#elif defined(STRATA_SIMD16_AVX2)
+inline V16 store_codes(int8_t* q, V16 x) {
+  const __m256i lo = _mm256_cvtps_epi32(x.lo), hi = _mm256_cvtps_epi32(x.hi);
+  const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);  // 16 int16, in order
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q),
+                   _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+  return {_mm256_cvtepi32_ps(lo), _mm256_cvtepi32_ps(hi)};
+}
+#endif
+
 template <typename T>
 void quantize_row(const T* x, int64_t K, int8_t* q, float* d, float* s, float* c) {
-#if defined(STRATA_QUANT_AVX512)
-  if constexpr (kHasLoad16<T>) {  // the same scale and codes (cvtps rounds to nearest even, as nearbyint does)
-    for (int64_t b = 0; b < K / kBlock; ++b) {
-      const __m512 lo = load16(x + b * kBlock), hi = load16(x + b * kBlock + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-      const float sum = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      const float scale = amax / 127.f;
-      const __m512 inv = _mm512_set1_ps(scale > 0.f ? 1.f / scale : 0.f);
-      const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock), _mm512_cvtsepi32_epi8(qlo));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kBlock + 16), _mm512_cvtsepi32_epi8(qhi));
-      const int32_t qsum = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
-      d[b] = scale;
-      s[b] = sum;
-      c[b] = 8.f * (sum - scale * static_cast<float>(qsum));
+#if defined(STRATA_SIMD16)
+  if constexpr (kHasLoad16<T>) {
+    // 16 blocks at a time, one per lane: their maxima, sums and code sums reduced together as
+    // transpose trees (reduce16_max, reduce16) instead of three horizontal reductions a block. The
+    // same scales and codes as the scalar loop; the float sums are added in another order.
+    const int64_t nb = K / kBlock;
+    for (int64_t b0 = 0; b0 < nb; b0 += 16) {
+      const int64_t n = std::min<int64_t>(16, nb - b0);
+      const T* xb = x + b0 * kBlock;
+      V16 amax[16], sum[16];
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i < n) {
+          const V16 lo = load16(xb + i * kBlock), hi = load16(xb + i * kBlock + 16);
+          amax[i] = vmax(vabs(lo), vabs(hi));
+          sum[i] = vadd(lo, hi);
+        } else {
+          amax[i] = sum[i] = vzero();
+        }
+      }
+      const V16 scale = vdiv(reduce16_max(amax), vset1(127.f));
+      const V16 sums = reduce16(sum);
+      alignas(64) float inv[16];
+      store16(inv, vselect(vle(scale, vzero()), vzero(), vdiv(vset1(1.f), scale)));
+      V16 qsum[16];  // per block, its codes' sums in 16 lanes (exact in float: |sum| <= 32 * 127)
+      for (int64_t i = 0; i < 16; ++i) {
+        if (i >= n) {
+          qsum[i] = vzero();
+          continue;
+        }
+        const V16 iv = vset1(inv[i]);
+        int8_t* qb = q + (b0 + i) * kBlock;
+        qsum[i] = vadd(store_codes(qb, vmul(load16(xb + i * kBlock), iv)),
+                       store_codes(qb + 16, vmul(load16(xb + i * kBlock + 16), iv)));
+      }
+      alignas(64) float out[3][16];
+      store16(out[0], scale);
+      store16(out[1], sums);
+      store16(out[2], vmul(vset1(8.f), vfnmadd(scale, reduce16(qsum), sums)));
+      std::copy(out[0], out[0] + n, d + b0);
+      std::copy(out[1], out[1] + n, s + b0);
+      std::copy(out[2], out[2] + n, c + b0);
     }
     return;
   }

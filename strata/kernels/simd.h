@@ -57,7 +57,9 @@ inline V16 vsub(V16 a, V16 b) { return _mm512_sub_ps(a, b); }
 inline V16 vmul(V16 a, V16 b) { return _mm512_mul_ps(a, b); }
 inline V16 vdiv(V16 a, V16 b) { return _mm512_div_ps(a, b); }
 inline V16 vmax(V16 a, V16 b) { return _mm512_max_ps(a, b); }
+inline V16 vabs(V16 x) { return _mm512_abs_ps(x); }
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c
+inline V16 vfnmadd(V16 a, V16 b, V16 c) { return _mm512_fnmadd_ps(a, b, c); }  // c - a * b
 inline float reduce_add(V16 x) { return _mm512_reduce_add_ps(x); }
 inline float reduce_max(V16 x) { return _mm512_reduce_max_ps(x); }
 
@@ -123,20 +125,30 @@ inline void store16(c10::BFloat16* p, V16 x) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(bf16_bits(x)));
 }
 
-// Lane i of the result = the sum of all lanes of v[i] (16 horizontal sums as one transpose-add tree).
-inline V16 reduce16(const V16* v) {
+// Lane i of the result = all lanes of v[i] combined by op (a commutative float op on two __m512):
+// 16 horizontal reductions as one transpose tree.
+template <typename Op>
+inline V16 reduce16_by(const V16* v, Op op) {
   __m512 a[8], b[4];
   for (int i = 0; i < 8; ++i) {
-    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    a[i] = op(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
   }
   for (int i = 0; i < 4; ++i) {
     const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
-    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    b[i] = op(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
-  // b[i] holds keys 4i..4i+3 in every 128-bit chunk; add the chunks, keeping keys in order
-  const __m512 d01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-  const __m512 d23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+  // b[i] holds rows 4i..4i+3 in every 128-bit chunk; combine the chunks, keeping rows in order
+  const __m512 d01 = op(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+  const __m512 d23 = op(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+  return op(_mm512_shuffle_f32x4(d01, d23, 0x88), _mm512_shuffle_f32x4(d01, d23, 0xDD));
+}
+
+// Lane i of the result = the sum (reduce16) or the maximum (reduce16_max) of all lanes of v[i].
+inline V16 reduce16(const V16* v) {
+  return reduce16_by(v, [](__m512 a, __m512 b) { return _mm512_add_ps(a, b); });
+}
+inline V16 reduce16_max(const V16* v) {
+  return reduce16_by(v, [](__m512 a, __m512 b) { return _mm512_max_ps(a, b); });
 }
 
 // Lane k = q . rows[k], for the 16 rows of a row-major [16][D] float block; D % 16 == 0.
@@ -174,7 +186,14 @@ inline V16 vsub(V16 a, V16 b) { return {_mm256_sub_ps(a.lo, b.lo), _mm256_sub_ps
 inline V16 vmul(V16 a, V16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
 inline V16 vdiv(V16 a, V16 b) { return {_mm256_div_ps(a.lo, b.lo), _mm256_div_ps(a.hi, b.hi)}; }
 inline V16 vmax(V16 a, V16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline V16 vabs(V16 x) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  return {_mm256_andnot_ps(sign, x.lo), _mm256_andnot_ps(sign, x.hi)};
+}
 inline V16 vfmadd(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline V16 vfnmadd(V16 a, V16 b, V16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
 
 // The same order as GCC's _mm512_reduce_add_ps / _mm512_reduce_max_ps: halves, quarters, pairs.
 inline float reduce_add(V16 x) {
@@ -290,6 +309,26 @@ inline V16 reduce16(const V16* v) {
   __m256 s[16];
   for (int i = 0; i < 16; ++i) s[i] = _mm256_add_ps(v[i].lo, v[i].hi);
   return {reduce8(s), reduce8(s + 8)};
+}
+
+// Lane i of the result = the maximum of all lanes of v[i], for 8 vectors of 8 floats (a transpose tree).
+inline __m256 reduce8_max(const __m256* v) {
+  __m256 t[4], u[2];
+  for (int i = 0; i < 4; ++i) {  // per 128-bit half: [a0 a2, b0 b2, a1 a3, b1 b3] (a, b = v[2i], v[2i + 1])
+    t[i] = _mm256_max_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  }
+  for (int i = 0; i < 2; ++i) {  // per 128-bit half: the half's maxima of v[4i] .. v[4i + 3]
+    const __m256d x = _mm256_castps_pd(t[2 * i]), y = _mm256_castps_pd(t[2 * i + 1]);
+    u[i] = _mm256_max_ps(_mm256_castpd_ps(_mm256_unpacklo_pd(x, y)), _mm256_castpd_ps(_mm256_unpackhi_pd(x, y)));
+  }
+  return _mm256_max_ps(_mm256_permute2f128_ps(u[0], u[1], 0x20), _mm256_permute2f128_ps(u[0], u[1], 0x31));
+}
+
+// Lane i of the result = the maximum of all lanes of v[i].
+inline V16 reduce16_max(const V16* v) {
+  __m256 s[16];
+  for (int i = 0; i < 16; ++i) s[i] = _mm256_max_ps(v[i].lo, v[i].hi);
+  return {reduce8_max(s), reduce8_max(s + 8)};
 }
 
 // Lane k = q . rows[k] for 8 rows of a row-major [.][D] block; D % 16 == 0.
