@@ -9,12 +9,14 @@ Workloads (made locally, nothing downloaded):
 Scenarios: `batch1` (one request at a time) and `concurrent` (--concurrency requests submitted at
 once). Greedy, end of text respected, at most --output-len tokens: both engines produce the same
 tokens, which the run checks. Each round measures the engine without speculation and with
-speculation (in alternating order: `--speculative-algorithm` as given, ngram when none is) on
-prompts no earlier round used, so neither
-the prefix cache nor the drafter's memory of recent requests carries answers over. Reported per
-scenario: median output tok/s of each, the median of the per-round ratios, and the accept length
-(tokens per verifying request-step) and draft length the adaptive policy chose. Output tok/s is
-end to end: the round's output tokens over its wall time, prefill included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
+speculation (`--speculative-algorithm` as given, ngram when none is) on prompts no earlier round
+used, so neither the prefix cache nor the drafter's memory of recent requests carries answers over.
+At batch 1 the two engines take the round's prompts in turn, prompt by prompt, alternating which goes
+first, so the slow and fast spells of a shared machine fall on both alike; concurrent rounds
+alternate which engine goes first. Reported per scenario: median output tok/s of each, the median
+of the per-round ratios, and the accept length (tokens per verifying request-step) and draft length
+the adaptive policy chose. Output tok/s is end to end: the round's output tokens over the time its
+requests took, prefill included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
 the first, the per-stream rate a reader of a streamed answer sees: speculation speeds up only this
 part, never the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a
 verification of k drafts), each as a multiple of the engine-without-speculation's decode step:
@@ -227,6 +229,27 @@ def _run(
     return run
 
 
+def _run_interleaved(
+    engines: dict, prompts: list[list[int]], output_len: int, steps: dict[str, list[StepTiming]], first: int
+) -> dict[str, RunTiming]:
+    """Batch 1 on both engines prompt by prompt, the one going first alternating (from engine `first` of
+    `engines`): a shared machine's slow and fast spells, which last seconds, then fall on both alike
+    instead of on one engine's half of the round. Each engine's timing sums its requests', as if run
+    back to back."""
+    names = list(engines)
+    timings = {name: RunTiming([], 0.0) for name in names}
+    for i, prompt in enumerate(prompts):
+        for j in range(len(names)):
+            name = names[(first + i + j) % len(names)]
+            one = _run(engines[name], [prompt], True, output_len, steps[name])
+            t = timings[name]
+            t.outputs += one.outputs
+            t.seconds += one.seconds
+            t.decode_tokens += one.decode_tokens
+            t.decode_seconds += one.decode_seconds
+    return timings
+
+
 def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
     from strata.engine.engine import Engine
 
@@ -252,9 +275,12 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             cursor[kind] += size
             before = dict(on.scheduler.spec.stats.as_dict())
             timings, steps = {}, {"off": [], "on": []}
-            for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                engine = off if which == "off" else on
-                timings[which] = _run(engine, prompts, batch1, cfg.output_len, steps[which] if batch1 else None)
+            engines = {"off": off, "on": on}
+            if batch1:
+                timings = _run_interleaved(engines, prompts, cfg.output_len, steps, first=r % 2)
+            else:
+                for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
+                    timings[which] = _run(engines[which], prompts, False, cfg.output_len)
             for s in steps["on"]:
                 if s.no_prefill:
                     result.on_step_ms.setdefault(s.num_tokens, []).append(1000.0 * s.duration_s)

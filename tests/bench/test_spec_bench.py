@@ -41,3 +41,28 @@ def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
     text = format_text(results)
     assert "on tok/s" in text and "chat-batch1: decode step off" in text
     assert "chat-batch1: decode phase (after each first token)" in text
+
+
+def test_batch1_rounds_interleave_the_engines_prompt_by_prompt(monkeypatch):
+    """At batch 1 the engines take each prompt in turn, the first alternating, and each engine's
+    timing sums its own requests'."""
+    from strata.bench import spec
+
+    calls = []
+
+    def fake_run(engine, prompts, batch1, output_len, steps=None):
+        assert batch1 and len(prompts) == 1 and steps is not None
+        calls.append((engine, prompts[0][0]))
+        steps.append(engine)
+        return spec.RunTiming([[prompts[0][0]] * 3], seconds=1.0 if engine == "A" else 0.5, decode_tokens=2,
+                              decode_seconds=0.25)
+
+    monkeypatch.setattr(spec, "_run", fake_run)
+    steps = {"off": [], "on": []}
+    timings = spec._run_interleaved({"off": "A", "on": "B"}, [[10], [11], [12]], 8, steps, first=1)
+    assert calls == [("B", 10), ("A", 10), ("A", 11), ("B", 11), ("B", 12), ("A", 12)]
+    assert steps == {"off": ["A"] * 3, "on": ["B"] * 3}
+    off, on = timings["off"], timings["on"]
+    assert off.outputs == on.outputs == [[10] * 3, [11] * 3, [12] * 3]
+    assert (off.seconds, on.seconds) == (3.0, 1.5) and on.tok_s == pytest.approx(2 * off.tok_s)
+    assert (off.decode_tokens, off.decode_seconds) == (6, 0.75)
