@@ -76,6 +76,13 @@ void store_kv_impl(const at::Tensor& k, const at::Tensor& v, at::Tensor& k_cache
   });
 }
 
+// The cache lines of a row of n elements, asked for ahead of their use.
+template <typename CT>
+inline void prefetch_row(const CT* row, int64_t n) {
+  const char* c = reinterpret_cast<const char*>(row);
+  for (int64_t o = 0; o < n * static_cast<int64_t>(sizeof(CT)); o += 64) __builtin_prefetch(c + o, 0, 3);
+}
+
 // max(s[0], ..., s[n - 1]) for n >= 1 (exact: the order does not matter).
 inline float max_of(const float* s, int64_t n) {
   float top = s[0];
@@ -375,13 +382,25 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           }
         }
       }
+      auto slot_of = [&](int64_t j) { return page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size; };
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
         const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
-          const int64_t j = j0 + jj;
-          const int64_t slot = page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
+          const int64_t slot = slot_of(j0 + jj);
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
+        }
+        // The next tile's keys and values asked for while this one is attended (and on the first tile
+        // its values, read after its scores): a request's slots need not be consecutive (concurrent
+        // requests interleave their decode slots, a cached prefix sits wherever it was written), and
+        // the hardware prefetcher follows only regular strides.
+        if (j0 == jbeg) {
+          for (int64_t jj = 0; jj < jn; ++jj) prefetch_row(values[jj], D);
+        }
+        for (int64_t j = j0 + kKeyTile; j < std::min(jend, j0 + 2 * kKeyTile); ++j) {
+          const int64_t slot = slot_of(j);
+          prefetch_row(kc + (slot * Hkv + kvh) * D, D);
+          prefetch_row(vc + (slot * Hkv + kvh) * D, D);
         }
         bool scored = false;
 #if defined(__AVX512BF16__)
