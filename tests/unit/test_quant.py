@@ -102,6 +102,18 @@ def test_kernel_matches_its_emulation(build, fmt, rows, k):
     torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5)
 
 
+@pytest.mark.parametrize("fmt", ["q4", "q8h"])
+@pytest.mark.parametrize("k", [32 * 16, 32 * 19, 32 * 33])
+def test_each_activation_block_keeps_its_own_scale(build, fmt, k):
+    """Activation blocks 8^0 .. 8^6 apart (blocks of 32 channels, quantized 16 at a time): a block
+    given a neighbour's scale would saturate or lose its codes, far outside the emulation's rounding."""
+    gen = torch.Generator().manual_seed(k)
+    layer = random_layer(fmt, 48, k, gen)
+    x = torch.randn(5, k, generator=gen) * 8.0 ** (torch.arange(k) // 32 % 7).float()
+    want = layer.emulated_mm(x)
+    torch.testing.assert_close(layer.kernel_mm(build, x), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_forward_with_and_without_kernels(build, fmt, dtype):
