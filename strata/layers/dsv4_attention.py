@@ -27,7 +27,7 @@ from torch import nn
 from strata.cache.dsv4_pool import DSV4KVPool, entry_slots
 from strata.layers.attention import AttentionMetadata, SegmentMeta
 from strata.layers.hyper_connection import unweighted_rms_norm
-from strata.layers.packed import grouped_dense, pack_groups
+from strata.layers.packed import NativePackable, grouped_dense, pack_groups
 from strata.layers.rope import inv_freq_and_scale
 from strata.model_config import ModelConfig, RopeConfig
 
@@ -72,7 +72,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat([x[..., :-r], rotated.to(x.dtype)], dim=-1)
 
 
-class GroupedLinear(nn.Module):
+class GroupedLinear(NativePackable, nn.Module):
     """Block-diagonal projection: input [T, g, d_in] -> [T, g, d_out], group i by weight rows
     [i * d_out, (i + 1) * d_out). Not an nn.Linear, so no weight format swaps it for a dense one; on
     the CPU `pack` adds the groups packed for the native dense kernel (rows independent of the call)."""
@@ -81,15 +81,13 @@ class GroupedLinear(nn.Module):
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.empty(out_features, in_per_group))
-        self.packed_target: str | None = None
 
-    @property
-    def native_kernel(self) -> bool:
-        return self.packed_target is not None
+    def pack_sources(self) -> list[torch.Tensor]:
+        """The groups' weights, [g, d_out, d_in]."""
+        return [self.weight.detach().view(self.groups, -1, self.weight.shape[1])]
 
     def pack(self, target: str) -> None:
-        self.register_buffer("packed", pack_groups(self.weight.detach().view(self.groups, -1, self.weight.shape[1])),
-                             persistent=False)
+        self.register_buffer("packed", pack_groups(self.pack_sources()[0]), persistent=False)
         self.packed_target = target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from torch import nn
 from strata.cache.kv_pool import LatentKVPool
 from strata.layers.attention import AttentionMetadata, paged_attention, segment_attention
 from strata.layers.norm import RMSNorm
-from strata.layers.packed import grouped_dense, pack_groups
+from strata.layers.packed import NativePackable, grouped_dense, pack_groups
 from strata.layers.rope import RotaryEmbedding
 from strata.model_config import ModelConfig
 
@@ -51,7 +51,7 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., 0::2], x[..., 1::2]], dim=-1)
 
 
-class KVUpProjection(nn.Module):
+class KVUpProjection(NativePackable, nn.Module):
     """kv_b_proj: a latent c [kv_lora_rank] -> each head's key nope part [qk_nope_head_dim] and value
     [v_head_dim]; weight [H * (qk_nope + v_head_dim), kv_lora_rank], per head its key rows then its
     value rows (HF's layout). A plain parameter, not an nn.Linear: the absorbed form multiplies by
@@ -64,16 +64,11 @@ class KVUpProjection(nn.Module):
         super().__init__()
         self.num_heads, self.nope_dim, self.v_dim = num_heads, qk_nope_head_dim, v_head_dim
         self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
-        self.packed_target: str | None = None
 
-    @property
-    def native_kernel(self) -> bool:
-        return self.packed_target is not None
-
-    def pack_sources(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def pack_sources(self) -> list[torch.Tensor]:
         """What `pack` packs, as [H, N, K] stacks: W_uk^T (L rows over qk_nope) and W_uv (v rows over L)."""
         w_uk, w_uv = (w.detach() for w in self._blocks())
-        return w_uk.transpose(1, 2), w_uv
+        return [w_uk.transpose(1, 2), w_uv]
 
     def pack(self, target: str) -> None:
         uk, uv = self.pack_sources()

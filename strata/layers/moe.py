@@ -29,7 +29,7 @@ from strata import kernels
 from strata.layers.activation import act_and_mul, check_activation, clamped_swiglu
 from strata.layers.mlp import MLP
 from strata.layers.moe_routing import get_routing, row_sum, sigmoid32
-from strata.layers.packed import DenseLinear, pack_groups, unpack_dense
+from strata.layers.packed import DenseLinear, NativePackable, pack_groups, unpack_dense
 from strata.moe_config import MoEConfig
 
 EXPERT_BACKENDS = ("grouped_mm", "loop")
@@ -77,7 +77,7 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         return False
 
 
-class Router(nn.Module):
+class Router(NativePackable, nn.Module):
     """The router's linear (weight [E, H], optional bias) and DeepSeek-V3's score correction bias.
     `pack` gives it a packed copy for the native dense kernel (strata.layers.packed), so a token's
     logits, and so its experts, never depend on the other rows of the step."""
@@ -89,15 +89,15 @@ class Router(nn.Module):
         self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.correction_bias else None
         self.dense: nn.Module | None = None
 
-    @property
-    def native_kernel(self) -> bool:
-        return self.dense is not None
+    def pack_sources(self) -> list[torch.Tensor]:
+        return [self.weight]
 
     def pack(self, target: str) -> None:
         self.dense = DenseLinear(self.weight, self.bias, target)
+        self.packed_target = target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> logits [T, E]
-        if self.dense is not None and x.is_cpu:
+        if self.packed_target is not None and x.is_cpu:
             return self.dense(x)
         return F.linear(x, self.weight, self.bias)
 
@@ -106,7 +106,7 @@ class Router(nn.Module):
 _PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
 
 
-class Experts(nn.Module):
+class Experts(NativePackable, nn.Module):
     """The routed experts' stacked weights and their grouped compute."""
 
     def __init__(self, hidden_size: int, cfg: MoEConfig):
@@ -121,11 +121,9 @@ class Experts(nn.Module):
         self.down_proj_bias = nn.Parameter(torch.empty(E, hidden_size)) if cfg.expert_bias else None
         self.backend: str | None = None  # None: grouped_mm where it works, else loop
         self.out_features = {"gate_up_proj": 2 * I, "down_proj": hidden_size}
-        self.packed_target: str | None = None  # set by pack(): the native kernel build the stacks run on
 
-    @property
-    def native_kernel(self) -> bool:
-        return self.packed_target is not None
+    def pack_sources(self) -> list[torch.Tensor]:
+        return [self.gate_up_proj, self.down_proj]
 
     def pack(self, target: str) -> None:
         """Hold each stack packed for the native dense kernel instead (`{name}_packed` [E, ...], each

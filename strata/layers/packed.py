@@ -97,6 +97,24 @@ class DenseLinear(nn.Module):
                 f"{str(self.dtype).removeprefix('torch.')}, kernels {self.target}")
 
 
+class NativePackable:
+    """A module with float matmuls outside nn.Linear that the native dense kernel can take over:
+    `pack_sources()` lists the [..., N, K] weights `pack(target)` packs (pack_linears checks that the
+    kernel takes them), and `packed_target` is the kernel build they run on once packed (None before)."""
+
+    packed_target: str | None = None
+
+    @property
+    def native_kernel(self) -> bool:
+        return self.packed_target is not None
+
+    def pack_sources(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def pack(self, target: str) -> None:
+        raise NotImplementedError
+
+
 def pack_groups(weights: torch.Tensor) -> torch.Tensor:
     """[g, N, K] -> [g, *pack_dense's layout]: one packed weight per group (or expert, or head)."""
     return torch.stack([pack_dense(w) for w in weights])
@@ -218,10 +236,6 @@ def pack_linears(model: nn.Module) -> int:
     with the native kernels, MoE routers and expert stacks, MLA's absorbed up-projections and
     DeepSeek-V4's grouped projections are packed for them too. Returns how many modules were replaced
     or packed."""
-    from strata.layers.dsv4_attention import GroupedLinear
-    from strata.layers.mla import KVUpProjection
-    from strata.layers.moe import Experts, Router
-
     targets = [
         (parent, name, child)
         for parent in model.modules()
@@ -231,8 +245,7 @@ def pack_linears(model: nn.Module) -> int:
     embed = getattr(model, "embed_tokens", None)
     if getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding) and embed.weight.is_cpu:
         targets.append((model, "lm_head", embed))  # tied: a packed copy of the embedding matrix, no bias
-    grouped = [m for m in model.modules()
-               if isinstance(m, (Experts, Router, KVUpProjection, GroupedLinear)) and not m.native_kernel]
+    grouped = [m for m in model.modules() if isinstance(m, NativePackable) and not m.native_kernel]
     if not targets and not grouped:
         return 0
     target = dense_target()
@@ -248,13 +261,7 @@ def pack_linears(model: nn.Module) -> int:
             continue
         count += 1
     for module in grouped if target is not None else []:
-        if isinstance(module, Experts):
-            weights = [module.gate_up_proj, module.down_proj]
-        elif isinstance(module, KVUpProjection):
-            weights = list(module.pack_sources())
-        else:
-            weights = [module.weight]
-        if all(_fits(w) for w in weights):
+        if all(_fits(w) for w in module.pack_sources()):
             module.pack(target)
             count += 1
     return count
