@@ -146,15 +146,14 @@ class Experts(NativePackable, nn.Module):
             return getattr(self, name)
         return torch.stack([unpack_dense(w, self.out_features[name]) for w in getattr(self, f"{name}_packed")])
 
-    def _project(self, x: torch.Tensor, name: str, group_ends: torch.Tensor, backend: str,
+    def _project(self, x: torch.Tensor, name: str, group_ends: torch.Tensor, backend: str | None,
                  row_expert: torch.Tensor) -> torch.Tensor:
-        """Rows x grouped by expert @ each one's `name` stack^T, + its bias."""
+        """Rows x grouped by expert @ each one's `name` stack^T, + its bias; backend None: the packed
+        stacks on the native kernel (group_ends int64), else grouped_linear's (group_ends int32)."""
         bias = getattr(self, f"{name}_bias")
-        if self.packed_target is not None and x.is_cpu:
-            ops = kernels.load(self.packed_target)
-            ends = group_ends.to(torch.int64)
-            return ops.dense_grouped_linear(x.contiguous(), getattr(self, f"{name}_packed"), ends, bias,
-                                            self.out_features[name])
+        if backend is None:
+            return kernels.load(self.packed_target).dense_grouped_linear(
+                x.contiguous(), getattr(self, f"{name}_packed"), group_ends, bias, self.out_features[name])
         y = grouped_linear(x, getattr(self, name), group_ends, backend)
         return y if bias is None else y + bias[row_expert]
 
@@ -166,11 +165,16 @@ class Experts(NativePackable, nn.Module):
         counts: torch.Tensor,  # [E] rows routed to each expert (bincount of experts)
     ) -> torch.Tensor:
         T, k = experts.shape
-        backend = self.backend or ("grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop")
+        if self.packed_target is not None and x.is_cpu:
+            backend = None
+        else:
+            backend = self.backend or ("grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop")
         # rows r = t * k + j of the flattened choices, sorted by expert: order[i] is the i-th row
         # in expert order; rows of expert e are order[group_ends[e-1] : group_ends[e]]
         order = experts.reshape(-1).argsort(stable=True)  # [T * k]
-        group_ends = counts.cumsum(0).to(torch.int32)  # [E]
+        group_ends = counts.cumsum(0)  # [E]
+        if backend is not None:
+            group_ends = group_ends.to(torch.int32)  # grouped_mm's offsets
         rows = x[order // k]  # [T * k, H]
         row_expert = experts.reshape(-1)[order]  # [T * k], ascending (the biases' rows)
         h = self._project(rows, "gate_up_proj", group_ends, backend, row_expert)  # [T * k, 2I]
