@@ -611,7 +611,7 @@ def test_dense_grouped_linear_gives_each_row_its_weight(ops, dtype):
     w = torch.randn(E, n, k, generator=gen).to(dtype)
     bias = torch.randn(E, n, generator=gen)
     x = torch.randn(sum(counts), k, generator=gen).to(dtype)
-    wp = torch.stack([pack_dense(w[e]) for e in range(E)])
+    wp = pack_groups(w)
     ends = torch.tensor(counts).cumsum(0)
     got = ops.dense_grouped_linear(x, wp, ends, bias, n)
     start = 0
