@@ -1,18 +1,23 @@
 // The attention kernels' bf16 arithmetic on CPUs with AVX512-BF16 (vdpbf16ps: 32 bf16 products per
 // instruction, summed in pairs into float lanes), for bf16 queries and a bf16 cache. Decode
-// attention (attention_ops.cpp) scores a row's keys in 16-key blocks, or, for a verification's
-// many rows, transposed with the same sums; both kernels multiply the probabilities, rounded to bf16
-// as PyTorch's bf16 attention rounds them, into the values two keys per instruction. Every lane's
+// attention (attention_ops.cpp) attends a tile of keys for all the query rows of a work item: the
+// keys transposed, so a row's scores and softmax stay in the lanes of its 16-key blocks; extend
+// attention puts the rows in the lanes. Both multiply the probabilities, rounded to bf16 as
+// PyTorch's bf16 attention rounds them, into the values two keys per instruction. Every lane's
 // arithmetic is its own row's, so a row's bits do not depend on the rows it is batched with.
 #pragma once
 
 #include <c10/util/BFloat16.h>
 
+#include "attention_common.h"
 #include "common.h"
 #include "simd.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
+#include <vector>
 
 namespace {
 
@@ -52,39 +57,6 @@ inline void values_unpermute(float* acc, int64_t D) {
 // ---------------------------------------------------------------------------------------------
 // Decode attention
 // ---------------------------------------------------------------------------------------------
-// Keys [jj, jj + 16) scored for every head, each key by the same instructions whichever lanes it
-// shares (the last key's pointer stands in for keys past the tile: their lanes are not stored).
-inline void block_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
-                              int64_t jj, __mmask16 store, float* scores) {
-  for (int64_t g = 0; g < G; ++g) {
-    __m512 acc[16];
-    for (int k = 0; k < 16; ++k) acc[k] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 32) {
-      const __m512bh qv = (__m512bh)_mm512_loadu_si512(qb + g * D + d);
-      for (int k = 0; k < 16; ++k) {
-        acc[k] = _mm512_dpbf16_ps(acc[k], qv, (__m512bh)_mm512_loadu_si512(keys[jj + k] + d));
-      }
-    }
-    _mm512_mask_storeu_ps(scores + g * kKeyTile + jj, store, reduce16(acc));
-  }
-}
-
-// bf16 queries and keys: scores with the bf16 dot-product instruction (32 products per
-// instruction, no widening of the keys). qb: G rows of D bf16; unscaled, the caller scales. A
-// tile's last keys (fewer than 16) go as a 16-key block of their own: a key's score is the same
-// whichever tile position or row length put it there.
-inline void tile_scores_bf16(const c10::BFloat16* qb, int64_t G, int64_t D, const c10::BFloat16* const* keys,
-                             int64_t jn, float* scores) {
-  int64_t jj = 0;
-  for (; jj + 16 <= jn; jj += 16) block_scores_bf16(qb, G, D, keys, jj, 0xFFFF, scores);
-  if (jj < jn) {
-    const c10::BFloat16* padded[kKeyTile + 16];
-    const int64_t rest = jn - jj;
-    for (int64_t k = 0; k < 16; ++k) padded[jj + k] = keys[jj + std::min(k, rest - 1)];
-    block_scores_bf16(qb, G, D, padded, jj, static_cast<__mmask16>((1u << rest) - 1), scores);
-  }
-}
-
 // 16 rows of 16 dwords transposed: out[c] lane k = r[k] lane c (unpack 32, unpack 64, two 128-bit shuffles).
 inline void transpose16_epi32(const __m512i* r, __m512i* out) {
   __m512i t[16], w[16];
@@ -109,73 +81,22 @@ inline void transpose16_epi32(const __m512i* r, __m512i* out) {
   }
 }
 
-// From this many query rows (a verification's rows x the heads of a KV head) a 16-key block is
-// scored transposed: its keys turned once into D / 2 vectors of one bf16 pair per key, so each row's
-// 16 scores need no horizontal sums. The sums are block_scores_bf16's, lane for lane and in its
-// reduction tree's order (pair l of chunk h into lane l's partial, then
-// ((l0 + l2) + (l1 + l3)) per four lanes, then (q0 + q2) + (q1 + q3)): the same bits, so a row's
-// scores do not depend on which path its run took. Fewer rows do not pay back the transpose.
-constexpr int64_t kTransposedRows = 6;
-
-// scores[i * kKeyTile + jj] = q_i . key_jj for the n query rows q[i] (32 C bf16 each) and the tile's
-// jn keys; unscaled, the caller scales. C a template argument: the chunk loop unrolled, the 16 lane
-// partials in registers.
-template <int C>
-void tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, const c10::BFloat16* const* keys,
-                                 int64_t jn, float* scores) {
-  alignas(64) __m512i kt[16 * C];  // kt[16 h + l] lane k: bf16 pair l of chunk h of key k
-  for (int64_t jj = 0; jj < jn; jj += 16) {
-    const int64_t last = std::min<int64_t>(16, jn - jj) - 1;
-    for (int h = 0; h < C; ++h) {
-      __m512i r[16];
-      for (int64_t k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(keys[jj + std::min(k, last)] + 32 * h);
-      transpose16_epi32(r, kt + 16 * h);
-    }
-    const __mmask16 store = static_cast<__mmask16>((1u << (last + 1)) - 1);
-    for (int64_t i = 0; i < n; ++i) {
-      const int32_t* qd = reinterpret_cast<const int32_t*>(q[i]);
-      __m512 s[16];
-      for (int l = 0; l < 16; ++l) {
-        __m512 a = _mm512_setzero_ps();
-        for (int h = 0; h < C; ++h) {
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_set1_epi32(qd[16 * h + l]), (__m512bh)kt[16 * h + l]);
-        }
-        s[l] = a;
-      }
-      __m512 c[4];
-      for (int m = 0; m < 4; ++m) {
-        c[m] = _mm512_add_ps(_mm512_add_ps(s[4 * m], s[4 * m + 2]), _mm512_add_ps(s[4 * m + 1], s[4 * m + 3]));
-      }
-      const __m512 total = _mm512_add_ps(_mm512_add_ps(c[0], c[2]), _mm512_add_ps(c[1], c[3]));
-      _mm512_mask_storeu_ps(scores + i * kKeyTile + jj, store, total);
-    }
-  }
-}
-
-// The transposed scoring for D = 32 C, C <= 8; false (nothing scored) for other D.
-inline bool tile_scores_bf16_transposed(const c10::BFloat16* const* q, int64_t n, int64_t D,
-                                        const c10::BFloat16* const* keys, int64_t jn, float* scores) {
-  if (D % 32 != 0 || D > 256) return false;
-  with_count<8>(D / 32, [&]<int C>() { tile_scores_bf16_transposed<C>(q, n, keys, jn, scores); });
-  return true;
-}
-
-// bf16 values: acc_i += sum_jj p_i[jj] * value_jj with the bf16 dot-product instruction, two keys
-// per instruction: each lane holds a dimension's pair (value_j[d], value_j+1[d]) and the pair
-// (p[j], p[j + 1]) is broadcast, so the probabilities go as bf16 (what a bf16 model's attention
-// multiplies the values by in PyTorch) and a row's products and sums are its own whatever rows it
-// shares the tile with. A row's accumulator holds each 32-dimension chunk as the unpack leaves it
-// (values_dim); values_unpermute restores the order once its keys are done.
+// P @ V, two keys per instruction: each lane holds a dimension's pair (value_j[d], value_j+1[d]) and
+// the pair (p[j], p[j + 1]) is broadcast, so the probabilities go as bf16 (what a bf16 model's
+// attention multiplies the values by in PyTorch). A row's accumulator holds each 32-dimension chunk
+// as the unpack leaves it (values_dim); values_unpermute restores the order once its keys are done.
 constexpr int64_t kValueHeadsBf16 = 12;  // 24 accumulators of the 32 registers
 
-// Chunk c (dimensions 32c .. 32c + 31) of rows i0 .. i0 + GN - 1; pairs: per row, kKeyTile / 2 dwords.
+// Chunk c (dimensions 32c .. 32c + 31) of rows i0 .. i0 + GN - 1: acc = corr * acc + P @ V over the
+// tile's npairs key pairs; pairs: per row, kKeyTile / 2 dwords.
 template <int GN>
-inline void values_block_bf16(const int32_t* pairs, int64_t D, const c10::BFloat16* const* values, int64_t npairs,
-                              float* acc, int64_t i0, int64_t c) {
+inline void values_block_bf16(const int32_t* pairs, const float* corr, int64_t D, const c10::BFloat16* const* values,
+                              int64_t npairs, float* acc, int64_t i0, int64_t c) {
   __m512 lo[GN], hi[GN];
   for (int g = 0; g < GN; ++g) {
-    lo[g] = _mm512_loadu_ps(acc + (i0 + g) * D + 32 * c);
-    hi[g] = _mm512_loadu_ps(acc + (i0 + g) * D + 32 * c + 16);
+    const __m512 f = _mm512_set1_ps(corr[i0 + g]);
+    lo[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (i0 + g) * D + 32 * c), f);
+    hi[g] = _mm512_mul_ps(_mm512_loadu_ps(acc + (i0 + g) * D + 32 * c + 16), f);
   }
   for (int64_t p = 0; p < npairs; ++p) {
     const __m512i a = _mm512_loadu_si512(values[2 * p] + 32 * c), b = _mm512_loadu_si512(values[2 * p + 1] + 32 * c);
@@ -192,26 +113,115 @@ inline void values_block_bf16(const int32_t* pairs, int64_t D, const c10::BFloat
   }
 }
 
-// acc_i += sum_jj probs_i[jj] * value_jj for n rows (probs: kKeyTile floats per row, zero past a
-// row's keys) and the tile's jn keys; D % 32 == 0. `values` has room for one more pointer.
-inline void tile_values_bf16(const float* probs, int64_t n, int64_t D, const c10::BFloat16** values, int64_t jn,
-                             float* acc, int32_t* pairs) {
-  const int64_t npairs = (jn + 1) / 2;
-  for (int64_t i = 0; i < n; ++i) {  // each row's probabilities as bf16 (round to nearest even)
-    c10::BFloat16* pb = reinterpret_cast<c10::BFloat16*>(pairs + i * (kKeyTile / 2));
-    for (int64_t jj = 0; jj < jn; jj += 16) {
-      const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(probs + i * kKeyTile + jj));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + jj), (__m256i)h);
-    }
-    if (jn % 2) pb[jn] = c10::BFloat16(0.f);
+// Where decode attention's n query rows stand after each tile: row i's running max m[i], its
+// probability sums per lane (l[16 i .. 16 i + 15], added up once its keys are done), its output
+// accumulator (acc[i D ..], in values_dim order), and scratch for one tile.
+struct DecodeRowsBf16 {
+  std::vector<float> m, l, acc, corr;
+  std::vector<int32_t> pairs;  // per row, the tile's probabilities as kKeyTile / 2 bf16 pairs
+  std::vector<__m512i> kt;     // the tile's keys transposed: (block b, chunk h) at 16 (b C + h)
+  DecodeRowsBf16(int64_t n, int64_t D)
+      : m(n), l(16 * n), acc(n * D), corr(n), pairs(n * kKeyTile / 2), kt(kKeyTile / 16 * D / 2) {}
+};
+
+// Scores of RB query rows (q: their D / 2 bf16 pairs) against the tile's first BB 16-key blocks of
+// transposed keys (kt), each lane one key: row r's sum over its pairs p = 0 .. D / 2 - 1 in order, one
+// chain per (row, block), the RB x BB chains in registers (a block's keys loaded once for all rows).
+template <int RB, int BB>
+inline void block_scores_bf16(const int32_t* const* q, const __m512i* kt, int64_t half_d, __m512* out) {
+  __m512 a[RB][BB];
+  for (int r = 0; r < RB; ++r) {
+    for (int b = 0; b < BB; ++b) a[r][b] = _mm512_setzero_ps();
   }
-  if (jn % 2) values[jn] = values[jn - 1];  // weighs zero
+  for (int64_t p = 0; p < half_d; ++p) {
+    __m512i k[BB];
+    for (int b = 0; b < BB; ++b) k[b] = kt[b * half_d + p];
+    for (int r = 0; r < RB; ++r) {
+      const __m512bh qp = (__m512bh)_mm512_set1_epi32(q[r][p]);
+      for (int b = 0; b < BB; ++b) a[r][b] = _mm512_dpbf16_ps(a[r][b], qp, (__m512bh)k[b]);
+    }
+  }
+  for (int r = 0; r < RB; ++r) {
+    for (int b = 0; b < BB; ++b) out[r * (kKeyTile / 16) + b] = a[r][b];
+  }
+}
+
+// One tile of keys (jn <= kKeyTile) for n query rows q[i] (D bf16 each, D % 32 == 0, unscaled), row
+// i attending the first rn[i] of them (none when rn[i] <= 0: its state is left as it is).
+//
+// The keys are transposed once per 16-key block (lane k of vector 16 h + l: bf16 pair l of chunk h
+// of key k), so a row's scores of 16 keys are the lanes of one vector: the sum of the row's D / 2
+// pair products in order, then scaled. The softmax stays in those lanes up to the tile's max;
+// probabilities past a row's keys are zero. Every lane's arithmetic is its own row's and key's, so a
+// row gets the same bits alone or among a verification's rows, at any position in a tile. `values`
+// has room for one more pointer (an odd tile's last key is paired with itself, weighing zero).
+inline void tile_attend_bf16(const c10::BFloat16* const* q, int64_t n, int64_t D, const c10::BFloat16* const* keys,
+                             const c10::BFloat16** values, int64_t jn, const int64_t* rn, float scale, float softcap,
+                             DecodeRowsBf16& st) {
+  constexpr int64_t kRowsPerPass = 3, kBlocks = kKeyTile / 16;  // 3 x 4 chains: the 1-row decode of a 3:1 GQA model
+  const int64_t C = D / 32, nb = (jn + 15) / 16;
+  __m512i* kt = st.kt.data();
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t last = std::min<int64_t>(16, jn - 16 * b) - 1;  // its lanes past the tile repeat the last key
+    for (int64_t h = 0; h < C; ++h) {
+      __m512i r[16];
+      for (int64_t k = 0; k < 16; ++k) r[k] = _mm512_loadu_si512(keys[16 * b + std::min(k, last)] + 32 * h);
+      transpose16_epi32(r, kt + 16 * (b * C + h));
+    }
+  }
+  const __m512 sc = _mm512_set1_ps(scale), none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t i0 = 0; i0 < n; i0 += kRowsPerPass) {
+    const int64_t rows = std::min(kRowsPerPass, n - i0);
+    const int32_t* qd[kRowsPerPass];
+    for (int64_t r = 0; r < rows; ++r) qd[r] = reinterpret_cast<const int32_t*>(q[i0 + r]);
+    __m512 x[kRowsPerPass * kBlocks];
+    with_count<kRowsPerPass>(rows, [&]<int RB>() {
+      with_count<kBlocks>(nb, [&]<int BB>() { block_scores_bf16<RB, BB>(qd, kt, 16 * C, x); });
+    });
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t i = i0 + r;
+      int32_t* pr = st.pairs.data() + i * (kKeyTile / 2);
+      if (rn[i] <= 0) {
+        st.corr[i] = 1.f;
+        std::fill(pr, pr + 8 * nb, 0);
+        continue;
+      }
+      const int64_t rb = (rn[i] + 15) / 16;  // the row's blocks
+      __m512* xr = x + r * kBlocks;
+      __m512 top = none;
+      for (int64_t b = 0; b < rb; ++b) {
+        __m512 s = _mm512_mul_ps(xr[b], sc);
+        if (softcap > 0) s = softcap16(s, softcap);
+        const int64_t live = rn[i] - 16 * b;
+        if (live < 16) s = _mm512_mask_mov_ps(none, static_cast<__mmask16>((1u << live) - 1), s);
+        xr[b] = s;
+        top = _mm512_max_ps(top, s);
+      }
+      const float m_old = st.m[i], m_new = std::max(m_old, _mm512_reduce_max_ps(top));
+      const float corr = m_new == m_old ? 1.f : std::exp(m_old - m_new);  // exp(-inf) = 0 on a row's first keys
+      st.m[i] = m_new;
+      st.corr[i] = corr;
+      const __m512 shift = _mm512_set1_ps(m_new);
+      __m512 l = _mm512_mul_ps(_mm512_loadu_ps(st.l.data() + 16 * i), _mm512_set1_ps(corr));
+      for (int64_t b = 0; b < rb; ++b) {
+        __m512 p = exp16(_mm512_sub_ps(xr[b], shift));
+        const int64_t live = rn[i] - 16 * b;
+        if (live < 16) p = _mm512_maskz_mov_ps(static_cast<__mmask16>((1u << live) - 1), p);
+        l = _mm512_add_ps(l, p);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pr + 8 * b), (__m256i)_mm512_cvtneps_pbh(p));
+      }
+      std::fill(pr + 8 * rb, pr + 8 * nb, 0);
+      _mm512_storeu_ps(st.l.data() + 16 * i, l);
+    }
+  }
+  if (jn % 2) values[jn] = values[jn - 1];
+  const int64_t npairs = (jn + 1) / 2;
   const int64_t groups = (n + kValueHeadsBf16 - 1) / kValueHeadsBf16;
-  const int64_t gs = (n + groups - 1) / groups;
-  for (int64_t c = 0; c < D / 32; ++c) {
+  const int64_t gs = (n + groups - 1) / groups;  // rows per group, as even as possible
+  for (int64_t c = 0; c < C; ++c) {
     for (int64_t i0 = 0; i0 < n; i0 += gs) {
       with_count<kValueHeadsBf16>(std::min(gs, n - i0), [&]<int GN>() {
-        values_block_bf16<GN>(pairs, D, values, npairs, acc, i0, c);
+        values_block_bf16<GN>(st.pairs.data(), st.corr.data(), D, values, npairs, st.acc.data(), i0, c);
       });
     }
   }

@@ -119,17 +119,6 @@ inline float exp_shifted(float* s, int64_t n, float shift) {
   return sum;
 }
 
-// s[i] *= f for i < n <= kKeyTile, a whole vector at a time: a row of scores has kKeyTile floats, so
-// the lanes past n (not read before they are set again) are scaled too.
-inline void scale_scores(float* s, int64_t n, float f) {
-#if defined(STRATA_SIMD16)
-  const V16 fv = vset1(f);
-  for (int64_t i = 0; i < n; i += 16) store16(s + i, vmul(load16(s + i), fv));
-#else
-  for (int64_t i = 0; i < n; ++i) s[i] *= f;
-#endif
-}
-
 // s[i] = cap * tanh(s[i] / cap) for i < n.
 inline void softcap_scores(float* s, int64_t n, float cap) {
   int64_t i = 0;
@@ -344,17 +333,30 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       bounds.push_back(static_cast<int64_t>(order.size()));
     }
   }
+  // K and V rows of keys [from, to) of KV head kvh, asked for ahead of use (pages: a page-table row)
+  auto prefetch_keys = [&](const int64_t* pages, int64_t kvh, int64_t from, int64_t to) {
+    for (int64_t j = from; j < to; ++j) {
+      const int64_t slot = page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
+      prefetch_row(kc + (slot * Hkv + kvh) * D, D);
+      prefetch_row(vc + (slot * Hkv + kvh) * D, D);
+    }
+  };
   at::parallel_for(0, nthreads, 1, [&](int64_t b0, int64_t b1) {
     // per query row (r, g) of a run, at r * G + g
-    std::vector<float> qf(max_run * G * D), acc(max_run * G * D), scores(max_run * G * kKeyTile);
-    std::vector<float> m(max_run * G), l(max_run * G);
-    std::vector<int64_t> row_end(max_run);
+    std::vector<float> qf, acc, scores, m(max_run * G), l(max_run * G);
+    std::vector<int64_t> row_end(max_run), row_keys(max_run * G);
     const CT* keys[kKeyTile];
-    const CT* values[kKeyTile + 1];  // one more: tile_values_bf16 pairs an odd tile's last key
+    const CT* values[kKeyTile + 1];  // one more: tile_attend_bf16 pairs an odd tile's last key
 #if defined(__AVX512BF16__)
-    std::vector<const c10::BFloat16*> qrows(max_run * G);  // the transposed scoring's query rows
-    std::vector<int32_t> prob_pairs(max_run * G * kKeyTile / 2);  // tile_values_bf16's bf16 probabilities
+    std::vector<const c10::BFloat16*> qrows(max_run * G);
+    std::unique_ptr<DecodeRowsBf16> rows_bf16;
+    if (bf16_dots) rows_bf16 = std::make_unique<DecodeRowsBf16>(max_run * G, D);
 #endif
+    if (!bf16_dots) {
+      qf.resize(max_run * G * D);
+      acc.resize(max_run * G * D);
+      scores.resize(max_run * G * kKeyTile);
+    }
     for (int64_t at_item = bounds[b0]; at_item < bounds[b1]; ++at_item) {
       const int64_t item = order[at_item];
       const int64_t split = item % splits, rk = item / splits;
@@ -365,21 +367,33 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         row_end[r] = std::min(pos[t0 + r] + 1, first + (split + 1) * kSplitKeys);  // keys [jbeg, row_end)
       }
       const int64_t* pages = pt + own[last] * pages_per_row;
-      for (int64_t r = 0; r < R && !bf16_dots; ++r) {  // float queries (the bf16 dot products read q as it is)
-        for (int64_t g = 0; g < G; ++g) {
-          const QT* src = qp + (t0 + r) * q_stride + (kvh * G + g) * D;
-          for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = to_f(src[d]) * fscale;
+      // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+      auto sink_or = [&](int64_t i, float none) { return sinks && split == 0 ? sinks[kvh * G + i % G] : none; };
+      float* accp = acc.data();
+#if defined(__AVX512BF16__)
+      if (bf16_dots) {
+        DecodeRowsBf16& st = *rows_bf16;
+        accp = st.acc.data();
+        for (int64_t i = 0; i < R * G; ++i) {
+          qrows[i] = reinterpret_cast<const c10::BFloat16*>(qp + (t0 + i / G) * q_stride + (kvh * G + i % G) * D);
+          st.m[i] = sink_or(i, -std::numeric_limits<float>::infinity());
+          std::fill(st.l.begin() + 16 * i, st.l.begin() + 16 * (i + 1), 0.f);
+          st.l[16 * i] = sinks && split == 0 ? 1.f : 0.f;
         }
+        std::fill(st.acc.begin(), st.acc.begin() + R * G * D, 0.f);
       }
-      std::fill(acc.begin(), acc.begin() + R * G * D, 0.f);
-      std::fill(m.begin(), m.begin() + R * G, -std::numeric_limits<float>::infinity());
-      std::fill(l.begin(), l.begin() + R * G, 0.f);
-      if (sinks && split == 0) {  // the sink joins the softmax as a score with no value: exp(sink - m) = 1
+#endif
+      if (!bf16_dots) {
         for (int64_t r = 0; r < R; ++r) {
           for (int64_t g = 0; g < G; ++g) {
-            m[r * G + g] = sinks[kvh * G + g];
-            l[r * G + g] = 1.f;
+            const QT* src = qp + (t0 + r) * q_stride + (kvh * G + g) * D;
+            for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = to_f(src[d]) * fscale;
           }
+        }
+        std::fill(acc.begin(), acc.begin() + R * G * D, 0.f);
+        for (int64_t i = 0; i < R * G; ++i) {
+          m[i] = sink_or(i, -std::numeric_limits<float>::infinity());
+          l[i] = sinks && split == 0 ? 1.f : 0.f;
         }
       }
       auto slot_of = [&](int64_t j) { return page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size; };
@@ -390,48 +404,37 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
         }
-        // The next tile's keys and values asked for while this one is attended (and on the first tile
-        // its values, read after its scores): a request's slots need not be consecutive (concurrent
-        // requests interleave their decode slots, a cached prefix sits wherever it was written), and
-        // the hardware prefetcher follows only regular strides.
+        // The next tile's keys and values asked for while this one is attended (on the last tile, the
+        // first of the thread's next item; on the first, its own values, read after its scores): a
+        // request's slots need not be consecutive (concurrent requests interleave their decode slots,
+        // a cached prefix sits wherever it was written), and the hardware prefetcher follows only
+        // regular strides.
         if (j0 == jbeg) {
           for (int64_t jj = 0; jj < jn; ++jj) prefetch_row(values[jj], D);
         }
-        for (int64_t j = j0 + kKeyTile; j < std::min(jend, j0 + 2 * kKeyTile); ++j) {
-          const int64_t slot = slot_of(j);
-          prefetch_row(kc + (slot * Hkv + kvh) * D, D);
-          prefetch_row(vc + (slot * Hkv + kvh) * D, D);
+        if (j0 + kKeyTile < jend) {
+          prefetch_keys(pages, kvh, j0 + kKeyTile, std::min(jend, j0 + 2 * kKeyTile));
+        } else if (at_item + 1 < bounds[b1]) {
+          const int64_t next = order[at_item + 1], next_run = next / splits / Hkv;
+          const KeyRange kr = key_range(next_run, next % splits);
+          prefetch_keys(pt + own[runs[next_run + 1] - 1] * pages_per_row, next / splits % Hkv, kr.jbeg,
+                        std::min(kr.jend, kr.jbeg + kKeyTile));
         }
-        bool scored = false;
 #if defined(__AVX512BF16__)
         if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
           if (bf16_dots) {
-            bool transposed = false;
-            if (R * G >= kTransposedRows) {
-              for (int64_t r = 0; r < R; ++r) {
-                for (int64_t g = 0; g < G; ++g) qrows[r * G + g] = qp + (t0 + r) * q_stride + (kvh * G + g) * D;
-              }
-              transposed = tile_scores_bf16_transposed(qrows.data(), R * G, D, keys, jn, scores.data());
-            }
-            for (int64_t r = 0; r < R; ++r) {
-              const int64_t rn = std::min(jn, row_end[r] - j0);
-              float* sr = scores.data() + r * G * kKeyTile;
-              if (rn <= 0) continue;
-              if (!transposed) tile_scores_bf16(qp + (t0 + r) * q_stride + kvh * G * D, G, D, keys, rn, sr);
-              for (int64_t g = 0; g < G; ++g) scale_scores(sr + g * kKeyTile, rn, fscale);
-            }
-            scored = true;
+            for (int64_t i = 0; i < R * G; ++i) row_keys[i] = std::min(jn, row_end[i / G] - j0);
+            tile_attend_bf16(qrows.data(), R * G, D, keys, values, jn, row_keys.data(), fscale, softcap, *rows_bf16);
+            continue;
           }
         }
 #endif
-        if (!scored) {
-          tile_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
-          const int64_t simd = simd_keys<CT>(D, jn);
-          for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
-            const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
-            if (rn > 0 && own_simd < simd) {
-              scalar_scores<CT>(qf.data() + r * G * D, G, D, keys, own_simd, rn, scores.data() + r * G * kKeyTile);
-            }
+        tile_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
+        const int64_t simd = simd_keys<CT>(D, jn);
+        for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
+          const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
+          if (rn > 0 && own_simd < simd) {
+            scalar_scores<CT>(qf.data() + r * G * D, G, D, keys, own_simd, rn, scores.data() + r * G * kKeyTile);
           }
         }
         for (int64_t r = 0; r < R; ++r) {
@@ -455,20 +458,18 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
             std::fill(sg + rn, sg + jn, 0.f);
           }
         }
-        bool valued = false;
+        tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
+      }
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
-          if (bf16_dots) {
-            tile_values_bf16(scores.data(), R * G, D, values, jn, acc.data(), prob_pairs.data());
-            valued = true;
-          }
+      if (bf16_dots) {  // the lanes' sums added up, acc back in dimension order
+        const DecodeRowsBf16& st = *rows_bf16;
+        for (int64_t i = 0; i < R * G; ++i) {
+          m[i] = st.m[i];
+          l[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(st.l.data() + 16 * i));
+          values_unpermute(accp + i * D, D);
         }
+      }
 #endif
-        if (!valued) tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
-      }
-      if (bf16_dots) {  // acc in tile_values_bf16's order
-        for (int64_t i = 0; i < R * G; ++i) values_unpermute(acc.data() + i * D, D);
-      }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t t = t0 + r;
         if (splits > 1) {
@@ -476,14 +477,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           for (int64_t g = 0; g < G; ++g) {
             part_m[base + g] = m[r * G + g];
             part_l[base + g] = l[r * G + g];
-            std::copy(acc.begin() + (r * G + g) * D, acc.begin() + (r * G + g + 1) * D, part_acc.get() + (base + g) * D);
+            std::copy(accp + (r * G + g) * D, accp + (r * G + g + 1) * D, part_acc.get() + (base + g) * D);
           }
           continue;
         }
         for (int64_t g = 0; g < G; ++g) {
           QT* dst = op + (t * H + kvh * G + g) * D;
           const float inv = 1.f / l[r * G + g];
-          for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[(r * G + g) * D + d] * inv);
+          for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(accp[(r * G + g) * D + d] * inv);
         }
       }
     }
