@@ -995,7 +995,7 @@ def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(ops, wind
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (64, 9, 3): the default model; with bf16 on AVX512-BF16, 128, 32 and 576 take the same bf16 kernel (a
-# key tile transposed for all the rows of a work item: 1 to 16 query heads per KV head here; 576 x 16 on
+# key tile transposed for all the rows of a work item: 3 to 16 query heads per KV head here; 576 x 16 on
 # one KV head is MLA's latent attention); 48 and 40 are not multiples of 32 and take the float path
 @pytest.mark.parametrize("head_dim,heads,kv_heads",
                          [(64, 9, 3), (128, 8, 2), (32, 6, 1), (576, 16, 1), (48, 4, 4), (40, 8, 2)])
