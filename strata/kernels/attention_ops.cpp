@@ -333,10 +333,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
       bounds.push_back(static_cast<int64_t>(order.size()));
     }
   }
+  // the slot of key j of a page-table row
+  auto slot_in = [&](const int64_t* pages, int64_t j) {
+    return page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
+  };
   // K and V rows of keys [from, to) of KV head kvh, asked for ahead of use (pages: a page-table row)
   auto prefetch_keys = [&](const int64_t* pages, int64_t kvh, int64_t from, int64_t to) {
     for (int64_t j = from; j < to; ++j) {
-      const int64_t slot = page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
+      const int64_t slot = slot_in(pages, j);
       prefetch_row(kc + (slot * Hkv + kvh) * D, D);
       prefetch_row(vc + (slot * Hkv + kvh) * D, D);
     }
@@ -367,8 +371,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         row_end[r] = std::min(pos[t0 + r] + 1, first + (split + 1) * kSplitKeys);  // keys [jbeg, row_end)
       }
       const int64_t* pages = pt + own[last] * pages_per_row;
-      // the sink joins the softmax as a score with no value: exp(sink - m) = 1
-      auto sink_or = [&](int64_t i, float none) { return sinks && split == 0 ? sinks[kvh * G + i % G] : none; };
+      // query row i's softmax state before its keys: in the first range, the sink joins it as a score
+      // with no value (exp(sink - m) = 1); else nothing yet
+      const bool sink_here = sinks && split == 0;
+      auto start_max = [&](int64_t i) {
+        return sink_here ? sinks[kvh * G + i % G] : -std::numeric_limits<float>::infinity();
+      };
+      const float start_sum = sink_here ? 1.f : 0.f;
       float* accp = acc.data();
 #if defined(__AVX512BF16__)
       if (bf16_dots) {
@@ -376,9 +385,9 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         accp = st.acc.data();
         for (int64_t i = 0; i < R * G; ++i) {
           qrows[i] = reinterpret_cast<const c10::BFloat16*>(qp + (t0 + i / G) * q_stride + (kvh * G + i % G) * D);
-          st.m[i] = sink_or(i, -std::numeric_limits<float>::infinity());
+          st.m[i] = start_max(i);
           std::fill(st.l.begin() + 16 * i, st.l.begin() + 16 * (i + 1), 0.f);
-          st.l[16 * i] = sinks && split == 0 ? 1.f : 0.f;
+          st.l[16 * i] = start_sum;
         }
         std::fill(st.acc.begin(), st.acc.begin() + R * G * D, 0.f);
       }
@@ -392,15 +401,14 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         }
         std::fill(acc.begin(), acc.begin() + R * G * D, 0.f);
         for (int64_t i = 0; i < R * G; ++i) {
-          m[i] = sink_or(i, -std::numeric_limits<float>::infinity());
-          l[i] = sinks && split == 0 ? 1.f : 0.f;
+          m[i] = start_max(i);
+          l[i] = start_sum;
         }
       }
-      auto slot_of = [&](int64_t j) { return page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size; };
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
         const int64_t jn = std::min(kKeyTile, jend - j0);
         for (int64_t jj = 0; jj < jn; ++jj) {
-          const int64_t slot = slot_of(j0 + jj);
+          const int64_t slot = slot_in(pages, j0 + jj);
           keys[jj] = kc + (slot * Hkv + kvh) * D;
           values[jj] = vc + (slot * Hkv + kvh) * D;
         }
