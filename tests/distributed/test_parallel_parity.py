@@ -88,3 +88,44 @@ def test_int8_shards_give_the_tokens_of_int8_on_one_rank(models):
     one_rank, _ = run(model_dir, quantization="int8")
     parallel, _ = run(model_dir, quantization="int8", tp_size=2)
     assert parallel == one_rank
+
+
+class _ReferenceDrafter:
+    """Proposes the next tokens of a known answer, every third proposal with one token wrong."""
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]]):
+        self.answers, self.calls = answers, 0
+
+    def propose(self, rid, prompt, output, k):
+        answer = self.answers.get(tuple(prompt), [])
+        if answer[: len(output)] != output:
+            return [], 0
+        draft = list(answer[len(output) : len(output) + k])
+        self.calls += 1
+        if draft and self.calls % 3 == 0:
+            draft[self.calls % len(draft)] = (draft[self.calls % len(draft)] + 1) % 256
+        return draft, 3
+
+    def finish(self, rid):
+        pass
+
+
+def test_drafts_verified_on_a_split_replica_keep_its_tokens(models):
+    """Speculative verification rows run through the split layers as lone decodes do: a TP=2 replica
+    with drafts (accepted runs and rejections at every depth) gives its tokens without them."""
+    model_dir = models["llama_gqa_tp2"]
+    params = SamplingParams(temperature=0, max_new_tokens=24, ignore_eos=True)
+    plain = Engine(str(model_dir), **ENGINE, tp_size=2)
+    try:
+        want = [r.token_ids for r in plain.generate(PROMPTS, params)]
+    finally:
+        plain.close()
+    engine = Engine(str(model_dir), **ENGINE, tp_size=2, speculative_algorithm="ngram", speculative_fixed_length=True)
+    try:
+        engine.scheduler.spec.drafter = _ReferenceDrafter({tuple(p): w for p, w in zip(PROMPTS, want)})
+        assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
+        stats = engine.scheduler.spec.stats
+        assert stats.verify_steps < stats.accepted_tokens < stats.drafted_tokens, stats
+        engine.scheduler.check_no_leaks()
+    finally:
+        engine.close()

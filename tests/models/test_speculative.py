@@ -5,6 +5,7 @@ tokens in the prefix cache, the sampled distribution unchanged, and the adaptive
 from __future__ import annotations
 
 import random
+import time
 from collections import Counter
 
 import pytest
@@ -234,6 +235,61 @@ def test_no_page_leaks_with_drafts_and_aborts(llama_dir, page_size):
     assert sched.allocator.num_free_pages + sched.cache.total_pages == sched.allocator.num_pages
     assert sched.spec.stats.verify_steps > 0
     assert not sched.spec.drafter.own  # every request's index is gone with it
+
+
+def test_greedy_identical_with_drafts_over_the_kv_tiers_and_under_memory_pressure(llama_dir):
+    """Prefixes that come back from the host tier (a device pool too small to keep them), and
+    requests retracted for want of pages and resumed, verify drafts as everywhere else: the same
+    greedy output as without speculation, and no page leaked."""
+    long_prompts = [p * 6 for p in REPETITIVE]
+    tiered = {"enable_hierarchical_cache": True, "kv_cache_tokens": 512, "page_size": 4}
+    off_engine, on_engine = engine(llama_dir, False, **tiered), engine(llama_dir, True, **tiered)
+    for _ in range(3):  # later rounds hit the prefixes the device pool gave up to the host
+        off = [r.token_ids for r in run_all(off_engine, long_prompts, greedy(40))]
+        assert [r.token_ids for r in run_all(on_engine, long_prompts, greedy(40))] == off
+    assert on_engine.hicache.stats.promoted_pages > 0 and on_engine.scheduler.spec.stats.accepted_tokens > 0
+
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta"]
+    prompts = [" ".join(rng.choice(words) for _ in range(rng.randint(10, 60))) for _ in range(16)]
+    tight = {"kv_cache_tokens": 400, "page_size": 4, "chunked_prefill_size": 32}
+    off = [r.token_ids for r in run_all(engine(llama_dir, False, **tight), prompts, greedy(64))]
+    on_engine = engine(llama_dir, True, **tight)
+    assert [r.token_ids for r in run_all(on_engine, prompts, greedy(64))] == off
+    assert on_engine.scheduler.num_retractions > 0 and on_engine.scheduler.spec.stats.accepted_tokens > 0
+
+
+def test_a_decode_worker_verifies_drafts_over_kv_from_its_prefill_worker(llama_dir):
+    """Prefill/decode disaggregation with speculation on the decode worker (and configured, unused, on
+    the prefill one): drafts verified over the KV that came over the wire give a single server's
+    answers."""
+    kw = {"kv_cache_tokens": 512, "page_size": 4, "disaggregation_secret": "s3cret"}
+    single = engine(llama_dir, False, **{k: v for k, v in kw.items() if k != "disaggregation_secret"})
+    prompts = [single.encode(p) for p in REPETITIVE]
+    expected = [r.token_ids for r in single.generate(prompts, greedy(40))]
+    prefill = engine(llama_dir, True, disaggregation_mode="prefill", **kw)
+    decode = engine(llama_dir, True, disaggregation_mode="decode", **kw)
+    decode.scheduler.spec.drafter = OracleDrafter({tuple(p): e for p, e in zip(prompts, expected)}, corrupt=0.5)
+    got: dict[str, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        decode.add_request(prompt, greedy(40), rid=f"r{i}", bootstrap_room=700 + i,
+                           bootstrap_addr=prefill.disagg_endpoint)
+        prefill.add_request(prompt, greedy(40), rid=f"r{i}", bootstrap_room=700 + i)
+        got[f"r{i}"] = []
+    finished: set[str] = set()
+    deadline = time.monotonic() + 60
+    while len(finished) < len(prompts) and time.monotonic() < deadline:
+        prefill.step()
+        for out in decode.step():
+            got[out.rid] += out.new_token_ids
+            if out.finished:
+                finished.add(out.rid)
+    assert [got[f"r{i}"] for i in range(len(prompts))] == expected
+    stats = decode.scheduler.spec.stats
+    assert stats.accepted_tokens > stats.verify_steps > 0, stats
+    for e in (prefill, decode):
+        e.scheduler.check_no_leaks()
+        e.close()
 
 
 def test_sampled_tokens_keep_the_target_distribution(llama_dir):
