@@ -7,20 +7,24 @@ Workloads (made locally, nothing downloaded):
               spelling fixed, so the answer re-uses the input (the editing / quoting case)
     chat      open questions with no text to copy from
 Scenarios: `batch1` (one request at a time) and `concurrent` (--concurrency requests submitted at
-once). Greedy, end of text respected, at most --output-len tokens: both engines produce the same
-tokens, which the run checks. Each round measures the engine without speculation and with
-speculation (`--speculative-algorithm` as given, ngram when none is) on prompts no earlier round
-used, so neither the prefix cache nor the drafter's memory of recent requests carries answers over.
-At batch 1 the two engines take the round's prompts in turn, prompt by prompt, alternating which goes
-first, so the slow and fast spells of a shared machine fall on both alike; concurrent rounds
-alternate which engine goes first. Reported per scenario: median output tok/s of each, the median
-of the per-round ratios, and the accept length (tokens per verifying request-step) and draft length
-the adaptive policy chose. Output tok/s is end to end: the round's output tokens over the time its
-requests took, prefill included. Batch 1 also reports the decode phase alone (tokens after the first over the time after
-the first, the per-stream rate a reader of a streamed answer sees: speculation speeds up only this
-part, never the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a
-verification of k drafts), each as a multiple of the engine-without-speculation's decode step:
-the ratio speculation has to beat.
+once). Greedy, end of text respected, at most --output-len tokens: both sides produce the same tokens,
+which the run checks. Each round measures the engine without speculation and with it
+(`--speculative-algorithm` as given, ngram when none is) on prompts no earlier round used, so the
+drafter's memory of recent requests carries no answers over. The two sides are one engine, its
+speculator attached or not: they share its weights, KV pool and every other allocation (two engines
+built one after the other in one process differ in their decode step by a few percent, from where
+their memory landed, which would bias the ratio). The prefix cache is emptied before each run, so
+each side prefills its prompts itself. At batch 1 the two take the round's prompts in turn, prompt by
+prompt, alternating which goes first, so the slow and fast spells of a shared machine fall on both
+alike; concurrent rounds alternate which goes first.
+
+Reported per scenario: median output tok/s of each side, the median of the per-round ratios, and the
+accept length (tokens per verifying request-step) and draft length the adaptive policy chose. Output
+tok/s is end to end: the round's output tokens over the time its requests took, prefill included.
+Batch 1 also reports the decode phase alone (tokens after the first over the time after the first,
+the per-stream rate a reader of a streamed answer sees: speculation speeds up only this part, never
+the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a verification of k
+drafts), each as a multiple of the decode step without speculation: the ratio speculation has to beat.
 
 With `--llamacpp` (llama-cpp-python installed) llama.cpp runs the batch-1 scenarios too, on the
 default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLookupDecoding`).
@@ -229,19 +233,44 @@ def _run(
     return run
 
 
+class Arm:
+    """One side of the comparison: the engine with `speculator` attached (None: without speculation)."""
+
+    def __init__(self, engine, speculator):
+        self.engine = engine
+        self.speculator = speculator
+
+    @contextlib.contextmanager
+    def active(self):
+        """The engine as this side runs it, its prefix cache emptied (each side prefills for itself)."""
+        scheduler = self.engine.scheduler
+        saved, scheduler.spec = scheduler.spec, self.speculator
+        try:
+            self.engine.flush_cache()
+            yield self.engine
+        finally:
+            scheduler.spec = saved
+
+
+def _run_arm(arm: Arm, prompts: list[list[int]], batch1: bool, output_len: int,
+             steps: list[StepTiming] | None = None) -> RunTiming:
+    with arm.active() as engine:
+        return _run(engine, prompts, batch1, output_len, steps)
+
+
 def _run_interleaved(
-    engines: dict, prompts: list[list[int]], output_len: int, steps: dict[str, list[StepTiming]], first: int
+    arms: dict[str, Arm], prompts: list[list[int]], output_len: int, steps: dict[str, list[StepTiming]], first: int
 ) -> dict[str, RunTiming]:
-    """Batch 1 on both engines prompt by prompt, the one going first alternating (from engine `first` of
-    `engines`): a shared machine's slow and fast spells, which last seconds, then fall on both alike
-    instead of on one engine's half of the round. Each engine's timing sums its requests', as if run
+    """Batch 1 on both sides prompt by prompt, the one going first alternating (from side `first` of
+    `arms`): a shared machine's slow and fast spells, which last seconds, then fall on both alike
+    instead of on one side's half of the round. Each side's timing sums its requests', as if run
     back to back."""
-    names = list(engines)
+    names = list(arms)
     timings = {name: RunTiming([], 0.0) for name in names}
     for i, prompt in enumerate(prompts):
         for j in range(len(names)):
             name = names[(first + i + j) % len(names)]
-            one = _run(engines[name], [prompt], True, output_len, steps[name])
+            one = _run_arm(arms[name], [prompt], True, output_len, steps[name])
             t = timings[name]
             t.outputs += one.outputs
             t.seconds += one.seconds
@@ -253,15 +282,17 @@ def _run_interleaved(
 def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
     from strata.engine.engine import Engine
 
-    off = Engine(**{**engine_options, "speculative_algorithm": "none", "speculative_draft_model": None})
     algorithm = engine_options.get("speculative_algorithm") or "none"
-    on = Engine(**{**engine_options, "speculative_algorithm": "ngram" if algorithm == "none" else algorithm})
+    engine = Engine(**{**engine_options, "speculative_algorithm": "ngram" if algorithm == "none" else algorithm})
+    spec = engine.scheduler.spec
+    arms = {"off": Arm(engine, None), "on": Arm(engine, spec)}
     # warm-up: kernels, the allocator, and the first forward of each shape (drafted steps have many)
-    warm = "Repeat this line three times: the quick brown fox jumps over the lazy dog near the river bank."
-    for eng in (off, on):
-        _run(eng, [eng.chat_ids([{"role": "user", "content": warm}])], True, 96)
+    warm = engine.chat_ids([{"role": "user", "content": "Repeat this line three times: the quick brown fox "
+                                                         "jumps over the lazy dog near the river bank."}])
+    for arm in arms.values():
+        _run_arm(arm, [warm], True, 96)
     llama = _llamacpp(engine_options) if cfg.llamacpp else None
-    pools = {kind: prompts_for(kind, off, cfg) for kind in ("grounded", "chat")}
+    pools = {kind: prompts_for(kind, engine, cfg) for kind in ("grounded", "chat")}
     cursor = {kind: 0 for kind in pools}
     results = []
     for scenario in cfg.scenarios:
@@ -273,14 +304,13 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             pool = pools[kind]
             prompts = [pool[(cursor[kind] + i) % len(pool)] for i in range(size)]
             cursor[kind] += size
-            before = dict(on.scheduler.spec.stats.as_dict())
+            before = dict(spec.stats.as_dict())
             timings, steps = {}, {"off": [], "on": []}
-            engines = {"off": off, "on": on}
             if batch1:
-                timings = _run_interleaved(engines, prompts, cfg.output_len, steps, first=r % 2)
+                timings = _run_interleaved(arms, prompts, cfg.output_len, steps, first=r % 2)
             else:
                 for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    timings[which] = _run(engines[which], prompts, False, cfg.output_len)
+                    timings[which] = _run_arm(arms[which], prompts, False, cfg.output_len)
             for s in steps["on"]:
                 if s.no_prefill:
                     result.on_step_ms.setdefault(s.num_tokens, []).append(1000.0 * s.duration_s)
@@ -298,7 +328,7 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
                 result.decode_ratios.append(on_run.decode_tok_s / off_run.decode_tok_s)
                 decode = (f"; decode phase off {off_run.decode_tok_s:.1f}, on {on_run.decode_tok_s:.1f} "
                           f"(x{result.decode_ratios[-1]:.2f})")
-            after = on.scheduler.spec.stats.as_dict()
+            after = spec.stats.as_dict()
             steps = after["verify_steps"] - before["verify_steps"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
             drafted = after["drafted_tokens"] - before["drafted_tokens"]

@@ -43,21 +43,21 @@ def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
     assert "chat-batch1: decode phase (after each first token)" in text
 
 
-def test_batch1_rounds_interleave_the_engines_prompt_by_prompt(monkeypatch):
-    """At batch 1 the engines take each prompt in turn, the first alternating, and each engine's
+def test_batch1_rounds_interleave_the_sides_prompt_by_prompt(monkeypatch):
+    """At batch 1 the two sides take each prompt in turn, the first alternating, and each side's
     timing sums its own requests'."""
     from strata.bench import spec
 
     calls = []
 
-    def fake_run(engine, prompts, batch1, output_len, steps=None):
+    def fake_run(arm, prompts, batch1, output_len, steps=None):
         assert batch1 and len(prompts) == 1 and steps is not None
-        calls.append((engine, prompts[0][0]))
-        steps.append(engine)
-        return spec.RunTiming([[prompts[0][0]] * 3], seconds=1.0 if engine == "A" else 0.5, decode_tokens=2,
+        calls.append((arm, prompts[0][0]))
+        steps.append(arm)
+        return spec.RunTiming([[prompts[0][0]] * 3], seconds=1.0 if arm == "A" else 0.5, decode_tokens=2,
                               decode_seconds=0.25)
 
-    monkeypatch.setattr(spec, "_run", fake_run)
+    monkeypatch.setattr(spec, "_run_arm", fake_run)
     steps = {"off": [], "on": []}
     timings = spec._run_interleaved({"off": "A", "on": "B"}, [[10], [11], [12]], 8, steps, first=1)
     assert calls == [("B", 10), ("A", 10), ("A", 11), ("B", 11), ("B", 12), ("A", 12)]
@@ -66,3 +66,26 @@ def test_batch1_rounds_interleave_the_engines_prompt_by_prompt(monkeypatch):
     assert off.outputs == on.outputs == [[10] * 3, [11] * 3, [12] * 3]
     assert (off.seconds, on.seconds) == (3.0, 1.5) and on.tok_s == pytest.approx(2 * off.tok_s)
     assert (off.decode_tokens, off.decode_seconds) == (6, 0.75)
+
+
+def test_both_sides_are_one_engine_each_cold_and_as_it_was_after(llama_dir):
+    """The side without speculation runs the engine with its speculator detached, and each run starts
+    from an empty prefix cache; the speculator is back afterwards, even when a run fails."""
+    from strata import Engine
+    from strata.bench import spec
+
+    engine = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=1024, speculative_algorithm="ngram")
+    speculator = engine.scheduler.spec
+    prompt = engine.encode("Hello world! Hello world! Hello world!")
+    off, on = spec.Arm(engine, None), spec.Arm(engine, speculator)
+    seen = []
+    for arm in (on, off, on):
+        with arm.active() as e:
+            seen.append(e.scheduler.spec)
+            out = e.generate([prompt], spec.SamplingParams(temperature=0, max_new_tokens=8))[0]
+            assert out.cached_tokens == 0  # the other side's run left nothing to hit
+        assert engine.scheduler.spec is speculator
+    assert seen == [speculator, None, speculator]
+    with pytest.raises(RuntimeError), off.active():
+        raise RuntimeError("a run that fails")
+    assert engine.scheduler.spec is speculator
