@@ -71,7 +71,7 @@ def test_batch1_rounds_interleave_the_sides_prompt_by_prompt(monkeypatch):
 def test_both_sides_are_one_engine_each_cold_and_as_it_was_after(llama_dir):
     """The side without speculation runs the engine with its speculator detached, and each run starts
     from an empty prefix cache; the speculator is back afterwards, even when a run fails."""
-    from strata import Engine
+    from strata import Engine, SamplingParams
     from strata.bench import spec
 
     engine = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=1024, speculative_algorithm="ngram")
@@ -82,7 +82,7 @@ def test_both_sides_are_one_engine_each_cold_and_as_it_was_after(llama_dir):
     for arm in (on, off, on):
         with arm.active() as e:
             seen.append(e.scheduler.spec)
-            out = e.generate([prompt], spec.SamplingParams(temperature=0, max_new_tokens=8))[0]
+            out = e.generate([prompt], SamplingParams(temperature=0, max_new_tokens=8))[0]
             assert out.cached_tokens == 0  # the other side's run left nothing to hit
         assert engine.scheduler.spec is speculator
     assert seen == [speculator, None, speculator]
