@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from oracle_drafter import OracleDrafter
 from tiny_models import make_model
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -90,26 +91,6 @@ def test_int8_shards_give_the_tokens_of_int8_on_one_rank(models):
     assert parallel == one_rank
 
 
-class _ReferenceDrafter:
-    """Proposes the next tokens of a known answer, every third proposal with one token wrong."""
-
-    def __init__(self, answers: dict[tuple[int, ...], list[int]]):
-        self.answers, self.calls = answers, 0
-
-    def propose(self, rid, prompt, output, k):
-        answer = self.answers.get(tuple(prompt), [])
-        if answer[: len(output)] != output:
-            return [], 0
-        draft = list(answer[len(output) : len(output) + k])
-        self.calls += 1
-        if draft and self.calls % 3 == 0:
-            draft[self.calls % len(draft)] = (draft[self.calls % len(draft)] + 1) % 256
-        return draft, 3
-
-    def finish(self, rid):
-        pass
-
-
 def test_drafts_verified_on_a_split_replica_keep_its_tokens(models):
     """Speculative verification rows run through the split layers as lone decodes do: a TP=2 replica
     with drafts (accepted runs and rejections at every depth) gives its tokens without them."""
@@ -122,7 +103,7 @@ def test_drafts_verified_on_a_split_replica_keep_its_tokens(models):
         plain.close()
     engine = Engine(str(model_dir), **ENGINE, tp_size=2, speculative_algorithm="ngram", speculative_fixed_length=True)
     try:
-        engine.scheduler.spec.drafter = _ReferenceDrafter({tuple(p): w for p, w in zip(PROMPTS, want)})
+        engine.scheduler.spec.drafter = OracleDrafter({tuple(p): w for p, w in zip(PROMPTS, want)})
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
         stats = engine.scheduler.spec.stats
         assert stats.verify_steps < stats.accepted_tokens < stats.drafted_tokens, stats

@@ -10,6 +10,7 @@ from collections import Counter
 
 import pytest
 import torch
+from oracle_drafter import OracleDrafter
 
 from strata import Engine, SamplingParams, kernels
 from strata.engine.speculative import (
@@ -44,28 +45,6 @@ def engine(model_dir, spec: bool, **kw) -> Engine:
     if spec:
         options.update(speculative_algorithm="ngram", speculative_fixed_length=True)
     return Engine(str(model_dir), **options)
-
-
-class OracleDrafter:
-    """Proposes what the target will say (from a run without speculation), corrupting one token of a
-    proposal now and then: long accepted runs, and rejections at every depth."""
-
-    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0, corrupt: float = 0.3):
-        self.references = references
-        self.rng = random.Random(seed)
-        self.corrupt = corrupt
-
-    def propose(self, rid, prompt, output, k):
-        ref = self.references.get(tuple(prompt), [])
-        if ref[: len(output)] != output:
-            return [], 0
-        draft = list(ref[len(output) : len(output) + k])
-        if draft and self.rng.random() < self.corrupt:
-            draft[self.rng.randrange(len(draft))] = self.rng.randrange(3, 300)
-        return draft, 3
-
-    def finish(self, rid):
-        pass
 
 
 def run_all(eng: Engine, prompts, params):
