@@ -18,13 +18,15 @@ each side prefills its prompts itself. At batch 1 the two take the round's promp
 prompt, alternating which goes first, so the slow and fast spells of a shared machine fall on both
 alike; concurrent rounds alternate which goes first.
 
-Reported per scenario: median output tok/s of each side, the median of the per-round ratios, and the
-accept length (tokens per verifying request-step) and draft length the adaptive policy chose. Output
-tok/s is end to end: the round's output tokens over the time its requests took, prefill included.
-Batch 1 also reports the decode phase alone (tokens after the first over the time after the first,
-the per-stream rate a reader of a streamed answer sees: speculation speeds up only this part, never
-the prompt's prefill), and what a step costs by its rows (1: a decode, 1 + k: a verification of k
-drafts), each as a multiple of the decode step without speculation: the ratio speculation has to beat.
+Reported per scenario: median output tok/s of each side, the median of the per-round ratios, the
+pooled ratio (every round's output tokens over all their time, per side: a round's ratio depends
+much on its prompts, the pooled one much less), and the accept length (tokens per verifying
+request-step) and draft length the adaptive policy chose. Output tok/s is end to end: the round's
+output tokens over the time its requests took, prefill included. Batch 1 also reports the decode
+phase alone (tokens after the first over the time after the first, the per-stream rate a reader of a
+streamed answer sees: speculation speeds up only this part, never the prompt's prefill), and what a
+step costs by its rows (1: a decode, 1 + k: a verification of k drafts), each as a multiple of the
+decode step without speculation: the ratio speculation has to beat.
 
 With `--llamacpp` (llama-cpp-python installed) llama.cpp runs the batch-1 scenarios too, on the
 default model's GGUF, without and with its prompt-lookup drafter (`LlamaPromptLookupDecoding`).
@@ -94,6 +96,10 @@ class ScenarioResult:
     on_decode_tok_s: list[float] = field(default_factory=list)
     decode_ratios: list[float] = field(default_factory=list)
     output_tokens: list[int] = field(default_factory=list)
+    # per round: each side's output tokens and the seconds its requests took (for the pooled figures)
+    off_output_tokens: list[int] = field(default_factory=list)
+    off_seconds: list[float] = field(default_factory=list)
+    on_seconds: list[float] = field(default_factory=list)
     accept_length: list[float] = field(default_factory=list)
     draft_length: list[float] = field(default_factory=list)
     identical: bool = True
@@ -116,6 +122,15 @@ class ScenarioResult:
             by_rows[rows] = {"ms": med, "steps": len(ms), "vs_decode": med / base}
         return {"off_decode_ms": base, "on_by_rows": by_rows}
 
+    def pooled(self) -> dict | None:
+        """Every round's output tokens over all their time, per side, and on over off: the figure that
+        moves least from run to run (a round's ratio depends much on its prompts). None without rounds."""
+        if not self.off_seconds or not self.on_seconds:
+            return None
+        off = sum(self.off_output_tokens) / sum(self.off_seconds)
+        on = sum(self.output_tokens) / sum(self.on_seconds)
+        return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off}
+
     def summary(self) -> dict:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
         return {
@@ -123,6 +138,7 @@ class ScenarioResult:
             "off_tok_s": med(self.off_tok_s),
             "on_tok_s": med(self.on_tok_s),
             "ratio": med(self.ratios),
+            "pooled": self.pooled(),
             "off_decode_tok_s": med(self.off_decode_tok_s),
             "on_decode_tok_s": med(self.on_decode_tok_s),
             "decode_ratio": med(self.decode_ratios),
@@ -318,6 +334,9 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             off_run, on_run = timings["off"], timings["on"]
             result.identical &= off_run.outputs == on_run.outputs
             result.output_tokens.append(sum(len(o) for o in on_run.outputs))
+            result.off_output_tokens.append(sum(len(o) for o in off_run.outputs))
+            result.off_seconds.append(off_run.seconds)
+            result.on_seconds.append(on_run.seconds)
             result.off_tok_s.append(off_run.tok_s)
             result.on_tok_s.append(on_run.tok_s)
             result.ratios.append(result.on_tok_s[-1] / result.off_tok_s[-1])
@@ -393,6 +412,12 @@ def format_text(results: list[ScenarioResult]) -> str:
             f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
             f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
         )
+    for r in results:
+        pooled = r.pooled()
+        if pooled is not None and len(r.ratios) > 1:
+            lines.append(f"{r.scenario}: pooled over its {len(r.ratios)} rounds (all output tokens over all "
+                         f"their time) off {pooled['off_tok_s']:.1f} tok/s, on {pooled['on_tok_s']:.1f} "
+                         f"tok/s, ratio {pooled['ratio']:.3f}")
     for r in results:
         s = r.summary()
         if s["decode_ratio"] is not None:

@@ -38,6 +38,11 @@ def test_spec_bench_runs_the_named_drafter(llama_dir, algorithm):
     assert b1["off_decode_tok_s"] > 0 and b1["on_decode_tok_s"] > 0
     assert b1["decode_ratio"] == pytest.approx(b1["on_decode_tok_s"] / b1["off_decode_tok_s"])
     assert conc["decode_ratio"] is None
+    for r in results:  # pooled: all output tokens over all time, per side (one round: that round's figures)
+        pooled = r.summary()["pooled"]
+        assert pooled["off_tok_s"] == pytest.approx(r.off_tok_s[0])
+        assert pooled["on_tok_s"] == pytest.approx(r.on_tok_s[0])
+        assert pooled["ratio"] == pytest.approx(r.ratios[0])
     text = format_text(results)
     assert "on tok/s" in text and "chat-batch1: decode step off" in text
     assert "chat-batch1: decode phase (after each first token)" in text
@@ -89,3 +94,18 @@ def test_both_sides_are_one_engine_each_cold_and_as_it_was_after(llama_dir):
     with pytest.raises(RuntimeError), off.active():
         raise RuntimeError("a run that fails")
     assert engine.scheduler.spec is speculator
+
+
+def test_pooled_figures_weigh_rounds_by_their_time():
+    """The pooled ratio is all output tokens over all time, per side; not the median of round ratios."""
+    from strata.bench.spec import ScenarioResult
+
+    r = ScenarioResult("grounded-batch1", output_tokens=[100, 300], off_output_tokens=[100, 300],
+                       off_seconds=[1.0, 3.0], on_seconds=[0.5, 1.0], off_tok_s=[100.0, 100.0],
+                       on_tok_s=[200.0, 300.0], ratios=[2.0, 3.0], accept_length=[3.0, 4.0],
+                       draft_length=[4.0, 5.0])
+    pooled = r.summary()["pooled"]
+    assert pooled["off_tok_s"] == pytest.approx(100.0) and pooled["on_tok_s"] == pytest.approx(400 / 1.5)
+    assert pooled["ratio"] == pytest.approx(8 / 3) and r.summary()["ratio"] == pytest.approx(2.5)
+    assert "grounded-batch1: pooled over its 2 rounds" in format_text([r])
+    assert ScenarioResult("chat-concurrent").pooled() is None
