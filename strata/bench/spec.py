@@ -129,7 +129,7 @@ class ScenarioResult:
             return None
         off = sum(self.off_output_tokens) / sum(self.off_seconds)
         on = sum(self.output_tokens) / sum(self.on_seconds)
-        return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off}
+        return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off if off > 0 else None}
 
     def summary(self) -> dict:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
@@ -414,7 +414,7 @@ def format_text(results: list[ScenarioResult]) -> str:
         )
     for r in results:
         pooled = r.pooled()
-        if pooled is not None and len(r.ratios) > 1:
+        if pooled is not None and pooled["ratio"] is not None and len(r.ratios) > 1:
             lines.append(f"{r.scenario}: pooled over its {len(r.ratios)} rounds (all output tokens over all "
                          f"their time) off {pooled['off_tok_s']:.1f} tok/s, on {pooled['on_tok_s']:.1f} "
                          f"tok/s, ratio {pooled['ratio']:.3f}")
