@@ -266,7 +266,8 @@ def test_killing_a_replica_under_load_loses_no_request(cluster, replica_urls, ro
         max_retries=3,
     )
     victim, survivor = replica_urls
-    # both admitted before the load starts: a victim still pending would get none of it
+    # both admitted before the load starts: a victim whose first health check failed (a busy machine)
+    # would get none of it until a later check admits it
     router.wait_for(lambda ws: all(w["status"] == "healthy" for w in ws.values()), what="both replicas")
     info = httpx.get(victim + "/get_server_info", timeout=10).json()
     frontend_pid, engine_pid = info["frontend_pid"], info["engine"]["pid"]
