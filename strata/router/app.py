@@ -2,7 +2,8 @@
 
     POST /v1/chat/completions, /v1/completions, /generate    proxied (SSE streamed through)
     GET  /v1/models, /health_generate                        proxied to one routable worker
-    GET  /health             200 while at least one worker is routable, else 503 saying why (no key)
+    GET  /health             200 while at least one worker is routable (PD: one prefill and one decode
+                             worker), else 503 saying which role has none and why (no key)
     GET  /get_server_info    the router's config, every worker's state and load, summed counts
     POST /flush_cache        flushes every healthy worker, and the policy's record of their caches
     GET  /metrics            the router's Prometheus metrics (strata:router_*)
@@ -105,6 +106,13 @@ class Gateway:
                 port=cfg.k8s_port, api_url=cfg.k8s_api_url,
             )  # fmt: skip
             self.discovery.start()
+
+    def role_pools(self) -> dict[str, WorkerPool | None]:
+        """The pool of each role a request needs, by role name ("" when the router has one role).
+        A pool is None until the router has started."""
+        if self.prefill_policy is None:
+            return {"": self.pool}
+        return {"prefill": self.prefill_pool, "decode": self.pool}
 
     async def close(self) -> None:
         if self.discovery is not None:
@@ -220,13 +228,23 @@ def create_app(gateway: Gateway) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        pool = gateway.pool
-        if pool is None or not pool.routable():
-            message = pool.why_none_routable() if pool is not None else "the router is starting"
-            return Response(
-                error_body(503, message, "no_healthy_workers"), 503, media_type="application/json"
-            )
-        return json_response({"status": "ok", "routable_workers": len(pool.routable())})
+        # every role a request needs must have a routable worker (PD: a prefill and a decode worker)
+        missing = []
+        for role, pool in gateway.role_pools().items():
+            if pool is None:
+                missing = ["the router is starting"]
+                break
+            if not pool.routable():
+                why = pool.why_none_routable()
+                missing.append(f"no routable {role} worker: {why}" if role else why)
+        if missing:
+            body = error_body(503, "; ".join(missing), "no_healthy_workers")
+            return Response(body, 503, media_type="application/json")
+        assert gateway.pool is not None
+        status: dict[str, Any] = {"status": "ok", "routable_workers": len(gateway.pool.routable())}
+        if gateway.prefill_pool is not None:
+            status["routable_prefill_workers"] = len(gateway.prefill_pool.routable())
+        return json_response(status)
 
     def describe_workers() -> list[dict[str, Any]]:
         assert gateway.pool is not None

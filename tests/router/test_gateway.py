@@ -184,6 +184,36 @@ def test_no_healthy_worker_is_a_503_saying_why(fakes, router_factory):
         assert resp.status_code == 503 and "POST /workers" in resp.json()["error"]["message"]
 
 
+def test_pd_health_needs_a_routable_worker_of_each_role(fakes, router_factory):
+    decode, prefill = fakes[0], fakes[1]
+    prefill.state.healthy = False
+    router = router_factory(
+        worker_urls=(decode.url,), prefill_urls=(prefill.url,), disaggregation_secret="s3cret"
+    )
+
+    def health(expected: int) -> httpx.Response:
+        """GET /health until it answers `expected` (the health checks run every 0.2 s), or for 5 s."""
+        deadline = time.monotonic() + 5
+        with router.client() as c:
+            while (resp := c.get("/health")).status_code != expected and time.monotonic() < deadline:
+                time.sleep(0.05)
+        return resp
+
+    resp = health(503)  # every worker was checked once before the router started serving
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 503 and "no routable prefill worker" in message and prefill.url in message
+    assert "decode" not in message
+    prefill.state.healthy = True
+    resp = health(200)
+    assert resp.status_code == 200
+    assert resp.json() == {"status": "ok", "routable_workers": 1, "routable_prefill_workers": 1}
+    decode.state.healthy = False
+    resp = health(503)
+    message = resp.json()["error"]["message"]
+    assert resp.status_code == 503 and "no routable decode worker" in message and decode.url in message
+    assert "prefill" not in message
+
+
 def test_workers_are_added_and_removed_at_runtime(fakes, router_factory):
     a, b = fakes[0], fakes[1]
     router = router_factory(worker_urls=(a.url,), policy="round_robin")
