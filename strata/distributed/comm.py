@@ -14,19 +14,36 @@ Start-up goes through the store, not a collective: a worker sets `started/<rank>
 groups' rendezvous and `loaded/<rank>` once its shard is in memory; rank 0 waits for those keys
 (while its workers live) before joining and before its first broadcast, so a worker that dies while
 starting fails at once and a slow load is never mistaken for a stalled rank.
+
+The groups are `torch.distributed`'s default group and its subgroups, of which a process has one
+set: a process is rank 0 of at most one replica at a time. `close` leaves them, so the process can
+start another replica afterwards; `check_free` refuses a second while one is open.
 """
 
 from __future__ import annotations
 
 import datetime
+import logging
 
 import torch
 import torch.distributed as dist
 
 from strata.distributed.errors import RankFailure
 
+logger = logging.getLogger(__name__)
+
 CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker may wait this long for rank 0's next step
 STARTUP_TIMEOUT_S = 300.0  # for every rank to join
+
+
+def check_free() -> None:
+    """Raises if this process is already in a process group (another split Engine not closed yet)."""
+    if dist.is_initialized():
+        raise RuntimeError(
+            "this process already runs a tensor/expert-parallel replica (torch.distributed is initialized, "
+            "and a process holds one set of groups): close() that Engine before starting another with "
+            "--tp-size/--ep-size > 1, or start the second in its own process"
+        )
 
 
 class Comm:
@@ -44,11 +61,16 @@ class Comm:
             backend, store=self.store, rank=rank, world_size=world_size,
             timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
         )
-        self.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
-        # a worker waits on the control group for as long as the server idles; rank 0's sends on it
-        # are bounded like any collective (gloo's send waits for the receiver to take it)
-        control_timeout = datetime.timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT
-        self.control = dist.new_group(backend="gloo", timeout=control_timeout)
+        self.closed = False
+        try:
+            self.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            # a worker waits on the control group for as long as the server idles; rank 0's sends on it
+            # are bounded like any collective (gloo's send waits for the receiver to take it)
+            control_timeout = datetime.timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT
+            self.control = dist.new_group(backend="gloo", timeout=control_timeout)
+        except BaseException:
+            self.close()
+            raise
 
     @staticmethod
     def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
@@ -107,7 +129,15 @@ class Comm:
         self.run("barrier", dist.barrier, group=self.control)
 
     def close(self) -> None:
+        """Leaves the groups (once), so this process may join another replica's."""
+        if self.closed:
+            return
+        self.closed = True
         try:
             dist.destroy_process_group()
-        except Exception:  # noqa: BLE001 -- a broken group cannot always be torn down cleanly
-            pass
+        except Exception as exc:  # noqa: BLE001 -- a broken group cannot always be torn down cleanly
+            logger.warning(
+                "leaving the process groups failed (%s); this process may not start another "
+                "tensor/expert-parallel replica",
+                exc,
+            )

@@ -10,7 +10,7 @@ machine's cores split over the ranks), killed by the kernel if rank 0 dies.
     ModelRunner.forward ──► send_step(fb)           every step, before rank 0's own forward
     Engine.step ──► before_step()                   EPLB every --eplb-interval steps
     HiCache / PD ──► page_pool(local).read_pages    whole pages of every KV head (strata.distributed.kv)
-    Engine.close ──► shutdown()                     Stop, wait, kill what is left
+    Engine.close ──► shutdown()                     Stop, wait, kill what is left, leave the groups
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import torch
 
 from strata.config import EngineConfig
 from strata.distributed import messages as msg
-from strata.distributed.comm import STARTUP_TIMEOUT_S, Comm
+from strata.distributed.comm import STARTUP_TIMEOUT_S, Comm, check_free
 from strata.distributed.eplb import imbalance, initial_placement, load_placements, plan_placement, rank_loads
 from strata.distributed.errors import RankFailure
 from strata.distributed.layers import ShardedLoad, expert_layers
@@ -65,8 +65,13 @@ class ParallelRuntime:
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
         if device.type == "cpu":
             torch.set_num_threads(threads)
+        check_free()  # one replica per process: refuse before starting any worker
         store = Comm.make_store("127.0.0.1", 0, world, True, cfg.dist_timeout)
         self.procs: list[subprocess.Popen] = []
+        joined: list[Comm] = []  # this rank's groups, once joined
+        # if the engine never gets to shutdown() (its load failed, or it was dropped unclosed), the
+        # workers and this process's groups go with this object, so the process can start another
+        self._release = weakref.finalize(self, _release, self.procs, joined)
         for rank in range(1, world):
             init = msg.WorkerInit(
                 model_dir=str(model_dir), rank=rank, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
@@ -83,14 +88,13 @@ class ParallelRuntime:
                 proc.stdin.write(msgspec.json.encode(init))
             with contextlib.suppress(BrokenPipeError):
                 proc.stdin.close()
-        # if the engine never gets to shutdown() (its load failed), the workers go with this object
-        self._finalizer = weakref.finalize(self, _kill_all, self.procs)
         try:
             self._wait_started(store)
             self.comm = Comm(0, world, store, device, cfg.dist_timeout)
-        except Exception:
-            self._kill()
+        except BaseException:
+            self._release()
             raise
+        joined.append(self.comm)
         self.plan = ShardPlan(model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement)
         self.shard = ShardedLoad(self.plan, self.comm)
         self.failed: str | None = None
@@ -268,8 +272,9 @@ class ParallelRuntime:
     # ------------------------------------------------------------------ shutdown
 
     def shutdown(self) -> None:
-        """Stop every worker: a Stop message when the group still works, then wait, then kill."""
-        if not self.procs:
+        """Stop every worker: a Stop message when the group still works, then wait, then kill; then
+        leave the process groups. Idempotent."""
+        if not self._release.alive:
             return
         if self.failed is None and self.comm.failed is None and all(p.poll() is None for p in self.procs):
             try:
@@ -278,12 +283,13 @@ class ParallelRuntime:
                     proc.wait(STOP_WAIT_S)
             except (RankFailure, subprocess.TimeoutExpired):
                 pass
-        self._kill()  # what did not stop (a broken group: all of it)
-        self.comm.close()
+        self._release()  # kills what did not stop (a broken group: all of it)
 
-    def _kill(self) -> None:
-        _kill_all(self.procs)
-        self.procs = []
+
+def _release(procs: list[subprocess.Popen], joined: list[Comm]) -> None:
+    _kill_all(procs)
+    for comm in joined:
+        comm.close()
 
 
 def _kill_all(procs: list[subprocess.Popen]) -> None:
@@ -291,4 +297,3 @@ def _kill_all(procs: list[subprocess.Popen]) -> None:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-

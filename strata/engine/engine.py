@@ -173,6 +173,15 @@ def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
 
 class Engine:
     def __init__(self, model: str | None = None, **options: Any):
+        self.parallel = None
+        try:
+            self._load(model, **options)
+        except BaseException:
+            if self.parallel is not None:  # its workers and this process's groups, so another engine can start
+                self.parallel.shutdown()
+            raise
+
+    def _load(self, model: str | None, **options: Any) -> None:
         self.config = EngineConfig(model=model, **options)
         start = time.perf_counter()
         from strata.weights.default_model import resolve_model_path
