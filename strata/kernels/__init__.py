@@ -15,11 +15,16 @@ compiled with is in this CPU's flags (checked before building and again on the l
 Builds are cached by torch (`$TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions) under a name
 that hashes the sources, their directory, the torch version, the target and this CPU's flags, so a
 first start on a new machine compiles once (~1-2 min on two cores) and later starts load the cached
-library in well under a second.
+library in well under a second. Processes that start together build once: the first holds an OS lock
+beside the build directory (`<build dir>.lock`, flock) while torch builds and loads, and the others
+wait on it, saying every WAIT_REPORT_S whose build they wait for. The kernel drops that lock when
+its holder dies, so a killed build never stalls a later start (torch's own lock file in the build
+directory, which a killed build leaves behind, is removed by whoever holds the OS lock next).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -42,7 +47,7 @@ SOURCES = (
     _DIR / "decode_loop.cpp", _DIR / "dense_ops.cpp",
 )
 DEFAULT_TARGET = "native"
-STALE_LOCK_S = 20 * 60  # a build takes ~1-2 min on two cores; a lock this old was left by a killed one
+WAIT_REPORT_S = 15.0  # while another process builds, say whom this one waits for this often
 # target -> (-march value, CPU flags it needs; None: whatever this CPU has)
 TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {
     "native": ("native", None),
@@ -180,16 +185,17 @@ def _build(target: str) -> ModuleType | None:
     except ImportError:
         pass
     os.environ["PATH"] = os.pathsep.join([*extra, path])
-    _remove_stale_lock(Path(cpp_extension._get_build_directory(_build_name(target), verbose=False)))
+    name = _build_name(target)
     try:
-        module = cpp_extension.load(
-            name=_build_name(target),
-            sources=[str(s) for s in SOURCES],
-            extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
-            extra_include_paths=[str(_DIR)],
-            extra_ldflags=["-fopenmp"],
-            verbose=False,
-        )
+        with build_lock(Path(cpp_extension._get_build_directory(name, verbose=False))):
+            module = cpp_extension.load(
+                name=name,
+                sources=[str(s) for s in SOURCES],
+                extra_cflags=["-O3", f"-march={march}", "-fopenmp"],
+                extra_include_paths=[str(_DIR)],
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
+            )
     except Exception as exc:  # no compiler, missing headers, ...: the PyTorch path still works
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         logger.warning(
@@ -203,17 +209,49 @@ def _build(target: str) -> ModuleType | None:
     return module
 
 
-def _remove_stale_lock(build_dir: Path) -> None:
-    """torch waits forever on a build directory's lock file; one left by a build that was killed
-    (older than STALE_LOCK_S, far longer than a build takes) is removed so this one can go ahead."""
-    lock = build_dir / "lock"
+@contextmanager
+def build_lock(build_dir: Path):
+    """Owns `build_dir` for the block: an exclusive flock on `<build_dir>.lock`, which the kernel
+    releases when its holder exits or is killed. torch's `lock` file inside the build directory (its
+    FileBaton, which a killed build leaves behind and every later load would wait on forever) is
+    only ever created under this lock, so one found by the holder is a dead build's and goes at once.
+    While another process holds it, this one waits, logging the holder's pid and the lock's path
+    every WAIT_REPORT_S."""
+    path = build_dir.with_name(build_dir.name + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
-        age = time.time() - lock.stat().st_mtime
-    except OSError:
-        return
-    if age > STALE_LOCK_S:
-        logger.warning("removing a stale kernel build lock (%.0f min old, a killed build's): %s", age / 60, lock)
-        lock.unlink(missing_ok=True)
+        _acquire(fd, path)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # whom the next one waits for
+        baton = build_dir / "lock"
+        if baton.exists():
+            logger.warning("removing the kernel build lock a killed build left: %s", baton)
+            baton.unlink(missing_ok=True)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def _acquire(fd: int, path: Path) -> None:
+    start = reported = time.monotonic()
+    first = True
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            break
+        except BlockingIOError:
+            pass
+        now = time.monotonic()
+        if first or now - reported >= WAIT_REPORT_S:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            logger.warning(
+                "waiting %.0fs so far for the CPU kernel build of pid %s to finish (lock %s)", now - start, holder, path
+            )
+            first, reported = False, now
+        time.sleep(0.1)
+    if not first:
+        logger.warning("the CPU kernel build lock is ours after %.0fs of waiting", time.monotonic() - start)
 
 
 def kernel_info() -> dict[str, object]:
