@@ -177,7 +177,7 @@ class Engine:
         try:
             self._load(model, **options)
         except BaseException:
-            if self.parallel is not None:  # its workers and this process's groups, so another engine can start
+            if self.parallel is not None:  # its workers and this process's groups: another engine may start
                 self.parallel.shutdown()
             raise
 

@@ -246,7 +246,8 @@ def _acquire(fd: int, path: Path) -> None:
         if first or now - reported >= WAIT_REPORT_S:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             logger.warning(
-                "waiting %.0fs so far for the CPU kernel build of pid %s to finish (lock %s)", now - start, holder, path
+                "waiting %.0fs so far for the CPU kernel build of pid %s to finish (lock %s)",
+                now - start, holder, path,
             )
             first, reported = False, now
         time.sleep(0.1)
