@@ -208,7 +208,7 @@ def add_bench_args(subparsers) -> None:
 
 
 def _add_moe_args(p: argparse.ArgumentParser) -> None:
-    from strata.bench.moe import FAMILIES, MoEBenchConfig
+    from strata.bench.moe_config import FAMILIES, MoEBenchConfig
 
     d = MoEBenchConfig()
     p.add_argument("--family", choices=sorted(FAMILIES), default=d.family)
@@ -230,7 +230,8 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
 def cmd_moe(args: argparse.Namespace) -> int:
     import torch
 
-    from strata.bench.moe import MoEBenchConfig, format_rows, run_moe_bench
+    from strata.bench.moe import format_rows, run_moe_bench
+    from strata.bench.moe_config import MoEBenchConfig
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)

@@ -20,32 +20,10 @@ from __future__ import annotations
 import copy
 import statistics
 import time
-from dataclasses import dataclass
 
 import torch
 
-# family -> (transformers config class, MoE block class's module and name, config fields)
-FAMILIES = {
-    "mixtral": ("MixtralConfig", "mixtral", "MixtralSparseMoeBlock", {}),
-    "qwen2_moe": ("Qwen2MoeConfig", "qwen2_moe", "Qwen2MoeSparseMoeBlock", {"shared_expert_intermediate_size": None}),
-    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeSparseMoeBlock", {"norm_topk_prob": True}),
-    "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssMLP", {}),
-}
-IMPLEMENTATIONS = ("strata", "strata-loop", "strata-native", "transformers", "transformers-eager")
-
-
-@dataclass(frozen=True)
-class MoEBenchConfig:
-    family: str = "qwen3_moe"
-    hidden_size: int = 512
-    intermediate_size: int = 512  # of one expert
-    num_experts: int = 16
-    top_k: int = 4
-    batch_sizes: tuple[int, ...] = (1, 16, 64)
-    dtype: str = "float32"
-    rounds: int = 5
-    iters: int = 20
-    seed: int = 0
+from strata.bench.moe_config import FAMILIES, MoEBenchConfig
 
 
 def load_hf_moe_block(ours, hf_block: torch.nn.Module, gpt_oss: bool) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from strata.bench.moe import FAMILIES, IMPLEMENTATIONS, MoEBenchConfig, format_rows, run_moe_bench
+from strata.bench.moe import format_rows, run_moe_bench
+from strata.bench.moe_config import FAMILIES, IMPLEMENTATIONS, MoEBenchConfig
 from strata.layers.packed import dense_target
 
 

@@ -47,14 +47,15 @@ def pid_alive(pid: int) -> bool:
 
 class LiveServer:
     def __init__(
-        self, *args: str, model_dir: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None
+        self, *args: str, model_dir: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None,
+        entry: tuple[str, ...] = ("-m", "strata.server"),  # ("-m", "strata.cli", "serve"): as `strata serve` starts
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         self.log = tempfile.NamedTemporaryFile(prefix="strata-serve-", suffix=".log", delete=False)  # noqa: SIM115
         cmd = [
-            sys.executable, "-m", "strata.server",
+            sys.executable, *entry,
             "--model", str(model_dir or tiny_model_dir()),
             "--dtype", "float32",
             "--port", str(self.port),

@@ -45,3 +45,14 @@ def test_router_does_not_import_torch():
         "import sys\nimport strata.router.app, strata.router.cli, strata.router.launcher\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
     )
+
+
+def test_building_the_cli_parser_does_not_import_torch():
+    """`strata serve` and `strata router` run in the process that built the whole CLI's parser (every
+    subcommand's flags), so no parser builder may import torch; the subcommand imports what it runs."""
+    _run(
+        "import sys\nfrom strata.cli import build_parser\n"
+        "parser = build_parser()\n"
+        "parser.parse_args(['bench', 'moe', '--family', 'mixtral'])\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
