@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import math
 import sys
 
@@ -226,6 +227,18 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
 
 # ----------------------------------------------------------------- commands
 
+# HTTP client libraries that log every request at INFO; a benchmark sends thousands
+REQUEST_LOGGERS = ("httpx", "httpcore")
+
+
+def quiet_request_logs() -> None:
+    """Library request logs are debug output: held at WARNING unless the user asked for debug logging
+    (--log-level debug), when they show as before."""
+    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
+        return
+    for name in REQUEST_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+
 
 def cmd_moe(args: argparse.Namespace) -> int:
     import torch
@@ -331,6 +344,7 @@ def cmd_serving(args: argparse.Namespace) -> int:
     from strata.bench.datasets import make_dataset
     from strata.bench.serving import run_serving
 
+    quiet_request_logs()
     _, tokenizer = load_bench_tokenizer(args.tokenizer)
     results = []
     for i, (rate, conc) in enumerate(sweep_points(args)):
@@ -480,4 +494,5 @@ def cmd_spec(args: argparse.Namespace) -> int:
 def cmd_compare(args: argparse.Namespace) -> int:
     from strata.bench.compare_cli import run_compare_command
 
+    quiet_request_logs()
     return run_compare_command(args)
