@@ -13,8 +13,10 @@ ebnf constrain decoding with a grammar, armed after the reasoning ends for a rea
 finish_reason follows OpenAI's: "tool_calls" when the model stopped after making calls with
 tool_choice "auto" or "required", but "stop" for a named tool_choice (OpenAI answers a forced
 `{"type": "function", "function": {"name": ...}}` with "stop", streamed or not); "length" when
-max_tokens cut the output, also inside a call, which is then not among `tool_calls` but content
-(streamed, the pieces of it already sent stay sent, and its text follows as content).
+max_tokens cut the output, also inside a call. A forced call cut off is among `tool_calls`, its
+arguments as far as they got (streamed: its last pieces), as OpenAI answers; with tool_choice
+"auto" such a call is not among `tool_calls` but content (streamed, the pieces of it already sent
+stay sent, and its text follows as content).
 """
 
 from __future__ import annotations
@@ -130,15 +132,15 @@ class ChatPlan:
     reasoning: ReasoningParser | None = None
     prompt_tail: str = ""
     calls_finish: str = "tool_calls"  # the finish reason when the model stopped after calls
+    forced: bool = False  # tool_choice "required" or a named function: the output is only calls
+    forced_name: str | None = None  # the named function
 
     def splitter(self) -> ChoiceSplitter | None:
         if self.tool_parser is None and self.reasoning is None:
             return None
-        return ChoiceSplitter(
-            self.reasoning.splitter(self.prompt_tail) if self.reasoning is not None else None,
-            self.tool_parser.splitter() if self.tool_parser is not None else None,
-            self.calls_finish,
-        )
+        reasoning = self.reasoning.splitter(self.prompt_tail) if self.reasoning is not None else None
+        tools = None if self.tool_parser is None else self.tool_parser.splitter(self.forced, self.forced_name)
+        return ChoiceSplitter(reasoning, tools, self.calls_finish)
 
 
 async def structured_fields(
@@ -174,8 +176,10 @@ async def chat_completions(request: Request) -> Response:
     uses_tools = bool(tools) and choice != "none"
     input_ids = await off_loop(len(body), chat_prompt_ids, state, req, tools)
     plan = ChatPlan(state.tool_call_parser if uses_tools else None, state.reasoning_parser)
+    plan.forced = uses_tools and (choice == "required" or isinstance(choice, NamedToolChoice))
     if isinstance(choice, NamedToolChoice):
         plan.calls_finish = "stop"  # as OpenAI answers a named tool_choice
+        plan.forced_name = choice.function.name
     if plan.reasoning is not None:
         plan.prompt_tail = state.tokenizer.decode(input_ids[-PROMPT_TAIL_TOKENS:])
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

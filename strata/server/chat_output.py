@@ -74,7 +74,9 @@ class ChoiceSplitter:
 
     def finish_reason(self, engine_reason: str | None) -> str | None:
         """`calls_finish` when the model stopped after making calls; the engine's otherwise ("length"
-        when a call was cut off: it is then text, not a call, and never "tool_calls")."""
-        if engine_reason == "stop" and self.num_calls:
+        when a call was cut off, never "tool_calls": the call is then text, or, forced, a call whose
+        arguments end where the output did)."""
+        cut_off = self.tools is not None and self.tools.cut_off
+        if engine_reason == "stop" and self.num_calls and not cut_off:
             return self.calls_finish
         return engine_reason

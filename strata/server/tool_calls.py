@@ -26,6 +26,12 @@ text is content, and `incomplete` says so. Streamed, its first pieces may alread
 (they cannot be taken back); its text then follows as content too, and a call cut off by max_tokens
 ends the stream with finish_reason "length", never "tool_calls" (chat_output.py).
 
+Forced calls (a splitter made with `forced=True`: tool_choice "required" or a named function, whose
+grammar admits nothing but calls) are the exception, as in OpenAI's API: a call the output ended in
+(max_tokens, a stop) is among `calls` with its arguments as far as they got, its last pieces are
+sent, and `cut_off` says so. `forced_name`, a named tool_choice's function, names a call cut off
+before its name was written; with "required" such a call has no name, and its text stays content.
+
 `grammar(functions, parallel)` is the constraint for tool_choice "required" or a named function:
 output that is exactly one or more calls of the listed functions whose arguments match each
 function's parameters schema.
@@ -185,6 +191,17 @@ class CallReader:
         assert self.id is not None and self.name is not None
         return ToolCall(self.index, self.id, self.name, self.arguments())
 
+    def cut_off(self, name: str | None) -> tuple[list[CallPiece], ToolCall] | None:
+        """A forced call the output ended in: its pieces not yet sent, and the call with its arguments
+        as far as they got. `name` stands in for a name not read whole. None when it cannot be a call
+        (no name, or text that is not a call object)."""
+        if self.state == "bad" or (self.closed and not self.complete()):
+            return None
+        self.name = self.name if self.name is not None else name
+        if self.name is None:
+            return None
+        return self.take_pieces(), self.result()
+
     def _step(self, i: int) -> int:
         """Read the character at i; returns where to read next."""
         if self.state in ("key_token", "value_token"):
@@ -282,7 +299,14 @@ def _loads_or_none(text: str) -> Any:
 
 
 class ToolCallSplitter:
-    """Splits one choice's content stream into text and tool calls."""
+    """Splits one choice's content stream into text and tool calls. `forced`: the output can only be
+    calls (a cut-off call is still a call); `forced_name`: the one function it calls, if named."""
+
+    def __init__(self, forced: bool = False, forced_name: str | None = None) -> None:
+        self.forced = forced
+        self.forced_name = forced_name
+        self.incomplete = False  # a call was started but not completed as valid JSON
+        self.cut_off = False  # forced: the output ended inside a call, reported as far as it got
 
     def feed(self, text: str) -> ToolEvents:
         raise NotImplementedError
@@ -291,13 +315,11 @@ class ToolCallSplitter:
         """Everything held back; call once at the end of the output."""
         raise NotImplementedError
 
-    incomplete: bool = False  # a call was started but not completed as valid JSON
-
 
 class ToolCallParser:
     name: str = ""
 
-    def splitter(self) -> ToolCallSplitter:
+    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
         raise NotImplementedError
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
@@ -310,7 +332,8 @@ class ToolCallParser:
 class HermesSplitter(ToolCallSplitter):
     START, END = "<tool_call>", "</tool_call>"
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False, forced_name: str | None = None) -> None:
+        super().__init__(forced, forced_name)
         # undecided text: outside a call, a possible start tag or whitespace (a call may follow);
         # inside one, a possible start of the end tag
         self.pending = ""
@@ -318,7 +341,6 @@ class HermesSplitter(ToolCallSplitter):
         self.body = ""  # its text so far (what it stays, as content, if it is not a call)
         self.num_started = 0
         self.num_calls = 0
-        self.incomplete = False
 
     def feed(self, text: str) -> ToolEvents:
         self.pending += text
@@ -371,7 +393,9 @@ class HermesSplitter(ToolCallSplitter):
 
     def finish(self) -> ToolEvents:
         out = ToolEvents()
-        if self.call is not None:  # cut off inside a call
+        if self.forced and self._cut_off_call(out):
+            pass
+        elif self.call is not None:  # cut off inside a call
             out.content = self.START + self.body + self.pending
             self.incomplete = True
         elif self.num_calls == 0 or self.pending.strip():
@@ -379,12 +403,31 @@ class HermesSplitter(ToolCallSplitter):
         self.pending, self.call = "", None
         return out
 
+    def _cut_off_call(self, out: ToolEvents) -> bool:
+        """Forced calls: the call the output ended in (or, named, whose start tag it ended in), as far
+        as it got, into `out`. False when there is none, or it cannot be a call."""
+        if self.call is None:
+            if not (self.forced_name and self.pending.strip()):  # not inside a start tag either
+                return False
+            self.call = CallReader(self.num_started)
+        elif not self.call.closed:  # held back as a possible end tag, it was the call's text
+            self._read(self.pending, out)
+            self.pending = ""
+        got = self.call.cut_off(self.forced_name)
+        if got is None:
+            return False
+        pieces, call = got
+        out.pieces.extend(pieces)
+        out.calls.append(call)
+        self.cut_off = not self.call.complete()
+        return True
+
 
 class HermesParser(ToolCallParser):
     name = "hermes"
 
-    def splitter(self) -> ToolCallSplitter:
-        return HermesSplitter()
+    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
+        return HermesSplitter(forced, forced_name)
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
         schema = {**call_schema(functions), "x-guidance": JSON_FORMAT}
@@ -405,14 +448,14 @@ class JsonSplitter(ToolCallSplitter):
     read (and their pieces sent) as they arrive; whether the whole output is calls, or is content
     after all, is known at the end, so content is held until then."""
 
-    def __init__(self) -> None:
+    def __init__(self, forced: bool = False, forced_name: str | None = None) -> None:
+        super().__init__(forced, forced_name)
         self.text = ""  # all the output, in json mode
         self.mode = "start"  # start (undecided) -> json (read calls) | text (stream as content)
         self.is_list = False
         self.reading = True  # still looking for call objects (a list's items)
         self.call: CallReader | None = None  # the call object being read
         self.closed: list[CallReader] = []  # the call objects read whole
-        self.incomplete = False
 
     def feed(self, text: str) -> ToolEvents:
         if self.mode == "text":
@@ -449,6 +492,9 @@ class JsonSplitter(ToolCallSplitter):
         try:
             parsed = json.loads(text)
         except ValueError:
+            cut = self._cut_off_calls() if self.forced else None
+            if cut is not None:
+                return cut
             self.incomplete = True
             return ToolEvents(content=text)
         items = parsed if isinstance(parsed, list) else [parsed]
@@ -458,12 +504,28 @@ class JsonSplitter(ToolCallSplitter):
             return ToolEvents(content=text)
         return ToolEvents(calls=[c.result() for c in self.closed])
 
+    def _cut_off_calls(self) -> ToolEvents | None:
+        """Forced calls, the output cut off: the calls read whole and the one it ended in, as far as it
+        got (content if it cannot be named). None when it holds no call, or something that is not one."""
+        if not all(c.complete() for c in self.closed):
+            return None
+        out = ToolEvents(calls=[c.result() for c in self.closed])
+        if self.call is not None:
+            got = self.call.cut_off(self.forced_name)
+            if got is None:
+                out.content = self.call.text
+            else:
+                out.pieces, call = got
+                out.calls.append(call)
+                self.cut_off = not self.call.complete()
+        return out if out.calls else None
+
 
 class JsonParser(ToolCallParser):
     name = "json"
 
-    def splitter(self) -> ToolCallSplitter:
-        return JsonSplitter()
+    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
+        return JsonSplitter(forced, forced_name)
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
         one = call_schema(functions)

@@ -279,20 +279,29 @@ def test_a_forced_call_streams_its_arguments_while_the_model_writes_them(oai):
         assert finish == ("stop" if tool_choice is named else "tool_calls")
 
 
-def test_a_cut_off_call_is_not_passed_off_as_a_call(oai):
-    kw = {"model": "tiny", "messages": ask("weather"), "tools": TOOLS, "tool_choice": "required", "temperature": 0,
-          "max_tokens": 30}
-    choice = oai.chat.completions.create(**kw).choices[0]
-    assert choice.finish_reason == "length"
-    assert not choice.message.tool_calls
-    assert choice.message.content.startswith("<tool_call>")
-    # streamed: the start of the call may have been sent as it was written, but the finish reason
-    # says it was cut off, and the content is the same text
-    calls, content, finish = stream_calls(oai, **kw)
-    assert finish == "length" and content == choice.message.content
-    for entry in calls.values():
-        name, arguments = streamed_call(entry)
-        assert f'"name": "{name}"' in content and arguments in content
+def test_a_forced_call_cut_off_by_max_tokens_is_still_a_call(oai):
+    """As OpenAI answers: the call with its arguments as far as they got, and finish_reason "length"."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for tool_choice in (named, "required"):
+        kw = {"model": "tiny", "messages": ask("weather"), "tools": TOOLS, "tool_choice": tool_choice,
+              "temperature": 0, "parallel_tool_calls": False}
+        whole = oai.chat.completions.create(max_tokens=150, **kw)
+        (whole_call,) = whole.choices[0].message.tool_calls
+        # greedy: an output cut off is the start of the whole one; cut earlier until inside the arguments
+        for max_tokens in range(whole.usage.completion_tokens - 1, 0, -1):
+            choice = oai.chat.completions.create(max_tokens=max_tokens, **kw).choices[0]
+            assert choice.finish_reason == "length" and choice.message.content is None, choice
+            (call,) = choice.message.tool_calls
+            assert call.id.startswith("call_") and call.function.name == whole_call.function.name
+            assert whole_call.function.arguments.startswith(call.function.arguments)
+            if 0 < len(call.function.arguments) < len(whole_call.function.arguments):
+                break
+        else:
+            raise AssertionError(f"no max_tokens cut {whole_call} inside its arguments")
+        calls, content, finish = stream_calls(oai, max_tokens=max_tokens, **kw)
+        assert finish == "length" and content == ""
+        streamed = [streamed_call(calls[i]) for i in sorted(calls)]
+        assert streamed == [(call.function.name, call.function.arguments)]
 
 
 # ------------------------------------------------------------------ reasoning

@@ -122,10 +122,17 @@ STREAM_SAMPLES = [
 ]
 
 
-def stream(parser: str, pieces: list[str], calls_finish: str = "tool_calls", engine_finish: str = "stop"):
+def stream(
+    parser: str,
+    pieces: list[str],
+    calls_finish: str = "tool_calls",
+    engine_finish: str = "stop",
+    forced: bool = False,
+    forced_name: str | None = None,
+):
     """Feed `pieces` as a stream would; returns (parts of every step together, the calls as a client
     that accumulates the pieces by index sees them, finish_reason)."""
-    s = ChoiceSplitter(None, TOOL_CALL_PARSERS[parser].splitter(), calls_finish)
+    s = ChoiceSplitter(None, TOOL_CALL_PARSERS[parser].splitter(forced, forced_name), calls_finish)
     total, seen = ChoiceParts(), {}
     for step in [s.feed(p) for p in pieces] + [s.finish()]:
         total.extend(step)
@@ -196,6 +203,71 @@ def test_a_cut_off_call_streams_its_start_but_is_no_call():
     for pieces in ([bad], list(bad)):
         parts, _, finish = stream("hermes", pieces)
         assert not parts.calls and parts.content == bad and finish == "stop"
+
+
+FORCED_SAMPLES = [
+    # (parser, the forced output written whole, [(name, arguments text)] of its calls)
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa <x>", "days": 3}}\n'
+     "</tool_call>",
+     [("get_weather", '{"city": "Pa <x>", "days": 3}')]),
+    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',
+     [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')]),
+    ("json", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+     [("get_weather", '{"city": "Paris", "days": 3}')]),
+    ("json", '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"days": 3}}]',
+     [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')]),
+]
+
+
+@pytest.mark.parametrize(
+    "parser, text, calls, named",
+    [(*sample, False) for sample in FORCED_SAMPLES] + [(*s, True) for s in FORCED_SAMPLES if len(s[2]) == 1],
+)
+def test_a_forced_call_cut_off_is_a_call_as_far_as_it_got(parser, text, calls, named):
+    """tool_choice "required" or a named function (one call), max_tokens reached at any point: the call
+    the output ended in is a call whose arguments end there (as OpenAI answers), streamed and not, with
+    finish "length". Only a "required" call cut off before its name is whole cannot be named: its text
+    stays content."""
+    name = calls[-1][0] if named else None
+    spans = []  # (where each call starts, its name has been read, its arguments start and end) in text
+    at = 0
+    for call_name, args in calls:
+        start = text.index("<tool_call>" if parser == "hermes" else "{", at)
+        name_end = text.index(f'"{call_name}"', start) + len(call_name) + 2
+        args_at = text.index(args, name_end)
+        spans.append((start, name_end, args_at, args_at + len(args)))
+        at = args_at + len(args)
+    for k in range(1, len(text)):
+        prefix = text[:k]
+        expected = [
+            (call_name, prefix[args_at:args_end] if k > args_at else "")
+            for (call_name, _), (start, name_end, args_at, args_end) in zip(calls, spans)
+            if k >= name_end or named
+        ]
+        started = [start for start, *_ in spans if k > start]
+        unnamed = started[len(expected)] if expected and len(started) > len(expected) else None
+        for pieces in ([prefix], list(prefix)):
+            parts, streamed, finish = stream(
+                parser, pieces, engine_finish="length", forced=True, forced_name=name
+            )
+            assert finish == "length"
+            assert [(c.name, c.arguments) for c in parts.calls] == expected, (prefix, pieces)
+            assert [(c["id"], c["name"], c["arguments"]) for c in streamed] == [
+                (c.id, c.name, c.arguments) for c in parts.calls
+            ], (prefix, pieces)
+            content = prefix[unnamed:] if unnamed is not None else "" if expected else prefix
+            assert parts.content.lstrip() == content, (prefix, pieces)  # whitespace between calls: either
+
+
+def test_a_forced_call_cut_off_by_a_stop_is_not_a_finished_call():
+    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1'
+    for calls_finish, name in (("stop", "f"), ("tool_calls", None)):  # named, required
+        parts, _, finish = stream("hermes", [text], calls_finish, forced=True, forced_name=name)
+        assert [(c.name, c.arguments) for c in parts.calls] == [("f", '{"a": 1')] and finish == "stop"
+    # cut off only in the end tag, the call is whole
+    parts, _, finish = stream("hermes", [text + '}}\n</tool_'], forced=True)
+    assert [(c.name, c.arguments) for c in parts.calls] == [("f", '{"a": 1}')] and finish == "tool_calls"
 
 
 def test_a_later_call_keeps_its_index_after_a_failed_one():
