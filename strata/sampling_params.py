@@ -8,6 +8,7 @@ int32), so a request that passes validation cannot fail a batch it joins later.
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import msgspec
@@ -17,6 +18,36 @@ from strata.grammar.spec import GrammarSpec
 INT32_MAX = 2**31 - 1
 SEED_LIMIT = 2**63  # seeds are signed 64-bit integers
 FLOAT32_MAX = 3.4028234663852886e38
+_TOKEN_ID = re.compile(r"-?[0-9]+")
+
+
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+
+
+def logit_bias_of(logit_bias: Any, vocab_size: int | None = None) -> dict[int, float]:
+    """logit_bias checked and keyed by token id: JSON writes the ids as strings ("50256"), Python may
+    use ints. Raises ValueError naming the offending id or bias."""
+    if not isinstance(logit_bias, dict):
+        raise ValueError(f"logit_bias must be a map from token id to bias, got {type(logit_bias).__name__}")
+    low, high = LOGIT_BIAS_RANGE
+    out: dict[int, float] = {}
+    for key, bias in logit_bias.items():
+        if isinstance(key, str) and _TOKEN_ID.fullmatch(key):
+            token_id = int(key)
+        elif isinstance(key, int) and not isinstance(key, bool):
+            token_id = key
+        else:
+            raise ValueError(f"logit_bias key {key!r} is not a token id (in JSON, a string of an integer)")
+        if not 0 <= token_id < (vocab_size or INT32_MAX):
+            where = f"outside the vocabulary [0, {vocab_size})" if vocab_size else "not a token id (negative)"
+            raise ValueError(f"logit_bias names token id {token_id}, which is {where}")
+        number = isinstance(bias, (int, float)) and not isinstance(bias, bool)
+        if not (number and low <= bias <= high):  # NaN fails the comparison
+            raise ValueError(
+                f"logit_bias for token id {token_id} must be a number in [{low:g}, {high:g}], got {bias!r}"
+            )
+        out[token_id] = float(bias)
+    return out
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -37,6 +68,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None  # None: no logprobs; k >= 0: the chosen token's and k alternatives
     skip_special_tokens: bool = True
     structured: GrammarSpec | None = None  # constrain the output to a JSON schema / regex / grammar
+    # OpenAI's logit_bias: token id -> a bias added to its logit before penalties and sampling (greedy
+    # too); -100 / 100 all but ban / force the token
+    logit_bias: dict[int, float] | None = None
 
     MAX_N = 16
     MAX_TOP_LOGPROBS = 20
@@ -49,6 +83,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         ValueError naming the field ("logprobs: Expected `int | null`, got `float`")."""
         if isinstance(fields.get("stop"), str):
             fields = {**fields, "stop": [fields["stop"]]}
+        if fields.get("logit_bias") is not None:
+            fields = {**fields, "logit_bias": logit_bias_of(fields["logit_bias"])}
         try:
             return msgspec.convert(fields, cls)
         except msgspec.ValidationError as exc:
@@ -115,3 +151,5 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+        if self.logit_bias is not None:
+            self.logit_bias = logit_bias_of(self.logit_bias, vocab_size)

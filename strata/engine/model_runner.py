@@ -16,7 +16,7 @@ from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_r
 from strata.engine.request import Req
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.sampler import SamplerOutput, SamplingBatch, sample, sampling_row
+from strata.layers.sampler import SamplerOutput, SamplingBatch, logit_bias_tensors, sample, sampling_row
 
 
 class ModelRunner:
@@ -228,6 +228,9 @@ class ModelRunner:
                 if out:
                     ids = torch.tensor(out, dtype=torch.int64, device=dev)
                     s.output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:
+            self._add_logit_bias(reqs, biased, s)
         banned = [(i, r) for i, r in enumerate(reqs) if len(outputs[i]) < r.params.min_new_tokens]
         if banned:
             s.banned_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
@@ -237,3 +240,15 @@ class ModelRunner:
                 if ids:
                     s.banned_mask[i, torch.tensor(ids, device=dev)] = True
         return s
+
+    def _add_logit_bias(self, reqs: list[Req], biased: list[int], s: SamplingBatch) -> None:
+        """The biases of rows `biased` as flat (row, token id, bias) tensors; each request's own pair of
+        tensors is built once, on its first step."""
+        for i in biased:
+            if reqs[i].logit_bias is None:
+                reqs[i].logit_bias = logit_bias_tensors(reqs[i].params.logit_bias, self.device)
+        pairs = [reqs[i].logit_bias for i in biased]
+        counts = torch.tensor([len(ids) for ids, _ in pairs], device=self.device)
+        s.bias_rows = torch.tensor(biased, dtype=torch.int64, device=self.device).repeat_interleave(counts)
+        s.bias_ids = torch.cat([ids for ids, _ in pairs])
+        s.bias_values = torch.cat([values for _, values in pairs])

@@ -48,6 +48,8 @@ class Req:
     sampling_row: torch.Tensor | None = None  # [len(ROW_FIELDS)] float32
     top_k: int = 0  # effective top-k: the vocabulary size when disabled
     grammar: GrammarState | None = None  # structured output: the grammar's state (params.structured)
+    # params.logit_bias as the sampler's (token ids [N] int64, biases [N] float32), built on first use
+    logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
     output_ids: list[int] = field(default_factory=list)
     status: ReqStatus = ReqStatus.WAITING

@@ -1,5 +1,5 @@
-"""Vectorised sampling over a batch: grammar masks, penalties, temperature, top-k, top-p, min-p,
-seeded draws, logprobs.
+"""Vectorised sampling over a batch: logit bias, grammar masks, penalties, temperature, top-k, top-p,
+min-p, seeded draws, logprobs.
 
 Every operation is over the whole [B, vocab] logits tensor; the only per-request Python work is
 drawing one uniform number per sampled row from that request's own generator, which is what makes
@@ -33,6 +33,10 @@ class SamplingBatch:
     output_counts: torch.Tensor | None = None  # [B, V] occurrences of each token in the output
     seen_mask: torch.Tensor | None = None  # [B, V] token occurs in prompt or output
     banned_mask: torch.Tensor | None = None  # [B, V] tokens that may not be sampled yet (min_new_tokens)
+    # logit_bias (None when no row has one): logits[bias_rows[i], bias_ids[i]] += bias_values[i]
+    bias_rows: torch.Tensor | None = None  # [N] int64
+    bias_ids: torch.Tensor | None = None  # [N] int64
+    bias_values: torch.Tensor | None = None  # [N] float32
     top_logprobs: int | None = None  # max k over the rows that want logprobs; None: nobody does
     # structured output (None when no row is constrained this step): bit t of grammar_bitmask[i] set =
     # token t allowed in row grammar_rows[i]; rows not listed are unconstrained
@@ -112,12 +116,23 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
         logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
 
 
-def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
-    """Return penalised logits (a new tensor).
+def logit_bias_tensors(
+    logit_bias: dict[int, float], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One request's validated logit_bias as (token ids [N] int64, biases [N] float32)."""
+    ids = torch.tensor(list(logit_bias), dtype=torch.int64, device=device)
+    return ids, torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
 
+
+def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """Return biased and penalised logits (a new tensor).
+
+    logit_bias (OpenAI): added first, as if the model had written the biased logits.
     repetition (HF): for tokens seen in prompt or output, logit / p if positive else logit * p.
     frequency / presence (OpenAI): logit - f * count - p * (count > 0), over output tokens.
     """
+    if s.bias_ids is not None:
+        logits = logits.index_put((s.bias_rows, s.bias_ids), s.bias_values.to(logits.dtype), accumulate=True)
     if s.repetition_penalties is not None and s.seen_mask is not None:
         p = s.repetition_penalties.view(-1, 1)
         penalised = torch.where(logits > 0, logits / p, logits * p)
@@ -159,7 +174,7 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     """logits: [B, V] float32 raw model outputs (may be modified in place). Logprobs are reported from
-    the raw distribution; grammar masks, penalties and the cut-offs shape only the choice.
+    the raw distribution; logit bias, grammar masks, penalties and the cut-offs shape only the choice.
 
     Rows with a draft token d (speculative decoding) decide whether to keep it. Greedy: kept iff it is
     the argmax. Sampled, with p the row's final distribution (after penalties, temperature and the

@@ -94,6 +94,7 @@ def sampling_fields(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         "repetition_penalty": req.repetition_penalty,
         "frequency_penalty": req.frequency_penalty,
         "presence_penalty": req.presence_penalty,
+        "logit_bias": req.logit_bias,
     }
     fields.update({k: v for k, v in optional.items() if v is not None})
     return fields

@@ -171,7 +171,8 @@ class ResponseFormat(msgspec.Struct, kw_only=True):
 
 
 class SamplingFields(msgspec.Struct, kw_only=True):
-    """What chat and legacy completions share. top_k .. skip_special_tokens are vLLM/SGLang extensions."""
+    """What chat and legacy completions share. top_k .. skip_special_tokens are vLLM/SGLang extensions;
+    logit_bias is checked against the vocabulary with the rest of SamplingParams."""
 
     model: str | None = None
     max_tokens: int | None = None
@@ -185,6 +186,7 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
+    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None

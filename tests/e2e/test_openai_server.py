@@ -10,7 +10,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, tiny_model_dir
 
 pytestmark = pytest.mark.e2e
 
@@ -353,6 +353,45 @@ def test_non_stream_disconnect_aborts(server):
         c.post("/v1/completions", json=body)
     info = _wait_idle(server)
     assert info["num_aborted_requests"] == before + 16
+
+
+def test_logit_bias_steers_every_api_and_bad_ids_are_400s(server, oai):
+    from transformers import AutoTokenizer
+
+    vocab = json.loads((tiny_model_dir() / "config.json").read_text())["vocab_size"]
+    greedy = {"max_new_tokens": 4, "temperature": 0}
+    with server.client() as c:
+        plain = c.post("/generate", json={"text": "Hello", "sampling_params": greedy}).json()
+        forced = next(t for t in range(100, 200) if t not in plain["output_ids"])
+        bias = {str(forced): 100}
+        body = {"text": "Hello", "sampling_params": {**greedy, "logit_bias": bias}}
+        native = c.post("/generate", json=body).json()
+        assert native["output_ids"] == [forced] * 4
+        # a bias of +100 makes greedy write that token whatever the prompt: the same text everywhere
+        done = oai.completions.create(
+            model="tiny", prompt="Hello", logit_bias=bias, max_tokens=4, temperature=0
+        )
+        assert done.choices[0].text == native["text"]
+        answer = chat(oai, "Hi there", max_tokens=4, logit_bias=bias).choices[0].message
+        assert answer.content == native["text"]
+        # what `strata bench serving --length-control logit_bias` sends: -100 on the special tokens
+        tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+        special = {str(t): -100 for t in {*tokenizer.all_special_ids, tokenizer.eos_token_id}}
+        body = {"model": "tiny", "prompt": "Hi", "max_tokens": 4, "logit_bias": special}
+        assert c.post("/v1/completions", json=body).status_code == 200
+        bad = [
+            ({str(vocab): 5}, f"token id {vocab}, which is outside the vocabulary [0, {vocab})"),
+            ({"-1": 5}, "token id -1"),
+            ({"one": 5}, "'one' is not a token id"),
+            ({"7": 100.5}, "token id 7 must be a number in [-100, 100], got 100.5"),
+        ]
+        completion = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+        for path, good in [("/v1/completions", completion), ("/v1/chat/completions", GOOD_CHAT)]:
+            for logit_bias, words in bad:
+                r = c.post(path, json={**good, "logit_bias": logit_bias})
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["param"] == "logit_bias", r.text
+                assert words in error["message"], r.text
 
 
 def test_native_generate(server):

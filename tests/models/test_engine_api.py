@@ -59,6 +59,22 @@ def test_stop_token_id_and_min_new_tokens(engine):
     assert stop_tok not in held.token_ids[:5]
 
 
+def test_logit_bias_steers_greedy_and_out_of_range_ids_are_rejected(engine):
+    plain = engine.generate(PROMPT, greedy(8))[0].token_ids
+    forced = next(t for t in range(100, 200) if t not in plain)
+    assert engine.generate(PROMPT, greedy(8, logit_bias={forced: 100}))[0].token_ids == [forced] * 8
+    # a ban on the first choice changes it; the rest of the batch is untouched
+    ban = greedy(8, logit_bias={str(plain[0]): -100})  # OpenAI's string keys work here too
+    banned, other = engine.generate([PROMPT, PROMPT], [ban, greedy(8)])
+    assert banned.token_ids[0] != plain[0] and other.token_ids == plain
+    vocab = engine.scheduler.vocab_size
+    with pytest.raises(ValueError, match=f"logit_bias names token id {vocab}, which is outside the vocab"):
+        engine.generate(PROMPT, greedy(4, logit_bias={vocab: 5}))
+    with pytest.raises(ValueError, match="logit_bias for token id 3 must be a number in"):
+        engine.generate(PROMPT, greedy(4, logit_bias={3: -101}))
+    engine.scheduler.check_no_leaks()
+
+
 def test_n_greater_than_one_shares_the_prompt(engine):
     prompt = list(range(10, 90))
     r = engine.generate(prompt, SamplingParams(temperature=1.0, n=3, seed=7, max_new_tokens=8, ignore_eos=True))[0]

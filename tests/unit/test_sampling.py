@@ -93,6 +93,23 @@ def test_banned_tokens_are_never_sampled():
     assert (sample(logits, s).token_ids != 0).all()
 
 
+def test_logit_bias_is_added_before_the_choice_greedy_or_sampled():
+    logits = torch.randn(4, 10)
+    weakest = logits.argmin(-1)
+    rows = torch.tensor([0, 1, 3])  # row 2 has no bias
+    bias = dict(bias_rows=rows, bias_ids=weakest[rows], bias_values=torch.full((3,), 100.0))
+    s = batch(4, 10, temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0]), top_logprobs=0, **bias)
+    out = sample(logits.clone(), s)
+    assert out.token_ids[rows].tolist() == weakest[rows].tolist()  # +100 outweighs any randn logit
+    assert out.token_ids[2] == logits[2].argmax()
+    raw = torch.log_softmax(logits, -1)  # logprobs stay the model's own
+    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids.view(-1, 1)).view(-1))
+    banned = logits.argmax(-1)
+    bias = dict(bias_rows=torch.arange(4), bias_ids=banned, bias_values=torch.full((4,), -100.0))
+    s = batch(4, 10, temperatures=torch.zeros(4), all_greedy=True, **bias)
+    assert (sample(logits.clone(), s).token_ids != banned).all()
+
+
 def test_logprobs_are_raw_log_softmax():
     logits = torch.randn(4, 10)
     s = batch(4, 10, temperatures=torch.zeros(4), all_greedy=True, top_logprobs=3)
@@ -114,6 +131,11 @@ def test_logprobs_are_raw_log_softmax():
         ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
+        ({"logit_bias": {1000: 5.0}}, "logit_bias names token id 1000, which is outside the vocabulary"),
+        ({"logit_bias": {"-3": 5.0}}, "token id -3"),
+        ({"logit_bias": {"abc": 5.0}}, "logit_bias key 'abc' is not a token id"),
+        ({"logit_bias": {"7": 100.5}}, r"logit_bias for token id 7 must be .* \[-100, 100\], got 100.5"),
+        ({"logit_bias": {"7": "high"}}, "logit_bias for token id 7"),
     ],
 )
 def test_invalid_params_say_what_is_wrong(kwargs, fragment):
