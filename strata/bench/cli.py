@@ -234,10 +234,9 @@ REQUEST_LOGGERS = ("httpx", "httpcore")
 def quiet_request_logs() -> None:
     """Library request logs are debug output: held at WARNING unless the user asked for debug logging
     (--log-level debug), when they show as before."""
-    if logging.getLogger().getEffectiveLevel() <= logging.DEBUG:
-        return
-    for name in REQUEST_LOGGERS:
-        logging.getLogger(name).setLevel(logging.WARNING)
+    debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
+    for name in REQUEST_LOGGERS:  # NOTSET: they follow the root logger again (an earlier call held them)
+        logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.WARNING)
 
 
 def cmd_moe(args: argparse.Namespace) -> int:
