@@ -21,6 +21,7 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
+STEP_THREADS = ("auto", "all")  # strata.engine.step_threads
 SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
@@ -98,6 +99,9 @@ class EngineConfig:
     context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
     random_seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU
+    # CPU forwards: auto = each size of step runs on 1 thread or on num_threads, whichever its steps
+    # measure faster (strata.engine.step_threads); all = always num_threads
+    step_threads: str = "auto"
     # weights in blocks of 32 (CPU): auto = a GGUF model's own blocks, else float; none = dequantized;
     # gguf = the GGUF's blocks or fail; int8 | int4 = quantize a float checkpoint
     quantization: str = "auto"
@@ -171,6 +175,8 @@ class EngineConfig:
             raise ValueError(
                 f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
             )
+        if self.step_threads not in STEP_THREADS:
+            raise ValueError(f"step_threads must be one of {STEP_THREADS}, got {self.step_threads!r}")
         if self.sliding_kv not in SLIDING_KV_MODES:
             raise ValueError(f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}")
         if self.swa_pool not in SWA_POOLS:
@@ -215,6 +221,7 @@ _CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "quantization": QUANTIZATION_METHODS,
     "sliding_kv": SLIDING_KV_MODES,
+    "step_threads": STEP_THREADS,
     "swa_pool": SWA_POOLS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }

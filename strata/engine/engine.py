@@ -32,6 +32,7 @@ from strata.config import EngineConfig
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
+from strata.engine.step_threads import StepThreads
 from strata.kernels import describe_kernels, kernel_info
 from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
@@ -269,6 +270,11 @@ class Engine:
             self._make_draft_model(model_dir, model_config.vocab_size, dtype, device, num_pages, context_len)
             if cfg.speculative_algorithm in ("draft", "mtp") else None
         )
+        if device.type == "cpu" and self.parallel is None and cfg.step_threads == "auto":
+            runner.step_threads = StepThreads(torch.get_num_threads())
+            draft_runner = getattr(draft, "runner", None)  # a draft model's forwards (MTP runs in the target's)
+            if draft_runner is not None:  # timed apart: another model's steps
+                draft_runner.step_threads = StepThreads(torch.get_num_threads())
         self.scheduler = Scheduler(
             cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, draft_model=draft
         )

@@ -5,6 +5,7 @@ It owns the model and the KV pool; it never decides what runs (the scheduler doe
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import numpy as np
@@ -14,6 +15,7 @@ from strata.cache.allocator import WindowGroup
 from strata.cache.kv_pool import KVPool
 from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_rows_of
 from strata.engine.request import Req
+from strata.engine.step_threads import StepThreads
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import SamplerOutput, SamplingBatch, logit_bias_tensors, sample, sampling_row
@@ -36,6 +38,9 @@ class ModelRunner:
         # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
+        # CPU: how many threads each forward runs on, chosen by measurement (None: torch's setting)
+        self.step_threads: StepThreads | None = None
+        self._threads = 0  # the count last set
 
     def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -125,6 +130,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
+        if self.step_threads is None:
+            return self._forward(batch)
+        num_tokens = batch.num_tokens
+        threads = self.step_threads.threads_for(num_tokens)
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+        start = time.perf_counter()
+        out = self._forward(batch)
+        self.step_threads.record(num_tokens, threads, time.perf_counter() - start)
+        return out
+
+    def _forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
         fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
