@@ -2,7 +2,8 @@
 
     strata[:opt=v,...]        serving: `python -m strata.server` on a free port; offline and
                               one-batch: the in-process Engine. Options are EngineConfig fields,
-                              e.g. `strata:disable_radix_cache=true`.
+                              e.g. `strata:disable_radix_cache=true`, and for serving
+                              `engine_wait=bounded|passive|active` (`strata serve --engine-wait`).
     transformers[:batch_size=N]
                               offline (static-batch generate(), N per batch, default 16) and
                               one-batch (greedy loop over the model's forward)
@@ -115,16 +116,21 @@ class Target:
         pass
 
 
+# `strata serve` flags a strata target may set for its server (the rest are EngineConfig fields)
+SERVER_OPTIONS = ("engine_wait",)
+
+
 def _engine_options(ctx: BenchContext, options: dict[str, str]) -> dict[str, Any]:
     from strata.config import EngineConfig
 
     fields = {f.name: f for f in dataclasses.fields(EngineConfig)}
     out = dict(ctx.engine_options)
     for key, raw in options.items():
+        if key in SERVER_OPTIONS:
+            continue  # StrataTarget.server_options
         if key not in fields or key == "model":
-            raise ValueError(
-                f"strata target option {key!r} is not an EngineConfig field; known: {', '.join(sorted(fields))}"
-            )
+            known = sorted(set(fields) - {"model"} | set(SERVER_OPTIONS))
+            raise ValueError(f"strata target option {key!r} is not an EngineConfig field; known: {', '.join(known)}")
         kind = str(fields[key].type)
         if "bool" in kind:
             out[key] = raw.lower() in ("1", "true", "yes", "on")
@@ -144,12 +150,15 @@ class StrataTarget(Target):
     def __init__(self, spec, ctx):
         super().__init__(spec, ctx)
         self.options = _engine_options(ctx, spec.options)
+        self.server_options = {k: v for k, v in spec.options.items() if k in SERVER_OPTIONS}
         self._engine = None
         self._server: ServerProcess | None = None
 
     def unavailable(self, mode: str) -> str | None:
         if mode == "serving" and importlib.util.find_spec("strata.server.launch") is None:
             return "strata serve is not available in this checkout (strata/server/launch.py is missing)"
+        if mode != "serving" and self.server_options:
+            return f"{', '.join(self.server_options)} only applies to serving"
         return super().unavailable(mode)
 
     @property
@@ -163,7 +172,7 @@ class StrataTarget(Target):
     def serving_url(self) -> str:
         if self._server is None:
             flags: list[str] = []
-            for key, value in self.options.items():
+            for key, value in {**self.options, **self.server_options}.items():
                 if value is None or value is False or key == "extra":
                     continue
                 flag = "--" + key.replace("_", "-")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from strata.redact import SECRET
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+ENGINE_WAITS = ("bounded", "passive", "active")  # strata.server.launch.engine_wait_env says what each sets
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class ServerConfig:
     log_level: str = "info"
     tool_call_parser: str | None = None  # how the model writes tool calls (strata.server.tool_calls); default: from its chat template
     reasoning_parser: str | None = None  # split <think> reasoning into reasoning_content (strata.server.reasoning); default: off
+    engine_wait: str = "bounded"  # the engine's OpenMP threads: bounded (spin briefly, then sleep), passive, active
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -38,6 +40,8 @@ class ServerConfig:
             raise ValueError(f"max_request_bytes must be >= 1024, got {self.max_request_bytes}")
         if self.log_level not in LOG_LEVELS:
             raise ValueError(f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}")
+        if self.engine_wait not in ENGINE_WAITS:
+            raise ValueError(f"engine_wait must be one of {ENGINE_WAITS}, got {self.engine_wait!r}")
         from strata.server.reasoning import REASONING_PARSERS
         from strata.server.tool_calls import TOOL_CALL_PARSERS
 

@@ -28,12 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from strata.config import SCALAR_TYPES, EngineConfig, add_engine_args, engine_config_from_args, field_comments
 from strata.process import settle_heap
 from strata.redact import install_log_redaction, secret_values, with_env_secrets
-from strata.server.config import LOG_LEVELS, ServerConfig
+from strata.server.config import ENGINE_WAITS, LOG_LEVELS, ServerConfig
 
 logger = logging.getLogger("strata.serve")
 
@@ -49,7 +50,7 @@ def _add_server_args(group) -> None:
     from strata.server.tool_calls import TOOL_CALL_PARSERS
 
     choices = {"log_level": LOG_LEVELS, "tool_call_parser": sorted(TOOL_CALL_PARSERS),
-               "reasoning_parser": sorted(REASONING_PARSERS)}
+               "reasoning_parser": sorted(REASONING_PARSERS), "engine_wait": ENGINE_WAITS}
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         type_name = str(f.type).replace(" | None", "").strip()
@@ -98,7 +99,7 @@ class EngineProcess:
     """The engine subprocess: started with the config as JSON on its stdin (a command line is readable
     by every local user), stopped politely, then by force."""
 
-    def __init__(self, config: EngineConfig, in_addr: str, out_addr: str, log_level: str):
+    def __init__(self, config: EngineConfig, in_addr: str, out_addr: str, log_level: str, wait: str = "bounded"):
         cmd = [
             sys.executable,
             "-m",
@@ -112,9 +113,11 @@ class EngineProcess:
             "--log-level",
             log_level,
         ]
-        # OpenMP threads that sleep when idle instead of spinning: the frontend shares these cores
-        env = {**os.environ}
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+        wait_env = engine_wait_env(wait, os.environ)
+        env = {**os.environ, **wait_env}
+        chosen = wait_env or {k: os.environ[k] for k in OPENMP_WAIT_VARS if k in os.environ}
+        logger.info("engine threads wait: %s (%s)", wait if wait_env else "as the environment sets",
+                    " ".join(f"{k}={v}" for k, v in chosen.items()))
         # its own process group: a Ctrl-C in the terminal reaches the server, which then decides
         self.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdin=subprocess.PIPE)
         assert self.proc.stdin is not None
@@ -143,15 +146,38 @@ class EngineProcess:
         self.proc.wait(5)
 
 
+# libgomp's spin count (GOMP_SPINCOUNT: ~100,000 spins a millisecond by its own estimate, pause
+# instructions whose length differs by CPU) and Intel OpenMP's block time (KMP_BLOCKTIME, ms), for
+# --engine-wait bounded: a thread spins across the short gaps between the parallel regions of one
+# step, and sleeps between steps and whenever the frontend or another process needs the core.
+BOUNDED_SPIN_COUNT = 30_000
+BOUNDED_BLOCKTIME_MS = 1
+OPENMP_WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
+
+
+def engine_wait_env(wait: str, environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment variables that give the engine process's OpenMP threads the `wait` policy
+    (ServerConfig.engine_wait); none when the environment already sets any OpenMP wait variable,
+    which then wins. Measured on 2 cores (docs/BENCHMARKS.md, "How the engine's threads wait"):
+    passive threads pay a futex wake at each of a step's ~200 parallel regions (a one-stream step
+    ~2x slower); active ones keep spinning while the frontend or another process needs the core."""
+    if wait not in ENGINE_WAITS:
+        raise ValueError(f"engine_wait must be one of {ENGINE_WAITS}, got {wait!r}")
+    if any(var in environ for var in OPENMP_WAIT_VARS):
+        return {}
+    if wait == "passive":
+        return {"OMP_WAIT_POLICY": "PASSIVE"}
+    if wait == "active":
+        return {"OMP_WAIT_POLICY": "ACTIVE"}
+    return {"GOMP_SPINCOUNT": str(BOUNDED_SPIN_COUNT), "KMP_BLOCKTIME": str(BOUNDED_BLOCKTIME_MS)}
+
+
 def engine_threads() -> int:
     """Torch threads for the engine when --num-threads is not given: every core the process may use.
 
-    The engine process runs with OMP_WAIT_POLICY=PASSIVE (unless set), so its OpenMP threads sleep
-    between parallel regions instead of spinning against the frontend. Measured on 2 cores with
-    SmolLM2-135M, 64 concurrent clients (256-token prompts, 128 out): 2 passive threads 263 output
-    tok/s vs 1 thread 153. With a busy process next to it, batch-1 decode: 29 ms/token (2 passive)
-    vs 26 (1 thread) vs 39-49 (2 spinning threads); on an idle machine spinning threads decode
-    batch 1 ~25% faster (20 vs 26 ms), which the in-process Engine keeps (it leaves OpenMP alone)."""
+    Its OpenMP threads spin only briefly before they sleep (engine_wait_env), so they leave the
+    frontend its share of the cores. Measured on 2 cores with SmolLM2-135M, 64 concurrent clients
+    (256-token prompts, 128 out): 2 passive threads 263 output tok/s vs 1 thread 153."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # not Linux
@@ -256,7 +282,7 @@ async def _serve(
     ipc_dir, in_addr, out_addr = ipc_addresses()
     metrics = ServerMetrics(name)
     client = EngineClient(in_addr, out_addr, metrics)
-    engine = EngineProcess(engine_config, in_addr, out_addr, server_config.log_level)
+    engine = EngineProcess(engine_config, in_addr, out_addr, server_config.log_level, server_config.engine_wait)
     exit_code = 0
     # until uvicorn takes the signals over, a SIGTERM/SIGINT is remembered (and honoured once it has)
     early_signals: list[int] = []
