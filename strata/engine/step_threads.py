@@ -11,6 +11,10 @@ Which wins depends on the step's size and on what else the machine runs, so it i
     per class    = the mean time per token of its steps on 1 thread and on all of them
                    (an exponential moving average for the choice's steps, the last trial for the
                    other's, so both follow the machine's load)
+    trials       = one thread is timed in a class only while the next smaller class that has
+                   chosen runs on one thread (a larger step parallelises at least as well), or,
+                   before any has chosen, for steps of at most 64 tokens: a burst of long
+                   prefills never pays for a one-thread trial
     choice       = the faster; the other is tried again after `interval` steps of the class,
                    an interval that doubles each time the choice holds (up to max_interval) and
                    falls back to min_interval when it flips; the choice flips at once when its
@@ -23,6 +27,10 @@ same on any number of threads (tests/unit/test_step_threads.py checks the model'
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+# the largest step (tokens) that times one thread before any smaller step has: prefills of
+# thousands of tokens run on every core until the decode sizes say otherwise
+FIRST_TRIAL_MAX_TOKENS = 64
 
 
 @dataclass
@@ -54,13 +62,25 @@ class StepThreads:
     def threads_for(self, num_tokens: int) -> int:
         if len(self.options) == 1:
             return self.options[0]
-        c = self.classes.setdefault(self.size_class(num_tokens), _SizeClass(interval=self.min_interval))
-        untimed = [t for t in self.options if t not in c.seconds_per_token]
-        if untimed:
-            return untimed[-1]  # all threads first: the usual winner
-        if c.steps >= c.interval:
+        k = self.size_class(num_tokens)
+        c = self.classes.setdefault(k, _SizeClass(interval=self.min_interval))
+        one, every = self.options
+        if every not in c.seconds_per_token:
+            return every  # all threads first: the usual winner
+        if not c.choice:  # one thread still untimed
+            return one if self._may_try_one(k) else every
+        if c.steps >= c.interval and (c.choice == one or self._may_try_one(k)):
             return self._other(c.choice)  # a trial of the choice not taken
         return c.choice
+
+    def _may_try_one(self, k: int) -> bool:
+        """One thread is worth a (slow) trial in class k unless the nearest smaller class that has
+        chosen runs on all threads: a larger step parallelises at least as well as a smaller one.
+        So trials happen only up to the size where one thread stops winning."""
+        smaller = [j for j, c in self.classes.items() if j < k and c.choice]
+        if not smaller:  # nothing measured below: only a step small enough to be a decode's
+            return k <= self.size_class(FIRST_TRIAL_MAX_TOKENS)
+        return self.classes[max(smaller)].choice == self.options[0]
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if len(self.options) == 1 or threads not in self.options:
@@ -73,7 +93,7 @@ class StepThreads:
         else:
             c.seconds_per_token[threads] = old + self.alpha * (per_token - old)
         if len(c.seconds_per_token) < len(self.options):
-            return
+            return  # all threads until one thread is worth a trial here (_may_try_one)
         best = min(self.options, key=lambda t: (c.seconds_per_token[t], -t))
         if not c.choice:  # both timed for the first time
             c.choice, c.steps = best, 0

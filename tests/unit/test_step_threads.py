@@ -37,6 +37,19 @@ def test_size_classes_choose_apart():
     assert st.threads_for(700) == 4 and st.size_class(700) == st.size_class(512)
 
 
+def test_larger_steps_skip_one_thread_trials_once_a_smaller_size_runs_on_all():
+    """A burst of long prefills after decode steps that chose all threads never runs one of them on
+    a single thread; below the crossover, trials go on."""
+    st = StepThreads(2)
+    assert run(st, 8, {1: 9e-3, 2: 5e-3}, 50).count(1) >= 1  # timed, lost
+    for n in (256, 1024, 2048, 4096):
+        assert run(st, n, {1: 2.0, 2: 1.0}, 300) == [2] * 300
+    st = StepThreads(2)
+    assert run(st, 2048, {1: 2.0, 2: 1.0}, 50) == [2] * 50  # a first prefill: no trial either
+    run(st, 1, {1: 4e-3, 2: 5e-3}, 50)  # one thread wins for single tokens
+    assert run(st, 2, {1: 5e-3, 2: 6e-3}, 50).count(1) > 0  # so the next size tries it too
+
+
 def test_follows_a_change_of_load():
     """One thread wins on a busy machine (spinning threads lose their core); once the machine is
     quiet again, the periodic trial finds that all threads win and switches back."""
