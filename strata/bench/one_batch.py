@@ -127,5 +127,6 @@ def engine_path(engine) -> dict[str, object]:
         "weights": st.weights,
         "quantization": engine.config.quantization,
         "decode_loop": st.decode_loop,
+        "step_threads": engine.config.step_threads,
         **st.kernels,
     }

@@ -500,6 +500,12 @@ class Engine:
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
 
+    def step_threads(self) -> dict[str, dict[str, float | int]] | None:
+        """Per size of step, the CPU threads it runs on and each option's measured time per token;
+        None when --step-threads is not auto (or not on a CPU)."""
+        governor = self.scheduler.runner.step_threads
+        return governor.describe() if governor is not None else None
+
     def step(self) -> list[RequestOutput]:
         if self.parallel is not None:  # RankFailure once a rank is gone; EPLB at this step boundary
             self.parallel.before_step()

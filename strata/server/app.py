@@ -191,6 +191,7 @@ def create_app(state: ServerState) -> FastAPI:
                 # per MoE layer since start: tokens routed, the busiest expert, max / mean (None: dense)
                 "expert_load": stats.expert_load_summary,
                 "parallel": stats.parallel,  # --tp-size/--ep-size: workers, health, rows per rank (None: one rank)
+                "step_threads": stats.step_threads,  # CPU: threads per size of step, as measured (None: off)
                 "num_aborted_requests": client.num_aborted,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),

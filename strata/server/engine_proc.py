@@ -80,6 +80,7 @@ class EngineLoop:
             expert_load=load if load and expert_load else None,
             expert_load_summary=expert_load_summary(load) if load else None,
             parallel=self.engine.parallel.describe() if full and getattr(self.engine, "parallel", None) else None,
+            step_threads=self.engine.step_threads() if full else None,
         )
 
     # ------------------------------------------------------------------ the loop

@@ -81,6 +81,9 @@ class EngineStats(msgspec.Struct):
     # a replica split over ranks (--tp-size/--ep-size), in requested stats: its workers, health and
     # per-rank expert rows (strata.distributed.runtime.ParallelRuntime.describe); None for one rank
     parallel: dict[str, Any] | None = None
+    # CPU, in requested stats: per size of step, the threads it runs on and each option's measured
+    # time per token (strata.engine.step_threads); None where the choice is off
+    step_threads: dict[str, dict[str, Any]] | None = None
 
     @property
     def token_usage(self) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from pathlib import Path
 
@@ -485,3 +486,16 @@ def test_metrics_move_after_traffic(server, oai):
     ):
         assert gauge in after
     assert "strata:moe_expert_tokens" not in after  # a dense model has no experts to count
+
+
+def test_server_info_reports_the_threads_each_size_of_step_ran_on(server):
+    body = {"text": "Count: one, two", "sampling_params": {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True}}
+    with server.client() as c:
+        assert c.post("/generate", json=body).status_code == 200
+        info = c.get("/get_server_info").json()
+    assert info["server_config"]["engine_wait"] == "bounded"
+    decode = info["step_threads"]["tokens 1"]  # a CPU engine with --step-threads auto (the default)
+    timed = {k for k in decode if k.startswith("us_per_token_")}
+    if len(os.sched_getaffinity(0)) > 1:  # both options timed by the 8 decode steps, and one chosen
+        assert timed == {"us_per_token_1t", f"us_per_token_{len(os.sched_getaffinity(0))}t"}, decode
+        assert decode["threads"] in (1, len(os.sched_getaffinity(0)))
