@@ -120,6 +120,8 @@ def _serving_run(args: argparse.Namespace, ctx, details: dict[str, list]):
                 f"{label}: cache hit rate": hit,
                 f"{label}: failed requests": float(s.failed),
                 f"{label}: short outputs (fewer tokens than asked)": float(s.short_outputs),
+                f"{label}: frontend CPU per output token (ms)": r.server_cpu_ms_per_output_token.get("frontend"),
+                f"{label}: engine CPU per output token (ms)": r.server_cpu_ms_per_output_token.get("engine"),
             })  # fmt: skip
         details[target.label] = results
         return figures

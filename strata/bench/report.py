@@ -90,6 +90,8 @@ def serving_text(r: ServingResult) -> str:
             fmt(r.server_cache_hit_rate, 3),
         ]
     )
+    for name, ms in r.server_cpu_ms_per_output_token.items():
+        rows.append([f"server {name} CPU per output token (ms)", fmt(ms, 3)])
     text = table(rows, ["serving benchmark", "value"])
     if s.errors:
         text += "\nerrors:\n" + "\n".join(f"  {n} x {msg}" for msg, n in s.errors.items())
@@ -210,6 +212,7 @@ def serving_json(r: ServingResult) -> dict[str, Any]:
         "steady_window": _jsonable(r.window),
         "server_cache_hit_rate": r.server_cache_hit_rate,
         "server_cache_hit_rate_source": r.server_cache_hit_rate_source,
+        "server_cpu_ms_per_output_token": r.server_cpu_ms_per_output_token,
         "requests": [
             {
                 "prompt_len": x.prompt_len,

@@ -5,10 +5,13 @@
 /metrics          Prometheus counters `<prefix>:prompt_tokens_total` and `<prefix>:cached_tokens_total`;
                   read before and after a run, their difference gives this run's hit rate
 /flush_cache      Strata/SGLang: empty the prefix cache between rounds (best effort)
+/proc/PID/stat    a Strata server on this machine: its frontend's and engine's CPU time (the pids
+                  from /get_server_info), read before and after a run, per output token
 """
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -82,3 +85,27 @@ def flush_cache(base_url: str, api_key: str | None = None) -> bool:
 
 def _auth(api_key: str | None) -> dict[str, str]:
     return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
+def server_pids(info: dict[str, Any] | None) -> dict[str, int]:
+    """The processes of a Strata server that /get_server_info names and that run on this machine:
+    {"frontend": pid, "engine": pid}, either missing when not told or not here."""
+    if not info:
+        return {}
+    engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
+    pids = {"frontend": info.get("frontend_pid"), "engine": engine.get("pid")}
+    return {name: pid for name, pid in pids.items() if isinstance(pid, int) and os.path.exists(f"/proc/{pid}/stat")}
+
+
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """user + system CPU seconds each process has used so far (Linux /proc; a gone process is left out)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, pid in pids.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
+        except OSError:
+            continue
+        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat
+    return out

@@ -85,6 +85,9 @@ class ServingResult:
     window: SteadyWindow | None  # 20%..90% of requests completed
     server_cache_hit_rate: float | None  # from the server: this run's /metrics delta, else /get_server_info
     server_cache_hit_rate_source: str | None
+    # a Strata server on this machine: CPU milliseconds its frontend / engine process spent per output
+    # token of the run (HTTP, detokenizing, streaming vs the model); {} for other servers
+    server_cpu_ms_per_output_token: dict[str, float] = field(default_factory=dict)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -172,7 +175,9 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
         raise RuntimeError(
             f"{base}/v1/models lists no model and none was given; is the server up? Pass --model NAME"
         )
-    records, start, before = asyncio.run(_drive(config, model, conversations, tokenizer))
+    pids = server_info.server_pids(server_info.server_info(base, config.api_key))
+    records, start, before, cpu_before = asyncio.run(_drive(config, model, conversations, tokenizer, pids))
+    cpu_after = server_info.cpu_seconds(pids)
     after = server_info.token_counters(base, config.api_key)
     rate, source = server_info.hit_rate_between(before, after), "/metrics counters (this run)"
     if rate is None:
@@ -180,6 +185,11 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
         rate = info.get("cache_hit_rate") if info else None
         source = "/get_server_info (since server start)"
     summary = summarize(records, start=start)
+    tokens = summary.total_output_tokens
+    cpu_ms = {
+        name: 1e3 * (cpu_after[name] - cpu_before[name]) / tokens
+        for name in cpu_before if name in cpu_after and tokens
+    }
     return ServingResult(
         config=config,
         model=model,
@@ -188,13 +198,15 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
         window=serving_window(records),
         server_cache_hit_rate=rate,
         server_cache_hit_rate_source=source if rate is not None else None,
+        server_cpu_ms_per_output_token=cpu_ms,
     )
 
 
 async def _drive(
-    config: ServingConfig, model: str, conversations: list[Conversation], tokenizer
-) -> tuple[list[RequestRecord], float, server_info.TokenCounters | None]:
-    """Warm up, read the server's token counters, then run every conversation; (records, start, counters)."""
+    config: ServingConfig, model: str, conversations: list[Conversation], tokenizer, pids: dict[str, int]
+) -> tuple[list[RequestRecord], float, server_info.TokenCounters | None, dict[str, float]]:
+    """Warm up, read the server's token counters (and its processes' CPU time), then run every
+    conversation; (records, start, counters, CPU seconds)."""
     client = OpenAIClient(
         config.base_url, api_key=config.api_key, timeout_s=config.timeout_s, tokenizer=tokenizer
     )
@@ -204,6 +216,7 @@ async def _drive(
         before = await asyncio.to_thread(
             server_info.token_counters, config.base_url.rstrip("/"), config.api_key
         )
+        cpu_before = server_info.cpu_seconds(pids)
         records: list[RequestRecord] = []
         limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
         arrivals = poisson_arrivals(len(conversations), config.request_rate, config.seed)
@@ -235,7 +248,7 @@ async def _drive(
                     history.append(rec.text)
 
             await asyncio.gather(*(one(c, t) for c, t in zip(conversations, arrivals)))
-        return records, start, before
+        return records, start, before, cpu_before
     finally:
         await client.close()
 

@@ -9,6 +9,8 @@ word-prefix shared with an earlier prompt) and exposes /get_server_info and /met
 
 from __future__ import annotations
 
+import os
+
 import asyncio
 import json
 import socket
@@ -68,7 +70,7 @@ def make_fake_app(state: FakeState):
     @app.get("/get_server_info")
     async def info():
         rate = state.cached_total / state.prompt_total if state.prompt_total else 0.0
-        return {"cache_hit_rate": rate}
+        return {"cache_hit_rate": rate, "frontend_pid": os.getpid()}  # it serves from the test's process
 
     @app.get("/metrics")
     async def metrics():

@@ -198,3 +198,25 @@ def test_length_controls_for_servers_without_ignore_eos(fake_server, tiny_tokeni
     }
     with pytest.raises(ValueError, match="length_control"):
         cfg(fake_server, length_control="please")
+
+
+def test_server_cpu_per_output_token_of_a_local_server(fake_server, tiny_tokenizer):
+    """A server on this machine that names its processes in /get_server_info gets their CPU time per
+    output token measured over the run (the fake one: the test's own process, so it cannot be 0)."""
+    fake_server.reset()
+    r = run_serving(cfg(fake_server), dataset(tiny_tokenizer), tiny_tokenizer)
+    assert set(r.server_cpu_ms_per_output_token) == {"frontend"}  # it names no engine process
+    assert r.server_cpu_ms_per_output_token["frontend"] > 0
+
+
+def test_server_processes_gone_or_unnamed_are_left_out():
+    import os
+
+    from strata.bench.server_info import cpu_seconds, server_pids
+
+    assert server_pids(None) == {} and server_pids({"frontend_pid": "x"}) == {}
+    assert server_pids({"frontend_pid": os.getpid(), "engine": {"pid": 2**22 + 1}}) == {"frontend": os.getpid()}
+    before = cpu_seconds({"me": os.getpid()})["me"]
+    sum(i * i for i in range(2_000_000))
+    assert cpu_seconds({"me": os.getpid()})["me"] > before
+    assert cpu_seconds({"gone": 2**22 + 1}) == {}
