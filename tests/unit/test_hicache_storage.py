@@ -56,6 +56,31 @@ def test_file_storage_stays_under_its_size_bound_evicting_least_recently_used(tm
         store.close()
 
 
+def test_file_storage_write_on_a_full_disk_fails_and_leaves_no_partial_file(tmp_path, monkeypatch):
+    """ENOSPC mid-write: the write fails (the storage worker degrades to recomputation) and its
+    half-written temp file is removed at once, not left to keep the disk full until the stale sweep."""
+    import errno
+
+    store = FileStorage(tmp_path, max_bytes=10**9)
+    real_write = Path.write_bytes
+
+    def full_disk(self, data):
+        real_write(self, data[: len(data) // 2])
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    try:
+        monkeypatch.setattr(Path, "write_bytes", full_disk)
+        with pytest.raises(OSError, match="No space"):
+            store.set([(key(1), bytes(4000))])
+        monkeypatch.undo()
+        assert [p for p in tmp_path.rglob("*") if p.is_file()] == []
+        assert store.exists([key(1)]) == [False] and store.total_bytes == 0
+        store.set([(key(1), bytes(4000))])  # space again: writes work
+        assert store.get([key(1)]) == [bytes(4000)]
+    finally:
+        store.close()
+
+
 def test_file_storage_shared_by_replicas_learns_their_pages_and_tolerates_deletions(tmp_path):
     a = FileStorage(tmp_path, max_bytes=10**9)
     b = FileStorage(tmp_path, max_bytes=8_000)

@@ -92,8 +92,12 @@ class FileStorage:
             path = self._path(key)
             path.parent.mkdir(exist_ok=True)
             tmp = path.with_name(f".{key}.{uuid.uuid4().hex[:8]}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, path)
+            try:
+                tmp.write_bytes(data)
+                os.replace(tmp, path)
+            except OSError:  # e.g. ENOSPC: a half-written temp file would keep the disk full
+                _unlink_quietly(tmp)
+                raise
             self._touch(key, len(data), time.time())
         self._delete(self._pop_over_size())
 
