@@ -254,7 +254,9 @@ def environment() -> dict[str, Any]:
         "cpu": cpu_description(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         # OpenMP spin-waiting decides CPU results on a busy machine (see docs/BENCHMARKS.md)
-        "env": {k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")},
+        "env": {
+            k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+        },
         "argv": sys.argv,
     }
 
