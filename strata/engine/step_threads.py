@@ -13,12 +13,12 @@ Which wins depends on the step's size and on what else the machine runs, so it i
                    other's, so both follow the machine's load)
     trials       = one thread is timed in a class only while the next smaller class that has
                    chosen runs on one thread (a larger step parallelises at least as well), or,
-                   before any has chosen, for steps of at most 64 tokens: a burst of long
-                   prefills never pays for a one-thread trial
+                   before any has chosen, for steps of at most 8 tokens: a burst of prefills
+                   or a 64-stream decode never pays for a one-thread trial
     choice       = the faster; the other is tried again after `interval` steps of the class,
                    an interval that doubles each time the choice holds (up to max_interval) and
                    falls back to min_interval when it flips; the choice flips at once when its
-                   own steps slow down past the other's last measure (a neighbour started)
+                   own steps slow down past 1.25x the other's last measure (a neighbour started)
 
 Threads never change a row's result: every kernel splits work so that a row's arithmetic is the
 same on any number of threads (tests/unit/test_step_threads.py checks the model's logits).
@@ -28,9 +28,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# the largest step (tokens) that times one thread before any smaller step has: prefills of
-# thousands of tokens run on every core until the decode sizes say otherwise
-FIRST_TRIAL_MAX_TOKENS = 64
+# the largest step (tokens) that times one thread before any smaller step has: one stream's decode
+# and a verification of a few drafts; a burst of prefills and a 64-stream decode run on every core
+# until smaller steps say otherwise
+FIRST_TRIAL_MAX_TOKENS = 8
+# the choice's own steps must be this much slower than the other's last measure to switch at once
+# (one slow step, a collection or a page fault, is not a neighbour)
+SWITCH_MARGIN = 1.25
 
 
 @dataclass
@@ -103,8 +107,8 @@ class StepThreads:
                 c.interval = min(self.max_interval, 2 * c.interval)
             else:
                 c.choice, c.interval = best, self.min_interval
-        elif best != c.choice:  # the choice got slower than the other's last measure: switch now
-            c.choice, c.steps, c.interval = best, 0, self.min_interval
+        elif c.seconds_per_token[threads] > SWITCH_MARGIN * c.seconds_per_token[self._other(threads)]:
+            c.choice, c.steps, c.interval = self._other(threads), 0, self.min_interval  # a neighbour: now
         else:
             c.steps += 1
 

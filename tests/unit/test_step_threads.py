@@ -114,3 +114,10 @@ def test_engine_answers_the_same_on_any_thread_count(model, request):
         flipping.close()
     finally:
         torch.set_num_threads(saved)
+
+
+def test_one_slow_step_is_not_a_neighbour():
+    st = StepThreads(2)
+    run(st, 1, {1: 6e-3, 2: 5e-3}, 5)
+    assert run(st, 1, {1: 6e-3, 2: 12e-3}, 1) == [2]  # a collection or a page fault
+    assert st.threads_for(1) == 2  # the average moved by a quarter of it: still within the margin
