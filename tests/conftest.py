@@ -70,3 +70,21 @@ def redis_server(tmp_path):
     yield proc, f"redis://127.0.0.1:{port}/0"
     proc.kill()
     proc.wait()
+
+
+@pytest.fixture
+def mooncake_master(tmp_path):
+    """A private mooncake_master on a free loopback port (`.url`: mooncake://127.0.0.1:PORT); skips
+    where Mooncake cannot install or its master cannot start."""
+    from mooncake_master import MooncakeMaster, skip_reason
+
+    reason = skip_reason()
+    if reason:
+        pytest.skip(reason)
+    master = MooncakeMaster(tmp_path)
+    try:
+        master.start()
+    except (OSError, RuntimeError) as exc:
+        pytest.skip(f"mooncake_master cannot start here: {exc}")
+    yield master
+    master.kill()

@@ -9,7 +9,8 @@ bytes, and may drop any page at any time (to stay within their bounds, or becaus
 the store did): a dropped page is a miss.
 
 Bounds: `max_bytes` caps the file backend's directory (least recently used pages go first); pages
-unused for `ttl_s` expire from the file and redis backends. Mooncake evicts on its own.
+unused for `ttl_s` expire from the file and redis backends. Mooncake's master evicts on its own,
+from the memory the replicas lend it.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ STORAGE_BACKENDS = ("file", "redis", "mooncake")
 def make_storage_backend(
     name: str, target: str | None, max_bytes: int, ttl_s: float | None, timeout_s: float = 2.0
 ) -> StorageBackend:
-    """name: file (target = directory), redis (target = redis://host:port/db), mooncake (target = config)."""
+    """name: file (target = directory), redis (target = redis://host:port/db), mooncake (target =
+    mooncake://master_host:port or a config file)."""
     if name == "file":
         from strata.cache.storage.file import FileStorage
 
@@ -50,5 +52,5 @@ def make_storage_backend(
     if name == "mooncake":
         from strata.cache.storage.mooncake import MooncakeStorage
 
-        return MooncakeStorage(target)
+        return MooncakeStorage(target, timeout_s=timeout_s)
     raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(STORAGE_BACKENDS)}")
