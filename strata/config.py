@@ -10,6 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.disagg.transport import TRANSFER_BACKENDS
 from strata.redact import CREDENTIALS, secret, with_env_secrets
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -18,6 +19,7 @@ HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_bac
 HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")  # strata.cache.hicache
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
+DISAGGREGATION_TRANSFER_BACKENDS = tuple(TRANSFER_BACKENDS)  # strata.disagg.transport
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
@@ -122,7 +124,7 @@ class EngineConfig:
     hicache_size: float | None = None  # L2 size in GiB (overrides hicache_ratio)
     hicache_write_policy: str = "write_through"
     hicache_storage_backend: str | None = None  # file | redis | mooncake; implies the hierarchy
-    hicache_storage_path: str | None = field(default=None, metadata=CREDENTIALS)  # directory (file), redis:// URL (redis), config (mooncake)
+    hicache_storage_path: str | None = field(default=None, metadata=CREDENTIALS)  # directory (file), redis:// URL (redis), mooncake:// URL or config file (mooncake)
     hicache_prefetch_policy: str = "auto"  # auto: wait for L3 while fetching beats recomputing
     hicache_prefetch_threshold: int = 256  # tokens: smaller L3 hits are not worth fetching
     hicache_prefetch_timeout: float = 2.0  # seconds, for the timeout policy
@@ -134,6 +136,7 @@ class EngineConfig:
     disaggregation_bootstrap_port: int = 0  # this worker's KV inbox port; 0 = any free port
     disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
+    disaggregation_transfer_backend: str = "tcp"  # what moves KV payloads: tcp (built in) | mooncake
     # speculative decoding (strata.engine.speculative)
     # none | ngram (prompt lookup over the request and recent requests) | draft | mtp (the checkpoint's MTP layer)
     speculative_algorithm: str = "none"
@@ -187,6 +190,11 @@ class EngineConfig:
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
             raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+        if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
+            raise ValueError(
+                f"disaggregation_transfer_backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
+                f"got {self.disaggregation_transfer_backend!r}"
+            )
         if self.speculative_algorithm not in SPECULATIVE_ALGORITHMS:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}"
@@ -219,6 +227,7 @@ _CHOICES = {
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,
     "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
     "quantization": QUANTIZATION_METHODS,
     "sliding_kv": SLIDING_KV_MODES,
     "step_threads": STEP_THREADS,
@@ -245,7 +254,11 @@ _HELP = {
     "KV depends on nothing before the window, see docs/ARCHITECTURE.md)",
     "enable_hierarchical_cache": "back the radix cache with a host-memory L2 (and L3 storage if a backend is set)",
     "hicache_size": "L2 size in GiB (default: --hicache-ratio x the L1 pool)",
-    "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db",
+    "hicache_storage_path": "file: a directory (local or shared mount); redis: redis://host:port/db; "
+    "mooncake: mooncake://MASTER_HOST:PORT or a Mooncake JSON config file",
+    "disaggregation_transfer_backend": "what moves the KV cache from a prefill to a decode worker: tcp (the "
+    "built-in ZMQ path) or mooncake (Mooncake's transfer engine over TCP; `pip install 'strata[mooncake]'`); "
+    "both workers of a pair must use the same",
     "hicache_prefetch_policy": "how long a request waits for its prefix to come from L3 storage: auto "
     "(while the fetch, at the measured L3 read rate, is expected to beat recomputing at the measured "
     "prefill rate; at most the recompute time), best_effort (never), wait_complete (until done), "

@@ -128,6 +128,13 @@ class _Side:
             self._last_reject_log = now
 
 
+def _malformed(frames: list[bytes]) -> str:
+    if len(frames) == 3 and frames[1].startswith(b"strata-mooncake-"):  # see mooncake_transport.py
+        return ("malformed: KV to be pulled with Mooncake, which this worker's transport does not do; use the "
+                "same --disaggregation-transfer-backend on both workers")
+    return "malformed"
+
+
 def _check_room(room: int) -> None:
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < MAX_ROOM:
         raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
@@ -200,7 +207,7 @@ class PrefillManager(_Side):
     def _on_message(self, frames: list[bytes]) -> None:
         msg = self._parse(frames)
         if msg is None:
-            return self._reject("malformed")
+            return self._reject(_malformed(frames))
         if not isinstance(msg, protocol.Hello):
             return self._reject(f"a prefill worker takes only Hello, got {type(msg).__name__}")
         if not protocol.verify(msg, self.secret):
@@ -327,7 +334,7 @@ class DecodeManager(_Side):
     def _on_message(self, frames: list[bytes]) -> None:
         msg = self._parse(frames)
         if msg is None:
-            return self._reject("malformed")
+            return self._reject(_malformed(frames))
         if isinstance(msg, protocol.Hello):
             return self._reject("a decode worker takes no Hello")
         room = self.rooms.get(msg.room)

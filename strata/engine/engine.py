@@ -341,7 +341,7 @@ class Engine:
     def _make_disagg(self, namespace: bytes, kv_pool: KVPool):
         from strata.disagg.auth import shared_secret
         from strata.disagg.manager import DecodeManager, PrefillManager
-        from strata.disagg.transport import ZmqTransport
+        from strata.disagg.transport import make_transport
 
         cfg = self.config
         secret = shared_secret(cfg.disaggregation_secret)
@@ -355,8 +355,8 @@ class Engine:
         max_prompt_len = min(self.scheduler.context_len, self.scheduler.pool_tokens)
         per_token = kv_pool.page_bytes // kv_pool.page_size
         max_payload_bytes = 0 if cfg.disaggregation_mode == "prefill" else max_prompt_len * per_token
-        transport = ZmqTransport(cfg.disaggregation_host, cfg.disaggregation_bootstrap_port,
-                                 max_payload_bytes=max_payload_bytes)
+        transport = make_transport(cfg.disaggregation_transfer_backend, cfg.disaggregation_host,
+                                   cfg.disaggregation_bootstrap_port, max_payload_bytes=max_payload_bytes)
         cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
         manager = cls(self.scheduler, kv_pool, transport, secret, namespace.hex(), cfg.disaggregation_timeout)
         logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
