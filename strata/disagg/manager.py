@@ -297,7 +297,11 @@ class DecodeManager(_Side):
         self.scheduler._validate([rid], prompt_ids, params)
         endpoint = bootstrap if bootstrap.startswith("tcp://") else f"tcp://{bootstrap}"
         self.rooms[room] = _DecodeRoom(rid, list(prompt_ids), params, endpoint, time.monotonic())
-        self._try_reserve(room, self.rooms[room])
+        try:
+            self._try_reserve(room, self.rooms[room])
+        except ValueError:  # e.g. n > 1: refused now, and never retried by poll() (it would fail each step)
+            del self.rooms[room]
+            raise
 
     def _try_reserve(self, room_id: int, room: _DecodeRoom) -> None:
         req = self.scheduler.reserve_prefilled(room.rid, room.prompt_ids, room.params)

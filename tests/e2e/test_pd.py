@@ -144,6 +144,20 @@ def sign(room: int, addr: str | None, body: bytes) -> str:
     return hmac.new(SECRET[1].encode(), signed, hashlib.sha256).hexdigest()
 
 
+def test_a_request_the_decode_worker_refuses_gets_400_and_the_worker_keeps_serving(cluster):
+    """n > 1 is refused by the decode side; its refusal once stayed registered and failed every later
+    engine step until the decode worker gave up (found by `strata bench soak`)."""
+    single, _, decode, router = cluster
+    with httpx.Client(base_url=router, timeout=60) as c:
+        model = c.get("/v1/models").json()["data"][0]["id"]
+        body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "n": 3}
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and "n > 1" in r.json()["error"]["message"], r.text
+    time.sleep(1.0)  # several engine steps
+    assert decode.health_status() == 200
+    assert complete(router, PROMPTS[0]) == complete(single.url, PROMPTS[0])
+
+
 def test_killing_the_prefill_worker_fails_clearly_without_leaks(cluster):
     _, prefill, decode, router = cluster
     total = decode.info()["kv_cache"]
