@@ -15,9 +15,8 @@ only a KV message's payload frame goes through the transfer engine, pulled by th
 The manager sees the same frames either way and checks them the same way (MAC over the header and
 the payload, then every field against the room). What the transfer engine carries is not trusted:
 a wrong or damaged payload fails its MAC. Both workers of a pair must use the same backend: a Pull
-reaching a built-in inbox is three frames, rejected as malformed. Mooncake's TCP transport lets a
-peer that reaches its port read and write registered memory, so, as with any Mooncake deployment,
-its ports belong on the cluster's private network.
+reaching a built-in inbox is three frames, rejected as malformed. Mooncake's TCP transport does not
+authenticate peers, so, as with any Mooncake deployment, its ports belong on a private network.
 
 Only the transfer engine is used (no store, no master): peers find each other's segments through
 Mooncake's P2P handshake, so nothing else has to run.
