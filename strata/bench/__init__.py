@@ -17,8 +17,12 @@ What lives here (one concept per file):
   server_process.py  start/stop a server subprocess on a free port
   targets.py         the things `compare` measures: strata, transformers, llamacpp, url=...
   compare.py         the same workload on several targets, alternating round by round; medians, ratios
+  soak.py            `bench soak`: a router, replicas sharing L3 and a PD pair under mixed load while
+                     faults are injected; soak_cluster.py its processes, soak_load.py the clients and
+                     how each answer is judged, soak_faults.py the faults and /health timings,
+                     soak_config.py its options (import-light, for the parser)
   report.py          terminal tables and JSON; progress.py the progress bar; plots.py PNGs
-  cli.py             `strata bench serving | one-batch | offline | compare | moe | kv-layout | ...`
+  cli.py             `strata bench serving | one-batch | offline | compare | moe | kv-layout | soak | ...`
                      (flags, commands);
                      compare_cli.py what one compare run measures in each mode
 

@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | offline | compare | moe | kv-layout | grammar | spec` — flags, and the glue to run and report
+"""`strata bench serving | one-batch | offline | compare | moe | kv-layout | grammar | spec | soak` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
@@ -177,6 +177,14 @@ def add_bench_args(subparsers) -> None:
     _add_parallel_args(par)
     par.set_defaults(func=cmd_parallel)
 
+    soak = sub.add_parser(
+        "soak",
+        help="a router, two replicas sharing L3 and a PD pair under mixed load and injected faults: "
+        "lost / hung requests, leaked KV pages, memory drift (strata/bench/soak.py)",
+    )
+    _add_soak_args(soak)
+    soak.set_defaults(func=cmd_soak)
+
     kv = sub.add_parser("kv-layout", help="KV cache bytes per token from config.json; MLA vs per-head K/V")
     kv.add_argument("--model", nargs="+", required=True, metavar="DIR_OR_CONFIG",
                     help="model directories holding config.json, or config.json files (no weights needed)")
@@ -258,6 +266,85 @@ def cmd_moe(args: argparse.Namespace) -> int:
         with open(args.output_json, "w") as f:
             json.dump({"config": dataclasses.asdict(cfg), "rows": rows}, f, indent=2)
     return 0
+
+
+def _add_soak_args(p: argparse.ArgumentParser) -> None:
+    import shlex
+
+    from strata.bench.soak_config import FAULTS, L3_TIERS, ClusterConfig, LoadConfig, SoakConfig
+
+    d, ld, cd = SoakConfig(), LoadConfig(), ClusterConfig()
+    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
+    p.add_argument(
+        "--faults",
+        nargs="*",
+        choices=FAULTS,
+        default=list(d.faults),
+        help="faults to inject, spaced over the duration (default: all; none given: plain load)",
+    )
+    p.add_argument(
+        "--model",
+        default=cd.model,
+        help="model directory or .gguf of every server (default: the default model)",
+    )
+    p.add_argument(
+        "--concurrency", type=int, default=ld.concurrency, help="clients, each one request at a time"
+    )
+    p.add_argument("--max-tokens", type=int, default=ld.max_tokens, help="answer length at most (most kinds)")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=ld.request_timeout_s,
+        help="seconds after which a request without a complete answer counts as hung",
+    )
+    p.add_argument(
+        "--pd-share", type=float, default=ld.pd_share, help="fraction of requests sent to the PD pair"
+    )
+    p.add_argument("--stop-seconds", type=float, default=d.stop_s, help="how long an engine stays SIGSTOPped")
+    p.add_argument(
+        "--hold-seconds", type=float, default=d.hold_s, help="how long the disk stays full / Redis down"
+    )
+    p.add_argument(
+        "--l3",
+        choices=L3_TIERS,
+        default=cd.l3,
+        help="the replicas' shared L3 tier (redis needs redis-server on PATH)",
+    )
+    p.add_argument(
+        "--l3-tmpfs-mib",
+        type=int,
+        default=cd.l3_tmpfs_mib,
+        help="size of the tmpfs mounted for the file tier",
+    )
+    p.add_argument(
+        "--server-args",
+        type=shlex.split,
+        default=list(cd.server_args),
+        help="more flags for every `strata serve`, as one string",
+    )
+    p.add_argument(
+        "--router-args",
+        type=shlex.split,
+        default=list(cd.router_args),
+        help="more flags for both routers, as one string",
+    )
+    p.add_argument(
+        "--startup-timeout", type=float, default=d.startup_timeout_s, help="seconds for a server to load"
+    )
+    p.add_argument("--seed", type=int, default=ld.seed)
+    p.add_argument(
+        "--log-dir",
+        default=None,
+        help="keep every process's log here (default: a temp dir, removed when the soak passes)",
+    )
+    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+
+
+def cmd_soak(args: argparse.Namespace) -> int:
+    from strata.bench.soak import cmd
+
+    quiet_request_logs()
+    return cmd(args)
 
 
 def _add_parallel_args(p: argparse.ArgumentParser) -> None:
