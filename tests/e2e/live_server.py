@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+from strata.bench.soak_cluster import pid_alive
+
 _model_dir: Path | None = None
 
 
@@ -35,14 +37,6 @@ def free_port() -> int:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
-
-def pid_alive(pid: int) -> bool:
-    """True if `pid` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 class LiveServer:
