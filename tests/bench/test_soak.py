@@ -1,5 +1,5 @@
 """`strata bench soak`'s judgement, without servers: how each answer is classified, when the soak
-fails, and where a 5xx is counted. (The soak itself runs in tests/e2e/test_soak.py.)"""
+fails, and where a 5xx is counted. (The soak itself runs in tests/e2e/test_soak_cluster.py.)"""
 
 from __future__ import annotations
 
