@@ -37,7 +37,10 @@ def one_transfer(sender, receiver, payload: bytes) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--backends", nargs="+", default=list(TRANSFER_BACKENDS), choices=list(TRANSFER_BACKENDS)
+        "--backends",
+        nargs="+",
+        default=list(TRANSFER_BACKENDS),
+        choices=list(TRANSFER_BACKENDS),
     )
     parser.add_argument("--sizes-mib", nargs="+", type=float, default=[0.25, 1, 23, 64])
     parser.add_argument("--repeats", type=int, default=5)
@@ -45,7 +48,10 @@ def main() -> None:
     sizes = [int(s * 2**20) for s in args.sizes_mib]
     print(f"{'payload':>10} " + " ".join(f"{b + ' MiB/s':>16}" for b in args.backends))
     pairs = {
-        b: (make_transport(b, "127.0.0.1", 0, 0), make_transport(b, "127.0.0.1", 0, max(sizes)))
+        b: (
+            make_transport(b, "127.0.0.1", 0, 0),
+            make_transport(b, "127.0.0.1", 0, max(sizes)),
+        )
         for b in args.backends
     }
     try:
@@ -54,8 +60,12 @@ def main() -> None:
             row = []
             for backend in args.backends:
                 sender, receiver = pairs[backend]
-                one_transfer(sender, receiver, payload)  # warm-up: connections, handshakes
-                times = [one_transfer(sender, receiver, payload) for _ in range(args.repeats)]
+                one_transfer(
+                    sender, receiver, payload
+                )  # warm-up: connections, handshakes
+                times = [
+                    one_transfer(sender, receiver, payload) for _ in range(args.repeats)
+                ]
                 row.append(f"{size / statistics.median(times) / 2**20:>16.0f}")
             print(f"{size / 2**20:>7.2f} MiB " + " ".join(row), flush=True)
     finally:

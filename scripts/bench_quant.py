@@ -29,11 +29,20 @@ VARIANTS: dict[str, dict | None] = {
     "bf16": None,
     "int8": {"method": "int8"},
     "int4": {"method": "int4"},
-    "int8-float-logits": {"method": "int8", "tied_lm_head": False},  # tied embedding stays bf16 for logits
+    "int8-float-logits": {
+        "method": "int8",
+        "tied_lm_head": False,
+    },  # tied embedding stays bf16 for logits
     "int4-float-logits": {"method": "int4", "tied_lm_head": False},
-    "int4-g128": {"method": "int4", "group_size": 128},  # 64 where 128 does not divide (576)
+    "int4-g128": {
+        "method": "int4",
+        "group_size": 128,
+    },  # 64 where 128 does not divide (576)
 }
-SHAPES = {"one stream": (1, 256, 64), "batch 16": (16, 64, 32)}  # batch_size, input_len, output_len
+SHAPES = {
+    "one stream": (1, 256, 64),
+    "batch 16": (16, 64, 32),
+}  # batch_size, input_len, output_len
 
 
 def load(name: str, threads: int | None) -> Engine:
@@ -48,13 +57,22 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    parser.add_argument(
+        "--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS)
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES)
+    )
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: all cores)"
+    )
     args = parser.parse_args()
     names = ["bf16"] + [v for v in args.variants if v != "bf16"]
     engines = {name: load(name, args.threads) for name in names}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; {args.rounds} rounds",
+        flush=True,
+    )
 
     step_ms = {(n, s): [] for n in names for s in args.shapes}
     prefill_s = {(n, s): [] for n in names for s in args.shapes}
@@ -63,7 +81,9 @@ def main() -> None:
             batch_size, input_len, output_len = SHAPES[shape]
             for name in names:
                 t0 = time.perf_counter()
-                res = run_strata_one_batch(engines[name], batch_size, input_len, output_len, seed=r)
+                res = run_strata_one_batch(
+                    engines[name], batch_size, input_len, output_len, seed=r
+                )
                 step_ms[name, shape].append(res.decode_step_ms)
                 prefill_s[name, shape].append(res.prefill_s)
                 print(
@@ -72,15 +92,22 @@ def main() -> None:
                     flush=True,
                 )
 
-    print("\nmedian over rounds (ratio to bf16 = median of per-round ratios; <1 is faster)")
+    print(
+        "\nmedian over rounds (ratio to bf16 = median of per-round ratios; <1 is faster)"
+    )
     print(
         f"{'variant':18s} "
-        + " ".join(f"{s + ' step ms':>18s} {'ratio':>6s} {'prefill s':>9s}" for s in args.shapes)
+        + " ".join(
+            f"{s + ' step ms':>18s} {'ratio':>6s} {'prefill s':>9s}"
+            for s in args.shapes
+        )
     )
     for name in names:
         cells = []
         for shape in args.shapes:
-            ratios = [a / b for a, b in zip(step_ms[name, shape], step_ms["bf16", shape])]
+            ratios = [
+                a / b for a, b in zip(step_ms[name, shape], step_ms["bf16", shape])
+            ]
             cells.append(
                 f"{statistics.median(step_ms[name, shape]):18.2f} {statistics.median(ratios):6.2f} "
                 f"{statistics.median(prefill_s[name, shape]):9.2f}"

@@ -43,10 +43,14 @@ WORDS = [
 
 
 def prompt(i: int, words: int) -> str:
-    return f"Request {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(words))
+    return f"Request {i}: " + " ".join(
+        WORDS[(i * 7 + k) % len(WORDS)] for k in range(words)
+    )
 
 
-async def one_request(client: httpx.AsyncClient, i: int, args) -> tuple[float, float, int]:
+async def one_request(
+    client: httpx.AsyncClient, i: int, args
+) -> tuple[float, float, int]:
     body = {
         "prompt": prompt(i, args.prompt_words),
         "max_tokens": args.output_len,
@@ -78,7 +82,9 @@ async def run_level(url: str, concurrency: int, args) -> dict:
 
         async def worker() -> None:
             for i in counter:
-                results.append(await one_request(client, i + concurrency * 10_000, args))
+                results.append(
+                    await one_request(client, i + concurrency * 10_000, args)
+                )
 
         start = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(concurrency)))
@@ -120,7 +126,10 @@ def launch(flags: str, port: int) -> tuple[subprocess.Popen, float]:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+            if (
+                httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code
+                == 200
+            ):
                 return proc, time.perf_counter() - start
         except httpx.TransportError:
             pass
@@ -128,12 +137,19 @@ def launch(flags: str, port: int) -> tuple[subprocess.Popen, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--url", default="http://127.0.0.1:30000")
-    p.add_argument("--launch", help="start `python -m strata.server` with these flags first (on --port)")
+    p.add_argument(
+        "--launch",
+        help="start `python -m strata.server` with these flags first (on --port)",
+    )
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 16, 64])
-    p.add_argument("--requests", type=int, default=64, help="requests per concurrency level")
+    p.add_argument(
+        "--requests", type=int, default=64, help="requests per concurrency level"
+    )
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--prompt-words", type=int, default=32)
     args = p.parse_args()
@@ -144,8 +160,12 @@ def main() -> None:
         url = f"http://127.0.0.1:{args.port}"
         print(f"time to ready: {ready_s:.1f}s")
     try:
-        asyncio.run(run_level(url, 1, argparse.Namespace(**{**vars(args), "requests": 2})))  # warm-up
-        print("conc  reqs  wall_s  req/s  out_tok/s  ttft_mean_ms  ttft_p99_ms  tpot_mean_ms")
+        asyncio.run(
+            run_level(url, 1, argparse.Namespace(**{**vars(args), "requests": 2}))
+        )  # warm-up
+        print(
+            "conc  reqs  wall_s  req/s  out_tok/s  ttft_mean_ms  ttft_p99_ms  tpot_mean_ms"
+        )
         for c in args.concurrency:
             r = asyncio.run(run_level(url, c, args))
             print(

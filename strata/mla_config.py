@@ -27,8 +27,12 @@ class MLAConfig:
     qk_nope_head_dim: int
     qk_rope_head_dim: int
     v_head_dim: int
-    q_lora_rank: int | None = None  # queries through a low-rank bottleneck of this size; None: one q_proj
-    rope_interleave: bool = True  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek's layout); False: halves
+    q_lora_rank: int | None = (
+        None  # queries through a low-rank bottleneck of this size; None: one q_proj
+    )
+    rope_interleave: bool = (
+        True  # RoPE pairs (x0, x1), (x2, x3), ... (DeepSeek's layout); False: halves
+    )
 
     @property
     def qk_head_dim(self) -> int:
@@ -56,7 +60,8 @@ def mla_from_hf(text: dict[str, Any], model_type: str) -> MLAConfig | None:
         v_head_dim=text["v_head_dim"],
         q_lora_rank=text.get("q_lora_rank"),
         # DeepSeek-V2 always rotates interleaved pairs (a complex product); V3 per `rope_interleave`
-        rope_interleave=model_type == "deepseek_v2" or bool(text.get("rope_interleave", True)),
+        rope_interleave=model_type == "deepseek_v2"
+        or bool(text.get("rope_interleave", True)),
     )
 
 

@@ -19,17 +19,29 @@ class MoEConfig:
     intermediate_size: int  # of one routed expert
     routing: str = "softmax_topk"
     norm_topk_prob: bool = False  # renormalise the top-k weights to sum to 1
-    num_groups: int = 1  # group-limited routing (DeepSeek): experts in `num_groups` equal groups ...
+    num_groups: int = (
+        1  # group-limited routing (DeepSeek): experts in `num_groups` equal groups ...
+    )
     topk_groups: int = 1  # ... of which a token may use the best `topk_groups`
-    routed_scaling_factor: float = 1.0  # the routed experts' weights are scaled by it (DeepSeek)
+    routed_scaling_factor: float = (
+        1.0  # the routed experts' weights are scaled by it (DeepSeek)
+    )
     router_bias: bool = False  # the router's linear has a bias (GPT-OSS)
-    correction_bias: bool = False  # a per-expert bias added to the scores for choosing only (DeepSeek-V3)
+    correction_bias: bool = (
+        False  # a per-expert bias added to the scores for choosing only (DeepSeek-V3)
+    )
     expert_bias: bool = False  # the experts' projections have biases (GPT-OSS)
     expert_act: str = "silu"  # silu | gelu_pytorch_tanh | clamped_swiglu (GPT-OSS)
-    swiglu_limit: float = 7.0  # clamped_swiglu: gate clamped above, up to [-limit, limit]
+    swiglu_limit: float = (
+        7.0  # clamped_swiglu: gate clamped above, up to [-limit, limit]
+    )
     swiglu_alpha: float = 1.702  # clamped_swiglu: gate * sigmoid(alpha * gate)
-    shared_intermediate_size: int = 0  # an always-on shared expert of this size; 0: none
-    shared_expert_gate: bool = False  # the shared expert's output is scaled by sigmoid(x @ w) (Qwen2-MoE)
+    shared_intermediate_size: int = (
+        0  # an always-on shared expert of this size; 0: none
+    )
+    shared_expert_gate: bool = (
+        False  # the shared expert's output is scaled by sigmoid(x @ w) (Qwen2-MoE)
+    )
 
 
 # HF model_type -> the routing function of `strata.layers.moe_routing.ROUTING` (DeepSeek-V2 reads
@@ -41,25 +53,37 @@ _ROUTING = {
     "gpt_oss": "topk_softmax",
     "deepseek_v3": "sigmoid_group_topk",
 }
-_V2_ROUTING = {"greedy": "softmax_greedy", "group_limited_greedy": "softmax_group_limited_greedy"}
+_V2_ROUTING = {
+    "greedy": "softmax_greedy",
+    "group_limited_greedy": "softmax_group_limited_greedy",
+}
 
 
 def moe_from_hf(text: dict[str, Any], model_type: str) -> MoEConfig | None:
     """The experts of a mixture-of-experts config.json, None for a dense model. HF spells the expert
     count num_local_experts (Mixtral, GPT-OSS), num_experts (Qwen) or n_routed_experts (DeepSeek)."""
-    num_experts = text.get("num_local_experts") or text.get("num_experts") or text.get("n_routed_experts") or 0
+    num_experts = (
+        text.get("num_local_experts")
+        or text.get("num_experts")
+        or text.get("n_routed_experts")
+        or 0
+    )
     if num_experts <= 0:
         return None
     if model_type == "deepseek_v2":
         method = text.get("topk_method", "greedy")
         if method not in _V2_ROUTING:
-            raise ValueError(f"DeepSeek-V2 topk_method {method!r} is not supported; supported: {sorted(_V2_ROUTING)}")
+            raise ValueError(
+                f"DeepSeek-V2 topk_method {method!r} is not supported; supported: {sorted(_V2_ROUTING)}"
+            )
         routing = _V2_ROUTING[method]
     elif model_type in _ROUTING:
         routing = _ROUTING[model_type]
     else:
-        raise ValueError(f"mixture of experts of model_type {model_type!r} is not supported; supported: "
-                         f"{', '.join(sorted([*_ROUTING, 'deepseek_v2']))}")
+        raise ValueError(
+            f"mixture of experts of model_type {model_type!r} is not supported; supported: "
+            f"{', '.join(sorted([*_ROUTING, 'deepseek_v2']))}"
+        )
     gpt_oss = model_type == "gpt_oss"
     deepseek = model_type.startswith("deepseek")
     if model_type == "qwen2_moe":
@@ -70,14 +94,19 @@ def moe_from_hf(text: dict[str, Any], model_type: str) -> MoEConfig | None:
         shared = 0
     return MoEConfig(
         num_experts=num_experts,
-        top_k=text.get("num_experts_per_tok") or text["experts_per_token"],  # the latter: GPT-OSS's own name
-        intermediate_size=text.get("moe_intermediate_size") or text["intermediate_size"],
+        top_k=text.get("num_experts_per_tok")
+        or text["experts_per_token"],  # the latter: GPT-OSS's own name
+        intermediate_size=text.get("moe_intermediate_size")
+        or text["intermediate_size"],
         routing=routing,
         # Mixtral always renormalises; DeepSeek-V2's router (as transformers runs it) never does
-        norm_topk_prob=model_type == "mixtral" or (model_type != "deepseek_v2" and bool(text.get("norm_topk_prob"))),
+        norm_topk_prob=model_type == "mixtral"
+        or (model_type != "deepseek_v2" and bool(text.get("norm_topk_prob"))),
         num_groups=text.get("n_group") or 1,
         topk_groups=text.get("topk_group") or 1,
-        routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0) if deepseek else 1.0,
+        routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0)
+        if deepseek
+        else 1.0,
         router_bias=gpt_oss,
         correction_bias=model_type == "deepseek_v3",
         expert_bias=gpt_oss,
@@ -97,4 +126,7 @@ def moe_layers(text: dict[str, Any], num_layers: int) -> list[bool]:
     first_sparse = text.get("first_k_dense_replace") or 0
     dense = set(text.get("mlp_only_layers") or ())
     step = text.get("decoder_sparse_step") or 1
-    return [i >= first_sparse and i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return [
+        i >= first_sparse and i not in dense and (i + 1) % step == 0
+        for i in range(num_layers)
+    ]

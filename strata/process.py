@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1
 SLOW_GC_S = 0.05  # a collection pausing the process this long is logged
-SLOW_GC_LOG_EVERY_S = 60.0  # at most one such line per minute (it counts the ones it did not log)
+SLOW_GC_LOG_EVERY_S = (
+    60.0  # at most one such line per minute (it counts the ones it did not log)
+)
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -42,7 +44,9 @@ class GCPauseLog:
     `slow_s` (one line per `every_s` at most, saying how many it did not log)."""
 
     def __init__(
-        self, slow_s: float = SLOW_GC_S, every_s: float = SLOW_GC_LOG_EVERY_S,
+        self,
+        slow_s: float = SLOW_GC_S,
+        every_s: float = SLOW_GC_LOG_EVERY_S,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.slow_s, self.every_s, self.clock = slow_s, every_s, clock
@@ -67,10 +71,15 @@ class GCPauseLog:
         if now - self._logged_at < self.every_s:
             self._unlogged += 1
             return
-        since = f" ({self._unlogged} more since the last report)" if self._unlogged else ""
+        since = (
+            f" ({self._unlogged} more since the last report)" if self._unlogged else ""
+        )
         logger.warning(
             "a garbage collection (generation %d, %d objects freed) paused this process for %.0f ms%s",
-            info.get("generation", -1), info.get("collected", 0), took * 1e3, since,
+            info.get("generation", -1),
+            info.get("collected", 0),
+            took * 1e3,
+            since,
         )
         self._logged_at, self._unlogged = now, 0
 

@@ -41,7 +41,11 @@ def with_env_secrets(cls: type, values: dict[str, Any]) -> dict[str, Any]:
     local user can read in /proc."""
     out = dict(values)
     for f in dataclasses.fields(cls):
-        if f.metadata.get("secret") and out.get(f.name) is None and os.environ.get(env_name(cls, f.name)):
+        if (
+            f.metadata.get("secret")
+            and out.get(f.name) is None
+            and os.environ.get(env_name(cls, f.name))
+        ):
             out[f.name] = os.environ[env_name(cls, f.name)]
     return out
 
@@ -80,7 +84,9 @@ def secret_values(*configs: Any) -> list[str]:
                     userinfo = match["userinfo"]  # user:password, or a token alone
                     password = userinfo.split(":", 1)[-1]
                     found += [userinfo, password, unquote(password)]
-    return sorted({s for s in found if len(s) >= 4}, key=len, reverse=True)  # longest first
+    return sorted(
+        {s for s in found if len(s) >= 4}, key=len, reverse=True
+    )  # longest first
 
 
 def scrub(text: str, secrets: Iterable[str]) -> str:
@@ -103,10 +109,14 @@ def install_log_redaction(secrets: Iterable[str]) -> None:
         except Exception:  # a malformed record is the logging module's to report
             return record
         scrubbed = scrub(message, secrets)
-        if scrubbed != message:  # else leave msg/args alone: some formatters read the args (uvicorn's)
+        if (
+            scrubbed != message
+        ):  # else leave msg/args alone: some formatters read the args (uvicorn's)
             record.msg, record.args = scrubbed, ()
         if record.exc_info:  # formatted now (handlers reuse exc_text), then scrubbed
-            text = record.exc_text or logging.Formatter().formatException(record.exc_info)
+            text = record.exc_text or logging.Formatter().formatException(
+                record.exc_info
+            )
             record.exc_text = scrub(text, secrets)
         return record
 

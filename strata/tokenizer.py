@@ -16,7 +16,10 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase | None:
     """The directory's tokenizer, or None when it ships none (token-id prompts only)."""
     model_dir = Path(model_dir)
-    if not any((model_dir / name).exists() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    if not any(
+        (model_dir / name).exists()
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+    ):
         return None
     return AutoTokenizer.from_pretrained(str(model_dir))
 
@@ -29,12 +32,18 @@ def apply_chat_template(
     """The prompt ids of a conversation; `tools` (OpenAI tool dicts) are rendered as the template
     decides (a template that ignores them shows the model nothing)."""
     if tokenizer is None:
-        raise ValueError("this model has no tokenizer, so chat messages cannot be used; send token ids")
+        raise ValueError(
+            "this model has no tokenizer, so chat messages cannot be used; send token ids"
+        )
     if not messages:
         raise ValueError("messages must be a non-empty list")
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model's tokenizer has no chat template; use a plain prompt instead")
-    ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True, tokenize=True)
+        raise ValueError(
+            "this model's tokenizer has no chat template; use a plain prompt instead"
+        )
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+    )
     if hasattr(ids, "keys") and "input_ids" in ids:  # BatchEncoding
         ids = ids["input_ids"]
     return list(ids)
@@ -43,7 +52,9 @@ def apply_chat_template(
 class IncrementalDetokenizer:
     """Turns a growing list of output token ids into final text, with stop-string detection."""
 
-    CONTEXT_TOKENS = 4  # prompt tokens decoded with the output so the first word's spacing is right
+    CONTEXT_TOKENS = (
+        4  # prompt tokens decoded with the output so the first word's spacing is right
+    )
 
     def __init__(
         self,
@@ -79,7 +90,9 @@ class IncrementalDetokenizer:
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
         if self.stop:
             search_from = max(0, start - self.max_stop_len + 1)
-            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0]
+            hits = [
+                (i, s) for s in self.stop if (i := self.text.find(s, search_from)) >= 0
+            ]
             if hits:
                 idx, stop = min(hits)
                 self.text = self.text[:idx]

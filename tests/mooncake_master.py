@@ -68,7 +68,9 @@ class MooncakeMaster:
             except OSError:
                 time.sleep(0.05)
         self.kill()
-        raise RuntimeError(f"mooncake_master did not listen on {self.address} within {timeout_s}s")
+        raise RuntimeError(
+            f"mooncake_master did not listen on {self.address} within {timeout_s}s"
+        )
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -14,7 +14,12 @@ class OracleDrafter:
     """Proposes the next tokens of the reference answer to a prompt, one of them replaced by a token
     in 3..299 with probability `corrupt`; nothing once the output has left the reference."""
 
-    def __init__(self, references: dict[tuple[int, ...], list[int]], seed: int = 0, corrupt: float = 0.3):
+    def __init__(
+        self,
+        references: dict[tuple[int, ...], list[int]],
+        seed: int = 0,
+        corrupt: float = 0.3,
+    ):
         self.references = references
         self.rng = random.Random(seed)
         self.corrupt = corrupt

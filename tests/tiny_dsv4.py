@@ -13,16 +13,41 @@ import torch
 from tiny_models import randomize_constants
 
 TINY = dict(
-    vocab_size=384, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
-    num_key_value_heads=1, head_dim=32, q_lora_rank=32, partial_rotary_factor=0.25, num_experts_per_tok=2,
-    n_routed_experts=8, hc_mult=2, sliding_window=16, o_groups=2, o_lora_rank=16,
-    index_n_heads=8, index_head_dim=16, index_topk=4,
-    layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
-                 "compressed_sparse_attention"],
+    vocab_size=384,
+    hidden_size=64,
+    moe_intermediate_size=32,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=1,
+    head_dim=32,
+    q_lora_rank=32,
+    partial_rotary_factor=0.25,
+    num_experts_per_tok=2,
+    n_routed_experts=8,
+    hc_mult=2,
+    sliding_window=16,
+    o_groups=2,
+    o_lora_rank=16,
+    index_n_heads=8,
+    index_head_dim=16,
+    index_topk=4,
+    layer_types=[
+        "sliding_attention",
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ],
     mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 16},
-    max_position_embeddings=1024, initializer_range=0.25, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-)  # fmt: skip
+    compress_rates={
+        "compressed_sparse_attention": 4,
+        "heavily_compressed_attention": 16,
+    },
+    max_position_embeddings=1024,
+    initializer_range=0.25,
+    bos_token_id=0,
+    eos_token_id=2,
+    pad_token_id=0,
+)
 
 
 def make_dsv4(out_dir: Path, **overrides) -> Path:
@@ -33,9 +58,13 @@ def make_dsv4(out_dir: Path, **overrides) -> Path:
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     randomize_constants(model)
     with torch.no_grad():
-        model.model.hc_head.hc_scale.add_(0.3)  # one value: randomize_constants leaves it at 1
+        model.model.hc_head.hc_scale.add_(
+            0.3
+        )  # one value: randomize_constants leaves it at 1
         for name, buf in model.named_buffers():
-            if name.endswith("tid2eid"):  # zeros in transformers: every token to expert 0
+            if name.endswith(
+                "tid2eid"
+            ):  # zeros in transformers: every token to expert 0
                 buf.copy_(torch.randint(0, config.n_routed_experts, buf.shape))
     model.save_pretrained(out_dir)
     return out_dir
@@ -43,4 +72,6 @@ def make_dsv4(out_dir: Path, **overrides) -> Path:
 
 def prompt(n: int, seed: int) -> list[int]:
     """n random token ids (none of the first three, the special ones)."""
-    return torch.randint(3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+    return torch.randint(
+        3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)
+    ).tolist()

@@ -26,7 +26,7 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # results in <tool_response> blocks
 TOOL_CHAT_TEMPLATE = (
     "{%- if tools %}<|im_start|>system\nTools:\n<tools>\n{%- for t in tools %}{{ t | tojson }}\n{%- endfor %}"
-    "</tools>\nCall one as <tool_call>\n{\"name\": ..., \"arguments\": ...}\n</tool_call><|im_end|>\n{% endif %}"
+    '</tools>\nCall one as <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call><|im_end|>\n{% endif %}'
     "{%- for m in messages %}"
     "{%- if m['role'] == 'tool' %}<|im_start|>user\n<tool_response>\n{{ m['content'] }}\n</tool_response><|im_end|>\n"
     "{%- elif m['tool_calls'] %}<|im_start|>assistant\n{%- for c in m['tool_calls'] %}\n<tool_call>\n"
@@ -37,7 +37,9 @@ TOOL_CHAT_TEMPLATE = (
 )
 
 
-def build_tokenizer(out_dir: Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE) -> None:
+def build_tokenizer(
+    out_dir: Path, vocab_size: int = 320, chat_template: str = CHAT_TEMPLATE
+) -> None:
     """A byte-level BPE trained on a few sentences, saved in HF format with a chat template."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -46,11 +48,16 @@ def build_tokenizer(out_dir: Path, vocab_size: int = 320, chat_template: str = C
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIAL, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(CORPUS * 4, trainer)
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", bos_token="<|endoftext|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        bos_token="<|endoftext|>",
+        pad_token="<|endoftext|>",
     )
     fast.chat_template = chat_template
     fast.save_pretrained(out_dir)
@@ -72,7 +79,16 @@ FAMILIES = {
             },
         },
     ),
-    "llama_linear": ("LlamaConfig", {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}}),
+    "llama_linear": (
+        "LlamaConfig",
+        {
+            "rope_parameters": {
+                "rope_type": "linear",
+                "rope_theta": 10000.0,
+                "factor": 2.0,
+            }
+        },
+    ),
     "llama_yarn": (
         "LlamaConfig",
         {
@@ -107,7 +123,10 @@ FAMILIES = {
     # hybrid attention with tiny windows, so that the parity prompts (up to 41 tokens) and their
     # generations run past them
     "mistral_sw": ("MistralConfig", {"sliding_window": 8}),
-    "qwen2_sw": ("Qwen2Config", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen2_sw": (
+        "Qwen2Config",
+        {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},
+    ),
     "gemma2": (
         "Gemma2Config",
         {
@@ -129,7 +148,11 @@ FAMILIES = {
             "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
             "query_pre_attn_scalar": 24,
             "rope_parameters": {
-                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+                "full_attention": {
+                    "rope_type": "linear",
+                    "factor": 2.0,
+                    "rope_theta": 1_000_000.0,
+                },
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
             "tie_word_embeddings": True,
@@ -139,7 +162,10 @@ FAMILIES = {
 # mixture-of-experts families (tests/models/test_moe.py), apart from FAMILIES so that the dense
 # parity suite does not build them: experts small enough that every prompt routes unevenly
 MOE_FAMILIES = {
-    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "mixtral": (
+        "MixtralConfig",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
+    ),
     # layer 1 dense (mlp_only_layers), the others 8 experts top-2 unrenormalised + a gated shared expert
     "qwen2_moe": (
         "Qwen2MoeConfig",
@@ -193,24 +219,46 @@ MOE_FAMILIES = {
 # of 16 + 8 (q/k) and 16 (v). num_key_value_heads must equal the heads: transformers' eager MLA
 # repeats the expanded keys by heads // num_key_value_heads
 _MLA = {
-    "num_key_value_heads": 4, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-    "v_head_dim": 16, "n_routed_experts": 8, "num_experts_per_tok": 2, "n_shared_experts": 1,
-    "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+    "num_key_value_heads": 4,
+    "kv_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 16,
+    "v_head_dim": 16,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 32,
+    "first_k_dense_replace": 1,
 }
-_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+}
 MLA_FAMILIES = {
     # q_proj (no q_lora_rank), softmax greedy routing; YaRN whose mscale / mscale_all_dim differ, so
     # both the rotary attention factor and the softmax scale's mscale_all_dim ** 2 show
     "deepseek_v2": (
         "DeepseekV2Config",
-        {**_MLA, "q_lora_rank": None, "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8}},
+        {
+            **_MLA,
+            "q_lora_rank": None,
+            "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 0.8},
+        },
     ),
     # q through q_lora_rank, group-limited greedy (best 2 of 4 groups), biased projections, 3 layers
     "deepseek_v2_lora": (
         "DeepseekV2Config",
         {
-            **_MLA, "num_hidden_layers": 3, "q_lora_rank": 24, "topk_method": "group_limited_greedy",
-            "n_group": 4, "topk_group": 2, "attention_bias": True, "mlp_bias": True,
+            **_MLA,
+            "num_hidden_layers": 3,
+            "q_lora_rank": 24,
+            "topk_method": "group_limited_greedy",
+            "n_group": 4,
+            "topk_group": 2,
+            "attention_bias": True,
+            "mlp_bias": True,
             "routed_scaling_factor": 1.5,
         },
     ),
@@ -219,15 +267,24 @@ MLA_FAMILIES = {
     "deepseek_v3": (
         "DeepseekV3Config",
         {
-            **_MLA, "q_lora_rank": 24, "n_group": 4, "topk_group": 2, "norm_topk_prob": True,
-            "routed_scaling_factor": 2.5, "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
+            **_MLA,
+            "q_lora_rank": 24,
+            "n_group": 4,
+            "topk_group": 2,
+            "norm_topk_prob": True,
+            "routed_scaling_factor": 2.5,
+            "rope_parameters": {**_YARN, "mscale": 1.0, "mscale_all_dim": 1.0},
         },
     ),
     # RoPE in halves (rope_interleave False), q_proj, one group, every layer sparse
     "deepseek_v3_halves": (
         "DeepseekV3Config",
         {
-            **_MLA, "q_lora_rank": None, "rope_interleave": False, "n_group": 1, "topk_group": 1,
+            **_MLA,
+            "q_lora_rank": None,
+            "rope_interleave": False,
+            "n_group": 1,
+            "topk_group": 1,
             "first_k_dense_replace": 0,
         },
     ),
@@ -244,7 +301,11 @@ def randomize_constants(model, scale: float = 0.3) -> None:
     persistent = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
         for name, t in persistent.items():
-            if t.is_floating_point() and t.numel() > 1 and bool((t == t.reshape(-1)[0]).all()):
+            if (
+                t.is_floating_point()
+                and t.numel() > 1
+                and bool((t == t.reshape(-1)[0]).all())
+            ):
                 t.add_(torch.randn_like(t) * scale)
 
 
@@ -262,7 +323,12 @@ def constant_tensors(model_dir: Path) -> list[str]:
 
 
 def make_model(
-    out_dir: Path, family: str = "llama", *, tokenizer: bool = True, chat_template: str = CHAT_TEMPLATE, **overrides
+    out_dir: Path,
+    family: str = "llama",
+    *,
+    tokenizer: bool = True,
+    chat_template: str = CHAT_TEMPLATE,
+    **overrides,
 ) -> Path:
     import transformers
 

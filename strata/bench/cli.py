@@ -26,29 +26,65 @@ def _add_dataset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("dataset (made locally; nothing is downloaded)")
     g.add_argument("--dataset", choices=DATASETS, default=d.name)
     g.add_argument(
-        "--num-prompts", type=int, default=d.num_prompts, help="requests; conversations for multi-turn"
+        "--num-prompts",
+        type=int,
+        default=d.num_prompts,
+        help="requests; conversations for multi-turn",
     )
     g.add_argument("--seed", type=int, default=d.seed)
     g.add_argument(
-        "--input-len", type=int, default=d.input_len, help="prompt tokens (multi-turn: user tokens per turn)"
+        "--input-len",
+        type=int,
+        default=d.input_len,
+        help="prompt tokens (multi-turn: user tokens per turn)",
     )
     g.add_argument("--output-len", type=int, default=d.output_len)
     g.add_argument(
-        "--range-ratio", type=float, default=d.range_ratio, help="lengths uniform in [len*ratio, len]"
+        "--range-ratio",
+        type=float,
+        default=d.range_ratio,
+        help="lengths uniform in [len*ratio, len]",
     )
     g.add_argument(
-        "--num-groups", type=int, default=d.num_groups, help="shared-prefix: groups (one system prompt each)"
+        "--num-groups",
+        type=int,
+        default=d.num_groups,
+        help="shared-prefix: groups (one system prompt each)",
     )
     g.add_argument("--prompts-per-group", type=int, default=d.prompts_per_group)
-    g.add_argument("--system-len", type=int, default=d.system_len, help="shared-prefix: system prompt tokens")
-    g.add_argument("--question-len", type=int, default=d.question_len, help="shared-prefix: question tokens")
-    g.add_argument("--num-turns", type=int, default=d.num_turns, help="multi-turn: turns per conversation")
     g.add_argument(
-        "--dataset-path", default=None, help="file: a JSONL (prompt/output_len, ShareGPT or messages)"
+        "--system-len",
+        type=int,
+        default=d.system_len,
+        help="shared-prefix: system prompt tokens",
     )
-    g.add_argument("--file-output-len", type=int, default=None, help="file: override every answer length")
     g.add_argument(
-        "--file-multi-turn", action="store_true", help="file: keep every user turn of a conversation"
+        "--question-len",
+        type=int,
+        default=d.question_len,
+        help="shared-prefix: question tokens",
+    )
+    g.add_argument(
+        "--num-turns",
+        type=int,
+        default=d.num_turns,
+        help="multi-turn: turns per conversation",
+    )
+    g.add_argument(
+        "--dataset-path",
+        default=None,
+        help="file: a JSONL (prompt/output_len, ShareGPT or messages)",
+    )
+    g.add_argument(
+        "--file-output-len",
+        type=int,
+        default=None,
+        help="file: override every answer length",
+    )
+    g.add_argument(
+        "--file-multi-turn",
+        action="store_true",
+        help="file: keep every user turn of a conversation",
     )
 
 
@@ -79,10 +115,14 @@ def _add_serving_args(p: argparse.ArgumentParser, with_target: bool) -> None:
     g = p.add_argument_group("serving")
     if with_target:
         g.add_argument(
-            "--base-url", default="http://127.0.0.1:30000", help="the server (default: strata serve's)"
+            "--base-url",
+            default="http://127.0.0.1:30000",
+            help="the server (default: strata serve's)",
         )
         g.add_argument(
-            "--model", default=None, help="the model name sent in requests (default: first of /v1/models)"
+            "--model",
+            default=None,
+            help="the model name sent in requests (default: first of /v1/models)",
         )
         g.add_argument(
             "--tokenizer",
@@ -105,14 +145,27 @@ def _add_serving_args(p: argparse.ArgumentParser, with_target: bool) -> None:
         default=None,
         help="requests in flight at most; several values sweep",
     )
-    g.add_argument("--num-warmup", type=int, default=1, help="short warm-up requests before timing")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--length-control", choices=LENGTH_CONTROLS, default="ignore_eos",
-                   help="how requests ask for exactly --output-len tokens: ignore_eos (Strata/SGLang/vLLM), logit_bias "
-                   "(plain OpenAI, llama.cpp), generation_config (transformers serve), none; compare's peers pick their own")  # fmt: skip
-    g.add_argument("--send-token-ids", action="store_true", help="completions: send prompts as token ids")
     g.add_argument(
-        "--extra-body", type=json.loads, default=None, help="JSON object merged into every request"
+        "--num-warmup", type=int, default=1, help="short warm-up requests before timing"
+    )
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument(
+        "--length-control",
+        choices=LENGTH_CONTROLS,
+        default="ignore_eos",
+        help="how requests ask for exactly --output-len tokens: ignore_eos (Strata/SGLang/vLLM), logit_bias "
+        "(plain OpenAI, llama.cpp), generation_config (transformers serve), none; compare's peers pick their own",
+    )
+    g.add_argument(
+        "--send-token-ids",
+        action="store_true",
+        help="completions: send prompts as token ids",
+    )
+    g.add_argument(
+        "--extra-body",
+        type=json.loads,
+        default=None,
+        help="JSON object merged into every request",
     )
     g.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--disable-progress", action="store_true")
@@ -128,26 +181,35 @@ def _add_one_batch_args(p: argparse.ArgumentParser) -> None:
 
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
-    g.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
-    g.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)")
+    g.add_argument(
+        "--output-json", default=None, metavar="FILE", help="write the results as JSON"
+    )
+    g.add_argument(
+        "--plot", default=None, metavar="DIR", help="write PNG plots (needs matplotlib)"
+    )
 
 
 def add_bench_args(subparsers) -> None:
     """Add `bench` and its subcommands to the main CLI's subparsers."""
     from strata.bench.targets import MODES
 
-    bench = subparsers.add_parser("bench", help="benchmarks: serving, one-batch, offline, compare")
+    bench = subparsers.add_parser(
+        "bench", help="benchmarks: serving, one-batch, offline, compare"
+    )
     sub = bench.add_subparsers(dest="bench_command", required=True)
 
     serving = sub.add_parser(
-        "serving", help="drive an OpenAI-compatible server (Strata, SGLang, vLLM, llama.cpp)"
+        "serving",
+        help="drive an OpenAI-compatible server (Strata, SGLang, vLLM, llama.cpp)",
     )
     _add_serving_args(serving, with_target=True)
     _add_dataset_args(serving)
     _add_output_args(serving)
     serving.set_defaults(func=cmd_serving)
 
-    one = sub.add_parser("one-batch", help="fixed batch x input x output on the offline engine")
+    one = sub.add_parser(
+        "one-batch", help="fixed batch x input x output on the offline engine"
+    )
     add_engine_args(one)
     _add_one_batch_args(one)
     _add_output_args(one)
@@ -159,21 +221,33 @@ def add_bench_args(subparsers) -> None:
     _add_output_args(off)
     off.set_defaults(func=cmd_offline)
 
-    grammar = sub.add_parser("grammar", help="structured output: compile time, decode step with/without grammar")
+    grammar = sub.add_parser(
+        "grammar",
+        help="structured output: compile time, decode step with/without grammar",
+    )
     add_engine_args(grammar)
     _add_grammar_args(grammar)
     grammar.set_defaults(func=cmd_grammar)
 
-    spec = sub.add_parser("spec", help="speculative decoding on vs off: batch 1 and concurrent (strata/bench/spec.py)")
+    spec = sub.add_parser(
+        "spec",
+        help="speculative decoding on vs off: batch 1 and concurrent (strata/bench/spec.py)",
+    )
     add_engine_args(spec)
     _add_spec_args(spec)
     spec.set_defaults(func=cmd_spec)
 
-    moe = sub.add_parser("moe", help="one MoE layer's decode step: Strata vs transformers (strata/bench/moe.py)")
+    moe = sub.add_parser(
+        "moe",
+        help="one MoE layer's decode step: Strata vs transformers (strata/bench/moe.py)",
+    )
     _add_moe_args(moe)
     moe.set_defaults(func=cmd_moe)
 
-    par = sub.add_parser("parallel", help="tensor/expert parallel: EPLB balance, TP step time (strata/bench/parallel.py)")
+    par = sub.add_parser(
+        "parallel",
+        help="tensor/expert parallel: EPLB balance, TP step time (strata/bench/parallel.py)",
+    )
     _add_parallel_args(par)
     par.set_defaults(func=cmd_parallel)
 
@@ -185,24 +259,52 @@ def add_bench_args(subparsers) -> None:
     _add_soak_args(soak)
     soak.set_defaults(func=cmd_soak)
 
-    kv = sub.add_parser("kv-layout", help="KV cache bytes per token from config.json; MLA vs per-head K/V")
-    kv.add_argument("--model", nargs="+", required=True, metavar="DIR_OR_CONFIG",
-                    help="model directories holding config.json, or config.json files (no weights needed)")
-    kv.add_argument("--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
-    kv.add_argument("--context-len", nargs="+", type=int, default=[8192, 65536], metavar="TOKENS",
-                    help="also report bytes per token one request of this many tokens holds")
-    kv.add_argument("--page-size", type=int, default=16, help="page size (DeepSeek-V4's rows per page)")
-    kv.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+    kv = sub.add_parser(
+        "kv-layout",
+        help="KV cache bytes per token from config.json; MLA vs per-head K/V",
+    )
+    kv.add_argument(
+        "--model",
+        nargs="+",
+        required=True,
+        metavar="DIR_OR_CONFIG",
+        help="model directories holding config.json, or config.json files (no weights needed)",
+    )
+    kv.add_argument(
+        "--kv-dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16"
+    )
+    kv.add_argument(
+        "--context-len",
+        nargs="+",
+        type=int,
+        default=[8192, 65536],
+        metavar="TOKENS",
+        help="also report bytes per token one request of this many tokens holds",
+    )
+    kv.add_argument(
+        "--page-size",
+        type=int,
+        default=16,
+        help="page size (DeepSeek-V4's rows per page)",
+    )
+    kv.add_argument(
+        "--output-json", default=None, metavar="FILE", help="write the results as JSON"
+    )
     kv.set_defaults(func=cmd_kv_layout)
 
     cmp = sub.add_parser(
-        "compare", help="one workload on several targets, alternating rounds; medians and ratios"
+        "compare",
+        help="one workload on several targets, alternating rounds; medians and ratios",
     )
     cmp_sub = cmp.add_subparsers(dest="compare_mode", required=True)
     for mode in MODES:
         p = cmp_sub.add_parser(mode, help=f"compare {mode}")
-        p.add_argument("--targets", nargs="+", default=["strata", "transformers"],
-                       help="strata[:opt=v], transformers[:batch_size=N], transformers-serve, llamacpp, vllm[:python=PATH], url=http://...")  # fmt: skip
+        p.add_argument(
+            "--targets",
+            nargs="+",
+            default=["strata", "transformers"],
+            help="strata[:opt=v], transformers[:batch_size=N], transformers-serve, llamacpp, vllm[:python=PATH], url=http://...",
+        )
         p.add_argument("--rounds", type=int, default=3)
         add_engine_args(p)
         if mode == "serving":
@@ -222,14 +324,23 @@ def _add_moe_args(p: argparse.ArgumentParser) -> None:
     d = MoEBenchConfig()
     p.add_argument("--family", choices=sorted(FAMILIES), default=d.family)
     p.add_argument("--hidden-size", type=int, default=d.hidden_size)
-    p.add_argument("--intermediate-size", type=int, default=d.intermediate_size, help="of one expert")
+    p.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=d.intermediate_size,
+        help="of one expert",
+    )
     p.add_argument("--num-experts", type=int, default=d.num_experts)
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(d.batch_sizes))
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
     p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--iters", type=int, default=d.iters, help="decode steps timed per round")
-    p.add_argument("--num-threads", type=int, default=None, help="torch intra-op threads")
+    p.add_argument(
+        "--iters", type=int, default=d.iters, help="decode steps timed per round"
+    )
+    p.add_argument(
+        "--num-threads", type=int, default=None, help="torch intra-op threads"
+    )
     p.add_argument("--output-json", default=None)
 
 
@@ -243,7 +354,9 @@ def quiet_request_logs() -> None:
     """Library request logs are debug output: held at WARNING unless the user asked for debug logging
     (--log-level debug), when they show as before."""
     debug = logging.getLogger().getEffectiveLevel() <= logging.DEBUG
-    for name in REQUEST_LOGGERS:  # NOTSET: they follow the root logger again (an earlier call held them)
+    for name in (
+        REQUEST_LOGGERS
+    ):  # NOTSET: they follow the root logger again (an earlier call held them)
         logging.getLogger(name).setLevel(logging.NOTSET if debug else logging.WARNING)
 
 
@@ -256,9 +369,15 @@ def cmd_moe(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     cfg = MoEBenchConfig(
-        family=args.family, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
-        num_experts=args.num_experts, top_k=args.top_k, batch_sizes=tuple(args.batch_sizes), dtype=args.dtype,
-        rounds=args.rounds, iters=args.iters,
+        family=args.family,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        batch_sizes=tuple(args.batch_sizes),
+        dtype=args.dtype,
+        rounds=args.rounds,
+        iters=args.iters,
     )
     rows = run_moe_bench(cfg)
     print(format_rows(cfg, rows))
@@ -271,10 +390,18 @@ def cmd_moe(args: argparse.Namespace) -> int:
 def _add_soak_args(p: argparse.ArgumentParser) -> None:
     import shlex
 
-    from strata.bench.soak_config import FAULTS, L3_TIERS, ClusterConfig, LoadConfig, SoakConfig
+    from strata.bench.soak_config import (
+        FAULTS,
+        L3_TIERS,
+        ClusterConfig,
+        LoadConfig,
+        SoakConfig,
+    )
 
     d, ld, cd = SoakConfig(), LoadConfig(), ClusterConfig()
-    p.add_argument("--duration", type=float, default=d.duration_s, help="seconds of load")
+    p.add_argument(
+        "--duration", type=float, default=d.duration_s, help="seconds of load"
+    )
     p.add_argument(
         "--faults",
         nargs="*",
@@ -288,9 +415,17 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
         help="model directory or .gguf of every server (default: the default model)",
     )
     p.add_argument(
-        "--concurrency", type=int, default=ld.concurrency, help="clients, each one request at a time"
+        "--concurrency",
+        type=int,
+        default=ld.concurrency,
+        help="clients, each one request at a time",
     )
-    p.add_argument("--max-tokens", type=int, default=ld.max_tokens, help="answer length at most (most kinds)")
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=ld.max_tokens,
+        help="answer length at most (most kinds)",
+    )
     p.add_argument(
         "--request-timeout",
         type=float,
@@ -298,11 +433,22 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
         help="seconds after which a request without a complete answer counts as hung",
     )
     p.add_argument(
-        "--pd-share", type=float, default=ld.pd_share, help="fraction of requests sent to the PD pair"
+        "--pd-share",
+        type=float,
+        default=ld.pd_share,
+        help="fraction of requests sent to the PD pair",
     )
-    p.add_argument("--stop-seconds", type=float, default=d.stop_s, help="how long an engine stays SIGSTOPped")
     p.add_argument(
-        "--hold-seconds", type=float, default=d.hold_s, help="how long the disk stays full / Redis down"
+        "--stop-seconds",
+        type=float,
+        default=d.stop_s,
+        help="how long an engine stays SIGSTOPped",
+    )
+    p.add_argument(
+        "--hold-seconds",
+        type=float,
+        default=d.hold_s,
+        help="how long the disk stays full / Redis down",
     )
     p.add_argument(
         "--l3",
@@ -329,7 +475,10 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
         help="more flags for both routers, as one string",
     )
     p.add_argument(
-        "--startup-timeout", type=float, default=d.startup_timeout_s, help="seconds for a server to load"
+        "--startup-timeout",
+        type=float,
+        default=d.startup_timeout_s,
+        help="seconds for a server to load",
     )
     p.add_argument("--seed", type=int, default=ld.seed)
     p.add_argument(
@@ -337,7 +486,9 @@ def _add_soak_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="keep every process's log here (default: a temp dir, removed when the soak passes)",
     )
-    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--output-json", default=None, metavar="FILE", help="write the results as JSON"
+    )
 
 
 def cmd_soak(args: argparse.Namespace) -> int:
@@ -366,7 +517,10 @@ def cmd_kv_layout(args: argparse.Namespace) -> int:
     from strata.bench.kv_layout import format_text, kv_layout
 
     contexts = tuple(args.context_len)
-    rows = [kv_layout(model, getattr(torch, args.kv_dtype), contexts, args.page_size) for model in args.model]
+    rows = [
+        kv_layout(model, getattr(torch, args.kv_dtype), contexts, args.page_size)
+        for model in args.model
+    ]
     print(format_text(rows))
     if args.output_json:
         report.write_json(args.output_json, "kv-layout", rows)
@@ -415,7 +569,11 @@ def serving_config_from_args(
 
 
 def sweep_points(args: argparse.Namespace) -> list[tuple[float, int | None]]:
-    return [(rate, conc) for rate in args.request_rate for conc in (args.max_concurrency or [None])]
+    return [
+        (rate, conc)
+        for rate in args.request_rate
+        for conc in (args.max_concurrency or [None])
+    ]
 
 
 def sweep_label(rate: float, conc: int | None) -> str:
@@ -435,7 +593,9 @@ def cmd_serving(args: argparse.Namespace) -> int:
     results = []
     for i, (rate, conc) in enumerate(sweep_points(args)):
         # each sweep point gets its own prompts (seed + i), so none is served from the previous one's cache
-        conversations = make_dataset(dataset_config_from_args(args, seed_offset=i), tokenizer)
+        conversations = make_dataset(
+            dataset_config_from_args(args, seed_offset=i), tokenizer
+        )
         try:
             r = run_serving(
                 serving_config_from_args(args, args.base_url, rate, conc, args.model),
@@ -450,11 +610,17 @@ def cmd_serving(args: argparse.Namespace) -> int:
         results.append(r)
     if len(results) > 1:
         rows = [
-            [sweep_label(r.config.request_rate, r.config.max_concurrency), report.fmt(r.summary.request_throughput, 3),
-             report.fmt(r.summary.output_throughput), report.fmt(r.summary.ttft.median_ms), report.fmt(r.summary.itl.median_ms),
-             report.fmt(r.window.output_throughput if r.window else None), str(r.summary.failed)]
+            [
+                sweep_label(r.config.request_rate, r.config.max_concurrency),
+                report.fmt(r.summary.request_throughput, 3),
+                report.fmt(r.summary.output_throughput),
+                report.fmt(r.summary.ttft.median_ms),
+                report.fmt(r.summary.itl.median_ms),
+                report.fmt(r.window.output_throughput if r.window else None),
+                str(r.summary.failed),
+            ]
             for r in results
-        ]  # fmt: skip
+        ]
         print(
             report.table(
                 rows,
@@ -470,7 +636,9 @@ def cmd_serving(args: argparse.Namespace) -> int:
             )
         )
     if args.output_json:
-        report.write_json(args.output_json, "serving", [report.serving_json(r) for r in results])
+        report.write_json(
+            args.output_json, "serving", [report.serving_json(r) for r in results]
+        )
     if args.plot:
         from strata.bench.plots import plot_serving
 
@@ -485,7 +653,9 @@ def _make_engine(args: argparse.Namespace):
     return Engine(**dataclasses.asdict(engine_config_from_args(args)))
 
 
-def _check_one_batch_fits(engine, batch_sizes: list[int], input_lens: list[int], output_len: int) -> None:
+def _check_one_batch_fits(
+    engine, batch_sizes: list[int], input_lens: list[int], output_len: int
+) -> None:
     need = max(batch_sizes) * (max(input_lens) + output_len)
     if engine.state.num_kv_tokens < need:
         raise ValueError(
@@ -512,7 +682,9 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            results.append(run_strata_one_batch(engine, bs, input_len, args.output_len, args.seed))
+            results.append(
+                run_strata_one_batch(engine, bs, input_len, args.output_len, args.seed)
+            )
     print(report.one_batch_text(results))
     if args.output_json:
         report.write_json(args.output_json, "one-batch", results)
@@ -542,7 +714,9 @@ def _add_grammar_args(p: argparse.ArgumentParser) -> None:
     from strata.bench.grammar import add_args
 
     add_args(p)
-    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--output-json", default=None, metavar="FILE", help="write the results as JSON"
+    )
 
 
 def cmd_grammar(args: argparse.Namespace) -> int:
@@ -561,7 +735,9 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
     from strata.bench.spec import add_args
 
     add_args(p)
-    p.add_argument("--output-json", default=None, metavar="FILE", help="write the results as JSON")
+    p.add_argument(
+        "--output-json", default=None, metavar="FILE", help="write the results as JSON"
+    )
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
@@ -569,11 +745,20 @@ def cmd_spec(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     options = dataclasses.asdict(engine_config_from_args(args))
-    results = run(cfg, options, progress=lambda line: print(line, file=sys.stderr, flush=True))
+    results = run(
+        cfg, options, progress=lambda line: print(line, file=sys.stderr, flush=True)
+    )
     print(format_text(results))
     if args.output_json:
         with open(args.output_json, "w") as f:
-            json.dump({"config": dataclasses.asdict(cfg), "results": [r.summary() for r in results]}, f, indent=2)
+            json.dump(
+                {
+                    "config": dataclasses.asdict(cfg),
+                    "results": [r.summary() for r in results],
+                },
+                f,
+                indent=2,
+            )
     return 0
 
 

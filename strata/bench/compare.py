@@ -55,7 +55,9 @@ def round_order(targets: list[Target], round_index: int) -> list[Target]:
     return list(targets) if round_index % 2 == 0 else list(reversed(targets))
 
 
-def run_compare(mode: str, targets: list[Target], rounds: int, run: RunFn, log=None) -> CompareResult:
+def run_compare(
+    mode: str, targets: list[Target], rounds: int, run: RunFn, log=None
+) -> CompareResult:
     """Run `run` for every target, `rounds` times, alternating the order; targets that cannot
     run this mode are skipped with their reason."""
     if rounds < 1:
@@ -85,7 +87,9 @@ def run_compare(mode: str, targets: list[Target], rounds: int, run: RunFn, log=N
                 continue
             except Exception as exc:  # noqa: BLE001 - a broken peer must not lose the other targets' figures
                 result.skipped[t.label] = f"failed: {type(exc).__name__}: {exc}"
-                log(f"skipping {t.label} after an unexpected error:\n{traceback.format_exc()}")
+                log(
+                    f"skipping {t.label} after an unexpected error:\n{traceback.format_exc()}"
+                )
                 continue
             per_target = result.values.setdefault(t.label, {})
             for name, value in figures.items():

@@ -27,10 +27,16 @@ def _context(args: argparse.Namespace):
     options = {
         f.name: getattr(cfg, f.name)
         for f in dataclasses.fields(EngineConfig)
-        if f.name not in ("model", "extra") and getattr(cfg, f.name) != getattr(defaults, f.name)
+        if f.name not in ("model", "extra")
+        and getattr(cfg, f.name) != getattr(defaults, f.name)
     }
     model_dir, tokenizer = load_bench_tokenizer(args.model)
-    return BenchContext(model=args.model, model_dir=model_dir, engine_options=options, tokenizer=tokenizer)
+    return BenchContext(
+        model=args.model,
+        model_dir=model_dir,
+        engine_options=options,
+        tokenizer=tokenizer,
+    )
 
 
 def _one_batch_run(args: argparse.Namespace, details: dict[str, list]):
@@ -41,15 +47,23 @@ def _one_batch_run(args: argparse.Namespace, details: dict[str, list]):
             for bs in args.batch_size:
                 key = f"bs={bs} in={input_len}"
                 try:
-                    r = target.one_batch(bs, input_len, args.output_len, args.seed + round_index)
+                    r = target.one_batch(
+                        bs, input_len, args.output_len, args.seed + round_index
+                    )
                 except ValueError as exc:
-                    print(f"  {target.label} {key}: not measured ({exc})", file=sys.stderr)
-                    figures[f"{key}: prefill (tok/s)"] = figures[f"{key}: decode step (ms)"] = None
+                    print(
+                        f"  {target.label} {key}: not measured ({exc})", file=sys.stderr
+                    )
+                    figures[f"{key}: prefill (tok/s)"] = figures[
+                        f"{key}: decode step (ms)"
+                    ] = None
                     continue
                 figures[f"{key}: prefill (tok/s)"] = r.prefill_tok_s
                 figures[f"{key}: decode step (ms)"] = r.decode_step_ms
                 if r.kv_peak_bytes_per_request is not None:
-                    figures[f"{key}: KV per request, peak (MiB)"] = r.kv_peak_bytes_per_request / 2**20
+                    figures[f"{key}: KV per request, peak (MiB)"] = (
+                        r.kv_peak_bytes_per_request / 2**20
+                    )
                 results.append(r)
         details[target.label] = results
         return figures
@@ -95,34 +109,57 @@ def _serving_run(args: argparse.Namespace, ctx, details: dict[str, list]):
         results = []
         for i, (rate, conc) in enumerate(sweep):
             key = (round_index, i)
-            if key not in datasets:  # same prompts for every target within a round, fresh ones per round
+            if (
+                key not in datasets
+            ):  # same prompts for every target within a round, fresh ones per round
                 datasets[key] = make_dataset(
-                    dataset_config_from_args(args, seed_offset=1000 * round_index + i), ctx.tokenizer
+                    dataset_config_from_args(args, seed_offset=1000 * round_index + i),
+                    ctx.tokenizer,
                 )
-            server_info.flush_cache(url)  # best effort: peers without /flush_cache keep theirs
+            server_info.flush_cache(
+                url
+            )  # best effort: peers without /flush_cache keep theirs
             config = serving_config_from_args(
                 args, url, rate, conc, target.served_model(), target.length_control
             )
             r = run_serving(config, datasets[key], ctx.tokenizer)
             results.append(r)
-            figures["KV tokens per GiB"] = kv_tokens_per_gib(server_info.server_info(url))
+            figures["KV tokens per GiB"] = kv_tokens_per_gib(
+                server_info.server_info(url)
+            )
             s, w, label = r.summary, r.window, sweep_label(rate, conc)
-            hit = s.usage_cache_hit_rate if s.usage_cache_hit_rate is not None else r.server_cache_hit_rate
-            figures.update({
-                f"{label}: output (tok/s)": s.output_throughput,
-                f"{label}: requests (req/s)": s.request_throughput,
-                f"{label}: TTFT median (ms)": s.ttft.median_ms,
-                f"{label}: ITL median (ms)": s.itl.median_ms,
-                f"{label}: TPOT median (ms)": s.tpot.median_ms,
-                f"{label}: E2E median (ms)": s.e2e.median_ms,
-                f"{label}: steady output (tok/s)": w.output_throughput if w else None,
-                f"{label}: steady decode step, mean ITL (ms)": w.mean_step_ms if w else None,
-                f"{label}: cache hit rate": hit,
-                f"{label}: failed requests": float(s.failed),
-                f"{label}: short outputs (fewer tokens than asked)": float(s.short_outputs),
-                f"{label}: frontend CPU per output token (ms)": r.server_cpu_ms_per_output_token.get("frontend"),
-                f"{label}: engine CPU per output token (ms)": r.server_cpu_ms_per_output_token.get("engine"),
-            })  # fmt: skip
+            hit = (
+                s.usage_cache_hit_rate
+                if s.usage_cache_hit_rate is not None
+                else r.server_cache_hit_rate
+            )
+            figures.update(
+                {
+                    f"{label}: output (tok/s)": s.output_throughput,
+                    f"{label}: requests (req/s)": s.request_throughput,
+                    f"{label}: TTFT median (ms)": s.ttft.median_ms,
+                    f"{label}: ITL median (ms)": s.itl.median_ms,
+                    f"{label}: TPOT median (ms)": s.tpot.median_ms,
+                    f"{label}: E2E median (ms)": s.e2e.median_ms,
+                    f"{label}: steady output (tok/s)": w.output_throughput
+                    if w
+                    else None,
+                    f"{label}: steady decode step, mean ITL (ms)": w.mean_step_ms
+                    if w
+                    else None,
+                    f"{label}: cache hit rate": hit,
+                    f"{label}: failed requests": float(s.failed),
+                    f"{label}: short outputs (fewer tokens than asked)": float(
+                        s.short_outputs
+                    ),
+                    f"{label}: frontend CPU per output token (ms)": r.server_cpu_ms_per_output_token.get(
+                        "frontend"
+                    ),
+                    f"{label}: engine CPU per output token (ms)": r.server_cpu_ms_per_output_token.get(
+                        "engine"
+                    ),
+                }
+            )
         details[target.label] = results
         return figures
 
@@ -170,13 +207,24 @@ def run_compare_command(args: argparse.Namespace) -> int:
             "mode": result.mode,
             "rounds": result.rounds,
             "targets": result.targets,
-            "medians": {t: {f: result.median(t, f) for f in result.figures} for t in result.values},
-            "ratios_vs_first": {t: {f: result.ratio(t, f) for f in result.figures} for t in result.values},
+            "medians": {
+                t: {f: result.median(t, f) for f in result.figures}
+                for t in result.values
+            },
+            "ratios_vs_first": {
+                t: {f: result.ratio(t, f) for f in result.figures}
+                for t in result.values
+            },
             "values_per_round": result.values,
             "skipped": result.skipped,
             "load_averages": result.load_averages,
             "last_round": {
-                t: [_without_requests(report.serving_json(r)) if mode == "serving" else r for r in rs]
+                t: [
+                    _without_requests(report.serving_json(r))
+                    if mode == "serving"
+                    else r
+                    for r in rs
+                ]
                 for t, rs in details.items()
             },
         }
@@ -187,7 +235,9 @@ def run_compare_command(args: argparse.Namespace) -> int:
         if mode == "serving":
             paths = plot_serving(details, args.plot)
         elif mode == "one-batch":
-            paths = plot_one_batch([r for rs in details.values() for r in rs], args.plot)
+            paths = plot_one_batch(
+                [r for rs in details.values() for r in rs], args.plot
+            )
         else:
             paths = []
         for path in paths:

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 DATASETS = ("random", "shared-prefix", "multi-turn", "file")
-TURN_SEPARATOR = "\n"  # between an answer and the next user turn (completions endpoint and engine)
+TURN_SEPARATOR = (
+    "\n"  # between an answer and the next user turn (completions endpoint and engine)
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +73,9 @@ class DatasetConfig:
     num_turns: int = 3  # multi-turn
     path: str | None = None  # file
     file_output_len: int | None = None  # file: override every answer length
-    file_multi_turn: bool = False  # file: keep every user turn of a conversation (else the first)
+    file_multi_turn: bool = (
+        False  # file: keep every user turn of a conversation (else the first)
+    )
 
     def __post_init__(self) -> None:
         if self.name not in DATASETS:
@@ -91,13 +95,17 @@ class DatasetConfig:
         if self.system_len < 0 or self.question_len < 1:
             raise ValueError("system_len must be >= 0 and question_len >= 1")
         if self.name == "file" and not self.path:
-            raise ValueError("the file dataset needs a path: pass --dataset-path FILE.jsonl")
+            raise ValueError(
+                "the file dataset needs a path: pass --dataset-path FILE.jsonl"
+            )
 
 
 def make_dataset(config: DatasetConfig, tokenizer) -> list[Conversation]:
     """Build the workload `config` describes with `tokenizer` (a Hugging Face tokenizer)."""
     if tokenizer is None:
-        raise ValueError("benchmark datasets need a tokenizer; pass a model directory that ships one")
+        raise ValueError(
+            "benchmark datasets need a tokenizer; pass a model directory that ships one"
+        )
     return _BUILDERS[config.name](config, tokenizer, random.Random(config.seed))
 
 
@@ -118,7 +126,9 @@ def vocab_pool(tokenizer) -> list[int]:
         texts = tokenizer.batch_decode([[i] for i in ids])
         pool = [i for i, t in zip(ids, texts) if t and "\ufffd" not in t]
         if not pool:
-            raise ValueError("the tokenizer has no plain-text tokens to make random prompts from")
+            raise ValueError(
+                "the tokenizer has no plain-text tokens to make random prompts from"
+            )
         _POOLS[key] = pool
     return _POOLS[key]
 
@@ -155,12 +165,20 @@ def _random(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Conversat
     pool = vocab_pool(tokenizer)
     out = []
     for _ in range(cfg.num_prompts):
-        turn = token_text(tokenizer, rng, _length(rng, cfg.input_len, cfg.range_ratio), pool)
-        out.append(Conversation((_with_output(turn, _length(rng, cfg.output_len, cfg.range_ratio)),)))
+        turn = token_text(
+            tokenizer, rng, _length(rng, cfg.input_len, cfg.range_ratio), pool
+        )
+        out.append(
+            Conversation(
+                (_with_output(turn, _length(rng, cfg.output_len, cfg.range_ratio)),)
+            )
+        )
     return out
 
 
-def _shared_prefix(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Conversation]:
+def _shared_prefix(
+    cfg: DatasetConfig, tokenizer, rng: random.Random
+) -> list[Conversation]:
     pool = vocab_pool(tokenizer)
     sep = "\n\n"
     out = []
@@ -170,23 +188,34 @@ def _shared_prefix(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Co
             body = token_text(tokenizer, rng, cfg.system_len, pool)
             # end the system prompt on a separator so the question's tokens cannot merge into it
             text = body.text + sep
-            system = Turn(text, tuple(tokenizer.encode(text, add_special_tokens=False)), 0)
+            system = Turn(
+                text, tuple(tokenizer.encode(text, add_special_tokens=False)), 0
+            )
         for _ in range(cfg.prompts_per_group):
-            q = token_text(tokenizer, rng, _length(rng, cfg.question_len, cfg.range_ratio), pool)
+            q = token_text(
+                tokenizer, rng, _length(rng, cfg.question_len, cfg.range_ratio), pool
+            )
             out.append(
-                Conversation((_with_output(q, _length(rng, cfg.output_len, cfg.range_ratio)),), system)
+                Conversation(
+                    (_with_output(q, _length(rng, cfg.output_len, cfg.range_ratio)),),
+                    system,
+                )
             )
     rng.shuffle(out)
     return out
 
 
-def _multi_turn(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Conversation]:
+def _multi_turn(
+    cfg: DatasetConfig, tokenizer, rng: random.Random
+) -> list[Conversation]:
     pool = vocab_pool(tokenizer)
     out = []
     for _ in range(cfg.num_prompts):
         turns = tuple(
             _with_output(
-                token_text(tokenizer, rng, _length(rng, cfg.input_len, cfg.range_ratio), pool),
+                token_text(
+                    tokenizer, rng, _length(rng, cfg.input_len, cfg.range_ratio), pool
+                ),
                 _length(rng, cfg.output_len, cfg.range_ratio),
             )
             for _ in range(cfg.num_turns)
@@ -202,7 +231,9 @@ _ASSISTANT_ROLES = {"gpt", "assistant", "bot", "chatgpt", "model"}
 def _file(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Conversation]:
     entries = read_entries(Path(cfg.path))  # type: ignore[arg-type]
     rng.shuffle(entries)
-    encode: Callable[[str], tuple[int, ...]] = lambda s: tuple(tokenizer.encode(s, add_special_tokens=False))
+    encode: Callable[[str], tuple[int, ...]] = lambda s: tuple(
+        tokenizer.encode(s, add_special_tokens=False)
+    )
     out: list[Conversation] = []
     for lineno, entry in entries:
         conv = _conversation_from_entry(entry, cfg, encode, f"{cfg.path}:{lineno}")
@@ -237,16 +268,22 @@ def read_entries(path: Path) -> list[tuple[int, dict[str, Any]]]:
     return entries
 
 
-def _conversation_from_entry(entry: Any, cfg: DatasetConfig, encode, where: str) -> Conversation | None:
+def _conversation_from_entry(
+    entry: Any, cfg: DatasetConfig, encode, where: str
+) -> Conversation | None:
     if not isinstance(entry, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")  # noqa: TRY004 (a bad input file, reported as such)
     if "prompt" in entry:
         ids = encode(str(entry["prompt"]))
         out_len = cfg.file_output_len or int(entry.get("output_len") or cfg.output_len)
-        return Conversation((Turn(str(entry["prompt"]), ids, out_len),)) if ids else None
+        return (
+            Conversation((Turn(str(entry["prompt"]), ids, out_len),)) if ids else None
+        )
     raw = entry.get("conversations") or entry.get("messages")
     if not isinstance(raw, list):
-        raise ValueError(f"{where}: expected a 'prompt', 'conversations' (ShareGPT) or 'messages' field")  # noqa: TRY004
+        raise ValueError(
+            f"{where}: expected a 'prompt', 'conversations' (ShareGPT) or 'messages' field"
+        )  # noqa: TRY004
     system: Turn | None = None
     turns: list[Turn] = []
     pending: str | None = None
@@ -264,12 +301,19 @@ def _conversation_from_entry(entry: Any, cfg: DatasetConfig, encode, where: str)
             if not cfg.file_multi_turn:
                 break
     if pending is not None and (cfg.file_multi_turn or not turns):
-        turns.append(Turn(pending, encode(pending), cfg.file_output_len or cfg.output_len))
+        turns.append(
+            Turn(pending, encode(pending), cfg.file_output_len or cfg.output_len)
+        )
     turns = [t for t in turns if t.ids]
     return Conversation(tuple(turns), system) if turns else None
 
 
-_BUILDERS = {"random": _random, "shared-prefix": _shared_prefix, "multi-turn": _multi_turn, "file": _file}
+_BUILDERS = {
+    "random": _random,
+    "shared-prefix": _shared_prefix,
+    "multi-turn": _multi_turn,
+    "file": _file,
+}
 
 
 # ----------------------------------------------------------------- prompts as token ids (engine path)

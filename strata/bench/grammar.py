@@ -31,9 +31,15 @@ def schema(i: int) -> dict:
     """A JSON schema exercising integers, bounded strings, enums, nested objects and a long array;
     `i` makes each one a distinct grammar (and cache entry)."""
     kinds = i % 8
-    item = {"type": "object", "properties": {"sku": {"type": "string", "maxLength": 12},
-                                             "qty": {"type": "integer", "minimum": 0, "maximum": 10_000}},
-            "required": ["sku", "qty"], "additionalProperties": False}
+    item = {
+        "type": "object",
+        "properties": {
+            "sku": {"type": "string", "maxLength": 12},
+            "qty": {"type": "integer", "minimum": 0, "maximum": 10_000},
+        },
+        "required": ["sku", "qty"],
+        "additionalProperties": False,
+    }
     props = {
         f"id_{i}": {"type": "integer"},
         "name": {"type": "string", "maxLength": 16 + kinds},
@@ -41,7 +47,12 @@ def schema(i: int) -> dict:
         "score": {"type": "number"},
         "items": {"type": "array", "items": item, "minItems": 40 + kinds},
     }
-    return {"type": "object", "properties": props, "required": list(props), "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": props,
+        "required": list(props),
+        "additionalProperties": False,
+    }
 
 
 @dataclass(frozen=True)
@@ -68,7 +79,9 @@ def bench_compile(engine, num_schemas: int) -> CompileResult:
     from strata.grammar.compiler import GrammarCompiler
     from strata.grammar.spec import json_schema_spec
 
-    compiler = GrammarCompiler(engine.tokenizer, engine.scheduler.vocab_size, engine.scheduler.eos_token_ids)
+    compiler = GrammarCompiler(
+        engine.tokenizer, engine.scheduler.vocab_size, engine.scheduler.eos_token_ids
+    )
     first, cached = [], []
     for i in range(num_schemas):
         spec = json_schema_spec(schema(10_000 + i))
@@ -79,7 +92,9 @@ def bench_compile(engine, num_schemas: int) -> CompileResult:
         t2 = time.perf_counter()
         first.append(t1 - t0)
         cached.append(t2 - t1)
-    return CompileResult(num_schemas, 1000 * statistics.median(first), 1000 * statistics.median(cached))
+    return CompileResult(
+        num_schemas, 1000 * statistics.median(first), 1000 * statistics.median(cached)
+    )
 
 
 def _decode_run(engine, prompts: list[list[int]], output_len: int, grammar: bool):
@@ -87,8 +102,12 @@ def _decode_run(engine, prompts: list[list[int]], output_len: int, grammar: bool
     from strata.sampling_params import SamplingParams
 
     params = [
-        SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True,
-                       structured=json_schema_spec(schema(i % 8)) if grammar else None)
+        SamplingParams(
+            max_new_tokens=output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            structured=json_schema_spec(schema(i % 8)) if grammar else None,
+        )
         for i in range(len(prompts))
     ]
     with StepTimer(engine) as timer:
@@ -96,18 +115,30 @@ def _decode_run(engine, prompts: list[list[int]], output_len: int, grammar: bool
     errors = [r.choices[0].error for r in results if r.choices[0].error]
     if errors:
         raise RuntimeError(f"grammar bench requests failed: {errors[0]}")
-    short = [len(r.choices[0].token_ids) for r in results if len(r.choices[0].token_ids) < output_len]
+    short = [
+        len(r.choices[0].token_ids)
+        for r in results
+        if len(r.choices[0].token_ids) < output_len
+    ]
     if short:
-        raise RuntimeError(f"a request finished after {short[0]} of {output_len} tokens: the grammar completed early")
+        raise RuntimeError(
+            f"a request finished after {short[0]} of {output_len} tokens: the grammar completed early"
+        )
     decode = [s for s in timer.steps if s.decode_only and s.num_decode == len(prompts)]
-    return 1000 * statistics.median(s.duration_s for s in decode), mean_pieces_ms(decode)
+    return 1000 * statistics.median(s.duration_s for s in decode), mean_pieces_ms(
+        decode
+    )
 
 
-def bench_decode(engine, batch_size: int, input_len: int, output_len: int, rounds: int, seed: int) -> DecodeResult:
+def bench_decode(
+    engine, batch_size: int, input_len: int, output_len: int, rounds: int, seed: int
+) -> DecodeResult:
     vocab = engine.state.model_config.vocab_size
     exclude = special_ids(engine.tokenizer) | set(engine.state.eos_token_ids)
     prompts = random_batch(vocab, batch_size, input_len, seed, exclude)
-    _decode_run(engine, prompts, 4, grammar=True)  # warm-up: compiles the schemas, first-use costs
+    _decode_run(
+        engine, prompts, 4, grammar=True
+    )  # warm-up: compiles the schemas, first-use costs
     runs: dict[bool, list[tuple[float, dict[str, float]]]] = {False: [], True: []}
     for r in range(rounds):
         for grammar in (False, True):
@@ -116,8 +147,17 @@ def bench_decode(engine, batch_size: int, input_len: int, output_len: int, round
     free = sorted(runs[False], key=lambda x: x[0])[len(runs[False]) // 2]
     constrained = sorted(runs[True], key=lambda x: x[0])[len(runs[True]) // 2]
     added = sum(constrained[1][p] - free[1][p] for p in ("sample", "process"))
-    return DecodeResult(batch_size, output_len, free[0], constrained[0], constrained[0] / free[0] - 1, added,
-                        added / free[0], free[1], constrained[1])
+    return DecodeResult(
+        batch_size,
+        output_len,
+        free[0],
+        constrained[0],
+        constrained[0] / free[0] - 1,
+        added,
+        added / free[0],
+        free[1],
+        constrained[1],
+    )
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -126,14 +166,23 @@ def add_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--input-len", type=int, default=32)
     g.add_argument("--output-len", type=int, default=32)
     g.add_argument("--rounds", type=int, default=3)
-    g.add_argument("--num-schemas", type=int, default=32, help="schemas compiled for the compile figure")
+    g.add_argument(
+        "--num-schemas",
+        type=int,
+        default=32,
+        help="schemas compiled for the compile figure",
+    )
     g.add_argument("--seed", type=int, default=0)
 
 
 def run(engine, args: argparse.Namespace) -> dict:
     compile_result = bench_compile(engine, args.num_schemas)
-    decode = [bench_decode(engine, bs, args.input_len, args.output_len, args.rounds, args.seed)
-              for bs in args.batch_size]
+    decode = [
+        bench_decode(
+            engine, bs, args.input_len, args.output_len, args.rounds, args.seed
+        )
+        for bs in args.batch_size
+    ]
     return {"compile": asdict(compile_result), "decode": [asdict(d) for d in decode]}
 
 

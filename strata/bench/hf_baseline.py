@@ -17,7 +17,12 @@ import statistics
 import time
 from pathlib import Path
 
-from strata.bench.one_batch import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, OneBatchResult, random_batch
+from strata.bench.one_batch import (
+    WARMUP_INPUT_LEN,
+    WARMUP_OUTPUT_LEN,
+    OneBatchResult,
+    random_batch,
+)
 
 
 class HFModel:
@@ -28,7 +33,11 @@ class HFModel:
         from transformers import AutoModelForCausalLM
 
         self.torch = torch
-        self.model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype).to(device).eval()
+        self.model = (
+            AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+            .to(device)
+            .eval()
+        )
         self.device = device
         cfg = self.model.config
         self.vocab_size = cfg.vocab_size
@@ -36,20 +45,38 @@ class HFModel:
         self.pad_id = int(pad[0] if isinstance(pad, list) else (pad or 0))
 
     def one_batch(
-        self, batch_size: int, input_len: int, output_len: int, seed: int = 0, exclude: set[int] | None = None
+        self,
+        batch_size: int,
+        input_len: int,
+        output_len: int,
+        seed: int = 0,
+        exclude: set[int] | None = None,
     ) -> OneBatchResult:
         torch = self.torch
         warm = random_batch(
-            self.vocab_size, batch_size, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude or set()
+            self.vocab_size,
+            batch_size,
+            min(WARMUP_INPUT_LEN, input_len),
+            seed + 10_000,
+            exclude or set(),
         )
         self._greedy_loop(torch.tensor(warm, device=self.device), WARMUP_OUTPUT_LEN)
         ids = torch.tensor(
-            random_batch(self.vocab_size, batch_size, input_len, seed, exclude or set()), device=self.device
+            random_batch(
+                self.vocab_size, batch_size, input_len, seed, exclude or set()
+            ),
+            device=self.device,
         )
         prefill_s, step_s = self._greedy_loop(ids, output_len)
         step_ms = 1000.0 * statistics.median(step_s) if step_s else None
         return OneBatchResult.measured(
-            "transformers", batch_size, input_len, output_len, prefill_s, step_ms, len(step_s)
+            "transformers",
+            batch_size,
+            input_len,
+            output_len,
+            prefill_s,
+            step_ms,
+            len(step_s),
         )
 
     def _greedy_loop(self, ids, output_len: int) -> tuple[float, list[float]]:
@@ -64,7 +91,9 @@ class HFModel:
             steps = []
             for _ in range(output_len - 1):
                 t0 = time.perf_counter()
-                out = self.model(input_ids=next_ids, past_key_values=past, use_cache=True)
+                out = self.model(
+                    input_ids=next_ids, past_key_values=past, use_cache=True
+                )
                 next_ids = out.logits[:, -1].argmax(-1, keepdim=True)
                 past = out.past_key_values
                 steps.append(time.perf_counter() - t0)
@@ -77,11 +106,16 @@ class HFModel:
         torch = self.torch
         answers: list[list[int]] = []
         for lo in range(0, len(prompts), batch_size):
-            chunk, lens = prompts[lo : lo + batch_size], output_lens[lo : lo + batch_size]
+            chunk, lens = (
+                prompts[lo : lo + batch_size],
+                output_lens[lo : lo + batch_size],
+            )
             width = max(len(p) for p in chunk)
             ids = torch.full((len(chunk), width), self.pad_id, dtype=torch.long)
             mask = torch.zeros((len(chunk), width), dtype=torch.long)
-            for i, p in enumerate(chunk):  # left padding: every prompt ends at the last column
+            for i, p in enumerate(
+                chunk
+            ):  # left padding: every prompt ends at the last column
                 ids[i, width - len(p) :] = torch.tensor(p)
                 mask[i, width - len(p) :] = 1
             n = max(lens)

@@ -28,7 +28,12 @@ class OpenAIClient:
     """An httpx connection pool to one server; `send` runs one streamed request."""
 
     def __init__(
-        self, base_url: str, *, api_key: str | None = None, timeout_s: float = 600.0, tokenizer=None
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout_s: float = 600.0,
+        tokenizer=None,
     ):
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.http = httpx.AsyncClient(
@@ -42,7 +47,9 @@ class OpenAIClient:
     async def close(self) -> None:
         await self.http.aclose()
 
-    async def send(self, endpoint: str, body: dict[str, Any], prompt_len_estimate: int) -> RequestRecord:
+    async def send(
+        self, endpoint: str, body: dict[str, Any], prompt_len_estimate: int
+    ) -> RequestRecord:
         """POST `body` (streamed) to `endpoint` ('completions' | 'chat'); never raises for a failed request."""
         rec = RequestRecord(start=time.perf_counter(), prompt_len=prompt_len_estimate)
         pieces: list[str] = []
@@ -64,7 +71,9 @@ class OpenAIClient:
                         now = time.perf_counter()
                         chunk = json.loads(data)
                         if "error" in chunk:
-                            rec.error = f"stream error: {_error_message(json.dumps(chunk))}"
+                            rec.error = (
+                                f"stream error: {_error_message(json.dumps(chunk))}"
+                            )
                             break
                         if chunk.get("usage"):
                             usage = chunk["usage"]
@@ -75,7 +84,9 @@ class OpenAIClient:
                                 pieces.append(piece)
                             finished = finished or bool(choice.get("finish_reason"))
         except httpx.HTTPError as exc:
-            rec.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            rec.error = (
+                f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            )
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             rec.error = f"malformed stream: {exc}"
         rec.end = time.perf_counter()

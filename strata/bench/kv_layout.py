@@ -40,20 +40,34 @@ class KVLayout:
     bytes_per_token: int  # over every layer
     per_head_layout: str | None = None  # MLA models: per-head K/V of the same heads
     per_head_bytes_per_token: int | None = None
-    at_context: dict[int, float] | None = None  # context length -> bytes per token one request holds
+    at_context: dict[int, float] | None = (
+        None  # context length -> bytes per token one request holds
+    )
 
     @property
     def per_head_over_pool(self) -> float | None:
-        return self.per_head_bytes_per_token / self.bytes_per_token if self.per_head_bytes_per_token else None
+        return (
+            self.per_head_bytes_per_token / self.bytes_per_token
+            if self.per_head_bytes_per_token
+            else None
+        )
 
 
-def bytes_at_context(mc: ModelConfig, kv_dtype: torch.dtype, context_len: int, page_size: int) -> float:
+def bytes_at_context(
+    mc: ModelConfig, kv_dtype: torch.dtype, context_len: int, page_size: int
+) -> float:
     """Bytes per token of one request of context_len tokens (see the module docstring)."""
     if mc.dsv4 is not None:
-        return dsv4_context_bytes(mc.dsv4, mc.head_dim, context_len, page_size, kv_dtype.itemsize) / context_len
+        return (
+            dsv4_context_bytes(
+                mc.dsv4, mc.head_dim, context_len, page_size, kv_dtype.itemsize
+            )
+            / context_len
+        )
     layer = kv_layer_bytes_per_token(mc, kv_dtype)
     held = sum(
-        context_len if spec.window is None or mc.mla else min(context_len, spec.window) for spec in mc.layers
+        context_len if spec.window is None or mc.mla else min(context_len, spec.window)
+        for spec in mc.layers
     )
     return layer * held / context_len
 
@@ -64,12 +78,16 @@ def read_config(model: str | Path) -> tuple[str, ModelConfig]:
     if path.is_dir():
         return path.name, ModelConfig.from_dir(path)
     if path.suffix != ".json" or not path.is_file():
-        raise ValueError(f"{model}: expected a model directory holding config.json, or a config.json file")
+        raise ValueError(
+            f"{model}: expected a model directory holding config.json, or a config.json file"
+        )
     return path.parent.name, ModelConfig.from_hf_dict(json.loads(path.read_text()))
 
 
 def kv_layout(
-    model: str | Path, kv_dtype: torch.dtype = torch.bfloat16, context_lens: tuple[int, ...] = CONTEXT_LENS,
+    model: str | Path,
+    kv_dtype: torch.dtype = torch.bfloat16,
+    context_lens: tuple[int, ...] = CONTEXT_LENS,
     page_size: int = 16,
 ) -> KVLayout:
     name, mc = read_config(model)
@@ -85,17 +103,38 @@ def kv_layout(
             f"V4: K=V {mc.head_dim} in window {v4.sliding_window}; CSA x{kinds['csa']} "
             f"({mc.head_dim}+{v4.index_head_dim})/{v4.csa_rate}; HCA x{kinds['hca']} {mc.head_dim}/{v4.hca_rate}"
         )
-        return KVLayout(name, mc.architecture, layers, dtype, layout, round(entries), at_context=at_context)
+        return KVLayout(
+            name,
+            mc.architecture,
+            layers,
+            dtype,
+            layout,
+            round(entries),
+            at_context=at_context,
+        )
     mla = mc.mla
     if mla is None:
         windowed = sum(spec.window is not None for spec in mc.layers)
         layout = f"K+V: 2 x {mc.num_kv_heads} KV heads x {mc.head_dim}"
         if windowed:
             layout += f" ({windowed} sliding-window layers)"
-        return KVLayout(name, mc.architecture, layers, dtype, layout, bytes_per_token, at_context=at_context)
-    per_head = mc.num_heads * (mla.qk_head_dim + mla.v_head_dim)  # values per layer and token
+        return KVLayout(
+            name,
+            mc.architecture,
+            layers,
+            dtype,
+            layout,
+            bytes_per_token,
+            at_context=at_context,
+        )
+    per_head = mc.num_heads * (
+        mla.qk_head_dim + mla.v_head_dim
+    )  # values per layer and token
     return KVLayout(
-        name, mc.architecture, layers, dtype,
+        name,
+        mc.architecture,
+        layers,
+        dtype,
         layout=f"latent {mla.kv_lora_rank} + rope {mla.qk_rope_head_dim} = {mla.latent_dim}",
         bytes_per_token=bytes_per_token,
         per_head_layout=(
@@ -104,7 +143,7 @@ def kv_layout(
         ),
         per_head_bytes_per_token=layers * per_head * kv_dtype.itemsize,
         at_context=at_context,
-    )  # fmt: skip
+    )
 
 
 def format_text(rows: list[KVLayout]) -> str:
@@ -115,14 +154,35 @@ def format_text(rows: list[KVLayout]) -> str:
 
     contexts = sorted({c for r in rows for c in (r.at_context or {})})
     body = [
-        [r.model, str(r.num_layers), r.layout, count(r.bytes_per_token), r.per_head_layout or "n/a",
-         count(r.per_head_bytes_per_token),
-         f"{fmt(r.per_head_over_pool, 1)}x" if r.per_head_over_pool else "n/a",
-         *[count(round(r.at_context[c])) if r.at_context and c in r.at_context else "n/a" for c in contexts]]
+        [
+            r.model,
+            str(r.num_layers),
+            r.layout,
+            count(r.bytes_per_token),
+            r.per_head_layout or "n/a",
+            count(r.per_head_bytes_per_token),
+            f"{fmt(r.per_head_over_pool, 1)}x" if r.per_head_over_pool else "n/a",
+            *[
+                count(round(r.at_context[c]))
+                if r.at_context and c in r.at_context
+                else "n/a"
+                for c in contexts
+            ],
+        ]
         for r in rows
-    ]  # fmt: skip
-    header = ["model", "layers", "pool: values per layer", "pool bytes/token",
-              "per-head K/V: values per layer", "per-head K/V bytes/token", "per-head / pool",
-              *[f"bytes/token at {c // 1024}k" for c in contexts]]  # fmt: skip
+    ]
+    header = [
+        "model",
+        "layers",
+        "pool: values per layer",
+        "pool bytes/token",
+        "per-head K/V: values per layer",
+        "per-head K/V bytes/token",
+        "per-head / pool",
+        *[f"bytes/token at {c // 1024}k" for c in contexts],
+    ]
     dtypes = ", ".join(sorted({r.kv_dtype for r in rows}))
-    return f"KV cache bytes per token ({dtypes}; every layer), from config.json:\n" + table(body, header)
+    return (
+        f"KV cache bytes per token ({dtypes}; every layer), from config.json:\n"
+        + table(body, header)
+    )

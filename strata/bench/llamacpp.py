@@ -22,7 +22,12 @@ import sys
 import time
 from pathlib import Path
 
-from strata.bench.one_batch import WARMUP_INPUT_LEN, WARMUP_OUTPUT_LEN, OneBatchResult, random_batch
+from strata.bench.one_batch import (
+    WARMUP_INPUT_LEN,
+    WARMUP_OUTPUT_LEN,
+    OneBatchResult,
+    random_batch,
+)
 
 INSTALL_HINT = "pip install 'llama-cpp-python[server]==0.3.36' (compiles llama.cpp; several minutes)"
 CONTEXT_LEN = 8192
@@ -33,7 +38,13 @@ def missing_reason(need_server: bool) -> str | None:
     if importlib.util.find_spec("llama_cpp") is None:
         return f"llama-cpp-python is not installed; {INSTALL_HINT}"
     if need_server:
-        for mod in ("uvicorn", "fastapi", "sse_starlette", "starlette_context", "pydantic_settings"):
+        for mod in (
+            "uvicorn",
+            "fastapi",
+            "sse_starlette",
+            "starlette_context",
+            "pydantic_settings",
+        ):
             if importlib.util.find_spec(mod) is None:
                 return f"llama-cpp-python's server extra is missing ({mod}); {INSTALL_HINT}"
     return None
@@ -62,19 +73,31 @@ def gguf_missing_reason(model: str | None) -> str | None:
     return None
 
 
-def server_argv(gguf: Path, port: int, threads: int | None = None, alias: str = "llamacpp") -> list[str]:
+def server_argv(
+    gguf: Path, port: int, threads: int | None = None, alias: str = "llamacpp"
+) -> list[str]:
     threads = threads or os.cpu_count() or 1
     return [
-        sys.executable, "-m", "llama_cpp.server",
-        "--model", str(gguf),
-        "--model_alias", alias,
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--n_ctx", str(CONTEXT_LEN),
-        "--n_threads", str(threads),
-        "--n_threads_batch", str(threads),
-        "--interrupt_requests", "False",  # its default aborts the running stream when another request arrives
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "llama_cpp.server",
+        "--model",
+        str(gguf),
+        "--model_alias",
+        alias,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--n_ctx",
+        str(CONTEXT_LEN),
+        "--n_threads",
+        str(threads),
+        "--n_threads_batch",
+        str(threads),
+        "--interrupt_requests",
+        "False",  # its default aborts the running stream when another request arrives
+    ]
 
 
 LLAMA_SERVER_ENV = "STRATA_LLAMA_SERVER"
@@ -84,30 +107,47 @@ def llama_server_binary(binary: str | None) -> str | None:
     """The llama-server executable: the given path, $STRATA_LLAMA_SERVER, or `llama-server` on PATH."""
     import shutil
 
-    for candidate in (binary, os.environ.get(LLAMA_SERVER_ENV), shutil.which("llama-server")):
+    for candidate in (
+        binary,
+        os.environ.get(LLAMA_SERVER_ENV),
+        shutil.which("llama-server"),
+    ):
         if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
             return str(candidate)
     return None
 
 
 def llama_server_argv(
-    binary: str, gguf: Path, port: int, threads: int | None = None, slots: int = 64, ctx_per_slot: int = 1024
+    binary: str,
+    gguf: Path,
+    port: int,
+    threads: int | None = None,
+    slots: int = 64,
+    ctx_per_slot: int = 1024,
 ) -> list[str]:
     """llama.cpp's C++ server with `slots` parallel sequences of `ctx_per_slot` tokens each
     (continuous batching is its default)."""
     threads = threads or os.cpu_count() or 1
     return [
         binary,
-        "--model", str(gguf),
-        "--alias", "llama-server",
-        "--host", "127.0.0.1",
-        "--port", str(port),
-        "--parallel", str(slots),
-        "--ctx-size", str(slots * ctx_per_slot),
-        "--threads", str(threads),
-        "--threads-batch", str(threads),
+        "--model",
+        str(gguf),
+        "--alias",
+        "llama-server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--parallel",
+        str(slots),
+        "--ctx-size",
+        str(slots * ctx_per_slot),
+        "--threads",
+        str(threads),
+        "--threads-batch",
+        str(threads),
         "--no-webui",
-    ]  # fmt: skip
+    ]
 
 
 class LlamaCppModel:
@@ -128,20 +168,31 @@ class LlamaCppModel:
         self.vocab_size = self.llm.n_vocab()
 
     def one_batch(
-        self, batch_size: int, input_len: int, output_len: int, seed: int = 0, exclude: set[int] | None = None
+        self,
+        batch_size: int,
+        input_len: int,
+        output_len: int,
+        seed: int = 0,
+        exclude: set[int] | None = None,
     ) -> OneBatchResult:
         if batch_size != 1:
             raise ValueError(
                 "llama-cpp-python's Llama runs one sequence at a time; only --batch-size 1 is measured"
             )
         (warm,) = random_batch(
-            self.vocab_size, 1, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude or set()
+            self.vocab_size,
+            1,
+            min(WARMUP_INPUT_LEN, input_len),
+            seed + 10_000,
+            exclude or set(),
         )
         self._run(warm, WARMUP_OUTPUT_LEN)
         (prompt,) = random_batch(self.vocab_size, 1, input_len, seed, exclude or set())
         prefill_s, steps = self._run(prompt, output_len)
         step_ms = 1000.0 * statistics.median(steps) if steps else None
-        return OneBatchResult.measured("llamacpp", 1, input_len, output_len, prefill_s, step_ms, len(steps))
+        return OneBatchResult.measured(
+            "llamacpp", 1, input_len, output_len, prefill_s, step_ms, len(steps)
+        )
 
     def _run(self, prompt: list[int], output_len: int) -> tuple[float, list[float]]:
         llm = self.llm

@@ -29,13 +29,23 @@ class RequestRecord:
 
     start: float  # perf_counter when the request was sent
     end: float = 0.0  # when its stream ended (or it failed)
-    chunk_times: list[float] = field(default_factory=list)  # arrival of each content chunk (absolute)
-    prompt_len: int = 0  # from the server's usage when reported, else the client's estimate
-    output_len: int = 0  # from usage when reported, else re-tokenized text, else chunk count
-    cached_tokens: int | None = None  # usage.prompt_tokens_details.cached_tokens, if the server says
+    chunk_times: list[float] = field(
+        default_factory=list
+    )  # arrival of each content chunk (absolute)
+    prompt_len: int = (
+        0  # from the server's usage when reported, else the client's estimate
+    )
+    output_len: int = (
+        0  # from usage when reported, else re-tokenized text, else chunk count
+    )
+    cached_tokens: int | None = (
+        None  # usage.prompt_tokens_details.cached_tokens, if the server says
+    )
     error: str | None = None
     text: str = ""  # the generated text (multi-turn feeds it into the next turn)
-    asked_output_len: int | None = None  # max_tokens requested (a shorter answer is counted as short)
+    asked_output_len: int | None = (
+        None  # max_tokens requested (a shorter answer is counted as short)
+    )
 
     @property
     def ok(self) -> bool:
@@ -109,15 +119,19 @@ class ServingSummary:
     tpot: LatencyStats
     itl: LatencyStats
     e2e: LatencyStats
-    usage_cache_hit_rate: float | None  # sum cached_tokens / sum prompt_tokens, if usage reported them
-    short_outputs: int = (
-        0  # successful requests that got fewer tokens than asked (EOS honoured, or truncated)
-    )
-    errors: dict[str, int] = field(default_factory=dict)  # error message (first 120 chars) -> count
+    usage_cache_hit_rate: (
+        float | None
+    )  # sum cached_tokens / sum prompt_tokens, if usage reported them
+    short_outputs: int = 0  # successful requests that got fewer tokens than asked (EOS honoured, or truncated)
+    errors: dict[str, int] = field(
+        default_factory=dict
+    )  # error message (first 120 chars) -> count
 
 
 def summarize(
-    records: Sequence[RequestRecord], start: float | None = None, end: float | None = None
+    records: Sequence[RequestRecord],
+    start: float | None = None,
+    end: float | None = None,
 ) -> ServingSummary:
     """Figures over `records`; the run spans [start, end] (default: first send .. last end)."""
     if start is None:
@@ -132,7 +146,9 @@ def summarize(
     with_cache = [r for r in good if r.cached_tokens is not None]
     hit_rate = None
     if with_cache and sum(r.prompt_len for r in with_cache) > 0:
-        hit_rate = sum(r.cached_tokens or 0 for r in with_cache) / sum(r.prompt_len for r in with_cache)
+        hit_rate = sum(r.cached_tokens or 0 for r in with_cache) / sum(
+            r.prompt_len for r in with_cache
+        )
     errors: dict[str, int] = {}
     for r in bad:
         key = (r.error or "unknown error")[:120]
@@ -154,7 +170,9 @@ def summarize(
         e2e=LatencyStats.of_seconds([r.e2e for r in good]),
         usage_cache_hit_rate=hit_rate,
         short_outputs=sum(
-            1 for r in good if r.asked_output_len is not None and r.output_len < r.asked_output_len
+            1
+            for r in good
+            if r.asked_output_len is not None and r.output_len < r.asked_output_len
         ),
         errors=errors,
     )
@@ -162,5 +180,9 @@ def summarize(
 
 def median(values: Sequence[float | None]) -> float | None:
     """Median of the values that are not None/NaN (None if there are none)."""
-    kept = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    kept = [
+        v
+        for v in values
+        if v is not None and not (isinstance(v, float) and math.isnan(v))
+    ]
     return float(np.median(kept)) if kept else None

@@ -33,11 +33,15 @@ def load_hf_moe_block(ours, hf_block: torch.nn.Module, gpt_oss: bool) -> None:
 
     with torch.no_grad():
         for name, t in hf_block.state_dict().items():
-            name = name.replace("router.", "gate.").replace("shared_experts.", "shared_expert.")
+            name = name.replace("router.", "gate.").replace(
+                "shared_experts.", "shared_expert."
+            )
             if name.startswith("experts."):
                 rest = name.removeprefix("experts.")
                 ours.experts.load(rest, expert_tensor(rest, t) if gpt_oss else t)
-            elif name.endswith(("gate_proj.weight", "up_proj.weight")):  # the shared expert's, fused
+            elif name.endswith(
+                ("gate_proj.weight", "up_proj.weight")
+            ):  # the shared expert's, fused
                 gate_up = ours.shared_expert.gate_up_proj.weight
                 half = gate_up.shape[0] // 2
                 (gate_up[:half] if "gate_proj" in name else gate_up[half:]).copy_(t)
@@ -56,20 +60,32 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
 
     cls_name, module, block_name, extra = FAMILIES[cfg.family]
     fields = dict(
-        vocab_size=64, hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-        moe_intermediate_size=cfg.intermediate_size, num_hidden_layers=1, num_attention_heads=4,
-        num_key_value_heads=4, num_experts_per_tok=cfg.top_k, num_local_experts=cfg.num_experts,
+        vocab_size=64,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        moe_intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_experts_per_tok=cfg.top_k,
+        num_local_experts=cfg.num_experts,
         num_experts=cfg.num_experts,
     )
-    fields.update({k: (cfg.intermediate_size if v is None else v) for k, v in extra.items()})
+    fields.update(
+        {k: (cfg.intermediate_size if v is None else v) for k, v in extra.items()}
+    )
     hf_cfg = getattr(transformers, cls_name)(**fields)
     modeling = getattr(getattr(transformers.models, module), f"modeling_{module}")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
     blocks = {}
     for impl in ("transformers", "transformers-eager"):
-        impl_cfg = copy.deepcopy(hf_cfg)  # the experts read it at every forward: one config per block
-        impl_cfg._experts_implementation = "grouped_mm" if impl == "transformers" else "eager"
+        impl_cfg = copy.deepcopy(
+            hf_cfg
+        )  # the experts read it at every forward: one config per block
+        impl_cfg._experts_implementation = (
+            "grouped_mm" if impl == "transformers" else "eager"
+        )
         block = getattr(modeling, block_name)(impl_cfg)
         if impl == "transformers-eager":
             block.load_state_dict(blocks["transformers"].state_dict())
@@ -84,7 +100,9 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
         load_hf_moe_block(ours, blocks["transformers"], gpt_oss=cfg.family == "gpt_oss")
         ours.experts.backend = "grouped_mm" if impl == "strata" else "loop"
         ours = ours.to(dtype).eval()
-        if impl == "strata-native" and (dense_target() is None or not pack_linears(ours)):
+        if impl == "strata-native" and (
+            dense_target() is None or not pack_linears(ours)
+        ):
             continue
         blocks[impl] = ours
     return blocks
@@ -111,7 +129,10 @@ def run_moe_bench(cfg: MoEBenchConfig) -> list[dict]:
     for batch in cfg.batch_sizes:
         x = torch.randn(batch, cfg.hidden_size, generator=gen).to(dtype)
         ref = _forward("transformers-eager", blocks["transformers-eager"], x).float()
-        diffs = {impl: (_forward(impl, b, x).float() - ref).abs().max().item() for impl, b in blocks.items()}
+        diffs = {
+            impl: (_forward(impl, b, x).float() - ref).abs().max().item()
+            for impl, b in blocks.items()
+        }
         times: dict[str, list[float]] = {impl: [] for impl in blocks}
         for _ in range(cfg.rounds):
             for impl, block in blocks.items():
@@ -122,19 +143,37 @@ def run_moe_bench(cfg: MoEBenchConfig) -> list[dict]:
                 times[impl].append((time.perf_counter() - start) / cfg.iters)
         for impl in blocks:
             step = statistics.median(times[impl])
-            rows.append(dict(batch_size=batch, implementation=impl, step_ms=step * 1e3, tok_s=batch / step,
-                             max_abs_diff=diffs[impl]))
+            rows.append(
+                dict(
+                    batch_size=batch,
+                    implementation=impl,
+                    step_ms=step * 1e3,
+                    tok_s=batch / step,
+                    max_abs_diff=diffs[impl],
+                )
+            )
     return rows
 
 
 def format_rows(cfg: MoEBenchConfig, rows: list[dict]) -> str:
-    head = (f"MoE layer decode step: {cfg.family}, hidden {cfg.hidden_size}, {cfg.num_experts} experts of "
-            f"{cfg.intermediate_size}, top-{cfg.top_k}, {cfg.dtype}, {torch.get_num_threads()} threads; "
-            f"median of {cfg.rounds} rounds x {cfg.iters} steps")
-    lines = [head, f"{'batch':>5}  {'implementation':<19} {'step ms':>9} {'tokens/s':>10} {'vs transformers':>15} "
-             f"{'max |diff|':>10}"]
-    base = {r["batch_size"]: r["tok_s"] for r in rows if r["implementation"] == "transformers"}
+    head = (
+        f"MoE layer decode step: {cfg.family}, hidden {cfg.hidden_size}, {cfg.num_experts} experts of "
+        f"{cfg.intermediate_size}, top-{cfg.top_k}, {cfg.dtype}, {torch.get_num_threads()} threads; "
+        f"median of {cfg.rounds} rounds x {cfg.iters} steps"
+    )
+    lines = [
+        head,
+        f"{'batch':>5}  {'implementation':<19} {'step ms':>9} {'tokens/s':>10} {'vs transformers':>15} "
+        f"{'max |diff|':>10}",
+    ]
+    base = {
+        r["batch_size"]: r["tok_s"]
+        for r in rows
+        if r["implementation"] == "transformers"
+    }
     for r in rows:
-        lines.append(f"{r['batch_size']:>5}  {r['implementation']:<19} {r['step_ms']:>9.3f} {r['tok_s']:>10.0f} "
-                     f"{r['tok_s'] / base[r['batch_size']]:>14.2f}x {r['max_abs_diff']:>10.1e}")
+        lines.append(
+            f"{r['batch_size']:>5}  {r['implementation']:<19} {r['step_ms']:>9.3f} {r['tok_s']:>10.0f} "
+            f"{r['tok_s'] / base[r['batch_size']]:>14.2f}x {r['max_abs_diff']:>10.1e}"
+        )
     return "\n".join(lines)

@@ -14,10 +14,21 @@ FAMILIES = {
         "Qwen2MoeSparseMoeBlock",
         {"shared_expert_intermediate_size": None},
     ),
-    "qwen3_moe": ("Qwen3MoeConfig", "qwen3_moe", "Qwen3MoeSparseMoeBlock", {"norm_topk_prob": True}),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "qwen3_moe",
+        "Qwen3MoeSparseMoeBlock",
+        {"norm_topk_prob": True},
+    ),
     "gpt_oss": ("GptOssConfig", "gpt_oss", "GptOssMLP", {}),
 }
-IMPLEMENTATIONS = ("strata", "strata-loop", "strata-native", "transformers", "transformers-eager")
+IMPLEMENTATIONS = (
+    "strata",
+    "strata-loop",
+    "strata-native",
+    "transformers",
+    "transformers-eager",
+)
 
 
 @dataclass(frozen=True)

@@ -35,13 +35,17 @@ class OfflineResult:
     duration_s: float
     input_tokens: int
     output_tokens: int
-    cached_tokens: int | None  # prompt tokens served by the prefix cache (None: unknown)
+    cached_tokens: (
+        int | None
+    )  # prompt tokens served by the prefix cache (None: unknown)
     request_throughput: float
     input_tok_s: float
     output_tok_s: float
     total_tok_s: float
     window: SteadyWindow | None = None  # Strata only
-    decode_pieces_ms: dict[str, float] | None = None  # Strata only: mean per decode-only step (step_timer.py)
+    decode_pieces_ms: dict[str, float] | None = (
+        None  # Strata only: mean per decode-only step (step_timer.py)
+    )
     # Strata, MoE models only: {layer: tokens routed to each expert} during the run, and per layer
     # its tokens, busiest expert, max / mean (expert_load_summary)
     expert_load: dict[int, list[int]] | None = None
@@ -65,7 +69,10 @@ def run_conversations(
     n_req = n_in = n_out = n_cached = 0
     for turn in range(max(len(c.turns) for c in conversations)):
         active = [i for i, c in enumerate(conversations) if len(c.turns) > turn]
-        ids = [turn_prompt_ids(conversations[i], turn, prompts[i], answers[i], tokenizer) for i in active]
+        ids = [
+            turn_prompt_ids(conversations[i], turn, prompts[i], answers[i], tokenizer)
+            for i in active
+        ]
         lens = [conversations[i].turns[turn].output_len for i in active]
         outs, cached = generate(ids, lens)
         for i, p, a in zip(active, ids, outs):
@@ -105,14 +112,30 @@ def _result(
     )
 
 
-def run_strata_offline(engine, conversations: list[Conversation], target: str = "strata") -> OfflineResult:
+def run_strata_offline(
+    engine, conversations: list[Conversation], target: str = "strata"
+) -> OfflineResult:
     from strata.sampling_params import SamplingParams
 
-    warm = random_batch(engine.state.model_config.vocab_size, 2, WARMUP_INPUT_LEN, seed=12345, exclude=set())
-    engine.generate(warm, SamplingParams(max_new_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True))
+    warm = random_batch(
+        engine.state.model_config.vocab_size,
+        2,
+        WARMUP_INPUT_LEN,
+        seed=12345,
+        exclude=set(),
+    )
+    engine.generate(
+        warm,
+        SamplingParams(
+            max_new_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True
+        ),
+    )
 
     def generate(ids: list[list[int]], lens: list[int]) -> tuple[list[list[int]], int]:
-        params = [SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True) for n in lens]
+        params = [
+            SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True)
+            for n in lens
+        ]
         results = engine.generate(ids, params)
         errors = [r.choices[0].error for r in results if r.choices[0].error]
         if errors:
@@ -125,16 +148,27 @@ def run_strata_offline(engine, conversations: list[Conversation], target: str = 
         counts = run_conversations(generate, conversations, engine.tokenizer)
         duration = time.perf_counter() - start
     load = expert_load_delta(engine.model.expert_load(), load_before)
-    steps = [StepSample(s.end, s.duration_s, s.num_sampled, s.decode_only) for s in timer.steps]
+    steps = [
+        StepSample(s.end, s.duration_s, s.num_sampled, s.decode_only)
+        for s in timer.steps
+    ]
     finish_times = [s.end for s in timer.steps for _ in range(s.num_finished)]
     pieces = mean_pieces_ms([s for s in timer.steps if s.decode_only])
-    return _result(target, counts, duration, True, engine_window(steps, finish_times), pieces, load)
+    return _result(
+        target, counts, duration, True, engine_window(steps, finish_times), pieces, load
+    )
 
 
 def run_hf_offline(
-    hf_model, conversations: list[Conversation], tokenizer, batch_size: int, target: str = "transformers"
+    hf_model,
+    conversations: list[Conversation],
+    tokenizer,
+    batch_size: int,
+    target: str = "transformers",
 ) -> OfflineResult:
-    warm = random_batch(hf_model.vocab_size, 2, WARMUP_INPUT_LEN, seed=12345, exclude=set())
+    warm = random_batch(
+        hf_model.vocab_size, 2, WARMUP_INPUT_LEN, seed=12345, exclude=set()
+    )
     hf_model.generate_batch(warm, [WARMUP_OUTPUT_LEN] * 2, batch_size)
 
     def generate(ids: list[list[int]], lens: list[int]) -> tuple[list[list[int]], int]:

@@ -35,17 +35,30 @@ class OneBatchResult:
     decode_step_ms: float | None  # median over steps in which every request decodes
     decode_tok_s: float | None  # batch_size / decode step time
     num_decode_steps: int
-    prefill_pieces_ms: dict[str, float] | None = None  # mean per prefill step (Strata only)
-    decode_pieces_ms: dict[str, float] | None = None  # mean per decode step (Strata only)
-    path: dict[str, object] | None = None  # what ran: dtype (and why), weight formats, kernel build, ISA
+    prefill_pieces_ms: dict[str, float] | None = (
+        None  # mean per prefill step (Strata only)
+    )
+    decode_pieces_ms: dict[str, float] | None = (
+        None  # mean per decode step (Strata only)
+    )
+    path: dict[str, object] | None = (
+        None  # what ran: dtype (and why), weight formats, kernel build, ISA
+    )
     # the most KV memory in use after any step, per request (Strata only; with the prefix cache on it
     # includes what the cache keeps, so measure per-request needs with --disable-radix-cache)
     kv_peak_bytes_per_request: float | None = None
 
     @classmethod
     def measured(
-        cls, target: str, batch_size: int, input_len: int, output_len: int, prefill_s: float,
-        decode_step_ms: float | None, num_decode_steps: int, **extra: dict[str, object] | None,
+        cls,
+        target: str,
+        batch_size: int,
+        input_len: int,
+        output_len: int,
+        prefill_s: float,
+        decode_step_ms: float | None,
+        num_decode_steps: int,
+        **extra: dict[str, object] | None,
     ) -> OneBatchResult:
         """A result from the measured times; the rates follow from them."""
         return cls(
@@ -56,7 +69,9 @@ class OneBatchResult:
             prefill_s=prefill_s,
             prefill_tok_s=batch_size * input_len / prefill_s,
             decode_step_ms=decode_step_ms,
-            decode_tok_s=batch_size / (decode_step_ms / 1000.0) if decode_step_ms else None,
+            decode_tok_s=batch_size / (decode_step_ms / 1000.0)
+            if decode_step_ms
+            else None,
             num_decode_steps=num_decode_steps,
             **extra,
         )
@@ -73,11 +88,17 @@ def random_batch(
         if batch_size <= len(pool)
         else [rng.choice(pool) for _ in range(batch_size)]
     )
-    return [[first] + [rng.choice(pool) for _ in range(input_len - 1)] for first in firsts]
+    return [
+        [first] + [rng.choice(pool) for _ in range(input_len - 1)] for first in firsts
+    ]
 
 
 def special_ids(tokenizer) -> set[int]:
-    return set(getattr(tokenizer, "all_special_ids", []) or []) if tokenizer is not None else set()
+    return (
+        set(getattr(tokenizer, "all_special_ids", []) or [])
+        if tokenizer is not None
+        else set()
+    )
 
 
 def run_strata_one_batch(
@@ -88,8 +109,15 @@ def run_strata_one_batch(
 
     vocab = engine.state.model_config.vocab_size
     exclude = special_ids(engine.tokenizer) | set(engine.state.eos_token_ids)
-    warm = random_batch(vocab, batch_size, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude)
-    engine.generate(warm, SamplingParams(max_new_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True))
+    warm = random_batch(
+        vocab, batch_size, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude
+    )
+    engine.generate(
+        warm,
+        SamplingParams(
+            max_new_tokens=WARMUP_OUTPUT_LEN, temperature=0.0, ignore_eos=True
+        ),
+    )
 
     prompts = random_batch(vocab, batch_size, input_len, seed, exclude)
     params = SamplingParams(max_new_tokens=output_len, temperature=0.0, ignore_eos=True)
@@ -110,11 +138,21 @@ def run_strata_one_batch(
     prefill, rest = steps[:prefill_steps], steps[prefill_steps:]
     decode = [s for s in rest if s.decode_only and s.num_decode == batch_size]
     prefill_s = prefill[-1].end - start
-    step_ms = statistics.median(1000.0 * s.duration_s for s in decode) if decode else None
+    step_ms = (
+        statistics.median(1000.0 * s.duration_s for s in decode) if decode else None
+    )
     return OneBatchResult.measured(
-        "strata", batch_size, input_len, output_len, prefill_s, step_ms, len(decode),
-        prefill_pieces_ms=mean_pieces_ms(prefill), decode_pieces_ms=mean_pieces_ms(decode),
-        path=engine_path(engine), kv_peak_bytes_per_request=max(s.kv_bytes for s in steps) / batch_size,
+        "strata",
+        batch_size,
+        input_len,
+        output_len,
+        prefill_s,
+        step_ms,
+        len(decode),
+        prefill_pieces_ms=mean_pieces_ms(prefill),
+        decode_pieces_ms=mean_pieces_ms(decode),
+        path=engine_path(engine),
+        kv_peak_bytes_per_request=max(s.kv_bytes for s in steps) / batch_size,
     )
 
 

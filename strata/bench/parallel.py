@@ -48,10 +48,21 @@ def make_skewed_moe(out_dir: Path, cfg: EPLBBenchConfig) -> Path:
     import transformers
 
     config = transformers.MixtralConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=cfg.num_experts, num_experts_per_tok=cfg.top_k,
-        max_position_embeddings=1024, sliding_window=None, bos_token_id=0, eos_token_id=2, pad_token_id=0,
-        tie_word_embeddings=False, initializer_range=0.25,
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=cfg.num_experts,
+        num_experts_per_tok=cfg.top_k,
+        max_position_embeddings=1024,
+        sliding_window=None,
+        bos_token_id=0,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+        initializer_range=0.25,
     )
     torch.manual_seed(cfg.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -63,7 +74,9 @@ def make_skewed_moe(out_dir: Path, cfg: EPLBBenchConfig) -> Path:
         embed.add_(u * embed.norm(dim=1, keepdim=True).mean())
         for layer in model.model.layers:
             layer.self_attn.o_proj.weight.mul_(0.2)
-            layer.mlp.experts.down_proj.mul_(0.2)  # transformers' stacked experts [E, H, I]
+            layer.mlp.experts.down_proj.mul_(
+                0.2
+            )  # transformers' stacked experts [E, H, I]
             router = layer.mlp.gate.weight  # [E, H]
             router[list(cfg.hot_experts)] += cfg.skew * u * router.norm(dim=1).mean()
     model.save_pretrained(out_dir)
@@ -74,14 +87,21 @@ def _workload(cfg: EPLBBenchConfig, vocab: int) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(cfg.seed + 1)
-    return torch.randint(3, vocab, (cfg.num_prompts, cfg.prompt_len), generator=gen).tolist()
+    return torch.randint(
+        3, vocab, (cfg.num_prompts, cfg.prompt_len), generator=gen
+    ).tolist()
 
 
 def _summary(rank_load: dict[int, list[int]]) -> dict:
     from strata.distributed.eplb import imbalance
 
-    layers = {i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)} for i, rows in rank_load.items()}
-    worst = max((v["max_over_mean"] or 0.0) for v in layers.values()) if layers else None
+    layers = {
+        i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
+        for i, rows in rank_load.items()
+    }
+    worst = (
+        max((v["max_over_mean"] or 0.0) for v in layers.values()) if layers else None
+    )
     return {"layers": layers, "worst_max_over_mean": worst}
 
 
@@ -90,11 +110,22 @@ def run_eplb(cfg: EPLBBenchConfig, engine_options: dict | None = None) -> dict:
 
     with tempfile.TemporaryDirectory(prefix="strata-eplb-") as tmp:
         model = cfg.model or str(make_skewed_moe(Path(tmp) / "skewed-mixtral", cfg))
-        options = {"dtype": "float32", "kv_cache_tokens": 8192, **(engine_options or {})}
-        engine = Engine(model, ep_size=cfg.ep_size, ep_num_redundant_experts=cfg.num_redundant, **options)
+        options = {
+            "dtype": "float32",
+            "kv_cache_tokens": 8192,
+            **(engine_options or {}),
+        }
+        engine = Engine(
+            model,
+            ep_size=cfg.ep_size,
+            ep_num_redundant_experts=cfg.num_redundant,
+            **options,
+        )
         try:
             runtime = engine.parallel
-            params = SamplingParams(temperature=0, max_new_tokens=cfg.output_len, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0, max_new_tokens=cfg.output_len, ignore_eos=True
+            )
             prompts = _workload(cfg, engine.state.model_config.vocab_size)
             runtime.reset_rank_load()
             before_tokens = [r.token_ids for r in engine.generate(prompts, params)]
@@ -160,9 +191,13 @@ def _time_steps(engine, batch: int, cfg: StepTimeConfig) -> tuple[float, float]:
 
     gen = torch.Generator().manual_seed(batch)
     vocab = engine.state.model_config.vocab_size
-    params = SamplingParams(temperature=0, max_new_tokens=cfg.decode_steps + 1, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_new_tokens=cfg.decode_steps + 1, ignore_eos=True
+    )
     for _ in range(batch):
-        engine.add_request(torch.randint(3, vocab, (cfg.prompt_len,), generator=gen).tolist(), params)
+        engine.add_request(
+            torch.randint(3, vocab, (cfg.prompt_len,), generator=gen).tolist(), params
+        )
     start = time.perf_counter()
     engine.step()  # every prompt in one prefill step (chunk and token budgets allow it)
     prefill = time.perf_counter() - start
@@ -182,19 +217,28 @@ def run_step_time(cfg: StepTimeConfig) -> list[dict]:
 
     rows = []
     for tp in cfg.tp_sizes:
-        options = {"quantization": "none", "kv_cache_tokens": 8192, **cfg.engine_options}
+        options = {
+            "quantization": "none",
+            "kv_cache_tokens": 8192,
+            **cfg.engine_options,
+        }
         engine = Engine(cfg.model, tp_size=tp, **options)
         try:
             _time_steps(engine, max(cfg.batch_sizes), cfg)  # warm-up
             for batch in cfg.batch_sizes:
                 runs = [_time_steps(engine, batch, cfg) for _ in range(cfg.rounds)]
-                rows.append({
-                    "tp_size": tp, "batch": batch, "prompt_len": cfg.prompt_len,
-                    "prefill_ms": 1000 * statistics.median(r[0] for r in runs),
-                    "decode_step_ms": 1000 * statistics.median(r[1] for r in runs),
-                    "model": engine.state.model_dir.name, "dtype": str(engine.state.dtype).removeprefix("torch."),
-                    "threads_per_rank": torch.get_num_threads(),
-                })
+                rows.append(
+                    {
+                        "tp_size": tp,
+                        "batch": batch,
+                        "prompt_len": cfg.prompt_len,
+                        "prefill_ms": 1000 * statistics.median(r[0] for r in runs),
+                        "decode_step_ms": 1000 * statistics.median(r[1] for r in runs),
+                        "model": engine.state.model_dir.name,
+                        "dtype": str(engine.state.dtype).removeprefix("torch."),
+                        "threads_per_rank": torch.get_num_threads(),
+                    }
+                )
         finally:
             engine.close()
     return rows
@@ -202,9 +246,15 @@ def run_step_time(cfg: StepTimeConfig) -> list[dict]:
 
 def format_step_time(rows: list[dict]) -> str:
     base = {(r["batch"]): r for r in rows if r["tp_size"] == 1}
-    lines = [f"{'tp':>3} {'threads':>7} {'batch':>5} {'prefill ms':>11} {'decode step ms':>15} {'decode vs tp=1':>15}"]
+    lines = [
+        f"{'tp':>3} {'threads':>7} {'batch':>5} {'prefill ms':>11} {'decode step ms':>15} {'decode vs tp=1':>15}"
+    ]
     for r in rows:
-        ratio = r["decode_step_ms"] / base[r["batch"]]["decode_step_ms"] if r["batch"] in base else float("nan")
+        ratio = (
+            r["decode_step_ms"] / base[r["batch"]]["decode_step_ms"]
+            if r["batch"] in base
+            else float("nan")
+        )
         lines.append(
             f"{r['tp_size']:>3} {r['threads_per_rank']:>7} {r['batch']:>5} {r['prefill_ms']:>11.1f} "
             f"{r['decode_step_ms']:>15.2f} {ratio:>14.2f}x"
@@ -218,27 +268,54 @@ def format_step_time(rows: list[dict]) -> str:
 def add_args(parser) -> None:
     """`strata bench parallel eplb | step-time` and their flags."""
     sub = parser.add_subparsers(dest="parallel_command", required=True)
-    e, d = sub.add_parser("eplb", help="per-rank expert load before/after one EPLB rebalance"), EPLBBenchConfig()
-    e.add_argument("--model", default=None, help="a MoE model directory (default: a skewed tiny Mixtral)")
+    e, d = (
+        sub.add_parser(
+            "eplb", help="per-rank expert load before/after one EPLB rebalance"
+        ),
+        EPLBBenchConfig(),
+    )
+    e.add_argument(
+        "--model",
+        default=None,
+        help="a MoE model directory (default: a skewed tiny Mixtral)",
+    )
     e.add_argument("--ep-size", type=int, default=d.ep_size)
     e.add_argument("--ep-num-redundant-experts", type=int, default=d.num_redundant)
-    e.add_argument("--num-experts", type=int, default=d.num_experts, help="of the tiny model")
+    e.add_argument(
+        "--num-experts", type=int, default=d.num_experts, help="of the tiny model"
+    )
     e.add_argument("--top-k", type=int, default=d.top_k, help="of the tiny model")
-    e.add_argument("--skew", type=float, default=d.skew, help="how strongly the tiny model's router favours experts 2, 3")
+    e.add_argument(
+        "--skew",
+        type=float,
+        default=d.skew,
+        help="how strongly the tiny model's router favours experts 2, 3",
+    )
     e.add_argument("--num-prompts", type=int, default=d.num_prompts)
     e.add_argument("--prompt-len", type=int, default=d.prompt_len)
     e.add_argument("--output-len", type=int, default=d.output_len)
     e.add_argument("--output-json", default=None, metavar="FILE")
-    s, t = sub.add_parser("step-time", help="prefill and decode step time at --tp-sizes"), StepTimeConfig()
-    s.add_argument("--model", default=None, help="default: the default model (float weights)")
+    s, t = (
+        sub.add_parser("step-time", help="prefill and decode step time at --tp-sizes"),
+        StepTimeConfig(),
+    )
+    s.add_argument(
+        "--model", default=None, help="default: the default model (float weights)"
+    )
     s.add_argument("--tp-sizes", type=int, nargs="+", default=list(t.tp_sizes))
     s.add_argument("--batch-sizes", type=int, nargs="+", default=list(t.batch_sizes))
     s.add_argument("--prompt-len", type=int, default=t.prompt_len)
     s.add_argument("--decode-steps", type=int, default=t.decode_steps)
     s.add_argument("--rounds", type=int, default=t.rounds)
-    s.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"])
-    s.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads per rank (default: the cores split over the ranks)")
+    s.add_argument(
+        "--dtype", default="float32", choices=["auto", "float32", "bfloat16"]
+    )
+    s.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch threads per rank (default: the cores split over the ranks)",
+    )
     s.add_argument("--output-json", default=None, metavar="FILE")
 
 
@@ -247,16 +324,26 @@ def cmd(args) -> int:
 
     if args.parallel_command == "eplb":
         cfg = EPLBBenchConfig(
-            model=args.model, ep_size=args.ep_size, num_redundant=args.ep_num_redundant_experts,
-            num_experts=args.num_experts, top_k=args.top_k, skew=args.skew, num_prompts=args.num_prompts,
-            prompt_len=args.prompt_len, output_len=args.output_len,
+            model=args.model,
+            ep_size=args.ep_size,
+            num_redundant=args.ep_num_redundant_experts,
+            num_experts=args.num_experts,
+            top_k=args.top_k,
+            skew=args.skew,
+            num_prompts=args.num_prompts,
+            prompt_len=args.prompt_len,
+            output_len=args.output_len,
         )
         result = run_eplb(cfg)
         print(format_eplb(result))
     else:
         cfg = StepTimeConfig(
-            model=args.model, tp_sizes=tuple(args.tp_sizes), batch_sizes=tuple(args.batch_sizes),
-            prompt_len=args.prompt_len, decode_steps=args.decode_steps, rounds=args.rounds,
+            model=args.model,
+            tp_sizes=tuple(args.tp_sizes),
+            batch_sizes=tuple(args.batch_sizes),
+            prompt_len=args.prompt_len,
+            decode_steps=args.decode_steps,
+            rounds=args.rounds,
             engine_options={"dtype": args.dtype, "num_threads": args.num_threads},
         )
         result = run_step_time(cfg)

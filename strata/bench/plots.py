@@ -33,7 +33,9 @@ def _label(r: ServingResult) -> str:
     return f"conc={r.config.max_concurrency or 'inf'} rate={r.config.request_rate:g}"
 
 
-def plot_serving(runs: dict[str, Sequence[ServingResult]], out_dir: str | Path) -> list[Path]:
+def plot_serving(
+    runs: dict[str, Sequence[ServingResult]], out_dir: str | Path
+) -> list[Path]:
     """`runs`: target label -> its serving results (a sweep over concurrency / rate). Returns files written."""
     plt = _pyplot()
     out = Path(out_dir)
@@ -46,9 +48,16 @@ def plot_serving(runs: dict[str, Sequence[ServingResult]], out_dir: str | Path) 
         for target, rs in sweeps.items():
             rs = sorted(rs, key=lambda r: r.config.max_concurrency)
             xs = [r.config.max_concurrency for r in rs]
-            ax1.plot(xs, [r.summary.output_throughput for r in rs], marker="o", label=target)
-            ax2.plot(xs, [r.summary.request_throughput for r in rs], marker="o", label=target)
-        for ax, name in ((ax1, "output tokens/s (whole run)"), (ax2, "requests/s (whole run)")):
+            ax1.plot(
+                xs, [r.summary.output_throughput for r in rs], marker="o", label=target
+            )
+            ax2.plot(
+                xs, [r.summary.request_throughput for r in rs], marker="o", label=target
+            )
+        for ax, name in (
+            (ax1, "output tokens/s (whole run)"),
+            (ax2, "requests/s (whole run)"),
+        ):
             ax.set_xscale("log", base=2)
             ax.set_xlabel("max concurrency")
             ax.set_ylabel(name)
@@ -60,7 +69,11 @@ def plot_serving(runs: dict[str, Sequence[ServingResult]], out_dir: str | Path) 
         plt.close(fig)
 
     for name, values_of, unit in (
-        ("ttft", lambda r: [x.ttft for x in r.records if x.ok and x.ttft is not None], "TTFT (ms)"),
+        (
+            "ttft",
+            lambda r: [x.ttft for x in r.records if x.ok and x.ttft is not None],
+            "TTFT (ms)",
+        ),
         ("itl", lambda r: [g for x in r.records if x.ok for g in x.itls], "ITL (ms)"),
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -82,16 +95,24 @@ def plot_serving(runs: dict[str, Sequence[ServingResult]], out_dir: str | Path) 
     return written
 
 
-def plot_one_batch(results: Sequence[OneBatchResult], out_dir: str | Path) -> list[Path]:
+def plot_one_batch(
+    results: Sequence[OneBatchResult], out_dir: str | Path
+) -> list[Path]:
     plt = _pyplot()
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     fig, ax = plt.subplots(figsize=(7, 4))
     for target in dict.fromkeys(r.target for r in results):
         rs = sorted(
-            (r for r in results if r.target == target and r.decode_step_ms), key=lambda r: r.batch_size
+            (r for r in results if r.target == target and r.decode_step_ms),
+            key=lambda r: r.batch_size,
         )
-        ax.plot([r.batch_size for r in rs], [r.decode_step_ms for r in rs], marker="o", label=target)
+        ax.plot(
+            [r.batch_size for r in rs],
+            [r.decode_step_ms for r in rs],
+            marker="o",
+            label=target,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("batch size")
     ax.set_ylabel("decode step (ms, median)")

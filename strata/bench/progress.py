@@ -14,7 +14,12 @@ class Progress:
             except ImportError:
                 return
             self._bar = tqdm(
-                total=total, desc=desc, unit="req", leave=False, dynamic_ncols=True, file=sys.stderr
+                total=total,
+                desc=desc,
+                unit="req",
+                leave=False,
+                dynamic_ncols=True,
+                file=sys.stderr,
             )
 
     def update(self, n: int = 1) -> None:

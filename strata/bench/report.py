@@ -38,19 +38,30 @@ def table(rows: list[list[str]], header: list[str] | None = None) -> str:
     widths = [max(len(r[i]) for r in all_rows) for i in range(len(all_rows[0]))]
 
     def line(r: list[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w)
+            for i, (c, w) in enumerate(zip(r, widths))
+        )
 
     out = [line(header), "  ".join("-" * w for w in widths)] if header else []
     return "\n".join(out + [line(r) for r in rows])
 
 
 def _latency_rows(name: str, s: LatencyStats) -> list[list[str]]:
-    return [[f"{name} {k} (ms)", fmt(getattr(s, f"{k}_ms"))] for k in ("mean", "median", "p90", "p99")]
+    return [
+        [f"{name} {k} (ms)", fmt(getattr(s, f"{k}_ms"))]
+        for k in ("mean", "median", "p90", "p99")
+    ]
 
 
 def _window_rows(w: SteadyWindow | None) -> list[list[str]]:
     if w is None:
-        return [["steady window (20%..90% completed)", "n/a (too few requests, or they finished together)"]]
+        return [
+            [
+                "steady window (20%..90% completed)",
+                "n/a (too few requests, or they finished together)",
+            ]
+        ]
     return [
         [
             f"steady window ({w.low_fraction:.0%}..{w.high_fraction:.0%} completed) duration (s)",
@@ -80,10 +91,20 @@ def serving_text(r: ServingResult) -> str:
         ["mean concurrency", fmt(s.mean_concurrency)],
         ["input / output tokens", f"{s.total_input_tokens} / {s.total_output_tokens}"],
     ]
-    for name, stats in (("TTFT", s.ttft), ("TPOT", s.tpot), ("ITL", s.itl), ("E2E", s.e2e)):
+    for name, stats in (
+        ("TTFT", s.ttft),
+        ("TPOT", s.tpot),
+        ("ITL", s.itl),
+        ("E2E", s.e2e),
+    ):
         rows += _latency_rows(name, stats)
     rows += _window_rows(r.window)
-    rows.append(["cache hit rate, usage.cached_tokens (this run)", fmt(s.usage_cache_hit_rate, 3)])
+    rows.append(
+        [
+            "cache hit rate, usage.cached_tokens (this run)",
+            fmt(s.usage_cache_hit_rate, 3),
+        ]
+    )
     rows.append(
         [
             f"cache hit rate, server [{r.server_cache_hit_rate_source or 'not reported'}]",
@@ -94,17 +115,32 @@ def serving_text(r: ServingResult) -> str:
         rows.append([f"server {name} CPU per output token (ms)", fmt(ms, 3)])
     text = table(rows, ["serving benchmark", "value"])
     if s.errors:
-        text += "\nerrors:\n" + "\n".join(f"  {n} x {msg}" for msg, n in s.errors.items())
+        text += "\nerrors:\n" + "\n".join(
+            f"  {n} x {msg}" for msg, n in s.errors.items()
+        )
     return text
 
 
 def one_batch_text(results: list[OneBatchResult]) -> str:
     rows = [
-        [r.target, str(r.batch_size), str(r.input_len), str(r.output_len), fmt(r.prefill_s, 3), fmt(r.prefill_tok_s, 1),
-         fmt(r.decode_step_ms), fmt(r.decode_tok_s, 1),
-         fmt(None if r.kv_peak_bytes_per_request is None else r.kv_peak_bytes_per_request / 2**20, 2)]
+        [
+            r.target,
+            str(r.batch_size),
+            str(r.input_len),
+            str(r.output_len),
+            fmt(r.prefill_s, 3),
+            fmt(r.prefill_tok_s, 1),
+            fmt(r.decode_step_ms),
+            fmt(r.decode_tok_s, 1),
+            fmt(
+                None
+                if r.kv_peak_bytes_per_request is None
+                else r.kv_peak_bytes_per_request / 2**20,
+                2,
+            ),
+        ]
         for r in results
-    ]  # fmt: skip
+    ]
     text = table(
         rows,
         [
@@ -124,12 +160,18 @@ def one_batch_text(results: list[OneBatchResult]) -> str:
         names = PIECE_NAMES
         rows = []
         for r in pieces:
-            for phase, p in (("prefill", r.prefill_pieces_ms), ("decode", r.decode_pieces_ms)):
+            for phase, p in (
+                ("prefill", r.prefill_pieces_ms),
+                ("decode", r.decode_pieces_ms),
+            ):
                 if p:
                     rows.append(
-                        [f"bs={r.batch_size} in={r.input_len} {phase}"] + [fmt(p[n], 2) for n in names]
+                        [f"bs={r.batch_size} in={r.input_len} {phase}"]
+                        + [fmt(p[n], 2) for n in names]
                     )
-        text += "\n\nper-step breakdown, mean ms per step:\n" + table(rows, ["step"] + names)
+        text += "\n\nper-step breakdown, mean ms per step:\n" + table(
+            rows, ["step"] + names
+        )
     return text
 
 
@@ -143,7 +185,10 @@ def offline_text(r: OfflineResult) -> str:
         ["input throughput (tok/s)", fmt(r.input_tok_s)],
         ["output throughput (tok/s)", fmt(r.output_tok_s)],
         ["total throughput (tok/s)", fmt(r.total_tok_s)],
-        ["cache hit rate (prompt tokens from the prefix cache)", fmt(r.cache_hit_rate, 3)],
+        [
+            "cache hit rate (prompt tokens from the prefix cache)",
+            fmt(r.cache_hit_rate, 3),
+        ],
     ]
     if r.window is not None or r.target.startswith("strata"):
         rows += _window_rows(r.window)
@@ -164,23 +209,46 @@ def offline_text(r: OfflineResult) -> str:
 def expert_load_text(summary: dict[int, dict[str, Any]]) -> str:
     """One row per MoE layer: how unevenly its experts were used (strata.layers.expert_load)."""
     rows = [
-        [str(layer), str(s["tokens"]), str(s["busiest_expert"]), str(s["max_tokens"]),
-         fmt(s["mean_tokens"], 1), fmt(s["max_over_mean"]), str(s["idle_experts"])]
+        [
+            str(layer),
+            str(s["tokens"]),
+            str(s["busiest_expert"]),
+            str(s["max_tokens"]),
+            fmt(s["mean_tokens"], 1),
+            fmt(s["max_over_mean"]),
+            str(s["idle_experts"]),
+        ]
         for layer, s in summary.items()
-    ]  # fmt: skip
-    header = ["MoE layer", "tokens routed", "busiest expert", "its tokens", "mean/expert", "max/mean",
-              "idle experts"]  # fmt: skip
-    return "expert load of this run (a token counts once per chosen expert):\n" + table(rows, header)
+    ]
+    header = [
+        "MoE layer",
+        "tokens routed",
+        "busiest expert",
+        "its tokens",
+        "mean/expert",
+        "max/mean",
+        "idle experts",
+    ]
+    return "expert load of this run (a token counts once per chosen expert):\n" + table(
+        rows, header
+    )
 
 
 def compare_text(c: CompareResult) -> str:
     targets = [t for t in c.targets if t in c.values]
-    header = ["figure (median of rounds)"] + targets + [f"{t} / {c.targets[0]}" for t in targets[1:]]
+    header = (
+        ["figure (median of rounds)"]
+        + targets
+        + [f"{t} / {c.targets[0]}" for t in targets[1:]]
+    )
     rows = []
     for fig in c.figures:
         row = [fig + ("" if higher_is_better(fig) else " [lower is better]")]
         row += [fmt(c.median(t, fig)) for t in targets]
-        row += [(f"{c.ratio(t, fig):.2f}x" if c.ratio(t, fig) is not None else "n/a") for t in targets[1:]]
+        row += [
+            (f"{c.ratio(t, fig):.2f}x" if c.ratio(t, fig) is not None else "n/a")
+            for t in targets[1:]
+        ]
         rows.append(row)
     text = f"compare {c.mode}: {c.rounds} round(s), order alternating each round\n"
     text += table(rows, header) if rows else "(no target produced figures)"
@@ -194,7 +262,9 @@ def compare_text(c: CompareResult) -> str:
 
 def _jsonable(obj: Any) -> Any:
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return {k: _jsonable(v) for k, v in redacted(obj).items()}  # secret fields never reach a file
+        return {
+            k: _jsonable(v) for k, v in redacted(obj).items()
+        }  # secret fields never reach a file
     if isinstance(obj, dict):
         return {str(k): _jsonable(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
@@ -236,10 +306,20 @@ def cpu_description() -> dict[str, Any]:
     model = platform.processor()
     try:
         with open("/proc/cpuinfo") as f:
-            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+            model = next(
+                (
+                    line.split(":", 1)[1].strip()
+                    for line in f
+                    if line.startswith("model name")
+                ),
+                model,
+            )
     except OSError:
         pass
-    return {"model": model, "isa": sorted(f for f in cpu_flags() if f in ISA_FLAGS.values())}
+    return {
+        "model": model,
+        "isa": sorted(f for f in cpu_flags() if f in ISA_FLAGS.values()),
+    }
 
 
 def environment() -> dict[str, Any]:
@@ -255,13 +335,23 @@ def environment() -> dict[str, Any]:
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
         # OpenMP spin-waiting decides CPU results on a busy machine (see docs/BENCHMARKS.md)
         "env": {
-            k: os.environ.get(k) for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+            k: os.environ.get(k)
+            for k in (
+                "OMP_WAIT_POLICY",
+                "GOMP_SPINCOUNT",
+                "OMP_NUM_THREADS",
+                "CUDA_VISIBLE_DEVICES",
+            )
         },
         "argv": sys.argv,
     }
 
 
 def write_json(path: str | Path, kind: str, results: Any) -> None:
-    payload = {"benchmark": kind, "environment": environment(), "results": _jsonable(results)}
+    payload = {
+        "benchmark": kind,
+        "environment": environment(),
+        "results": _jsonable(results),
+    }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=2))

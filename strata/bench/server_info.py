@@ -41,7 +41,9 @@ def first_model(base_url: str, api_key: str | None = None) -> str | None:
 
 def server_info(base_url: str, api_key: str | None = None) -> dict[str, Any] | None:
     try:
-        resp = httpx.get(f"{base_url}/get_server_info", headers=_auth(api_key), timeout=30)
+        resp = httpx.get(
+            f"{base_url}/get_server_info", headers=_auth(api_key), timeout=30
+        )
         return resp.json() if resp.status_code == 200 else None
     except (httpx.HTTPError, ValueError):
         return None
@@ -69,7 +71,9 @@ def token_counters(base_url: str, api_key: str | None = None) -> TokenCounters |
         return None
 
 
-def hit_rate_between(before: TokenCounters | None, after: TokenCounters | None) -> float | None:
+def hit_rate_between(
+    before: TokenCounters | None, after: TokenCounters | None
+) -> float | None:
     if before is None or after is None:
         return None
     prompt = after.prompt_tokens - before.prompt_tokens
@@ -78,7 +82,12 @@ def hit_rate_between(before: TokenCounters | None, after: TokenCounters | None) 
 
 def flush_cache(base_url: str, api_key: str | None = None) -> bool:
     try:
-        return httpx.post(f"{base_url}/flush_cache", headers=_auth(api_key), timeout=30).status_code == 200
+        return (
+            httpx.post(
+                f"{base_url}/flush_cache", headers=_auth(api_key), timeout=30
+            ).status_code
+            == 200
+        )
     except httpx.HTTPError:
         return False
 
@@ -94,7 +103,11 @@ def server_pids(info: dict[str, Any] | None) -> dict[str, int]:
         return {}
     engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
     pids = {"frontend": info.get("frontend_pid"), "engine": engine.get("pid")}
-    return {name: pid for name, pid in pids.items() if isinstance(pid, int) and os.path.exists(f"/proc/{pid}/stat")}
+    return {
+        name: pid
+        for name, pid in pids.items()
+        if isinstance(pid, int) and os.path.exists(f"/proc/{pid}/stat")
+    }
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -104,8 +117,12 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     for name, pid in pids.items():
         try:
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()  # after "pid (comm)": state is fields[0]
+                fields = (
+                    f.read().rsplit(")", 1)[1].split()
+                )  # after "pid (comm)": state is fields[0]
         except OSError:
             continue
-        out[name] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime: fields 14 and 15 of stat
+        out[name] = (
+            int(fields[11]) + int(fields[12])
+        ) / tick  # utime, stime: fields 14 and 15 of stat
     return out

@@ -31,7 +31,12 @@ class ServerProcess:
     """`with ServerProcess(cmd_for_port, name) as srv: srv.base_url ...` (cmd_for_port(port) -> argv)."""
 
     def __init__(
-        self, argv_for_port, name: str, *, startup_timeout_s: float = 300.0, env: dict[str, str] | None = None
+        self,
+        argv_for_port,
+        name: str,
+        *,
+        startup_timeout_s: float = 300.0,
+        env: dict[str, str] | None = None,
     ):
         self.name = name
         self.port = free_port()
@@ -48,7 +53,11 @@ class ServerProcess:
     def start(self) -> ServerProcess:
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
-                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                start_new_session=True,
             )
         deadline = time.monotonic() + self.startup_timeout_s
         while time.monotonic() < deadline:

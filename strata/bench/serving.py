@@ -26,7 +26,14 @@ from typing import Any
 import numpy as np
 
 from strata.bench import server_info
-from strata.bench.datasets import TURN_SEPARATOR, Conversation, Turn, num_requests, token_text, vocab_pool
+from strata.bench.datasets import (
+    TURN_SEPARATOR,
+    Conversation,
+    Turn,
+    num_requests,
+    token_text,
+    vocab_pool,
+)
 from strata.bench.http_client import ENDPOINTS, OpenAIClient
 from strata.bench.metrics import RequestRecord, ServingSummary, summarize
 from strata.bench.progress import Progress
@@ -48,14 +55,24 @@ LENGTH_CONTROLS = ("ignore_eos", "logit_bias", "generation_config", "none")
 class ServingConfig:
     base_url: str
     endpoint: str = "completions"  # completions | chat
-    model: str | None = None  # the `model` field of requests; None: the first of GET /v1/models
-    request_rate: float = math.inf  # conversations per second (Poisson); inf: all at once
+    model: str | None = (
+        None  # the `model` field of requests; None: the first of GET /v1/models
+    )
+    request_rate: float = (
+        math.inf
+    )  # conversations per second (Poisson); inf: all at once
     max_concurrency: int | None = None  # requests in flight at most; None: no cap
     num_warmup: int = 1
     temperature: float = 0.0
-    length_control: str = "ignore_eos"  # how to ask for exactly output_len tokens; see LENGTH_CONTROLS
-    send_token_ids: bool = False  # completions: send the prompt as token ids (exact lengths)
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    length_control: str = (
+        "ignore_eos"  # how to ask for exactly output_len tokens; see LENGTH_CONTROLS
+    )
+    send_token_ids: bool = (
+        False  # completions: send the prompt as token ids (exact lengths)
+    )
+    extra_body: dict[str, Any] = field(
+        default_factory=dict
+    )  # merged into every request body
     api_key: str | None = field(default=None, metadata=SECRET)
     timeout_s: float = 600.0
     seed: int = 0
@@ -63,13 +80,21 @@ class ServingConfig:
 
     def __post_init__(self) -> None:
         if self.endpoint not in ENDPOINTS:
-            raise ValueError(f"endpoint must be one of {tuple(ENDPOINTS)}, got {self.endpoint!r}")
+            raise ValueError(
+                f"endpoint must be one of {tuple(ENDPOINTS)}, got {self.endpoint!r}"
+            )
         if not self.request_rate > 0:
-            raise ValueError(f"request_rate must be > 0 (inf for all at once), got {self.request_rate}")
+            raise ValueError(
+                f"request_rate must be > 0 (inf for all at once), got {self.request_rate}"
+            )
         if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+            raise ValueError(
+                f"max_concurrency must be >= 1, got {self.max_concurrency}"
+            )
         if self.length_control not in LENGTH_CONTROLS:
-            raise ValueError(f"length_control must be one of {LENGTH_CONTROLS}, got {self.length_control!r}")
+            raise ValueError(
+                f"length_control must be one of {LENGTH_CONTROLS}, got {self.length_control!r}"
+            )
         if self.send_token_ids and self.endpoint != "completions":
             raise ValueError(
                 "send_token_ids works with the completions endpoint only; drop it or use --endpoint completions"
@@ -83,7 +108,9 @@ class ServingResult:
     records: list[RequestRecord]
     summary: ServingSummary  # whole run
     window: SteadyWindow | None  # 20%..90% of requests completed
-    server_cache_hit_rate: float | None  # from the server: this run's /metrics delta, else /get_server_info
+    server_cache_hit_rate: (
+        float | None
+    )  # from the server: this run's /metrics delta, else /get_server_info
     server_cache_hit_rate_source: str | None
     # a Strata server on this machine: CPU milliseconds its frontend / engine process spent per output
     # token of the run (HTTP, detokenizing, streaming vs the model); {} for other servers
@@ -106,7 +133,9 @@ class RequestBuilder:
         self.model = model
         self.tokenizer = tokenizer
 
-    def body(self, conv: Conversation, turn: int, history: list[str]) -> tuple[dict[str, Any], int]:
+    def body(
+        self, conv: Conversation, turn: int, history: list[str]
+    ) -> tuple[dict[str, Any], int]:
         """(body, prompt length estimate); `history` holds the answers of turns 0..turn-1."""
         cfg = self.config
         out_len = conv.turns[turn].output_len
@@ -123,10 +152,16 @@ class RequestBuilder:
             body["logit_bias"] = {str(t): -100 for t in self._stop_ids()}
         elif cfg.length_control == "generation_config":
             body["generation_config"] = json.dumps(
-                {"min_new_tokens": out_len, "max_new_tokens": out_len, "do_sample": cfg.temperature > 0}
+                {
+                    "min_new_tokens": out_len,
+                    "max_new_tokens": out_len,
+                    "do_sample": cfg.temperature > 0,
+                }
             )
         if cfg.endpoint == "chat":
-            messages = [{"role": "system", "content": conv.system.text}] if conv.system else []
+            messages = (
+                [{"role": "system", "content": conv.system.text}] if conv.system else []
+            )
             for k in range(turn):
                 messages.append({"role": "user", "content": conv.turns[k].text})
                 messages.append({"role": "assistant", "content": history[k]})
@@ -160,14 +195,21 @@ class RequestBuilder:
 
     def _estimate_chat(self, messages: list[dict[str, str]]) -> int:
         if getattr(self.tokenizer, "chat_template", None):
-            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            ids = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=True
+            )
             if hasattr(ids, "keys"):
                 ids = ids["input_ids"]
             return len(ids)
-        return sum(len(self.tokenizer.encode(m["content"], add_special_tokens=False)) for m in messages)
+        return sum(
+            len(self.tokenizer.encode(m["content"], add_special_tokens=False))
+            for m in messages
+        )
 
 
-def run_serving(config: ServingConfig, conversations: list[Conversation], tokenizer) -> ServingResult:
+def run_serving(
+    config: ServingConfig, conversations: list[Conversation], tokenizer
+) -> ServingResult:
     """Run the benchmark (blocking). Raises RuntimeError if the server cannot be used at all."""
     base = config.base_url.rstrip("/")
     model = config.model or server_info.first_model(base, config.api_key)
@@ -176,10 +218,15 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
             f"{base}/v1/models lists no model and none was given; is the server up? Pass --model NAME"
         )
     pids = server_info.server_pids(server_info.server_info(base, config.api_key))
-    records, start, before, cpu_before = asyncio.run(_drive(config, model, conversations, tokenizer, pids))
+    records, start, before, cpu_before = asyncio.run(
+        _drive(config, model, conversations, tokenizer, pids)
+    )
     cpu_after = server_info.cpu_seconds(pids)
     after = server_info.token_counters(base, config.api_key)
-    rate, source = server_info.hit_rate_between(before, after), "/metrics counters (this run)"
+    rate, source = (
+        server_info.hit_rate_between(before, after),
+        "/metrics counters (this run)",
+    )
     if rate is None:
         info = server_info.server_info(base, config.api_key)
         rate = info.get("cache_hit_rate") if info else None
@@ -188,7 +235,8 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
     tokens = summary.total_output_tokens
     cpu_ms = {
         name: 1e3 * (cpu_after[name] - cpu_before[name]) / tokens
-        for name in cpu_before if name in cpu_after and tokens
+        for name in cpu_before
+        if name in cpu_after and tokens
     }
     return ServingResult(
         config=config,
@@ -203,12 +251,21 @@ def run_serving(config: ServingConfig, conversations: list[Conversation], tokeni
 
 
 async def _drive(
-    config: ServingConfig, model: str, conversations: list[Conversation], tokenizer, pids: dict[str, int]
-) -> tuple[list[RequestRecord], float, server_info.TokenCounters | None, dict[str, float]]:
+    config: ServingConfig,
+    model: str,
+    conversations: list[Conversation],
+    tokenizer,
+    pids: dict[str, int],
+) -> tuple[
+    list[RequestRecord], float, server_info.TokenCounters | None, dict[str, float]
+]:
     """Warm up, read the server's token counters (and its processes' CPU time), then run every
     conversation; (records, start, counters, CPU seconds)."""
     client = OpenAIClient(
-        config.base_url, api_key=config.api_key, timeout_s=config.timeout_s, tokenizer=tokenizer
+        config.base_url,
+        api_key=config.api_key,
+        timeout_s=config.timeout_s,
+        tokenizer=tokenizer,
     )
     builder = RequestBuilder(config, model, tokenizer)
     try:
@@ -218,8 +275,14 @@ async def _drive(
         )
         cpu_before = server_info.cpu_seconds(pids)
         records: list[RequestRecord] = []
-        limit = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
-        arrivals = poisson_arrivals(len(conversations), config.request_rate, config.seed)
+        limit = (
+            asyncio.Semaphore(config.max_concurrency)
+            if config.max_concurrency
+            else None
+        )
+        arrivals = poisson_arrivals(
+            len(conversations), config.request_rate, config.seed
+        )
         with Progress(num_requests(conversations), "requests", config.progress) as bar:
             start = time.perf_counter()
 
@@ -253,7 +316,9 @@ async def _drive(
         await client.close()
 
 
-async def _warmup(client: OpenAIClient, builder: RequestBuilder, config: ServingConfig, tokenizer) -> None:
+async def _warmup(
+    client: OpenAIClient, builder: RequestBuilder, config: ServingConfig, tokenizer
+) -> None:
     rng = random.Random(config.seed ^ 0x5EED)
     pool = vocab_pool(tokenizer)
     for _ in range(config.num_warmup):

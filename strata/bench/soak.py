@@ -32,9 +32,13 @@ from strata.bench.soak_config import ClusterConfig, LoadConfig, SoakConfig
 from strata.bench.soak_faults import FaultInjector, FaultResult, HealthProbe
 from strata.bench.soak_load import KINDS, OUTCOMES, Load, Record
 
-WINDOW_GRACE_S = 5.0  # after a fault is over, answers still in flight from it count in its window
+WINDOW_GRACE_S = (
+    5.0  # after a fault is over, answers still in flight from it count in its window
+)
 RSS_SAMPLE_S = 5.0
-IDLE_TIMEOUT_S = 60.0  # after the load, how long servers may take to finish what is in flight
+IDLE_TIMEOUT_S = (
+    60.0  # after the load, how long servers may take to finish what is in flight
+)
 
 
 @dataclass
@@ -57,9 +61,13 @@ class SoakResult:
     records: list[Record]
     faults: list[FaultResult]
     memory: list[MemoryRow]
-    kv: dict[str, dict[str, Any] | None]  # server name -> its kv_cache figures at the end (None: unreadable)
+    kv: dict[
+        str, dict[str, Any] | None
+    ]  # server name -> its kv_cache figures at the end (None: unreadable)
     notes: list[str]
-    died: list[str] = field(default_factory=list)  # processes that exited without being a fault's target
+    died: list[str] = field(
+        default_factory=list
+    )  # processes that exited without being a fault's target
 
     def counts(self) -> Counter:
         return Counter(r.outcome for r in self.records)
@@ -76,7 +84,9 @@ class SoakResult:
         split = {"fault_windows": 0, "quiet": 0}
         for r in self.records:
             if r.status is not None and r.status >= 500:
-                inside = any(r.started < end and r.ended > start for start, end in self.windows())
+                inside = any(
+                    r.started < end and r.ended > start for start, end in self.windows()
+                )
                 split["fault_windows" if inside else "quiet"] += 1
         return split
 
@@ -94,10 +104,14 @@ class SoakResult:
         for name, leaked in self.leaked_pages().items():
             kv = self.kv[name] or {}
             if leaked is None:
-                out.append(f"{name}: its KV page accounting could not be read at the end")
+                out.append(
+                    f"{name}: its KV page accounting could not be read at the end"
+                )
             elif leaked:
                 out.append(f"{name}: {leaked} KV pages leaked")
-            if kv.get("running") or kv.get("queued"):  # held pages of a request nobody waits for
+            if kv.get("running") or kv.get(
+                "queued"
+            ):  # held pages of a request nobody waits for
                 out.append(
                     f"{name}: {kv['running']} requests running, {kv['queued']} queued after the load stopped"
                 )
@@ -105,8 +119,14 @@ class SoakResult:
 
     def to_json(self) -> dict[str, Any]:
         counts = self.counts()
-        by_kind = {k: dict(Counter(r.outcome for r in self.records if r.kind == k)) for k in KINDS}
-        by_target = {t: dict(Counter(r.outcome for r in self.records if r.target == t)) for t in ("dp", "pd")}
+        by_kind = {
+            k: dict(Counter(r.outcome for r in self.records if r.kind == k))
+            for k in KINDS
+        }
+        by_target = {
+            t: dict(Counter(r.outcome for r in self.records if r.target == t))
+            for t in ("dp", "pd")
+        }
         return {
             "config": self.config,
             "seconds": round(self.seconds, 1),
@@ -119,7 +139,9 @@ class SoakResult:
             "kv": self.kv,
             "leaked_pages": self.leaked_pages(),
             "not_answered": [
-                dataclasses.asdict(r) for r in self.records if r.outcome in ("lost", "hung", "failed")
+                dataclasses.asdict(r)
+                for r in self.records
+                if r.outcome in ("lost", "hung", "failed")
             ],
             "notes": self.notes,
             "died": self.died,
@@ -134,7 +156,9 @@ def run_soak(config: SoakConfig, progress=print) -> SoakResult:
     cluster = Cluster.create(config.cluster)
     notes = [cluster.tmpfs_note] if config.cluster.l3 == "file" else []
     try:
-        progress(f"soak: starting {len(cluster.all())} processes (logs in {config.cluster.run_dir}) ...")
+        progress(
+            f"soak: starting {len(cluster.all())} processes (logs in {config.cluster.run_dir}) ..."
+        )
         cluster.start(config.startup_timeout_s)
         model, context_len = describe(cluster)
         progress(f"soak: model {model}, context {context_len} tokens; warming up ...")
@@ -145,30 +169,49 @@ def run_soak(config: SoakConfig, progress=print) -> SoakResult:
 
 
 async def _run(
-    config: SoakConfig, cluster: Cluster, model: str, context_len: int, notes: list[str], progress
+    config: SoakConfig,
+    cluster: Cluster,
+    model: str,
+    context_len: int,
+    notes: list[str],
+    progress,
 ) -> SoakResult:
     t0 = time.monotonic()
     memory = MemoryTracker(cluster, t0)
     memory.sample()
     probe = HealthProbe(cluster)
-    load = Load(config.load, cluster.router.url, cluster.pd_router.url, model, context_len, t0)
-    injector = FaultInjector(cluster, probe, t0, config.stop_s, config.hold_s, config.startup_timeout_s)
+    load = Load(
+        config.load, cluster.router.url, cluster.pd_router.url, model, context_len, t0
+    )
+    injector = FaultInjector(
+        cluster, probe, t0, config.stop_s, config.hold_s, config.startup_timeout_s
+    )
     stop = asyncio.Event()
-    tasks = [asyncio.ensure_future(probe.run()), asyncio.ensure_future(memory.run(stop))]
+    tasks = [
+        asyncio.ensure_future(probe.run()),
+        asyncio.ensure_future(memory.run(stop)),
+    ]
     load_task = asyncio.ensure_future(load.run(stop))
-    progress(f"soak: {config.duration_s:.0f}s of load, faults: {', '.join(config.faults) or 'none'}")
-    reporter = asyncio.ensure_future(_report_progress(load, progress, config.duration_s))
+    progress(
+        f"soak: {config.duration_s:.0f}s of load, faults: {', '.join(config.faults) or 'none'}"
+    )
+    reporter = asyncio.ensure_future(
+        _report_progress(load, progress, config.duration_s)
+    )
     faults = await injector.run(list(config.faults), config.duration_s)
     for f in faults:
         progress(
-            f"soak: {f.name} on {f.target}: " + (f"skipped ({f.skipped})" if f.skipped else _fault_line(f))
+            f"soak: {f.name} on {f.target}: "
+            + (f"skipped ({f.skipped})" if f.skipped else _fault_line(f))
         )
     await asyncio.sleep(max(0.0, config.duration_s - (time.monotonic() - t0)))
     stop.set()
     reporter.cancel()
     await load_task
     seconds = time.monotonic() - t0
-    progress(f"soak: load stopped after {seconds:.0f}s; waiting for the servers to go idle ...")
+    progress(
+        f"soak: load stopped after {seconds:.0f}s; waiting for the servers to go idle ..."
+    )
     died = [p.name for p in cluster.all() if not p.alive()]
     kv = await asyncio.to_thread(final_kv, cluster)
     memory.sample()
@@ -179,28 +222,42 @@ async def _run(
             await t
     cfg = {
         **dataclasses.asdict(config),
-        "cluster": {**dataclasses.asdict(config.cluster), "run_dir": str(config.cluster.run_dir)},
+        "cluster": {
+            **dataclasses.asdict(config.cluster),
+            "run_dir": str(config.cluster.run_dir),
+        },
     }
-    return SoakResult(cfg, seconds, load.records, faults, memory.rows(), kv, notes, died)
+    return SoakResult(
+        cfg, seconds, load.records, faults, memory.rows(), kv, notes, died
+    )
 
 
 async def _report_progress(load: Load, progress, duration_s: float) -> None:
     while True:
         await asyncio.sleep(30.0)
         c = Counter(r.outcome for r in load.records)
-        progress(f"soak: {load.now():.0f}/{duration_s:.0f}s  " + "  ".join(f"{o} {c[o]}" for o in OUTCOMES))
+        progress(
+            f"soak: {load.now():.0f}/{duration_s:.0f}s  "
+            + "  ".join(f"{o} {c[o]}" for o in OUTCOMES)
+        )
 
 
 def describe(cluster: Cluster) -> tuple[str, int]:
     """The model name clients send and the context length (for prompts that must not fit)."""
-    model = httpx.get(cluster.router.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+    model = httpx.get(cluster.router.url + "/v1/models", timeout=30).json()["data"][0][
+        "id"
+    ]
     info = httpx.get(cluster.replicas[0].url + "/get_server_info", timeout=30).json()
     return model, int(info["engine"]["context_len"])
 
 
 def warm_up(cluster: Cluster, model: str) -> None:
     """One answer through each router (first requests pay one-off costs: grammar compiles, paths)."""
-    body = {"model": model, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 2}
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello"}],
+        "max_tokens": 2,
+    }
     for router in cluster.routers:
         with contextlib.suppress(httpx.HTTPError):
             httpx.post(router.url + "/v1/chat/completions", json=body, timeout=120)
@@ -215,7 +272,10 @@ def final_kv(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
         while time.monotonic() < deadline:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 info = httpx.get(p.url + "/get_server_info", timeout=30).json()
-                if info.get("num_running_reqs") == 0 and info.get("num_queue_reqs") == 0:
+                if (
+                    info.get("num_running_reqs") == 0
+                    and info.get("num_queue_reqs") == 0
+                ):
                     break
             time.sleep(0.5)
         out[p.name] = (
@@ -239,7 +299,9 @@ class MemoryTracker:
         self._rows: dict[tuple[str, int], MemoryRow] = {}
 
     def processes(self) -> list[tuple[str, int | None]]:
-        out: list[tuple[str, int | None]] = [(p.name, p.pid) for p in self.cluster.routers]
+        out: list[tuple[str, int | None]] = [
+            (p.name, p.pid) for p in self.cluster.routers
+        ]
         for p in self.cluster.servers:
             out += [(f"{p.name} frontend", p.pid), (f"{p.name} engine", p.engine_pid)]
         return out
@@ -252,9 +314,15 @@ class MemoryTracker:
                 continue
             row = self._rows.get((role, pid))
             if row is None:
-                self._rows[(role, pid)] = MemoryRow(role, pid, now, size, now, size, size)
+                self._rows[(role, pid)] = MemoryRow(
+                    role, pid, now, size, now, size, size
+                )
             else:
-                row.last_at, row.last_bytes, row.max_bytes = now, size, max(row.max_bytes, size)
+                row.last_at, row.last_bytes, row.max_bytes = (
+                    now,
+                    size,
+                    max(row.max_bytes, size),
+                )
 
     async def run(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -288,7 +356,9 @@ def format_text(result: SoakResult) -> str:
     req = data["requests"]
     parts = [f"soak: {result.seconds:.0f}s", ""]
     parts.append(table([[k, str(v)] for k, v in req.items()], ["requests", "count"]))
-    kind_rows = [[k, *(str(v.get(o, 0)) for o in OUTCOMES)] for k, v in data["by_kind"].items()]
+    kind_rows = [
+        [k, *(str(v.get(o, 0)) for o in OUTCOMES)] for k, v in data["by_kind"].items()
+    ]
     parts += ["", table(kind_rows, ["kind", *OUTCOMES])]
     errs = data["server_errors_5xx"]
     parts += [
@@ -296,11 +366,19 @@ def format_text(result: SoakResult) -> str:
         f"5xx that reached a client: {errs['fault_windows']} in fault windows, {errs['quiet']} in quiet time",
     ]
     fault_rows = [
-        [f.name, f.target, f"{f.injected_at:.0f}", "skipped: " + f.skipped if f.skipped else _fault_line(f)]
+        [
+            f.name,
+            f.target,
+            f"{f.injected_at:.0f}",
+            "skipped: " + f.skipped if f.skipped else _fault_line(f),
+        ]
         for f in result.faults
     ]
     if fault_rows:
-        parts += ["", table(fault_rows, ["fault", "target", "at s", "/health telling the truth"])]
+        parts += [
+            "",
+            table(fault_rows, ["fault", "target", "at s", "/health telling the truth"]),
+        ]
     mib = 2**20
     mem_rows = [
         [
@@ -314,11 +392,21 @@ def format_text(result: SoakResult) -> str:
         ]
         for m in result.memory
     ]
-    parts += ["", table(mem_rows, ["process", "pid", "RSS first MiB", "last MiB", "drift", "max", "over s"])]
+    parts += [
+        "",
+        table(
+            mem_rows,
+            ["process", "pid", "RSS first MiB", "last MiB", "drift", "max", "over s"],
+        ),
+    ]
     kv_rows = [
         [name, "n/a"]
         if kv is None
-        else [name, str(kv.get("leaked_pages")), f"{kv['free_pages']}/{kv['total_pages']}"]
+        else [
+            name,
+            str(kv.get("leaked_pages")),
+            f"{kv['free_pages']}/{kv['total_pages']}",
+        ]
         for name, kv in result.kv.items()
     ]
     kv_rows = [r + [""] * (3 - len(r)) for r in kv_rows]
@@ -329,10 +417,16 @@ def format_text(result: SoakResult) -> str:
     if shown:
         parts += ["", "lost / hung (first 20):"]
         parts += [
-            f"  {r.started:7.1f}s {r.target} {r.kind} [{r.status}] {r.outcome}: {r.detail}" for r in shown
+            f"  {r.started:7.1f}s {r.target} {r.kind} [{r.status}] {r.outcome}: {r.detail}"
+            for r in shown
         ]
     problems = result.problems()
-    parts += ["", "FAILED: " + "; ".join(problems) if problems else "PASSED: nothing lost, hung or leaked"]
+    parts += [
+        "",
+        "FAILED: " + "; ".join(problems)
+        if problems
+        else "PASSED: nothing lost, hung or leaked",
+    ]
     return "\n".join(parts)
 
 
@@ -345,7 +439,11 @@ def cmd(args) -> int:
 
     from strata.bench.report import write_json
 
-    run_dir = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="strata-soak-"))
+    run_dir = (
+        Path(args.log_dir)
+        if args.log_dir
+        else Path(tempfile.mkdtemp(prefix="strata-soak-"))
+    )
     load = LoadConfig(
         concurrency=args.concurrency,
         max_tokens=args.max_tokens,
@@ -378,7 +476,9 @@ def cmd(args) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     try:
-        result = run_soak(config, progress=lambda line: print(line, file=sys.stderr, flush=True))
+        result = run_soak(
+            config, progress=lambda line: print(line, file=sys.stderr, flush=True)
+        )
     except RuntimeError as exc:  # the cluster did not come up
         print(f"error: {exc}\nlogs: {run_dir}", file=sys.stderr)
         return 1

@@ -93,7 +93,9 @@ class Proc:
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
-            log.write(f"\n==== soak: start #{self.starts + 1}: {' '.join(self.argv)}\n".encode())
+            log.write(
+                f"\n==== soak: start #{self.starts + 1}: {' '.join(self.argv)}\n".encode()
+            )
             log.flush()
             self.popen = subprocess.Popen(
                 self.argv,
@@ -132,7 +134,9 @@ class Proc:
             return
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(self.popen.pid, signal.SIGCONT)  # a stopped process cannot handle SIGTERM
+                os.kill(
+                    self.popen.pid, signal.SIGCONT
+                )  # a stopped process cannot handle SIGTERM
                 self.popen.terminate()
             try:
                 self.popen.wait(STOP_TIMEOUT_S)
@@ -146,7 +150,9 @@ class Proc:
 
     def log_tail(self, num_lines: int = 20) -> str:
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-num_lines:])
+            return "\n".join(
+                self.log_path.read_text(errors="replace").splitlines()[-num_lines:]
+            )
         except OSError:
             return "(no log)"
 
@@ -163,7 +169,9 @@ class Cluster:
     pd_router: Proc
     redis: Proc | None
     l3_dir: Path
-    tmpfs: Path | None  # mount point of the L3 tmpfs, None when mounting failed (see tmpfs_note)
+    tmpfs: (
+        Path | None
+    )  # mount point of the L3 tmpfs, None when mounting failed (see tmpfs_note)
     tmpfs_note: str
 
     @classmethod
@@ -171,7 +179,9 @@ class Cluster:
         run = config.run_dir
         run.mkdir(parents=True, exist_ok=True)
         tmpfs, note = (
-            mount_tmpfs(run / "l3-mount", config.l3_tmpfs_mib) if config.l3 == "file" else (None, "")
+            mount_tmpfs(run / "l3-mount", config.l3_tmpfs_mib)
+            if config.l3 == "file"
+            else (None, "")
         )
         l3_dir = (tmpfs or run) / "l3"
         secret = secrets.token_hex(16)
@@ -179,7 +189,9 @@ class Cluster:
         if config.l3 == "redis":
             exe = shutil.which("redis-server")
             if exe is None:
-                raise RuntimeError("--l3 redis needs redis-server on PATH (apt-get install redis-server)")
+                raise RuntimeError(
+                    "--l3 redis needs redis-server on PATH (apt-get install redis-server)"
+                )
             port = free_port()
             argv = [
                 exe,
@@ -230,7 +242,9 @@ class Cluster:
             ]
             return Proc(name, argv, run / f"{name}.log", port, env or {})
 
-        replicas = [server(f"replica-{c}", "--enable-hierarchical-cache", *l3) for c in "ab"]
+        replicas = [
+            server(f"replica-{c}", "--enable-hierarchical-cache", *l3) for c in "ab"
+        ]
         pd_env = {"STRATA_DISAGG_SECRET": secret}  # never on a command line
         prefill = server("prefill", "--disaggregation-mode", "prefill", env=pd_env)
         decode = server("decode", "--disaggregation-mode", "decode", env=pd_env)
@@ -250,11 +264,17 @@ class Cluster:
                 *workers,
                 *config.router_args,
             ]
-            return Proc(name, argv, run / f"{name}.log", port, env or {}, is_server=False)
+            return Proc(
+                name, argv, run / f"{name}.log", port, env or {}, is_server=False
+            )
 
         dp = router("router", "--worker-urls", *(r.url for r in replicas))
-        pd = router("pd-router", "--prefill", prefill.url, "--decode", decode.url, env=pd_env)
-        return cls(config, replicas, dp, prefill, decode, pd, redis, l3_dir, tmpfs, note)
+        pd = router(
+            "pd-router", "--prefill", prefill.url, "--decode", decode.url, env=pd_env
+        )
+        return cls(
+            config, replicas, dp, prefill, decode, pd, redis, l3_dir, tmpfs, note
+        )
 
     @property
     def servers(self) -> list[Proc]:
@@ -288,7 +308,9 @@ class Cluster:
             with contextlib.suppress(Exception):
                 p.stop()
         if self.tmpfs is not None:
-            subprocess.run(["umount", "-l", str(self.tmpfs)], capture_output=True, check=False)
+            subprocess.run(
+                ["umount", "-l", str(self.tmpfs)], capture_output=True, check=False
+            )
 
 
 def mount_tmpfs(path: Path, size_mib: int) -> tuple[Path | None, str]:
@@ -296,7 +318,15 @@ def mount_tmpfs(path: Path, size_mib: int) -> tuple[Path | None, str]:
     path.mkdir(parents=True, exist_ok=True)
     try:
         done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={size_mib}m,mode=0700", "tmpfs", str(path)],
+            [
+                "mount",
+                "-t",
+                "tmpfs",
+                "-o",
+                f"size={size_mib}m,mode=0700",
+                "tmpfs",
+                str(path),
+            ],
             capture_output=True,
             text=True,
             check=False,
@@ -305,31 +335,43 @@ def mount_tmpfs(path: Path, size_mib: int) -> tuple[Path | None, str]:
     except (OSError, subprocess.TimeoutExpired) as exc:
         return None, f"mount failed ({exc}); the ENOSPC fault is skipped"
     if done.returncode != 0:
-        return None, f"mount failed ({done.stderr.strip() or done.returncode}); the ENOSPC fault is skipped"
+        return (
+            None,
+            f"mount failed ({done.stderr.strip() or done.returncode}); the ENOSPC fault is skipped",
+        )
     return path, f"a {size_mib} MiB tmpfs mounted for the L3 directory"
 
 
 def wait_port(p: Proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection((LOOPBACK, p.port), timeout=1):
+        with (
+            contextlib.suppress(OSError),
+            socket.create_connection((LOOPBACK, p.port), timeout=1),
+        ):
             return
         if not p.alive():
             raise RuntimeError(f"{p.name} exited during start-up:\n{p.log_tail()}")
         time.sleep(0.1)
-    raise RuntimeError(f"{p.name} did not listen on port {p.port} within {timeout_s:.0f}s")
+    raise RuntimeError(
+        f"{p.name} did not listen on port {p.port} within {timeout_s:.0f}s"
+    )
 
 
 def wait_healthy(p: Proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if not p.alive():
-            raise RuntimeError(f"{p.name} exited during start-up (log {p.log_path}):\n{p.log_tail()}")
+            raise RuntimeError(
+                f"{p.name} exited during start-up (log {p.log_path}):\n{p.log_tail()}"
+            )
         with contextlib.suppress(httpx.HTTPError):
             if httpx.get(p.url + "/health", timeout=2).status_code == 200:
                 return
         time.sleep(0.25)
-    raise RuntimeError(f"{p.name} not healthy within {timeout_s:.0f}s (log {p.log_path}):\n{p.log_tail()}")
+    raise RuntimeError(
+        f"{p.name} not healthy within {timeout_s:.0f}s (log {p.log_path}):\n{p.log_tail()}"
+    )
 
 
 def wait_pd_ready(router: Proc, timeout_s: float) -> None:
@@ -337,7 +379,12 @@ def wait_pd_ready(router: Proc, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError):
-            if "bootstrap_addr" in httpx.get(router.url + "/get_server_info", timeout=5).text:
+            if (
+                "bootstrap_addr"
+                in httpx.get(router.url + "/get_server_info", timeout=5).text
+            ):
                 return
         time.sleep(0.25)
-    raise RuntimeError(f"the PD router did not learn the prefill worker's KV address in {timeout_s:.0f}s")
+    raise RuntimeError(
+        f"the PD router did not learn the prefill worker's KV address in {timeout_s:.0f}s"
+    )

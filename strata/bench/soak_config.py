@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-FAULTS = ("kill_replica", "stop_engine", "restart_redis", "fill_disk", "kill_prefill")  # soak_faults.py
+FAULTS = (
+    "kill_replica",
+    "stop_engine",
+    "restart_redis",
+    "fill_disk",
+    "kill_prefill",
+)  # soak_faults.py
 L3_TIERS = ("file", "redis")
 
 
@@ -16,7 +22,9 @@ class LoadConfig:
     max_tokens: int = 16  # answer length at most, for most kinds of request
     request_timeout_s: float = 120.0  # no complete answer by then: the request hung
     pd_share: float = 0.3  # fraction of requests sent through the PD router
-    shared_prefix_words: int = 300  # a few long system prompts, so the L3 tier is written and read
+    shared_prefix_words: int = (
+        300  # a few long system prompts, so the L3 tier is written and read
+    )
     seed: int = 0
 
 
@@ -37,6 +45,8 @@ class SoakConfig:
     faults: tuple[str, ...] = FAULTS  # spaced evenly over the duration, one at a time
     stop_s: float = 10.0  # an engine stays SIGSTOPped this long
     hold_s: float = 15.0  # the disk stays full / Redis down about this long
-    startup_timeout_s: float = 300.0  # for a server to load, at the start and after each restart
+    startup_timeout_s: float = (
+        300.0  # for a server to load, at the start and after each restart
+    )
     load: LoadConfig = field(default_factory=LoadConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)

@@ -47,7 +47,9 @@ class FaultResult:
     router_unhealthy_after_s: float | None = None
     server_healthy_after_s: float | None = None
     router_healthy_after_s: float | None = None
-    unhealthy_while_it_should_not_s: float = 0.0  # L3 faults: seconds any /health was bad
+    unhealthy_while_it_should_not_s: float = (
+        0.0  # L3 faults: seconds any /health was bad
+    )
     notes: list[str] = field(default_factory=list)
 
 
@@ -57,7 +59,9 @@ class HealthProbe:
     def __init__(self, cluster: Cluster):
         self.cluster = cluster
         self.status: dict[str, int | None] = {}  # process name -> /health status
-        self.router_view: dict[str, bool] = {}  # worker URL -> healthy in the DP router's /workers
+        self.router_view: dict[
+            str, bool
+        ] = {}  # worker URL -> healthy in the DP router's /workers
         self.stopped = False
 
     async def run(self) -> None:
@@ -66,8 +70,12 @@ class HealthProbe:
                 procs = [*self.cluster.servers, *self.cluster.routers]
                 statuses = await asyncio.gather(*(self._health(http, p) for p in procs))
                 self.status = {p.name: s for p, s in zip(procs, statuses)}
-                with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
-                    workers = (await http.get(self.cluster.router.url + "/workers")).json()["workers"]
+                with contextlib.suppress(
+                    httpx.HTTPError, ValueError, KeyError, TypeError
+                ):
+                    workers = (
+                        await http.get(self.cluster.router.url + "/workers")
+                    ).json()["workers"]
                     self.router_view = {w["url"]: bool(w["healthy"]) for w in workers}
                 await asyncio.sleep(PROBE_INTERVAL_S)
 
@@ -85,7 +93,9 @@ class HealthProbe:
         return bool(self.status) and all(s == 200 for s in self.status.values())
 
 
-async def first_times(predicates: dict[str, Callable[[], bool]], timeout_s: float) -> dict[str, float | None]:
+async def first_times(
+    predicates: dict[str, Callable[[], bool]], timeout_s: float
+) -> dict[str, float | None]:
     """Seconds from now until each predicate first held (polled together), None for those that never
     did within `timeout_s`."""
     start = time.monotonic()
@@ -127,7 +137,9 @@ class FaultInjector:
             at = duration_s * (i + 1) / (len(faults) + 1)
             if self.now() < at:
                 await asyncio.sleep(at - self.now())
-            await first_times({"up": self.probe.all_healthy}, QUIET_BEFORE_FAULT_S)  # never stack faults
+            await first_times(
+                {"up": self.probe.all_healthy}, QUIET_BEFORE_FAULT_S
+            )  # never stack faults
             result = await getattr(self, name)()
             result.ended_at = self.now()
             results.append(result)
@@ -147,16 +159,27 @@ class FaultInjector:
         router_sees = self._router_sees(proc)
         proc.signal(signal.SIGKILL)
         seen = await first_times(
-            {"server": lambda: not self.probe.healthy(proc.name), "router": lambda: not router_sees()},
+            {
+                "server": lambda: not self.probe.healthy(proc.name),
+                "router": lambda: not router_sees(),
+            },
             DETECT_TIMEOUT_S,
         )
-        r.server_unhealthy_after_s, r.router_unhealthy_after_s = seen["server"], seen["router"]
+        r.server_unhealthy_after_s, r.router_unhealthy_after_s = (
+            seen["server"],
+            seen["router"],
+        )
         await asyncio.to_thread(proc.popen.wait, 10)
         if (
             engine is not None
-            and (await first_times({"gone": lambda: not pid_alive(engine)}, 10.0))["gone"] is None
+            and (await first_times({"gone": lambda: not pid_alive(engine)}, 10.0))[
+                "gone"
+            ]
+            is None
         ):
-            r.notes.append(f"its engine (pid {engine}) outlived the server; killed by the soak")
+            r.notes.append(
+                f"its engine (pid {engine}) outlived the server; killed by the soak"
+            )
             with contextlib.suppress(ProcessLookupError):
                 os.kill(engine, signal.SIGKILL)
         proc.start()
@@ -175,16 +198,24 @@ class FaultInjector:
         os.kill(engine, signal.SIGSTOP)
         try:
             seen = await first_times(
-                {"server": lambda: not self.probe.healthy(proc.name), "router": lambda: not router_sees()},
+                {
+                    "server": lambda: not self.probe.healthy(proc.name),
+                    "router": lambda: not router_sees(),
+                },
                 self.stop_s,
             )
             await asyncio.sleep(max(0.0, self.stop_s - (self.now() - r.injected_at)))
         finally:
             os.kill(engine, signal.SIGCONT)
         r.restored_at = self.now()
-        r.server_unhealthy_after_s, r.router_unhealthy_after_s = seen["server"], seen["router"]
+        r.server_unhealthy_after_s, r.router_unhealthy_after_s = (
+            seen["server"],
+            seen["router"],
+        )
         if r.server_unhealthy_after_s is None:
-            r.notes.append(f"/health stayed 200 through {self.stop_s:.0f}s of a stopped engine")
+            r.notes.append(
+                f"/health stayed 200 through {self.stop_s:.0f}s of a stopped engine"
+            )
         await self._wait_back(proc, r)
         return r
 
@@ -234,9 +265,13 @@ class FaultInjector:
     async def _wait_back(self, proc: Proc, r: FaultResult) -> None:
         router_sees = self._router_sees(proc)
         seen = await first_times(
-            {"server": lambda: self.probe.healthy(proc.name), "router": router_sees}, self.restart_timeout_s
+            {"server": lambda: self.probe.healthy(proc.name), "router": router_sees},
+            self.restart_timeout_s,
         )
-        r.server_healthy_after_s, r.router_healthy_after_s = seen["server"], seen["router"]
+        r.server_healthy_after_s, r.router_healthy_after_s = (
+            seen["server"],
+            seen["router"],
+        )
         if r.server_healthy_after_s is None:
             r.notes.append(
                 f"not healthy {self.restart_timeout_s:.0f}s after the restore:\n{proc.log_tail(10)}"

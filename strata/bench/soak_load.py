@@ -119,7 +119,15 @@ class Record:
 class Load:
     """`await load.run(stop)`: clients send until `stop` is set; `records` holds every finished request."""
 
-    def __init__(self, config: LoadConfig, dp_url: str, pd_url: str, model: str, context_len: int, t0: float):
+    def __init__(
+        self,
+        config: LoadConfig,
+        dp_url: str,
+        pd_url: str,
+        model: str,
+        context_len: int,
+        t0: float,
+    ):
         self.config = config
         self.urls = {"dp": dp_url, "pd": pd_url}
         self.model = model
@@ -128,7 +136,9 @@ class Load:
         self.records: list[Record] = []
         self.in_flight = 0
         rng = random.Random(config.seed)
-        words = min(config.shared_prefix_words, context_len // 16)  # a small model's prompts must still fit
+        words = min(
+            config.shared_prefix_words, context_len // 16
+        )  # a small model's prompts must still fit
         self.system_prompts = [" ".join(rng.choices(WORDS, k=words)) for _ in range(3)]
 
     def now(self) -> float:
@@ -139,9 +149,13 @@ class Load:
         async with httpx.AsyncClient(
             timeout=httpx.Timeout(self.config.request_timeout_s), limits=limits
         ) as http:
-            await asyncio.gather(*(self._client(i, http, stop) for i in range(self.config.concurrency)))
+            await asyncio.gather(
+                *(self._client(i, http, stop) for i in range(self.config.concurrency))
+            )
 
-    async def _client(self, index: int, http: httpx.AsyncClient, stop: asyncio.Event) -> None:
+    async def _client(
+        self, index: int, http: httpx.AsyncClient, stop: asyncio.Event
+    ) -> None:
         rng = random.Random(self.config.seed * 1000 + index + 1)
         kinds, weights = list(WEIGHTS), list(WEIGHTS.values())
         while not stop.is_set():
@@ -150,10 +164,14 @@ class Load:
             started = self.now()
             self.in_flight += 1
             try:
-                outcome, status, detail = await self._one(http, kind, self.urls[target], rng)
+                outcome, status, detail = await self._one(
+                    http, kind, self.urls[target], rng
+                )
             finally:
                 self.in_flight -= 1
-            self.records.append(Record(kind, target, started, self.now(), outcome, status, detail[:300]))
+            self.records.append(
+                Record(kind, target, started, self.now(), outcome, status, detail[:300])
+            )
 
     # ------------------------------------------------------------------ one request
 
@@ -164,7 +182,9 @@ class Load:
         stream = kind not in ("too_long", "bad_type") and body.get("stream") is True
         timeout = self.config.request_timeout_s
         try:
-            if kind == "abort":  # the client gives up before the answer: its connection closes
+            if (
+                kind == "abort"
+            ):  # the client gives up before the answer: its connection closes
                 try:
                     return await asyncio.wait_for(
                         self._post(http, base + path, body, kind), rng.uniform(0.2, 1.5)
@@ -172,8 +192,12 @@ class Load:
                 except asyncio.TimeoutError:
                     return "cancelled", None, "aborted by the client"
             if stream:
-                return await asyncio.wait_for(self._stream(http, base + path, body, kind), timeout)
-            return await asyncio.wait_for(self._post(http, base + path, body, kind), timeout)
+                return await asyncio.wait_for(
+                    self._stream(http, base + path, body, kind), timeout
+                )
+            return await asyncio.wait_for(
+                self._post(http, base + path, body, kind), timeout
+            )
         except asyncio.TimeoutError:
             return "hung", None, f"no complete answer within {timeout:.0f}s"
         except httpx.TimeoutException as exc:
@@ -191,7 +215,11 @@ class Load:
                 return "answered", status, ""
             if status >= 500 and error_message(resp):
                 return "failed", status, error_message(resp)
-            return "lost", status, f"a bad request got {status} instead of 400: {resp.text[:200]}"
+            return (
+                "lost",
+                status,
+                f"a bad request got {status} instead of 400: {resp.text[:200]}",
+            )
         if status != 200:
             message = error_message(resp)
             return (
@@ -227,12 +255,20 @@ class Load:
                 payload = line[6:]
                 if payload == "[DONE]":
                     if finish is None:
-                        return "lost", status, "the stream ended with [DONE] but no finish_reason"
+                        return (
+                            "lost",
+                            status,
+                            "the stream ended with [DONE] but no finish_reason",
+                        )
                     return "answered", status, ""
                 try:
                     event = json.loads(payload)
                 except ValueError:
-                    return "lost", status, f"a stream event that is not JSON: {payload[:200]}"
+                    return (
+                        "lost",
+                        status,
+                        f"a stream event that is not JSON: {payload[:200]}",
+                    )
                 if isinstance(event, dict) and "error" in event:
                     error = event["error"]
                     message = error.get("message") if isinstance(error, dict) else error
@@ -254,13 +290,21 @@ class Load:
 
     def _prompt(self, rng: random.Random) -> str:
         question = " ".join(rng.choices(WORDS, k=rng.randint(4, 16)))
-        return question if rng.random() < 0.5 else f"{rng.choice(self.system_prompts)}\n{question}"
+        return (
+            question
+            if rng.random() < 0.5
+            else f"{rng.choice(self.system_prompts)}\n{question}"
+        )
 
     def _request(self, kind: str, rng: random.Random) -> tuple[str, Any]:
         cfg = self.config
         temperature = rng.choice([0.0, 0.8])
         max_tokens = rng.randint(max(1, cfg.max_tokens // 4), cfg.max_tokens)
-        common = {"model": self.model, "max_tokens": max_tokens, "temperature": temperature}
+        common = {
+            "model": self.model,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+        }
         messages = [{"role": "user", "content": self._prompt(rng)}]
         if kind in ("chat", "chat_stream", "disconnect"):
             body = {**common, "messages": messages}
@@ -274,7 +318,10 @@ class Load:
                 "stream": kind == "completion_stream",
             }
         if kind == "structured":
-            fmt = {"type": "json_schema", "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True}}
+            fmt = {
+                "type": "json_schema",
+                "json_schema": {"name": "pick", "schema": SCHEMA, "strict": True},
+            }
             return "/v1/chat/completions", {
                 **common,
                 "messages": messages,
@@ -291,17 +338,33 @@ class Load:
                 "max_tokens": 128,
             }
         if kind == "n_choices":
-            return "/v1/chat/completions", {**common, "messages": messages, "n": 3, "temperature": 0.8}
+            return "/v1/chat/completions", {
+                **common,
+                "messages": messages,
+                "n": 3,
+                "temperature": 0.8,
+            }
         if kind == "abort":
-            return "/v1/chat/completions", {**common, "messages": messages, "max_tokens": 4 * cfg.max_tokens}
+            return "/v1/chat/completions", {
+                **common,
+                "messages": messages,
+                "max_tokens": 4 * cfg.max_tokens,
+            }
         if kind == "too_long":
             if rng.random() < 0.5:  # token ids: no tokenizing cost for the server
                 return "/v1/completions", {
                     **common,
-                    "prompt": [rng.randint(10, 200) for _ in range(self.context_len + 8)],
+                    "prompt": [
+                        rng.randint(10, 200) for _ in range(self.context_len + 8)
+                    ],
                 }
-            words = " ".join(rng.choices(WORDS, k=self.context_len + 8))  # each word is at least one token
-            return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": words}]}
+            words = " ".join(
+                rng.choices(WORDS, k=self.context_len + 8)
+            )  # each word is at least one token
+            return "/v1/chat/completions", {
+                **common,
+                "messages": [{"role": "user", "content": words}],
+            }
         if kind == "bad_type":
             bad = rng.choice(
                 [
@@ -338,16 +401,26 @@ def check_answer(kind: str, data: Any) -> str:
         return "" if isinstance(first.get("text"), str) else "a completion without text"
     if kind == "n_choices":
         indices = sorted(c.get("index") for c in choices)
-        return "" if indices == [0, 1, 2] else f"n=3 answered with choice indices {indices}"
+        return (
+            ""
+            if indices == [0, 1, 2]
+            else f"n=3 answered with choice indices {indices}"
+        )
     message = first.get("message") or {}
     if first.get("finish_reason") == "length":
-        return ""  # cut off by its own max_tokens: partial output is the documented answer
+        return (
+            ""  # cut off by its own max_tokens: partial output is the documented answer
+        )
     if kind == "structured":
         try:
             value = json.loads(message.get("content") or "")
         except ValueError:
             return f"a structured answer is not JSON: {message.get('content')!r}"
-        ok = isinstance(value, dict) and set(value) == {"color", "ok"} and value["color"] in COLORS
+        ok = (
+            isinstance(value, dict)
+            and set(value) == {"color", "ok"}
+            and value["color"] in COLORS
+        )
         return (
             ""
             if ok and isinstance(value["ok"], bool)

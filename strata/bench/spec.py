@@ -49,35 +49,113 @@ from strata.sampling_params import SamplingParams
 
 # modules whose documentation the grounded workload quotes (all in the standard library)
 DOC_MODULES = (
-    "argparse", "asyncio", "bisect", "calendar", "collections", "configparser", "contextlib", "csv",
-    "dataclasses", "datetime", "decimal", "difflib", "email", "enum", "fractions", "functools", "glob",
-    "gzip", "heapq", "http.client", "imaplib", "inspect", "ipaddress", "itertools", "json", "logging",
-    "mailbox", "pathlib", "pickle", "pprint", "queue", "random", "re", "sched", "secrets", "shutil",
-    "smtplib", "socket", "sqlite3", "statistics", "string", "subprocess", "tarfile", "tempfile",
-    "textwrap", "threading", "timeit", "tokenize", "typing", "unittest", "urllib.parse", "uuid",
-    "warnings", "weakref", "zipfile",
-)  # fmt: skip
+    "argparse",
+    "asyncio",
+    "bisect",
+    "calendar",
+    "collections",
+    "configparser",
+    "contextlib",
+    "csv",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "difflib",
+    "email",
+    "enum",
+    "fractions",
+    "functools",
+    "glob",
+    "gzip",
+    "heapq",
+    "http.client",
+    "imaplib",
+    "inspect",
+    "ipaddress",
+    "itertools",
+    "json",
+    "logging",
+    "mailbox",
+    "pathlib",
+    "pickle",
+    "pprint",
+    "queue",
+    "random",
+    "re",
+    "sched",
+    "secrets",
+    "shutil",
+    "smtplib",
+    "socket",
+    "sqlite3",
+    "statistics",
+    "string",
+    "subprocess",
+    "tarfile",
+    "tempfile",
+    "textwrap",
+    "threading",
+    "timeit",
+    "tokenize",
+    "typing",
+    "unittest",
+    "urllib.parse",
+    "uuid",
+    "warnings",
+    "weakref",
+    "zipfile",
+)
 GROUNDED_INSTRUCTION = (
     "Here is a passage from a program's documentation:\n\n{passage}\n\n"
     "Rewrite the passage above with any spelling mistakes corrected. Keep everything else exactly as it is."
 )
-LOOKUP_CONTEXT_LEN = 2048  # llama.cpp's context in this bench (prompts here stay below ~600 + output)
+LOOKUP_CONTEXT_LEN = (
+    2048  # llama.cpp's context in this bench (prompts here stay below ~600 + output)
+)
 CHAT_TEMPLATES = (
-    "Write a short story about {}.", "Explain {} to a ten-year-old.", "What are the pros and cons of {}?",
-    "Give me five tips about {}.", "Write a poem about {}.", "Describe a day in the life of {}.",
-)  # fmt: skip
+    "Write a short story about {}.",
+    "Explain {} to a ten-year-old.",
+    "What are the pros and cons of {}?",
+    "Give me five tips about {}.",
+    "Write a poem about {}.",
+    "Describe a day in the life of {}.",
+)
 CHAT_TOPICS = (
-    "a lighthouse keeper", "learning to cook", "electric cars", "a robot gardener", "the ocean at night",
-    "moving to a new city", "a lost umbrella", "volcanoes", "remote work", "an old library", "bees",
-    "climbing a mountain", "the first day of school", "a chess tournament", "rainy Sundays", "bridges",
-    "a jazz musician", "saving money", "the moon landing", "a small bakery", "winter in the north",
-)  # fmt: skip
+    "a lighthouse keeper",
+    "learning to cook",
+    "electric cars",
+    "a robot gardener",
+    "the ocean at night",
+    "moving to a new city",
+    "a lost umbrella",
+    "volcanoes",
+    "remote work",
+    "an old library",
+    "bees",
+    "climbing a mountain",
+    "the first day of school",
+    "a chess tournament",
+    "rainy Sundays",
+    "bridges",
+    "a jazz musician",
+    "saving money",
+    "the moon landing",
+    "a small bakery",
+    "winter in the north",
+)
 
 
 @dataclass(frozen=True)
 class SpecBenchConfig:
-    scenarios: tuple[str, ...] = ("grounded-batch1", "chat-batch1", "grounded-concurrent", "chat-concurrent")
-    batch1_prompts: int = 4  # requests per round in the batch-1 scenarios, one after another
+    scenarios: tuple[str, ...] = (
+        "grounded-batch1",
+        "chat-batch1",
+        "grounded-concurrent",
+        "chat-concurrent",
+    )
+    batch1_prompts: int = (
+        4  # requests per round in the batch-1 scenarios, one after another
+    )
     concurrency: int = 64
     input_len: int = 320  # tokens of documentation per grounded prompt (about)
     output_len: int = 256
@@ -129,7 +207,11 @@ class ScenarioResult:
             return None
         off = sum(self.off_output_tokens) / sum(self.off_seconds)
         on = sum(self.output_tokens) / sum(self.on_seconds)
-        return {"off_tok_s": off, "on_tok_s": on, "ratio": on / off if off > 0 else None}
+        return {
+            "off_tok_s": off,
+            "on_tok_s": on,
+            "ratio": on / off if off > 0 else None,
+        }
 
     def summary(self) -> dict:
         med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
@@ -150,8 +232,12 @@ class ScenarioResult:
             "llamacpp_tok_s": med(self.llamacpp_off_tok_s),
             "llamacpp_lookup_tok_s": med(self.llamacpp_lookup_tok_s),
             "llamacpp_ratio": (
-                statistics.median(a / b for a, b in zip(self.llamacpp_lookup_tok_s, self.llamacpp_off_tok_s))
-                if self.llamacpp_off_tok_s else None
+                statistics.median(
+                    a / b
+                    for a, b in zip(self.llamacpp_lookup_tok_s, self.llamacpp_off_tok_s)
+                )
+                if self.llamacpp_off_tok_s
+                else None
             ),
             "rounds": asdict(self),
         }
@@ -168,7 +254,9 @@ def doc_passages(tokenizer, tokens: int) -> list[str]:
         docs = [inspect.getdoc(module) or ""]
         for attr in sorted(vars(module)):
             obj = getattr(module, attr)
-            if not attr.startswith("_") and (inspect.isclass(obj) or inspect.isfunction(obj)):
+            if not attr.startswith("_") and (
+                inspect.isclass(obj) or inspect.isfunction(obj)
+            ):
                 docs.append(inspect.getdoc(obj) or "")
         for doc in docs:
             paragraphs += [p.strip() for p in doc.split("\n\n") if len(p.split()) >= 12]
@@ -186,13 +274,18 @@ def doc_passages(tokenizer, tokens: int) -> list[str]:
 
 
 def chat_questions() -> list[str]:
-    return [t.format(topic) for topic, t in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)]
+    return [
+        t.format(topic) for topic, t in itertools.product(CHAT_TOPICS, CHAT_TEMPLATES)
+    ]
 
 
 def prompts_for(kind: str, engine, cfg: SpecBenchConfig) -> list[list[int]]:
     """Every prompt the run may use, as token ids; rounds take disjoint slices."""
     if kind == "grounded":
-        texts = [GROUNDED_INSTRUCTION.format(passage=p) for p in doc_passages(engine.tokenizer, cfg.input_len)]
+        texts = [
+            GROUNDED_INSTRUCTION.format(passage=p)
+            for p in doc_passages(engine.tokenizer, cfg.input_len)
+        ]
     else:
         texts = chat_questions()
     return [engine.chat_ids([{"role": "user", "content": t}]) for t in texts]
@@ -211,10 +304,16 @@ class RunTiming:
 
     @property
     def decode_tok_s(self) -> float | None:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds > 0 else None
+        return (
+            self.decode_tokens / self.decode_seconds
+            if self.decode_seconds > 0
+            else None
+        )
 
 
-def _stream_one(engine, prompt: list[int], params: SamplingParams) -> tuple[list[int], int, float]:
+def _stream_one(
+    engine, prompt: list[int], params: SamplingParams
+) -> tuple[list[int], int, float]:
     """One request streamed: its tokens, and the tokens and seconds after its first output."""
     ids: list[int] = []
     first_at, first_n = None, 0
@@ -228,7 +327,11 @@ def _stream_one(engine, prompt: list[int], params: SamplingParams) -> tuple[list
 
 
 def _run(
-    engine, prompts: list[list[int]], batch1: bool, output_len: int, steps: list[StepTiming] | None = None
+    engine,
+    prompts: list[list[int]],
+    batch1: bool,
+    output_len: int,
+    steps: list[StepTiming] | None = None,
 ) -> RunTiming:
     """The outputs and what they took; `steps` collects each engine step's timing."""
     params = SamplingParams(temperature=0, max_new_tokens=output_len)
@@ -242,7 +345,9 @@ def _run(
                 run.decode_tokens += tokens
                 run.decode_seconds += seconds
         else:
-            run = RunTiming([r.token_ids for r in engine.generate(prompts, params)], 0.0)
+            run = RunTiming(
+                [r.token_ids for r in engine.generate(prompts, params)], 0.0
+            )
         run.seconds = time.perf_counter() - start
     if timer is not None:
         steps.extend(timer.steps)
@@ -268,14 +373,23 @@ class Arm:
             scheduler.spec = saved
 
 
-def _run_arm(arm: Arm, prompts: list[list[int]], batch1: bool, output_len: int,
-             steps: list[StepTiming] | None = None) -> RunTiming:
+def _run_arm(
+    arm: Arm,
+    prompts: list[list[int]],
+    batch1: bool,
+    output_len: int,
+    steps: list[StepTiming] | None = None,
+) -> RunTiming:
     with arm.active() as engine:
         return _run(engine, prompts, batch1, output_len, steps)
 
 
 def _run_interleaved(
-    arms: dict[str, Arm], prompts: list[list[int]], output_len: int, steps: dict[str, list[StepTiming]], first: int
+    arms: dict[str, Arm],
+    prompts: list[list[int]],
+    output_len: int,
+    steps: dict[str, list[StepTiming]],
+    first: int,
 ) -> dict[str, RunTiming]:
     """Batch 1 on both sides prompt by prompt, the one going first alternating (from side `first` of
     `arms`): a shared machine's slow and fast spells, which last seconds, then fall on both alike
@@ -295,16 +409,30 @@ def _run_interleaved(
     return timings
 
 
-def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[ScenarioResult]:
+def run(
+    cfg: SpecBenchConfig, engine_options: dict, progress=print
+) -> list[ScenarioResult]:
     from strata.engine.engine import Engine
 
     algorithm = engine_options.get("speculative_algorithm") or "none"
-    engine = Engine(**{**engine_options, "speculative_algorithm": "ngram" if algorithm == "none" else algorithm})
+    engine = Engine(
+        **{
+            **engine_options,
+            "speculative_algorithm": "ngram" if algorithm == "none" else algorithm,
+        }
+    )
     spec = engine.scheduler.spec
     arms = {"off": Arm(engine, None), "on": Arm(engine, spec)}
     # warm-up: kernels, the allocator, and the first forward of each shape (drafted steps have many)
-    warm = engine.chat_ids([{"role": "user", "content": "Repeat this line three times: the quick brown fox "
-                                                         "jumps over the lazy dog near the river bank."}])
+    warm = engine.chat_ids(
+        [
+            {
+                "role": "user",
+                "content": "Repeat this line three times: the quick brown fox "
+                "jumps over the lazy dog near the river bank.",
+            }
+        ]
+    )
     for arm in arms.values():
         _run_arm(arm, [warm], True, 96)
     llama = _llamacpp(engine_options) if cfg.llamacpp else None
@@ -323,14 +451,22 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             before = dict(spec.stats.as_dict())
             timings, steps = {}, {"off": [], "on": []}
             if batch1:
-                timings = _run_interleaved(arms, prompts, cfg.output_len, steps, first=r % 2)
+                timings = _run_interleaved(
+                    arms, prompts, cfg.output_len, steps, first=r % 2
+                )
             else:
-                for which in (("off", "on") if r % 2 == 0 else ("on", "off")):
-                    timings[which] = _run_arm(arms[which], prompts, False, cfg.output_len)
+                for which in ("off", "on") if r % 2 == 0 else ("on", "off"):
+                    timings[which] = _run_arm(
+                        arms[which], prompts, False, cfg.output_len
+                    )
             for s in steps["on"]:
                 if s.no_prefill:
-                    result.on_step_ms.setdefault(s.num_tokens, []).append(1000.0 * s.duration_s)
-            result.off_step_ms += [1000.0 * s.duration_s for s in steps["off"] if s.no_prefill]
+                    result.on_step_ms.setdefault(s.num_tokens, []).append(
+                        1000.0 * s.duration_s
+                    )
+            result.off_step_ms += [
+                1000.0 * s.duration_s for s in steps["off"] if s.no_prefill
+            ]
             off_run, on_run = timings["off"], timings["on"]
             result.identical &= off_run.outputs == on_run.outputs
             result.output_tokens.append(sum(len(o) for o in on_run.outputs))
@@ -345,8 +481,10 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
                 result.off_decode_tok_s.append(off_run.decode_tok_s)
                 result.on_decode_tok_s.append(on_run.decode_tok_s)
                 result.decode_ratios.append(on_run.decode_tok_s / off_run.decode_tok_s)
-                decode = (f"; decode phase off {off_run.decode_tok_s:.1f}, on {on_run.decode_tok_s:.1f} "
-                          f"(x{result.decode_ratios[-1]:.2f})")
+                decode = (
+                    f"; decode phase off {off_run.decode_tok_s:.1f}, on {on_run.decode_tok_s:.1f} "
+                    f"(x{result.decode_ratios[-1]:.2f})"
+                )
             after = spec.stats.as_dict()
             steps = after["verify_steps"] - before["verify_steps"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
@@ -354,10 +492,15 @@ def run(cfg: SpecBenchConfig, engine_options: dict, progress=print) -> list[Scen
             result.accept_length.append((accepted + steps) / steps if steps else 0.0)
             result.draft_length.append(drafted / steps if steps else 0.0)
             if llama is not None and batch1:
-                for lookup, sink in ((False, result.llamacpp_off_tok_s), (True, result.llamacpp_lookup_tok_s)):
+                for lookup, sink in (
+                    (False, result.llamacpp_off_tok_s),
+                    (True, result.llamacpp_lookup_tok_s),
+                ):
                     sink.append(llama.run(prompts, cfg.output_len, lookup))
-            progress(f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
-                     f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}")
+            progress(
+                f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
+                f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}"
+            )
         results.append(result)
     return results
 
@@ -369,13 +512,22 @@ class _LlamaCpp:
         from llama_cpp import Llama
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
-        threads = threads or os.cpu_count() or 1  # as Strata's torch threads (llama-cpp-python's default: half)
+        threads = (
+            threads or os.cpu_count() or 1
+        )  # as Strata's torch threads (llama-cpp-python's default: half)
 
         def make(draft):
             # verifying drafts reads every fed row's logits: llama-cpp-python keeps them only with
             # logits_all (n_ctx x vocab floats, so a smaller context than the other targets)
-            return Llama(model_path=str(gguf), n_ctx=LOOKUP_CONTEXT_LEN, n_threads=threads, n_threads_batch=threads,
-                         draft_model=draft, logits_all=draft is not None, verbose=False)
+            return Llama(
+                model_path=str(gguf),
+                n_ctx=LOOKUP_CONTEXT_LEN,
+                n_threads=threads,
+                n_threads_batch=threads,
+                draft_model=draft,
+                logits_all=draft is not None,
+                verbose=False,
+            )
 
         self.plain = make(None)
         self.lookup = make(LlamaPromptLookupDecoding(num_pred_tokens=8))
@@ -385,7 +537,9 @@ class _LlamaCpp:
         start, tokens = time.perf_counter(), 0
         for ids in prompts:
             llm.reset()
-            out = llm.create_completion(prompt=ids, max_tokens=output_len, temperature=0.0)
+            out = llm.create_completion(
+                prompt=ids, max_tokens=output_len, temperature=0.0
+            )
             tokens += out["usage"]["completion_tokens"]
         return tokens / (time.perf_counter() - start)
 
@@ -396,7 +550,9 @@ def _llamacpp(engine_options: dict) -> _LlamaCpp:
     reason = missing_reason(need_server=False)
     if reason:
         raise SystemExit(f"--llamacpp: {reason}")
-    return _LlamaCpp(gguf_path(engine_options.get("model")), engine_options.get("num_threads"))
+    return _LlamaCpp(
+        gguf_path(engine_options.get("model")), engine_options.get("num_threads")
+    )
 
 
 def format_text(results: list[ScenarioResult]) -> str:
@@ -406,8 +562,11 @@ def format_text(results: list[ScenarioResult]) -> str:
     ]
     for r in results:
         s = r.summary()
-        llama = (f"{s['llamacpp_tok_s']:>10.1f}{s['llamacpp_lookup_tok_s']:>9.1f}"
-                 if s["llamacpp_tok_s"] is not None else f"{'-':>10}{'-':>9}")
+        llama = (
+            f"{s['llamacpp_tok_s']:>10.1f}{s['llamacpp_lookup_tok_s']:>9.1f}"
+            if s["llamacpp_tok_s"] is not None
+            else f"{'-':>10}{'-':>9}"
+        )
         lines.append(
             f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
             f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
@@ -415,33 +574,69 @@ def format_text(results: list[ScenarioResult]) -> str:
     for r in results:
         pooled = r.pooled()
         if pooled is not None and pooled["ratio"] is not None and len(r.ratios) > 1:
-            lines.append(f"{r.scenario}: pooled over its {len(r.ratios)} rounds (all output tokens over all "
-                         f"their time) off {pooled['off_tok_s']:.1f} tok/s, on {pooled['on_tok_s']:.1f} "
-                         f"tok/s, ratio {pooled['ratio']:.3f}")
+            lines.append(
+                f"{r.scenario}: pooled over its {len(r.ratios)} rounds (all output tokens over all "
+                f"their time) off {pooled['off_tok_s']:.1f} tok/s, on {pooled['on_tok_s']:.1f} "
+                f"tok/s, ratio {pooled['ratio']:.3f}"
+            )
     for r in results:
         s = r.summary()
         if s["decode_ratio"] is not None:
-            lines.append(f"{r.scenario}: decode phase (after each first token) off {s['off_decode_tok_s']:.1f} tok/s, "
-                         f"on {s['on_decode_tok_s']:.1f} tok/s, ratio {s['decode_ratio']:.2f}")
+            lines.append(
+                f"{r.scenario}: decode phase (after each first token) off {s['off_decode_tok_s']:.1f} tok/s, "
+                f"on {s['on_decode_tok_s']:.1f} tok/s, ratio {s['decode_ratio']:.2f}"
+            )
     for r in results:
         costs = r.step_costs()
         if costs is not None:
-            rows = ", ".join(f"{n}: {c['ms']:.2f} ({c['vs_decode']:.2f}x, {c['steps']})" for n, c in costs["on_by_rows"].items())
-            lines.append(f"{r.scenario}: decode step off {costs['off_decode_ms']:.2f} ms; on, by rows "
-                         f"(ms, x the off step, steps): {rows}")
+            rows = ", ".join(
+                f"{n}: {c['ms']:.2f} ({c['vs_decode']:.2f}x, {c['steps']})"
+                for n, c in costs["on_by_rows"].items()
+            )
+            lines.append(
+                f"{r.scenario}: decode step off {costs['off_decode_ms']:.2f} ms; on, by rows "
+                f"(ms, x the off step, steps): {rows}"
+            )
     return "\n".join(lines)
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     d = SpecBenchConfig()
-    p.add_argument("--scenarios", nargs="+", default=list(d.scenarios),
-                   choices=[f"{k}-{m}" for k in ("grounded", "chat") for m in ("batch1", "concurrent")])
-    p.add_argument("--batch1-prompts", type=int, default=d.batch1_prompts, help="requests per batch-1 round")
-    p.add_argument("--concurrency", type=int, default=d.concurrency, help="requests per concurrent round")
-    p.add_argument("--input-len", type=int, default=d.input_len, help="documentation tokens per grounded prompt")
-    p.add_argument("--output-len", type=int, default=d.output_len, help="most tokens per answer")
+    p.add_argument(
+        "--scenarios",
+        nargs="+",
+        default=list(d.scenarios),
+        choices=[
+            f"{k}-{m}" for k in ("grounded", "chat") for m in ("batch1", "concurrent")
+        ],
+    )
+    p.add_argument(
+        "--batch1-prompts",
+        type=int,
+        default=d.batch1_prompts,
+        help="requests per batch-1 round",
+    )
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=d.concurrency,
+        help="requests per concurrent round",
+    )
+    p.add_argument(
+        "--input-len",
+        type=int,
+        default=d.input_len,
+        help="documentation tokens per grounded prompt",
+    )
+    p.add_argument(
+        "--output-len", type=int, default=d.output_len, help="most tokens per answer"
+    )
     p.add_argument("--rounds", type=int, default=d.rounds)
-    p.add_argument("--llamacpp", action="store_true", help="also llama.cpp with and without prompt lookup (batch 1)")
+    p.add_argument(
+        "--llamacpp",
+        action="store_true",
+        help="also llama.cpp with and without prompt lookup (batch 1)",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
@@ -449,6 +644,11 @@ def config_from_args(args: argparse.Namespace) -> SpecBenchConfig:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
     return SpecBenchConfig(
-        scenarios=tuple(args.scenarios), batch1_prompts=args.batch1_prompts, concurrency=args.concurrency,
-        input_len=args.input_len, output_len=args.output_len, rounds=args.rounds, llamacpp=args.llamacpp,
+        scenarios=tuple(args.scenarios),
+        batch1_prompts=args.batch1_prompts,
+        concurrency=args.concurrency,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        rounds=args.rounds,
+        llamacpp=args.llamacpp,
     )

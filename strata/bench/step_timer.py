@@ -34,7 +34,9 @@ class StepTiming:
     process_s: float = 0.0
     num_reqs: int = 0
     num_decode: int = 0  # requests fed one token (decoding)
-    num_verify: int = 0  # requests fed their drafted tokens after one (verifying a speculation)
+    num_verify: int = (
+        0  # requests fed their drafted tokens after one (verifying a speculation)
+    )
     num_tokens: int = 0  # tokens fed to the forward (decode tokens + prefill chunks)
     num_sampled: int = 0  # tokens generated
     num_finished: int = 0  # requests that finished in this step
@@ -109,8 +111,16 @@ class StepTimer:
     def __enter__(self):
         sched = self.engine.scheduler
         runner = sched.runner
-        orig_step, orig_schedule, orig_process = sched.step, sched.schedule, sched.process_results
-        orig_forward, orig_prepare, orig_model = runner.forward, runner.prepare, runner.model
+        orig_step, orig_schedule, orig_process = (
+            sched.step,
+            sched.schedule,
+            sched.process_results,
+        )
+        orig_forward, orig_prepare, orig_model = (
+            runner.forward,
+            runner.prepare,
+            runner.model,
+        )
 
         def step():
             self.current = StepTiming(start=self.clock())
@@ -141,7 +151,11 @@ class StepTimer:
             try:
                 return orig_forward(batch)
             finally:
-                cur.sample_s += self.clock() - t0 - (cur.prepare_s + cur.model_s + cur.logits_s - before)
+                cur.sample_s += (
+                    self.clock()
+                    - t0
+                    - (cur.prepare_s + cur.model_s + cur.logits_s - before)
+                )
 
         def prepare(batch):
             t0 = self.clock()
@@ -158,7 +172,11 @@ class StepTimer:
                 self.current.process_s += self.clock() - t0
                 self.current.num_finished = sum(1 for r in batch.reqs if r.finished)
 
-        sched.step, sched.schedule, sched.process_results = step, schedule, process_results
+        sched.step, sched.schedule, sched.process_results = (
+            step,
+            schedule,
+            process_results,
+        )
         runner.forward, runner.prepare = forward, prepare
         runner.model = _TimedModel(orig_model, self)
         self._restore = (sched, runner, orig_model)

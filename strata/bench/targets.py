@@ -37,7 +37,15 @@ from typing import Any
 from strata.bench.server_process import ServerProcess
 
 MODES = ("serving", "one-batch", "offline")
-KINDS = ("strata", "transformers", "transformers-serve", "llamacpp", "llama-server", "vllm", "url")
+KINDS = (
+    "strata",
+    "transformers",
+    "transformers-serve",
+    "llamacpp",
+    "llama-server",
+    "vllm",
+    "url",
+)
 
 
 @dataclass(frozen=True)
@@ -54,7 +62,9 @@ def parse_target(text: str) -> TargetSpec:
     if text.startswith("url="):
         url = text[4:].rstrip("/")
         if not url.startswith(("http://", "https://")):
-            raise ValueError(f"target {text!r}: the url must start with http:// or https://")
+            raise ValueError(
+                f"target {text!r}: the url must start with http:// or https://"
+            )
         return TargetSpec("url", url, url=url)
     kind, _, rest = text.partition(":")
     if kind not in KINDS or kind == "url":
@@ -77,7 +87,9 @@ class BenchContext:
 
     model: str | None  # the user's --model (None: the default model)
     model_dir: Path  # resolved HF directory
-    engine_options: dict[str, Any]  # EngineConfig fields from the command line (other than model)
+    engine_options: dict[
+        str, Any
+    ]  # EngineConfig fields from the command line (other than model)
     tokenizer: Any
 
 
@@ -85,7 +97,9 @@ class Target:
     """Base: a target supports some modes; the rest raise via `unavailable`."""
 
     modes: tuple[str, ...] = ()
-    length_control: str | None = None  # serving: how its server is asked for exact lengths (None: the CLI's)
+    length_control: str | None = (
+        None  # serving: how its server is asked for exact lengths (None: the CLI's)
+    )
 
     def __init__(self, spec: TargetSpec, ctx: BenchContext):
         self.spec, self.ctx = spec, ctx
@@ -130,7 +144,9 @@ def _engine_options(ctx: BenchContext, options: dict[str, str]) -> dict[str, Any
             continue  # StrataTarget.server_options
         if key not in fields or key == "model":
             known = sorted(set(fields) - {"model"} | set(SERVER_OPTIONS))
-            raise ValueError(f"strata target option {key!r} is not an EngineConfig field; known: {', '.join(known)}")
+            raise ValueError(
+                f"strata target option {key!r} is not an EngineConfig field; known: {', '.join(known)}"
+            )
         kind = str(fields[key].type)
         if "bool" in kind:
             out[key] = raw.lower() in ("1", "true", "yes", "on")
@@ -150,12 +166,17 @@ class StrataTarget(Target):
     def __init__(self, spec, ctx):
         super().__init__(spec, ctx)
         self.options = _engine_options(ctx, spec.options)
-        self.server_options = {k: v for k, v in spec.options.items() if k in SERVER_OPTIONS}
+        self.server_options = {
+            k: v for k, v in spec.options.items() if k in SERVER_OPTIONS
+        }
         self._engine = None
         self._server: ServerProcess | None = None
 
     def unavailable(self, mode: str) -> str | None:
-        if mode == "serving" and importlib.util.find_spec("strata.server.launch") is None:
+        if (
+            mode == "serving"
+            and importlib.util.find_spec("strata.server.launch") is None
+        ):
             return "strata serve is not available in this checkout (strata/server/launch.py is missing)"
         if mode != "serving" and self.server_options:
             return f"{', '.join(self.server_options)} only applies to serving"
@@ -179,8 +200,20 @@ class StrataTarget(Target):
                 flags += [flag] if value is True else [flag, str(value)]
 
             def argv(port: int) -> list[str]:
-                return [sys.executable, "-m", "strata.server", "--host", "127.0.0.1", "--port", str(port),
-                        "--model", str(self.ctx.model_dir), "--log-level", "warning", *flags]  # fmt: skip
+                return [
+                    sys.executable,
+                    "-m",
+                    "strata.server",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--model",
+                    str(self.ctx.model_dir),
+                    "--log-level",
+                    "warning",
+                    *flags,
+                ]
 
             self._server = ServerProcess(argv, "strata").start()
         return self._server.base_url
@@ -189,7 +222,8 @@ class StrataTarget(Target):
         from strata.bench.one_batch import run_strata_one_batch
 
         return dataclasses.replace(
-            run_strata_one_batch(self.engine, batch_size, input_len, output_len, seed), target=self.label
+            run_strata_one_batch(self.engine, batch_size, input_len, output_len, seed),
+            target=self.label,
         )
 
     def offline(self, conversations):
@@ -209,7 +243,8 @@ def strata_dtype(ctx: BenchContext):
     from strata.engine.engine import pick_device, pick_dtype
 
     dtype, _ = pick_dtype(
-        ctx.engine_options.get("dtype", "auto"), pick_device(ctx.engine_options.get("device", "auto"))
+        ctx.engine_options.get("dtype", "auto"),
+        pick_device(ctx.engine_options.get("device", "auto")),
     )
     return dtype
 
@@ -229,21 +264,29 @@ class TransformersTarget(Target):
 
             from strata.bench.hf_baseline import HFModel
 
-            torch.set_num_threads(self.ctx.engine_options.get("num_threads") or os.cpu_count() or 1)
+            torch.set_num_threads(
+                self.ctx.engine_options.get("num_threads") or os.cpu_count() or 1
+            )
             self._model = HFModel(self.ctx.model_dir, strata_dtype(self.ctx))
         return self._model
 
     def one_batch(self, batch_size, input_len, output_len, seed):
         from strata.bench.one_batch import special_ids
 
-        r = self.model.one_batch(batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer))
+        r = self.model.one_batch(
+            batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer)
+        )
         return dataclasses.replace(r, target=self.label)
 
     def offline(self, conversations):
         from strata.bench.offline import run_hf_offline
 
         return run_hf_offline(
-            self.model, conversations, self.ctx.tokenizer, self.batch_size, target=self.label
+            self.model,
+            conversations,
+            self.ctx.tokenizer,
+            self.batch_size,
+            target=self.label,
         )
 
     def close(self) -> None:
@@ -260,20 +303,40 @@ class TransformersServeTarget(Target):
 
     def serving_url(self) -> str:
         if self._server is None:
-            cb = self.spec.options.get("continuous_batching", "false").lower() in ("1", "true", "yes", "on")
+            cb = self.spec.options.get("continuous_batching", "false").lower() in (
+                "1",
+                "true",
+                "yes",
+                "on",
+            )
             dtype = str(strata_dtype(self.ctx)).removeprefix("torch.")
             exe = Path(sys.executable).with_name("transformers")
 
             def argv(port: int) -> list[str]:
-                return [str(exe), "serve", str(self.ctx.model_dir), "--host", "127.0.0.1", "--port", str(port),
-                        "--dtype", dtype, "--device", "cpu",
-                        "--continuous-batching" if cb else "--no-continuous-batching"]  # fmt: skip
+                return [
+                    str(exe),
+                    "serve",
+                    str(self.ctx.model_dir),
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--dtype",
+                    dtype,
+                    "--device",
+                    "cpu",
+                    "--continuous-batching" if cb else "--no-continuous-batching",
+                ]
 
-            self._server = ServerProcess(argv, "transformers-serve", env={"HF_HUB_OFFLINE": "1"}).start()
+            self._server = ServerProcess(
+                argv, "transformers-serve", env={"HF_HUB_OFFLINE": "1"}
+            ).start()
         return self._server.base_url
 
     def served_model(self) -> str | None:
-        return str(self.ctx.model_dir)  # `transformers serve` lists hub models only, not the forced one
+        return str(
+            self.ctx.model_dir
+        )  # `transformers serve` lists hub models only, not the forced one
 
     def close(self) -> None:
         if self._server is not None:
@@ -287,14 +350,18 @@ class LlamaCppTarget(Target):
 
     def __init__(self, spec, ctx):
         super().__init__(spec, ctx)
-        self.threads = int(spec.options["threads"]) if "threads" in spec.options else None
+        self.threads = (
+            int(spec.options["threads"]) if "threads" in spec.options else None
+        )
         self._server: ServerProcess | None = None
         self._model = None
 
     def unavailable(self, mode: str) -> str | None:
         from strata.bench import llamacpp
 
-        reason = super().unavailable(mode) or llamacpp.missing_reason(need_server=mode == "serving")
+        reason = super().unavailable(mode) or llamacpp.missing_reason(
+            need_server=mode == "serving"
+        )
         return reason or llamacpp.gguf_missing_reason(self.ctx.model)
 
     def serving_url(self) -> str:
@@ -312,8 +379,12 @@ class LlamaCppTarget(Target):
         from strata.bench.one_batch import special_ids
 
         if self._model is None:
-            self._model = llamacpp.LlamaCppModel(llamacpp.gguf_path(self.ctx.model), self.threads)
-        r = self._model.one_batch(batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer))
+            self._model = llamacpp.LlamaCppModel(
+                llamacpp.gguf_path(self.ctx.model), self.threads
+            )
+        r = self._model.one_batch(
+            batch_size, input_len, output_len, seed, special_ids(self.ctx.tokenizer)
+        )
         return dataclasses.replace(r, target=self.label)
 
     def close(self) -> None:
@@ -341,7 +412,10 @@ class LlamaServerTarget(Target):
         from strata.bench import llamacpp
 
         reason = super().unavailable(mode)
-        if reason is None and llamacpp.llama_server_binary(self.spec.options.get("binary")) is None:
+        if (
+            reason is None
+            and llamacpp.llama_server_binary(self.spec.options.get("binary")) is None
+        ):
             reason = (
                 "llama-server not found: build it from llama.cpp's sources (cmake --build build --target "
                 f"llama-server) and pass llama-server:binary=PATH or set ${llamacpp.LLAMA_SERVER_ENV}"
@@ -355,7 +429,9 @@ class LlamaServerTarget(Target):
             binary = llamacpp.llama_server_binary(self.spec.options.get("binary"))
             gguf = llamacpp.gguf_path(self.ctx.model)
             self._server = ServerProcess(
-                lambda port: llamacpp.llama_server_argv(binary, gguf, port, self.threads, self.slots, self.ctx_per_slot),
+                lambda port: llamacpp.llama_server_argv(
+                    binary, gguf, port, self.threads, self.slots, self.ctx_per_slot
+                ),
                 "llama-server",
             ).start()
         return self._server.base_url
@@ -392,8 +468,17 @@ class VllmTarget(Target):
 
     def __init__(self, spec, ctx):
         super().__init__(spec, ctx)
-        self.python = spec.options.get("python") or os.environ.get("STRATA_BENCH_VLLM_PYTHON") or sys.executable
-        self.prefix_caching = spec.options.get("prefix_caching", "false").lower() in ("1", "true", "yes", "on")
+        self.python = (
+            spec.options.get("python")
+            or os.environ.get("STRATA_BENCH_VLLM_PYTHON")
+            or sys.executable
+        )
+        self.prefix_caching = spec.options.get("prefix_caching", "false").lower() in (
+            "1",
+            "true",
+            "yes",
+            "on",
+        )
         self._server: ServerProcess | None = None
         self._runner = None
         self._checkpoint: tempfile.TemporaryDirectory | None = None
@@ -403,13 +488,17 @@ class VllmTarget(Target):
         """The float checkpoint alone (see checkpoint_only_dir)."""
         if self._checkpoint is None:
             self._checkpoint = tempfile.TemporaryDirectory(prefix="strata-bench-vllm-")
-        return checkpoint_only_dir(self.ctx.model_dir, Path(self._checkpoint.name) / self.ctx.model_dir.name)
+        return checkpoint_only_dir(
+            self.ctx.model_dir, Path(self._checkpoint.name) / self.ctx.model_dir.name
+        )
 
     def unavailable(self, mode: str) -> str | None:
         reason = super().unavailable(mode)
         if reason is None:
             try:
-                probe = subprocess.run([self.python, "-c", "import vllm"], capture_output=True, check=False)
+                probe = subprocess.run(
+                    [self.python, "-c", "import vllm"], capture_output=True, check=False
+                )
                 ok = probe.returncode == 0
             except OSError:
                 ok = False
@@ -423,35 +512,71 @@ class VllmTarget(Target):
     def _env(self) -> dict[str, str]:
         cores = os.cpu_count() or 1
         return {
-            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"),
+            "VLLM_CPU_OMP_THREADS_BIND": os.environ.get(
+                "VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}"
+            ),
             # its default takes most of the free memory for KV, and fails if another target holds some
             "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "4"),
         }
 
     def serving_url(self) -> str:
         if self._server is None:
-            def argv(port: int) -> list[str]:
-                cmd = [self.python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir),
-                       "--dtype", "bfloat16", "--host", "127.0.0.1", "--port", str(port)]
-                return cmd + ([] if self.prefix_caching else ["--no-enable-prefix-caching"])
 
-            self._server = ServerProcess(argv, "vllm", startup_timeout_s=self.STARTUP_TIMEOUT_S, env=self._env()).start()
+            def argv(port: int) -> list[str]:
+                cmd = [
+                    self.python,
+                    "-m",
+                    "vllm.entrypoints.openai.api_server",
+                    "--model",
+                    str(self.model_dir),
+                    "--dtype",
+                    "bfloat16",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                ]
+                return cmd + (
+                    [] if self.prefix_caching else ["--no-enable-prefix-caching"]
+                )
+
+            self._server = ServerProcess(
+                argv, "vllm", startup_timeout_s=self.STARTUP_TIMEOUT_S, env=self._env()
+            ).start()
         return self._server.base_url
 
     def one_batch(self, batch_size, input_len, output_len, seed):
-        from strata.bench.one_batch import WARMUP_INPUT_LEN, OneBatchResult, random_batch, special_ids
+        from strata.bench.one_batch import (
+            WARMUP_INPUT_LEN,
+            OneBatchResult,
+            random_batch,
+            special_ids,
+        )
 
         if self._runner is None:
-            argv = [self.python, str(Path(__file__).with_name("vllm_runner.py")), str(self.model_dir)]
+            argv = [
+                self.python,
+                str(Path(__file__).with_name("vllm_runner.py")),
+                str(self.model_dir),
+            ]
             self._runner = subprocess.Popen(
                 argv + (["--prefix-caching"] if self.prefix_caching else []),
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, **self._env()},
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env={**os.environ, **self._env()},
             )
             self._read_runner()  # {"ready": true} once the model is loaded
         vocab = len(self.ctx.tokenizer)
         exclude = special_ids(self.ctx.tokenizer)
         request = {
-            "warmup": random_batch(vocab, batch_size, min(WARMUP_INPUT_LEN, input_len), seed + 10_000, exclude),
+            "warmup": random_batch(
+                vocab,
+                batch_size,
+                min(WARMUP_INPUT_LEN, input_len),
+                seed + 10_000,
+                exclude,
+            ),
             "prompts": random_batch(vocab, batch_size, input_len, seed, exclude),
             "output_len": output_len,
         }
@@ -460,7 +585,13 @@ class VllmTarget(Target):
         r = self._read_runner()
         step_ms = r["decode_step_ms"] if output_len > 1 else None
         return OneBatchResult.measured(
-            self.label, batch_size, input_len, output_len, r["prefill_s"], step_ms, max(0, output_len - 1)
+            self.label,
+            batch_size,
+            input_len,
+            output_len,
+            r["prefill_s"],
+            step_ms,
+            max(0, output_len - 1),
         )
 
     def _read_runner(self) -> dict:
@@ -468,7 +599,9 @@ class VllmTarget(Target):
             if line.startswith("{"):
                 return json.loads(line)
             sys.stderr.write(line)  # vLLM logs to stdout; errors must stay visible
-        raise RuntimeError(f"the vLLM runner exited with code {self._runner.wait()} (its stderr is above)")
+        raise RuntimeError(
+            f"the vLLM runner exited with code {self._runner.wait()} (its stderr is above)"
+        )
 
     def close(self) -> None:
         if self._server is not None:

@@ -27,14 +27,18 @@ def main() -> None:
         model=model_dir,
         dtype="bfloat16",
         enable_prefix_caching="--prefix-caching" in sys.argv,
-        max_model_len=min(8192, context),  # its KV space is sized for this; long enough for the benches
+        max_model_len=min(
+            8192, context
+        ),  # its KV space is sized for this; long enough for the benches
         max_num_seqs=256,
     )
 
     def run(prompts: list[list[int]], max_tokens: int) -> float:
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         start = time.perf_counter()
-        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+        llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False
+        )
         return time.perf_counter() - start
 
     print(json.dumps({"ready": True}), flush=True)
@@ -45,7 +49,12 @@ def main() -> None:
         total_s = run(req["prompts"], req["output_len"])
         steps = max(1, req["output_len"] - 1)
         step_ms = 1000.0 * max(0.0, total_s - prefill_s) / steps
-        print(json.dumps({"prefill_s": prefill_s, "total_s": total_s, "decode_step_ms": step_ms}), flush=True)
+        print(
+            json.dumps(
+                {"prefill_s": prefill_s, "total_s": total_s, "decode_step_ms": step_ms}
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -42,7 +42,9 @@ class SteadyWindow:
     completed: int  # requests that completed inside (start, end]
     request_throughput: float  # completed inside / duration
     output_throughput: float  # tokens generated inside / duration
-    mean_step_ms: float | None  # engine: mean decode step; server: mean ITL inside (an estimate)
+    mean_step_ms: (
+        float | None
+    )  # engine: mean decode step; server: mean ITL inside (an estimate)
     step_source: str  # "engine decode steps" | "mean ITL (estimate)"
 
 
@@ -58,25 +60,35 @@ def completion_window(
     than MIN_SPAN_FRACTION of `run_span` (seconds, when given).
     """
     if not 0 <= low < high <= 1:
-        raise ValueError(f"window fractions must satisfy 0 <= low < high <= 1, got {low}, {high}")
+        raise ValueError(
+            f"window fractions must satisfy 0 <= low < high <= 1, got {low}, {high}"
+        )
     times = sorted(finish_times)
     n = len(times)
     if n < 2:
         return None
-    i_low = max(math.ceil(low * n), 1) - 1  # 0-based index of the request that crosses `low`
+    i_low = (
+        max(math.ceil(low * n), 1) - 1
+    )  # 0-based index of the request that crosses `low`
     i_high = max(math.ceil(high * n), 1) - 1
     t_low, t_high = times[i_low], times[i_high]
-    if t_high <= t_low or (run_span is not None and t_high - t_low < MIN_SPAN_FRACTION * run_span):
+    if t_high <= t_low or (
+        run_span is not None and t_high - t_low < MIN_SPAN_FRACTION * run_span
+    ):
         return None
     return t_low, t_high
 
 
 def serving_window(
-    records: Sequence[RequestRecord], low: float = LOW_FRACTION, high: float = HIGH_FRACTION
+    records: Sequence[RequestRecord],
+    low: float = LOW_FRACTION,
+    high: float = HIGH_FRACTION,
 ) -> SteadyWindow | None:
     """The window over a serving run's successful requests (see the module docstring)."""
     good = [r for r in records if r.ok]
-    span = max((r.end for r in good), default=0.0) - min((r.start for r in good), default=0.0)
+    span = max((r.end for r in good), default=0.0) - min(
+        (r.start for r in good), default=0.0
+    )
     edges = completion_window([r.end for r in good], low, high, run_span=span)
     if edges is None:
         return None
@@ -89,9 +101,13 @@ def serving_window(
     gaps: list[float] = []
     for r in good:
         if r.chunk_times:
-            per_chunk = r.output_len / len(r.chunk_times)  # tokens a chunk carries, on average
+            per_chunk = r.output_len / len(
+                r.chunk_times
+            )  # tokens a chunk carries, on average
             tokens += per_chunk * sum(1 for t in r.chunk_times if inside(t))
-        gaps.extend(b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if inside(b))
+        gaps.extend(
+            b - a for a, b in zip(r.chunk_times, r.chunk_times[1:]) if inside(b)
+        )
     duration = t_high - t_low
     completed = sum(1 for r in good if inside(r.end))
     return SteadyWindow(

@@ -39,7 +39,9 @@ class PageAllocator:
         self._free_list: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_pages
 
-    groups: list[WindowGroup] = []  # sliding-window groups behind the page ids (GroupedPageAllocator)
+    groups: list[
+        WindowGroup
+    ] = []  # sliding-window groups behind the page ids (GroupedPageAllocator)
 
     @property
     def num_free_pages(self) -> int:
@@ -51,7 +53,9 @@ class PageAllocator:
     def group_pages_held(self, pages: Iterable[int]) -> list[int]:
         """Per window group, how many of these (primary) pages still hold that group's KV."""
         idx = np.asarray(list(pages), dtype=np.int64)
-        return [int((g.to_group[idx] >= 0).sum()) if len(idx) else 0 for g in self.groups]
+        return [
+            int((g.to_group[idx] >= 0).sum()) if len(idx) else 0 for g in self.groups
+        ]
 
     def held_pages(self, pages: int, sequences: int = 1) -> int:
         """Pages of the pool that `pages` primary pages of `sequences` requests hold."""
@@ -129,7 +133,9 @@ class WindowGroup:
     positions fell out of every window that still reads them, and the group page went back).
     """
 
-    def __init__(self, window: int, num_pages: int, num_primary_pages: int, page_size: int) -> None:
+    def __init__(
+        self, window: int, num_pages: int, num_primary_pages: int, page_size: int
+    ) -> None:
         self.window = window
         self.allocator = PageAllocator(num_pages, page_size)
         self.to_group = np.full(num_primary_pages, -1, dtype=np.int64)
@@ -194,10 +200,18 @@ class GroupedPageAllocator(PageAllocator):
     costs `page_cost` pages of the pool while all its groups hold their part.
     """
 
-    def __init__(self, num_pages: int, page_size: int, groups: Sequence[tuple[int, int]], shared: bool = False) -> None:
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        groups: Sequence[tuple[int, int]],
+        shared: bool = False,
+    ) -> None:
         """groups: (window, group pages) per window group (with `shared` the pages are ignored)."""
         self.shared = shared
-        self.groups = [WindowGroup(w, 0 if shared else n, num_pages, page_size) for w, n in groups]
+        self.groups = [
+            WindowGroup(w, 0 if shared else n, num_pages, page_size) for w, n in groups
+        ]
         if shared:
             for g in self.groups:
                 g.allocator = _SharedPages(self)
@@ -217,8 +231,12 @@ class GroupedPageAllocator(PageAllocator):
     def can_alloc(self, n: int, present: np.ndarray | None = None) -> bool:
         if self.shared:
             return self.pool_cost(n, present) <= self.num_free_pages
-        wanted = [n] * len(self.groups) if present is None else present.sum(axis=0).tolist()
-        return n <= self.num_free_pages and all(k <= g.num_free_pages for k, g in zip(wanted, self.groups))
+        wanted = (
+            [n] * len(self.groups) if present is None else present.sum(axis=0).tolist()
+        )
+        return n <= self.num_free_pages and all(
+            k <= g.num_free_pages for k, g in zip(wanted, self.groups)
+        )
 
     def pool_cost(self, n: int, present: np.ndarray | None = None) -> int:
         if not self.shared:
@@ -232,7 +250,9 @@ class GroupedPageAllocator(PageAllocator):
         if n < 0:
             raise ValueError(f"cannot allocate {n} pages")
         if present is not None and present.shape != (n, len(self.groups)):
-            raise ValueError(f"present must be [{n}, {len(self.groups)}], got {list(present.shape)}")
+            raise ValueError(
+                f"present must be [{n}, {len(self.groups)}], got {list(present.shape)}"
+            )
         if not self.can_alloc(n, present):
             return None
         pages = super().alloc(n)
@@ -248,7 +268,9 @@ class GroupedPageAllocator(PageAllocator):
         """[num_pages, groups]: the pages of a sequence's first `end` tokens that a query at `end`
         reads in each group (those covering [end - W + 1, end)); the others need no window KV."""
         first = np.arange(num_pages)[:, None]
-        starts = np.array([max(0, end - g.window + 1) // self.page_size for g in self.groups])
+        starts = np.array(
+            [max(0, end - g.window + 1) // self.page_size for g in self.groups]
+        )
         return first >= starts[None, :]
 
     def held_pages(self, pages: int, sequences: int = 1) -> int:
@@ -293,7 +315,11 @@ class GroupedPageAllocator(PageAllocator):
 
     def __repr__(self) -> str:
         if self.shared:
-            groups = ", ".join(f"W{g.window}: {int((g.to_group >= 0).sum())} held" for g in self.groups)
+            groups = ", ".join(
+                f"W{g.window}: {int((g.to_group >= 0).sum())} held" for g in self.groups
+            )
             return f"GroupedPageAllocator(shared, free={self.num_free_pages}/{self.num_pages}, {groups}, page_size={self.page_size})"
-        groups = ", ".join(f"W{g.window}: {g.num_free_pages}/{g.num_pages}" for g in self.groups)
+        groups = ", ".join(
+            f"W{g.window}: {g.num_free_pages}/{g.num_pages}" for g in self.groups
+        )
         return f"GroupedPageAllocator(free={self.num_free_pages}/{self.num_pages}, {groups}, page_size={self.page_size})"

@@ -41,7 +41,9 @@ def entry_rows(page_size: int, rate: int) -> int:
     return -(-page_size // rate)
 
 
-def entry_slots(page_table: torch.Tensor, ends: torch.Tensor, page_size: int, rate: int) -> torch.Tensor:
+def entry_slots(
+    page_table: torch.Tensor, ends: torch.Tensor, page_size: int, rate: int
+) -> torch.Tensor:
     """Rows of the entries whose windows close at positions `ends` ([B, N], of page_table's rows)."""
     pages = page_table.gather(1, ends // page_size)
     return pages * entry_rows(page_size, rate) + (ends % page_size) // rate
@@ -53,8 +55,14 @@ class DSV4KVPool(KVPool):
     has none. `group_of[kind]` is the window group (1-based) of "swa", "csa", "hca"."""
 
     def __init__(
-        self, v4: DSV4Config, head_dim: int, num_pages: int, page_size: int, group_pages: dict[int, int],
-        dtype: torch.dtype, device: torch.device,
+        self,
+        v4: DSV4Config,
+        head_dim: int,
+        num_pages: int,
+        page_size: int,
+        group_pages: dict[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
     ):
         self.v4 = v4
         self.num_pages, self.page_size = num_pages, page_size
@@ -75,13 +83,20 @@ class DSV4KVPool(KVPool):
             return self.group_pages[self.group_of[kind] - 1] * P
 
         self.swa = [zeros(group_rows("swa"), head_dim) for _ in v4.layer_kinds]
-        self.state = [None if k == "sliding" else zeros(group_rows(k), widths[k]) for k in v4.layer_kinds]
+        self.state = [
+            None if k == "sliding" else zeros(group_rows(k), widths[k])
+            for k in v4.layer_kinds
+        ]
         self.entries = [
-            None if k == "sliding" else zeros(num_pages * entry_rows(P, v4.rate(k)), head_dim)
+            None
+            if k == "sliding"
+            else zeros(num_pages * entry_rows(P, v4.rate(k)), head_dim)
             for k in v4.layer_kinds
         ]
         self.index_keys = [
-            zeros(num_pages * entry_rows(P, v4.csa_rate), v4.index_head_dim) if k == "csa" else None
+            zeros(num_pages * entry_rows(P, v4.csa_rate), v4.index_head_dim)
+            if k == "csa"
+            else None
             for k in v4.layer_kinds
         ]
         self.page_maps: list[np.ndarray] = []
@@ -89,7 +104,9 @@ class DSV4KVPool(KVPool):
     def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
         """The allocator's page map of each window group (`WindowGroup.to_group`), in group order."""
         if len(maps) != len(self.windows):
-            raise ValueError(f"{len(maps)} page maps for {len(self.windows)} window groups")
+            raise ValueError(
+                f"{len(maps)} page maps for {len(self.windows)} window groups"
+            )
         self.page_maps = list(maps)
 
     # ------------------------------------------------------------------ whole pages
@@ -125,12 +142,20 @@ class DSV4KVPool(KVPool):
         col = 0
         for buf, g, rows in self._buffers():
             ids, held = groups[g]
-            slots = (torch.from_numpy(ids).view(-1, 1) * rows + torch.arange(rows)).view(-1).to(buf.device)
+            slots = (
+                (torch.from_numpy(ids).view(-1, 1) * rows + torch.arange(rows))
+                .view(-1)
+                .to(buf.device)
+            )
             part = buf[slots].view(n, rows, -1).cpu()
             part[torch.from_numpy(~held)] = 0
             out[:, :rows, col : col + buf.shape[1]] = part
             col += buf.shape[1]
-        present = np.stack([held for _, held in groups[1:]], axis=1) if self.windows else np.ones((n, 0), bool)
+        present = (
+            np.stack([held for _, held in groups[1:]], axis=1)
+            if self.windows
+            else np.ones((n, 0), bool)
+        )
         return out.view(n, *self.page_shape), present
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
@@ -142,7 +167,11 @@ class DSV4KVPool(KVPool):
         for buf, g, rows in self._buffers():
             ids, held = groups[g]
             keep = torch.from_numpy(held)
-            slots = (torch.from_numpy(ids[held]).view(-1, 1) * rows + torch.arange(rows)).view(-1).to(buf.device)
+            slots = (
+                (torch.from_numpy(ids[held]).view(-1, 1) * rows + torch.arange(rows))
+                .view(-1)
+                .to(buf.device)
+            )
             part = rows_in[keep][:, :rows, col : col + buf.shape[1]]
             buf[slots] = part.reshape(-1, buf.shape[1]).to(buf.device, buf.dtype)
             col += buf.shape[1]
@@ -192,12 +221,16 @@ class DSV4Plan:
 
     def describe(self) -> str:
         kinds = self.v4.layer_kinds
-        parts = [f"{sum(k != 'sliding' for k in kinds)} compressed layers' entries ({self.num_pages} pages)"]
+        parts = [
+            f"{sum(k != 'sliding' for k in kinds)} compressed layers' entries ({self.num_pages} pages)"
+        ]
         parts += [f"window-{w} group: {n} pages" for w, n in self.group_pages.items()]
         return "; ".join(parts)
 
 
-def bytes_per_token(v4: DSV4Config, head_dim: int, page_size: int, itemsize: int) -> tuple[float, dict[str, int]]:
+def bytes_per_token(
+    v4: DSV4Config, head_dim: int, page_size: int, itemsize: int
+) -> tuple[float, dict[str, int]]:
     """(primary bytes per token of context, bytes per token of each window kind's rows)."""
     primary = 0.0
     for kind in v4.layer_kinds:
@@ -205,13 +238,18 @@ def bytes_per_token(v4: DSV4Config, head_dim: int, page_size: int, itemsize: int
             dim = head_dim + (v4.index_head_dim if kind == "csa" else 0)
             primary += entry_rows(page_size, v4.rate(kind)) * dim * itemsize / page_size
     window = {"swa": len(v4.layer_kinds) * head_dim * itemsize}
-    for kind, width in (("csa", 4 * head_dim + 4 * v4.index_head_dim), ("hca", 2 * head_dim)):
+    for kind, width in (
+        ("csa", 4 * head_dim + 4 * v4.index_head_dim),
+        ("hca", 2 * head_dim),
+    ):
         if kind in v4.layer_kinds:
             window[kind] = v4.layer_kinds.count(kind) * width * itemsize
     return primary, window
 
 
-def context_bytes(v4: DSV4Config, head_dim: int, context_len: int, page_size: int, itemsize: int) -> int:
+def context_bytes(
+    v4: DSV4Config, head_dim: int, context_len: int, page_size: int, itemsize: int
+) -> int:
     """State one request of context_len tokens holds: every compressed entry, plus each window's
     last tokens (rounded up to whole pages, as a running request holds them)."""
     primary, window = bytes_per_token(v4, head_dim, page_size, itemsize)
@@ -224,8 +262,17 @@ def context_bytes(v4: DSV4Config, head_dim: int, context_len: int, page_size: in
 
 
 def plan_dsv4_pool(
-    v4: DSV4Config, head_dim: int, kv_dtype: torch.dtype, page_size: int, kv_cache_tokens: int | None,
-    mem_fraction: float, total_bytes: int, context_len: int, chunk: int, ratio: float, contexts_cap: int,
+    v4: DSV4Config,
+    head_dim: int,
+    kv_dtype: torch.dtype,
+    page_size: int,
+    kv_cache_tokens: int | None,
+    mem_fraction: float,
+    total_bytes: int,
+    context_len: int,
+    chunk: int,
+    ratio: float,
+    contexts_cap: int,
 ) -> DSV4Plan:
     """Primary pages from --kv-cache-tokens, else from --mem-fraction-static of memory with each
     window group at `ratio` (--swa-full-tokens-ratio) pages per primary page; a group never gets
@@ -234,10 +281,17 @@ def plan_dsv4_pool(
     if kv_cache_tokens is not None:
         num_tokens, reason = kv_cache_tokens, "--kv-cache-tokens"
     else:
-        num_tokens = int(total_bytes * mem_fraction / (primary + ratio * sum(window.values())))
-        reason = f"--mem-fraction-static {mem_fraction} of {total_bytes / 2**30:.1f} GiB"
+        num_tokens = int(
+            total_bytes * mem_fraction / (primary + ratio * sum(window.values()))
+        )
+        reason = (
+            f"--mem-fraction-static {mem_fraction} of {total_bytes / 2**30:.1f} GiB"
+        )
         if num_tokens > contexts_cap * context_len:
-            num_tokens, reason = contexts_cap * context_len, f"{contexts_cap} x the {context_len}-token context"
+            num_tokens, reason = (
+                contexts_cap * context_len,
+                f"{contexts_cap} x the {context_len}-token context",
+            )
     num_pages = max(1, num_tokens // page_size)
     spans = sorted({v4.sliding_window, *v4.state_windows.values()})
     group_pages = {}

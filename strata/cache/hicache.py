@@ -48,7 +48,13 @@ import numpy as np
 from strata.cache.allocator import PageAllocator
 from strata.cache.host_pool import HostKVPool
 from strata.cache.kv_pool import KVPool
-from strata.cache.pages import HEADER_BYTES, CorruptPage, PageHasher, decode_page, encode_page
+from strata.cache.pages import (
+    HEADER_BYTES,
+    CorruptPage,
+    PageHasher,
+    decode_page,
+    encode_page,
+)
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
 from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
 from strata.cache.storage import StorageBackend
@@ -58,7 +64,9 @@ logger = logging.getLogger(__name__)
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("auto", "best_effort", "wait_complete", "timeout")
-MIN_PREFILL_SAMPLE_TOKENS = 64  # shorter prefills measure step overhead more than throughput
+MIN_PREFILL_SAMPLE_TOKENS = (
+    64  # shorter prefills measure step overhead more than throughput
+)
 
 
 @dataclass(frozen=True)
@@ -70,7 +78,9 @@ class HiCacheConfig:
     prefetch_timeout_s: float = 2.0
     storage_failures_before_pause: int = 3
     storage_pause_s: float = 10.0
-    storage_ttl_s: float | None = None  # pages written longer ago may be gone from L3: write them again
+    storage_ttl_s: float | None = (
+        None  # pages written longer ago may be gone from L3: write them again
+    )
     # the auto policy's rates until measured: a slow shared disk and a CPU's prefill rate; they wait
     # for small models' pages (small per token) and recompute large models' ones (a GPU's case)
     storage_read_bytes_per_s_prior: float = 256 * 2**20
@@ -81,7 +91,9 @@ class HiCacheConfig:
 class HiCacheStats:
     """Counters for /metrics and /get_server_info (tokens and bytes, monotonic)."""
 
-    hit_tokens: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "storage": 0})
+    hit_tokens: dict[str, int] = field(
+        default_factory=lambda: {"device": 0, "host": 0, "storage": 0}
+    )
     query_tokens: int = 0
     demoted_pages: int = 0
     promoted_pages: int = 0
@@ -120,9 +132,13 @@ class HiCache:
         storage: StorageBackend | None = None,
     ):
         if config.write_policy not in WRITE_POLICIES:
-            raise ValueError(f"hicache write policy must be one of {WRITE_POLICIES}, got {config.write_policy!r}")
+            raise ValueError(
+                f"hicache write policy must be one of {WRITE_POLICIES}, got {config.write_policy!r}"
+            )
         if config.prefetch_policy not in PREFETCH_POLICIES:
-            raise ValueError(f"hicache prefetch policy must be one of {PREFETCH_POLICIES}")
+            raise ValueError(
+                f"hicache prefetch policy must be one of {PREFETCH_POLICIES}"
+            )
         self.config = config
         self.l1, self.device = l1, device
         self.allocator = device.allocator
@@ -131,8 +147,12 @@ class HiCache:
         self.hasher = PageHasher(self.page_size, namespace)
         self.host = HostKVPool(l1, config.host_pages)
         self.host_allocator = PageAllocator(config.host_pages, self.page_size)
-        self.l2: OrderedDict[bytes, int] = OrderedDict()  # digest -> host page, least recent first
-        self.l2_from_storage: set[bytes] = set()  # L2 entries that came from L3 (for per-tier hit counts)
+        self.l2: OrderedDict[bytes, int] = (
+            OrderedDict()
+        )  # digest -> host page, least recent first
+        self.l2_from_storage: set[bytes] = (
+            set()
+        )  # L2 entries that came from L3 (for per-tier hit counts)
         self.pinned: set[bytes] = set()  # being promoted: L2 must not drop them
         self.stats = HiCacheStats()
         self.storage = storage
@@ -142,7 +162,9 @@ class HiCache:
         self.prefetches: dict[str, Prefetch] = {}
         # the auto prefetch policy's measurements (scheduler thread)
         self.read_rate = RateMeter(config.storage_read_bytes_per_s_prior)  # L3 bytes/s
-        self.prefill_rate = RateMeter(config.prefill_tokens_per_s_prior)  # tokens/s, admission to cached
+        self.prefill_rate = RateMeter(
+            config.prefill_tokens_per_s_prior
+        )  # tokens/s, admission to cached
         # last page digest of a request's reusable prompt -> (admitted at, tokens it must compute)
         self.prefilling: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
         self.worker = StorageWorker(storage, self) if storage is not None else None
@@ -214,7 +236,9 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L2
 
-    def _demote(self, prefix: tuple[int, ...], tokens: tuple[int, ...], pages: list[int]) -> None:
+    def _demote(
+        self, prefix: tuple[int, ...], tokens: tuple[int, ...], pages: list[int]
+    ) -> None:
         """Radix eviction hook: back the evicted pages up in L2 before L1 frees them."""
         prev = self.hasher.hashes(prefix)[-1] if prefix else None
         digests = self.hasher.hashes(tokens, prev)
@@ -241,7 +265,9 @@ class HiCache:
             if victim is None:
                 return None
             hp = self.l2.pop(victim)
-            if self.config.write_policy == "write_back" and not self._known_stored(victim):
+            if self.config.write_policy == "write_back" and not self._known_stored(
+                victim
+            ):
                 self._write([(victim, self.host.page_payload(hp))])
             self.l2_from_storage.discard(victim)
             self.host_allocator.free([hp])
@@ -255,17 +281,28 @@ class HiCache:
         that were in L2 ("host") and that came from L3 ("storage"). Called at admission, so it also
         starts the clock on the prefill of the rest (see `_on_insert`)."""
         tokens = token_ids
-        digests = self.hasher.hashes(tokens[: len(tokens) // self.page_size * self.page_size])
-        new_match, host_len, storage_len = self._promote(tokens, digests, self.device.match_prefix(tokens))
+        digests = self.hasher.hashes(
+            tokens[: len(tokens) // self.page_size * self.page_size]
+        )
+        new_match, host_len, storage_len = self._promote(
+            tokens, digests, self.device.match_prefix(tokens)
+        )
         new_match.loaded = {"host": host_len, "storage": storage_len}
         if digests and len(tokens) - new_match.cached_len >= MIN_PREFILL_SAMPLE_TOKENS:
-            self.prefilling[digests[-1]] = (time.monotonic(), len(tokens) - new_match.cached_len)
+            self.prefilling[digests[-1]] = (
+                time.monotonic(),
+                len(tokens) - new_match.cached_len,
+            )
             self.prefilling.move_to_end(digests[-1])
-            if len(self.prefilling) > 1024:  # aborted or retracted requests never finish their prefill
+            if (
+                len(self.prefilling) > 1024
+            ):  # aborted or retracted requests never finish their prefill
                 self.prefilling.popitem(last=False)
         return new_match
 
-    def _promote(self, tokens: Sequence[int], digests: list[bytes], match: MatchResult) -> tuple[MatchResult, int, int]:
+    def _promote(
+        self, tokens: Sequence[int], digests: list[bytes], match: MatchResult
+    ) -> tuple[MatchResult, int, int]:
         ps = self.page_size
         start = match.cached_len // ps
         hits: list[bytes] = []
@@ -280,7 +317,9 @@ class HiCache:
         self.device.inc_lock(match.node)  # keep the matched prefix while making room
         try:
             host_pages = [self.l2[d] for d in hits]
-            parts = self.host.presence(host_pages) if self.allocator.groups else None  # window KV they carry
+            parts = (
+                self.host.presence(host_pages) if self.allocator.groups else None
+            )  # window KV they carry
             if not self.device.make_room(len(hits), parts):
                 return match, 0, 0
             l1_pages = self.allocator.alloc(len(hits), parts)
@@ -303,9 +342,14 @@ class HiCache:
         new_match = self.device.match_prefix(tokens[:end])
         return new_match, (len(hits) - from_storage) * ps, from_storage * ps
 
-    def _count_hits(self, l1_digests: list[bytes], l1_pages: list[int], l2_digests: list[bytes]) -> None:
+    def _count_hits(
+        self, l1_digests: list[bytes], l1_pages: list[int], l2_digests: list[bytes]
+    ) -> None:
         """write_through_selective: a page goes to L3 on its second hit, from whichever tier holds it."""
-        if self.config.write_policy != "write_through_selective" or self.storage is None:
+        if (
+            self.config.write_policy != "write_through_selective"
+            or self.storage is None
+        ):
             return
         from_l1: list[tuple[bytes, int]] = []
         from_l2: list[bytes] = []
@@ -331,7 +375,9 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L3 (write_through)
 
-    def _on_insert(self, tokens: Sequence[int], pages: list[int], new_from: int) -> None:
+    def _on_insert(
+        self, tokens: Sequence[int], pages: list[int], new_from: int
+    ) -> None:
         """Pages tokens[new_from:] just entered the radix tree: a prompt admitted by `load_prefix` is
         computed when its last page does (a prefill rate sample); write_through backs them up in L3."""
         write = self.storage is not None and self.config.write_policy == "write_through"
@@ -347,7 +393,11 @@ class HiCache:
                 self.prefill_rate.add(admitted[1], now - admitted[0])
         if not write:
             return
-        todo = [(d, p) for d, p in zip(digests[first:], pages[first:]) if not self._known_stored(d)]
+        todo = [
+            (d, p)
+            for d, p in zip(digests[first:], pages[first:])
+            if not self._known_stored(d)
+        ]
         if not todo:
             return
         payloads = self.host.l1_payloads(self.l1, [p for _, p in todo])
@@ -356,7 +406,10 @@ class HiCache:
     def _write(self, items: list[tuple[bytes, bytes]]) -> None:
         if self.worker is None or not items:
             return
-        encoded = [(self.storage_key(d), encode_page(d, self.namespace, payload)) for d, payload in items]
+        encoded = [
+            (self.storage_key(d), encode_page(d, self.namespace, payload))
+            for d, payload in items
+        ]
         for d, _ in items:
             self._remember_stored(d)
         self.worker.jobs.put(("write", encoded))
@@ -372,7 +425,9 @@ class HiCache:
         a prefetch that finds a page missing forgets it, so the next computation writes it again)."""
         stored_at = self.in_storage.get(digest)
         ttl = self.config.storage_ttl_s
-        return stored_at is not None and (ttl is None or time.monotonic() - stored_at < ttl)
+        return stored_at is not None and (
+            ttl is None or time.monotonic() - stored_at < ttl
+        )
 
     # ----------------------------------------------------------------- L3 -> L2 (prefetch)
 
@@ -390,7 +445,13 @@ class HiCache:
         if len(rest) * ps < self.config.prefetch_threshold_tokens:
             return
         wait_s = self._wait_s(rest)
-        pf = Prefetch(rid=rid, keys=rest, start_page=start, started=time.monotonic(), wait_s=wait_s)
+        pf = Prefetch(
+            rid=rid,
+            keys=rest,
+            start_page=start,
+            started=time.monotonic(),
+            wait_s=wait_s,
+        )
         self.prefetches[rid] = pf
         self.worker.jobs.put(("prefetch", pf))
 
@@ -404,10 +465,15 @@ class HiCache:
         if policy == "timeout":
             return self.config.prefetch_timeout_s
         stored_page_bytes = self.payload_bytes + HEADER_BYTES
-        queued_pages = sum(len(pf.keys) for pf in self.prefetches.values() if not pf.done)
+        queued_pages = sum(
+            len(pf.keys) for pf in self.prefetches.values() if not pf.done
+        )
         return auto_prefetch_wait_s(
-            len(keys) * self.page_size, len(keys) * stored_page_bytes, queued_pages * stored_page_bytes,
-            self.read_rate.rate, self.prefill_rate.rate,
+            len(keys) * self.page_size,
+            len(keys) * stored_page_bytes,
+            queued_pages * stored_page_bytes,
+            self.read_rate.rate,
+            self.prefill_rate.rate,
         )
 
     def ready(self, rid: str) -> bool:
@@ -437,7 +503,9 @@ class HiCache:
                 self.stats.bytes_to_storage += sum(len(b) for _, b in result[1])
             elif kind == "prefetched":
                 _, pf, blobs, missing, seconds = result
-                for d in missing:  # evicted from L3 (or never written): write it when next computed
+                for d in (
+                    missing
+                ):  # evicted from L3 (or never written): write it when next computed
                     self.in_storage.pop(d, None)
                 self._land(pf, blobs, seconds)
             elif kind == "failed":
@@ -447,21 +515,36 @@ class HiCache:
                     job[1].done = True
                 elif job[0] == "write":
                     for key, _ in job[1]:
-                        self.in_storage.pop(bytes.fromhex(key.removeprefix("strata-kv-")), None)
+                        self.in_storage.pop(
+                            bytes.fromhex(key.removeprefix("strata-kv-")), None
+                        )
 
-    def _land(self, pf: Prefetch, blobs: list[tuple[bytes, bytes | None]], seconds: float = 0.0) -> None:
+    def _land(
+        self,
+        pf: Prefetch,
+        blobs: list[tuple[bytes, bytes | None]],
+        seconds: float = 0.0,
+    ) -> None:
         pf.done = True
         expected = self.payload_bytes
-        self.read_rate.add(sum(len(b) for _, b in blobs if isinstance(b, (bytes, bytearray))), seconds)
+        self.read_rate.add(
+            sum(len(b) for _, b in blobs if isinstance(b, (bytes, bytearray))), seconds
+        )
         good: list[tuple[bytes, bytes]] = []
         for digest, blob in blobs:
             if blob is None:
                 break
             try:
-                good.append((digest, decode_page(blob, digest, self.namespace, expected)))
+                good.append(
+                    (digest, decode_page(blob, digest, self.namespace, expected))
+                )
             except CorruptPage as exc:
                 self.stats.corrupt_pages += 1
-                logger.warning("hicache: ignoring corrupt storage page %s: %s", digest.hex()[:16], exc)
+                logger.warning(
+                    "hicache: ignoring corrupt storage page %s: %s",
+                    digest.hex()[:16],
+                    exc,
+                )
                 break  # a prefix is only usable up to its first bad page
         todo = [(d, p) for d, p in good if d not in self.l2]
         host_pages = self._host_alloc(len(todo)) if todo else []
@@ -490,4 +573,3 @@ class HiCache:
             time.sleep(0.01)
             self.poll()
         self.poll()
-

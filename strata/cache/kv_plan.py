@@ -23,17 +23,20 @@ def total_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-
 @dataclass
 class KVPlan:
     """How big the KV pool is and how its layers are grouped."""
 
     layer_windows: list[int | None]  # per layer: its window, None for full attention
     num_pages: int  # primary pages (the full layers'; names only, when every layer is windowed)
-    group_pages: dict[int, int]  # window -> pages of that window group ({}: one pool for all layers)
+    group_pages: dict[
+        int, int
+    ]  # window -> pages of that window group ({}: one pool for all layers)
     reason: str  # where the size came from
     shared: bool = False  # every group draws from the num_pages of the primary pool (--swa-pool shared)
-    window_reserve: int = 0  # shared: pages the window groups take beside one request's longest context
+    window_reserve: int = (
+        0  # shared: pages the window groups take beside one request's longest context
+    )
 
     @property
     def context_pages(self) -> int:
@@ -45,15 +48,21 @@ class KVPlan:
         from strata.distributed.messages import KVLayout
 
         return KVLayout(
-            self.layer_windows, self.num_pages, page_size, dict(self.group_pages), str(kv_dtype).removeprefix("torch.")
+            self.layer_windows,
+            self.num_pages,
+            page_size,
+            dict(self.group_pages),
+            str(kv_dtype).removeprefix("torch."),
         )
 
     def describe(self) -> str:
         full = sum(w is None or w not in self.group_pages for w in self.layer_windows)
         if self.shared:
             windowed = len(self.layer_windows) - full
-            return (f"{full} layers keep every token, {windowed} window-{next(iter(self.group_pages))} layers "
-                    f"give back what falls out of it; one shared pool of {self.num_pages} pages")  # fmt: skip
+            return (
+                f"{full} layers keep every token, {windowed} window-{next(iter(self.group_pages))} layers "
+                f"give back what falls out of it; one shared pool of {self.num_pages} pages"
+            )
         parts = [f"{full} layers keep every token ({self.num_pages} pages)"]
         for w, n in self.group_pages.items():
             parts.append(f"{self.layer_windows.count(w)} window-{w} layers: {n} pages")
@@ -69,7 +78,11 @@ def kv_layer_bytes_per_token(mc: ModelConfig, kv_dtype: torch.dtype) -> int:
 
 
 def plan_kv_pool(
-    cfg: EngineConfig, mc: ModelConfig, kv_dtype: torch.dtype, device: torch.device, context_len: int,
+    cfg: EngineConfig,
+    mc: ModelConfig,
+    kv_dtype: torch.dtype,
+    device: torch.device,
+    context_len: int,
     shareable: bool = False,
 ) -> KVPlan:
     """Size the pool. --kv-cache-tokens sets the primary pages (the tokens of context the full
@@ -92,19 +105,42 @@ def plan_kv_pool(
         num_tokens = int(total * cfg.mem_fraction_static / per_token)
         reason = f"--mem-fraction-static {cfg.mem_fraction_static} of {total / 2**30:.1f} GiB"
         cap = KV_CONTEXTS_CAP * context_len
-        if num_tokens > cap:  # small models: more KV than 64 full contexts is memory with no use
-            num_tokens, reason = cap, f"{KV_CONTEXTS_CAP} x the {context_len}-token context (below {reason})"
+        if (
+            num_tokens > cap
+        ):  # small models: more KV than 64 full contexts is memory with no use
+            num_tokens, reason = (
+                cap,
+                f"{KV_CONTEXTS_CAP} x the {context_len}-token context (below {reason})",
+            )
     num_pages = max(1, num_tokens // ps)
     group_pages = {}
     if grouped:
-        chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else context_len
+        chunk = (
+            cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else context_len
+        )
         for w in sorted({w for w in windows if w is not None}):
             least = -(-(w + min(chunk, context_len)) // ps) + 3
             group_pages[w] = min(num_pages, max(least, math.ceil(ratio * num_pages)))
-    if grouped and shareable and cfg.swa_pool == "shared" and MHAKVPool.shares_pool(windows, group_pages):
+    if (
+        grouped
+        and shareable
+        and cfg.swa_pool == "shared"
+        and MHAKVPool.shares_pool(windows, group_pages)
+    ):
         full = len(windows) - windowed
-        pages = num_pages + math.ceil(next(iter(group_pages.values())) * windowed / full)  # the same bytes
+        pages = num_pages + math.ceil(
+            next(iter(group_pages.values())) * windowed / full
+        )  # the same bytes
         (w,) = group_pages
-        reserve = -(-windowed // full) * (-(-(w + min(chunk, context_len)) // ps) + 1)  # a window + chunk per group
-        return KVPlan(windows, pages, {w: pages}, reason, shared=True, window_reserve=min(reserve, pages - 1))
+        reserve = -(-windowed // full) * (
+            -(-(w + min(chunk, context_len)) // ps) + 1
+        )  # a window + chunk per group
+        return KVPlan(
+            windows,
+            pages,
+            {w: pages},
+            reason,
+            shared=True,
+            window_reserve=min(reserve, pages - 1),
+        )
     return KVPlan(windows, num_pages, group_pages, reason)

@@ -44,9 +44,15 @@ class KVPool(ABC):
     num_pages: int
     dtype: torch.dtype
     device: torch.device
-    windows: list[int]  # the window size of each window group (empty: one group, every layer)
-    scratch_page: int | None = None  # a never-allocated page for `--swa-replay` (window groups only)
-    shared: bool = False  # the window groups' pages come from the primary pool (MHAKVPool)
+    windows: list[
+        int
+    ]  # the window size of each window group (empty: one group, every layer)
+    scratch_page: int | None = (
+        None  # a never-allocated page for `--swa-replay` (window groups only)
+    )
+    shared: bool = (
+        False  # the window groups' pages come from the primary pool (MHAKVPool)
+    )
 
     @property
     def grouped(self) -> bool:
@@ -120,7 +126,9 @@ class MHAKVPool(KVPool):
         self.dtype = dtype
         self.device = torch.device(device)
         if shared and not self.shares_pool(layer_windows, group_pages):
-            raise ValueError("a shared pool needs one window size and at least one full-attention layer")
+            raise ValueError(
+                "a shared pool needs one window size and at least one full-attention layer"
+            )
         self.shared = shared
         # zeros, not empty: padded attention gathers slots it masks out (the unwritten tail of a
         # request's last page, padding rows), and a masked 0 * NaN from uninitialised memory is NaN
@@ -130,7 +138,9 @@ class MHAKVPool(KVPool):
 
         def buffer(pages: int) -> tuple[torch.Tensor, torch.Tensor]:
             shape = (pages * page_size, num_kv_heads, head_dim)
-            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device)
+            return torch.zeros(shape, dtype=dtype, device=device), torch.zeros(
+                shape, dtype=dtype, device=device
+            )
 
         if shared:
             full = sum(w is None for w in layer_windows)
@@ -148,21 +158,32 @@ class MHAKVPool(KVPool):
             self.k = [buffers[lane[i]][0] for i in range(len(layer_windows))]
             self.v = [buffers[lane[i]][1] for i in range(len(layer_windows))]
         else:
-            self.windows = sorted(group_pages)  # window group g (1-based in group_of) has windows[g - 1]
+            self.windows = sorted(
+                group_pages
+            )  # window group g (1-based in group_of) has windows[g - 1]
             self.group_pages = [group_pages[w] for w in self.windows]
             self.group_of = [
-                self.windows.index(w) + 1 if w is not None and w in group_pages else 0 for w in layer_windows
+                self.windows.index(w) + 1 if w is not None and w in group_pages else 0
+                for w in layer_windows
             ]
             self.k, self.v = [], []
             for g in self.group_of:
-                k, v = buffer(num_pages + (self.scratch_page is not None) if g == 0 else self.group_pages[g - 1])
+                k, v = buffer(
+                    num_pages + (self.scratch_page is not None)
+                    if g == 0
+                    else self.group_pages[g - 1]
+                )
                 self.k.append(k)
                 self.v.append(v)
 
-        self.page_maps: list[np.ndarray] = []  # per window group: primary page -> its page (-1: none)
+        self.page_maps: list[
+            np.ndarray
+        ] = []  # per window group: primary page -> its page (-1: none)
 
     @staticmethod
-    def shares_pool(layer_windows: Sequence[int | None], group_pages: dict[int, int]) -> bool:
+    def shares_pool(
+        layer_windows: Sequence[int | None], group_pages: dict[int, int]
+    ) -> bool:
         """Whether these layers can draw every group's pages from one pool: one window size, and a
         full-attention layer to size the pages by."""
         return len(group_pages) == 1 and any(w is None for w in layer_windows)
@@ -170,16 +191,22 @@ class MHAKVPool(KVPool):
     def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
         """The allocator's page map of each window group (`WindowGroup.to_group`), in group order."""
         if len(maps) != len(self.windows):
-            raise ValueError(f"{len(maps)} page maps for {len(self.windows)} window groups")
+            raise ValueError(
+                f"{len(maps)} page maps for {len(self.windows)} window groups"
+            )
         self.page_maps = list(maps)
 
     # ----------------------------------------------------------------- whole pages, every group
     # (what moves between tiers and workers: L2/L3 pages, PD transfers)
 
-    def _group_slots(self, pages: np.ndarray) -> list[tuple[torch.Tensor, np.ndarray | None]]:
+    def _group_slots(
+        self, pages: np.ndarray
+    ) -> list[tuple[torch.Tensor, np.ndarray | None]]:
         """Per group (primary first): the pages' slots in that group's buffers, and which pages the
         group holds (None: all, the primary group). Missing pages point at slot 0 (masked by the caller)."""
-        out: list[tuple[torch.Tensor, np.ndarray | None]] = [(self.slots_of_pages(pages.tolist()), None)]
+        out: list[tuple[torch.Tensor, np.ndarray | None]] = [
+            (self.slots_of_pages(pages.tolist()), None)
+        ]
         for page_map in self.page_maps:
             own = page_map[pages]
             held = own >= 0
@@ -192,7 +219,9 @@ class MHAKVPool(KVPool):
         idx = np.asarray(pages, dtype=np.int64)
         n, ps = len(idx), self.page_size
         k0 = self.k[0]
-        out = torch.zeros((n, len(self.k), 2, ps, k0.shape[1], k0.shape[2]), dtype=self.dtype)
+        out = torch.zeros(
+            (n, len(self.k), 2, ps, k0.shape[1], k0.shape[2]), dtype=self.dtype
+        )
         groups = self._group_slots(idx)
         present = np.ones((n, len(self.windows)), dtype=bool)
         for g, (_, held) in enumerate(groups[1:]):
@@ -229,7 +258,9 @@ class MHAKVPool(KVPool):
 
     @property
     def nbytes(self) -> int:
-        unique = {id(t): t for t in self.k + self.v}.values()  # shared: layers share buffers
+        unique = {
+            id(t): t for t in self.k + self.v
+        }.values()  # shared: layers share buffers
         return sum(t.numel() * t.element_size() for t in unique)
 
     @property
@@ -237,7 +268,8 @@ class MHAKVPool(KVPool):
         k = self.k[0]
         return (
             f"layers={len(self.k)};kv_heads={k.shape[1]};head_dim={k.shape[2]};dtype={k.dtype};"
-            f"page={self.page_size}" + (f";window_groups={self.windows}" if self.windows else "")
+            f"page={self.page_size}"
+            + (f";window_groups={self.windows}" if self.windows else "")
             + (";shared" if self.shared else "")
         )
 
@@ -249,10 +281,14 @@ class MHAKVPool(KVPool):
         per_layer = self.layer_bytes_per_token() * self.page_size
         if self.shared:  # every page of the pool spans one page of each buffer
             return [per_layer * self.group_of.count(0)] * (len(self.windows) + 1)
-        return [per_layer * self.group_of.count(g) for g in range(len(self.windows) + 1)]
+        return [
+            per_layer * self.group_of.count(g) for g in range(len(self.windows) + 1)
+        ]
 
     @staticmethod
-    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    def bytes_per_token(
+        num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
@@ -268,7 +304,12 @@ class LatentKVPool(KVPool):
     One group: MLA layers have no sliding windows."""
 
     def __init__(
-        self, num_layers: int, latent_dim: int, num_pages: int, page_size: int, dtype: torch.dtype,
+        self,
+        num_layers: int,
+        latent_dim: int,
+        num_pages: int,
+        page_size: int,
+        dtype: torch.dtype,
         device: torch.device,
     ):
         """latent_dim: kv_lora_rank + qk_rope_head_dim."""
@@ -280,7 +321,9 @@ class LatentKVPool(KVPool):
         self.windows = []
         # zeros, not empty: padded attention gathers (and masks) slots nobody wrote (see MHAKVPool)
         shape = (self.num_slots, 1, latent_dim)
-        self.latent = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.latent = [
+            torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)
+        ]
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -298,13 +341,21 @@ class LatentKVPool(KVPool):
     def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
         n = len(pages)
         slots = self.slots_of_pages(list(pages)).to(self.device)
-        rows = torch.stack([t[slots] for t in self.latent])  # [layers, n * ps, 1, latent_dim]
-        out = rows.view(len(self.latent), n, 1, self.page_size, 1, -1).transpose(0, 1).cpu()
+        rows = torch.stack(
+            [t[slots] for t in self.latent]
+        )  # [layers, n * ps, 1, latent_dim]
+        out = (
+            rows.view(len(self.latent), n, 1, self.page_size, 1, -1)
+            .transpose(0, 1)
+            .cpu()
+        )
         return out.contiguous(), np.ones((n, 0), dtype=bool)
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
         slots = self.slots_of_pages(list(pages)).to(self.device)
-        for layer, t in enumerate(self.latent):  # data[:, layer]: [n, 1, ps, 1, latent_dim]
+        for layer, t in enumerate(
+            self.latent
+        ):  # data[:, layer]: [n, 1, ps, 1, latent_dim]
             t[slots] = data[:, layer].reshape(-1, *t.shape[1:]).to(t.device, t.dtype)
 
     def bytes_by_group(self) -> list[int]:

@@ -32,7 +32,9 @@ class PageHasher:
 # --------------------------------------------------------------------------- page codec
 
 _MAGIC = b"STKV"
-_HEADER = struct.Struct("<4s32s32sIQ")  # magic, key digest, namespace digest, crc32, payload bytes
+_HEADER = struct.Struct(
+    "<4s32s32sIQ"
+)  # magic, key digest, namespace digest, crc32, payload bytes
 HEADER_BYTES = _HEADER.size  # what a stored page adds to its payload
 
 
@@ -41,7 +43,10 @@ class CorruptPage(ValueError):
 
 
 def encode_page(key: bytes, namespace: bytes, payload: bytes) -> bytes:
-    return _HEADER.pack(_MAGIC, key, namespace, zlib.crc32(payload), len(payload)) + payload
+    return (
+        _HEADER.pack(_MAGIC, key, namespace, zlib.crc32(payload), len(payload))
+        + payload
+    )
 
 
 def decode_page(data: bytes, key: bytes, namespace: bytes, expected_len: int) -> bytes:

@@ -11,7 +11,9 @@ class RateMeter:
 
     def __init__(self, prior: float, window: int = 16):
         self.prior = prior
-        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (amount, seconds)
+        self.samples: deque[tuple[float, float]] = deque(
+            maxlen=window
+        )  # (amount, seconds)
 
     def add(self, amount: float, seconds: float) -> None:
         if amount > 0 and seconds > 0:
@@ -25,7 +27,11 @@ class RateMeter:
 
 
 def auto_prefetch_wait_s(
-    num_tokens: int, num_bytes: int, queued_bytes: int, read_bytes_per_s: float, prefill_tokens_per_s: float
+    num_tokens: int,
+    num_bytes: int,
+    queued_bytes: int,
+    read_bytes_per_s: float,
+    prefill_tokens_per_s: float,
 ) -> float:
     """How long the auto policy lets a request wait for an L3 fetch of `num_bytes` (its `num_tokens`
     tokens), behind `queued_bytes` of other fetches: the recompute time if the fetch is expected to

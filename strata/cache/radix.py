@@ -43,10 +43,25 @@ EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 
 
 class TreeNode:
-    __slots__ = ("children", "parent", "key", "value", "lock_ref", "pins", "resume", "last_access", "id")
+    __slots__ = (
+        "children",
+        "parent",
+        "key",
+        "value",
+        "lock_ref",
+        "pins",
+        "resume",
+        "last_access",
+        "id",
+    )
 
     def __init__(
-        self, key: tuple[int, ...], value: list[int], parent: TreeNode | None, last_access: int, node_id: int
+        self,
+        key: tuple[int, ...],
+        value: list[int],
+        parent: TreeNode | None,
+        last_access: int,
+        node_id: int,
     ) -> None:
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
@@ -182,7 +197,9 @@ class SingleTier:
         """Shared pool: least recently used leaves whole until `need` pool pages are free
         (WindowRadixCache may give back a leaf's band instead)."""
         a = self.allocator
-        while need > a.num_free_pages and self.evict(-(-(need - a.num_free_pages) // a.page_cost)):
+        while need > a.num_free_pages and self.evict(
+            -(-(need - a.num_free_pages) // a.page_cost)
+        ):
             pass
 
     def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
@@ -210,7 +227,9 @@ class SingleTier:
 def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) -> None:
     n = len(token_ids)
     if n % ps or len(pages) * ps != n:
-        raise ValueError(f"insert of {n} tokens with {len(pages)} pages of size {ps}: must be page-aligned")
+        raise ValueError(
+            f"insert of {n} tokens with {len(pages)} pages of size {ps}: must be page-aligned"
+        )
 
 
 class RadixCache(SingleTier):
@@ -221,9 +240,13 @@ class RadixCache(SingleTier):
     behind this cache copies them there).
     """
 
-    trims_leaves = True  # evict may take a leaf's tail pages alone (False: whole leaves only)
+    trims_leaves = (
+        True  # evict may take a leaf's tail pages alone (False: whole leaves only)
+    )
 
-    def __init__(self, allocator: PageAllocator, on_evict: EvictListener | None = None) -> None:
+    def __init__(
+        self, allocator: PageAllocator, on_evict: EvictListener | None = None
+    ) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
         self.on_evict = on_evict
@@ -236,7 +259,9 @@ class RadixCache(SingleTier):
         self._evictable = 0
         self._protected = 0
 
-    def _new_node(self, key: tuple[int, ...], value: list[int], parent: TreeNode | None) -> TreeNode:
+    def _new_node(
+        self, key: tuple[int, ...], value: list[int], parent: TreeNode | None
+    ) -> TreeNode:
         self._next_id += 1
         return TreeNode(key, value, parent, self._clock, self._next_id)
 
@@ -363,7 +388,12 @@ class RadixCache(SingleTier):
             node = heapq.heappop(heap)[2]
             parent = node.parent
             yield node
-            if node.parent is None and not parent.children and parent.lock_ref == 0 and parent is not self.root:
+            if (
+                node.parent is None
+                and not parent.children
+                and parent.lock_ref == 0
+                and parent is not self.root
+            ):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
 
     def evict(self, num_pages: int) -> int:
@@ -375,7 +405,9 @@ class RadixCache(SingleTier):
             if freed >= num_pages:
                 break
             want = num_pages - freed
-            if self.trims_leaves and len(node.value) > want:  # only part of this leaf is needed: drop its tail
+            if (
+                self.trims_leaves and len(node.value) > want
+            ):  # only part of this leaf is needed: drop its tail
                 keep = len(node.value) - want
                 self._before_free(node, keep)
                 self.allocator.free(node.value[keep:])
@@ -395,7 +427,9 @@ class RadixCache(SingleTier):
 
     def window_pages(self) -> list[int]:
         """Per window group of the allocator, the pages the tree still holds (walks the tree)."""
-        return self.allocator.group_pages_held(p for n in self._nodes() for p in n.value)
+        return self.allocator.group_pages_held(
+            p for n in self._nodes() for p in n.value
+        )
 
     def _remove_leaf(self, node: TreeNode) -> int:
         """Free an unlocked leaf's pages and detach it. Returns the pages freed."""
@@ -442,7 +476,9 @@ class RadixCache(SingleTier):
         self._new_tree()
 
     def pretty(self) -> str:
-        lines = [f"root lock={self.root.lock_ref} evictable={self._evictable} protected={self._protected}"]
+        lines = [
+            f"root lock={self.root.lock_ref} evictable={self._evictable} protected={self._protected}"
+        ]
 
         def walk(node: TreeNode, depth: int) -> None:
             for child in sorted(node.children.values(), key=lambda c: c.key):

@@ -86,5 +86,11 @@ class StorageWorker(threading.Thread):
             if hits * hc.page_size < hc.config.prefetch_threshold_tokens:
                 return ("prefetched", pf, [], missing, 0.0)
             blobs = list(self.backend.get(names[:hits]))
-            return ("prefetched", pf, list(zip(pf.keys[:hits], blobs)), missing, time.monotonic() - started)
+            return (
+                "prefetched",
+                pf,
+                list(zip(pf.keys[:hits], blobs)),
+                missing,
+                time.monotonic() - started,
+            )
         raise ValueError(kind)

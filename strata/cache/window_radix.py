@@ -117,7 +117,9 @@ class WindowRadixCache(RadixCache):
                 self._sweep_interiors(want, took, ends, extra)
         if tails:
             for g, group in enumerate(groups):
-                if want[g] > 0:  # a tail pass changes the tree: ends again for each group
+                if (
+                    want[g] > 0
+                ):  # a tail pass changes the tree: ends again for each group
                     took(g, self._evict_tails(group, want[g], self._ends()))
         return freed
 
@@ -145,7 +147,11 @@ class WindowRadixCache(RadixCache):
         """Pass 1, one round: interiors, the pages wholly before guard - (1 + extra) W + 1 (less a
         page of slack), least recently used nodes first, every group of a node before the next node
         (a match needs all of them)."""
-        heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root]
+        heap = [
+            (n.last_access, -e[0], n.id, n)
+            for n, e in ends.items()
+            if n is not self.root
+        ]
         heapq.heapify(heap)
         while heap and any(w > 0 for w in want):
             node = heapq.heappop(heap)[3]
@@ -162,11 +168,16 @@ class WindowRadixCache(RadixCache):
         ps = self.page_size
         return (guard - window - int(extra * window) + 1 - ps - start) // ps
 
-    def _band(self, leaf: TreeNode, groups, ends: dict[TreeNode, tuple[int, int]]) -> list[tuple[WindowGroup, list[int]]]:
+    def _band(
+        self, leaf: TreeNode, groups, ends: dict[TreeNode, tuple[int, int]]
+    ) -> list[tuple[WindowGroup, list[int]]]:
         """The live pages of `groups` more than W before the guards on the unlocked nodes of leaf's
         unbranched path (after pass 1: the W / 4 band): what the leaf's conversation gives back first."""
         band = []
-        node, guard = leaf, ends[leaf][0]  # a leaf guards its end (ends' guards may predate a removal)
+        node, guard = (
+            leaf,
+            ends[leaf][0],
+        )  # a leaf guards its end (ends' guards may predate a removal)
         while node is not self.root and len(node.children) <= 1 and node.lock_ref == 0:
             end = ends[node][0]
             guard = end if node.pins or node.resume else guard
@@ -174,7 +185,13 @@ class WindowRadixCache(RadixCache):
             for group in groups:
                 deep = self._pages_before(guard, start, group.window, 0.0)
                 if deep > 0:
-                    pages = [p for p, alive in zip(node.value[:deep], group.alive(node.value[:deep])) if alive]
+                    pages = [
+                        p
+                        for p, alive in zip(
+                            node.value[:deep], group.alive(node.value[:deep])
+                        )
+                        if alive
+                    ]
                     if pages:
                         band.append((group, pages))
             node = node.parent
@@ -186,7 +203,9 @@ class WindowRadixCache(RadixCache):
         a = self.allocator
         if need <= a.num_free_pages:
             return
-        ends = self._ends()  # the positions hold through removals; _band works out guards itself
+        ends = (
+            self._ends()
+        )  # the positions hold through removals; _band works out guards itself
         for node in self._lru_leaves():
             band = self._band(node, a.groups, ends)
             if sum(len(pages) for _, pages in band) >= need - a.num_free_pages:
@@ -197,21 +216,33 @@ class WindowRadixCache(RadixCache):
             if need <= a.num_free_pages:
                 return
 
-    def _evict_tails(self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]) -> int:
+    def _evict_tails(
+        self, group: WindowGroup, want: int, ends: dict[TreeNode, tuple[int, int]]
+    ) -> int:
         """Pass 2: what is left on unlocked nodes, least recently used first (deeper first among
         equals); leaves go whole, inner nodes become tombstones."""
-        heap = [(n.last_access, -e[0], n.id, n) for n, e in ends.items() if n is not self.root and n.lock_ref == 0]
+        heap = [
+            (n.last_access, -e[0], n.id, n)
+            for n, e in ends.items()
+            if n is not self.root and n.lock_ref == 0
+        ]
         heapq.heapify(heap)
         freed = 0
         while heap and freed < want:
             node = heapq.heappop(heap)[3]
-            if node.parent is None:  # queued twice (again when it became a leaf) and already removed
+            if (
+                node.parent is None
+            ):  # queued twice (again when it became a leaf) and already removed
                 continue
-            if node.children or self.replay:  # with replay a leaf without its window stays usable
+            if (
+                node.children or self.replay
+            ):  # with replay a leaf without its window stays usable
                 freed += group.drop(node.value)
                 continue
             band = self._band(node, [group], ends)
-            if sum(len(pages) for _, pages in band) >= want - freed:  # its band is enough: the leaf stays
+            if (
+                sum(len(pages) for _, pages in band) >= want - freed
+            ):  # its band is enough: the leaf stays
                 freed += sum(group.drop(pages) for _, pages in band)
                 break
             held = int(group.alive(node.value).sum())
@@ -219,5 +250,7 @@ class WindowRadixCache(RadixCache):
             self._remove_leaf(node)
             freed += held
             if not parent.children and parent is not self.root and parent.lock_ref == 0:
-                heapq.heappush(heap, (parent.last_access, -ends[parent][0], parent.id, parent))
+                heapq.heappush(
+                    heap, (parent.last_access, -ends[parent][0], parent.id, parent)
+                )
         return freed

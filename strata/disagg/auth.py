@@ -38,14 +38,26 @@ def new_room() -> int:
 
 def sign_bootstrap(secret: bytes, room: int, addr: str | None, body: bytes) -> str:
     """The X-Strata-Bootstrap value for a request `body` that carries `room` and `addr`."""
-    signed = msgspec.json.encode(["strata-bootstrap/1", room, addr, hashlib.sha256(body).hexdigest()])
+    signed = msgspec.json.encode(
+        ["strata-bootstrap/1", room, addr, hashlib.sha256(body).hexdigest()]
+    )
     return hmac.new(secret, signed, hashlib.sha256).hexdigest()
 
 
-def verify_bootstrap(secret: bytes | None, room: int | None, addr: str | None, body: bytes,
-                     signature: str | None) -> bool:
+def verify_bootstrap(
+    secret: bytes | None,
+    room: int | None,
+    addr: str | None,
+    body: bytes,
+    signature: str | None,
+) -> bool:
     """True when `signature` is the router's for exactly this room, address and body."""
-    if secret is None or not signature or not isinstance(room, int) or not 0 <= room < MAX_ROOM:
+    if (
+        secret is None
+        or not signature
+        or not isinstance(room, int)
+        or not 0 <= room < MAX_ROOM
+    ):
         return False
     expected = sign_bootstrap(secret, room, addr, body)
     return hmac.compare_digest(expected.encode(), signature.encode("utf-8", "replace"))

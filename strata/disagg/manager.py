@@ -39,7 +39,9 @@ from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-MAX_EARLY_HELLOS = 4096  # Hellos kept for rooms whose request has not reached the prefill worker yet
+MAX_EARLY_HELLOS = (
+    4096  # Hellos kept for rooms whose request has not reached the prefill worker yet
+)
 _BOOTSTRAP_ADDR = re.compile(r"(tcp://)?(\[[0-9a-fA-F:.]+\]|[^\s/:\[\]]+):([0-9]{1,5})")
 
 
@@ -56,9 +58,13 @@ def gather_kv(kv: KVPool, pages: list[int], num_tokens: int) -> torch.Tensor:
     A window layer's positions before its window were given back and read as zeros; the decode
     worker never reads them either (it resumes at num_tokens and reads the last W - 1 at most)."""
     ps = kv.page_size
-    data, _ = kv.read_pages(pages[: -(-num_tokens // ps)])  # [n, layers, parts, ps, heads, dim]
+    data, _ = kv.read_pages(
+        pages[: -(-num_tokens // ps)]
+    )  # [n, layers, parts, ps, heads, dim]
     n, layers, parts, _, heads, dim = data.shape
-    per_token = data.permute(1, 2, 0, 3, 4, 5).reshape(layers, parts, n * ps, heads, dim)
+    per_token = data.permute(1, 2, 0, 3, 4, 5).reshape(
+        layers, parts, n * ps, heads, dim
+    )
     return per_token[:, :, :num_tokens].contiguous()
 
 
@@ -69,7 +75,10 @@ def install_kv(kv: KVPool, pages: list[int], data: torch.Tensor) -> None:
     n = -(-num_tokens // ps)
     padded = data.new_zeros((layers, parts, n * ps, heads, dim))
     padded[:, :, :num_tokens] = data
-    kv.write_pages(pages[:n], padded.view(layers, parts, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5))
+    kv.write_pages(
+        pages[:n],
+        padded.view(layers, parts, n, ps, heads, dim).permute(2, 0, 1, 3, 4, 5),
+    )
 
 
 # --------------------------------------------------------------------------- prefill side
@@ -91,8 +100,15 @@ class _Side:
     """What both sides hold: the scheduler and KV pool they serve, the transport, the shared secret,
     the KV-layout namespace both must agree on, and how long a room may wait for its peer."""
 
-    def __init__(self, scheduler, kv: KVPool, transport: KVTransport, secret: bytes, namespace: str,
-                 timeout_s: float = 30.0):
+    def __init__(
+        self,
+        scheduler,
+        kv: KVPool,
+        transport: KVTransport,
+        secret: bytes,
+        namespace: str,
+        timeout_s: float = 30.0,
+    ):
         self.scheduler, self.kv, self.transport = scheduler, kv, transport
         self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
         self.stats = {"rejected": 0}
@@ -103,7 +119,9 @@ class _Side:
         while (frames := self.transport.recv()) is not None:
             try:
                 self._on_message(frames)
-            except Exception:  # a bug in a check must not fail the step of every running request
+            except (
+                Exception
+            ):  # a bug in a check must not fail the step of every running request
                 logger.exception("PD: dropping a message that could not be handled")
                 self.stats["rejected"] += 1
 
@@ -118,26 +136,42 @@ class _Side:
             msg = protocol.decode(frames[0])
         except msgspec.DecodeError:
             return None
-        return msg if len(frames) == (2 if isinstance(msg, protocol.KVHeader) else 1) else None
+        return (
+            msg
+            if len(frames) == (2 if isinstance(msg, protocol.KVHeader) else 1)
+            else None
+        )
 
     def _reject(self, why: str) -> None:
         self.stats["rejected"] += 1
         now = time.monotonic()
-        if now - self._last_reject_log > 10:  # a flood of junk must not flood the log too
-            logger.warning("PD: rejected a message (%s); %d rejected so far", why, self.stats["rejected"])
+        if (
+            now - self._last_reject_log > 10
+        ):  # a flood of junk must not flood the log too
+            logger.warning(
+                "PD: rejected a message (%s); %d rejected so far",
+                why,
+                self.stats["rejected"],
+            )
             self._last_reject_log = now
 
 
 def _malformed(frames: list[bytes]) -> str:
-    if len(frames) == 3 and frames[1].startswith(b"strata-mooncake-"):  # see mooncake_transport.py
-        return ("malformed: KV to be pulled with Mooncake, which this worker's transport does not do; use the "
-                "same --disaggregation-transfer-backend on both workers")
+    if len(frames) == 3 and frames[1].startswith(
+        b"strata-mooncake-"
+    ):  # see mooncake_transport.py
+        return (
+            "malformed: KV to be pulled with Mooncake, which this worker's transport does not do; use the "
+            "same --disaggregation-transfer-backend on both workers"
+        )
     return "malformed"
 
 
 def _check_room(room: int) -> None:
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < MAX_ROOM:
-        raise ValueError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
+        raise ValueError(
+            f"bootstrap_room must be an integer in [0, 2**63), got {room!r}"
+        )
 
 
 class PrefillManager(_Side):
@@ -145,7 +179,9 @@ class PrefillManager(_Side):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _PrefillRoom] = {}
         self.room_of: dict[str, int] = {}
-        self.early_hellos: dict[int, tuple[float, protocol.Hello]] = {}  # Hello before the request
+        self.early_hellos: dict[
+            int, tuple[float, protocol.Hello]
+        ] = {}  # Hello before the request
         self.stats.update({"sent": 0, "failed": 0, "timed_out": 0, "bytes_sent": 0})
         self.scheduler.before_release = self._on_release
 
@@ -156,8 +192,10 @@ class PrefillManager(_Side):
         try:
             _check_room(room)
             if room in self.rooms:
-                raise ValueError(f"bootstrap room {room} is already in use by another request; "
-                                 "each request needs a fresh room (send requests through the router)")
+                raise ValueError(
+                    f"bootstrap room {room} is already in use by another request; "
+                    "each request needs a fresh room (send requests through the router)"
+                )
         except ValueError:
             self.scheduler.abort(rid)
             raise
@@ -183,9 +221,15 @@ class PrefillManager(_Side):
         data = gather_kv(self.kv, req.pages, n)
         lp = req.pending_logprobs[0].logprob if req.pending_logprobs else None
         room.header = protocol.KVHeader(
-            room=room_id, nonce="", prompt_len=n, first_token=req.output_ids[0], first_logprob=lp,
-            dtype=str(data.dtype).removeprefix("torch."), shape=list(data.shape),
-            cached_tokens=req.num_cached_tokens, cached_by_tier=dict(req.cached_tokens_by_tier),
+            room=room_id,
+            nonce="",
+            prompt_len=n,
+            first_token=req.output_ids[0],
+            first_logprob=lp,
+            dtype=str(data.dtype).removeprefix("torch."),
+            shape=list(data.shape),
+            cached_tokens=req.num_cached_tokens,
+            cached_by_tier=dict(req.cached_tokens_by_tier),
         )
         room.payload = tensor_bytes(data)
         room.prompt_digest = protocol.prompt_digest(req.prompt_ids)
@@ -194,10 +238,16 @@ class PrefillManager(_Side):
         self._receive_all()
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
-            if room.hello is not None and (room.header is not None or room.failed is not None):
+            if room.hello is not None and (
+                room.header is not None or room.failed is not None
+            ):
                 self._deliver(room_id, room)
             elif now - room.created > self.timeout_s:
-                logger.warning("PD room %d: no decode worker asked for it within %.0fs; dropping", room_id, self.timeout_s)
+                logger.warning(
+                    "PD room %d: no decode worker asked for it within %.0fs; dropping",
+                    room_id,
+                    self.timeout_s,
+                )
                 self.stats["timed_out"] += 1
                 del self.rooms[room_id]
         for room_id, (t, _) in list(self.early_hellos.items()):
@@ -209,16 +259,27 @@ class PrefillManager(_Side):
         if msg is None:
             return self._reject(_malformed(frames))
         if not isinstance(msg, protocol.Hello):
-            return self._reject(f"a prefill worker takes only Hello, got {type(msg).__name__}")
+            return self._reject(
+                f"a prefill worker takes only Hello, got {type(msg).__name__}"
+            )
         if not protocol.verify(msg, self.secret):
-            return self._reject("bad signature: is --disaggregation-secret the same on every worker?")
+            return self._reject(
+                "bad signature: is --disaggregation-secret the same on every worker?"
+            )
         if msg.namespace != self.namespace:
-            self._send_failed(msg, "prefill and decode workers serve different models or KV layouts")
+            self._send_failed(
+                msg, "prefill and decode workers serve different models or KV layouts"
+            )
             return
         room = self.rooms.get(msg.room)
         if room is None:
-            if msg.room in self.early_hellos or len(self.early_hellos) >= MAX_EARLY_HELLOS:
-                return self._reject(f"a second or one too many early Hello (room {msg.room})")
+            if (
+                msg.room in self.early_hellos
+                or len(self.early_hellos) >= MAX_EARLY_HELLOS
+            ):
+                return self._reject(
+                    f"a second or one too many early Hello (room {msg.room})"
+                )
             self.early_hellos[msg.room] = (time.monotonic(), msg)
         elif room.hello is None:
             room.hello = msg
@@ -226,8 +287,12 @@ class PrefillManager(_Side):
             self._reject(f"a second Hello for room {msg.room}")
 
     def _send_failed(self, hello: protocol.Hello, reason: str) -> None:
-        fail = protocol.KVFailed(hello.room, hello.nonce, protocol.failure_reason(reason))
-        self.transport.send(hello.kv_endpoint, [protocol.encode(protocol.sign(fail, self.secret))])
+        fail = protocol.KVFailed(
+            hello.room, hello.nonce, protocol.failure_reason(reason)
+        )
+        self.transport.send(
+            hello.kv_endpoint, [protocol.encode(protocol.sign(fail, self.secret))]
+        )
 
     def _deliver(self, room_id: int, room: _PrefillRoom) -> None:
         hello = room.hello
@@ -245,7 +310,10 @@ class PrefillManager(_Side):
         else:
             assert room.header is not None
             header = msgspec.structs.replace(room.header, nonce=hello.nonce)
-            frames = [protocol.encode(protocol.sign(header, self.secret, room.payload)), room.payload]
+            frames = [
+                protocol.encode(protocol.sign(header, self.secret, room.payload)),
+                room.payload,
+            ]
             self.transport.send(hello.kv_endpoint, frames)
             self.stats["sent"] += 1
             self.stats["bytes_sent"] += len(room.payload)
@@ -272,7 +340,9 @@ class _DecodeRoom:
     params: SamplingParams
     bootstrap: str  # tcp://host:port of the prefill worker's inbox
     created: float
-    nonce: str = field(default_factory=protocol.new_nonce)  # every answer for this room must echo it
+    nonce: str = field(
+        default_factory=protocol.new_nonce
+    )  # every answer for this room must echo it
     reserved: bool = False
     state: str = "bootstrapping"  # bootstrapping | waiting (Hello sent); then removed: done or failed
 
@@ -281,9 +351,18 @@ class DecodeManager(_Side):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _DecodeRoom] = {}
-        self.stats.update({"received": 0, "failed": 0, "timed_out": 0, "bytes_received": 0})
+        self.stats.update(
+            {"received": 0, "failed": 0, "timed_out": 0, "bytes_received": 0}
+        )
 
-    def add(self, rid: str, prompt_ids: list[int], params: SamplingParams, room: int, bootstrap: str) -> None:
+    def add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        room: int,
+        bootstrap: str,
+    ) -> None:
         """Accept a request whose prompt KV comes from the prefill worker at `bootstrap` (host:port).
 
         Raises ValueError for a request that can never run here (as Scheduler.add_request does).
@@ -291,12 +370,18 @@ class DecodeManager(_Side):
         _check_room(room)
         if room in self.rooms:
             raise ValueError(f"bootstrap room {room} is already in use")
-        match = _BOOTSTRAP_ADDR.fullmatch(bootstrap) if isinstance(bootstrap, str) else None
+        match = (
+            _BOOTSTRAP_ADDR.fullmatch(bootstrap) if isinstance(bootstrap, str) else None
+        )
         if match is None or not 0 < int(match[3]) < 65536:
-            raise ValueError(f"bootstrap_addr must be the prefill worker's host:port, got {bootstrap!r:.200}")
+            raise ValueError(
+                f"bootstrap_addr must be the prefill worker's host:port, got {bootstrap!r:.200}"
+            )
         self.scheduler._validate([rid], prompt_ids, params)
         endpoint = bootstrap if bootstrap.startswith("tcp://") else f"tcp://{bootstrap}"
-        self.rooms[room] = _DecodeRoom(rid, list(prompt_ids), params, endpoint, time.monotonic())
+        self.rooms[room] = _DecodeRoom(
+            rid, list(prompt_ids), params, endpoint, time.monotonic()
+        )
         try:
             self._try_reserve(room, self.rooms[room])
         except ValueError:  # e.g. n > 1: refused now, and never retried by poll() (it would fail each step)
@@ -308,9 +393,17 @@ class DecodeManager(_Side):
         if req is None:
             return  # no KV room yet: retried at the next poll
         room.reserved, room.state = True, "waiting"
-        hello = protocol.Hello(room_id, self.transport.endpoint, len(room.prompt_ids),
-                               protocol.prompt_digest(room.prompt_ids), self.namespace, room.nonce)
-        self.transport.send(room.bootstrap, [protocol.encode(protocol.sign(hello, self.secret))])
+        hello = protocol.Hello(
+            room_id,
+            self.transport.endpoint,
+            len(room.prompt_ids),
+            protocol.prompt_digest(room.prompt_ids),
+            self.namespace,
+            room.nonce,
+        )
+        self.transport.send(
+            room.bootstrap, [protocol.encode(protocol.sign(hello, self.secret))]
+        )
 
     def poll(self) -> None:
         self._receive_all()
@@ -322,8 +415,11 @@ class DecodeManager(_Side):
                 self._try_reserve(room_id, room)
             if room_id in self.rooms and now - room.created > self.timeout_s:
                 self.stats["timed_out"] += 1
-                self._fail(room_id, f"the prefill worker at {room.bootstrap} did not deliver the KV cache within "
-                                    f"{self.timeout_s:.0f}s (it may have died); retry the request")
+                self._fail(
+                    room_id,
+                    f"the prefill worker at {room.bootstrap} did not deliver the KV cache within "
+                    f"{self.timeout_s:.0f}s (it may have died); retry the request",
+                )
 
     def _fail(self, room_id: int, reason: str) -> None:
         room = self.rooms.pop(room_id)
@@ -331,7 +427,9 @@ class DecodeManager(_Side):
         if room.reserved:
             self.scheduler.fail_prefilled(room.rid, reason)
         else:  # never reserved: report it through the scheduler anyway
-            req = self.scheduler._new_req(room.rid, room.prompt_ids, room.params, None, None)
+            req = self.scheduler._new_req(
+                room.rid, room.prompt_ids, room.params, None, None
+            )
             req.error = reason
             self.scheduler._finish(req, "error")
 
@@ -345,17 +443,24 @@ class DecodeManager(_Side):
         if room is None or not room.reserved:
             return self._reject(f"no transfer is waiting for room {msg.room}")
         if not hmac.compare_digest(msg.nonce, room.nonce):
-            return self._reject(f"not this transfer of room {msg.room} (a stale or replayed message)")
+            return self._reject(
+                f"not this transfer of room {msg.room} (a stale or replayed message)"
+            )
         payload = frames[1] if isinstance(msg, protocol.KVHeader) else b""
         if not protocol.verify(msg, self.secret, payload):
-            return self._reject("bad signature: is --disaggregation-secret the same on every worker?")
+            return self._reject(
+                "bad signature: is --disaggregation-secret the same on every worker?"
+            )
         if isinstance(msg, protocol.KVFailed):
             self._fail(msg.room, f"prefill failed: {msg.reason}")
             return
         problem = self._kv_problem(msg, room, payload)
         if problem is not None:
-            self._fail(msg.room, f"the KV cache from the prefill worker at {room.bootstrap} is unusable: "
-                                 f"{problem}")
+            self._fail(
+                msg.room,
+                f"the KV cache from the prefill worker at {room.bootstrap} is unusable: "
+                f"{problem}",
+            )
             return
         raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
         data = raw.view(self.kv.dtype).view(msg.shape)  # kv_shape(self.kv, prompt_len)
@@ -364,10 +469,18 @@ class DecodeManager(_Side):
         del self.rooms[msg.room]
         self.stats["received"] += 1
         self.stats["bytes_received"] += len(payload)
-        logprob = TokenLogprob(msg.first_token, msg.first_logprob) if msg.first_logprob is not None else None
-        self.scheduler.add_prefilled(room.rid, msg.first_token, logprob, msg.cached_tokens, msg.cached_by_tier)
+        logprob = (
+            TokenLogprob(msg.first_token, msg.first_logprob)
+            if msg.first_logprob is not None
+            else None
+        )
+        self.scheduler.add_prefilled(
+            room.rid, msg.first_token, logprob, msg.cached_tokens, msg.cached_by_tier
+        )
 
-    def _kv_problem(self, msg: protocol.KVHeader, room: _DecodeRoom, payload: bytes) -> str | None:
+    def _kv_problem(
+        self, msg: protocol.KVHeader, room: _DecodeRoom, payload: bytes
+    ) -> str | None:
         """What is wrong with an authenticated KV message for `room`, or None if it fits."""
         prompt_len = len(room.prompt_ids)
         if msg.prompt_len != prompt_len:
@@ -381,7 +494,9 @@ class DecodeManager(_Side):
         num_bytes = math.prod(shape) * self.kv.dtype.itemsize
         if len(payload) != num_bytes:
             return f"it carries {len(payload)} payload bytes for a shape of {num_bytes} bytes"
-        if msg.cached_tokens > prompt_len or any(n > msg.cached_tokens for n in msg.cached_by_tier.values()):
+        if msg.cached_tokens > prompt_len or any(
+            n > msg.cached_tokens for n in msg.cached_by_tier.values()
+        ):
             return f"it says {msg.cached_tokens} of the prompt's {prompt_len} tokens were cached ({msg.cached_by_tier})"
         vocab = self.scheduler.vocab_size
         if not 0 <= msg.first_token < vocab:

@@ -42,7 +42,9 @@ logger = logging.getLogger(__name__)
 PULL = b"strata-mooncake-pull/1"  # the middle frame of a KV message whose payload is to be pulled
 ACK = b"strata-mooncake-ack/1"  # [ACK, ticket]: the receiver has the payload; the sender may drop it
 CHUNK_BYTES = 64 << 20  # the most one read asks of the peer
-MAX_PENDING_PULLS = 256  # pulls queued at the receiver; more are dropped (their rooms time out)
+MAX_PENDING_PULLS = (
+    256  # pulls queued at the receiver; more are dropped (their rooms time out)
+)
 
 Ticket = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 
@@ -50,11 +52,15 @@ Ticket = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 class Pull(msgspec.Struct, forbid_unknown_fields=True):
     """Where the receiver reads a payload: `length` bytes at `address` in the engine `session`."""
 
-    session: Annotated[str, msgspec.Meta(max_length=300, pattern=r"^[^\s/]+:[0-9]{1,5}$")]  # host:rpc_port
+    session: Annotated[
+        str, msgspec.Meta(max_length=300, pattern=r"^[^\s/]+:[0-9]{1,5}$")
+    ]  # host:rpc_port
     address: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     length: Annotated[int, msgspec.Meta(ge=1, le=2**63 - 1)]
     ticket: Ticket
-    ack_endpoint: Annotated[str, msgspec.Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]
+    ack_endpoint: Annotated[
+        str, msgspec.Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")
+    ]
 
 
 _pull_decoder = msgspec.msgpack.Decoder(Pull)
@@ -66,7 +72,9 @@ def new_transfer_engine(host: str):
     """A TCP transfer engine on `host` with a free RPC port, found by P2P handshake (no metadata service)."""
     try:
         from mooncake.engine import TransferEngine
-    except ImportError as exc:  # the package, or a native library it loads (libibverbs.so.1)
+    except (
+        ImportError
+    ) as exc:  # the package, or a native library it loads (libibverbs.so.1)
         raise ValueError(
             "--disaggregation-transfer-backend mooncake needs Mooncake: `pip install 'strata[mooncake]'` "
             "(mooncake-transfer-engine-non-cuda, Linux x86_64; it loads libibverbs.so.1, apt: libibverbs1); "
@@ -75,7 +83,9 @@ def new_transfer_engine(host: str):
     engine = TransferEngine()
     rc = engine.initialize(host, "P2PHANDSHAKE", "tcp", "")
     if rc != 0:
-        raise ValueError(f"Mooncake's transfer engine did not start on {host} (initialize returned {rc})")
+        raise ValueError(
+            f"Mooncake's transfer engine did not start on {host} (initialize returned {rc})"
+        )
     return engine
 
 
@@ -83,7 +93,11 @@ class MooncakeTransport:
     """A `KVTransport`: ZMQ for the messages, Mooncake's transfer engine for KV payloads."""
 
     def __init__(
-        self, host: str = "127.0.0.1", port: int = 0, max_payload_bytes: int = 0, stage_ttl_s: float = 120.0
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        max_payload_bytes: int = 0,
+        stage_ttl_s: float = 120.0,
     ):
         self.zmq = ZmqTransport(host, port, max_payload_bytes=max_payload_bytes)
         self.endpoint = self.zmq.endpoint
@@ -94,7 +108,9 @@ class MooncakeTransport:
         # sender: payloads registered for peers to pull, by ticket: (address, payload, staged at)
         self.staged: dict[str, tuple[int, bytes, float]] = {}
         # receiver: pulls waiting for the puller thread; finished ones, with the ack to send
-        self.pulls: queue.Queue[tuple[bytes, Pull] | None] = queue.Queue(MAX_PENDING_PULLS)
+        self.pulls: queue.Queue[tuple[bytes, Pull] | None] = queue.Queue(
+            MAX_PENDING_PULLS
+        )
         self.pulled: deque[tuple[list[bytes], Pull]] = deque()
         self.stats = {"pulled_bytes": 0, "pull_failures": 0, "staged_bytes": 0}
         self._puller: threading.Thread | None = None
@@ -131,7 +147,9 @@ class MooncakeTransport:
 
     def _expire_staged(self) -> None:
         now = time.monotonic()
-        for ticket in [t for t, (_, _, at) in self.staged.items() if now - at > self.stage_ttl_s]:
+        for ticket in [
+            t for t, (_, _, at) in self.staged.items() if now - at > self.stage_ttl_s
+        ]:
             self._unstage(ticket)
 
     # ------------------------------------------------------------------ receiving
@@ -163,9 +181,13 @@ class MooncakeTransport:
         try:
             pull = _pull_decoder.decode(data)
         except msgspec.DecodeError:
-            logger.warning("PD: dropping a KV message whose pull descriptor does not decode")
+            logger.warning(
+                "PD: dropping a KV message whose pull descriptor does not decode"
+            )
             return
-        if pull.length > self.max_payload_bytes:  # the cap the built-in inbox puts on a payload frame
+        if (
+            pull.length > self.max_payload_bytes
+        ):  # the cap the built-in inbox puts on a payload frame
             logger.warning(
                 "PD: dropping a KV message of %d bytes; this worker accepts at most %d",
                 pull.length,
@@ -181,7 +203,8 @@ class MooncakeTransport:
             self.pulls.put_nowait((header, pull))
         except queue.Full:
             logger.warning(
-                "PD: %d KV pulls are queued already; dropping one (its room times out)", MAX_PENDING_PULLS
+                "PD: %d KV pulls are queued already; dropping one (its room times out)",
+                MAX_PENDING_PULLS,
             )
 
     def _pull_loop(self) -> None:
@@ -204,13 +227,16 @@ class MooncakeTransport:
         local = ctypes.addressof((ctypes.c_char * pull.length).from_buffer(out))
         if self.engine.register_memory(local, pull.length) != 0:
             logger.warning(
-                "PD: cannot register a %d-byte receive buffer with the transfer engine", pull.length
+                "PD: cannot register a %d-byte receive buffer with the transfer engine",
+                pull.length,
             )
             return None
         try:
             for offset in range(0, pull.length, CHUNK_BYTES):
                 n = min(CHUNK_BYTES, pull.length - offset)
-                rc = self.engine.transfer_sync_read(pull.session, local + offset, pull.address + offset, n)
+                rc = self.engine.transfer_sync_read(
+                    pull.session, local + offset, pull.address + offset, n
+                )
                 if rc != 0:
                     logger.warning(
                         "PD: reading %d bytes of KV from the transfer engine at %s failed (code %d); "

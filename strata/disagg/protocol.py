@@ -25,14 +25,20 @@ import msgspec
 from strata.disagg.auth import MAX_ROOM
 
 MAX_FRAMES = 2  # a header frame, then (KV only) one payload frame
-MAX_HEADER_BYTES = 16 * 1024  # far above the largest header (a KVFailed with a capped reason)
+MAX_HEADER_BYTES = (
+    16 * 1024
+)  # far above the largest header (a KVFailed with a capped reason)
 MAX_REASON_CHARS = 1000
 
 Room = Annotated[int, msgspec.Meta(ge=0, le=MAX_ROOM - 1)]
-Digest = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{64}$")]  # sha256 / HMAC-SHA256, hex
+Digest = Annotated[
+    str, msgspec.Meta(pattern="^[0-9a-f]{64}$")
+]  # sha256 / HMAC-SHA256, hex
 Nonce = Annotated[str, msgspec.Meta(pattern="^[0-9a-f]{32}$")]
 Mac = Annotated[str, msgspec.Meta(pattern="^([0-9a-f]{64})?$")]  # empty until signed
-Endpoint = Annotated[str, msgspec.Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")]
+Endpoint = Annotated[
+    str, msgspec.Meta(max_length=300, pattern=r"^tcp://[^\s/]+:[0-9]{1,5}$")
+]
 TokenCount = Annotated[int, msgspec.Meta(ge=1, lt=2**31)]
 Dim = Annotated[int, msgspec.Meta(ge=0, lt=2**31)]
 Tier = Annotated[str, msgspec.Meta(max_length=16, pattern="^[a-z]+$")]
@@ -45,7 +51,9 @@ class Hello(msgspec.Struct, tag="hello"):
     kv_endpoint: Endpoint
     prompt_len: TokenCount
     prompt_digest: Digest  # prompt_digest(prompt ids)
-    namespace: Annotated[str, msgspec.Meta(max_length=512, pattern="^[0-9a-f]*$")]  # KV layout identity
+    namespace: Annotated[
+        str, msgspec.Meta(max_length=512, pattern="^[0-9a-f]*$")
+    ]  # KV layout identity
     nonce: Nonce  # fresh per room; every answer must echo it
     mac: Mac = ""
 
@@ -63,7 +71,10 @@ class KVHeader(msgspec.Struct, tag="kv"):
     # prompt tokens the prefill worker took from its prefix cache, in all and per tier (the
     # decode side reports them in the request's usage, as a single worker would)
     cached_tokens: Annotated[int, msgspec.Meta(ge=0, lt=2**31)] = 0
-    cached_by_tier: Annotated[dict[Tier, Annotated[int, msgspec.Meta(ge=0, lt=2**31)]], msgspec.Meta(max_length=4)] = {}
+    cached_by_tier: Annotated[
+        dict[Tier, Annotated[int, msgspec.Meta(ge=0, lt=2**31)]],
+        msgspec.Meta(max_length=4),
+    ] = {}
     mac: Mac = ""
 
 
@@ -91,7 +102,9 @@ def new_nonce() -> str:
 
 def failure_reason(text: str) -> str:
     """A KVFailed reason within the cap the receiver enforces."""
-    return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+    return (
+        text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."
+    )
 
 
 def _signed_bytes(msg: Message) -> bytes:
@@ -106,7 +119,9 @@ def sign(msg: Message, secret: bytes, payload: bytes = b"") -> Message:
 
 def verify(msg: Message, secret: bytes, payload: bytes = b"") -> bool:
     """True when the MAC is right; never raises, whatever the message holds."""
-    expected = hmac.new(secret, _signed_bytes(msg) + payload, hashlib.sha256).hexdigest()
+    expected = hmac.new(
+        secret, _signed_bytes(msg) + payload, hashlib.sha256
+    ).hexdigest()
     return hmac.compare_digest(expected.encode(), msg.mac.encode("utf-8", "replace"))
 
 
@@ -118,5 +133,7 @@ def decode(data: bytes) -> Message:
     """Raises msgspec.DecodeError (or ValidationError, a subclass) for anything malformed."""
     try:
         return _decoder.decode(data)
-    except UnicodeDecodeError as exc:  # msgspec lets invalid UTF-8 in a string through as this
+    except (
+        UnicodeDecodeError
+    ) as exc:  # msgspec lets invalid UTF-8 in a string through as this
         raise msgspec.DecodeError(f"invalid UTF-8 in a string: {exc}") from None

@@ -36,7 +36,9 @@ class KVTransport(Protocol):
 
 
 class ZmqTransport:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_payload_bytes: int = 0):
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, max_payload_bytes: int = 0
+    ):
         """`max_payload_bytes`: the largest KV payload this worker accepts (0 on a prefill worker,
         which only receives headers)."""
         self.ctx = zmq.Context.instance()
@@ -61,12 +63,18 @@ class ZmqTransport:
                 sock.connect(endpoint)
             except zmq.ZMQError as exc:
                 sock.close(0)
-                logger.warning("PD: cannot reach peer %r (%s); dropping the message", endpoint[:300], exc)
+                logger.warning(
+                    "PD: cannot reach peer %r (%s); dropping the message",
+                    endpoint[:300],
+                    exc,
+                )
                 return
             self.peers[endpoint] = sock
         try:
             sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:  # the peer is gone or far behind: the room times out on its side
+        except (
+            zmq.Again
+        ):  # the peer is gone or far behind: the room times out on its side
             pass
 
     def recv(self) -> list[bytes] | None:
@@ -98,10 +106,14 @@ def _mooncake(host: str, port: int, max_payload_bytes: int) -> KVTransport:
 TRANSFER_BACKENDS = {"tcp": ZmqTransport, "mooncake": _mooncake}
 
 
-def make_transport(backend: str, host: str, port: int, max_payload_bytes: int) -> KVTransport:
+def make_transport(
+    backend: str, host: str, port: int, max_payload_bytes: int
+) -> KVTransport:
     """The worker's transport: its inbox at host:port (0: any free port), taking KV payloads up to
     max_payload_bytes. Raises ValueError naming what is missing when a backend cannot start."""
     if backend not in TRANSFER_BACKENDS:
         choices = ", ".join(TRANSFER_BACKENDS)
-        raise ValueError(f"unknown KV transfer backend {backend!r}; choose one of {choices}")
+        raise ValueError(
+            f"unknown KV transfer backend {backend!r}; choose one of {choices}"
+        )
     return TRANSFER_BACKENDS[backend](host, port, max_payload_bytes=max_payload_bytes)

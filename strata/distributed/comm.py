@@ -32,7 +32,9 @@ from strata.distributed.errors import RankFailure
 
 logger = logging.getLogger(__name__)
 
-CONTROL_TIMEOUT = datetime.timedelta(days=30)  # a worker may wait this long for rank 0's next step
+CONTROL_TIMEOUT = datetime.timedelta(
+    days=30
+)  # a worker may wait this long for rank 0's next step
 STARTUP_TIMEOUT_S = 300.0  # for every rank to join
 
 
@@ -49,34 +51,55 @@ def check_free() -> None:
 class Comm:
     """This process's rank in its replica and the collectives over it."""
 
-    def __init__(self, rank: int, world_size: int, store: dist.TCPStore, device: torch.device, timeout_s: float):
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        store: dist.TCPStore,
+        device: torch.device,
+        timeout_s: float,
+    ):
         """Joins the groups; returns once every rank has (rank 0 starts the workers before this)."""
         self.rank, self.world_size, self.device = rank, world_size, device
         self.timeout_s = timeout_s
         self.store = store
-        self.failed: str | None = None  # set by the first collective that failed; the group is then unusable
+        self.failed: str | None = (
+            None  # set by the first collective that failed; the group is then unusable
+        )
         backend = "nccl" if device.type == "cuda" else "gloo"
         # joining waits for every rank to start (imports, CUDA): longer than a collective may take
         dist.init_process_group(
-            backend, store=self.store, rank=rank, world_size=world_size,
+            backend,
+            store=self.store,
+            rank=rank,
+            world_size=world_size,
             timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
         )
         self.closed = False
         try:
-            self.group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+            self.group = dist.new_group(
+                backend=backend, timeout=datetime.timedelta(seconds=timeout_s)
+            )
             # a worker waits on the control group for as long as the server idles; rank 0's sends on it
             # are bounded like any collective (gloo's send waits for the receiver to take it)
-            control_timeout = datetime.timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT
+            control_timeout = (
+                datetime.timedelta(seconds=timeout_s) if rank == 0 else CONTROL_TIMEOUT
+            )
             self.control = dist.new_group(backend="gloo", timeout=control_timeout)
         except BaseException:
             self.close()
             raise
 
     @staticmethod
-    def make_store(host: str, port: int, world_size: int, is_master: bool, timeout_s: float) -> dist.TCPStore:
+    def make_store(
+        host: str, port: int, world_size: int, is_master: bool, timeout_s: float
+    ) -> dist.TCPStore:
         """Rank 0 hosts the store (port 0: any free port, then `store.port`); workers connect to it."""
         return dist.TCPStore(
-            host, port, world_size, is_master=is_master,
+            host,
+            port,
+            world_size,
+            is_master=is_master,
             timeout=datetime.timedelta(seconds=max(timeout_s, STARTUP_TIMEOUT_S)),
             wait_for_workers=False,
         )
@@ -88,7 +111,9 @@ class Comm:
         except RankFailure:
             raise
         except Exception as exc:  # gloo/NCCL: a closed connection, a timeout
-            self.failed = f"rank {self.rank}: {what} failed (a rank died or stalled): {exc}"
+            self.failed = (
+                f"rank {self.rank}: {what} failed (a rank died or stalled): {exc}"
+            )
             raise RankFailure(self.failed) from exc
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -123,7 +148,9 @@ class Comm:
 
     def marked(self, key: str, ranks: list[int]) -> bool:
         """Rank 0: whether each of `ranks` has set `key` (does not wait)."""
-        return self.run(f"reading {key}", self.store.check, [f"{key}/{r}" for r in ranks])
+        return self.run(
+            f"reading {key}", self.store.check, [f"{key}/{r}" for r in ranks]
+        )
 
     def barrier(self) -> None:
         self.run("barrier", dist.barrier, group=self.control)

@@ -24,7 +24,9 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def initial_placement(num_experts: int, num_redundant: int, world_size: int) -> tuple[int, ...]:
+def initial_placement(
+    num_experts: int, num_redundant: int, world_size: int
+) -> tuple[int, ...]:
     """Before any load is measured: experts in order, the redundant slots holding experts 0, 1, ..."""
     slots = num_experts + num_redundant
     if slots % world_size:
@@ -32,7 +34,9 @@ def initial_placement(num_experts: int, num_redundant: int, world_size: int) -> 
             f"{num_experts} experts + {num_redundant} redundant slots do not split over {world_size} ranks; "
             f"choose --ep-num-redundant-experts so that the sum is a multiple of --ep-size"
         )
-    return tuple(range(num_experts)) + tuple(e % num_experts for e in range(num_redundant))
+    return tuple(range(num_experts)) + tuple(
+        e % num_experts for e in range(num_redundant)
+    )
 
 
 def replication_order(load: Sequence[float], num_spare: int) -> list[int]:
@@ -54,26 +58,36 @@ def replicate(load: Sequence[float], num_slots: int) -> list[int]:
     return replicas
 
 
-def pack(load: Sequence[float], replicas: Sequence[int], world_size: int) -> tuple[int, ...]:
+def pack(
+    load: Sequence[float], replicas: Sequence[int], world_size: int
+) -> tuple[int, ...]:
     """Physical slots -> logical experts, rank by rank (S slots each), balanced greedily."""
     num_slots = sum(replicas)
     per_rank = num_slots // world_size
     items = sorted(
-        ((load[e] / replicas[e], e) for e in range(len(load)) for _ in range(replicas[e])),
+        (
+            (load[e] / replicas[e], e)
+            for e in range(len(load))
+            for _ in range(replicas[e])
+        ),
         key=lambda item: (-item[0], item[1]),
     )
     totals = [0.0] * world_size
     held: list[list[int]] = [[] for _ in range(world_size)]
     for weight, e in items:
         free = [r for r in range(world_size) if len(held[r]) < per_rank]
-        fresh = [r for r in free if e not in held[r]] or free  # two copies on one rank balance nothing
+        fresh = [
+            r for r in free if e not in held[r]
+        ] or free  # two copies on one rank balance nothing
         rank = min(fresh, key=lambda r: (totals[r], r))
         held[rank].append(e)
         totals[rank] += weight
     return tuple(e for r in range(world_size) for e in sorted(held[r]))
 
 
-def plan_placement(load: Sequence[float], num_slots: int, world_size: int) -> tuple[int, ...]:
+def plan_placement(
+    load: Sequence[float], num_slots: int, world_size: int
+) -> tuple[int, ...]:
     """The placement of one layer for this measured load (see the module docstring).
 
     Copies come in whole items, so more replicas of a hot expert can pack worse (two hot experts in
@@ -81,7 +95,9 @@ def plan_placement(load: Sequence[float], num_slots: int, world_size: int) -> tu
     one). So the first k of replicate()'s spare slots are tried for every k, the other spare slots
     holding copies of the coldest experts (which cost nothing), and the best packing is kept."""
     if num_slots % world_size or num_slots < len(load):
-        raise ValueError(f"{num_slots} slots for {len(load)} experts over {world_size} ranks")
+        raise ValueError(
+            f"{num_slots} slots for {len(load)} experts over {world_size} ranks"
+        )
     E, spare = len(load), num_slots - len(load)
     order = replication_order(load, spare)
     cold = sorted(range(E), key=lambda e: (load[e], e))
@@ -99,7 +115,9 @@ def plan_placement(load: Sequence[float], num_slots: int, world_size: int) -> tu
     return best[1]
 
 
-def rank_loads(load: Sequence[float], placement: Sequence[int], world_size: int) -> list[float]:
+def rank_loads(
+    load: Sequence[float], placement: Sequence[int], world_size: int
+) -> list[float]:
     """Expected load of each rank under a placement: each expert's load split evenly over its copies."""
     copies = [0] * len(load)
     for e in placement:
@@ -117,7 +135,9 @@ def imbalance(loads: Sequence[float]) -> float | None:
     return max(loads) / (total / len(loads)) if total else None
 
 
-def load_placements(model, model_dir: str | Path, placements: dict[int, Sequence[int]], dtype) -> None:
+def load_placements(
+    model, model_dir: str | Path, placements: dict[int, Sequence[int]], dtype
+) -> None:
     """Give each listed MoE layer's `EPExperts` its new placement and refill its slots from the
     checkpoint (memory-mapped safetensors: only the experts' tensors of those layers are read)."""
     from safetensors import safe_open
@@ -141,4 +161,6 @@ def load_placements(model, model_dir: str | Path, placements: dict[int, Sequence
                 if not any(module.startswith(prefix) for prefix in wanted):
                     continue
                 layer = int(module.split(".")[1])
-                layers[layer].load(rest, model.expert_tensor(rest, f.get_tensor(hf_name).to(dtype)))
+                layers[layer].load(
+                    rest, model.expert_tensor(rest, f.get_tensor(hf_name).to(dtype))
+                )

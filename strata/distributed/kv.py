@@ -31,14 +31,20 @@ def pad_heads(pages: torch.Tensor, width: int) -> torch.Tensor:
 
 
 class ShardedKVPool(KVPool):
-    def __init__(self, local: MHAKVPool, runtime, splits: list[HeadSplit], num_kv_heads: int):
+    def __init__(
+        self, local: MHAKVPool, runtime, splits: list[HeadSplit], num_kv_heads: int
+    ):
         if local.grouped:
-            raise ValueError("moving KV pages of window groups between tensor-parallel ranks is not built yet")
+            raise ValueError(
+                "moving KV pages of window groups between tensor-parallel ranks is not built yet"
+            )
         self.local, self.runtime, self.splits = local, runtime, splits
         self.num_kv_heads = num_kv_heads
         self.page_size, self.num_pages = local.page_size, local.num_pages
         self.dtype, self.device, self.windows = local.dtype, local.device, []
-        self.width = max(s.num_kv for s in splits)  # the widest shard: what the gather moves per rank
+        self.width = max(
+            s.num_kv for s in splits
+        )  # the widest shard: what the gather moves per rank
 
     @property
     def page_shape(self) -> tuple[int, int, int, int, int]:
@@ -51,7 +57,9 @@ class ShardedKVPool(KVPool):
 
     @property
     def layout(self) -> str:
-        return self.local.layout.replace(f"kv_heads={self.local.page_shape[3]}", f"kv_heads={self.num_kv_heads}")
+        return self.local.layout.replace(
+            f"kv_heads={self.local.page_shape[3]}", f"kv_heads={self.num_kv_heads}"
+        )
 
     def bytes_by_group(self) -> list[int]:
         return self.local.bytes_by_group()
@@ -62,11 +70,19 @@ class ShardedKVPool(KVPool):
         self.runtime.send(ReadPages(list(pages)))
         mine, present = self.local.read_pages(pages)
         parts = [torch.empty_like(pad_heads(mine, self.width)) for _ in self.splits]
-        self.runtime.comm.run("page gather", dist.gather, pad_heads(mine, self.width), parts, 0,
-                              group=self.runtime.comm.control)
+        self.runtime.comm.run(
+            "page gather",
+            dist.gather,
+            pad_heads(mine, self.width),
+            parts,
+            0,
+            group=self.runtime.comm.control,
+        )
         out = torch.empty(len(pages), *self.page_shape, dtype=mine.dtype)
         for split, part in zip(self.splits, parts):
-            out[:, :, :, :, split.kv_start : split.kv_start + split.num_kv] = part[:, :, :, :, : split.num_kv]
+            out[:, :, :, :, split.kv_start : split.kv_start + split.num_kv] = part[
+                :, :, :, :, : split.num_kv
+            ]
         return out, present
 
     def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
@@ -74,7 +90,9 @@ class ShardedKVPool(KVPool):
 
         self.runtime.send(WritePages(list(pages)))
         full = data.to(self.dtype).contiguous()
-        self.runtime.comm.run("page broadcast", dist.broadcast, full, 0, group=self.runtime.comm.control)
+        self.runtime.comm.run(
+            "page broadcast", dist.broadcast, full, 0, group=self.runtime.comm.control
+        )
         self.local.write_pages(pages, own_heads(full, self.splits[0]))
 
 

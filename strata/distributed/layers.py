@@ -41,14 +41,20 @@ class ParallelLMHead(nn.Module):
     """The rank's vocabulary rows of the output projection; logits gathered over the ranks
     ([S, hidden] -> [S, tp * shard], the padding columns of the last rank at the end)."""
 
-    def __init__(self, head: nn.Module | None, embedding: VocabParallelEmbedding, comm: Comm):
+    def __init__(
+        self, head: nn.Module | None, embedding: VocabParallelEmbedding, comm: Comm
+    ):
         super().__init__()
         self.head = head  # a (possibly packed or quantized) linear; None: tied to the embedding rows
         self.embedding = [embedding]  # a plain list: not a second owner of the table
         self.comm = comm
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        local = self.head(hidden) if self.head is not None else F.linear(hidden, self.embedding[0].weight)
+        local = (
+            self.head(hidden)
+            if self.head is not None
+            else F.linear(hidden, self.embedding[0].weight)
+        )
         return self.comm.all_gather_last(local)
 
 
@@ -68,7 +74,9 @@ def install(model: nn.Module, plan: ShardPlan, comm: Comm) -> None:
         if (spec.moe and plan.world_size > 1) or (not spec.moe and plan.tp_size > 1):
             layer.mlp.register_forward_hook(_all_reduce_hook(comm))
     if plan.tp_size > 1:
-        embed = VocabParallelEmbedding(model.embed_tokens.weight.data, plan.rank * plan.vocab_shard, comm)
+        embed = VocabParallelEmbedding(
+            model.embed_tokens.weight.data, plan.rank * plan.vocab_shard, comm
+        )
         model.embed_tokens = embed
         model.lm_head = ParallelLMHead(model.lm_head, embed, comm)
 
@@ -97,37 +105,68 @@ class EPExperts(nn.Module):
     all; rank 0's copy is what EPLB and the benchmark read).
     """
 
-    def __init__(self, hidden_size: int, cfg: MoEConfig, placement: tuple[int, ...], rank: int, world_size: int):
+    def __init__(
+        self,
+        hidden_size: int,
+        cfg: MoEConfig,
+        placement: tuple[int, ...],
+        rank: int,
+        world_size: int,
+    ):
         super().__init__()
         if len(placement) % world_size:
-            raise ValueError(f"{len(placement)} expert slots do not split over {world_size} ranks")
+            raise ValueError(
+                f"{len(placement)} expert slots do not split over {world_size} ranks"
+            )
         E, I = cfg.num_experts, cfg.intermediate_size  # noqa: E741
         S = len(placement) // world_size
         self.num_experts, self.intermediate_size, self.num_slots = E, I, S
         self.rank, self.world_size = rank, world_size
-        self.act = cfg.expert_act if cfg.expert_act == "clamped_swiglu" else check_activation(cfg.expert_act, "MoE")
+        self.act = (
+            cfg.expert_act
+            if cfg.expert_act == "clamped_swiglu"
+            else check_activation(cfg.expert_act, "MoE")
+        )
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(S, 2 * I, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(S, hidden_size, I))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(S, 2 * I)) if cfg.expert_bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(S, hidden_size)) if cfg.expert_bias else None
-        self.register_buffer("rank_load", torch.zeros(world_size, dtype=torch.int64), persistent=False)
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(S, 2 * I)) if cfg.expert_bias else None
+        )
+        self.down_proj_bias = (
+            nn.Parameter(torch.empty(S, hidden_size)) if cfg.expert_bias else None
+        )
+        self.register_buffer(
+            "rank_load", torch.zeros(world_size, dtype=torch.int64), persistent=False
+        )
         self.set_placement(placement)
 
     def set_placement(self, placement: tuple[int, ...]) -> None:
         """The routing tables of a placement (the slots' weights are loaded separately)."""
         E, S = self.num_experts, self.num_slots
         if sorted(set(placement)) != list(range(E)):
-            raise ValueError(f"a placement must hold every one of the {E} experts at least once")
+            raise ValueError(
+                f"a placement must hold every one of the {E} experts at least once"
+            )
         replicas: list[list[int]] = [[] for _ in range(E)]
         for slot, e in enumerate(placement):
             replicas[e].append(slot)
         width = max(len(r) for r in replicas)
-        table = torch.tensor([r + [r[0]] * (width - len(r)) for r in replicas], dtype=torch.int64, device="cpu")
+        table = torch.tensor(
+            [r + [r[0]] * (width - len(r)) for r in replicas],
+            dtype=torch.int64,
+            device="cpu",
+        )
         self.placement = tuple(placement)
-        self.replica_table = table  # [E, max replicas] physical slots of each expert (padded)
-        self.replica_count = torch.tensor([len(r) for r in replicas], dtype=torch.int64, device="cpu")  # [E]
-        self.slot_experts = list(placement[self.rank * S : (self.rank + 1) * S])  # this rank's slots
+        self.replica_table = (
+            table  # [E, max replicas] physical slots of each expert (padded)
+        )
+        self.replica_count = torch.tensor(
+            [len(r) for r in replicas], dtype=torch.int64, device="cpu"
+        )  # [E]
+        self.slot_experts = list(
+            placement[self.rank * S : (self.rank + 1) * S]
+        )  # this rank's slots
 
     def forward(
         self,
@@ -152,11 +191,19 @@ class EPExperts(nn.Module):
         if len(rows) == 0:
             return out.to(x.dtype)
         backend = "grouped_mm" if grouped_mm_works(dev.type, x.dtype) else "loop"
-        group_ends = torch.bincount(local, minlength=self.num_slots).cumsum(0).to(torch.int32)
-        h = grouped_linear(x[token[rows]], self.gate_up_proj, group_ends, backend)  # [R, 2I]
+        group_ends = (
+            torch.bincount(local, minlength=self.num_slots).cumsum(0).to(torch.int32)
+        )
+        h = grouped_linear(
+            x[token[rows]], self.gate_up_proj, group_ends, backend
+        )  # [R, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[local]
-        h = clamped_swiglu(h, self.limit, self.alpha) if self.act == "clamped_swiglu" else act_and_mul(h.contiguous(), self.act)
+        h = (
+            clamped_swiglu(h, self.limit, self.alpha)
+            if self.act == "clamped_swiglu"
+            else act_and_mul(h.contiguous(), self.act)
+        )
         y = grouped_linear(h, self.down_proj, group_ends, backend)  # [R, H]
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[local]
@@ -168,7 +215,9 @@ class EPExperts(nn.Module):
     def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]:
         """One checkpoint tensor of the experts: copied into every local slot holding its expert."""
         match = _PER_EXPERT.fullmatch(name)
-        if match is None:  # a stacked tensor [E, ...] in our layout (`expert_tensor` converted it)
+        if (
+            match is None
+        ):  # a stacked tensor [E, ...] in our layout (`expert_tensor` converted it)
             param = getattr(self, name, None)
             if not isinstance(param, nn.Parameter):
                 raise ValueError(f"unexpected expert weight {name!r}")
@@ -188,7 +237,9 @@ class EPExperts(nn.Module):
                 if proj != "down_proj":
                     dst = dst[:I] if proj == "gate_proj" else dst[I:]
                 if dst.shape != tensor.shape:
-                    raise ValueError(f"expert weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+                    raise ValueError(
+                        f"expert weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+                    )
                 dst.copy_(tensor)
         return target, 1
 
@@ -200,11 +251,21 @@ def use_expert_parallel(model: nn.Module, plan: ShardPlan) -> None:
     """On the meta-device model, before loading: every MoE layer's experts become this rank's slots."""
     for layer in model.layers:
         if isinstance(layer.mlp, MoE):
-            layer.mlp.experts = EPExperts(plan.cfg.hidden_size, plan.cfg.moe, plan.placement, plan.rank, plan.world_size)
+            layer.mlp.experts = EPExperts(
+                plan.cfg.hidden_size,
+                plan.cfg.moe,
+                plan.placement,
+                plan.rank,
+                plan.world_size,
+            )
 
 
 def expert_layers(model: nn.Module) -> dict[int, EPExperts]:
-    return {i: layer.mlp.experts for i, layer in enumerate(model.layers) if isinstance(getattr(layer.mlp, "experts", None), EPExperts)}
+    return {
+        i: layer.mlp.experts
+        for i, layer in enumerate(model.layers)
+        if isinstance(getattr(layer.mlp, "experts", None), EPExperts)
+    }
 
 
 class ShardedLoad:

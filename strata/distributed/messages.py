@@ -52,9 +52,13 @@ class Step(msgspec.Struct, tag="step"):
     kv_lens: list[int]
     page_table: bytes  # int64 [B, max_pages]
     num_decode: int
-    out_slots: bytes  # int64 [T] (rank 0 may redirect replayed positions to a scratch page)
+    out_slots: (
+        bytes  # int64 [T] (rank 0 may redirect replayed positions to a scratch page)
+    )
     groups: list[GroupMeta]
-    sample_rows: bytes | None  # int64 [S]: rows whose logits are computed (the gather joins); None: none
+    sample_rows: (
+        bytes | None
+    )  # int64 [S]: rows whose logits are computed (the gather joins); None: none
 
 
 class Placement(msgspec.Struct, tag="placement"):

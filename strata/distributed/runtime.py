@@ -30,7 +30,13 @@ import torch
 from strata.config import EngineConfig
 from strata.distributed import messages as msg
 from strata.distributed.comm import STARTUP_TIMEOUT_S, Comm, check_free
-from strata.distributed.eplb import imbalance, initial_placement, load_placements, plan_placement, rank_loads
+from strata.distributed.eplb import (
+    imbalance,
+    initial_placement,
+    load_placements,
+    plan_placement,
+    rank_loads,
+)
 from strata.distributed.errors import RankFailure
 from strata.distributed.layers import ShardedLoad, expert_layers
 from strata.distributed.sharding import ShardPlan, check_supported
@@ -47,13 +53,21 @@ def check_engine_options(cfg: EngineConfig) -> None:
     if cfg.speculative_algorithm == "mtp":
         raise ValueError("--speculative-algorithm mtp runs on one rank only")
     if cfg.eplb_interval and cfg.ep_size == 1:
-        raise ValueError("--eplb-interval places experts over ranks; it needs --ep-size > 1")
+        raise ValueError(
+            "--eplb-interval places experts over ranks; it needs --ep-size > 1"
+        )
 
 
 class ParallelRuntime:
     def __init__(
-        self, cfg: EngineConfig, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype,
-        device: torch.device, context_len: int, renames: tuple[tuple[str, str], ...],
+        self,
+        cfg: EngineConfig,
+        model_dir: Path,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        context_len: int,
+        renames: tuple[tuple[str, str], ...],
     ):
         check_engine_options(cfg)
         check_supported(model_config, cfg.tp_size, cfg.ep_size)
@@ -61,7 +75,9 @@ class ParallelRuntime:
         self.world_size = world = max(cfg.tp_size, cfg.ep_size)
         placement = ()
         if cfg.ep_size > 1:
-            placement = initial_placement(model_config.moe.num_experts, cfg.ep_num_redundant_experts, world)
+            placement = initial_placement(
+                model_config.moe.num_experts, cfg.ep_num_redundant_experts, world
+            )
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
         if device.type == "cpu":
             torch.set_num_threads(threads)
@@ -74,14 +90,26 @@ class ParallelRuntime:
         self._release = weakref.finalize(self, _release, self.procs, joined)
         for rank in range(1, world):
             init = msg.WorkerInit(
-                model_dir=str(model_dir), rank=rank, tp_size=cfg.tp_size, ep_size=cfg.ep_size,
-                placement=list(placement), host="127.0.0.1", port=store.port,
+                model_dir=str(model_dir),
+                rank=rank,
+                tp_size=cfg.tp_size,
+                ep_size=cfg.ep_size,
+                placement=list(placement),
+                host="127.0.0.1",
+                port=store.port,
                 device=f"cuda:{rank}" if device.type == "cuda" else str(device),
-                dtype=str(dtype).removeprefix("torch."), quantization=cfg.quantization, context_len=context_len,
-                num_threads=threads, timeout_s=cfg.dist_timeout, parent_pid=os.getpid(),
+                dtype=str(dtype).removeprefix("torch."),
+                quantization=cfg.quantization,
+                context_len=context_len,
+                num_threads=threads,
+                timeout_s=cfg.dist_timeout,
+                parent_pid=os.getpid(),
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
             )
-            proc = subprocess.Popen([sys.executable, "-m", "strata.distributed.worker"], stdin=subprocess.PIPE)
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "strata.distributed.worker"],
+                stdin=subprocess.PIPE,
+            )
             self.procs.append(proc)
             # a worker whose interpreter dies at once closes the pipe first: _wait_started reports it
             with contextlib.suppress(BrokenPipeError):
@@ -95,7 +123,9 @@ class ParallelRuntime:
             self._release()
             raise
         joined.append(self.comm)
-        self.plan = ShardPlan(model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement)
+        self.plan = ShardPlan(
+            model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement
+        )
         self.shard = ShardedLoad(self.plan, self.comm)
         self.failed: str | None = None
         self.model = None  # rank 0's model, once loaded (attach)
@@ -104,7 +134,11 @@ class ParallelRuntime:
         self._load_mark: dict[int, list[int]] = {}
         logger.info(
             "parallel: %d ranks (tp %d, ep %d), worker pids %s, %d threads each",
-            world, cfg.tp_size, cfg.ep_size, [p.pid for p in self.procs], threads,
+            world,
+            cfg.tp_size,
+            cfg.ep_size,
+            [p.pid for p in self.procs],
+            threads,
         )
 
     def describe(self) -> dict:
@@ -112,14 +146,19 @@ class ParallelRuntime:
         since the last placement (expert parallel)."""
         from strata.distributed.eplb import imbalance
 
-        rank_load = self.rank_load() if self.model is not None and self.cfg.ep_size > 1 else {}
+        rank_load = (
+            self.rank_load() if self.model is not None and self.cfg.ep_size > 1 else {}
+        )
         return {
             "tp_size": self.cfg.tp_size,
             "ep_size": self.cfg.ep_size,
             "worker_pids": [p.pid for p in self.procs],
             "healthy": self.healthy,
             "rebalances": self.rebalances,
-            "rank_load": {i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)} for i, rows in rank_load.items()}
+            "rank_load": {
+                i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
+                for i, rows in rank_load.items()
+            }
             or None,
         }
 
@@ -132,7 +171,10 @@ class ParallelRuntime:
         from strata.distributed.kv import ShardedKVPool
 
         cfg, plan = self.plan.cfg, self.plan
-        splits = [ShardPlan(cfg, r, plan.tp_size, plan.ep_size).heads for r in range(self.world_size)]
+        splits = [
+            ShardPlan(cfg, r, plan.tp_size, plan.ep_size).heads
+            for r in range(self.world_size)
+        ]
         return ShardedKVPool(local, self, splits, cfg.num_kv_heads)
 
     def start_kv(self, layout: msg.KVLayout, model) -> None:
@@ -151,9 +193,13 @@ class ParallelRuntime:
         while not store.check(keys):
             failed = self._exited_rank()
             if failed is not None:
-                raise RankFailure(f"a worker rank failed to start: {failed} (see its log above)")
+                raise RankFailure(
+                    f"a worker rank failed to start: {failed} (see its log above)"
+                )
             if time.monotonic() > deadline:
-                raise RankFailure(f"the worker ranks did not start within {STARTUP_TIMEOUT_S:.0f}s")
+                raise RankFailure(
+                    f"the worker ranks did not start within {STARTUP_TIMEOUT_S:.0f}s"
+                )
             time.sleep(0.05)
 
     def _wait_loaded(self) -> None:
@@ -163,7 +209,9 @@ class ParallelRuntime:
         while not self.comm.marked("loaded", ranks):
             self.check()
             if time.monotonic() > deadline:
-                raise RankFailure(f"the worker ranks did not load the model within {STARTUP_TIMEOUT_S:.0f}s")
+                raise RankFailure(
+                    f"the worker ranks did not load the model within {STARTUP_TIMEOUT_S:.0f}s"
+                )
             time.sleep(0.05)
 
     # ------------------------------------------------------------------ every step
@@ -180,7 +228,9 @@ class ParallelRuntime:
                 self.failed = self._exited_rank()
             self.failed = self.failed or self.comm.failed
         if self.failed is not None:
-            raise RankFailure(f"a tensor/expert-parallel rank is gone: {self.failed}; restart the server")
+            raise RankFailure(
+                f"a tensor/expert-parallel rank is gone: {self.failed}; restart the server"
+            )
 
     def _exited_rank(self) -> str | None:
         for rank, proc in enumerate(self.procs, start=1):
@@ -208,7 +258,10 @@ class ParallelRuntime:
             num_decode=attn.num_decode,
             out_slots=msg.to_bytes(attn.out_slots),
             groups=[
-                msg.GroupMeta(msg.to_bytes(g.page_table), None if g.key_floor is None else msg.to_bytes(g.key_floor))
+                msg.GroupMeta(
+                    msg.to_bytes(g.page_table),
+                    None if g.key_floor is None else msg.to_bytes(g.key_floor),
+                )
                 for g in attn.groups
             ],
             sample_rows=None if fb.sampling is None else msg.to_bytes(fb.sample_rows),
@@ -243,7 +296,9 @@ class ParallelRuntime:
         """Place each MoE layer's experts for the load measured since the last rebalance, on every
         rank, between two steps (running requests keep their KV and continue). Returns the placements."""
         if self.cfg.ep_size == 1:
-            raise ValueError("rebalancing places experts over ranks; it needs --ep-size > 1")
+            raise ValueError(
+                "rebalancing places experts over ranks; it needs --ep-size > 1"
+            )
         now = self.model.expert_load()
         load = expert_load_delta(now, self._load_mark) if self._load_mark else now
         layers = expert_layers(self.model)
@@ -265,7 +320,9 @@ class ParallelRuntime:
         self.reset_rank_load()  # the rows per rank under the new placement
         logger.info(
             "EPLB: %d MoE layers placed anew; per-rank max/mean of the measured load %.2f -> %.2f (worst layer)",
-            len(placements), max(before), max(after),
+            len(placements),
+            max(before),
+            max(after),
         )
         return placements
 
@@ -276,7 +333,11 @@ class ParallelRuntime:
         leave the process groups. Idempotent."""
         if not self._release.alive:
             return
-        if self.failed is None and self.comm.failed is None and all(p.poll() is None for p in self.procs):
+        if (
+            self.failed is None
+            and self.comm.failed is None
+            and all(p.poll() is None for p in self.procs)
+        ):
             try:
                 self.comm.send_bytes(msg.encode(msg.Stop()))
                 for proc in self.procs:

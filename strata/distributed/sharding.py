@@ -53,11 +53,15 @@ class HeadSplit:
 def head_split(num_heads: int, num_kv_heads: int, rank: int, size: int) -> HeadSplit:
     """The query and KV heads rank holds (see the module docstring)."""
     if num_heads % num_kv_heads:
-        raise ValueError(f"{num_heads} query heads do not divide into {num_kv_heads} KV heads")
+        raise ValueError(
+            f"{num_heads} query heads do not divide into {num_kv_heads} KV heads"
+        )
     group = num_heads // num_kv_heads
     if num_kv_heads >= size:
         kv_start, kv_end = split_range(num_kv_heads, rank, size)
-        return HeadSplit(kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start)
+        return HeadSplit(
+            kv_start * group, (kv_end - kv_start) * group, kv_start, kv_end - kv_start
+        )
     if size % num_kv_heads or num_heads % size:
         raise ValueError(
             f"--tp-size {size} cannot split {num_heads} query heads over {num_kv_heads} KV heads: with fewer KV "
@@ -73,21 +77,31 @@ def check_supported(cfg: ModelConfig, tp_size: int, ep_size: int) -> None:
     if world == 1:
         return
     if min(tp_size, ep_size) not in (1, world):
-        raise ValueError(f"--tp-size {tp_size} and --ep-size {ep_size}: each must be 1 or the other's value")
+        raise ValueError(
+            f"--tp-size {tp_size} and --ep-size {ep_size}: each must be 1 or the other's value"
+        )
     if cfg.mla is not None or getattr(cfg, "dsv4", None) is not None:
         raise ValueError(
             f"tensor/expert parallel does not cover {cfg.architecture}'s attention (DeepSeek's latent or V4 "
             "attention) yet; run it with one rank"
         )
     if cfg.dsv4 is not None:
-        raise ValueError("tensor/expert parallel does not cover DeepSeek-V4 yet; run with one rank")
+        raise ValueError(
+            "tensor/expert parallel does not cover DeepSeek-V4 yet; run with one rank"
+        )
     if cfg.qk_norm == "full":
-        raise ValueError(f"{cfg.architecture} normalises q/k over all heads at once; tensor parallel does not split it")
+        raise ValueError(
+            f"{cfg.architecture} normalises q/k over all heads at once; tensor parallel does not split it"
+        )
     if ep_size > 1:
         if cfg.moe is None:
-            raise ValueError("--ep-size shards a mixture-of-experts model's experts; this model has none")
+            raise ValueError(
+                "--ep-size shards a mixture-of-experts model's experts; this model has none"
+            )
     if tp_size > 1:
-        head_split(cfg.num_heads, cfg.num_kv_heads, 0, tp_size)  # raises when the heads cannot split
+        head_split(
+            cfg.num_heads, cfg.num_kv_heads, 0, tp_size
+        )  # raises when the heads cannot split
 
 
 @dataclass(frozen=True)
@@ -99,7 +113,9 @@ class ShardPlan:
     rank: int
     tp_size: int
     ep_size: int
-    renames: tuple[tuple[str, str], ...] = ()  # the family's checkpoint renames (before matching names)
+    renames: tuple[
+        tuple[str, str], ...
+    ] = ()  # the family's checkpoint renames (before matching names)
     placement: tuple[int, ...] = ()
 
     @property
@@ -127,7 +143,9 @@ class ShardPlan:
             changes.update(intermediate_size=hi - lo, vocab_size=self.vocab_shard)
         if cfg.moe is not None and self.world_size > 1:
             moe = cfg.moe
-            lo, hi = split_range(moe.shared_intermediate_size, self.rank, self.world_size)
+            lo, hi = split_range(
+                moe.shared_intermediate_size, self.rank, self.world_size
+            )
             moe_changes = {"shared_intermediate_size": hi - lo}
             if self.ep_size == 1:
                 lo, hi = split_range(moe.intermediate_size, self.rank, self.world_size)
@@ -145,15 +163,20 @@ class ShardPlan:
         parts = name.split(".")
         leaf, kind = (parts[-2], parts[-1]) if len(parts) >= 2 else (name, "")
         tp, world = self.tp_size, self.world_size
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")) and ".layers." not in name:
+        if (
+            name.endswith(("embed_tokens.weight", "lm_head.weight"))
+            and ".layers." not in name
+        ):
             return self._vocab_rows(tensor) if tp > 1 else tensor
         match = _LAYER.search(name)
         if match is None:
             return tensor
         moe_layer = self.cfg.layers[int(match[1])].moe
         if tp > 1 and leaf in ("qkv_proj", "gate_up_proj") and ".experts." not in name:
-            raise ValueError(f"{hf_name!r}: this checkpoint stores fused projections; tensor parallel slices q/k/v "
-                             "and gate/up separately (run it with --tp-size 1)")
+            raise ValueError(
+                f"{hf_name!r}: this checkpoint stores fused projections; tensor parallel slices q/k/v "
+                "and gate/up separately (run it with --tp-size 1)"
+            )
         if ".self_attn." in name:
             if tp == 1:
                 return tensor
@@ -163,21 +186,40 @@ class ShardPlan:
             if leaf in ("k_proj", "v_proj"):
                 return tensor[h.kv_start * hd : (h.kv_start + h.num_kv) * hd]
             if leaf == "o_proj":
-                return self._row_parallel(tensor, kind, h.q_start * hd, (h.q_start + h.num_q) * hd)
+                return self._row_parallel(
+                    tensor, kind, h.q_start * hd, (h.q_start + h.num_q) * hd
+                )
             if leaf == "sinks":
                 return tensor[h.q_start : h.q_start + h.num_q]
             return tensor  # per-head q/k norms: the same for every head
         if ".experts." in name:
             if self.ep_size > 1:
                 return tensor  # whole experts: EPExperts.load keeps the ones in this rank's slots
-            return self._sliced(tensor, leaf, kind, self.cfg.moe.intermediate_size, world, stacked=True)
+            return self._sliced(
+                tensor, leaf, kind, self.cfg.moe.intermediate_size, world, stacked=True
+            )
         if ".shared_expert." in name or ".shared_experts." in name:
-            return self._sliced(tensor, leaf, kind, self.cfg.moe.shared_intermediate_size, world)
-        if ".mlp." in name and not moe_layer and leaf in ("gate_proj", "up_proj", "down_proj") and tp > 1:
+            return self._sliced(
+                tensor, leaf, kind, self.cfg.moe.shared_intermediate_size, world
+            )
+        if (
+            ".mlp." in name
+            and not moe_layer
+            and leaf in ("gate_proj", "up_proj", "down_proj")
+            and tp > 1
+        ):
             return self._sliced(tensor, leaf, kind, self.cfg.intermediate_size, tp)
         return tensor  # norms, the router, a shared expert's gate: replicated
 
-    def _sliced(self, tensor: torch.Tensor, leaf: str, kind: str, size: int, ranks: int, stacked: bool = False):
+    def _sliced(
+        self,
+        tensor: torch.Tensor,
+        leaf: str,
+        kind: str,
+        size: int,
+        ranks: int,
+        stacked: bool = False,
+    ):
         """A gated MLP's projection sliced along its intermediate dimension of `size`."""
         lo, hi = split_range(size, self.rank, ranks)
         if leaf in ("gate_proj", "up_proj"):
@@ -185,10 +227,14 @@ class ShardPlan:
         if leaf == "down_proj":
             return self._row_parallel(tensor, kind, lo, hi)
         if stacked:
-            raise ValueError(f"expert weight {leaf}.{kind} is stored stacked; tensor parallel slices per-expert ones")
+            raise ValueError(
+                f"expert weight {leaf}.{kind} is stored stacked; tensor parallel slices per-expert ones"
+            )
         return tensor
 
-    def _row_parallel(self, tensor: torch.Tensor, kind: str, lo: int, hi: int) -> torch.Tensor:
+    def _row_parallel(
+        self, tensor: torch.Tensor, kind: str, lo: int, hi: int
+    ) -> torch.Tensor:
         """Input columns [lo, hi) of a row-parallel weight; its bias on rank 0 only."""
         if kind == "bias":
             return tensor if self.rank == 0 else torch.zeros_like(tensor)

@@ -38,14 +38,23 @@ def build_step(step: msg.Step, page_size: int, device: torch.device):
 
     batch = len(step.q_lens)
     attn = AttentionMetadata.build(
-        step.q_lens, step.kv_lens, msg.from_bytes(step.page_table, batch), page_size, step.num_decode, device
+        step.q_lens,
+        step.kv_lens,
+        msg.from_bytes(step.page_table, batch),
+        page_size,
+        step.num_decode,
+        device,
     )
     attn.out_slots = msg.from_bytes(step.out_slots).to(device)
     for g in step.groups:
         meta = attn.with_page_table(msg.from_bytes(g.page_table, batch))
         meta.key_floor = None if g.key_floor is None else msg.from_bytes(g.key_floor)
         attn.groups.append(meta)
-    sample_rows = None if step.sample_rows is None else msg.from_bytes(step.sample_rows).to(device)
+    sample_rows = (
+        None
+        if step.sample_rows is None
+        else msg.from_bytes(step.sample_rows).to(device)
+    )
     return msg.from_bytes(step.input_ids).to(device), attn.positions, attn, sample_rows
 
 
@@ -59,17 +68,29 @@ class Worker:
         self.device = torch.device(init.device)
         world = max(init.tp_size, init.ep_size)
         store = Comm.make_store(init.host, init.port, world, False, init.timeout_s)
-        store.set(f"started/{init.rank}", b"1")  # rank 0 waits for this before the group's rendezvous
+        store.set(
+            f"started/{init.rank}", b"1"
+        )  # rank 0 waits for this before the group's rendezvous
         self.comm = Comm(init.rank, world, store, self.device, init.timeout_s)
         cfg = ModelConfig.from_dir(init.model_dir)
         self.plan = ShardPlan(
-            cfg, init.rank, init.tp_size, init.ep_size, get_model_class(cfg.architecture).RENAMES, tuple(init.placement)
+            cfg,
+            init.rank,
+            init.tp_size,
+            init.ep_size,
+            get_model_class(cfg.architecture).RENAMES,
+            tuple(init.placement),
         )
         self.model_dir = init.model_dir
         self.dtype = getattr(torch, init.dtype)
         self.model = load_model(
-            Path(init.model_dir), cfg, self.dtype, self.device, max_positions=init.context_len,
-            quantization=init.quantization, shard=ShardedLoad(self.plan, self.comm),
+            Path(init.model_dir),
+            cfg,
+            self.dtype,
+            self.device,
+            max_positions=init.context_len,
+            quantization=init.quantization,
+            shard=ShardedLoad(self.plan, self.comm),
         )
         self.kv = None
         self.comm.mark("loaded")
@@ -80,13 +101,21 @@ class Worker:
         local = self.plan.local_config()
         self.page_size = layout.page_size
         self.kv = MHAKVPool(
-            layout.layer_windows, local.num_kv_heads, local.head_dim, layout.num_pages, layout.page_size,
-            getattr(torch, layout.kv_dtype), self.device, group_pages=layout.group_pages,
+            layout.layer_windows,
+            local.num_kv_heads,
+            local.head_dim,
+            layout.num_pages,
+            layout.page_size,
+            getattr(torch, layout.kv_dtype),
+            self.device,
+            group_pages=layout.group_pages,
         )
 
     @torch.inference_mode()
     def run_step(self, step: msg.Step) -> None:
-        ids, positions, attn, sample_rows = build_step(step, self.page_size, self.device)
+        ids, positions, attn, sample_rows = build_step(
+            step, self.page_size, self.device
+        )
         hidden = self.model(ids, positions, attn, self.kv)
         if sample_rows is not None:
             self.model.compute_logits(hidden[sample_rows])
@@ -95,16 +124,37 @@ class Worker:
         from strata.distributed.kv import pad_heads
 
         mine, _ = self.kv.read_pages(pages)
-        width = max(ShardPlan(self.plan.cfg, r, self.plan.tp_size, self.plan.ep_size).heads.num_kv
-                    for r in range(self.comm.world_size))
-        self.comm.run("page gather", dist.gather, pad_heads(mine, width), None, 0, group=self.comm.control)
+        width = max(
+            ShardPlan(
+                self.plan.cfg, r, self.plan.tp_size, self.plan.ep_size
+            ).heads.num_kv
+            for r in range(self.comm.world_size)
+        )
+        self.comm.run(
+            "page gather",
+            dist.gather,
+            pad_heads(mine, width),
+            None,
+            0,
+            group=self.comm.control,
+        )
 
     def write_pages(self, pages: list[int]) -> None:
         from strata.distributed.kv import own_heads
 
         layers, parts, ps, _, dim = self.kv.page_shape
-        full = torch.empty(len(pages), layers, parts, ps, self.plan.cfg.num_kv_heads, dim, dtype=self.kv.dtype)
-        self.comm.run("page broadcast", dist.broadcast, full, 0, group=self.comm.control)
+        full = torch.empty(
+            len(pages),
+            layers,
+            parts,
+            ps,
+            self.plan.cfg.num_kv_heads,
+            dim,
+            dtype=self.kv.dtype,
+        )
+        self.comm.run(
+            "page broadcast", dist.broadcast, full, 0, group=self.comm.control
+        )
         self.kv.write_pages(pages, own_heads(full, self.plan.heads))
 
     def apply_placement(self, placements: dict[int, list[int]]) -> None:

@@ -13,7 +13,9 @@ class KVAccounting:
 
     def private_pages(self) -> int:
         """Pages held by requests outside the prefix cache (running, or reserved for a PD transfer)."""
-        private = sum(len(r.pages) - r.cached_len // self.page_size for r in self.running)
+        private = sum(
+            len(r.pages) - r.cached_len // self.page_size for r in self.running
+        )
         return private + sum(len(r.pages) for r in self.prealloc.values())
 
     def kv_bytes_in_use(self) -> int:
@@ -33,7 +35,10 @@ class KVAccounting:
         """Per window group, the pages of windows being replayed (--swa-replay)."""
         held = [0] * len(self.allocator.groups)
         for r in self.running:
-            held = [n + len(pages) for n, pages in zip(held, r.replay_pages or [[]] * len(held))]
+            held = [
+                n + len(pages)
+                for n, pages in zip(held, r.replay_pages or [[]] * len(held))
+            ]
         return held
 
     def window_group_usage(self) -> list[dict[str, int]]:
@@ -44,8 +49,13 @@ class KVAccounting:
         private = self.allocator.group_pages_held(self._private_page_ids())
         private = [n + m for n, m in zip(private, self._replay_pages())]
         usage = [
-            {"window": g.window, "num_pages": g.num_pages, "num_free_pages": g.num_free_pages,
-             "num_cached_pages": c, "num_request_pages": p}
+            {
+                "window": g.window,
+                "num_pages": g.num_pages,
+                "num_free_pages": g.num_free_pages,
+                "num_cached_pages": c,
+                "num_request_pages": p,
+            }
             for g, c, p in zip(self.allocator.groups, cached, private)
         ]
         if self.allocator.shared:
@@ -69,7 +79,11 @@ class KVAccounting:
         leaked = a.num_pages - accounted
         if window_groups:
             for g in self.window_group_usage():
-                held = g["num_held_pages"] if a.shared else g["num_pages"] - g["num_free_pages"]
+                held = (
+                    g["num_held_pages"]
+                    if a.shared
+                    else g["num_pages"] - g["num_free_pages"]
+                )
                 leaked += held - g["num_cached_pages"] - g["num_request_pages"]
         return leaked
 

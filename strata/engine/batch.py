@@ -26,7 +26,9 @@ class ScheduleBatch:
 
     def sampled_reqs(self) -> list[Req]:
         """Requests whose whole sequence is computed after this step, so they sample a token."""
-        return [r for r, n in zip(self.reqs, self.extend_lens) if r.kv_len + n == r.fed_len]
+        return [
+            r for r, n in zip(self.reqs, self.extend_lens) if r.kv_len + n == r.fed_len
+        ]
 
 
 @dataclass
@@ -35,7 +37,9 @@ class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     attn: AttentionMetadata
-    sample_rows: torch.Tensor  # [S] rows of the flattened tokens whose logits are sampled
+    sample_rows: (
+        torch.Tensor
+    )  # [S] rows of the flattened tokens whose logits are sampled
     sampling: SamplingBatch | None
 
 

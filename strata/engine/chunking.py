@@ -4,7 +4,9 @@ planner's replica model (strata.plan.replica) mirrors. Plain integers, no torch.
 from __future__ import annotations
 
 
-def prefill_piece(remaining: int, chunk: int, budget: int, batch_empty: bool, first_piece: bool) -> int:
+def prefill_piece(
+    remaining: int, chunk: int, budget: int, batch_empty: bool, first_piece: bool
+) -> int:
     """Prompt tokens to feed this step (0: none), of `remaining`, with `budget` tokens left in the step.
 
     With chunking (chunk > 0) a prompt goes in pieces of `chunk` tokens from where its computation

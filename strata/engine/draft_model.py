@@ -43,8 +43,19 @@ class DraftSeq:
 
 
 class DraftModelDrafter:
-    def __init__(self, model_dir: str | Path, target_tokenizer, target_vocab: int, *, dtype: torch.dtype,
-                 device: torch.device, num_tokens: int, page_size: int, quantization: str, context_len: int):
+    def __init__(
+        self,
+        model_dir: str | Path,
+        target_tokenizer,
+        target_vocab: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_tokens: int,
+        page_size: int,
+        quantization: str,
+        context_len: int,
+    ):
         from strata.tokenizer import load_tokenizer
         from strata.weights.default_model import resolve_model_path
         from strata.weights.loader import load_model
@@ -52,17 +63,36 @@ class DraftModelDrafter:
         model_dir = resolve_model_path(str(model_dir))
         mc = ModelConfig.from_dir(model_dir)
         if mc.mla is not None:
-            raise ValueError("--speculative-draft-model: latent-attention (MLA) draft models are not supported")
+            raise ValueError(
+                "--speculative-draft-model: latent-attention (MLA) draft models are not supported"
+            )
         check_same_tokenizer(load_tokenizer(model_dir), target_tokenizer, model_dir)
         self.vocab_size = min(mc.vocab_size, target_vocab)
-        self.model = load_model(model_dir, mc, dtype, device, max_positions=context_len, quantization=quantization)
+        self.model = load_model(
+            model_dir,
+            mc,
+            dtype,
+            device,
+            max_positions=context_len,
+            quantization=quantization,
+        )
         num_pages = max(1, num_tokens // page_size)
-        pool = MHAKVPool(len(mc.layers), mc.num_kv_heads, mc.head_dim, num_pages, page_size, dtype, device)
+        pool = MHAKVPool(
+            len(mc.layers),
+            mc.num_kv_heads,
+            mc.head_dim,
+            num_pages,
+            page_size,
+            dtype,
+            device,
+        )
         self.allocator = PageAllocator(num_pages, page_size)
         self.runner = ModelRunner(self.model, pool, device, mc.vocab_size, seed=0)
         self.page_size = page_size
         self.seqs: dict[str, DraftSeq] = {}
-        logger.info("draft model %s: %d KV tokens", model_dir.name, num_pages * page_size)
+        logger.info(
+            "draft model %s: %d KV tokens", model_dir.name, num_pages * page_size
+        )
 
     def draft(self, wants: list[tuple[str, list[int], int]]) -> list[list[int]]:
         """wants: (rid, the target's sequence, tokens to draft). Returns each one's drafts (fewer, or
@@ -74,7 +104,9 @@ class DraftModelDrafter:
                 continue
             state = self.seqs.setdefault(rid, DraftSeq())
             keep = _common_prefix(state.fed, seq)
-            if keep == len(seq):  # always feed at least the last token, to sample after it
+            if keep == len(
+                seq
+            ):  # always feed at least the last token, to sample after it
                 keep -= 1
             del state.fed[keep:]
             self._trim(state)
@@ -83,12 +115,21 @@ class DraftModelDrafter:
             reqs.append((i, req))
         live = reqs
         for _ in range(max((k for _, _, k in wants), default=0)):
-            step = [(i, r) for i, r in live if len(drafts[i]) < wants[i][2] and self._alloc(r)]
+            step = [
+                (i, r)
+                for i, r in live
+                if len(drafts[i]) < wants[i][2] and self._alloc(r)
+            ]
             if not step:
                 break
-            step.sort(key=lambda ir: ir[1].extend_len != 1)  # decodes first, as the runner expects
-            batch = ScheduleBatch([r for _, r in step], [r.extend_len for _, r in step],
-                                  sum(r.extend_len == 1 for _, r in step))
+            step.sort(
+                key=lambda ir: ir[1].extend_len != 1
+            )  # decodes first, as the runner expects
+            batch = ScheduleBatch(
+                [r for _, r in step],
+                [r.extend_len for _, r in step],
+                sum(r.extend_len == 1 for _, r in step),
+            )
             sampled = self.runner.forward(batch)
             for row, (i, req) in enumerate(step):
                 token = int(sampled.token_ids[row])

@@ -14,27 +14,44 @@ from strata.layers.sampler import SamplerOutput
 class DraftSteps:
     """Mixed into `Scheduler`, whose speculator, allocator, page size and limits it uses."""
 
-    def _plan_drafts(self, decodes: list[Req], base_tokens: int, budget: int) -> list[Req]:
+    def _plan_drafts(
+        self, decodes: list[Req], base_tokens: int, budget: int
+    ) -> list[Req]:
         """Speculative decoding: the decodes that feed drafted tokens this step, with `draft_ids` set
         and pages for them allocated (from free pages only: drafts never evict cached KV)."""
         eligible = []
         for req in decodes:
             # every accepted draft is one more output token, plus the target's own at the end
-            limit = min(req.params.max_new_tokens - len(req.output_ids), self.context_len - req.seq_len) - 1
+            limit = (
+                min(
+                    req.params.max_new_tokens - len(req.output_ids),
+                    self.context_len - req.seq_len,
+                )
+                - 1
+            )
             if limit > 0 and req.replay_from is None:
                 eligible.append((req, limit))
         verifying = []
-        for req, draft, match_len in self.spec.plan(eligible, base_tokens, len(decodes), budget):
+        for req, draft, match_len in self.spec.plan(
+            eligible, base_tokens, len(decodes), budget
+        ):
             k = len(draft)
-            while k > 0 and not self.allocator.can_alloc(self._pages_short(req, req.kv_len + 1 + k)):
+            while k > 0 and not self.allocator.can_alloc(
+                self._pages_short(req, req.kv_len + 1 + k)
+            ):
                 k -= 1
             if k > 0:
-                req.pages.extend(self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k)) or [])
+                req.pages.extend(
+                    self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k))
+                    or []
+                )
                 req.draft_ids, req.draft_match = draft[:k], match_len
                 verifying.append(req)
         return verifying
 
-    def _take_tokens(self, req: Req, n: int, sampled: SamplerOutput, row: int) -> tuple[list[int], int]:
+    def _take_tokens(
+        self, req: Req, n: int, sampled: SamplerOutput, row: int
+    ) -> tuple[list[int], int]:
         """The tokens a request that sampled at `row` (and after) appends, and the KV length they
         leave it with. Drafted tokens: the accepted run, then the target's own token (its correction
         at the first rejection, or one more after the last draft); the KV of rejected drafts is

@@ -44,7 +44,11 @@ from strata.weights.loader import load_model
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_DTYPES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
 
 
 @dataclass(frozen=True)
@@ -56,8 +60,12 @@ class RuntimeState:
     device: torch.device
     dtype: torch.dtype
     dtype_reason: str
-    weights: str  # the weight formats the model runs on, e.g. "q4 x210, q8 x1, float x0"
-    kernels: dict[str, Any]  # strata.kernels.kernel_info(): which native build runs, the CPU's ISA
+    weights: (
+        str  # the weight formats the model runs on, e.g. "q4 x210, q8 x1, float x0"
+    )
+    kernels: dict[
+        str, Any
+    ]  # strata.kernels.kernel_info(): which native build runs, the CPU's ISA
     decode_loop: str  # "native": decode steps run the layers from C++ (strata.models.native_decode); "python"
     kv_dtype: torch.dtype
     num_kv_tokens: int
@@ -153,9 +161,15 @@ def measure_cpu_dtype() -> tuple[torch.dtype, str]:
     ratio = times[torch.float32] / times[torch.bfloat16]
     native = "native bf16" if cpu_has_fast_bf16() else "no native bf16"
     if ratio >= 1.2:
-        picked = torch.bfloat16, f"bf16 matmuls {ratio:.1f}x faster than fp32 here ({native})"
+        picked = (
+            torch.bfloat16,
+            f"bf16 matmuls {ratio:.1f}x faster than fp32 here ({native})",
+        )
     else:
-        picked = torch.float32, f"bf16 matmuls {1 / ratio:.1f}x slower than fp32 here ({native})"
+        picked = (
+            torch.float32,
+            f"bf16 matmuls {1 / ratio:.1f}x slower than fp32 here ({native})",
+        )
     _measured_cpu_dtype = picked
     return picked
 
@@ -178,7 +192,9 @@ class Engine:
         try:
             self._load(model, **options)
         except BaseException:
-            if self.parallel is not None:  # its workers and this process's groups: another engine may start
+            if (
+                self.parallel is not None
+            ):  # its workers and this process's groups: another engine may start
                 self.parallel.shutdown()
             raise
 
@@ -194,60 +210,122 @@ class Engine:
         if device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
         dtype, dtype_reason = pick_dtype(cfg.dtype, device)
-        kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
+        kv_dtype = (
+            dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
+        )
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
         # --tp-size/--ep-size > 1: this process is rank 0; it starts the other ranks and loads its shard
-        self.parallel = self._make_parallel(model_dir, model_config, dtype, device, context_len)
+        self.parallel = self._make_parallel(
+            model_dir, model_config, dtype, device, context_len
+        )
         self.model = load_model(
-            model_dir, model_config, dtype, device, max_positions=context_len,
-            quantization=cfg.quantization, shard=self.parallel.shard if self.parallel else None,
+            model_dir,
+            model_config,
+            dtype,
+            device,
+            max_positions=context_len,
+            quantization=cfg.quantization,
+            shard=self.parallel.shard if self.parallel else None,
         )
         weights = describe_weights(self.model)
 
-        pool_config = self.parallel.local_config() if self.parallel else model_config  # this rank's KV heads
+        pool_config = (
+            self.parallel.local_config() if self.parallel else model_config
+        )  # this rank's KV heads
         # a GPU rank sizes its shard of the pool from its own device; CPU ranks share the host's memory
         plan = plan_kv_pool(
-            cfg, pool_config if device.type == "cuda" else model_config, kv_dtype, device, context_len,
-            shareable=self.parallel is None and model_config.dsv4 is None and model_config.mla is None,
+            cfg,
+            pool_config if device.type == "cuda" else model_config,
+            kv_dtype,
+            device,
+            context_len,
+            shareable=self.parallel is None
+            and model_config.dsv4 is None
+            and model_config.mla is None,
         )
         num_pages = plan.num_pages
         mla = model_config.mla
-        if model_config.dsv4 is not None:  # DeepSeek-V4: sliding K, compressor windows, compressed entries
+        if (
+            model_config.dsv4 is not None
+        ):  # DeepSeek-V4: sliding K, compressor windows, compressed entries
             if cfg.swa_replay or cfg.sliding_kv != "window":
-                raise ValueError("--swa-replay and --sliding-kv full do not apply to DeepSeek-V4: its windows "
-                                 "are window groups, and prefix hits resume exactly from them (strata.cache.dsv4_pool)")
-            chunk = cfg.chunked_prefill_size if cfg.chunked_prefill_size > 0 else context_len
+                raise ValueError(
+                    "--swa-replay and --sliding-kv full do not apply to DeepSeek-V4: its windows "
+                    "are window groups, and prefix hits resume exactly from them (strata.cache.dsv4_pool)"
+                )
+            chunk = (
+                cfg.chunked_prefill_size
+                if cfg.chunked_prefill_size > 0
+                else context_len
+            )
             plan = plan_dsv4_pool(
-                model_config.dsv4, model_config.head_dim, kv_dtype, cfg.page_size, cfg.kv_cache_tokens,
-                cfg.mem_fraction_static, total_memory_bytes(device), context_len, chunk,
-                cfg.swa_full_tokens_ratio, KV_CONTEXTS_CAP,
+                model_config.dsv4,
+                model_config.head_dim,
+                kv_dtype,
+                cfg.page_size,
+                cfg.kv_cache_tokens,
+                cfg.mem_fraction_static,
+                total_memory_bytes(device),
+                context_len,
+                chunk,
+                cfg.swa_full_tokens_ratio,
+                KV_CONTEXTS_CAP,
             )
             num_pages = plan.num_pages
             kv_pool = DSV4KVPool(
-                model_config.dsv4, model_config.head_dim, num_pages, cfg.page_size, plan.group_pages, kv_dtype, device
+                model_config.dsv4,
+                model_config.head_dim,
+                num_pages,
+                cfg.page_size,
+                plan.group_pages,
+                kv_dtype,
+                device,
             )
         elif mla is not None:  # DeepSeek-V2/V3: one latent row per token and layer
-            kv_pool = LatentKVPool(model_config.num_layers, mla.latent_dim, num_pages, cfg.page_size, kv_dtype, device)
+            kv_pool = LatentKVPool(
+                model_config.num_layers,
+                mla.latent_dim,
+                num_pages,
+                cfg.page_size,
+                kv_dtype,
+                device,
+            )
         else:
             kv_pool = MHAKVPool(
-                plan.layer_windows, pool_config.num_kv_heads, model_config.head_dim, num_pages,
-                cfg.page_size, kv_dtype, device, group_pages=plan.group_pages, shared=plan.shared,
+                plan.layer_windows,
+                pool_config.num_kv_heads,
+                model_config.head_dim,
+                num_pages,
+                cfg.page_size,
+                kv_dtype,
+                device,
+                group_pages=plan.group_pages,
+                shared=plan.shared,
             )
         if kv_pool.grouped:
-            if kv_pool.shared:  # one group per slice of the window layers, every one from the same pool
+            if (
+                kv_pool.shared
+            ):  # one group per slice of the window layers, every one from the same pool
                 groups = list(zip(kv_pool.windows, kv_pool.group_pages))
             else:
                 groups = list(plan.group_pages.items())
-            allocator = GroupedPageAllocator(num_pages, cfg.page_size, groups, shared=kv_pool.shared)
+            allocator = GroupedPageAllocator(
+                num_pages, cfg.page_size, groups, shared=kv_pool.shared
+            )
             kv_pool.attach_page_maps([g.to_group for g in allocator.groups])
             cache = (
-                NoPrefixCache(allocator) if cfg.disable_radix_cache
+                NoPrefixCache(allocator)
+                if cfg.disable_radix_cache
                 else WindowRadixCache(allocator, replay=cfg.swa_replay)
             )
         else:
             allocator = PageAllocator(num_pages, cfg.page_size)
-            cache = NoPrefixCache(allocator) if cfg.disable_radix_cache else RadixCache(allocator)
+            cache = (
+                NoPrefixCache(allocator)
+                if cfg.disable_radix_cache
+                else RadixCache(allocator)
+            )
         eos = set(model_config.eos_token_ids)
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
@@ -255,30 +333,70 @@ class Engine:
         # what a KV page means, for pages shared through L3 storage or sent to a PD peer
         shares_kv = cfg.hierarchical_cache or cfg.disaggregation_mode != "null"
         # whole pages leave through this pool: every KV head, gathered from the ranks when split
-        page_pool = self.parallel.page_pool(kv_pool) if self.parallel and shares_kv else kv_pool
-        namespace = kv_namespace(model_dir, page_pool, weights, dtype) if shares_kv else b""
-        self.hicache = self._make_hicache(namespace, page_pool, cache) if cfg.hierarchical_cache else None
+        page_pool = (
+            self.parallel.page_pool(kv_pool) if self.parallel and shares_kv else kv_pool
+        )
+        namespace = (
+            kv_namespace(model_dir, page_pool, weights, dtype) if shares_kv else b""
+        )
+        self.hicache = (
+            self._make_hicache(namespace, page_pool, cache)
+            if cfg.hierarchical_cache
+            else None
+        )
         if self.hicache is not None:
             cache = self.hicache  # the tiers wrap the device cache
         runner = ModelRunner(
-            self.model, kv_pool, device, model_config.vocab_size, cfg.random_seed, groups=allocator.groups
+            self.model,
+            kv_pool,
+            device,
+            model_config.vocab_size,
+            cfg.random_seed,
+            groups=allocator.groups,
         )
-        if self.parallel is not None:  # the workers allocate their KV shards; rank 0 broadcasts each step
+        if (
+            self.parallel is not None
+        ):  # the workers allocate their KV shards; rank 0 broadcasts each step
             self.parallel.start_kv(plan.layout(cfg.page_size, kv_dtype), self.model)
             runner.parallel = self.parallel
         draft = (
-            self._make_draft_model(model_dir, model_config.vocab_size, dtype, device, num_pages, context_len)
-            if cfg.speculative_algorithm in ("draft", "mtp") else None
+            self._make_draft_model(
+                model_dir,
+                model_config.vocab_size,
+                dtype,
+                device,
+                num_pages,
+                context_len,
+            )
+            if cfg.speculative_algorithm in ("draft", "mtp")
+            else None
         )
-        if device.type == "cpu" and self.parallel is None and cfg.step_threads == "auto":
+        if (
+            device.type == "cpu"
+            and self.parallel is None
+            and cfg.step_threads == "auto"
+        ):
             runner.step_threads = StepThreads(torch.get_num_threads())
-            draft_runner = getattr(draft, "runner", None)  # a draft model's forwards (MTP runs in the target's)
+            draft_runner = getattr(
+                draft, "runner", None
+            )  # a draft model's forwards (MTP runs in the target's)
             if draft_runner is not None:  # timed apart: another model's steps
                 draft_runner.step_threads = StepThreads(torch.get_num_threads())
         self.scheduler = Scheduler(
-            cfg, runner, allocator, cache, self.tokenizer, frozenset(eos), context_len, draft_model=draft
+            cfg,
+            runner,
+            allocator,
+            cache,
+            self.tokenizer,
+            frozenset(eos),
+            context_len,
+            draft_model=draft,
         )
-        self.disagg = self._make_disagg(namespace, page_pool) if cfg.disaggregation_mode != "null" else None
+        self.disagg = (
+            self._make_disagg(namespace, page_pool)
+            if cfg.disaggregation_mode != "null"
+            else None
+        )
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
@@ -287,7 +405,9 @@ class Engine:
             dtype_reason=dtype_reason,
             weights=weights,
             kernels=kernel_info() if device.type == "cpu" else {},
-            decode_loop=decode_loop_name(self.model) if device.type == "cpu" else "python",
+            decode_loop=decode_loop_name(self.model)
+            if device.type == "cpu"
+            else "python",
             kv_dtype=kv_dtype,
             num_kv_tokens=plan.context_pages * cfg.page_size,
             kv_bytes=kv_pool.nbytes,
@@ -306,7 +426,8 @@ class Engine:
                 "(oneDNN/MKL on the CPU, cuBLAS on GPUs) may round a row differently by the call's size, so a "
                 "verification's rows can differ in the last bits from the same tokens decoded one at a time and a "
                 "greedy answer can turn at a near-tie; the native CPU kernels (block-quantized and packed "
-                "bf16/float32 weights) compute a row the same in any call", ", ".join(blas)
+                "bf16/float32 weights) compute a row the same in any call",
+                ", ".join(blas),
             )
         logger.info(
             "loaded %s (%s, %s [%s], weights %s, kernels %s, %s decode loop on %s) in %.1fs; "
@@ -326,7 +447,12 @@ class Engine:
         )
 
     def _make_parallel(
-        self, model_dir: Path, model_config: ModelConfig, dtype: torch.dtype, device: torch.device, context_len: int
+        self,
+        model_dir: Path,
+        model_config: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        context_len: int,
     ):
         """Tensor/expert parallel: start the worker ranks (strata.distributed); None for one rank."""
         cfg = self.config
@@ -336,7 +462,9 @@ class Engine:
         from strata.models import get_model_class
 
         renames = get_model_class(model_config.architecture).RENAMES
-        return ParallelRuntime(cfg, model_dir, model_config, dtype, device, context_len, renames)
+        return ParallelRuntime(
+            cfg, model_dir, model_config, dtype, device, context_len, renames
+        )
 
     def _make_disagg(self, namespace: bytes, kv_pool: KVPool):
         from strata.disagg.auth import shared_secret
@@ -354,20 +482,43 @@ class Engine:
         # prompt's [layers, parts, prompt_len, heads, dim]; a prefill worker receives only Hellos
         max_prompt_len = min(self.scheduler.context_len, self.scheduler.pool_tokens)
         per_token = kv_pool.page_bytes // kv_pool.page_size
-        max_payload_bytes = 0 if cfg.disaggregation_mode == "prefill" else max_prompt_len * per_token
-        transport = make_transport(cfg.disaggregation_transfer_backend, cfg.disaggregation_host,
-                                   cfg.disaggregation_bootstrap_port, max_payload_bytes=max_payload_bytes)
+        max_payload_bytes = (
+            0 if cfg.disaggregation_mode == "prefill" else max_prompt_len * per_token
+        )
+        transport = make_transport(
+            cfg.disaggregation_transfer_backend,
+            cfg.disaggregation_host,
+            cfg.disaggregation_bootstrap_port,
+            max_payload_bytes=max_payload_bytes,
+        )
         cls = PrefillManager if cfg.disaggregation_mode == "prefill" else DecodeManager
-        manager = cls(self.scheduler, kv_pool, transport, secret, namespace.hex(), cfg.disaggregation_timeout)
-        logger.info("disaggregation: %s worker, KV inbox %s", cfg.disaggregation_mode, transport.endpoint)
+        manager = cls(
+            self.scheduler,
+            kv_pool,
+            transport,
+            secret,
+            namespace.hex(),
+            cfg.disaggregation_timeout,
+        )
+        logger.info(
+            "disaggregation: %s worker, KV inbox %s",
+            cfg.disaggregation_mode,
+            transport.endpoint,
+        )
         return manager
 
     @property
     def disagg_endpoint(self) -> str | None:
         """host:port of this worker's KV inbox (a prefill worker's bootstrap address), if disaggregated."""
-        return None if self.disagg is None else self.disagg.transport.endpoint.removeprefix("tcp://")
+        return (
+            None
+            if self.disagg is None
+            else self.disagg.transport.endpoint.removeprefix("tcp://")
+        )
 
-    def _make_hicache(self, namespace: bytes, kv_pool: KVPool, device: RadixCache | NoPrefixCache) -> HiCache:
+    def _make_hicache(
+        self, namespace: bytes, kv_pool: KVPool, device: RadixCache | NoPrefixCache
+    ) -> HiCache:
         from strata.cache.storage import make_storage_backend
 
         cfg = self.config
@@ -379,8 +530,10 @@ class Engine:
         storage = None
         if cfg.hicache_storage_backend is not None:
             storage = make_storage_backend(
-                cfg.hicache_storage_backend, cfg.hicache_storage_path,
-                max_bytes=int(cfg.hicache_storage_max_gib * 2**30), ttl_s=cfg.hicache_storage_ttl,
+                cfg.hicache_storage_backend,
+                cfg.hicache_storage_path,
+                max_bytes=int(cfg.hicache_storage_max_gib * 2**30),
+                ttl_s=cfg.hicache_storage_ttl,
             )
         hc = HiCacheConfig(
             host_pages=max(1, host_pages),
@@ -392,13 +545,21 @@ class Engine:
         )
         logger.info(
             "hierarchical cache: L2 %d pages (%.0f MiB host), L3 %s, write policy %s, prefetch policy %s",
-            hc.host_pages, hc.host_pages * page_bytes / 2**20, cfg.hicache_storage_backend or "off", hc.write_policy,
+            hc.host_pages,
+            hc.host_pages * page_bytes / 2**20,
+            cfg.hicache_storage_backend or "off",
+            hc.write_policy,
             hc.prefetch_policy,
         )
         return HiCache(hc, kv_pool, device, namespace, storage)
 
     def _make_draft_model(
-        self, model_dir: Path, vocab: int, dtype: torch.dtype, device: torch.device, num_pages: int,
+        self,
+        model_dir: Path,
+        vocab: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_pages: int,
         context_len: int,
     ):
         """--speculative-algorithm draft: the draft model; mtp: the checkpoint's multi-token
@@ -409,12 +570,25 @@ class Engine:
         cfg = self.config
         if cfg.speculative_algorithm == "mtp":
             return MTPDrafter(
-                self.model, model_dir, dtype=dtype, device=device, num_tokens=num_pages * cfg.page_size,
-                page_size=cfg.page_size, quantization=cfg.quantization, context_len=context_len, vocab_size=vocab,
+                self.model,
+                model_dir,
+                dtype=dtype,
+                device=device,
+                num_tokens=num_pages * cfg.page_size,
+                page_size=cfg.page_size,
+                quantization=cfg.quantization,
+                context_len=context_len,
+                vocab_size=vocab,
             )
         return DraftModelDrafter(
-            cfg.speculative_draft_model, self.tokenizer, vocab, dtype=dtype, device=device,
-            num_tokens=num_pages * cfg.page_size, page_size=cfg.page_size, quantization=cfg.quantization,
+            cfg.speculative_draft_model,
+            self.tokenizer,
+            vocab,
+            dtype=dtype,
+            device=device,
+            num_tokens=num_pages * cfg.page_size,
+            page_size=cfg.page_size,
+            quantization=cfg.quantization,
             context_len=context_len,
         )
 
@@ -448,7 +622,9 @@ class Engine:
     def encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass token ids instead of text")
+                raise ValueError(
+                    "this model has no tokenizer; pass token ids instead of text"
+                )
             return self.tokenizer.encode(prompt, add_special_tokens=True)
         ids = []
         for t in prompt:
@@ -457,7 +633,9 @@ class Engine:
                     raise TypeError
                 ids.append(operator.index(t))  # int, numpy and torch integers
             except TypeError:
-                raise ValueError(f"a prompt must be a string or a list of int token ids, got {t!r}") from None
+                raise ValueError(
+                    f"a prompt must be a string or a list of int token ids, got {t!r}"
+                ) from None
         return ids
 
     def add_request(
@@ -481,14 +659,20 @@ class Engine:
         ids = self.encode(prompt)
         mode = self.config.disaggregation_mode
         if mode != "null" and bootstrap_room is None:
-            raise ValueError(f"this is a disaggregated {mode} worker: requests need a bootstrap_room (send them via the router)")
+            raise ValueError(
+                f"this is a disaggregated {mode} worker: requests need a bootstrap_room (send them via the router)"
+            )
         if mode == "decode":
             if not bootstrap_addr:
-                raise ValueError("a decode worker needs bootstrap_addr: the prefill worker's host:port")
+                raise ValueError(
+                    "a decode worker needs bootstrap_addr: the prefill worker's host:port"
+                )
             self.disagg.add(rid, ids, params, bootstrap_room, bootstrap_addr)
             rids = [rid]
         elif mode == "prefill":
-            rids = self.scheduler.add_request(rid, ids, self.disagg.prefill_params(params))
+            rids = self.scheduler.add_request(
+                rid, ids, self.disagg.prefill_params(params)
+            )
             self.disagg.announce(rid, bootstrap_room)
         else:
             rids = self.scheduler.add_request(rid, ids, params)
@@ -507,7 +691,9 @@ class Engine:
         return governor.describe() if governor is not None else None
 
     def step(self) -> list[RequestOutput]:
-        if self.parallel is not None:  # RankFailure once a rank is gone; EPLB at this step boundary
+        if (
+            self.parallel is not None
+        ):  # RankFailure once a rank is gone; EPLB at this step boundary
             self.parallel.before_step()
         outputs = self.scheduler.step()
         if self.parallel is not None:
@@ -527,9 +713,15 @@ class Engine:
         """Run a batch to completion. `prompts`: one or many strings or token-id lists."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        param_list = list(params) if isinstance(params, Sequence) else [params or SamplingParams()] * len(prompts)
+        param_list = (
+            list(params)
+            if isinstance(params, Sequence)
+            else [params or SamplingParams()] * len(prompts)
+        )
         if len(param_list) != len(prompts):
-            raise ValueError(f"got {len(prompts)} prompts but {len(param_list)} sampling params")
+            raise ValueError(
+                f"got {len(prompts)} prompts but {len(param_list)} sampling params"
+            )
         groups = [self.add_request(p, sp) for p, sp in zip(prompts, param_list)]
         pending = {r for g in groups for r in g}
         while pending:
@@ -555,9 +747,13 @@ class Engine:
                 )
             )
             prompt_tokens, cached = last.prompt_tokens, max(cached, last.cached_tokens)
-        return GenerateResult(choices=choices, prompt_tokens=prompt_tokens, cached_tokens=cached)
+        return GenerateResult(
+            choices=choices, prompt_tokens=prompt_tokens, cached_tokens=cached
+        )
 
-    def stream(self, prompt: str | Sequence[int], params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield this request's updates as they come (other queued requests keep running too).
 
         Closing the iterator early aborts the request and frees its KV.
@@ -580,14 +776,18 @@ class Engine:
                 self.abort(rid)
                 self.step()
 
-    def chat(self, messages: list[dict[str, Any]], params: SamplingParams | None = None) -> GenerateResult:
+    def chat(
+        self, messages: list[dict[str, Any]], params: SamplingParams | None = None
+    ) -> GenerateResult:
         return self.generate([apply_chat_template(self.tokenizer, messages)], params)[0]
 
     def chat_ids(self, messages: list[dict[str, Any]]) -> list[int]:
         return apply_chat_template(self.tokenizer, messages)
 
 
-def kv_namespace(model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dtype) -> bytes:
+def kv_namespace(
+    model_dir: Path, kv_pool: KVPool, weights: str, dtype: torch.dtype
+) -> bytes:
     """Identity of a KV page's meaning: model (config + a sample of each weight file), the weight
     formats and compute dtype the KV was computed with, and the KV layout."""
     h = hashlib.sha256((model_dir / "config.json").read_bytes())

@@ -18,12 +18,23 @@ from strata.engine.request import Req
 from strata.engine.step_threads import StepThreads
 from strata.grammar.state import bitmask_words, fill_bitmasks
 from strata.layers.attention import AttentionMetadata
-from strata.layers.sampler import SamplerOutput, SamplingBatch, logit_bias_tensors, sample, sampling_row
+from strata.layers.sampler import (
+    SamplerOutput,
+    SamplingBatch,
+    logit_bias_tensors,
+    sample,
+    sampling_row,
+)
 
 
 class ModelRunner:
     def __init__(
-        self, model: torch.nn.Module, kv_pool: KVPool, device: torch.device, vocab_size: int, seed: int,
+        self,
+        model: torch.nn.Module,
+        kv_pool: KVPool,
+        device: torch.device,
+        vocab_size: int,
+        seed: int,
         groups: Sequence[WindowGroup] = (),
     ):
         self.model = model
@@ -32,7 +43,9 @@ class ModelRunner:
         self.group_maps = [torch.from_numpy(g.to_group) for g in groups]
         self.device = device
         self.vocab_size = vocab_size
-        self.generator = torch.Generator().manual_seed(seed)  # for requests without a seed
+        self.generator = torch.Generator().manual_seed(
+            seed
+        )  # for requests without a seed
         # tensor/expert parallel (strata.distributed.runtime.ParallelRuntime): the other ranks run each step too
         self.parallel = None
         # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
@@ -68,16 +81,26 @@ class ModelRunner:
                 entries.append(req)
                 q_lens.append(n)
                 kv_lens.append(end)
-            if end == req.fed_len:  # the last position samples, and so does each drafted one
+            if (
+                end == req.fed_len
+            ):  # the last position samples, and so does each drafted one
                 sample_rows.extend(range(len(ids) - 1 - len(req.draft_ids), len(ids)))
         max_pages = max(len(r.pages) for r in entries)
         page_table = np.zeros((len(entries), max_pages), dtype=np.int64)
         e = 0
-        for req, rows in spans:  # a verification's entries share one row of pages, converted once
+        for (
+            req,
+            rows,
+        ) in spans:  # a verification's entries share one row of pages, converted once
             page_table[e : e + rows, : len(req.pages)] = req.pages
             e += rows
         attn = AttentionMetadata.build(
-            q_lens, kv_lens, torch.from_numpy(page_table), self.kv.page_size, num_decode, self.device
+            q_lens,
+            kv_lens,
+            torch.from_numpy(page_table),
+            self.kv.page_size,
+            num_decode,
+            self.device,
         )
         if self.group_maps:  # window groups: the same positions in their own pages
             replaying = [e for e, r in enumerate(entries) if r.replay_from is not None]
@@ -97,22 +120,33 @@ class ModelRunner:
             input_ids=torch.tensor(ids, dtype=torch.int64, device=self.device),
             positions=attn.positions,
             attn=attn,
-            sample_rows=torch.tensor(sample_rows, dtype=torch.int64, device=self.device),
+            sample_rows=torch.tensor(
+                sample_rows, dtype=torch.int64, device=self.device
+            ),
             sampling=self.sampling_batch(rows) if rows else None,
         )
 
-    def _map_replayed_pages(self, entries: list[Req], rows: list[int], g: int, table: torch.Tensor) -> None:
+    def _map_replayed_pages(
+        self, entries: list[Req], rows: list[int], g: int, table: torch.Tensor
+    ) -> None:
         """--swa-replay: window group g reads and writes a replaying request's recomputed pages."""
         ps = self.kv.page_size
         for b in rows:
             req = entries[b]
             first = req.replay_from // ps
-            table[b, first : first + len(req.replay_pages[g])] = torch.tensor(req.replay_pages[g])
+            table[b, first : first + len(req.replay_pages[g])] = torch.tensor(
+                req.replay_pages[g]
+            )
 
-    def _replay_floor(self, entries: list[Req], rows: list[int], g: int) -> torch.Tensor | None:
+    def _replay_floor(
+        self, entries: list[Req], rows: list[int], g: int
+    ) -> torch.Tensor | None:
         """The first key each request may read in window group g: its replay start while some of its
         queries could still reach back past it (None once none can)."""
-        if all(entries[b].kv_len >= entries[b].replay_from + self.kv.windows[g] - 1 for b in rows):
+        if all(
+            entries[b].kv_len >= entries[b].replay_from + self.kv.windows[g] - 1
+            for b in rows
+        ):
             return None
         floor = torch.zeros(len(entries), dtype=torch.int64)
         for b in rows:
@@ -124,9 +158,13 @@ class ModelRunner:
         tree's copy, computed with the whole context, stays what every layer reads."""
         scratch = self.kv.scratch_page * self.kv.page_size
         positions = attn.positions.cpu()
-        limit = torch.tensor([r.replay_end if r.replay_from is not None else 0 for r in entries])
+        limit = torch.tensor(
+            [r.replay_end if r.replay_from is not None else 0 for r in entries]
+        )
         replayed = positions < limit[attn.token_owner]
-        attn.out_slots[replayed.to(self.device)] = scratch + positions[replayed].to(self.device) % self.kv.page_size
+        attn.out_slots[replayed.to(self.device)] = (
+            scratch + positions[replayed].to(self.device) % self.kv.page_size
+        )
 
     @torch.inference_mode()
     def forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
@@ -166,10 +204,16 @@ class ModelRunner:
         if not grammars:
             return
         if all(not r.req.draft_ids for r in rows):
-            masked = [i for i, r in enumerate(rows) if r.req.grammar is not None and r.req.grammar.needs_mask]
+            masked = [
+                i
+                for i, r in enumerate(rows)
+                if r.req.grammar is not None and r.req.grammar.needs_mask
+            ]
             if not masked:
                 return
-            bitmask = fill_bitmasks([rows[i].req.grammar for i in masked])  # [G, words] int32
+            bitmask = fill_bitmasks(
+                [rows[i].req.grammar for i in masked]
+            )  # [G, words] int32
         else:
             masked, bitmask = self._draft_grammar_masks(rows)
             if not masked:
@@ -180,14 +224,18 @@ class ModelRunner:
     @staticmethod
     def _draft_grammar_masks(rows: list[SampleRow]) -> tuple[list[int], np.ndarray]:
         """Masks row by row: each request's grammar is advanced over its drafts and rolled back."""
-        words = bitmask_words(max(r.req.grammar.vocab_size for r in rows if r.req.grammar is not None))
+        words = bitmask_words(
+            max(r.req.grammar.vocab_size for r in rows if r.req.grammar is not None)
+        )
         bitmask = np.empty((len(rows), words), dtype=np.int32)
         masked: list[int] = []
         for i, row in enumerate(rows):
             grammar = row.req.grammar
             if grammar is None:
                 continue
-            if row.before:  # one more draft consumed since the previous row of this request
+            if (
+                row.before
+            ):  # one more draft consumed since the previous row of this request
                 grammar.accept(row.before[-1])
             if grammar.needs_mask:
                 grammar.fill_bitmask(bitmask, len(masked))
@@ -207,14 +255,20 @@ class ModelRunner:
             return torch.tensor(values, dtype=dtype, device=dev)
 
         for r in reqs:
-            if r.sampling_row is None:  # a Req made outside the scheduler (which builds it at admission)
+            if (
+                r.sampling_row is None
+            ):  # a Req made outside the scheduler (which builds it at admission)
                 r.sampling_row, r.top_k = sampling_row(r.params, vocab)
-        table = torch.stack([r.sampling_row for r in reqs]).to(dev)  # [B, len(ROW_FIELDS)]
+        table = torch.stack([r.sampling_row for r in reqs]).to(
+            dev
+        )  # [B, len(ROW_FIELDS)]
         greedy = [p.is_greedy for p in params]
         drafting = any(row.draft >= 0 for row in rows)
         uniforms, accept_uniforms = [0.0] * len(rows), [0.0] * len(rows)
         for i, row in enumerate(rows):
-            if not greedy[i]:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
+            if not greedy[
+                i
+            ]:  # draw only for sampled rows, so a seeded stream does not depend on its neighbours
                 gen = row.req.generator or self.generator
                 uniforms[i] = torch.rand(1, generator=gen).item()
                 if row.draft >= 0:
@@ -232,41 +286,64 @@ class ModelRunner:
             s.accept_uniforms = col(accept_uniforms)
         wants = [p.logprobs for p in params if p.logprobs is not None]
         s.top_logprobs = max(wants) if wants else None
-        outputs = [r.req.output_ids + r.before if r.before else r.req.output_ids for r in rows]
+        outputs = [
+            r.req.output_ids + r.before if r.before else r.req.output_ids for r in rows
+        ]
         if any(p.repetition_penalty != 1.0 for p in params):
             s.repetition_penalties = table[:, 3]
             s.seen_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
             for i, r in enumerate(reqs):
-                s.seen_mask[i, torch.tensor(r.prompt_ids + outputs[i], dtype=torch.int64, device=dev)] = True
+                s.seen_mask[
+                    i,
+                    torch.tensor(
+                        r.prompt_ids + outputs[i], dtype=torch.int64, device=dev
+                    ),
+                ] = True
         if any(p.frequency_penalty or p.presence_penalty for p in params):
             s.frequency_penalties = table[:, 4]
             s.presence_penalties = table[:, 5]
-            s.output_counts = torch.zeros(len(rows), vocab, dtype=torch.int32, device=dev)
+            s.output_counts = torch.zeros(
+                len(rows), vocab, dtype=torch.int32, device=dev
+            )
             for i, out in enumerate(outputs):
                 if out:
                     ids = torch.tensor(out, dtype=torch.int64, device=dev)
-                    s.output_counts[i].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+                    s.output_counts[i].index_add_(
+                        0, ids, torch.ones_like(ids, dtype=torch.int32)
+                    )
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:
             self._add_logit_bias(reqs, biased, s)
-        banned = [(i, r) for i, r in enumerate(reqs) if len(outputs[i]) < r.params.min_new_tokens]
+        banned = [
+            (i, r)
+            for i, r in enumerate(reqs)
+            if len(outputs[i]) < r.params.min_new_tokens
+        ]
         if banned:
             s.banned_mask = torch.zeros(len(rows), vocab, dtype=torch.bool, device=dev)
             for i, r in banned:
-                stop_ids = set(r.params.stop_token_ids) | (set() if r.params.ignore_eos else set(r.eos_token_ids))
+                stop_ids = set(r.params.stop_token_ids) | (
+                    set() if r.params.ignore_eos else set(r.eos_token_ids)
+                )
                 ids = [t for t in stop_ids if t < vocab]
                 if ids:
                     s.banned_mask[i, torch.tensor(ids, device=dev)] = True
         return s
 
-    def _add_logit_bias(self, reqs: list[Req], biased: list[int], s: SamplingBatch) -> None:
+    def _add_logit_bias(
+        self, reqs: list[Req], biased: list[int], s: SamplingBatch
+    ) -> None:
         """The biases of rows `biased` as flat (row, token id, bias) tensors; each request's own pair of
         tensors is built once, on its first step."""
         for i in biased:
             if reqs[i].logit_bias is None:
-                reqs[i].logit_bias = logit_bias_tensors(reqs[i].params.logit_bias, self.device)
+                reqs[i].logit_bias = logit_bias_tensors(
+                    reqs[i].params.logit_bias, self.device
+                )
         pairs = [reqs[i].logit_bias for i in biased]
         counts = torch.tensor([len(ids) for ids, _ in pairs], device=self.device)
-        s.bias_rows = torch.tensor(biased, dtype=torch.int64, device=self.device).repeat_interleave(counts)
+        s.bias_rows = torch.tensor(
+            biased, dtype=torch.int64, device=self.device
+        ).repeat_interleave(counts)
         s.bias_ids = torch.cat([ids for ids, _ in pairs])
         s.bias_values = torch.cat([values for _, values in pairs])

@@ -54,21 +54,42 @@ class MTPSeq:
 
 
 class MTPDrafter:
-    needs_hidden = True  # the model runner keeps each step's final hidden states for `extend`
+    needs_hidden = (
+        True  # the model runner keeps each step's final hidden states for `extend`
+    )
 
-    def __init__(self, target: torch.nn.Module, model_dir: str | Path, *, dtype: torch.dtype,
-                 device: torch.device,
-                 num_tokens: int, page_size: int, quantization: str, context_len: int, vocab_size: int):
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_tokens: int,
+        page_size: int,
+        quantization: str,
+        context_len: int,
+        vocab_size: int,
+    ):
         cfg = target.config
         self.target = target
-        self.layer = load_mtp_layer(Path(model_dir), target, dtype, device, context_len, quantization)
+        self.layer = load_mtp_layer(
+            Path(model_dir), target, dtype, device, context_len, quantization
+        )
         if cfg.mtp_layers > 1:
-            logger.info("multi-token prediction: %d layers; the first is chained", cfg.mtp_layers)
+            logger.info(
+                "multi-token prediction: %d layers; the first is chained",
+                cfg.mtp_layers,
+            )
         num_pages = max(1, num_tokens // page_size)
         if cfg.mla is not None:
-            self.kv = LatentKVPool(1, cfg.mla.latent_dim, num_pages, page_size, dtype, device)
+            self.kv = LatentKVPool(
+                1, cfg.mla.latent_dim, num_pages, page_size, dtype, device
+            )
         else:
-            self.kv = MHAKVPool(1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device)
+            self.kv = MHAKVPool(
+                1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device
+            )
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
         self.device = device
@@ -85,15 +106,21 @@ class MTPDrafter:
         for rid, p0, hidden, tokens in items:
             seq = self._seq_at(rid, p0)
             if not self.allocator.grow(seq.pages, seq.length + len(tokens)):
-                self._drop(rid)  # the pool is full: this request starts over after these rows
+                self._drop(
+                    rid
+                )  # the pool is full: this request starts over after these rows
                 self.seqs[rid] = MTPSeq(first=p0 + len(tokens))
                 continue
             work.append((seq, hidden, tokens))
         if not work:
             return
-        work.sort(key=lambda w: len(w[2]) != 1)  # decodes first, as attention metadata expects
+        work.sort(
+            key=lambda w: len(w[2]) != 1
+        )  # decodes first, as attention metadata expects
         states = self._forward(
-            [s for s, _, _ in work], [t for _, _, t in work], torch.cat([h for _, h, _ in work])
+            [s for s, _, _ in work],
+            [t for _, _, t in work],
+            torch.cat([h for _, h, _ in work]),
         )
         end = 0
         for seq, _, tokens in work:
@@ -122,7 +149,12 @@ class MTPDrafter:
         for i, (rid, seq_ids, k) in enumerate(wants):
             seq = self.seqs.get(rid)
             # committed rows end one before the sequence's last token (which the target feeds next)
-            if k > 0 and seq is not None and seq.state is not None and seq.end == len(seq_ids) - 1:
+            if (
+                k > 0
+                and seq is not None
+                and seq.state is not None
+                and seq.end == len(seq_ids) - 1
+            ):
                 live.append((i, seq))
         if not live:
             return drafts
@@ -134,11 +166,14 @@ class MTPDrafter:
         for step in range(1, max(wants[i][2] for i, _ in live)):
             # the row at position end + step - 1: the previous draft after the layer's previous state
             live = [(i, s) for i, s in live if len(drafts[i]) < wants[i][2]]
-            live = [(i, s) for i, s in live if self.allocator.grow(s.pages, s.length + step)]
+            live = [
+                (i, s) for i, s in live if self.allocator.grow(s.pages, s.length + step)
+            ]
             if not live:
                 break
             states = self._forward(
-                [s for _, s in live], [[drafts[i][-1]] for i, _ in live],
+                [s for _, s in live],
+                [[drafts[i][-1]] for i, _ in live],
                 torch.stack([prev[i] for i, _ in live]),
                 offsets=[step - 1] * len(live),
             )
@@ -154,7 +189,10 @@ class MTPDrafter:
     # ------------------------------------------------------------------ the layer's forward
 
     def _forward(
-        self, seqs: list[MTPSeq], tokens: list[list[int]], hidden: torch.Tensor,
+        self,
+        seqs: list[MTPSeq],
+        tokens: list[list[int]],
+        hidden: torch.Tensor,
         offsets: list[int] | None = None,
     ) -> torch.Tensor:
         """One batched forward of the MTP layer: per request, `tokens` at its rows from
@@ -162,20 +200,31 @@ class MTPDrafter:
         offsets = offsets or [0] * len(seqs)
         q_lens = [len(t) for t in tokens]
         kv_lens = [s.length + o + n for s, o, n in zip(seqs, offsets, q_lens)]
-        page_table = np.zeros((len(seqs), max(len(s.pages) for s in seqs)), dtype=np.int64)
+        page_table = np.zeros(
+            (len(seqs), max(len(s.pages) for s in seqs)), dtype=np.int64
+        )
         for b, s in enumerate(seqs):
             page_table[b, : len(s.pages)] = s.pages
         num_decode = sum(1 for n in q_lens if n == 1)
         meta = AttentionMetadata.build(
-            q_lens, kv_lens, torch.from_numpy(page_table), self.page_size, num_decode, self.device
+            q_lens,
+            kv_lens,
+            torch.from_numpy(page_table),
+            self.page_size,
+            num_decode,
+            self.device,
         )
         # a row at position p (row index p - first) carries token p + 1, at RoPE position p + 1
         firsts = torch.tensor([s.first for s in seqs], device=self.device)
         positions = meta.positions + firsts[meta.token_owner.to(self.device)] + 1
-        ids = torch.tensor([t for ts in tokens for t in ts], dtype=torch.int64, device=self.device)
+        ids = torch.tensor(
+            [t for ts in tokens for t in ts], dtype=torch.int64, device=self.device
+        )
         embeds = self.target.embed_tokens(ids)
         if self.target.config.scale_embeddings:
-            embeds = embeds * torch.tensor(self.target.config.hidden_size**0.5, dtype=embeds.dtype)
+            embeds = embeds * torch.tensor(
+                self.target.config.hidden_size**0.5, dtype=embeds.dtype
+            )
         return self.layer(embeds, hidden.to(embeds.dtype), positions, meta, self.kv)
 
     # ------------------------------------------------------------------ pages

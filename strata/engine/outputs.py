@@ -31,7 +31,9 @@ class RequestOutput(msgspec.Struct):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_details: dict[str, int] = msgspec.field(default_factory=dict)  # per cache tier
+    cached_tokens_details: dict[str, int] = msgspec.field(
+        default_factory=dict
+    )  # per cache tier
     # speculative decoding, so far: steps that verified drafts, tokens drafted, drafts accepted
     spec_verify_steps: int = 0
     spec_drafted_tokens: int = 0

@@ -43,11 +43,15 @@ class Req:
     detokenizer: IncrementalDetokenizer | None = None
     generator: torch.Generator | None = None
     arrival: int = 0  # admission order, for fcfs
-    depends_on: Req | None = None  # n > 1: wait until this sibling has cached the prompt
+    depends_on: Req | None = (
+        None  # n > 1: wait until this sibling has cached the prompt
+    )
     # the sampler's per-request numbers, built at admission (strata.layers.sampler.sampling_row)
     sampling_row: torch.Tensor | None = None  # [len(ROW_FIELDS)] float32
     top_k: int = 0  # effective top-k: the vocabulary size when disabled
-    grammar: GrammarState | None = None  # structured output: the grammar's state (params.structured)
+    grammar: GrammarState | None = (
+        None  # structured output: the grammar's state (params.structured)
+    )
     # params.logit_bias as the sampler's (token ids [N] int64, biases [N] float32), built on first use
     logit_bias: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -58,7 +62,9 @@ class Req:
     kv_len: int = 0
     cached_len: int = 0
     prefix_node: Any = None
-    window_dropped: list[int] = field(default_factory=list)  # per window group: pages before this gave their KV back
+    window_dropped: list[int] = field(
+        default_factory=list
+    )  # per window group: pages before this gave their KV back
     # --swa-replay: the window groups' KV of [replay_from, cached_len) is being recomputed into these
     # pages of each group (the tree's pages there lack it); None when not replaying
     replay_from: int | None = None
@@ -71,8 +77,12 @@ class Req:
     draft_match: int = 0
     spec_history: tuple[float, float] = (0.0, 0.0)
     # reporting
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first admission
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=dict)  # device / host / storage
+    num_cached_tokens: int = (
+        0  # prompt tokens served from the prefix cache at first admission
+    )
+    cached_tokens_by_tier: dict[str, int] = field(
+        default_factory=dict
+    )  # device / host / storage
     admitted_once: bool = False
     num_retractions: int = 0
     finish_reason: str | None = None
@@ -115,7 +125,11 @@ class Req:
         """Everything new since the last call (tokens, text, logprobs), then marks it as sent."""
         new_ids = self.output_ids[self.sent_tokens :]
         self.sent_tokens = len(self.output_ids)
-        text = self.detokenizer.take_delta(self.finished) if self.detokenizer is not None else ""
+        text = (
+            self.detokenizer.take_delta(self.finished)
+            if self.detokenizer is not None
+            else ""
+        )
         logprobs, self.pending_logprobs = self.pending_logprobs, []
         return RequestOutput(
             rid=self.rid,

@@ -34,7 +34,13 @@ from strata.engine.batch import ScheduleBatch
 from strata.engine.chunking import prefill_piece
 from strata.engine.draft_steps import DraftSteps
 from strata.engine.model_runner import ModelRunner
-from strata.engine.request import Req, ReqStatus, RequestOutput, TokenLogprob, TopLogprob
+from strata.engine.request import (
+    Req,
+    ReqStatus,
+    RequestOutput,
+    TokenLogprob,
+    TopLogprob,
+)
 from strata.engine.speculative import Speculator
 from strata.engine.stopping import stop_reason
 from strata.engine.window_kv import WindowKV
@@ -47,7 +53,9 @@ logger = logging.getLogger(__name__)
 
 LPM_MAX_WAITING = 128  # past this many waiting requests, lpm falls back to fcfs (matching all costs too much)
 RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at this
-IN_BATCH_PREFIX_TOKENS = 32  # a new prefix shared with a request admitted this step defers the second
+IN_BATCH_PREFIX_TOKENS = (
+    32  # a new prefix shared with a request admitted this step defers the second
+)
 
 
 class Scheduler(WindowKV, KVAccounting, DraftSteps):
@@ -92,7 +100,11 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         self.disagg = None
         # speculative decoding; draft_model: a DraftModelDrafter (--speculative-algorithm draft) or
         # an MTPDrafter (mtp, which reads the target's hidden states after every step)
-        self.spec = Speculator(config, draft_model) if config.speculative_algorithm != "none" else None
+        self.spec = (
+            Speculator(config, draft_model)
+            if config.speculative_algorithm != "none"
+            else None
+        )
         runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
 
     # ----------------------------------------------------------------- requests in and out
@@ -119,7 +131,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 "raise --kv-cache-tokens or shorten the request"
             )
 
-    def add_request(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> list[str]:
+    def add_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams
+    ) -> list[str]:
         """Queue a request (n > 1 becomes n sibling requests). Returns the engine rids created.
 
         Raises ValueError (nothing queued) if the request is invalid or can never fit.
@@ -130,7 +144,13 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         for i, r in enumerate(rids):
             seed = None if params.seed is None else params.seed + i
             # siblings wait for the first to cache the prompt, then share its KV
-            req = self._new_req(r, prompt_ids, params, seed, depends_on=first if self.cache_enabled else None)
+            req = self._new_req(
+                r,
+                prompt_ids,
+                params,
+                seed,
+                depends_on=first if self.cache_enabled else None,
+            )
             first = first or req
             if params.max_new_tokens == 0:
                 self._finish(req, "length")
@@ -140,18 +160,27 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             self.cache.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
-    def _validate(self, rids: list[str], prompt_ids: list[int], params: SamplingParams) -> None:
+    def _validate(
+        self, rids: list[str], prompt_ids: list[int], params: SamplingParams
+    ) -> None:
         params.validate(self.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
+            raise ValueError(
+                f"prompt token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})"
+            )
         self.check_fits(len(prompt_ids), params)
         for r in rids:
             if r in self.reqs:
                 raise ValueError(f"request id {r!r} is already in use")
 
     def _new_req(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, seed: int | None, depends_on: Req | None
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        seed: int | None,
+        depends_on: Req | None,
     ) -> Req:
         req = Req(
             rid=rid,
@@ -159,7 +188,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             params=params,
             eos_token_ids=self.eos_token_ids,
             detokenizer=(
-                IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens)
+                IncrementalDetokenizer(
+                    self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens
+                )
                 if self.tokenizer is not None
                 else None
             ),
@@ -168,7 +199,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             depends_on=depends_on,
         )
         req.sampling_row, req.top_k = sampling_row(params, self.vocab_size)
-        if params.structured is not None:  # compiled once per distinct grammar; GrammarError is a ValueError
+        if (
+            params.structured is not None
+        ):  # compiled once per distinct grammar; GrammarError is a ValueError
             req.grammar = self.grammars.new_state(params.structured)
         self.arrivals += 1
         self.reqs[rid] = req
@@ -176,17 +209,23 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
 
     # ----------------------------------------------------------------- PD disaggregation, decode side
 
-    def reserve_prefilled(self, rid: str, prompt_ids: list[int], params: SamplingParams) -> Req | None:
+    def reserve_prefilled(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Req | None:
         """Validate a request whose prompt KV will arrive from a prefill worker, and allocate its pages.
 
         Returns None (nothing held) when the pool has no room now; raises ValueError if it never will.
         The request is held outside the queues until `add_prefilled` or `abort`.
         """
         if params.n != 1:
-            raise ValueError("n > 1 is not supported with prefill/decode disaggregation")
+            raise ValueError(
+                "n > 1 is not supported with prefill/decode disaggregation"
+            )
         self._validate([rid], prompt_ids, params)
         need = math.ceil(len(prompt_ids) / self.page_size)
-        parts = self.allocator.tail_parts(need, len(prompt_ids))  # window KV only for the prompt's last window
+        parts = self.allocator.tail_parts(
+            need, len(prompt_ids)
+        )  # window KV only for the prompt's last window
         if not self.cache.make_room(need, parts):
             return None
         req = self._new_req(rid, prompt_ids, params, params.seed, depends_on=None)
@@ -195,14 +234,23 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         self.prealloc[rid] = req
         return req
 
-    def add_prefilled(self, rid: str, first_token: int, logprob: TokenLogprob | None = None, cached_tokens: int = 0,
-                      cached_by_tier: dict[str, int] | None = None) -> None:  # fmt: skip
+    def add_prefilled(
+        self,
+        rid: str,
+        first_token: int,
+        logprob: TokenLogprob | None = None,
+        cached_tokens: int = 0,
+        cached_by_tier: dict[str, int] | None = None,
+    ) -> None:
         """The prompt's KV is now in the request's pages and the prefill worker sampled `first_token`
         (having taken `cached_tokens` of the prompt from its prefix cache): the request joins the
         running batch as a decode."""
         req = self.prealloc.pop(rid)
         req.kv_len = len(req.prompt_ids)
-        req.num_cached_tokens, req.cached_tokens_by_tier = cached_tokens, dict(cached_by_tier or {})
+        req.num_cached_tokens, req.cached_tokens_by_tier = (
+            cached_tokens,
+            dict(cached_by_tier or {}),
+        )
         req.status = ReqStatus.RUNNING
         self.running.append(req)
         req.output_ids.append(first_token)
@@ -240,9 +288,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.pending_outputs or self.prealloc) or (
-            self.disagg is not None and self.disagg.busy()
-        )
+        return bool(
+            self.waiting or self.running or self.pending_outputs or self.prealloc
+        ) or (self.disagg is not None and self.disagg.busy())
 
     # ----------------------------------------------------------------- the step
 
@@ -251,7 +299,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         self.cache.poll()
         if self.disagg is not None:
             self.disagg.poll()
-        start = time.perf_counter()  # speculation's cost includes looking drafts up (in schedule)
+        start = (
+            time.perf_counter()
+        )  # speculation's cost includes looking drafts up (in schedule)
         batch = self.schedule()
         if batch is None and self.cache.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
@@ -259,7 +309,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             watch = self.spec.watch(batch) if self.spec is not None else None
             try:
                 sampled = self.runner.forward(batch)
-            except Exception as exc:  # a failed forward fails its requests, not the engine
+            except (
+                Exception
+            ) as exc:  # a failed forward fails its requests, not the engine
                 logger.exception("forward failed")
                 for req in batch.reqs:
                     if not req.finished:
@@ -268,7 +320,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             else:
                 self.process_results(batch, sampled)
                 if watch is not None:
-                    self.spec.observe(watch, time.perf_counter() - start, self.runner.hidden)
+                    self.spec.observe(
+                        watch, time.perf_counter() - start, self.runner.hidden
+                    )
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
 
@@ -283,12 +337,20 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
     def _schedule_once(self) -> ScheduleBatch | None:
         decodes = [r for r in self.running if r.extend_len == 1]
         self._reserve_decode_pages(decodes)
-        decodes = [r for r in self.running if r.extend_len == 1]  # retraction may have removed some
+        decodes = [
+            r for r in self.running if r.extend_len == 1
+        ]  # retraction may have removed some
         budget = self.config.max_batch_tokens - len(decodes)
         extends: list[tuple[Req, int]] = []
         for req in [r for r in self.running if r.extend_len > 1]:
             alone = not decodes and not extends
-            n = prefill_piece(req.extend_len, self.config.chunked_prefill_size, budget, alone, first_piece=not extends)
+            n = prefill_piece(
+                req.extend_len,
+                self.config.chunked_prefill_size,
+                budget,
+                alone,
+                first_piece=not extends,
+            )
             n = self._alloc_chunk(req, n, alone)
             if n <= 0:
                 continue
@@ -303,10 +365,14 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             budget = self.config.max_batch_tokens - base
             verifying = self._plan_drafts(decodes, len(decodes), budget)
             decodes = [r for r in decodes if not r.draft_ids]
-        self.new_token_ratio = max(self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay)
+        self.new_token_ratio = max(
+            self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay
+        )
         return ScheduleBatch(
             reqs=decodes + verifying + [r for r, _ in extends],
-            extend_lens=[1] * len(decodes) + [1 + len(r.draft_ids) for r in verifying] + [n for _, n in extends],
+            extend_lens=[1] * len(decodes)
+            + [1 + len(r.draft_ids) for r in verifying]
+            + [n for _, n in extends],
             num_decode=len(decodes),
         )
 
@@ -324,7 +390,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             needy = [r for r in needy if r is not victim]
         for req in needy:
             pages = self.allocator.alloc(1) if self.cache.make_room(1) else None
-            if pages is None:  # only when pages are held outside the running set (PD reservations)
+            if (
+                pages is None
+            ):  # only when pages are held outside the running set (PD reservations)
                 req.error = "the KV cache is exhausted; retry the request"
                 self._finish(req, "error")
                 continue
@@ -334,7 +402,10 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         if len(self.running) <= 1:
             return None
         # fewest outputs first (least work lost), then longest prompt (most KV freed)
-        return min(self.running, key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival))
+        return min(
+            self.running,
+            key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival),
+        )
 
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
@@ -350,12 +421,21 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         return True
 
     def _waiting_order(self) -> list[Req]:
-        if self.config.schedule_policy == "lpm" and len(self.waiting) <= LPM_MAX_WAITING and self.cache_enabled:
-            lens = {id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len for r in self.waiting}
+        if (
+            self.config.schedule_policy == "lpm"
+            and len(self.waiting) <= LPM_MAX_WAITING
+            and self.cache_enabled
+        ):
+            lens = {
+                id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len
+                for r in self.waiting
+            }
             return sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival))
         return sorted(self.waiting, key=lambda r: r.arrival)
 
-    def _shares_uncached_prefix(self, tokens: list[int], cached_len: int, admitted_now: list[Req]) -> bool:
+    def _shares_uncached_prefix(
+        self, tokens: list[int], cached_len: int, admitted_now: list[Req]
+    ) -> bool:
         """True if a request admitted in this step starts with the same IN_BATCH_PREFIX_TOKENS tokens
         after `cached_len`: admitting both now would compute that shared prefix twice (SGLang's
         in-batch prefix check). Costs O(IN_BATCH_PREFIX_TOKENS) per admitted request."""
@@ -364,7 +444,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         window = tokens[cached_len : cached_len + IN_BATCH_PREFIX_TOKENS]
         end = cached_len + IN_BATCH_PREFIX_TOKENS
         return any(
-            r.seq_len > end and r.seq_slice(cached_len, end) == window and r.seq_slice(0, cached_len) == tokens[:cached_len]
+            r.seq_len > end
+            and r.seq_slice(cached_len, end) == window
+            and r.seq_slice(0, cached_len) == tokens[:cached_len]
             for r in admitted_now
         )
 
@@ -373,19 +455,36 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         tokens = 0.0
         for r in self.running:
             remaining_new = r.params.max_new_tokens - len(r.output_ids)
-            tokens += r.extend_len + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            tokens += (
+                r.extend_len
+                + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            )
         return math.ceil(tokens / self.page_size)
 
-    def _admit(self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool) -> None:
+    def _admit(
+        self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool
+    ) -> None:
         prefill_budget = self.config.max_prefill_tokens
-        held = self.allocator.held_pages  # pool pages per primary pages (more with a shared window pool)
-        available = self.allocator.num_free_pages + self.cache.evictable_pages - held(self._reserved_pages(), len(self.running))
+        held = (
+            self.allocator.held_pages
+        )  # pool pages per primary pages (more with a shared window pool)
+        available = (
+            self.allocator.num_free_pages
+            + self.cache.evictable_pages
+            - held(self._reserved_pages(), len(self.running))
+        )
         admitted_now: list[Req] = []
         for req in self._waiting_order():
-            if len(self.running) >= self.config.max_running_requests or budget <= 0 or prefill_budget <= 0:
+            if (
+                len(self.running) >= self.config.max_running_requests
+                or budget <= 0
+                or prefill_budget <= 0
+            ):
                 break
             dep = req.depends_on
-            if dep is not None and not (dep.finished or dep.kv_len >= len(dep.prompt_ids)):
+            if dep is not None and not (
+                dep.finished or dep.kv_len >= len(dep.prompt_ids)
+            ):
                 continue
             if not self.cache.ready(req.rid):
                 continue
@@ -396,17 +495,32 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 continue  # next step it reuses what the other request is computing now
             rest = req.seq_len - match.cached_len
             remaining_new = req.params.max_new_tokens - len(req.output_ids)
-            need_pages = held(math.ceil((rest + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio) / self.page_size))
+            need_pages = held(
+                math.ceil(
+                    (
+                        rest
+                        + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+                    )
+                    / self.page_size
+                )
+            )
             if need_pages > available and not (batch_empty and not self.running):
                 break
             self.cache.inc_lock(match.node)
             req.prefix_node, req.pages = match.node, list(match.pages)
             req.cached_len = req.kv_len = match.cached_len
-            if self.config.swa_replay and self.allocator.groups and not self._start_replay(req, batch_empty):
+            if (
+                self.config.swa_replay
+                and self.allocator.groups
+                and not self._start_replay(req, batch_empty)
+            ):
                 self._release_kv(req, cache_it=False)
                 break
             n = prefill_piece(
-                req.extend_len, self.config.chunked_prefill_size, min(budget, prefill_budget), batch_empty,
+                req.extend_len,
+                self.config.chunked_prefill_size,
+                min(budget, prefill_budget),
+                batch_empty,
                 first_piece=not extends,
             )
             n = self._alloc_chunk(req, n, batch_empty)
@@ -414,8 +528,13 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 self._release_kv(req, cache_it=False)
                 break
             if not req.admitted_once:
-                hits = {"device": match.cached_len - sum(match.loaded.values()), **match.loaded}
-                replayed = match.cached_len - req.kv_len  # --swa-replay recomputes these in every layer
+                hits = {
+                    "device": match.cached_len - sum(match.loaded.values()),
+                    **match.loaded,
+                }
+                replayed = (
+                    match.cached_len - req.kv_len
+                )  # --swa-replay recomputes these in every layer
                 hits["device"] -= min(replayed, hits["device"])
                 req.num_cached_tokens = req.kv_len
                 req.cached_tokens_by_tier = {"host": 0, "storage": 0, **hits}
@@ -433,7 +552,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
 
     # ----------------------------------------------------------------- results
 
-    def process_results(self, batch: ScheduleBatch, sampled: SamplerOutput | None) -> None:
+    def process_results(
+        self, batch: ScheduleBatch, sampled: SamplerOutput | None
+    ) -> None:
         row = 0  # the sampler's first row of the next request that samples
         verified: set[int] = set()
         for req, n in zip(batch.reqs, batch.extend_lens):
@@ -446,11 +567,15 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             tokens, kv_end = self._take_tokens(req, n, sampled, row)
             for j, token in enumerate(tokens):
                 req.output_ids.append(token)
-                req.kv_len = min(kv_end, req.seq_len)  # KV of tokens after a stop is not kept
+                req.kv_len = min(
+                    kv_end, req.seq_len
+                )  # KV of tokens after a stop is not kept
                 if req.grammar is not None:
                     req.grammar.accept(token)
                 if req.params.logprobs is not None:
-                    req.pending_logprobs.append(_token_logprob(sampled, row + j, token, req.params.logprobs))
+                    req.pending_logprobs.append(
+                        _token_logprob(sampled, row + j, token, req.params.logprobs)
+                    )
                 if reason := stop_reason(req, token, self.context_len):
                     self._finish(req, reason)
                     break
@@ -460,7 +585,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 continue
             if n > 1 and self.cache_enabled and id(req) not in verified:
                 self._cache_unfinished(req)
-            if self.allocator.groups:  # after caching: the prompt's window KV is the tree's to keep or drop
+            if (
+                self.allocator.groups
+            ):  # after caching: the prompt's window KV is the tree's to keep or drop
                 self._drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
@@ -469,7 +596,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
     def grammars(self) -> GrammarCompiler:
         """Structured output's compiler for this model's tokenizer (built on first use: ~10 ms-1 s)."""
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._grammars = GrammarCompiler(
+                self.tokenizer, self.vocab_size, self.eos_token_ids
+            )
         return self._grammars
 
     _grammars: GrammarCompiler | None = None
@@ -514,7 +643,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         if req.replay_from is not None:
             self._end_replay(req)
         if cache_it and self.cache_enabled:
-            full = max(req.kv_len // ps * ps, req.cached_len)  # a replaying request is fed from before cached_len
+            full = max(
+                req.kv_len // ps * ps, req.cached_len
+            )  # a replaying request is fed from before cached_len
             self._insert_computed(req, full)
             self.allocator.free(req.pages[full // ps :])
         else:
@@ -544,7 +675,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         tokens = self._insert_computed(req, full)
         match = self.cache.match_prefix(tokens)
         assert match.cached_len == full, "just inserted"
-        if req.kv_len >= len(req.prompt_ids):  # the prompt is in: its next turn or a retry resumes here
+        if req.kv_len >= len(
+            req.prompt_ids
+        ):  # the prompt is in: its next turn or a retry resumes here
             self.cache.keep_resumable(match.node)
         self.cache.inc_lock(match.node)
         self.cache.dec_lock(req.prefix_node)
@@ -553,7 +686,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         req.cached_len = full
 
 
-def _token_logprob(sampled: SamplerOutput, row: int, token: int, k: int) -> TokenLogprob:
+def _token_logprob(
+    sampled: SamplerOutput, row: int, token: int, k: int
+) -> TokenLogprob:
     top = []
     if k and sampled.top_ids is not None:
         ids = sampled.top_ids[row, :k].tolist()

@@ -31,13 +31,25 @@ from dataclasses import dataclass, field
 
 DEFAULT_PRIOR_ACCEPT = 0.5  # assumed per-token acceptance before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-trials the learned per-match-length rate counts for, against a request's own
-REQUEST_DECAY = 0.9  # a request's acceptance history forgets at this rate per verify step
-MAX_SLOPE_GUESS = 32.0  # before the cost of a token is measured: a step of 33 tokens costs two of one
-GUARD_DECAY = 0.95  # the guard's output rates forget at this rate per step of their batch size
+REQUEST_DECAY = (
+    0.9  # a request's acceptance history forgets at this rate per verify step
+)
+MAX_SLOPE_GUESS = (
+    32.0  # before the cost of a token is measured: a step of 33 tokens costs two of one
+)
+GUARD_DECAY = (
+    0.95  # the guard's output rates forget at this rate per step of their batch size
+)
 GUARD_MIN_STEPS = 3.0  # (decayed) steps an arm needs before the guard compares it
-EXPLORE_EVERY = 16  # steps (per batch size) an arm may go unseen before the guard takes it
-EXPLORE_FIRST = 3  # until the plain arm is measured, one step in this many does not draft
-MIN_FIT_STEPS = 8.0  # (decayed) steps a batch size needs before its own cost fit is used
+EXPLORE_EVERY = (
+    16  # steps (per batch size) an arm may go unseen before the guard takes it
+)
+EXPLORE_FIRST = (
+    3  # until the plain arm is measured, one step in this many does not draft
+)
+MIN_FIT_STEPS = (
+    8.0  # (decayed) steps a batch size needs before its own cost fit is used
+)
 
 
 # ---------------------------------------------------------------------------- n-gram drafting
@@ -78,7 +90,9 @@ class SharedNgramIndex:
     def __init__(self, min_n: int, max_n: int, capacity: int):
         self.min_n, self.max_n, self.capacity = min_n, max_n, capacity
         self.texts: OrderedDict[int, list[int]] = OrderedDict()
-        self.ends: dict[tuple[int, ...], tuple[int, int]] = {}  # n-gram -> (text id, end)
+        self.ends: dict[
+            tuple[int, ...], tuple[int, int]
+        ] = {}  # n-gram -> (text id, end)
         self.size = 0
         self.next_id = 0
 
@@ -121,7 +135,9 @@ class NgramDrafter:
         self.own: dict[str, NgramIndex] = {}
         self.shared = SharedNgramIndex(min_n, max_n, shared_tokens)
 
-    def propose(self, rid: str, prompt: list[int], output: list[int], k: int) -> tuple[list[int], int]:
+    def propose(
+        self, rid: str, prompt: list[int], output: list[int], k: int
+    ) -> tuple[list[int], int]:
         """Up to k draft tokens to follow prompt + output, and the n-gram length that found them,
         negated when it was found in other requests' texts: those drafts are accepted far less often
         than the request's own at the same length (on the bench's answers 2-23% of drafted tokens
@@ -164,9 +180,13 @@ class StepCost:
         self.decay = decay
         # bucket (None: all) -> decayed [X^T X rows (3 x 3), X^T t (3)]
         self.fits: dict[int | None, tuple[list[list[float]], list[float]]] = {}
-        self._solved: dict[int, tuple[float, float, float]] = {}  # bucket -> coefficients since the last observe
+        self._solved: dict[
+            int, tuple[float, float, float]
+        ] = {}  # bucket -> coefficients since the last observe
 
-    def observe(self, num_decodes: int, rows: int, prefill_tokens: int, seconds: float) -> None:
+    def observe(
+        self, num_decodes: int, rows: int, prefill_tokens: int, seconds: float
+    ) -> None:
         x = (1.0, float(rows), float(prefill_tokens))
         d = self.decay
         for key in (None, batch_bucket(num_decodes)):
@@ -199,14 +219,24 @@ class StepCost:
         xtx, xty = fit
         w = xtx[0][0]
         mean_rows = xtx[0][1] / w
-        ridge = (0.0, 1e-6 * w, 1e-6 * w)  # keeps the system solvable where a feature never varies
+        ridge = (
+            0.0,
+            1e-6 * w,
+            1e-6 * w,
+        )  # keeps the system solvable where a feature never varies
         if xtx[1][1] / w - mean_rows * mean_rows > 1.0:
-            ridged = [[xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)] for i in range(3)]
+            ridged = [
+                [xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)]
+                for i in range(3)
+            ]
             a, b, c = _solve_linear(ridged, xty)
             if a > 0 and b >= 0:
                 return a, b, max(0.0, c)
         # rows barely vary: fit t = a' + c * prefill, then split a' = a + b * mean_rows by the guess
-        a1, c = _solve_linear([[xtx[0][0], xtx[0][2]], [xtx[2][0], xtx[2][2] + ridge[2]]], [xty[0], xty[2]])
+        a1, c = _solve_linear(
+            [[xtx[0][0], xtx[0][2]], [xtx[2][0], xtx[2][2] + ridge[2]]],
+            [xty[0], xty[2]],
+        )
         a = max(a1, 0.0) / (1.0 + mean_rows / MAX_SLOPE_GUESS)
         return a, a / MAX_SLOPE_GUESS, max(0.0, c)
 
@@ -245,15 +275,25 @@ class DraftGuard:
     where the drafter misses often enough, drafting never stands down to measure."""
 
     def __init__(self) -> None:
-        self.arms: dict[tuple[int, bool], list[float]] = {}  # (bucket, drafted) -> [tokens, seconds, steps]
+        self.arms: dict[
+            tuple[int, bool], list[float]
+        ] = {}  # (bucket, drafted) -> [tokens, seconds, steps]
         self.turns: dict[int, int] = {}
-        self.seen: dict[tuple[int, bool], int] = {}  # (bucket, drafted) -> the turn it was last observed or taken
+        self.seen: dict[
+            tuple[int, bool], int
+        ] = {}  # (bucket, drafted) -> the turn it was last observed or taken
 
-    def observe(self, num_decodes: int, drafted: bool, tokens: int, seconds: float) -> None:
+    def observe(
+        self, num_decodes: int, drafted: bool, tokens: int, seconds: float
+    ) -> None:
         b = batch_bucket(num_decodes)
         arm = self.arms.setdefault((b, drafted), [0.0, 0.0, 0.0])
         d = GUARD_DECAY
-        arm[0], arm[1], arm[2] = arm[0] * d + tokens, arm[1] * d + seconds, arm[2] * d + 1.0
+        arm[0], arm[1], arm[2] = (
+            arm[0] * d + tokens,
+            arm[1] * d + seconds,
+            arm[2] * d + 1.0,
+        )
         self.seen[(b, drafted)] = self.turns.get(b, 0)
 
     def rate(self, num_decodes: int, drafted: bool) -> float | None:
@@ -316,7 +356,9 @@ class DraftPolicy:
         acc, tried = self.by_match.get(match_len, (0.0, 0.0))
         return (acc + DEFAULT_PRIOR_ACCEPT) / (tried + 1.0)
 
-    def could_draft(self, histories: list[tuple[float, float]], base_tokens: int, num_decodes: int) -> bool:
+    def could_draft(
+        self, histories: list[tuple[float, float]], base_tokens: int, num_decodes: int
+    ) -> bool:
         """Whether `choose` could give any of these requests (their acceptance histories) a draft this
         step: the best rate any proposal of theirs could be estimated at (`accept_rate` with the best
         prior of any match length, a length not seen yet included) passes its first test. Where it
@@ -325,7 +367,9 @@ class DraftPolicy:
         if not self.adaptive:
             return True
         a, b, _ = self.cost.coefficients(num_decodes)
-        prior = max(self._prior(m) for m in [*self.by_match, None])  # None: a length not seen yet
+        prior = max(
+            self._prior(m) for m in [*self.by_match, None]
+        )  # None: a length not seen yet
         best = max(max(min(0.99, prior), _blend(h, prior)) for h in histories)
         return _pays(best, a, b, base_tokens, float(max(num_decodes, 1)))
 
@@ -334,7 +378,13 @@ class DraftPolicy:
         once per step before any draft is looked up (a vetoed step spends nothing on drafting)."""
         return not self.adaptive or self.guard.allows(num_decodes)
 
-    def choose(self, candidates: list[Candidate], base_tokens: int, num_decodes: int, budget: int) -> list[int]:
+    def choose(
+        self,
+        candidates: list[Candidate],
+        base_tokens: int,
+        num_decodes: int,
+        budget: int,
+    ) -> list[int]:
         """Draft lengths (<= len(draft), summing to <= budget), in the order of `candidates`.
 
         base_tokens: rows of the step without drafts (its decoding requests; a prefill chunk in the
@@ -398,12 +448,18 @@ class SpecStats:
     accepted_tokens: int = 0
     declined: int = 0  # request-steps the policy fed no draft: a proposal not worth its row, or none could be
     vetoed: int = 0  # request-steps the guard stood down, before any lookup (drafting measured slower there)
-    draft_lengths: dict[int, int] = field(default_factory=dict)  # chosen length -> request-steps
+    draft_lengths: dict[int, int] = field(
+        default_factory=dict
+    )  # chosen length -> request-steps
 
     @property
     def mean_accept_len(self) -> float:
         """Tokens yielded per verifying request-step (accepted drafts + the target's own token)."""
-        return (self.accepted_tokens + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+        return (
+            (self.accepted_tokens + self.verify_steps) / self.verify_steps
+            if self.verify_steps
+            else 0.0
+        )
 
     def as_dict(self) -> dict:
         return {
@@ -436,14 +492,23 @@ class Speculator:
 
     def __init__(self, config, draft_model=None):
         self.drafter = NgramDrafter(
-            config.speculative_ngram_min, config.speculative_ngram_max, config.speculative_shared_tokens
+            config.speculative_ngram_min,
+            config.speculative_ngram_max,
+            config.speculative_shared_tokens,
         )
-        self.draft_model = draft_model  # a DraftModelDrafter for --speculative-algorithm draft
-        self.policy = DraftPolicy(config.speculative_num_draft_tokens, adaptive=not config.speculative_fixed_length)
+        self.draft_model = (
+            draft_model  # a DraftModelDrafter for --speculative-algorithm draft
+        )
+        self.policy = DraftPolicy(
+            config.speculative_num_draft_tokens,
+            adaptive=not config.speculative_fixed_length,
+        )
         self.max_draft = config.speculative_num_draft_tokens
         self.stats = SpecStats()
 
-    def plan(self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int) -> list[tuple]:
+    def plan(
+        self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
+    ) -> list[tuple]:
         """decodes: (request, most tokens it may draft); base_tokens: the step's tokens without drafts;
         num_decodes: requests the step yields a token for. Returns (request, drafts, match length) for
         the requests that draft this step."""
@@ -452,31 +517,60 @@ class Speculator:
             return []
         histories = [r.spec_history for r, _ in decodes]
         if decodes and not self.policy.could_draft(histories, base_tokens, num_decodes):
-            self.stats.declined += len(decodes)  # no proposal could pay for its row: none looked up
+            self.stats.declined += len(
+                decodes
+            )  # no proposal could pay for its row: none looked up
             return []
         candidates = []
         for req, limit in decodes:
             limit = min(limit, self.max_draft)
             if self.draft_model is not None:
-                candidates.append(Candidate(req, [0] * limit, 0, self.policy.accept_rate(req.spec_history, 0)))
+                candidates.append(
+                    Candidate(
+                        req,
+                        [0] * limit,
+                        0,
+                        self.policy.accept_rate(req.spec_history, 0),
+                    )
+                )
                 continue
-            draft, match_len = self.drafter.propose(req.rid, req.prompt_ids, req.output_ids, limit)
+            draft, match_len = self.drafter.propose(
+                req.rid, req.prompt_ids, req.output_ids, limit
+            )
             draft = _grammar_prefix(req, draft)
             if draft:
-                candidates.append(Candidate(req, draft, match_len, self.policy.accept_rate(req.spec_history, match_len)))
+                candidates.append(
+                    Candidate(
+                        req,
+                        draft,
+                        match_len,
+                        self.policy.accept_rate(req.spec_history, match_len),
+                    )
+                )
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
         self.stats.declined += sum(1 for k in lengths if k == 0)
         chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
         if self.draft_model is not None:
-            drafts = self.draft_model.draft([(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen])
-            return [(c.key, d, 0) for (c, _), draft in zip(chosen, drafts) if (d := _grammar_prefix(c.key, draft))]
+            drafts = self.draft_model.draft(
+                [(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen]
+            )
+            return [
+                (c.key, d, 0)
+                for (c, _), draft in zip(chosen, drafts)
+                if (d := _grammar_prefix(c.key, draft))
+            ]
         return [(c.key, c.draft[:k], c.match_len) for c, k in chosen]
 
     def verified(self, req, drafted: int, accepted: int) -> None:
         self.policy.record(req.draft_match, drafted, accepted)
-        if req.draft_match >= 0:  # the history is of the request's own text (see accept_rate)
+        if (
+            req.draft_match >= 0
+        ):  # the history is of the request's own text (see accept_rate)
             acc, tried = req.spec_history
-            req.spec_history = (acc * REQUEST_DECAY + accepted, tried * REQUEST_DECAY + accepted + (accepted < drafted))
+            req.spec_history = (
+                acc * REQUEST_DECAY + accepted,
+                tried * REQUEST_DECAY + accepted + (accepted < drafted),
+            )
         req.spec_verify_steps += 1
         req.spec_drafted += drafted
         req.spec_accepted += accepted
@@ -488,7 +582,9 @@ class Speculator:
 
     def watch(self, batch) -> StepWatch:
         """What `observe` needs to know of a step from before it runs."""
-        decoding = [r for i, r in enumerate(batch.reqs) if i < batch.num_decode or r.draft_ids]
+        decoding = [
+            r for i, r in enumerate(batch.reqs) if i < batch.num_decode or r.draft_ids
+        ]
         return StepWatch(
             batch=batch,
             fed_from=[r.kv_len for r in batch.reqs],
@@ -509,7 +605,9 @@ class Speculator:
             cost = self.policy.cost
             cost.observe(decodes, rows, prefill, seconds)
             # the guard compares decoding time: the step's, less what its prefill chunks cost
-            decoding = max(seconds - cost.coefficients(decodes)[2] * prefill, 0.1 * seconds)
+            decoding = max(
+                seconds - cost.coefficients(decodes)[2] * prefill, 0.1 * seconds
+            )
             yielded = sum(len(r.output_ids) for r in w.decoding) - w.outputs
             self.policy.guard.observe(decodes, w.drafted > 0, yielded, decoding)
         if hidden is None or not getattr(self.draft_model, "needs_hidden", False):
@@ -518,7 +616,14 @@ class Speculator:
         for req, n, p0 in zip(batch.reqs, batch.extend_lens, w.fed_from):
             m = req.kv_len - p0
             if not req.finished and m > 0:
-                items.append((req.rid, p0, hidden[row : row + m], req.seq_slice(p0 + 1, p0 + 1 + m)))
+                items.append(
+                    (
+                        req.rid,
+                        p0,
+                        hidden[row : row + m],
+                        req.seq_slice(p0 + 1, p0 + 1 + m),
+                    )
+                )
             row += n
         self.draft_model.extend(items)
 

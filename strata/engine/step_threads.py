@@ -39,7 +39,9 @@ SWITCH_MARGIN = 1.25
 
 @dataclass
 class _SizeClass:
-    seconds_per_token: dict[int, float] = field(default_factory=dict)  # threads -> moving average
+    seconds_per_token: dict[int, float] = field(
+        default_factory=dict
+    )  # threads -> moving average
     choice: int = 0  # threads, once both have been timed
     steps: int = 0  # steps of this class since the last trial of the other choice
     interval: int = 0
@@ -49,7 +51,13 @@ class StepThreads:
     """Picks 1 or `max_threads` threads for a step of `num_tokens` tokens (`threads_for`) and learns
     from each step's time (`record`). Pure bookkeeping: the caller sets the threads and times the step."""
 
-    def __init__(self, max_threads: int, alpha: float = 0.25, min_interval: int = 8, max_interval: int = 512):
+    def __init__(
+        self,
+        max_threads: int,
+        alpha: float = 0.25,
+        min_interval: int = 8,
+        max_interval: int = 512,
+    ):
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         self.max_threads = max_threads
@@ -82,18 +90,24 @@ class StepThreads:
         chosen runs on all threads: a larger step parallelises at least as well as a smaller one.
         So trials happen only up to the size where one thread stops winning."""
         smaller = [j for j, c in self.classes.items() if j < k and c.choice]
-        if not smaller:  # nothing measured below: only a step small enough to be a decode's
+        if (
+            not smaller
+        ):  # nothing measured below: only a step small enough to be a decode's
             return k <= self.size_class(FIRST_TRIAL_MAX_TOKENS)
         return self.classes[max(smaller)].choice == self.options[0]
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if len(self.options) == 1 or threads not in self.options:
             return
-        c = self.classes.setdefault(self.size_class(num_tokens), _SizeClass(interval=self.min_interval))
+        c = self.classes.setdefault(
+            self.size_class(num_tokens), _SizeClass(interval=self.min_interval)
+        )
         per_token = seconds / max(1, num_tokens)
         old = c.seconds_per_token.get(threads)
         if old is None or (c.choice and threads != c.choice):
-            c.seconds_per_token[threads] = per_token  # a trial: the machine may have changed since
+            c.seconds_per_token[threads] = (
+                per_token  # a trial: the machine may have changed since
+            )
         else:
             c.seconds_per_token[threads] = old + self.alpha * (per_token - old)
         if len(c.seconds_per_token) < len(self.options):
@@ -107,8 +121,15 @@ class StepThreads:
                 c.interval = min(self.max_interval, 2 * c.interval)
             else:
                 c.choice, c.interval = best, self.min_interval
-        elif c.seconds_per_token[threads] > SWITCH_MARGIN * c.seconds_per_token[self._other(threads)]:
-            c.choice, c.steps, c.interval = self._other(threads), 0, self.min_interval  # a neighbour: now
+        elif (
+            c.seconds_per_token[threads]
+            > SWITCH_MARGIN * c.seconds_per_token[self._other(threads)]
+        ):
+            c.choice, c.steps, c.interval = (
+                self._other(threads),
+                0,
+                self.min_interval,
+            )  # a neighbour: now
         else:
             c.steps += 1
 
@@ -121,6 +142,11 @@ class StepThreads:
         for k, c in sorted(self.classes.items()):
             lo, hi = 1 << (k - 1), (1 << k) - 1
             name = f"tokens {lo}" if lo == hi else f"tokens {lo}-{hi}"
-            out[name] = {"threads": c.choice, **{f"us_per_token_{t}t": round(s * 1e6, 1)
-                                                 for t, s in sorted(c.seconds_per_token.items())}}
+            out[name] = {
+                "threads": c.choice,
+                **{
+                    f"us_per_token_{t}t": round(s * 1e6, 1)
+                    for t, s in sorted(c.seconds_per_token.items())
+                },
+            }
         return out

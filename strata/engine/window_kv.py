@@ -25,13 +25,20 @@ class WindowKV:
         groups, a = self.allocator.groups, self.allocator
         if groups and n > 0:
             if a.shared:
-                short = a.pool_cost(max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))) - a.num_free_pages
+                short = (
+                    a.pool_cost(
+                        max(0, -(-(req.kv_len + n) // self.page_size) - len(req.pages))
+                    )
+                    - a.num_free_pages
+                )
                 if short > 0:
                     self.cache.evict_window([short] * len(groups), tails=False)
                 room = a.num_free_pages // a.page_cost
             else:
                 room = min(g.num_free_pages for g in groups)
-            fits = (len(req.pages) + room) * self.page_size - req.kv_len  # tokens whose pages are free now
+            fits = (
+                len(req.pages) + room
+            ) * self.page_size - req.kv_len  # tokens whose pages are free now
             if fits <= 0 and not alone:
                 return 0
             n = min(n, fits) if fits > 0 else min(n, max(g.window for g in groups))
@@ -55,12 +62,16 @@ class WindowKV:
         ps, end = self.page_size, req.cached_len
         if not end or self.allocator.usable_prefix(req.pages[: end // ps]) * ps == end:
             return True
-        start = max(0, end - max(g.window for g in self.allocator.groups) + 1) // ps * ps
+        start = (
+            max(0, end - max(g.window for g in self.allocator.groups) + 1) // ps * ps
+        )
         count = (end - start) // ps
         a = self.allocator
         if a.shared:  # count pages in each group, from the one pool
             need = count * len(a.groups)
-            if need > a.num_free_pages and not (alone and self.cache.make_room(-(-need // a.page_cost))):
+            if need > a.num_free_pages and not (
+                alone and self.cache.make_room(-(-need // a.page_cost))
+            ):
                 return False
         else:
             short = [count - g.num_free_pages for g in a.groups]
@@ -92,7 +103,10 @@ class WindowKV:
             req.window_dropped = [0] * len(groups)
         end = req.kv_len // ps * ps
         own_from = req.cached_len // ps
-        if req.replay_from is not None and end - max(g.window for g in groups) + 1 >= req.replay_end:
+        if (
+            req.replay_from is not None
+            and end - max(g.window for g in groups) + 1 >= req.replay_end
+        ):
             self._end_replay(req)  # every window has moved past the replayed positions
         for i, group in enumerate(groups):
             keep_from = max(0, end - group.window + 1) // ps

@@ -49,17 +49,23 @@ class GrammarCompiler:
         import llguidance.hf
 
         if tokenizer is None:
-            raise GrammarError("this model has no tokenizer, so structured output cannot be used")
+            raise GrammarError(
+                "this model has no tokenizer, so structured output cannot be used"
+            )
         eos = sorted(eos_token_ids) or None
         try:
             self.ll_tokenizer = llguidance.hf.from_tokenizer(
                 tokenizer, n_vocab=max(vocab_size, len(tokenizer)), eos_token=eos
             )
         except ValueError as exc:
-            raise GrammarError(f"structured output needs a fast (Rust) tokenizer: {exc}") from None
+            raise GrammarError(
+                f"structured output needs a fast (Rust) tokenizer: {exc}"
+            ) from None
         self.vocab_size = vocab_size
         self.cache_size = cache_size
-        self._templates: OrderedDict[tuple[str, str], Any] = OrderedDict()  # (kind, source) -> LLMatcher, LRU order
+        self._templates: OrderedDict[tuple[str, str], Any] = (
+            OrderedDict()
+        )  # (kind, source) -> LLMatcher, LRU order
         self._lock = threading.Lock()  # the frontend validates from worker threads
         self.stats = CompileStats()
 
@@ -83,7 +89,9 @@ class GrammarCompiler:
         matcher = LLMatcher(self.ll_tokenizer, text, log_level=0)
         elapsed = time.perf_counter() - start
         if matcher.is_error():
-            raise GrammarError(f"invalid {_NAMES[spec.kind]}: {_first_lines(matcher.get_error())}")
+            raise GrammarError(
+                f"invalid {_NAMES[spec.kind]}: {_first_lines(matcher.get_error())}"
+            )
         with self._lock:
             self.stats.misses += 1
             self.stats.compile_seconds += elapsed
@@ -98,14 +106,23 @@ class GrammarCompiler:
 
     def new_state(self, spec: GrammarSpec) -> GrammarState:
         """A fresh per-request state for `spec`; raises GrammarError if it does not compile."""
-        return GrammarState(self._template(spec).deep_copy(), spec.start_after, self.ll_tokenizer.vocab_size)
+        return GrammarState(
+            self._template(spec).deep_copy(),
+            spec.start_after,
+            self.ll_tokenizer.vocab_size,
+        )
 
     def clear(self) -> None:
         with self._lock:
             self._templates.clear()
 
 
-_NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar", "regex": "regex", "lark": "grammar"}
+_NAMES = {
+    "json_schema": "JSON schema",
+    "json_object": "JSON object grammar",
+    "regex": "regex",
+    "lark": "grammar",
+}
 
 
 def _first_lines(message: str, limit: int = 600) -> str:

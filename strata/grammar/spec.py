@@ -16,7 +16,11 @@ GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 MAX_GRAMMAR_CHARS = 1_000_000  # larger schemas / grammars are refused before compiling
 # JSON is generated compact, as `json.dumps` writes it ({"a": 1, "b": [2, 3]}): no free whitespace, which
 # a weak model would otherwise fill until max_tokens. A schema's own "x-guidance" overrides this.
-JSON_FORMAT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+JSON_FORMAT = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 class GrammarSpec(msgspec.Struct, kw_only=True, frozen=True):
@@ -36,7 +40,9 @@ class GrammarSpec(msgspec.Struct, kw_only=True, frozen=True):
     def validate_shape(self) -> None:
         """Raise ValueError for a spec that cannot be a grammar at all (before any compiling)."""
         if len(self.source) > MAX_GRAMMAR_CHARS:
-            raise ValueError(f"the {self.kind} is {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS}")
+            raise ValueError(
+                f"the {self.kind} is {len(self.source)} characters; at most {MAX_GRAMMAR_CHARS}"
+            )
         if self.kind in ("regex", "lark") and not self.source:
             raise ValueError(f"the {self.kind} is empty")
         if self.kind == "json_schema":
@@ -45,14 +51,18 @@ class GrammarSpec(msgspec.Struct, kw_only=True, frozen=True):
             except ValueError as exc:
                 raise ValueError(f"the JSON schema is not valid JSON: {exc}") from None
             if not isinstance(schema, (dict, bool)):
-                raise ValueError("the JSON schema must be a JSON object (or true/false)")
+                raise ValueError(
+                    "the JSON schema must be a JSON object (or true/false)"
+                )
 
     def grammar_text(self) -> str:
         """The llguidance grammar this spec compiles to (deterministic: the compile cache key)."""
         from llguidance import LLMatcher  # the Rust extension; no torch
 
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_FORMAT)
+            return LLMatcher.grammar_from_json_schema(
+                {"type": "object"}, defaults=JSON_FORMAT
+            )
         if self.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(self.source, defaults=JSON_FORMAT)
         if self.kind == "regex":
@@ -60,8 +70,12 @@ class GrammarSpec(msgspec.Struct, kw_only=True, frozen=True):
         return LLMatcher.grammar_from_lark(self.source)
 
 
-def json_schema_spec(schema: dict | bool, start_after: list[int] | None = None) -> GrammarSpec:
+def json_schema_spec(
+    schema: dict | bool, start_after: list[int] | None = None
+) -> GrammarSpec:
     """A json_schema spec from a parsed schema, serialised compactly. Key order is kept: the grammar
     writes an object's properties in the order its schema lists them."""
     text = json.dumps(schema, separators=(",", ":"))
-    return GrammarSpec(kind="json_schema", source=text, start_after=list(start_after or []))
+    return GrammarSpec(
+        kind="json_schema", source=text, start_after=list(start_after or [])
+    )

@@ -26,8 +26,12 @@ class GrammarState:
         self.matcher = matcher  # llguidance.LLMatcher, this request's own copy
         self.trigger = tuple(start_after)
         self.vocab_size = vocab_size  # the matcher's vocabulary: bitmask rows are ceil(vocab_size / 32) words
-        self.history: list[int] = []  # every token accepted (armed or not), for the trigger and rollback
-        self.armed_at: int | None = 0 if not self.trigger else None  # len(history) when the grammar was armed
+        self.history: list[
+            int
+        ] = []  # every token accepted (armed or not), for the trigger and rollback
+        self.armed_at: int | None = (
+            0 if not self.trigger else None
+        )  # len(history) when the grammar was armed
 
     @property
     def armed(self) -> bool:
@@ -78,7 +82,11 @@ class GrammarState:
         Before the trigger every token passes, up to the one that completes it (what follows it would
         be matched against a grammar not yet started: drafts stop there)."""
         if self.armed:
-            return 0 if self.matcher.is_stopped() else self.matcher.validate_tokens(list(tokens))
+            return (
+                0
+                if self.matcher.is_stopped()
+                else self.matcher.validate_tokens(list(tokens))
+            )
         tail = list(self.history[-len(self.trigger) :])
         for i, token in enumerate(tokens):
             tail = (tail + [token])[-len(self.trigger) :]
@@ -111,6 +119,9 @@ def fill_bitmasks(states: Sequence[GrammarState]) -> np.ndarray:
 
         _executor = LLExecutor()
     _executor.unsafe_compute_mask_ptr(
-        [(s.matcher, i) for i, s in enumerate(states)], bitmask.ctypes.data, words * 4, len(states)
+        [(s.matcher, i) for i, s in enumerate(states)],
+        bitmask.ctypes.data,
+        words * 4,
+        len(states),
     )
     return bitmask

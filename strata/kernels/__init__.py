@@ -43,20 +43,43 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "STRATA_CPU_KERNELS"
 _DIR = Path(__file__).parent
 SOURCES = (
-    _DIR / "cpu_ops.cpp", _DIR / "attention_ops.cpp", _DIR / "extend_attention.cpp", _DIR / "quant_ops.cpp",
-    _DIR / "decode_loop.cpp", _DIR / "dense_ops.cpp",
+    _DIR / "cpu_ops.cpp",
+    _DIR / "attention_ops.cpp",
+    _DIR / "extend_attention.cpp",
+    _DIR / "quant_ops.cpp",
+    _DIR / "decode_loop.cpp",
+    _DIR / "dense_ops.cpp",
 )
 DEFAULT_TARGET = "native"
-WAIT_REPORT_S = 15.0  # while another process builds, say whom this one waits for this often
+WAIT_REPORT_S = (
+    15.0  # while another process builds, say whom this one waits for this often
+)
 # target -> (-march value, CPU flags it needs; None: whatever this CPU has)
 TARGETS: dict[str, tuple[str, frozenset[str] | None]] = {
     "native": ("native", None),
-    "x86-64-v3": ("x86-64-v3", frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"})),
+    "x86-64-v3": (
+        "x86-64-v3",
+        frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe"}),
+    ),
     # AVX-512 F/BW/DQ/VL without VNNI or BF16 (Skylake-X class): the 512-bit paths' fallbacks
     "x86-64-v4": (
         "x86-64-v4",
-        frozenset({"avx", "avx2", "fma", "f16c", "bmi1", "bmi2", "movbe", "avx512f", "avx512bw", "avx512dq",
-                   "avx512vl", "avx512cd"}),
+        frozenset(
+            {
+                "avx",
+                "avx2",
+                "fma",
+                "f16c",
+                "bmi1",
+                "bmi2",
+                "movbe",
+                "avx512f",
+                "avx512bw",
+                "avx512dq",
+                "avx512vl",
+                "avx512cd",
+            }
+        ),
     ),
 }
 # names the module's compiled_isa() reports -> the /proc/cpuinfo flag each needs
@@ -73,7 +96,9 @@ ISA_FLAGS = {
 }
 
 _lock = threading.Lock()
-_modules: dict[str, ModuleType | None] = {}  # target -> built module (None: unavailable)
+_modules: dict[
+    str, ModuleType | None
+] = {}  # target -> built module (None: unavailable)
 _module: ModuleType | None = None  # the selected target's module, once resolved
 _tried = False
 
@@ -112,7 +137,13 @@ def selected_target() -> str | None:
     if value == "avx2":
         return "x86-64-v3"
     if value not in TARGETS:
-        logger.warning("%s=%s is not one of %s; using %s", ENV_VAR, value, sorted(TARGETS), DEFAULT_TARGET)
+        logger.warning(
+            "%s=%s is not one of %s; using %s",
+            ENV_VAR,
+            value,
+            sorted(TARGETS),
+            DEFAULT_TARGET,
+        )
         return DEFAULT_TARGET
     return value
 
@@ -130,7 +161,9 @@ def cpu_ops() -> ModuleType | None:
         if not _tried:
             target = selected_target()
             if target is None:
-                logger.info("CPU kernels disabled by %s=0; using the PyTorch path", ENV_VAR)
+                logger.info(
+                    "CPU kernels disabled by %s=0; using the PyTorch path", ENV_VAR
+                )
             _module = None if target is None else load(target)
             _tried = True
     return _module
@@ -139,7 +172,9 @@ def cpu_ops() -> ModuleType | None:
 def target_supported(target: str) -> bool:
     """Whether this CPU can run the `target` build (the native build always can)."""
     _, needs = TARGETS[target]
-    return needs is None or (platform.machine() in ("x86_64", "AMD64") and needs <= cpu_flags())
+    return needs is None or (
+        platform.machine() in ("x86_64", "AMD64") and needs <= cpu_flags()
+    )
 
 
 def load(target: str) -> ModuleType | None:
@@ -157,9 +192,17 @@ def _checked(module: ModuleType | None, target: str) -> ModuleType | None:
     if module is None:
         return None
     flags = cpu_flags()
-    missing = [isa for isa in compiled_isa(module) if flags and ISA_FLAGS.get(isa, isa) not in flags]
+    missing = [
+        isa
+        for isa in compiled_isa(module)
+        if flags and ISA_FLAGS.get(isa, isa) not in flags
+    ]
     if missing:
-        logger.warning("CPU kernels (%s) were built for %s, which this CPU lacks; not using them", target, missing)
+        logger.warning(
+            "CPU kernels (%s) were built for %s, which this CPU lacks; not using them",
+            target,
+            missing,
+        )
         return None
     return module
 
@@ -174,7 +217,10 @@ def _build(target: str) -> ModuleType | None:
 
     start = time.perf_counter()
     march, _ = TARGETS[target]
-    logger.info("loading CPU kernels (%s; compiled once per machine and torch version, ~1-2 min the first time)", target)
+    logger.info(
+        "loading CPU kernels (%s; compiled once per machine and torch version, ~1-2 min the first time)",
+        target,
+    )
     # the ninja that pip installed next to this interpreter, even when the venv is not activated
     path = os.environ.get("PATH", "")
     extra = [str(Path(sys.executable).parent)]
@@ -196,16 +242,23 @@ def _build(target: str) -> ModuleType | None:
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-    except Exception as exc:  # no compiler, missing headers, ...: the PyTorch path still works
+    except (
+        Exception
+    ) as exc:  # no compiler, missing headers, ...: the PyTorch path still works
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         logger.warning(
-            "CPU kernels unavailable (%s); using the slower PyTorch path", (errors or [repr(exc)])[-1][:500]
+            "CPU kernels unavailable (%s); using the slower PyTorch path",
+            (errors or [repr(exc)])[-1][:500],
         )
         return None
     finally:
         os.environ["PATH"] = path
-    logger.info("CPU kernels (%s: %s) ready in %.1fs", target, " ".join(compiled_isa(module)) or "scalar",
-                time.perf_counter() - start)
+    logger.info(
+        "CPU kernels (%s: %s) ready in %.1fs",
+        target,
+        " ".join(compiled_isa(module)) or "scalar",
+        time.perf_counter() - start,
+    )
     return module
 
 
@@ -226,7 +279,9 @@ def build_lock(build_dir: Path):
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)  # whom the next one waits for
         baton = build_dir / "lock"
         if baton.exists():
-            logger.warning("removing the kernel build lock a killed build left: %s", baton)
+            logger.warning(
+                "removing the kernel build lock a killed build left: %s", baton
+            )
             baton.unlink(missing_ok=True)
         yield
     finally:
@@ -247,12 +302,17 @@ def _acquire(fd: int, path: Path) -> None:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             logger.warning(
                 "waiting %.0fs so far for the CPU kernel build of pid %s to finish (lock %s)",
-                now - start, holder, path,
+                now - start,
+                holder,
+                path,
             )
             first, reported = False, now
         time.sleep(0.1)
     if not first:
-        logger.warning("the CPU kernel build lock is ours after %.0fs of waiting", time.monotonic() - start)
+        logger.warning(
+            "the CPU kernel build lock is ours after %.0fs of waiting",
+            time.monotonic() - start,
+        )
 
 
 def kernel_info() -> dict[str, object]:

@@ -9,7 +9,10 @@ import torch.nn.functional as F
 
 from strata.kernels import usable
 
-ACTIVATIONS = ("silu", "gelu_pytorch_tanh")  # HF `hidden_act` / `hidden_activation` names
+ACTIVATIONS = (
+    "silu",
+    "gelu_pytorch_tanh",
+)  # HF `hidden_act` / `hidden_activation` names
 ALIASES = {"swish": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
@@ -18,7 +21,9 @@ def check_activation(name: str, architecture: str) -> str:
     name = ALIASES.get(name, name)
     if name not in ACTIVATIONS:
         supported = ", ".join(ACTIVATIONS)
-        raise ValueError(f"hidden_act {name!r} is not supported for {architecture}; supported: {supported}")
+        raise ValueError(
+            f"hidden_act {name!r} is not supported for {architecture}; supported: {supported}"
+        )
     return name
 
 

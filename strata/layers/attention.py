@@ -54,22 +54,30 @@ class SegmentMeta:
     num_tokens: int
     kv_slots: torch.Tensor  # [B, max_kv] int64
     mask: torch.Tensor  # [B, 1, max_q, max_kv] bool, True = attend
-    pad_index: torch.Tensor | None  # [num_tokens] -> row of the [B * max_q] padded query; None if max_q == 1
+    pad_index: (
+        torch.Tensor | None
+    )  # [num_tokens] -> row of the [B * max_q] padded query; None if max_q == 1
     max_q: int
     causal: bool = False  # a single request with nothing cached and no window: plain causal attention
 
 
-EXTEND_KERNEL_MAX_HEAD_DIM = 512  # the extend kernel's limit (MLA's latent rows, 576, take SDPA)
+EXTEND_KERNEL_MAX_HEAD_DIM = (
+    512  # the extend kernel's limit (MLA's latent rows, 576, take SDPA)
+)
 
 
 @dataclass
 class WindowView:
     """What the layers with one window size read in a step, built on first use and shared."""
 
-    window: int | None  # None: full causal (also when the window covers every request's keys)
+    window: (
+        int | None
+    )  # None: full causal (also when the window covers every request's keys)
     decode: SegmentMeta | None = None  # torch-path views, built when first needed
     extend: SegmentMeta | None = None
-    extend_alone: dict[int, SegmentMeta] = field(default_factory=dict)  # extend i's own torch-path view
+    extend_alone: dict[int, SegmentMeta] = field(
+        default_factory=dict
+    )  # extend i's own torch-path view
 
 
 @dataclass
@@ -84,8 +92,12 @@ class AttentionMetadata:
     page_size: int
     num_decode: int
     device: torch.device
-    decode_owner: torch.Tensor  # [num_decode] page-table row of each decode token (for the decode kernel)
-    extend_q_start: torch.Tensor  # [B - num_decode] first flattened token of each extend (for the kernel)
+    decode_owner: (
+        torch.Tensor
+    )  # [num_decode] page-table row of each decode token (for the decode kernel)
+    extend_q_start: (
+        torch.Tensor
+    )  # [B - num_decode] first flattened token of each extend (for the kernel)
     token_owner: torch.Tensor  # [T] page-table row of each token (CPU)
     # [B] first key each request may read (CPU), or None: all. Set on a window group's metadata while
     # a request replays its window (`--swa-replay`): the group holds nothing before that position
@@ -112,7 +124,10 @@ class AttentionMetadata:
         owner = torch.repeat_interleave(torch.arange(len(q_lens)), q)
         first = torch.cumsum(q, 0) - q
         positions = torch.arange(int(q.sum())) - first[owner] + (kv - q)[owner]
-        out_slots = page_table[owner, positions // page_size] * page_size + positions % page_size
+        out_slots = (
+            page_table[owner, positions // page_size] * page_size
+            + positions % page_size
+        )
         return cls(
             positions=positions.to(device),
             out_slots=out_slots.to(device),
@@ -155,9 +170,13 @@ class AttentionMetadata:
         view = self.views.get(window)
         if view is None:
             if window is not None and window < 1:
-                raise ValueError(f"attention window is {window} tokens; it must be at least 1 (None: none)")
+                raise ValueError(
+                    f"attention window is {window} tokens; it must be at least 1 (None: none)"
+                )
             # a window as long as every request's keys is no window: those layers share the full view
-            effective = None if window is None or window >= int(self.kv_len.max()) else window
+            effective = (
+                None if window is None or window >= int(self.kv_len.max()) else window
+            )
             if effective not in self.views:
                 self.views[effective] = WindowView(effective)
             view = self.views[window] = self.views[effective]
@@ -180,26 +199,46 @@ class AttentionMetadata:
         seg = view.extend_alone.get(i)
         if seg is None:
             b = self.num_decode + i
-            seg = view.extend_alone[i] = self._segment(slice(b, b + 1), view.window, int(self.extend_q_start[i]))
+            seg = view.extend_alone[i] = self._segment(
+                slice(b, b + 1), view.window, int(self.extend_q_start[i])
+            )
         return seg
 
-    def _segment(self, rows: slice, window: int | None, token_start: int | None = None) -> SegmentMeta:
+    def _segment(
+        self, rows: slice, window: int | None, token_start: int | None = None
+    ) -> SegmentMeta:
         # decodes are one token each, so request row r < num_decode is token r, and the extends start there
         floor = None if self.key_floor is None else self.key_floor[rows]
         return _segment(
-            rows.start if token_start is None else token_start, self.q_len[rows], self.kv_len[rows],
-            self.page_table[rows], self.page_size, self.device, window, floor,
+            rows.start if token_start is None else token_start,
+            self.q_len[rows],
+            self.kv_len[rows],
+            self.page_table[rows],
+            self.page_size,
+            self.device,
+            window,
+            floor,
         )
 
 
 def _segment(
-    token_start: int, q_len: torch.Tensor, kv_len: torch.Tensor, page_table: torch.Tensor, page_size: int,
-    device: torch.device, window: int | None, key_floor: torch.Tensor | None = None,
+    token_start: int,
+    q_len: torch.Tensor,
+    kv_len: torch.Tensor,
+    page_table: torch.Tensor,
+    page_size: int,
+    device: torch.device,
+    window: int | None,
+    key_floor: torch.Tensor | None = None,
 ) -> SegmentMeta:
     batch = len(q_len)
     max_q = int(q_len.max())
     # keys before the earliest query's window are left out (their pages are never read)
-    key_start = torch.zeros_like(kv_len) if window is None else (kv_len - q_len - window + 1).clamp(min=0)
+    key_start = (
+        torch.zeros_like(kv_len)
+        if window is None
+        else (kv_len - q_len - window + 1).clamp(min=0)
+    )
     if key_floor is not None:  # keys before the floor do not exist (a replayed window)
         key_start = torch.maximum(key_start, key_floor)
     max_kv = int((kv_len - key_start).max())
@@ -216,7 +255,9 @@ def _segment(
     if key_floor is not None:
         mask &= key_pos >= key_floor.view(batch, 1, 1)
     if window is not None:
-        mask &= key_pos > query_pos - window  # every real query still sees itself: no empty row
+        mask &= (
+            key_pos > query_pos - window
+        )  # every real query still sees itself: no empty row
     mask[:, :, 0] |= ~real_query[..., 0]  # padded query rows see column 0: no NaN rows
     pad_index = None
     if max_q > 1:
@@ -228,7 +269,10 @@ def _segment(
         mask=mask.unsqueeze(1).to(device),
         pad_index=pad_index,
         max_q=max_q,
-        causal=window is None and batch == 1 and max_q > 1 and int(q_len[0]) == int(kv_len[0]),
+        causal=window is None
+        and batch == 1
+        and max_q > 1
+        and int(q_len[0]) == int(kv_len[0]),
     )
 
 
@@ -257,50 +301,95 @@ def paged_attention(
             f"sinks has shape {tuple(sinks.shape)}; it must hold one logit per query head ({q.shape[1]})"
         )
     if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap is {softcap}; it must be positive (None: no softcap)")
+        raise ValueError(
+            f"softcap is {softcap}; it must be positive (None: no softcap)"
+        )
     ops = usable(q)
-    if ops and token_rows(k) and token_rows(v) and k_cache.is_contiguous() and v_cache.is_contiguous():
+    if (
+        ops
+        and token_rows(k)
+        and token_rows(v)
+        and k_cache.is_contiguous()
+        and v_cache.is_contiguous()
+    ):
         ops.store_kv(k, v, k_cache, v_cache, meta.out_slots)
     else:
         k_cache[meta.out_slots] = k.to(k_cache.dtype)
         v_cache[meta.out_slots] = v.to(v_cache.dtype)
     view = meta.view(window)
-    if meta.key_floor is not None:  # a replayed window: the torch path honours the floor, the kernels do not
+    if (
+        meta.key_floor is not None
+    ):  # a replayed window: the torch path honours the floor, the kernels do not
         ops = None
     out = q.new_empty(q.shape)
     nd, num_tokens, head_dim = meta.num_decode, q.shape[0], q.shape[2]
     if ops:  # the kernels spell "off" as 0 and take the sinks in float32
         sink_logits = None if sinks is None else sinks.float().contiguous()
-        options = {"window": view.window or 0, "softcap": softcap or 0.0, "sinks": sink_logits}
+        options = {
+            "window": view.window or 0,
+            "softcap": softcap or 0.0,
+            "sinks": sink_logits,
+        }
     if nd and ops:  # decode tokens through the native kernel
         ops.paged_attention(
-            out[:nd], q[:nd], k_cache, v_cache, meta.page_table[:nd], meta.decode_owner, meta.positions[:nd],
-            meta.page_size, scale, **options,
+            out[:nd],
+            q[:nd],
+            k_cache,
+            v_cache,
+            meta.page_table[:nd],
+            meta.decode_owner,
+            meta.positions[:nd],
+            meta.page_size,
+            scale,
+            **options,
         )
     elif nd:
         seg = meta.decode_segment(view)
-        out[:nd] = _segment_attention(q[:nd], k_cache, v_cache, seg, scale, softcap, sinks)
+        out[:nd] = _segment_attention(
+            q[:nd], k_cache, v_cache, seg, scale, softcap, sinks
+        )
     if nd == num_tokens:
         return out
     # Extends: the kernel for all of them in one call where it fits (its rows compute the same in any
     # batch and in any chunk of their prompt), else SDPA or matmuls one request at a time (a padded
     # batch's shapes would change a request's blocking, and so its bits).
-    if ops and ops.has_simd() and head_dim % 16 == 0 and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM:
+    if (
+        ops
+        and ops.has_simd()
+        and head_dim % 16 == 0
+        and head_dim <= EXTEND_KERNEL_MAX_HEAD_DIM
+    ):
         ops.extend_attention(
-            out, q, k_cache, v_cache, meta.page_table[nd:], meta.extend_q_start, meta.q_len[nd:],
-            meta.kv_len[nd:], meta.page_size, scale, **options,
+            out,
+            q,
+            k_cache,
+            v_cache,
+            meta.page_table[nd:],
+            meta.extend_q_start,
+            meta.q_len[nd:],
+            meta.kv_len[nd:],
+            meta.page_size,
+            scale,
+            **options,
         )
         return out
     for i in range(len(meta.q_len) - nd):
         seg = meta.extend_alone_segment(view, i)
         rows = slice(seg.token_start, seg.token_start + seg.num_tokens)
-        out[rows] = _segment_attention(q[rows], k_cache, v_cache, seg, scale, softcap, sinks)
+        out[rows] = _segment_attention(
+            q[rows], k_cache, v_cache, seg, scale, softcap, sinks
+        )
     return out
 
 
 def _segment_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seg: SegmentMeta, scale: float,
-    softcap: float | None, sinks: torch.Tensor | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    seg: SegmentMeta,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     keys = k_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)  # [B, Hkv, max_kv, D]
     values = v_cache[seg.kv_slots].to(q.dtype).transpose(1, 2)
@@ -308,8 +397,13 @@ def _segment_attention(
 
 
 def segment_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seg: SegmentMeta, scale: float,
-    softcap: float | None = None, sinks: torch.Tensor | None = None,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    seg: SegmentMeta,
+    scale: float,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one segment's tokens over keys already gathered in its padded layout.
 
@@ -318,17 +412,26 @@ def segment_attention(
     batch, max_kv = seg.kv_slots.shape
     num_heads, head_dim, value_dim = q.shape[1], q.shape[2], values.shape[-1]
     if seg.pad_index is None:  # one query per request
-        return _matmul_attention(q.unsqueeze(2), keys, values, seg.mask, scale, softcap, sinks).squeeze(2)
+        return _matmul_attention(
+            q.unsqueeze(2), keys, values, seg.mask, scale, softcap, sinks
+        ).squeeze(2)
     plain = softcap is None and sinks is None
     if seg.causal and plain:
         # one request, no cached prefix: plain causal attention, no mask to read
         out = F.scaled_dot_product_attention(
-            q.unsqueeze(0).transpose(1, 2), keys, values, is_causal=True, scale=scale, enable_gqa=True
+            q.unsqueeze(0).transpose(1, 2),
+            keys,
+            values,
+            is_causal=True,
+            scale=scale,
+            enable_gqa=True,
         )
         return out.transpose(1, 2).reshape(-1, num_heads, value_dim)
     q_pad = q.new_zeros(batch * seg.max_q, num_heads, head_dim)
     q_pad[seg.pad_index] = q
-    q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim).transpose(1, 2)  # [B, H, max_q, D]
+    q_pad = q_pad.view(batch, seg.max_q, num_heads, head_dim).transpose(
+        1, 2
+    )  # [B, H, max_q, D]
     if plain:
         out = F.scaled_dot_product_attention(
             q_pad, keys, values, attn_mask=seg.mask, scale=scale, enable_gqa=True
@@ -336,20 +439,34 @@ def segment_attention(
     else:  # SDPA can neither soft-cap nor add sinks; query blocks bound the [B, H, rows, max_kv] scores
         rows = max(1, MATMUL_SCORES_MAX // (batch * num_heads * max_kv))
         blocks = [
-            _matmul_attention(q_pad[:, :, i : i + rows], keys, values, seg.mask[:, :, i : i + rows], scale,
-                              softcap, sinks)
+            _matmul_attention(
+                q_pad[:, :, i : i + rows],
+                keys,
+                values,
+                seg.mask[:, :, i : i + rows],
+                scale,
+                softcap,
+                sinks,
+            )
             for i in range(0, seg.max_q, rows)
         ]
         out = torch.cat(blocks, dim=2)
-    return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, value_dim)[seg.pad_index]
+    return out.transpose(1, 2).reshape(batch * seg.max_q, num_heads, value_dim)[
+        seg.pad_index
+    ]
 
 
 MATMUL_SCORES_MAX = 1 << 24  # float scores per block of _matmul_attention (64 MiB)
 
 
 def _matmul_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-    softcap: float | None, sinks: torch.Tensor | None,
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Two batched matmuls and a float softmax (much faster than masked SDPA on CPU for one query).
 
@@ -361,16 +478,26 @@ def _matmul_attention(
     num_kv_heads, num_keys = keys.shape[1], keys.shape[2]
     group = num_heads // num_kv_heads
     qg = q.reshape(batch, num_kv_heads, group * num_q, head_dim)
-    scores = torch.matmul(qg, keys.transpose(-1, -2)).float() * scale  # [B, Hkv, group * M, N]
+    scores = (
+        torch.matmul(qg, keys.transpose(-1, -2)).float() * scale
+    )  # [B, Hkv, group * M, N]
     if softcap is not None:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.view(batch, num_kv_heads, group, num_q, num_keys)
-    scores = scores.masked_fill(~mask.unsqueeze(1), float("-inf"))  # mask: [B, 1, 1, M, N]
+    scores = scores.masked_fill(
+        ~mask.unsqueeze(1), float("-inf")
+    )  # mask: [B, 1, 1, M, N]
     if sinks is None:
         probs = scores.softmax(-1)
     else:
-        sink = sinks.float().view(1, num_kv_heads, group, 1, 1).expand(batch, -1, -1, num_q, 1)
-        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :num_keys]  # the sink's share is dropped
+        sink = (
+            sinks.float()
+            .view(1, num_kv_heads, group, 1, 1)
+            .expand(batch, -1, -1, num_q, 1)
+        )
+        probs = torch.cat([scores, sink], dim=-1).softmax(-1)[
+            ..., :num_keys
+        ]  # the sink's share is dropped
     probs = probs.to(values.dtype).view(batch, num_kv_heads, group * num_q, num_keys)
     return torch.matmul(probs, values).view(batch, num_heads, num_q, values.shape[-1])
 
@@ -400,7 +527,9 @@ def reference_attention(
         scores = (qr @ kr.transpose(1, 2)) * scale
         if softcap is not None:
             scores = softcap * torch.tanh(scores / softcap)
-        pos = torch.arange(kv_len - q_len, kv_len).view(-1, 1)  # the queries' absolute positions
+        pos = torch.arange(kv_len - q_len, kv_len).view(
+            -1, 1
+        )  # the queries' absolute positions
         key = torch.arange(kv_len).view(1, -1)
         hidden = key > pos
         if window is not None:

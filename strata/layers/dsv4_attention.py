@@ -50,15 +50,29 @@ class PartialRope:
     """RoPE on the last `2 * len(inv_freq)` values, rotating interleaved pairs (x0, x1), (x2, x3), ...
     A plain object: its float32 table survives dtype casts and meta-device construction."""
 
-    def __init__(self, rope: RopeConfig, head_dim: int, max_position_embeddings: int, device: torch.device | str):
-        with torch.device("cpu"):  # explicit: construction may run under a meta default device
-            inv_freq, self.scaling = inv_freq_and_scale(rope, head_dim, max_position_embeddings)
+    def __init__(
+        self,
+        rope: RopeConfig,
+        head_dim: int,
+        max_position_embeddings: int,
+        device: torch.device | str,
+    ):
+        with torch.device(
+            "cpu"
+        ):  # explicit: construction may run under a meta default device
+            inv_freq, self.scaling = inv_freq_and_scale(
+                rope, head_dim, max_position_embeddings
+            )
         self.inv_freq = inv_freq.to(device)
 
-    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def tables(
+        self, positions: torch.Tensor, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [T, rope_dim / 2] (rounded to the model's dtype, as transformers does)."""
         freqs = positions.float().unsqueeze(-1) * self.inv_freq.to(positions.device)
-        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(dtype)
+        return (freqs.cos() * self.scaling).to(dtype), (freqs.sin() * self.scaling).to(
+            dtype
+        )
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,13 +101,19 @@ class GroupedLinear(NativePackable, nn.Module):
         return [self.weight.detach().view(self.groups, -1, self.weight.shape[1])]
 
     def pack(self, target: str) -> None:
-        self.register_buffer("packed", pack_groups(self.pack_sources()[0]), persistent=False)
+        self.register_buffer(
+            "packed", pack_groups(self.pack_sources()[0]), persistent=False
+        )
         self.packed_target = target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed_target is not None and x.is_cpu:
-            return grouped_dense(x, self.packed, self.weight.shape[0] // self.groups, self.packed_target)
-        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(1, 2)  # [g, d_in, d_out]
+            return grouped_dense(
+                x, self.packed, self.weight.shape[0] // self.groups, self.packed_target
+            )
+        w = self.weight.view(self.groups, -1, x.shape[-1]).transpose(
+            1, 2
+        )  # [g, d_in, d_out]
         return torch.bmm(x.transpose(0, 1), w).transpose(0, 1)
 
 
@@ -111,12 +131,21 @@ def pad_queries(x: torch.Tensor, seg: SegmentMeta) -> torch.Tensor:
 
 
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor, scale: float, sinks: torch.Tensor
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    sinks: torch.Tensor,
 ) -> torch.Tensor:
     """q [B, Q, H, D] over keys [B, N, D] (also the values), mask [B, 1, Q, N] (True: attend), one
     sink logit per head in every softmax, its share dropped. Returns [B, Q, H, D]."""
     H = q.shape[2]
-    scores = torch.einsum("bqhd,bnd->bhqn", q, keys).float().mul_(scale).masked_fill_(~mask, float("-inf"))
+    scores = (
+        torch.einsum("bqhd,bnd->bhqn", q, keys)
+        .float()
+        .mul_(scale)
+        .masked_fill_(~mask, float("-inf"))
+    )
     # exp(s - top) / (sum + exp(sink - top)); a row with no key left gives everything to the sink
     sink = sinks.float().view(1, H, 1, 1)
     top = torch.maximum(scores.amax(dim=-1, keepdim=True), sink)
@@ -157,7 +186,9 @@ class Compressor(nn.Module):
         if self.overlap:  # first m rows: the previous window's first series; last m: this window's second
             half = rows.shape[-1] // 2
             kv = torch.cat([rows[:, :m, :d], rows[:, m:, d : 2 * d]], dim=1)
-            gate = torch.cat([rows[:, :m, half : half + d], rows[:, m:, half + d :]], dim=1)
+            gate = torch.cat(
+                [rows[:, :m, half : half + d], rows[:, m:, half + d :]], dim=1
+            )
         else:
             kv, gate = rows[..., :d], rows[..., d:]
         gate = gate.float().masked_fill(~valid.unsqueeze(-1), float("-inf"))
@@ -170,28 +201,49 @@ class Indexer(Compressor):
 
     def __init__(self, cfg: ModelConfig):
         v4 = cfg.dsv4
-        super().__init__(cfg.hidden_size, v4.index_head_dim, v4.csa_rate, True, cfg.rms_norm_eps)
+        super().__init__(
+            cfg.hidden_size, v4.index_head_dim, v4.csa_rate, True, cfg.rms_norm_eps
+        )
         self.num_heads, self.topk = v4.index_n_heads, v4.index_topk
         self.q_b_proj = nn.Linear(v4.q_lora_rank, self.num_heads * self.dim, bias=False)
         self.scorer = nn.Module()
-        self.scorer.weights_proj = nn.Linear(cfg.hidden_size, self.num_heads, bias=False)
+        self.scorer.weights_proj = nn.Linear(
+            cfg.hidden_size, self.num_heads, bias=False
+        )
 
-    def queries(self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def queries(
+        self, q_res: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ):
         """(q [T, Hi, Di] roped, head weights [T, Hi] float32)."""
-        q = apply_rope(self.q_b_proj(q_res).view(x.shape[0], self.num_heads, self.dim), cos, sin)
+        q = apply_rope(
+            self.q_b_proj(q_res).view(x.shape[0], self.num_heads, self.dim), cos, sin
+        )
         return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    def select(
+        self,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> torch.Tensor:
         """q [B, max_q, Hi, Di], w [B, max_q, Hi], keys [B, n, Di], visible [B, max_q, n] ->
         [B, max_q, n] bool: the top index_topk visible entries of each query."""
-        scores = torch.einsum("bqhd,bnd->bqhn", q.float(), keys.float()).relu() * self.dim**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, float("-inf"))
+        scores = (
+            torch.einsum("bqhd,bnd->bqhn", q.float(), keys.float()).relu()
+            * self.dim**-0.5
+        )
+        scores = (
+            (scores * w.unsqueeze(-1)).sum(dim=2).masked_fill(~visible, float("-inf"))
+        )
         top = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices
         return torch.zeros_like(visible).scatter_(-1, top, True) & visible
 
 
 class DSV4Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope_device: torch.device | str):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rope_device: torch.device | str
+    ):
         super().__init__()
         v4 = cfg.dsv4
         self.layer_id, self.kind = layer_id, v4.layer_kinds[layer_id]
@@ -205,22 +257,34 @@ class DSV4Attention(nn.Module):
         self.q_b_proj = nn.Linear(v4.q_lora_rank, H * D, bias=False)
         self.kv_proj = nn.Linear(hidden, D, bias=False)
         self.kv_norm = RMSNorm32(D, cfg.rms_norm_eps)
-        self.o_a_proj = GroupedLinear(H * D // v4.o_groups, v4.o_groups * v4.o_lora_rank, v4.o_groups)
+        self.o_a_proj = GroupedLinear(
+            H * D // v4.o_groups, v4.o_groups * v4.o_lora_rank, v4.o_groups
+        )
         self.o_b_proj = nn.Linear(v4.o_groups * v4.o_lora_rank, hidden, bias=False)
         self.sinks = nn.Parameter(torch.empty(H, dtype=torch.float32))
         # sliding layers rotate with the main RoPE; CSA/HCA layers, their compressors and indexer with
         # the compressors' (the layer spec's rope)
-        self.rope_key = cfg.layers[layer_id].rope  # layers with equal RoPE share a step's tables
-        self.rope = PartialRope(self.rope_key, D, cfg.max_position_embeddings, rope_device)
+        self.rope_key = cfg.layers[
+            layer_id
+        ].rope  # layers with equal RoPE share a step's tables
+        self.rope = PartialRope(
+            self.rope_key, D, cfg.max_position_embeddings, rope_device
+        )
         self.compressor = None
         if self.kind != "sliding":
             self.rate = v4.rate(self.kind)
-            self.compressor = Compressor(hidden, D, self.rate, self.kind == "csa", cfg.rms_norm_eps)
+            self.compressor = Compressor(
+                hidden, D, self.rate, self.kind == "csa", cfg.rms_norm_eps
+            )
             if self.kind == "csa":
                 self.compressor.indexer = Indexer(cfg)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: DSV4KVPool,
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: DSV4KVPool,
         shared: dict | None = None,
     ) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; writes the step's sliding K, compressor inputs and the
@@ -229,10 +293,18 @@ class DSV4Attention(nn.Module):
         model for one forward; None: computed here."""
         shared = {} if shared is None else shared
         T, H, D = x.shape[0], self.num_heads, self.head_dim
-        cos, sin = _once(shared, ("rope", self.rope_key), lambda: self.rope.tables(positions, x.dtype))
+        cos, sin = _once(
+            shared,
+            ("rope", self.rope_key),
+            lambda: self.rope.tables(positions, x.dtype),
+        )
         q_res = self.q_a_norm(self.q_a_proj(x))
-        q = apply_rope(unweighted_rms_norm(self.q_b_proj(q_res).view(T, H, D), self.eps), cos, sin)
-        k = apply_rope(self.kv_norm(self.kv_proj(x)), cos, sin)  # [T, D], also the value
+        q = apply_rope(
+            unweighted_rms_norm(self.q_b_proj(q_res).view(T, H, D), self.eps), cos, sin
+        )
+        k = apply_rope(
+            self.kv_norm(self.kv_proj(x)), cos, sin
+        )  # [T, D], also the value
         swa = meta.group(kv.group_of["swa"])
         kv.swa[self.layer_id][swa.out_slots] = k.to(kv.dtype)
         index_q = None
@@ -245,38 +317,62 @@ class DSV4Attention(nn.Module):
         view = swa.view(self.window)
         if nd:
             seg = swa.decode_segment(view)
-            out[:nd] = self._attend(q[:nd], seg, slice(0, nd), meta, kv, index_q, slice(0, nd), shared)
+            out[:nd] = self._attend(
+                q[:nd], seg, slice(0, nd), meta, kv, index_q, slice(0, nd), shared
+            )
         if nd < T:
             seg = swa.extend_segment(view)
-            out[nd:] = self._attend(q[nd:], seg, slice(nd, None), meta, kv, index_q, slice(nd, T), shared)
-        out = apply_rope(out, cos, -sin)  # undo the values' rotation at the query's own position
+            out[nd:] = self._attend(
+                q[nd:], seg, slice(nd, None), meta, kv, index_q, slice(nd, T), shared
+            )
+        out = apply_rope(
+            out, cos, -sin
+        )  # undo the values' rotation at the query's own position
         grouped = self.o_a_proj(out.view(T, self.o_groups, -1)).flatten(1)
         return self.o_b_proj(grouped)
 
     def _compress(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: DSV4KVPool, shared: dict
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: DSV4KVPool,
+        shared: dict,
     ) -> None:
         """Store this step's compressor inputs; pool every window whose last token is in the step."""
         comp, layer = self.compressor, self.layer_id
         indexer = getattr(comp, "indexer", None)
         group = meta.group(kv.group_of[self.kind])
-        inputs = [comp.inputs(x, positions)] + ([indexer.inputs(x, positions)] if indexer else [])
+        inputs = [comp.inputs(x, positions)] + (
+            [indexer.inputs(x, positions)] if indexer else []
+        )
         state = kv.state[layer]
         state[group.out_slots] = torch.cat(inputs, dim=-1).to(state.dtype)
-        closing = _once(shared, ("close", self.kind, self.rope_key),
-                        lambda: self._closing_windows(positions, meta, group, x.dtype, state.device))
+        closing = _once(
+            shared,
+            ("close", self.kind, self.rope_key),
+            lambda: self._closing_windows(
+                positions, meta, group, x.dtype, state.device
+            ),
+        )
         if closing is None:
             return
         slots, valid, where, cos, sin = closing
         rows = state[slots]  # [C, span, width]
         entries = kv.entries[layer]
-        entries[where] = apply_rope(comp.pool(rows[..., : comp.width], valid), cos, sin).to(entries.dtype)
+        entries[where] = apply_rope(
+            comp.pool(rows[..., : comp.width], valid), cos, sin
+        ).to(entries.dtype)
         if indexer is not None:
             keys = indexer.pool(rows[..., comp.width :], valid)
             kv.index_keys[layer][where] = apply_rope(keys, cos, sin).to(entries.dtype)
 
     def _closing_windows(
-        self, positions: torch.Tensor, meta: AttentionMetadata, group: AttentionMetadata, dtype: torch.dtype,
+        self,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        group: AttentionMetadata,
+        dtype: torch.dtype,
         device: torch.device,
     ) -> tuple[torch.Tensor, ...] | None:
         """For the tokens that close a window this step (None: none do): the slots of each window's
@@ -289,7 +385,9 @@ class DSV4Attention(nn.Module):
             return None
         owner, end = meta.token_owner[closing], pos[closing]
         span = 2 * m if self.kind == "csa" else m
-        window = end.view(-1, 1) - span + 1 + torch.arange(span)  # [C, span] the positions pooled
+        window = (
+            end.view(-1, 1) - span + 1 + torch.arange(span)
+        )  # [C, span] the positions pooled
         at = window.clamp(min=0)
         ps = meta.page_size
         slots = group.page_table[owner].gather(1, at // ps) * ps + at % ps
@@ -298,8 +396,15 @@ class DSV4Attention(nn.Module):
         return slots.to(device), (window >= 0).to(device), where.to(device), cos, sin
 
     def _attend(
-        self, q: torch.Tensor, seg: SegmentMeta, rows: slice, meta: AttentionMetadata, kv: DSV4KVPool,
-        index_q: tuple[torch.Tensor, torch.Tensor] | None, tokens: slice, shared: dict,
+        self,
+        q: torch.Tensor,
+        seg: SegmentMeta,
+        rows: slice,
+        meta: AttentionMetadata,
+        kv: DSV4KVPool,
+        index_q: tuple[torch.Tensor, torch.Tensor] | None,
+        tokens: slice,
+        shared: dict,
     ) -> torch.Tensor:
         """One segment (the decodes, or the extends): sliding keys, then the compressed entries, in
         blocks of queries that bound the scores to SCORES_MAX floats. Sliding column j of request b is
@@ -312,33 +417,53 @@ class DSV4Attention(nn.Module):
         entries = index_keys = visible = index = None
         n = 0
         if self.compressor is not None:
-            n, where, visible = _once(shared, ("entries", self.kind, rows.start),
-                                      lambda: self._entries_read(seg, rows, meta, keys.device))
+            n, where, visible = _once(
+                shared,
+                ("entries", self.kind, rows.start),
+                lambda: self._entries_read(seg, rows, meta, keys.device),
+            )
             if n:
                 entries = kv.entries[self.layer_id][where].to(keys.dtype)  # [B, n, D]
                 if index_q is not None:
                     index_keys = kv.index_keys[self.layer_id][where]  # [B, n, Di]
-                    index = (pad_queries(index_q[0][tokens], seg), pad_queries(index_q[1][tokens], seg))
+                    index = (
+                        pad_queries(index_q[0][tokens], seg),
+                        pad_queries(index_q[1][tokens], seg),
+                    )
         indexer = self.compressor.indexer if index is not None else None
-        per_query = B * (H * (N + n) + (indexer.num_heads * n if indexer is not None else 0))
+        per_query = B * (
+            H * (N + n) + (indexer.num_heads * n if indexer is not None else 0)
+        )
         block = max(1, SCORES_MAX // per_query)
         out = qp.new_empty(B, seg.max_q, H, D)
         for i0 in range(0, seg.max_q, block):
             i1 = min(seg.max_q, i0 + block)
-            lo, hi = (0, N) if block >= seg.max_q else (max(0, i0 - W + 1), min(N, i1 + W - 1))
+            lo, hi = (
+                (0, N)
+                if block >= seg.max_q
+                else (max(0, i0 - W + 1), min(N, i1 + W - 1))
+            )
             k, mask = keys[:, lo:hi], seg.mask[:, :, i0:i1, lo:hi]
             if n:
                 vis = visible[:, i0:i1]
                 if indexer is not None:
-                    vis = indexer.select(index[0][:, i0:i1], index[1][:, i0:i1], index_keys, vis)
+                    vis = indexer.select(
+                        index[0][:, i0:i1], index[1][:, i0:i1], index_keys, vis
+                    )
                 k = torch.cat([k, entries], dim=1)
                 mask = torch.cat([mask, vis.unsqueeze(1)], dim=-1)
-            out[:, i0:i1] = sink_attention(qp[:, i0:i1], k, mask, self.scale, self.sinks)
+            out[:, i0:i1] = sink_attention(
+                qp[:, i0:i1], k, mask, self.scale, self.sinks
+            )
         out = out.view(-1, H, D)
         return out if seg.pad_index is None else out[seg.pad_index]
 
     def _entries_read(
-        self, seg: SegmentMeta, rows: slice, meta: AttentionMetadata, device: torch.device
+        self,
+        seg: SegmentMeta,
+        rows: slice,
+        meta: AttentionMetadata,
+        device: torch.device,
     ) -> tuple[int, torch.Tensor | None, torch.Tensor | None]:
         """The entries a segment's requests read this step: how many at most (n: those closed by
         its longest request's end), their rows [B, n] (padding repeats a real row) and which each

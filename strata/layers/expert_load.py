@@ -10,9 +10,14 @@ from __future__ import annotations
 from typing import Any
 
 
-def expert_load_delta(after: dict[int, list[int]], before: dict[int, list[int]]) -> dict[int, list[int]]:
+def expert_load_delta(
+    after: dict[int, list[int]], before: dict[int, list[int]]
+) -> dict[int, list[int]]:
     """Tokens each expert got between two readings of the counters."""
-    return {layer: [n - m for n, m in zip(counts, before[layer])] for layer, counts in after.items()}
+    return {
+        layer: [n - m for n, m in zip(counts, before[layer])]
+        for layer, counts in after.items()
+    }
 
 
 def expert_load_summary(load: dict[int, list[int]]) -> dict[int, dict[str, Any]]:

@@ -36,7 +36,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.cache.kv_pool import LatentKVPool
-from strata.layers.attention import AttentionMetadata, paged_attention, segment_attention
+from strata.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    segment_attention,
+)
 from strata.layers.norm import RMSNorm
 from strata.layers.packed import NativePackable, grouped_dense, pack_groups
 from strata.layers.rope import RotaryEmbedding
@@ -60,10 +64,18 @@ class KVUpProjection(NativePackable, nn.Module):
     absorbed products of a token never depend on the other rows of the step; `expand` (long
     prefills) keeps the plain weight."""
 
-    def __init__(self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int):
+    def __init__(
+        self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int
+    ):
         super().__init__()
-        self.num_heads, self.nope_dim, self.v_dim = num_heads, qk_nope_head_dim, v_head_dim
-        self.weight = nn.Parameter(torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank))
+        self.num_heads, self.nope_dim, self.v_dim = (
+            num_heads,
+            qk_nope_head_dim,
+            v_head_dim,
+        )
+        self.weight = nn.Parameter(
+            torch.empty(num_heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank)
+        )
 
     def pack_sources(self) -> list[torch.Tensor]:
         """What `pack` packs, as [H, N, K] stacks: W_uk^T (L rows over qk_nope) and W_uv (v rows over L)."""
@@ -84,20 +96,28 @@ class KVUpProjection(NativePackable, nn.Module):
     def absorb_query(self, q_nope: torch.Tensor) -> torch.Tensor:
         """[T, H, qk_nope] -> [T, H, L]: each head's query nope part as a query over latents."""
         if self.packed_target is not None and q_nope.is_cpu:
-            return grouped_dense(q_nope, self.uk_packed, self.weight.shape[1], self.packed_target)
+            return grouped_dense(
+                q_nope, self.uk_packed, self.weight.shape[1], self.packed_target
+            )
         w_uk, _ = self._blocks()
         return torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
 
     def values(self, out_latent: torch.Tensor) -> torch.Tensor:
         """[T, H, L] (attention-weighted latents) -> [T, H, v_head_dim]."""
         if self.packed_target is not None and out_latent.is_cpu:
-            return grouped_dense(out_latent, self.uv_packed, self.v_dim, self.packed_target)
+            return grouped_dense(
+                out_latent, self.uv_packed, self.v_dim, self.packed_target
+            )
         _, w_uv = self._blocks()
-        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return torch.bmm(out_latent.transpose(0, 1), w_uv.transpose(1, 2)).transpose(
+            0, 1
+        )
 
     def expand(self, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[..., L] -> (key nope parts [..., H, qk_nope], values [..., H, v_head_dim])."""
-        kv = F.linear(latents, self.weight).unflatten(-1, (self.num_heads, self.nope_dim + self.v_dim))
+        kv = F.linear(latents, self.weight).unflatten(
+            -1, (self.num_heads, self.nope_dim + self.v_dim)
+        )
         return kv.split([self.nope_dim, self.v_dim], dim=-1)
 
 
@@ -110,20 +130,28 @@ class MLAttention(nn.Module):
         mla = cfg.mla
         self.mla, self.layer_id, self.num_heads = mla, layer_id, cfg.num_heads
         self.scale = cfg.layers[layer_id].scale
-        self.prefill_form = "auto"  # one of PREFILL_FORMS: how extends attend (decodes always absorbed)
+        self.prefill_form = (
+            "auto"  # one of PREFILL_FORMS: how extends attend (decodes always absorbed)
+        )
         H, L, R = cfg.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         q_size = H * mla.qk_head_dim
         self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
         else:
-            self.q_a_proj = nn.Linear(cfg.hidden_size, mla.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_proj = nn.Linear(
+                cfg.hidden_size, mla.q_lora_rank, bias=cfg.attention_bias
+            )
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(mla.q_lora_rank, q_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(cfg.hidden_size, L + R, bias=cfg.attention_bias)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            cfg.hidden_size, L + R, bias=cfg.attention_bias
+        )
         self.kv_a_layernorm = RMSNorm(L, LATENT_NORM_EPS)
         self.kv_b_proj = KVUpProjection(H, L, mla.qk_nope_head_dim, mla.v_head_dim)
-        self.o_proj = nn.Linear(H * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.o_proj = nn.Linear(
+            H * mla.v_head_dim, cfg.hidden_size, bias=cfg.o_proj_bias
+        )
 
     def forward(
         self,
@@ -135,13 +163,21 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         mla, T, H = self.mla, x.shape[0], self.num_heads
         L, R = mla.kv_lora_rank, mla.qk_rope_head_dim
-        q = self.q_proj(x) if self.q_proj is not None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        q_nope, q_pe = q.view(T, H, mla.qk_head_dim).split([mla.qk_nope_head_dim, R], dim=-1)
+        q = (
+            self.q_proj(x)
+            if self.q_proj is not None
+            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        )
+        q_nope, q_pe = q.view(T, H, mla.qk_head_dim).split(
+            [mla.qk_nope_head_dim, R], dim=-1
+        )
         c, k_pe = self.kv_a_proj_with_mqa(x).split([L, R], dim=-1)
         if mla.rope_interleave:
             q_pe, k_pe = deinterleave(q_pe), deinterleave(k_pe)
         q_pe, k_pe = rope(positions, q_pe, k_pe.reshape(T, 1, R))
-        latent = torch.cat([self.kv_a_layernorm(c), k_pe.view(T, R)], dim=-1).unsqueeze(1)  # [T, 1, L + R]
+        latent = torch.cat([self.kv_a_layernorm(c), k_pe.view(T, R)], dim=-1).unsqueeze(
+            1
+        )  # [T, 1, L + R]
         cache = kv.latent[self.layer_id]  # [slots, 1, L + R]
 
         nd = meta.num_decode
@@ -150,10 +186,14 @@ class MLAttention(nn.Module):
         q_absorbed = self.kv_b_proj.absorb_query(q_nope[:rows])  # [rows, H, L]
         q_latent = torch.cat([q_absorbed, q_pe[:rows]], dim=-1)  # [rows, H, L + R]
         # stores every new row; keys are whole rows, values the rows too, of which [:L] is kept
-        out = paged_attention(q_latent, latent, latent, cache, cache, meta, self.scale)[..., :L]
+        out = paged_attention(q_latent, latent, latent, cache, cache, meta, self.scale)[
+            ..., :L
+        ]
         out = self.kv_b_proj.values(out)  # [rows, H, v_head_dim]
         if decompress:
-            out = torch.cat([out, self._decompressed_extends(q_nope[nd:], q_pe[nd:], cache, meta)])
+            out = torch.cat(
+                [out, self._decompressed_extends(q_nope[nd:], q_pe[nd:], cache, meta)]
+            )
         return self.o_proj(out.reshape(T, H * mla.v_head_dim))
 
     def _decompress_extends(self, meta: AttentionMetadata) -> bool:
@@ -162,9 +202,16 @@ class MLAttention(nn.Module):
         if self.prefill_form != "auto":
             return self.prefill_form == "decompressed"
         mla = self.mla
-        q, k = meta.q_len[meta.num_decode :].double(), meta.kv_len[meta.num_decode :].double()
-        pairs = float((q * k).sum())  # (query, key) pairs, causal mask ignored (it cuts both alike)
-        up = mla.kv_lora_rank * (mla.qk_nope_head_dim + mla.v_head_dim)  # one row through kv_b_proj
+        q, k = (
+            meta.q_len[meta.num_decode :].double(),
+            meta.kv_len[meta.num_decode :].double(),
+        )
+        pairs = float(
+            (q * k).sum()
+        )  # (query, key) pairs, causal mask ignored (it cuts both alike)
+        up = mla.kv_lora_rank * (
+            mla.qk_nope_head_dim + mla.v_head_dim
+        )  # one row through kv_b_proj
         # absorbed: each query absorbed and its output up-projected; scores and sums over whole rows
         absorbed = float(q.sum()) * up + pairs * 2 * mla.latent_dim
         # decompressed: each key's row up-projected; scores over qk_head_dim, sums over v_head_dim
@@ -172,14 +219,24 @@ class MLAttention(nn.Module):
         return decompressed < absorbed
 
     def _decompressed_extends(
-        self, q_nope: torch.Tensor, q_pe: torch.Tensor, cache: torch.Tensor, meta: AttentionMetadata
+        self,
+        q_nope: torch.Tensor,
+        q_pe: torch.Tensor,
+        cache: torch.Tensor,
+        meta: AttentionMetadata,
     ) -> torch.Tensor:
         """The extends' queries [Te, H, *] over their keys' rows expanded per head -> [Te, H, v_head_dim]."""
         L = self.mla.kv_lora_rank
         seg = meta.extend_segment(meta.view(None))
         rows = cache[seg.kv_slots].squeeze(2).to(q_nope.dtype)  # [B, max_kv, L + R]
-        k_nope, values = self.kv_b_proj.expand(rows[..., :L])  # [B, max_kv, H, qk_nope], [.., v_head_dim]
-        k_pe = rows[..., None, L:].expand(-1, -1, self.num_heads, -1)  # one rope key for every head
+        k_nope, values = self.kv_b_proj.expand(
+            rows[..., :L]
+        )  # [B, max_kv, H, qk_nope], [.., v_head_dim]
+        k_pe = rows[..., None, L:].expand(
+            -1, -1, self.num_heads, -1
+        )  # one rope key for every head
         keys = torch.cat([k_nope, k_pe], dim=-1)  # [B, max_kv, H, qk_head_dim]
         q = torch.cat([q_nope, q_pe], dim=-1)
-        return segment_attention(q, keys.transpose(1, 2), values.transpose(1, 2), seg, self.scale)
+        return segment_attention(
+            q, keys.transpose(1, 2), values.transpose(1, 2), seg, self.scale
+        )

@@ -11,7 +11,9 @@ from strata.layers.activation import act_and_mul
 
 
 class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False):
+    def __init__(
+        self, hidden_size: int, intermediate_size: int, act: str, bias: bool = False
+    ):
         super().__init__()
         self.act = act  # a canonical name of `strata.layers.activation.ACTIVATIONS`
         self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)

@@ -35,7 +35,9 @@ from strata.moe_config import MoEConfig
 EXPERT_BACKENDS = ("grouped_mm", "loop")
 
 
-def _loop_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def _loop_linear(
+    x: torch.Tensor, weight: torch.Tensor, counts: list[int]
+) -> torch.Tensor:
     """x [R, K] with rows grouped by expert (counts[e] rows of expert e, in order), weight
     [E, N, K] -> [R, N]: one matmul per expert that has rows."""
     out = x.new_empty(x.shape[0], weight.shape[1])
@@ -57,7 +59,9 @@ def grouped_linear(
     if backend == "grouped_mm":
         return F.grouped_mm(x, weight.transpose(1, 2), offs=group_ends)
     ends = group_ends.tolist()
-    return _loop_linear(x, weight, [end - start for start, end in zip([0, *ends], ends)])
+    return _loop_linear(
+        x, weight, [end - start for start, end in zip([0, *ends], ends)]
+    )
 
 
 @functools.cache
@@ -72,7 +76,9 @@ def grouped_mm_works(device_type: str, dtype: torch.dtype) -> bool:
         w = torch.randn(3, 48, 32, generator=gen).to(device_type, dtype)
         ends = torch.tensor([4, 4, 7], dtype=torch.int32, device=device_type)
         got = grouped_linear(x, w, ends, "grouped_mm").float()
-        return torch.allclose(got, grouped_linear(x, w, ends, "loop").float(), atol=1e-2, rtol=1e-2)
+        return torch.allclose(
+            got, grouped_linear(x, w, ends, "loop").float(), atol=1e-2, rtol=1e-2
+        )
     except (RuntimeError, NotImplementedError, TypeError):
         return False
 
@@ -85,8 +91,12 @@ class Router(NativePackable, nn.Module):
     def __init__(self, hidden_size: int, cfg: MoEConfig):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, hidden_size))
-        self.bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
-        self.e_score_correction_bias = nn.Parameter(torch.empty(cfg.num_experts)) if cfg.correction_bias else None
+        self.bias = (
+            nn.Parameter(torch.empty(cfg.num_experts)) if cfg.router_bias else None
+        )
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.empty(cfg.num_experts)) if cfg.correction_bias else None
+        )
         self.dense: nn.Module | None = None
 
     def pack_sources(self) -> list[torch.Tensor]:
@@ -113,12 +123,20 @@ class Experts(NativePackable, nn.Module):
         super().__init__()
         E, I = cfg.num_experts, cfg.intermediate_size  # noqa: E741
         self.num_experts, self.intermediate_size = E, I
-        self.act = cfg.expert_act if cfg.expert_act == "clamped_swiglu" else check_activation(cfg.expert_act, "MoE")
+        self.act = (
+            cfg.expert_act
+            if cfg.expert_act == "clamped_swiglu"
+            else check_activation(cfg.expert_act, "MoE")
+        )
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, I))
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
-        self.down_proj_bias = nn.Parameter(torch.empty(E, hidden_size)) if cfg.expert_bias else None
+        self.gate_up_proj_bias = (
+            nn.Parameter(torch.empty(E, 2 * I)) if cfg.expert_bias else None
+        )
+        self.down_proj_bias = (
+            nn.Parameter(torch.empty(E, hidden_size)) if cfg.expert_bias else None
+        )
         self.backend: str | None = None  # None: grouped_mm where it works, else loop
         self.out_features = {"gate_up_proj": 2 * I, "down_proj": hidden_size}
 
@@ -137,23 +155,45 @@ class Experts(NativePackable, nn.Module):
             self.register_buffer(f"{name}_packed", packed, persistent=False)
             bias = getattr(self, f"{name}_bias")
             if bias is not None:
-                setattr(self, f"{name}_bias", nn.Parameter(bias.detach().float().contiguous(), requires_grad=False))
+                setattr(
+                    self,
+                    f"{name}_bias",
+                    nn.Parameter(
+                        bias.detach().float().contiguous(), requires_grad=False
+                    ),
+                )
         self.packed_target = target
 
     def unpacked(self, name: str) -> torch.Tensor:
         """The [E, N, K] stack `name` (gate_up_proj or down_proj), packed or not."""
         if self.packed_target is None:
             return getattr(self, name)
-        return torch.stack([unpack_dense(w, self.out_features[name]) for w in getattr(self, f"{name}_packed")])
+        return torch.stack(
+            [
+                unpack_dense(w, self.out_features[name])
+                for w in getattr(self, f"{name}_packed")
+            ]
+        )
 
-    def _project(self, x: torch.Tensor, name: str, group_ends: torch.Tensor, backend: str | None,
-                 row_expert: torch.Tensor) -> torch.Tensor:
+    def _project(
+        self,
+        x: torch.Tensor,
+        name: str,
+        group_ends: torch.Tensor,
+        backend: str | None,
+        row_expert: torch.Tensor,
+    ) -> torch.Tensor:
         """Rows x grouped by expert @ each one's `name` stack^T, + its bias; backend None: the packed
         stacks on the native kernel (group_ends int64), else grouped_linear's (group_ends int32)."""
         bias = getattr(self, f"{name}_bias")
         if backend is None:
             return kernels.load(self.packed_target).dense_grouped_linear(
-                x.contiguous(), getattr(self, f"{name}_packed"), group_ends, bias, self.out_features[name])
+                x.contiguous(),
+                getattr(self, f"{name}_packed"),
+                group_ends,
+                bias,
+                self.out_features[name],
+            )
         y = grouped_linear(x, getattr(self, name), group_ends, backend)
         return y if bias is None else y + bias[row_expert]
 
@@ -168,7 +208,9 @@ class Experts(NativePackable, nn.Module):
         if self.packed_target is not None and x.is_cpu:
             backend = None
         else:
-            backend = self.backend or ("grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop")
+            backend = self.backend or (
+                "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
+            )
         # rows r = t * k + j of the flattened choices, sorted by expert: order[i] is the i-th row
         # in expert order; rows of expert e are order[group_ends[e-1] : group_ends[e]]
         order = experts.reshape(-1).argsort(stable=True)  # [T * k]
@@ -177,15 +219,21 @@ class Experts(NativePackable, nn.Module):
             group_ends = group_ends.to(torch.int32)  # grouped_mm's offsets
         rows = x[order // k]  # [T * k, H]
         row_expert = experts.reshape(-1)[order]  # [T * k], ascending (the biases' rows)
-        h = self._project(rows, "gate_up_proj", group_ends, backend, row_expert)  # [T * k, 2I]
+        h = self._project(
+            rows, "gate_up_proj", group_ends, backend, row_expert
+        )  # [T * k, 2I]
         if self.act == "clamped_swiglu":
             h = clamped_swiglu(h, self.limit, self.alpha)
         else:
             h = act_and_mul(h.contiguous(), self.act)
         y = self._project(h, "down_proj", group_ends, backend, row_expert)  # [T * k, H]
         out = torch.empty_like(y, dtype=torch.float32)
-        out[order] = y.float() * weights.reshape(-1)[order, None]  # back to row order t * k + j
-        return row_sum(out.view(T, k, -1).transpose(1, 2)).squeeze(-1).to(x.dtype)  # each row's k in order
+        out[order] = (
+            y.float() * weights.reshape(-1)[order, None]
+        )  # back to row order t * k + j
+        return (
+            row_sum(out.view(T, k, -1).transpose(1, 2)).squeeze(-1).to(x.dtype)
+        )  # each row's k in order
 
     def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]:
         """Copy one checkpoint tensor in: a stacked one under our own name (`gate_up_proj`, ...,
@@ -206,7 +254,11 @@ class Experts(NativePackable, nn.Module):
             raise ValueError(f"unexpected expert weight {name!r}")
         dst = param.data[e]
         if proj != "down_proj":  # gate rows first, then up rows
-            dst = dst[: self.intermediate_size] if proj == "gate_proj" else dst[self.intermediate_size :]
+            dst = (
+                dst[: self.intermediate_size]
+                if proj == "gate_proj"
+                else dst[self.intermediate_size :]
+            )
         _copy(dst, tensor, name)
         return target, 1
 
@@ -217,7 +269,9 @@ class Experts(NativePackable, nn.Module):
 
 def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if dst.shape != tensor.shape:
-        raise ValueError(f"expert weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"expert weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(tensor)
 
 
@@ -233,16 +287,26 @@ class MoE(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if cfg.shared_intermediate_size:
             act = check_activation(cfg.expert_act, "MoE shared expert")
-            self.shared_expert = MLP(hidden_size, cfg.shared_intermediate_size, act, mlp_bias)
+            self.shared_expert = MLP(
+                hidden_size, cfg.shared_intermediate_size, act, mlp_bias
+            )
             if cfg.shared_expert_gate:
                 self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         # tokens routed to each expert since the last reset; a buffer so that it follows .to(device)
-        self.register_buffer("expert_load", torch.zeros(cfg.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer(
+            "expert_load",
+            torch.zeros(cfg.num_experts, dtype=torch.int64),
+            persistent=False,
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         logits = self.gate(x)  # [T, E]
-        weights, experts = self.route(logits, self.cfg, self.gate.e_score_correction_bias)
-        counts = torch.bincount(experts.reshape(-1), minlength=self.cfg.num_experts)  # [E]
+        weights, experts = self.route(
+            logits, self.cfg, self.gate.e_score_correction_bias
+        )
+        counts = torch.bincount(
+            experts.reshape(-1), minlength=self.cfg.num_experts
+        )  # [E]
         self.expert_load += counts
         out = self.experts(x, weights, experts, counts)
         if self.shared_expert is not None:
@@ -251,4 +315,3 @@ class MoE(nn.Module):
                 shared = sigmoid32(self.shared_expert_gate(x)).to(shared.dtype) * shared
             out = out + shared
         return out
-

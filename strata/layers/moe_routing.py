@@ -42,11 +42,16 @@ def sigmoid32(x: torch.Tensor) -> torch.Tensor:
 
 class RoutingFn(Protocol):
     def __call__(
-        self, logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None
+        self,
+        logits: torch.Tensor,
+        cfg: MoEConfig,
+        correction_bias: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-def softmax_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None):
+def softmax_topk(
+    logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None
+):
     """softmax over all experts -> top-k -> renormalised to sum to 1 if `norm_topk_prob`.
     Mixtral (always renormalises), Qwen2-MoE and Qwen3-MoE (per the config)."""
     probs = torch.softmax(logits.float(), dim=-1)
@@ -56,7 +61,9 @@ def softmax_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Te
     return weights, experts
 
 
-def topk_softmax(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None):
+def topk_softmax(
+    logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None
+):
     """top-k on the raw logits (the router's linear has a bias) -> softmax over the k chosen. GPT-OSS."""
     top, experts = torch.topk(logits.float(), cfg.top_k, dim=-1)
     return torch.softmax(top, dim=-1), experts
@@ -75,7 +82,9 @@ def _group_mask(scores: torch.Tensor, cfg: MoEConfig, group_score: str) -> torch
     return keep.unsqueeze(-1).expand_as(grouped).reshape_as(scores)
 
 
-def sigmoid_group_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None):
+def sigmoid_group_topk(
+    logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None
+):
     """DeepSeek-V3 (noaux_tc): sigmoid scores; the choice is made on scores + the per-expert
     correction bias, limited to the best `topk_groups` groups (a group scored by the sum of its best
     two); the weights are the chosen experts' scores without the bias, renormalised if
@@ -83,7 +92,9 @@ def sigmoid_group_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: to
     scores = sigmoid32(logits)
     choice = scores if correction_bias is None else scores + correction_bias.float()
     if cfg.num_groups > 1:
-        choice = choice.masked_fill(~_group_mask(choice, cfg, "top2_sum"), float("-inf"))
+        choice = choice.masked_fill(
+            ~_group_mask(choice, cfg, "top2_sum"), float("-inf")
+        )
     experts = torch.topk(choice, cfg.top_k, dim=-1).indices
     weights = scores.gather(1, experts)
     if cfg.norm_topk_prob:
@@ -91,10 +102,14 @@ def sigmoid_group_topk(logits: torch.Tensor, cfg: MoEConfig, correction_bias: to
     return weights * cfg.routed_scaling_factor, experts
 
 
-def softmax_greedy(logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None):
+def softmax_greedy(
+    logits: torch.Tensor, cfg: MoEConfig, correction_bias: torch.Tensor | None = None
+):
     """DeepSeek-V2 `topk_method="greedy"`: softmax -> top-k, times `routed_scaling_factor` (never
     renormalised, as transformers runs it)."""
-    weights, experts = torch.topk(torch.softmax(logits.float(), dim=-1), cfg.top_k, dim=-1)
+    weights, experts = torch.topk(
+        torch.softmax(logits.float(), dim=-1), cfg.top_k, dim=-1
+    )
     return weights * cfg.routed_scaling_factor, experts
 
 
@@ -120,5 +135,7 @@ ROUTING: dict[str, RoutingFn] = {
 
 def get_routing(name: str) -> RoutingFn:
     if name not in ROUTING:
-        raise ValueError(f"MoE routing {name!r} is not supported; supported: {', '.join(sorted(ROUTING))}")
+        raise ValueError(
+            f"MoE routing {name!r} is not supported; supported: {', '.join(sorted(ROUTING))}"
+        )
     return ROUTING[name]

@@ -21,7 +21,9 @@ class RMSNorm(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """norm(x); with `residual`, returns (norm(x + residual), x + residual)."""
-        fast = x.is_contiguous() and x.dtype == self.weight.dtype and not self.unit_offset
+        fast = (
+            x.is_contiguous() and x.dtype == self.weight.dtype and not self.unit_offset
+        )
         ops = usable(x) if fast else None
         if residual is None:
             return ops.rms_norm(x, self.weight, self.eps) if ops else self.reference(x)

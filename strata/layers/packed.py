@@ -63,17 +63,33 @@ class DenseLinear(nn.Module):
     """y = x @ W^T + b over a packed bf16/float32 weight, by the native kernel of the build `target`
     (the one loaded when the model was: a model keeps its kernels, as the quantized layers do)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, target: str, tied_embedding: bool = False):
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        target: str,
+        tied_embedding: bool = False,
+    ):
         super().__init__()
-        self.tied_embedding = tied_embedding  # a copy of the embedding table serving as the output head
+        self.tied_embedding = (
+            tied_embedding  # a copy of the embedding table serving as the output head
+        )
         if weight.dtype not in (torch.bfloat16, torch.float32) or weight.dim() != 2:
-            raise ValueError(f"DenseLinear takes a 2-D bf16 or float32 weight, got {weight.dtype} {tuple(weight.shape)}")
+            raise ValueError(
+                f"DenseLinear takes a 2-D bf16 or float32 weight, got {weight.dtype} {tuple(weight.shape)}"
+            )
         if weight.dtype == torch.bfloat16 and weight.shape[1] % 2:
-            raise ValueError(f"a bf16 DenseLinear needs an even number of inputs, got {weight.shape[1]}")
+            raise ValueError(
+                f"a bf16 DenseLinear needs an even number of inputs, got {weight.shape[1]}"
+            )
         self.out_features, self.in_features = weight.shape
         self.target = target
         self.register_buffer("wp", pack_dense(weight), persistent=False)
-        self.register_buffer("bias", None if bias is None else bias.detach().float().contiguous(), persistent=False)
+        self.register_buffer(
+            "bias",
+            None if bias is None else bias.detach().float().contiguous(),
+            persistent=False,
+        )
 
     @property
     def dtype(self) -> torch.dtype:
@@ -89,12 +105,16 @@ class DenseLinear(nn.Module):
         if ops is None:  # moved off the CPU after packing
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.unpacked().to(x.dtype), bias)
-        out = ops.dense_linear(rows.to(self.dtype).contiguous(), self.wp, self.bias, self.out_features)
+        out = ops.dense_linear(
+            rows.to(self.dtype).contiguous(), self.wp, self.bias, self.out_features
+        )
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"{str(self.dtype).removeprefix('torch.')}, kernels {self.target}")
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"{str(self.dtype).removeprefix('torch.')}, kernels {self.target}"
+        )
 
 
 class NativePackable:
@@ -120,13 +140,17 @@ def pack_groups(weights: torch.Tensor) -> torch.Tensor:
     return torch.stack([pack_dense(w) for w in weights])
 
 
-def grouped_dense(x: torch.Tensor, packed: torch.Tensor, n: int, target: str) -> torch.Tensor:
+def grouped_dense(
+    x: torch.Tensor, packed: torch.Tensor, n: int, target: str
+) -> torch.Tensor:
     """x [T, g, K] -> [T, g, n]: slice i of every token through packed weight i of `packed` (pack_groups),
     each row's bits independent of T, as dense_linear's are."""
     tokens, groups, k = x.shape
     rows = x.transpose(0, 1).reshape(groups * tokens, k)
     ends = torch.arange(1, groups + 1, dtype=torch.int64) * tokens
-    out = kernels.load(target).dense_grouped_linear(rows.contiguous(), packed, ends, None, n)
+    out = kernels.load(target).dense_grouped_linear(
+        rows.contiguous(), packed, ends, None, n
+    )
     return out.view(groups, tokens, n).transpose(0, 1)
 
 
@@ -139,24 +163,42 @@ def float_weight(module: nn.Module) -> torch.Tensor:
 # expert stacks, MLA's absorbed up-projections and DeepSeek-V4's grouped output projection unless
 # packed for the native kernels (`native_kernel`); expert-parallel experts; DeepSeek-V4's MoE,
 # hyper-connections and compressed attention.
-BLAS_MATMUL_MODULES = frozenset({
-    "PackedLinear", "Router", "Experts", "EPExperts", "KVUpProjection", "GroupedLinear", "DSV4MoE",
-    "HyperConnection", "HyperHead", "DSV4Attention",
-})
+BLAS_MATMUL_MODULES = frozenset(
+    {
+        "PackedLinear",
+        "Router",
+        "Experts",
+        "EPExperts",
+        "KVUpProjection",
+        "GroupedLinear",
+        "DSV4MoE",
+        "HyperConnection",
+        "HyperHead",
+        "DSV4Attention",
+    }
+)
 
 
 def blas_matmuls(model: torch.nn.Module) -> list[str]:
     """The kinds of the model's modules that multiply float weights through BLAS rather than the native
     kernels (block-quantized, or DenseLinear's packed bf16/float32), which compute a row the same in
     any call."""
-    return sorted({
-        type(m).__name__ for m in model.modules()
-        if type(m) is torch.nn.Linear
-        or (type(m).__name__ in BLAS_MATMUL_MODULES and not getattr(m, "native_kernel", False))
-    })
+    return sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if type(m) is torch.nn.Linear
+            or (
+                type(m).__name__ in BLAS_MATMUL_MODULES
+                and not getattr(m, "native_kernel", False)
+            )
+        }
+    )
 
 
-def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _onednn_linear(
+    x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
@@ -171,12 +213,18 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = _onednn_pack(weight)  # an opaque oneDNN tensor: a plain attribute, not a parameter
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        self.packed = _onednn_pack(
+            weight
+        )  # an opaque oneDNN tensor: a plain attribute, not a parameter
+        self.bias = (
+            None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = _onednn_linear(x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias)
+        out = _onednn_linear(
+            x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias
+        )
         return out.view(*lead, self.out_features)
 
     def extra_repr(self) -> str:
@@ -190,9 +238,18 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> bool:
 def dense_target() -> str | None:
     """The native build DenseLinear would run here, if it runs and matches F.linear (bf16 and float32);
     None also under DENSE_ENV_VAR=0 (oneDNN packing or BLAS then, for A/B comparisons)."""
-    if os.environ.get(DENSE_ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    if os.environ.get(DENSE_ENV_VAR, "1").strip().lower() in (
+        "0",
+        "false",
+        "no",
+        "off",
+    ):
         return None
-    if not enabled_by_env() or kernels.cpu_ops() is None or not hasattr(kernels.cpu_ops(), "dense_linear"):
+    if (
+        not enabled_by_env()
+        or kernels.cpu_ops() is None
+        or not hasattr(kernels.cpu_ops(), "dense_linear")
+    ):
         return None
     target = kernels.selected_target()
     try:
@@ -202,7 +259,10 @@ def dense_target() -> str | None:
             b = torch.randn(40, generator=gen).to(dtype)
             x = torch.randn(5, 32, generator=gen).to(dtype)
             if not _close(DenseLinear(w, b, target)(x), F.linear(x, w, b)):
-                logger.warning("the native dense kernel disagrees with F.linear (%s); not using it", dtype)
+                logger.warning(
+                    "the native dense kernel disagrees with F.linear (%s); not using it",
+                    dtype,
+                )
                 return None
     except Exception as exc:  # a build without the kernel, ...
         logger.info("native dense linears unavailable (%s)", exc)
@@ -220,14 +280,19 @@ def packing_works() -> bool:
         b = torch.randn(48, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
         return _close(_onednn_linear(x, _onednn_pack(w), b), F.linear(x, w, b))
-    except Exception as exc:  # an op missing from this torch build, an unsupported CPU, ...
+    except (
+        Exception
+    ) as exc:  # an op missing from this torch build, an unsupported CPU, ...
         logger.info("oneDNN weight packing unavailable (%s)", exc)
         return False
 
 
 def _fits(weight: torch.Tensor) -> bool:
     """Whether the dense kernel takes this weight ([..., N, K]): float32, or bf16 with an even K."""
-    return weight.is_cpu and (weight.dtype == torch.float32 or (weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0))
+    return weight.is_cpu and (
+        weight.dtype == torch.float32
+        or (weight.dtype == torch.bfloat16 and weight.shape[-1] % 2 == 0)
+    )
 
 
 def pack_linears(model: nn.Module) -> int:
@@ -243,9 +308,19 @@ def pack_linears(model: nn.Module) -> int:
         if type(child) is nn.Linear and child.weight.device.type == "cpu"
     ]
     embed = getattr(model, "embed_tokens", None)
-    if getattr(model, "lm_head", "absent") is None and isinstance(embed, nn.Embedding) and embed.weight.is_cpu:
-        targets.append((model, "lm_head", embed))  # tied: a packed copy of the embedding matrix, no bias
-    grouped = [m for m in model.modules() if isinstance(m, NativePackable) and not m.native_kernel]
+    if (
+        getattr(model, "lm_head", "absent") is None
+        and isinstance(embed, nn.Embedding)
+        and embed.weight.is_cpu
+    ):
+        targets.append(
+            (model, "lm_head", embed)
+        )  # tied: a packed copy of the embedding matrix, no bias
+    grouped = [
+        m
+        for m in model.modules()
+        if isinstance(m, NativePackable) and not m.native_kernel
+    ]
     if not targets and not grouped:
         return 0
     target = dense_target()
@@ -254,7 +329,11 @@ def pack_linears(model: nn.Module) -> int:
     for parent, name, child in targets:
         weight, bias = child.weight, getattr(child, "bias", None)
         if target is not None and _fits(weight):
-            setattr(parent, name, DenseLinear(weight, bias, target, tied_embedding=child is embed))
+            setattr(
+                parent,
+                name,
+                DenseLinear(weight, bias, target, tied_embedding=child is embed),
+            )
         elif onednn and weight.dtype == torch.bfloat16:
             setattr(parent, name, PackedLinear(weight, bias))
         else:

@@ -61,7 +61,9 @@ def scale_dtype(*scales: torch.Tensor) -> torch.dtype:
     return torch.float16
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_activations(
+    x: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """What the kernel does to its input, in torch: x [M, K] -> (q float [M, K/32, 32] in -127..127,
     d [M, K/32] = max|x| / 127, s [M, K/32] = the block's float sum, c = 8 (s - d sum(q)): the sum's
     rounding error, which lets q4 weights count as centred (q - 8), see quant_ops.cpp)."""
@@ -89,13 +91,17 @@ class QuantLinear(nn.Module, ABC):
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
         if in_features % BLOCK:
-            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {in_features}")
+            raise ValueError(
+                f"block quantization needs in_features divisible by {BLOCK}; got {in_features}"
+            )
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
 
     @classmethod
     @abstractmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> QuantLinear:
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> QuantLinear:
         """Quantize a float weight [out_features, in_features] (ValueError if the shape cannot be stored)."""
 
     @abstractmethod
@@ -108,7 +114,9 @@ class QuantLinear(nn.Module, ABC):
             return torch.arange(self.out_features)[index]
         return index.reshape(-1).long()
 
-    def dequantize_rows(self, start: int, end: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dequantize_rows(
+        self, start: int, end: int, dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
         """Weight rows [start, end) as `dtype` [end - start, in_features], in pure torch."""
         return self.rows(slice(start, end)).to(dtype)
 
@@ -132,8 +140,13 @@ class QuantLinear(nn.Module, ABC):
         """x [rows, in_features] -> [rows, out_features] without the kernels: dequantize
         DEQUANT_CHUNK_NUMEL weights at a time into x.dtype, then a dense matmul."""
         n, k = self.out_features, self.in_features
-        step = n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
-        parts = [F.linear(x, self.dequantize_rows(i, min(i + step, n), x.dtype)) for i in range(0, n, step)]
+        step = (
+            n if n * k <= 2 * DEQUANT_CHUNK_NUMEL else max(16, DEQUANT_CHUNK_NUMEL // k)
+        )
+        parts = [
+            F.linear(x, self.dequantize_rows(i, min(i + step, n), x.dtype))
+            for i in range(0, n, step)
+        ]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def reference_forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,7 +165,9 @@ class QuantLinear(nn.Module, ABC):
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
         ops = kernels.usable(x2d)
         out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
-        bias = self._buffers["bias"]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step
+        bias = self._buffers[
+            "bias"
+        ]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step
         if bias is not None:
             out = out.add_(bias.to(out.dtype))
         return out.view(*x.shape[:-1], self.out_features)
@@ -171,28 +186,46 @@ class Q4Linear(QuantLinear):
 
     format = "q4"
 
-    def __init__(self, qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self,
+        qs: torch.Tensor,
+        d: torch.Tensor,
+        m: torch.Tensor,
+        bias: torch.Tensor | None = None,
+    ):
         super().__init__(qs.shape[1] * 2, qs.shape[0], bias)
         n, nb = self.out_features, self.in_features // BLOCK
         if qs.dtype != torch.uint8 or d.shape != (n, nb) or m.shape != (n, nb):
-            raise ValueError(f"q4 blocks need qs uint8 [N, K/2], d and m [N, K/32]; got {qs.shape} {d.shape} {m.shape}")
+            raise ValueError(
+                f"q4 blocks need qs uint8 [N, K/2], d and m [N, K/32]; got {qs.shape} {d.shape} {m.shape}"
+            )
         dtype = scale_dtype(d, m)
         self.register_buffer("qp", pack_rows(qs, 4))  # uint8 [G, K/32, 4, 16, 4]
-        self.register_buffer("dp", pack_scales(d.to(dtype), 1)[:, :, 0])  # [G, K/32, 16] float16 or float32
+        self.register_buffer(
+            "dp", pack_scales(d.to(dtype), 1)[:, :, 0]
+        )  # [G, K/32, 16] float16 or float32
         self.register_buffer("mp", pack_scales(m.to(dtype), 1)[:, :, 0])
 
     @classmethod
     @torch.no_grad()
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q4Linear:
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Q4Linear:
         """Each block's min..max spread over the 16 levels (a block's weights are rarely centred on 0)."""
         n, k = weight.shape
         if k % BLOCK:
-            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {k}")
+            raise ValueError(
+                f"block quantization needs in_features divisible by {BLOCK}; got {k}"
+            )
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
         lo, hi = w.amin(dim=2), w.amax(dim=2)  # [N, K/32]
         d = (hi - lo) / 15
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
-        q = torch.round((w - lo[..., None]) * inv[..., None]).clamp_(0, 15).to(torch.uint8)
+        q = (
+            torch.round((w - lo[..., None]) * inv[..., None])
+            .clamp_(0, 15)
+            .to(torch.uint8)
+        )
         return cls(pack_nibbles(q.view(n, k)), d, lo, bias)
 
     @property
@@ -210,12 +243,17 @@ class Q4Linear(QuantLinear):
 
     def unpacked(self, index: slice | torch.Tensor = slice(None)) -> torch.Tensor:
         """q of the rows `index` selects: uint8 [rows, K/32, 32]."""
-        qs = packed_rows(self.qp, self._ids(index)).view(-1, self.in_features // BLOCK, BLOCK // 2)
+        qs = packed_rows(self.qp, self._ids(index)).view(
+            -1, self.in_features // BLOCK, BLOCK // 2
+        )
         return torch.cat([qs & 15, qs >> 4], dim=2)
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         ids = self._ids(index)
-        d, m = packed_scales(self.dp[:, :, None], ids), packed_scales(self.mp[:, :, None], ids)
+        d, m = (
+            packed_scales(self.dp[:, :, None], ids),
+            packed_scales(self.mp[:, :, None], ids),
+        )
         w = self.unpacked(ids).float().mul_(d[..., None]).add_(m[..., None])
         return w.view(-1, self.in_features)
 
@@ -226,7 +264,9 @@ class Q4Linear(QuantLinear):
     def emulated_mm(self, x: torch.Tensor) -> torch.Tensor:
         xq, xd, xs, xc = quantize_activations(x)
         d, m = self.d, self.m
-        sums = torch.einsum("mbj,nbj->mnb", xq, self.unpacked().float())  # exact integers in float32
+        sums = torch.einsum(
+            "mbj,nbj->mnb", xq, self.unpacked().float()
+        )  # exact integers in float32
         offsets = m[None] * xs[:, None] + d[None] * xc[:, None]  # [M, N, K/32]
         return (sums * (d[None] * xd[:, None]) + offsets).sum(-1)
 
@@ -238,20 +278,34 @@ class Q8Linear(QuantLinear):
 
     format = "q8"
 
-    def __init__(self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None):
+    def __init__(
+        self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None
+    ):
         super().__init__(qs.shape[1], qs.shape[0], bias)
         self.group = self.in_features // max(1, d.shape[1])
-        if qs.dtype != torch.int8 or self.group not in (16, 32) or d.shape != (self.out_features, self.in_features // self.group):
-            raise ValueError(f"q8 blocks need qs int8 [N, K], d [N, K/32] or [N, K/16]; got {qs.shape} {d.shape}")
+        if (
+            qs.dtype != torch.int8
+            or self.group not in (16, 32)
+            or d.shape != (self.out_features, self.in_features // self.group)
+        ):
+            raise ValueError(
+                f"q8 blocks need qs int8 [N, K], d [N, K/32] or [N, K/16]; got {qs.shape} {d.shape}"
+            )
         self.register_buffer("qp", pack_rows(qs, 8))  # int8 [G, K/32, 8, 16, 4]
-        self.register_buffer("dp", pack_scales(d.to(scale_dtype(d)), BLOCK // self.group))  # [G, K/32, subs, 16]
+        self.register_buffer(
+            "dp", pack_scales(d.to(scale_dtype(d)), BLOCK // self.group)
+        )  # [G, K/32, subs, 16]
 
     @classmethod
     @torch.no_grad()
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Q8Linear:
+    def from_weight(
+        cls, weight: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> Q8Linear:
         n, k = weight.shape
         if k % BLOCK:
-            raise ValueError(f"block quantization needs in_features divisible by {BLOCK}; got {k}")
+            raise ValueError(
+                f"block quantization needs in_features divisible by {BLOCK}; got {k}"
+            )
         w = weight.detach().float().view(n, k // BLOCK, BLOCK)
         d = w.abs().amax(dim=2) / 127
         inv = torch.where(d > 0, 1 / d, torch.zeros_like(d))
@@ -269,7 +323,11 @@ class Q8Linear(QuantLinear):
 
     def rows(self, index: slice | torch.Tensor) -> torch.Tensor:
         ids = self._ids(index)
-        q = packed_rows(self.qp, ids).view(-1, self.in_features // self.group, self.group).float()
+        q = (
+            packed_rows(self.qp, ids)
+            .view(-1, self.in_features // self.group, self.group)
+            .float()
+        )
         return q.mul_(packed_scales(self.dp, ids)[..., None]).view(-1, self.in_features)
 
     def kernel_mm(self, ops, x: torch.Tensor) -> torch.Tensor:
@@ -281,7 +339,9 @@ class Q8Linear(QuantLinear):
         rows, subs = x.shape[0], self.in_features // self.group
         w = self.qs.float().view(self.out_features, subs, self.group)
         sums = torch.einsum("msj,nsj->mns", xq.view(rows, subs, self.group), w)
-        scale = self.d[None] * xd.repeat_interleave(BLOCK // self.group, dim=1)[:, None]  # [M, N, subs]
+        scale = (
+            self.d[None] * xd.repeat_interleave(BLOCK // self.group, dim=1)[:, None]
+        )  # [M, N, subs]
         return (sums * scale).sum(-1)
 
 
@@ -296,7 +356,11 @@ def pack_rows(q: torch.Tensor, quads: int) -> torch.Tensor:
     groups = -(-n // GROUP)
     padded = torch.zeros(groups * GROUP, width, dtype=q.dtype)
     padded[:n] = q
-    return padded.view(groups, GROUP, width // (quads * 4), quads, 4).permute(0, 2, 3, 1, 4).contiguous()
+    return (
+        padded.view(groups, GROUP, width // (quads * 4), quads, 4)
+        .permute(0, 2, 3, 1, 4)
+        .contiguous()
+    )
 
 
 def pack_scales(s: torch.Tensor, subs: int) -> torch.Tensor:
@@ -305,7 +369,9 @@ def pack_scales(s: torch.Tensor, subs: int) -> torch.Tensor:
     groups = -(-n // GROUP)
     padded = torch.zeros(groups * GROUP, width, dtype=s.dtype)
     padded[:n] = s
-    return padded.view(groups, GROUP, width // subs, subs).permute(0, 2, 3, 1).contiguous()
+    return (
+        padded.view(groups, GROUP, width // subs, subs).permute(0, 2, 3, 1).contiguous()
+    )
 
 
 def packed_rows(qp: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -323,19 +389,31 @@ def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
     """q uint8 [N, K] in 0..15 -> qs [N, K/2] in the q4 byte order."""
     n, k = q.shape
     blocks = q.view(n, k // BLOCK, BLOCK)
-    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)).reshape(n, k // 2)
+    return (blocks[..., : BLOCK // 2] | (blocks[..., BLOCK // 2 :] << 4)).reshape(
+        n, k // 2
+    )
 
 
-def concat_rows(parts: list[QuantLinear], bias: torch.Tensor | None = None) -> nn.Module:
+def concat_rows(
+    parts: list[QuantLinear], bias: torch.Tensor | None = None
+) -> nn.Module:
     """One layer computing the parts' outputs side by side (a fused qkv or gate/up projection).
 
     Parts of one format (and, for q8, one group size) merge into a single QuantLinear; a mix (e.g. a
     Q4_K_M checkpoint's Q4_K q and Q6_K v) becomes a `ConcatLinear` that runs each and joins them."""
     first = parts[0]
-    if all(type(p) is type(first) and getattr(p, "group", 0) == getattr(first, "group", 0) for p in parts):
+    if all(
+        type(p) is type(first) and getattr(p, "group", 0) == getattr(first, "group", 0)
+        for p in parts
+    ):
         if isinstance(first, Q4Linear):
-            return Q4Linear(*(torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")), bias)
-        return Q8Linear(torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), bias)
+            return Q4Linear(
+                *(torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")),
+                bias,
+            )
+        return Q8Linear(
+            torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), bias
+        )
     return ConcatLinear(parts, bias)
 
 
@@ -368,7 +446,11 @@ class QuantEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.head.gather_rows(ids.reshape(-1)).to(self.dtype).view(*ids.shape, self.embedding_dim)
+        return (
+            self.head.gather_rows(ids.reshape(-1))
+            .to(self.dtype)
+            .view(*ids.shape, self.embedding_dim)
+        )
 
 
 QUANT_METHODS: dict[str, type[QuantLinear]] = {"int8": Q8Linear, "int4": Q4Linear}
@@ -379,8 +461,15 @@ def describe_weights(model: nn.Module) -> str:
     counts: dict[str, int] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):
-            name = module.format if not isinstance(module, Q8Linear) or module.group == BLOCK else "q8/16"
-        elif isinstance(module, nn.Linear) or type(module).__name__ in ("PackedLinear", "DenseLinear"):
+            name = (
+                module.format
+                if not isinstance(module, Q8Linear) or module.group == BLOCK
+                else "q8/16"
+            )
+        elif isinstance(module, nn.Linear) or type(module).__name__ in (
+            "PackedLinear",
+            "DenseLinear",
+        ):
             name = "float"
         else:
             continue
@@ -388,7 +477,9 @@ def describe_weights(model: nn.Module) -> str:
     return ", ".join(f"{name} x{n}" for name, n in sorted(counts.items())) or "none"
 
 
-def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) -> nn.Module:
+def quantize_model(
+    model: nn.Module, method: str, *, tied_lm_head: bool = True
+) -> nn.Module:
     """Replace the decoder layers' nn.Linear modules and the output projection by `QuantLinear`s, in place.
 
     With tied embeddings and `tied_lm_head`, `model.lm_head` becomes a quantized copy of the embedding
@@ -398,7 +489,9 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
     (in_features not a multiple of 32) stays float, with a warning. Returns the model.
     """
     if method not in QUANT_METHODS:
-        raise ValueError(f"quantization must be one of {tuple(QUANT_METHODS)}, got {method!r}")
+        raise ValueError(
+            f"quantization must be one of {tuple(QUANT_METHODS)}, got {method!r}"
+        )
     devices = {p.device.type for p in model.parameters()}
     if devices - {"cpu"}:
         raise ValueError(
@@ -407,31 +500,57 @@ def quantize_model(model: nn.Module, method: str, *, tied_lm_head: bool = True) 
         )
     cls = QUANT_METHODS[method]
     head = getattr(model, "lm_head", "absent")
-    tied_copy = isinstance(head, DenseLinear) and head.tied_embedding  # pack_linears' copy of the embedding
-    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, (nn.Linear, DenseLinear))]
-    targets = [(name, m) for name, m in targets if name.startswith("layers.") or (name == "lm_head" and not tied_copy)]
+    tied_copy = (
+        isinstance(head, DenseLinear) and head.tied_embedding
+    )  # pack_linears' copy of the embedding
+    targets = [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, DenseLinear))
+    ]
+    targets = [
+        (name, m)
+        for name, m in targets
+        if name.startswith("layers.") or (name == "lm_head" and not tied_copy)
+    ]
     kept: list[str] = []
     for name, linear in targets:
         try:
-            if isinstance(linear, DenseLinear):  # packed by the loader: quantize the weight it holds
+            if isinstance(
+                linear, DenseLinear
+            ):  # packed by the loader: quantize the weight it holds
                 weight = linear.unpacked()
-                quantized = cls.from_weight(weight, None if linear.bias is None else linear.bias.to(weight.dtype))
+                quantized = cls.from_weight(
+                    weight,
+                    None if linear.bias is None else linear.bias.to(weight.dtype),
+                )
             else:
                 quantized = cls.from_weight(linear.weight, linear.bias)
         except ValueError as e:
             kept.append(f"{name} ({e})")
             continue
         parent_name, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, attr, quantized)
-    tied = (head is None or tied_copy) and isinstance(getattr(model, "embed_tokens", None), nn.Embedding)
+        setattr(
+            model.get_submodule(parent_name) if parent_name else model, attr, quantized
+        )
+    tied = (head is None or tied_copy) and isinstance(
+        getattr(model, "embed_tokens", None), nn.Embedding
+    )
     if tied and tied_lm_head:
         try:
             model.lm_head = cls.from_weight(model.embed_tokens.weight)
         except ValueError as e:
             kept.append(f"lm_head (tied embedding: {e})")
     if kept:
-        logger.warning("%s: %d linear layers stay unquantized: %s", method, len(kept), "; ".join(kept[:4]))
+        logger.warning(
+            "%s: %d linear layers stay unquantized: %s",
+            method,
+            len(kept),
+            "; ".join(kept[:4]),
+        )
     reset = getattr(model, "reset_native_decode", None)
-    if callable(reset):  # a native decode loop built before holds the replaced modules' tensors
+    if callable(
+        reset
+    ):  # a native decode loop built before holds the replaced modules' tensors
         reset()
     return model

@@ -30,35 +30,54 @@ class SamplingBatch:
     repetition_penalties: torch.Tensor | None = None  # [B]
     frequency_penalties: torch.Tensor | None = None  # [B]
     presence_penalties: torch.Tensor | None = None  # [B]
-    output_counts: torch.Tensor | None = None  # [B, V] occurrences of each token in the output
+    output_counts: torch.Tensor | None = (
+        None  # [B, V] occurrences of each token in the output
+    )
     seen_mask: torch.Tensor | None = None  # [B, V] token occurs in prompt or output
-    banned_mask: torch.Tensor | None = None  # [B, V] tokens that may not be sampled yet (min_new_tokens)
+    banned_mask: torch.Tensor | None = (
+        None  # [B, V] tokens that may not be sampled yet (min_new_tokens)
+    )
     # logit_bias (None when no row has one): logits[bias_rows[i], bias_ids[i]] += bias_values[i]
     bias_rows: torch.Tensor | None = None  # [N] int64
     bias_ids: torch.Tensor | None = None  # [N] int64
     bias_values: torch.Tensor | None = None  # [N] float32
-    top_logprobs: int | None = None  # max k over the rows that want logprobs; None: nobody does
+    top_logprobs: int | None = (
+        None  # max k over the rows that want logprobs; None: nobody does
+    )
     # structured output (None when no row is constrained this step): bit t of grammar_bitmask[i] set =
     # token t allowed in row grammar_rows[i]; rows not listed are unconstrained
     grammar_rows: torch.Tensor | None = None  # [G] int64
-    grammar_bitmask: torch.Tensor | None = None  # [G, ceil(V' / 32)] int32, V' >= V (the grammar's vocab)
+    grammar_bitmask: torch.Tensor | None = (
+        None  # [G, ceil(V' / 32)] int32, V' >= V (the grammar's vocab)
+    )
     # speculative decoding (None when no row verifies a draft): the drafted token this row's choice is
     # checked against (-1: none), and a second U(0,1) draw per row for the rejection test
     draft_ids: torch.Tensor | None = None  # [B] int64
     accept_uniforms: torch.Tensor | None = None  # [B]
 
 
-ROW_FIELDS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+ROW_FIELDS = (
+    "temperature",
+    "top_p",
+    "min_p",
+    "repetition_penalty",
+    "frequency_penalty",
+    "presence_penalty",
+)
 
 
 def sampling_row(params, vocab_size: int) -> tuple[torch.Tensor, int]:
     """One request's sampling numbers as a float32 row (ROW_FIELDS order; temperature 0 for greedy)
     and its effective top_k, built once at admission: a value the tensors cannot hold fails that
     request there, never a batch it shares later."""
-    values = [0.0 if params.is_greedy else params.temperature] + [getattr(params, f) for f in ROW_FIELDS[1:]]
+    values = [0.0 if params.is_greedy else params.temperature] + [
+        getattr(params, f) for f in ROW_FIELDS[1:]
+    ]
     row = torch.tensor(values, dtype=torch.float32)
     if not bool(torch.isfinite(row).all()):
-        raise ValueError(f"sampling parameters {dict(zip(ROW_FIELDS, values))} do not fit in float32")
+        raise ValueError(
+            f"sampling parameters {dict(zip(ROW_FIELDS, values))} do not fit in float32"
+        )
     top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
     return row, top_k
 
@@ -69,23 +88,33 @@ class SamplerOutput:
     logprobs: torch.Tensor | None = None  # [B] logprob of the chosen token
     top_ids: torch.Tensor | None = None  # [B, k]
     top_logprobs: torch.Tensor | None = None  # [B, k]
-    accepted: torch.Tensor | None = None  # [B] bool: the row's draft was kept (token_ids holds it); with draft_ids
+    accepted: torch.Tensor | None = (
+        None  # [B] bool: the row's draft was kept (token_ids holds it); with draft_ids
+    )
 
 
-_BIT_VALUES: dict[torch.device, torch.Tensor] = {}  # [8] uint8: 1, 2, 4, ..., 128 per device
+_BIT_VALUES: dict[
+    torch.device, torch.Tensor
+] = {}  # [8] uint8: 1, 2, 4, ..., 128 per device
 
 
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int, *, invert: bool = False) -> torch.Tensor:
+def unpack_bitmask(
+    bitmask: torch.Tensor, vocab_size: int, *, invert: bool = False
+) -> torch.Tensor:
     """[G, words] int32 bitmask -> [G, vocab_size] bool, True where the token is allowed (forbidden
     with invert=True).
 
     Token t is bit t % 32 of word t // 32; read as little-endian bytes that is bit t % 8 of byte t // 8.
     On the CPU numpy's unpackbits does it in one vectorised pass; elsewhere one broadcast AND."""
-    as_bytes = bitmask.contiguous().view(torch.uint8)  # [G, 4 * words], little-endian on every torch device
+    as_bytes = bitmask.contiguous().view(
+        torch.uint8
+    )  # [G, 4 * words], little-endian on every torch device
     if invert:
         as_bytes = ~as_bytes
     if bitmask.device.type == "cpu":
-        bits = np.unpackbits(as_bytes.numpy(), axis=-1, bitorder="little")  # [G, 32 * words] uint8
+        bits = np.unpackbits(
+            as_bytes.numpy(), axis=-1, bitorder="little"
+        )  # [G, 32 * words] uint8
         return torch.from_numpy(bits.view(np.bool_))[:, :vocab_size]
     return unpack_bytes_torch(as_bytes)[:, :vocab_size]
 
@@ -94,13 +123,16 @@ def unpack_bytes_torch(as_bytes: torch.Tensor) -> torch.Tensor:
     """[G, n] uint8 -> [G, 8 * n] bool, bit j of byte i at 8 * i + j, on any device (one broadcast AND)."""
     values = _BIT_VALUES.get(as_bytes.device)
     if values is None:
-        values = _BIT_VALUES[as_bytes.device] = torch.tensor([1 << j for j in range(8)], dtype=torch.uint8,
-                                                             device=as_bytes.device)
+        values = _BIT_VALUES[as_bytes.device] = torch.tensor(
+            [1 << j for j in range(8)], dtype=torch.uint8, device=as_bytes.device
+        )
     bits = torch.bitwise_and(as_bytes.unsqueeze(-1), values)  # [G, n, 8]
     return bits.view(as_bytes.shape[0], -1).bool()
 
 
-def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_token_bitmask_(
+    logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor
+) -> None:
     """In place: set to -inf every logit a row's grammar forbids (rows[i] is masked by bitmask[i];
     other rows are untouched).
 
@@ -110,7 +142,9 @@ def apply_token_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torc
     if not bool(usable.all()):
         rows, bitmask = rows[usable], bitmask[usable]
     forbidden = unpack_bitmask(bitmask, logits.shape[-1], invert=True)  # [G, V]
-    if rows.shape[0] == logits.shape[0]:  # every row constrained, in order (the runner lists rows ascending)
+    if (
+        rows.shape[0] == logits.shape[0]
+    ):  # every row constrained, in order (the runner lists rows ascending)
         logits.masked_fill_(forbidden, float("-inf"))
     else:
         logits[rows] = logits[rows].masked_fill(forbidden, float("-inf"))
@@ -121,7 +155,9 @@ def logit_bias_tensors(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One request's validated logit_bias as (token ids [N] int64, biases [N] float32)."""
     ids = torch.tensor(list(logit_bias), dtype=torch.int64, device=device)
-    return ids, torch.tensor(list(logit_bias.values()), dtype=torch.float32, device=device)
+    return ids, torch.tensor(
+        list(logit_bias.values()), dtype=torch.float32, device=device
+    )
 
 
 def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
@@ -132,7 +168,9 @@ def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     frequency / presence (OpenAI): logit - f * count - p * (count > 0), over output tokens.
     """
     if s.bias_ids is not None:
-        logits = logits.index_put((s.bias_rows, s.bias_ids), s.bias_values.to(logits.dtype), accumulate=True)
+        logits = logits.index_put(
+            (s.bias_rows, s.bias_ids), s.bias_values.to(logits.dtype), accumulate=True
+        )
     if s.repetition_penalties is not None and s.seen_mask is not None:
         p = s.repetition_penalties.view(-1, 1)
         penalised = torch.where(logits > 0, logits / p, logits * p)
@@ -142,7 +180,9 @@ def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
         if s.frequency_penalties is not None:
             logits = logits - s.frequency_penalties.view(-1, 1) * counts
         if s.presence_penalties is not None:
-            logits = logits - s.presence_penalties.view(-1, 1) * (counts > 0).to(logits.dtype)
+            logits = logits - s.presence_penalties.view(-1, 1) * (counts > 0).to(
+                logits.dtype
+            )
     if s.banned_mask is not None:
         logits = logits.masked_fill(s.banned_mask, float("-inf"))
     return logits
@@ -165,8 +205,15 @@ def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
     """logits [B, V] -> each row's argmax, as torch.argmax (the first NaN, else the first maximum); the
     CPU kernel reads a float32 row by vector maxima, PyTorch's reduction one value at a time."""
     ops = usable(logits)
-    readable = logits.dtype == torch.float32 and logits.dim() == 2 and logits.shape[1] > 0 and logits.stride(1) == 1
-    readable = readable and (logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1])  # rows apart
+    readable = (
+        logits.dtype == torch.float32
+        and logits.dim() == 2
+        and logits.shape[1] > 0
+        and logits.stride(1) == 1
+    )
+    readable = readable and (
+        logits.shape[0] <= 1 or logits.stride(0) >= logits.shape[1]
+    )  # rows apart
     if ops is not None and readable and hasattr(ops, "argmax_rows"):
         return ops.argmax_rows(logits)
     return logits.argmax(dim=-1)
@@ -182,7 +229,9 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     deterministic, so the token a row yields has distribution exactly p:
     P(x) = p(d) [x = d] + (1 - p(d)) p(x) / (1 - p(d)) [x != d]."""
     out = SamplerOutput(token_ids=torch.empty(0))
-    raw_logprobs = torch.log_softmax(logits, dim=-1) if s.top_logprobs is not None else None
+    raw_logprobs = (
+        torch.log_softmax(logits, dim=-1) if s.top_logprobs is not None else None
+    )
     logits = apply_penalties(logits, s)
     if s.grammar_bitmask is not None:
         apply_token_bitmask_(logits, s.grammar_rows, s.grammar_bitmask)
@@ -193,7 +242,9 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
         if drafts is not None:
             out.accepted = greedy_ids == drafts
     else:
-        temps = torch.where(s.temperatures > 0, s.temperatures, torch.ones_like(s.temperatures))
+        temps = torch.where(
+            s.temperatures > 0, s.temperatures, torch.ones_like(s.temperatures)
+        )
         probs = torch.softmax(logits / temps.view(-1, 1), dim=-1)
         probs_sorted, order = probs.sort(dim=-1, descending=True)
         kept = filter_probs(probs_sorted, s)
@@ -217,14 +268,19 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
 
 
 def _judge_drafts(
-    kept: torch.Tensor, order: torch.Tensor, drafts: torch.Tensor, uniforms: torch.Tensor
+    kept: torch.Tensor,
+    order: torch.Tensor,
+    drafts: torch.Tensor,
+    uniforms: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rejection test of `sample` over sorted, cut-off probabilities (unnormalised).
 
     Returns (the distribution to draw from where the draft is rejected: kept with the draft's mass
     removed on rows that have one, whether each row's draft is kept)."""
     has = drafts >= 0
-    rank = (order == drafts.clamp(min=0).view(-1, 1)).int().argmax(dim=-1, keepdim=True)  # [B, 1]
+    rank = (
+        (order == drafts.clamp(min=0).view(-1, 1)).int().argmax(dim=-1, keepdim=True)
+    )  # [B, 1]
     mass = kept.gather(1, rank).view(-1)
     accepted = has & (uniforms * kept.sum(-1) < mass)
     residual = kept.scatter(1, rank, 0.0)

@@ -45,19 +45,35 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         self.spec: LayerSpec = cfg.layers[layer_id]
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_heads,
+            cfg.num_kv_heads,
+            cfg.head_dim,
+        )
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         # "head": one RMSNorm over each head's head_dim; "full": over all heads of q (of k) at once
         self.qk_norm = cfg.qk_norm
         self.q_norm = self.k_norm = None
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
-            self.q_norm = RMSNorm(self.q_size if full else self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-            self.k_norm = RMSNorm(self.kv_size if full else self.head_dim, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.sinks = nn.Parameter(torch.zeros(self.num_heads)) if self.spec.sinks else None
+            self.q_norm = RMSNorm(
+                self.q_size if full else self.head_dim,
+                cfg.rms_norm_eps,
+                cfg.norm_unit_offset,
+            )
+            self.k_norm = RMSNorm(
+                self.kv_size if full else self.head_dim,
+                cfg.rms_norm_eps,
+                cfg.norm_unit_offset,
+            )
+        self.sinks = (
+            nn.Parameter(torch.zeros(self.num_heads)) if self.spec.sinks else None
+        )
 
     def forward(
         self,
@@ -67,7 +83,9 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
         kv: MHAKVPool,
     ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x).split(
+            [self.q_size, self.kv_size, self.kv_size], dim=-1
+        )
         if self.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -79,8 +97,16 @@ class Attention(nn.Module):
         spec = self.spec
         layer = self.layer_id
         out = paged_attention(
-            q, k, v, kv.k[layer], kv.v[layer], meta.group(kv.group_of[layer]), spec.scale,
-            window=spec.window, sinks=self.sinks, softcap=spec.softcap,
+            q,
+            k,
+            v,
+            kv.k[layer],
+            kv.v[layer],
+            meta.group(kv.group_of[layer]),
+            spec.scale,
+            window=spec.window,
+            sinks=self.sinks,
+            softcap=spec.softcap,
         )
         return self.o_proj(out.view(-1, self.q_size))
 
@@ -92,7 +118,9 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         self.layout = cfg.norm_layout
-        self.self_attn = MLAttention(cfg, layer_id) if cfg.mla else Attention(cfg, layer_id)
+        self.self_attn = (
+            MLAttention(cfg, layer_id) if cfg.mla else Attention(cfg, layer_id)
+        )
         if cfg.layers[layer_id].moe:
             self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias)
         else:
@@ -115,7 +143,9 @@ class DecoderLayer(nn.Module):
         last output and the stream before it; the caller adds them (fused into the next norm)."""
         if self.layout == "post":  # OLMo 2: no norm before attention, so no add to fuse
             h = x if residual is None else x + residual
-            h = h + self.post_attention_layernorm(self.self_attn(h, positions, rope, meta, kv))
+            h = h + self.post_attention_layernorm(
+                self.self_attn(h, positions, rope, meta, kv)
+            )
             return self.post_feedforward_layernorm(self.mlp(h)), h
         if residual is None:
             residual, h = x, self.input_layernorm(x)
@@ -146,34 +176,55 @@ class DecoderForCausalLM(nn.Module):
     # checkpoint name fragment -> ours, replaced before anything else (Mixtral: block_sparse_moe -> mlp)
     RENAMES: tuple[tuple[str, str], ...] = ()
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, rope_device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        rope_device: torch.device | str = "cpu",
+    ):
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_unit_offset)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        )
         # plain objects, not submodules: their fp32 tables survive dtype casts and meta-device construction;
         # one table per distinct RoPE (Gemma 3: one for sliding layers, one for full ones)
         tables: dict = {}
         for spec in cfg.layers:
             if spec.rope not in tables:
                 tables[spec.rope] = RotaryEmbedding(
-                    spec.rope, cfg.head_dim, max_positions, cfg.max_position_embeddings, rope_device
+                    spec.rope,
+                    cfg.head_dim,
+                    max_positions,
+                    cfg.max_position_embeddings,
+                    rope_device,
                 )
         self.layer_ropes = [tables[spec.rope] for spec in cfg.layers]
         self._native: NativeDecode | None | bool = False  # False: not built yet
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVPool
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: KVPool,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x, residual = self.embed_tokens(input_ids), None
-        if self.config.scale_embeddings:  # Gemma: the factor rounded to the weights' dtype, as trained
+        if (
+            self.config.scale_embeddings
+        ):  # Gemma: the factor rounded to the weights' dtype, as trained
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         native = self.native_decode()
         if native is not None and native.accepts(x, meta, kv):
-            x, residual = native(x, positions, meta, kv)  # the same kernels as the loop below, from C++
+            x, residual = native(
+                x, positions, meta, kv
+            )  # the same kernels as the loop below, from C++
         else:
             for layer, rope in zip(self.layers, self.layer_ropes):
                 x, residual = layer(x, residual, positions, rope, meta, kv)
@@ -183,7 +234,9 @@ class DecoderForCausalLM(nn.Module):
         """The native layer loop for decode steps (strata.models.native_decode), built on first use,
         once the weights are in their final form; None where the model or machine does not qualify."""
         if self._native is False:
-            if kernels.cpu_ops() is None:  # no kernels now (kernels.disabled(), none built): decide later
+            if (
+                kernels.cpu_ops() is None
+            ):  # no kernels now (kernels.disabled(), none built): decide later
                 return None
             self._native = NativeDecode.build(self, Attention)
         return self._native
@@ -201,7 +254,9 @@ class DecoderForCausalLM(nn.Module):
         if self.lm_head is None:
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         else:
-            logits = self.lm_head(hidden).float()  # a module: may be a quantized copy of tied embeddings
+            logits = self.lm_head(
+                hidden
+            ).float()  # a module: may be a quantized copy of tied embeddings
         cap = self.config.final_logit_softcap
         return logits if cap is None else softcap(logits, cap)
 
@@ -209,7 +264,11 @@ class DecoderForCausalLM(nn.Module):
         """The checkpoint tensors one of our linear/embedding weights is made of, in row order
         (`layers.0.self_attn.qkv_proj` -> the layer's q_proj, k_proj, v_proj weights)."""
         parent, _, leaf = module.rpartition(".")
-        frags = sorted((shard, frag) for frag, (fused, shard) in self.FUSED.items() if fused == leaf)
+        frags = sorted(
+            (shard, frag)
+            for frag, (fused, shard) in self.FUSED.items()
+            if fused == leaf
+        )
         prefix = "" if module == "lm_head" else "model."
         names = [f"{parent}.{frag}" for _, frag in frags] if frags else [module]
         return [f"{prefix}{name}.weight" for name in names]
@@ -217,10 +276,16 @@ class DecoderForCausalLM(nn.Module):
     def expert_load(self) -> dict[int, list[int]]:
         """Tokens routed to each expert of each mixture-of-experts layer since the last reset
         ({layer: [count per expert]}; a token counts once for each of its top-k experts)."""
-        moe = [(i, layer.mlp.expert_load) for i, layer in enumerate(self.layers) if isinstance(layer.mlp, MoE)]
+        moe = [
+            (i, layer.mlp.expert_load)
+            for i, layer in enumerate(self.layers)
+            if isinstance(layer.mlp, MoE)
+        ]
         if not moe:
             return {}
-        counts = torch.stack([c for _, c in moe]).tolist()  # one copy off the device, not one per layer
+        counts = torch.stack(
+            [c for _, c in moe]
+        ).tolist()  # one copy off the device, not one per layer
         return {i: layer_counts for (i, _), layer_counts in zip(moe, counts)}
 
     def reset_expert_load(self) -> None:
@@ -233,11 +298,17 @@ class DecoderForCausalLM(nn.Module):
         checkpoint stacks its experts differently converts here (GPT-OSS)."""
         return tensor
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], absent: frozenset[str] = frozenset()) -> None:
+    def load_weights(
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        absent: frozenset[str] = frozenset(),
+    ) -> None:
         """Copy checkpoint tensors into our parameters; `absent`: parameters the caller fills otherwise."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        expert_pieces: dict[str, int] = {}  # stacked expert parameter -> checkpoint tensors copied in
+        expert_pieces: dict[
+            str, int
+        ] = {}  # stacked expert parameter -> checkpoint tensors copied in
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             for old, new in self.RENAMES:
@@ -262,9 +333,13 @@ class DecoderForCausalLM(nn.Module):
                     break
             else:
                 if name not in params:
-                    raise ValueError(f"unexpected weight {hf_name!r} for {self.config.architecture}")
+                    raise ValueError(
+                        f"unexpected weight {hf_name!r} for {self.config.architecture}"
+                    )
                 if params[name].shape != tensor.shape:
-                    raise ValueError(f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}")
+                    raise ValueError(
+                        f"weight {hf_name!r} has shape {tuple(tensor.shape)}, expected {tuple(params[name].shape)}"
+                    )
                 params[name].data.copy_(tensor)
             loaded.add(name)
         missing = set(params) - loaded - absent
@@ -272,7 +347,9 @@ class DecoderForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
         self.reset_expert_load()  # the counters were allocated uninitialised with the weights
 
-    def _load_shard(self, param: nn.Parameter, tensor: torch.Tensor, fused: str, shard: int) -> None:
+    def _load_shard(
+        self, param: nn.Parameter, tensor: torch.Tensor, fused: str, shard: int
+    ) -> None:
         cfg = self.config
         if fused == "qkv_proj":
             q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -281,5 +358,7 @@ class DecoderForCausalLM(nn.Module):
             size = param.shape[0] // 2
             offset = shard * size
         if tensor.shape[0] != size:
-            raise ValueError(f"{fused} shard {shard} has {tensor.shape[0]} rows, expected {size}")
+            raise ValueError(
+                f"{fused} shard {shard} has {tensor.shape[0]} rows, expected {size}"
+            )
         param.data[offset : offset + size].copy_(tensor)

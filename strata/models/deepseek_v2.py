@@ -31,11 +31,15 @@ Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor)
 class DeepseekV2ForCausalLM(DecoderForCausalLM):
     # q and the latent have projections of their own: only an MLP's gate/up are fused
     FUSED: ClassVar[dict[str, tuple[str, int]]] = {
-        frag: fused for frag, fused in DecoderForCausalLM.FUSED.items() if fused[0] == "gate_up_proj"
+        frag: fused
+        for frag, fused in DecoderForCausalLM.FUSED.items()
+        if fused[0] == "gate_up_proj"
     }
     RENAMES = (("mlp.shared_experts.", "mlp.shared_expert."),)
 
-    def load_weights(self, weights: Iterable[Weight], absent: frozenset[str] = frozenset()) -> None:
+    def load_weights(
+        self, weights: Iterable[Weight], absent: frozenset[str] = frozenset()
+    ) -> None:
         super().load_weights(self._decoder_weights(weights), absent)
 
     def _decoder_weights(self, weights: Iterable[Weight]) -> Iterator[Weight]:

@@ -34,7 +34,9 @@ from strata.layers.moe import grouped_linear, grouped_mm_works
 from strata.model_config import ModelConfig
 
 
-def clamped_silu_mul(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+def clamped_silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, limit: float
+) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -55,7 +57,9 @@ class SharedExpert(nn.Module):
         self.down_proj = nn.Linear(size, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(clamped_silu_mul(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(
+            clamped_silu_mul(self.gate_proj(x), self.up_proj(x), self.limit)
+        )
 
 
 class DSV4MoE(nn.Module):
@@ -65,61 +69,107 @@ class DSV4MoE(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         moe, v4 = cfg.moe, cfg.dsv4
-        E, k, size, H = moe.num_experts, moe.top_k, moe.intermediate_size, cfg.hidden_size
-        self.top_k, self.scale, self.limit = k, moe.routed_scaling_factor, moe.swiglu_limit
+        E, k, size, H = (
+            moe.num_experts,
+            moe.top_k,
+            moe.intermediate_size,
+            cfg.hidden_size,
+        )
+        self.top_k, self.scale, self.limit = (
+            k,
+            moe.routed_scaling_factor,
+            moe.swiglu_limit,
+        )
         self.scoring_func = v4.scoring_func
         self.is_hash = v4.hash_layers[layer_id]
         self.gate = nn.Module()
         self.gate.weight = nn.Parameter(torch.empty(E, H))
         if self.is_hash:
-            self.gate.register_buffer("tid2eid", torch.empty(cfg.vocab_size, k, dtype=torch.int64))
+            self.gate.register_buffer(
+                "tid2eid", torch.empty(cfg.vocab_size, k, dtype=torch.int64)
+            )
         else:
-            self.gate.e_score_correction_bias = nn.Parameter(torch.empty(E, dtype=torch.float32))
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.empty(E, dtype=torch.float32)
+            )
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * size, H))
         self.experts.down_proj = nn.Parameter(torch.empty(E, H, size))
-        self.shared_experts = SharedExpert(H, moe.shared_intermediate_size, moe.swiglu_limit)
-        self.register_buffer("expert_load", torch.zeros(E, dtype=torch.int64), persistent=False)
+        self.shared_experts = SharedExpert(
+            H, moe.shared_intermediate_size, moe.swiglu_limit
+        )
+        self.register_buffer(
+            "expert_load", torch.zeros(E, dtype=torch.int64), persistent=False
+        )
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        scores = router_scores(F.linear(x, self.gate.weight), self.scoring_func)  # [T, E]
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor
+    ) -> torch.Tensor:  # [T, H] -> [T, H]
+        scores = router_scores(
+            F.linear(x, self.gate.weight), self.scoring_func
+        )  # [T, E]
         if self.is_hash:
             experts = self.gate.tid2eid[input_ids]
         else:
             choice = scores + self.gate.e_score_correction_bias
             experts = torch.topk(choice, self.top_k, dim=-1, sorted=False).indices
         weights = scores.gather(1, experts).float()
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale  # [T, k]
-        counts = torch.bincount(experts.reshape(-1), minlength=self.gate.weight.shape[0])
+        weights = (
+            weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * self.scale
+        )  # [T, k]
+        counts = torch.bincount(
+            experts.reshape(-1), minlength=self.gate.weight.shape[0]
+        )
         self.expert_load += counts
         return self._experts(x, weights, experts, counts) + self.shared_experts(x)
 
-    def _experts(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor):
+    def _experts(
+        self,
+        x: torch.Tensor,
+        weights: torch.Tensor,
+        experts: torch.Tensor,
+        counts: torch.Tensor,
+    ):
         """The T * k (token, expert) rows sorted by expert, one grouped GEMM per projection."""
         T, k = experts.shape
         backend = "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
         order = experts.reshape(-1).argsort(stable=True)
         group_ends = counts.cumsum(0).to(torch.int32)
-        h = grouped_linear(x[order // k], self.experts.gate_up_proj, group_ends, backend)  # [T * k, 2I]
+        h = grouped_linear(
+            x[order // k], self.experts.gate_up_proj, group_ends, backend
+        )  # [T * k, 2I]
         gate, up = h.chunk(2, dim=-1)
-        y = grouped_linear(clamped_silu_mul(gate, up, self.limit), self.experts.down_proj, group_ends, backend)
+        y = grouped_linear(
+            clamped_silu_mul(gate, up, self.limit),
+            self.experts.down_proj,
+            group_ends,
+            backend,
+        )
         out = torch.empty_like(y, dtype=torch.float32)
         out[order] = y.float() * weights.reshape(-1)[order, None]
         return out.view(T, k, -1).sum(dim=1).to(x.dtype)
 
 
 class DSV4Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int, rope_device: torch.device | str):
+    def __init__(
+        self, cfg: ModelConfig, layer_id: int, rope_device: torch.device | str
+    ):
         super().__init__()
         v4, H, eps = cfg.dsv4, cfg.hidden_size, cfg.rms_norm_eps
         self.self_attn = DSV4Attention(cfg, layer_id, rope_device)
         self.mlp = DSV4MoE(cfg, layer_id)
         self.input_layernorm = RMSNorm32(H, eps)
         self.post_attention_layernorm = RMSNorm32(H, eps)
-        self.attn_hc = HyperConnection(H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
-        self.ffn_hc = HyperConnection(H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps)
+        self.attn_hc = HyperConnection(
+            H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps
+        )
+        self.ffn_hc = HyperConnection(
+            H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps
+        )
 
-    def forward(self, streams, input_ids, positions, meta, kv, shared):  # streams [T, hc_mult, H]
+    def forward(
+        self, streams, input_ids, positions, meta, kv, shared
+    ):  # streams [T, hc_mult, H]
         h, post, comb = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(h), positions, meta, kv, shared)
         streams = HyperConnection.merge(streams, out, post, comb)
@@ -129,22 +179,39 @@ class DSV4Layer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    RENAMES: tuple[tuple[str, str], ...] = ()  # the decoder families' plain renames; V4's are `our_name`
+    RENAMES: tuple[
+        tuple[str, str], ...
+    ] = ()  # the decoder families' plain renames; V4's are `our_name`
 
-    def __init__(self, cfg: ModelConfig, max_positions: int, rope_device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        max_positions: int,
+        rope_device: torch.device | str = "cpu",
+    ):
         super().__init__()
         if cfg.dsv4 is None:
             raise ValueError(f"{cfg.architecture} needs a deepseek_v4 config.json")
         self.config = cfg
         v4, H = cfg.dsv4, cfg.hidden_size
         self.embed_tokens = nn.Embedding(cfg.vocab_size, H)
-        self.layers = nn.ModuleList(DSV4Layer(cfg, i, rope_device) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            DSV4Layer(cfg, i, rope_device) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm32(H, cfg.rms_norm_eps)
         self.hc_head = HyperHead(H, v4.hc_mult, v4.hc_eps, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(H, cfg.vocab_size, bias=False)
+        self.lm_head = (
+            None
+            if cfg.tie_word_embeddings
+            else nn.Linear(H, cfg.vocab_size, bias=False)
+        )
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: DSV4KVPool
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: DSV4KVPool,
     ) -> torch.Tensor:
         """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
@@ -172,7 +239,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         return [f"{'' if module == 'lm_head' else 'model.'}{module}.weight"]
 
     def load_weights(
-        self, weights: Iterable[tuple[str, torch.Tensor]], absent: frozenset[str] = frozenset()
+        self,
+        weights: Iterable[tuple[str, torch.Tensor]],
+        absent: frozenset[str] = frozenset(),
     ) -> None:
         """Copy checkpoint tensors in: DeepSeek's own names (as published, and as transformers saves
         them) or transformers' in-memory ones; per-expert w1/w3/w2 are stacked into gate_up_proj and
@@ -181,11 +250,15 @@ class DeepseekV4ForCausalLM(nn.Module):
         targets = dict(self.named_parameters())
         targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
         loaded: set[str] = set()
-        pieces: dict[str, int] = {}  # stacked expert parameter -> per-expert tensors copied in
+        pieces: dict[
+            str, int
+        ] = {}  # stacked expert parameter -> per-expert tensors copied in
         for ckpt_name, tensor in weights:
             if "scale_inv" in ckpt_name or ckpt_name.endswith("weight_scale"):
-                raise ValueError(f"this checkpoint holds FP8 weights ({ckpt_name}), which Strata does not read; "
-                                 "use a bf16 checkpoint")
+                raise ValueError(
+                    f"this checkpoint holds FP8 weights ({ckpt_name}), which Strata does not read; "
+                    "use a bf16 checkpoint"
+                )
             name = our_name(ckpt_name)
             if name is None:
                 continue
@@ -206,7 +279,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 continue
             target = targets.get(name)
             if target is None:
-                raise ValueError(f"unexpected weight {ckpt_name!r} for {self.config.architecture}")
+                raise ValueError(
+                    f"unexpected weight {ckpt_name!r} for {self.config.architecture}"
+                )
             if name.endswith("tid2eid") and tensor.is_floating_point():
                 tensor = tensor.round()
             _copy(target.data, tensor, ckpt_name)
@@ -223,40 +298,45 @@ class DeepseekV4ForCausalLM(nn.Module):
 
 def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if dst.shape != tensor.shape:
-        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
+        raise ValueError(
+            f"weight {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}"
+        )
     dst.copy_(tensor)
 
 
 _PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight")
 # DeepSeek's checkpoint names -> ours (transformers' in-memory names), applied in order
-_RENAMES = [(re.compile(a), b) for a, b in (
-    (r"\.attn\.", ".self_attn."),
-    (r"\.ffn\.", ".mlp."),
-    (r"\.indexer\.compressor\.", ".compressor.indexer."),
-    (r"^embed\.weight", "embed_tokens.weight"),
-    (r"^head\.weight", "lm_head.weight"),
-    (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
-    (r"\.attn_norm\.", ".input_layernorm."),
-    (r"\.ffn_norm\.", ".post_attention_layernorm."),
-    (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
-    (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
-    (r"\.attn_sink", ".sinks"),
-    (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
-    (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
-    (r"\.norm\.", ".kv_norm."),
-    (r"\.ape$", ".position_bias"),
-    (r"\.wq_a\.", ".q_a_proj."),
-    (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
-    (r"\.wkv\.", ".kv_proj."),
-    (r"\.wgate\.", ".gate_proj."),
-    (r"\.wo_a\.", ".o_a_proj."),
-    (r"\.wo_b\.", ".o_b_proj."),
-    (r"\.q_norm\.", ".q_a_norm."),
-    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-    (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-    (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-    (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
-)]
+_RENAMES = [
+    (re.compile(a), b)
+    for a, b in (
+        (r"\.attn\.", ".self_attn."),
+        (r"\.ffn\.", ".mlp."),
+        (r"\.indexer\.compressor\.", ".compressor.indexer."),
+        (r"^embed\.weight", "embed_tokens.weight"),
+        (r"^head\.weight", "lm_head.weight"),
+        (r"^hc_head_(fn|base|scale)", r"hc_head.hc_\1"),
+        (r"\.attn_norm\.", ".input_layernorm."),
+        (r"\.ffn_norm\.", ".post_attention_layernorm."),
+        (r"\.hc_attn_(fn|base|scale)", r".attn_hc.\1"),
+        (r"\.hc_ffn_(fn|base|scale)", r".ffn_hc.\1"),
+        (r"\.attn_sink", ".sinks"),
+        (r"\.indexer\.weights_proj\.", ".compressor.indexer.scorer.weights_proj."),
+        (r"\.indexer\.wq_b\.", ".compressor.indexer.q_b_proj."),
+        (r"\.norm\.", ".kv_norm."),
+        (r"\.ape$", ".position_bias"),
+        (r"\.wq_a\.", ".q_a_proj."),
+        (r"\.self_attn\.wq_b\.", ".self_attn.q_b_proj."),
+        (r"\.wkv\.", ".kv_proj."),
+        (r"\.wgate\.", ".gate_proj."),
+        (r"\.wo_a\.", ".o_a_proj."),
+        (r"\.wo_b\.", ".o_b_proj."),
+        (r"\.q_norm\.", ".q_a_norm."),
+        (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
+        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
+        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
+    )
+]
 
 
 def our_name(ckpt_name: str) -> str | None:

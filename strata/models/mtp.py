@@ -32,8 +32,15 @@ from torch import nn
 from strata.layers.norm import RMSNorm
 from strata.model_config import ModelConfig
 
-OWN = ("enorm.", "hnorm.", "eh_proj.")  # the MTP layer's own modules, beside its decoder layer
-SHARED = ("embed_tokens.", "shared_head.head.")  # the target's embedding and head, stored again
+OWN = (
+    "enorm.",
+    "hnorm.",
+    "eh_proj.",
+)  # the MTP layer's own modules, beside its decoder layer
+SHARED = (
+    "embed_tokens.",
+    "shared_head.head.",
+)  # the target's embedding and head, stored again
 
 
 def mtp_config(cfg: ModelConfig) -> ModelConfig:
@@ -42,12 +49,19 @@ def mtp_config(cfg: ModelConfig) -> ModelConfig:
     first_k_dense_replace to 0 for them)."""
     spec = dataclasses.replace(cfg.layers[-1], moe=cfg.moe is not None)
     if spec.window is not None:
-        raise ValueError("multi-token prediction over a sliding-window layer is not supported")
+        raise ValueError(
+            "multi-token prediction over a sliding-window layer is not supported"
+        )
     return dataclasses.replace(cfg, num_layers=1, layers=(spec,))
 
 
 class MTPLayer(nn.Module):
-    def __init__(self, target: nn.Module, max_positions: int, rope_device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        target: nn.Module,
+        max_positions: int,
+        rope_device: torch.device | str = "cpu",
+    ):
         super().__init__()
         cfg = target.config
         hidden = cfg.hidden_size
@@ -60,7 +74,12 @@ class MTPLayer(nn.Module):
         self.decoder.lm_head = None
 
     def forward(
-        self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, meta, kv
+        self,
+        embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        positions: torch.Tensor,
+        meta,
+        kv,
     ) -> torch.Tensor:
         """embeds: [T, hidden] the next tokens' embeddings; hidden: [T, hidden] the states they
         follow; positions: [T] the next tokens' positions. Returns the layer's states [T, hidden]."""
@@ -69,7 +88,9 @@ class MTPLayer(nn.Module):
         x, residual = d.layers[0](x, None, positions, d.layer_ropes[0], meta, kv)
         return d.norm(x, residual)[0]
 
-    def load_weights(self, weights: Iterator[tuple[str, torch.Tensor]], prefix: str) -> None:
+    def load_weights(
+        self, weights: Iterator[tuple[str, torch.Tensor]], prefix: str
+    ) -> None:
         """weights: the checkpoint's tensors named `{prefix}*` (the MTP layer's)."""
         own = {}
         layer = []
@@ -80,7 +101,9 @@ class MTPLayer(nn.Module):
             if rest.startswith(OWN):
                 own[rest] = tensor
             elif rest.startswith("shared_head.norm."):
-                layer.append(("model.norm." + rest.removeprefix("shared_head.norm."), tensor))
+                layer.append(
+                    ("model.norm." + rest.removeprefix("shared_head.norm."), tensor)
+                )
             else:
                 layer.append(("model.layers.0." + rest, tensor))
         missing = [f"{prefix}{m}weight" for m in OWN if f"{m}weight" not in own]
@@ -91,7 +114,9 @@ class MTPLayer(nn.Module):
             param = params.get(rest)
             if param is None or param.shape != tensor.shape:
                 shape = tuple(tensor.shape)
-                raise ValueError(f"unexpected multi-token prediction weight {prefix}{rest} {shape}")
+                raise ValueError(
+                    f"unexpected multi-token prediction weight {prefix}{rest} {shape}"
+                )
             param.data.copy_(tensor)
         self.decoder.load_weights(layer)
 
@@ -100,7 +125,9 @@ def mtp_weights(model_dir: Path, prefix: str) -> Iterator[tuple[str, torch.Tenso
     """The checkpoint's tensors named `{prefix}*`, read from whichever safetensors files hold them."""
     from strata.weights.gguf import BLOCKS_FILE
 
-    for path in sorted(p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE):
+    for path in sorted(
+        p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE
+    ):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
                 if name.startswith(prefix):
@@ -108,7 +135,11 @@ def mtp_weights(model_dir: Path, prefix: str) -> Iterator[tuple[str, torch.Tenso
 
 
 def load_mtp_layer(
-    model_dir: Path, target: nn.Module, dtype: torch.dtype, device: torch.device, max_positions: int,
+    model_dir: Path,
+    target: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
     quantization: str,
 ) -> MTPLayer:
     """The first MTP layer of the checkpoint beside `target` (loaded), in the target's dtype and
@@ -118,7 +149,9 @@ def load_mtp_layer(
     cfg = target.config
     prefix = f"model.layers.{cfg.num_layers}."
     if cfg.dsv4 is not None:
-        raise ValueError("--speculative-algorithm mtp: DeepSeek-V4's multi-token prediction layers are not supported")
+        raise ValueError(
+            "--speculative-algorithm mtp: DeepSeek-V4's multi-token prediction layers are not supported"
+        )
     if cfg.mtp_layers < 1:
         raise ValueError(
             f"--speculative-algorithm mtp: {model_dir.name} has no multi-token prediction layers "
@@ -140,7 +173,9 @@ def load_mtp_layer(
             f"layer(s) but its checkpoint holds no {prefix}* weights"
         )
     with torch.no_grad():
-        layer.load_weights(((n, t.to(dtype)) for n, t in itertools.chain([first], weights)), prefix)
+        layer.load_weights(
+            ((n, t.to(dtype)) for n, t in itertools.chain([first], weights)), prefix
+        )
     if quantization in QUANT_METHODS:
         quantize_model(layer.decoder, quantization)
     if device.type == "cpu":
@@ -148,4 +183,3 @@ def load_mtp_layer(
 
         pack_linears(layer)
     return layer.eval()
-

@@ -32,12 +32,21 @@ ENV_VAR = "STRATA_DECODE_LOOP"
 
 
 def enabled_by_env() -> bool:
-    return os.environ.get(ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
+    return os.environ.get(ENV_VAR, "1").strip().lower() not in (
+        "0",
+        "false",
+        "no",
+        "off",
+    )
 
 
 def _linear_spec(module: nn.Module) -> tuple | None:
     """(kind, a, b, c, bias, rows) as DecodeLoop.add_layer takes it, or None if the loop cannot run it."""
-    bias = module._buffers.get("bias") if isinstance(module, QuantLinear) else getattr(module, "bias", None)
+    bias = (
+        module._buffers.get("bias")
+        if isinstance(module, QuantLinear)
+        else getattr(module, "bias", None)
+    )
     if type(module) is Q4Linear:
         return (0, module.qp, module.dp, module.mp, bias, module.out_features)
     if type(module) is Q8Linear:
@@ -57,13 +66,21 @@ def _has_hooks(root: nn.Module) -> bool:
     return any(m._forward_hooks or m._forward_pre_hooks for m in root.modules())
 
 
-def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], torch.dtype] | None:
+def _plan(
+    model: nn.Module, attention_cls: type
+) -> tuple[list[tuple], torch.dtype] | None:
     """DecodeLoop.add_layer's arguments for each layer and the activations' dtype; None when the
     model does not qualify.
     Hooks on any layer module (tensor parallel's all-reduces, tracing) keep the Python loop: the
     native one would skip them."""
     cfg = model.config
-    if not enabled_by_env() or cfg.norm_layout != "pre" or cfg.qk_norm != "none" or cfg.norm_unit_offset or cfg.mla:
+    if (
+        not enabled_by_env()
+        or cfg.norm_layout != "pre"
+        or cfg.qk_norm != "none"
+        or cfg.norm_unit_offset
+        or cfg.mla
+    ):
         return None
     if _has_hooks(model.layers):
         return None
@@ -78,14 +95,30 @@ def _plan(model: nn.Module, attention_cls: type) -> tuple[list[tuple], torch.dty
             return None
         norms = (layer.input_layernorm, layer.post_attention_layernorm)
         dtypes.update(n.weight.dtype for n in norms)
-        if any(n.weight.device.type != "cpu" for n in norms) or norms[0].eps != norms[1].eps:
+        if (
+            any(n.weight.device.type != "cpu" for n in norms)
+            or norms[0].eps != norms[1].eps
+        ):
             return None
         spec = attn.spec
         sinks = None if attn.sinks is None else attn.sinks.detach().float().contiguous()
-        layers.append((
-            norms[0].weight, norms[1].weight, norms[0].eps, specs, attn.num_heads, attn.num_kv_heads,
-            attn.head_dim, rope.cos, rope.sin, spec.scale, spec.window or 0, spec.softcap or 0.0, sinks,
-        ))
+        layers.append(
+            (
+                norms[0].weight,
+                norms[1].weight,
+                norms[0].eps,
+                specs,
+                attn.num_heads,
+                attn.num_kv_heads,
+                attn.head_dim,
+                rope.cos,
+                rope.sin,
+                spec.scale,
+                spec.window or 0,
+                spec.softcap or 0.0,
+                sinks,
+            )
+        )
     if len(dtypes) != 1:
         return None
     return layers, dtypes.pop()
@@ -124,23 +157,38 @@ class NativeDecode:
         rows = x.shape[0]
         if not (0 < rows == meta.num_decode and x.dtype == self.dtype):
             return False
-        if kernels.usable(x) is None:  # on another device, or the kernels switched off (kernels.disabled())
+        if (
+            kernels.usable(x) is None
+        ):  # on another device, or the kernels switched off (kernels.disabled())
             return False
         if type(kv) is not MHAKVPool or meta.key_floor is not None:
             return False
         return all(g.key_floor is None for g in meta.groups)
 
     def __call__(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: MHAKVPool
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: MHAKVPool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] embeddings -> (x, residual) after the last layer (the stream is their sum)."""
         rows = meta.num_decode
-        groups = [(g.page_table[:rows], g.out_slots) for g in (meta.group(i) for i in range(len(meta.groups) + 1))]
+        groups = [
+            (g.page_table[:rows], g.out_slots)
+            for g in (meta.group(i) for i in range(len(meta.groups) + 1))
+        ]
         layer_groups = [groups[g] for g in kv.group_of]
         self.steps += 1
         return self.loop.forward(
-            x.contiguous(), positions, kv.k, kv.v, [g[0] for g in layer_groups], [g[1] for g in layer_groups],
-            meta.decode_owner, meta.page_size,
+            x.contiguous(),
+            positions,
+            kv.k,
+            kv.v,
+            [g[0] for g in layer_groups],
+            [g[1] for g in layer_groups],
+            meta.decode_owner,
+            meta.page_size,
         )
 
 
@@ -148,5 +196,10 @@ def decode_loop_name(model: nn.Module) -> str:
     """Which layer loop `model`'s decode steps run here: "native" or "python" (for logs and records)."""
     supported = getattr(model, "native_decode_supported", None)
     ops = kernels.cpu_ops()
-    native = callable(supported) and supported() and ops is not None and hasattr(ops, "DecodeLoop")
+    native = (
+        callable(supported)
+        and supported()
+        and ops is not None
+        and hasattr(ops, "DecodeLoop")
+    )
     return "native" if native else "python"

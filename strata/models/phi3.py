@@ -11,4 +11,6 @@ from strata.models.decoder import DecoderForCausalLM
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    FUSED: dict[str, tuple[str, int]] = {}  # the checkpoint's qkv_proj / gate_up_proj are ours
+    FUSED: dict[
+        str, tuple[str, int]
+    ] = {}  # the checkpoint's qkv_proj / gate_up_proj are ours

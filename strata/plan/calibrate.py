@@ -32,9 +32,16 @@ class EnginePlan:
     """What the engine calibration runs (the defaults take a few minutes on 2 CPU cores)."""
 
     prefill_lens: tuple[int, ...] = (32, 128, 512, 1536)
-    cached_prefills: tuple[tuple[int, int], ...] = ((1024, 128), (1024, 512), (256, 32))  # (cached, new) tokens
+    cached_prefills: tuple[tuple[int, int], ...] = (
+        (1024, 128),
+        (1024, 512),
+        (256, 32),
+    )  # (cached, new) tokens
     decode_batches: tuple[int, ...] = (1, 4, 16, 31, 48, 64)
-    decode_contexts: tuple[int, ...] = (64, 1024)  # prompt tokens (long ones share all but 32 tokens)
+    decode_contexts: tuple[int, ...] = (
+        64,
+        1024,
+    )  # prompt tokens (long ones share all but 32 tokens)
     decode_steps: int = 10
     mixed: bool = True
     seed: int = 0
@@ -58,7 +65,12 @@ class _BatchRecorder:
             self.last = None
             if batch is not None:
                 self.last = [
-                    Segment(n, r.kv_len, decode=i < batch.num_decode or bool(getattr(r, "draft_ids", None)))
+                    Segment(
+                        n,
+                        r.kv_len,
+                        decode=i < batch.num_decode
+                        or bool(getattr(r, "draft_ids", None)),
+                    )
                     for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens))
                 ]
             return batch
@@ -70,7 +82,9 @@ class _BatchRecorder:
         self.scheduler.__dict__.pop("schedule", None)
 
 
-def _drive(engine, arrivals: list[tuple[int, list[int], int]], threshold, what: str) -> list[Sample]:
+def _drive(
+    engine, arrivals: list[tuple[int, list[int], int]], threshold, what: str
+) -> list[Sample]:
     """Add each (at_step, prompt ids, max_new) when that many steps have run; step until all finish;
     one Sample per step that ran a batch."""
     from strata.sampling_params import SamplingParams
@@ -83,20 +97,32 @@ def _drive(engine, arrivals: list[tuple[int, list[int], int]], threshold, what: 
         while pending or engine.scheduler.has_work():
             while pending and pending[0][0] <= step:
                 _, ids, max_new = pending.pop(0)
-                params = SamplingParams(max_new_tokens=max_new, temperature=0.0, ignore_eos=True)
+                params = SamplingParams(
+                    max_new_tokens=max_new, temperature=0.0, ignore_eos=True
+                )
                 rids.update(engine.add_request(ids, params, buffer_outputs=False))
             t0 = time.perf_counter()
             engine.step()
             dt = time.perf_counter() - t0
             if rec.last:
                 decodes = sum(1 for seg in rec.last if seg.decode)
-                kind = "decode" if decodes == len(rec.last) else "prefill" if not decodes else "mixed"
-                samples.append(Sample.of_steps([rec.last], dt, threshold, f"{kind} step: {what}"))
+                kind = (
+                    "decode"
+                    if decodes == len(rec.last)
+                    else "prefill"
+                    if not decodes
+                    else "mixed"
+                )
+                samples.append(
+                    Sample.of_steps([rec.last], dt, threshold, f"{kind} step: {what}")
+                )
             step += 1
     return samples
 
 
-def calibrate_engine(engine, plan: EnginePlan = EnginePlan(), progress=None) -> tuple[CostModel, list[Sample]]:
+def calibrate_engine(
+    engine, plan: EnginePlan = EnginePlan(), progress=None
+) -> tuple[CostModel, list[Sample]]:
     """Measure `engine` (a strata.Engine) per EnginePlan and fit; also measures the tier rates."""
     from strata.bench.one_batch import special_ids
 
@@ -119,7 +145,12 @@ def calibrate_engine(engine, plan: EnginePlan = EnginePlan(), progress=None) -> 
         say(f"calibrate: prefill of {n} tokens after {cached} cached")
         prefix = fresh(cached)
         _drive(engine, [(0, prefix, 1)], thr, "prefix")
-        samples += _drive(engine, [(0, (prefix + fresh(n))[:longest], 2)], thr, f"prefill {n} on {cached}")
+        samples += _drive(
+            engine,
+            [(0, (prefix + fresh(n))[:longest], 2)],
+            thr,
+            f"prefill {n} on {cached}",
+        )
     for ctx in plan.decode_contexts:
         ctx = min(ctx, longest)
         shared = fresh(max(0, ctx - 32)) if ctx > 64 else []
@@ -128,22 +159,33 @@ def calibrate_engine(engine, plan: EnginePlan = EnginePlan(), progress=None) -> 
         for b in plan.decode_batches:
             say(f"calibrate: decode batch {b}, context ~{ctx}")
             prompts = [shared + fresh(ctx - len(shared)) for _ in range(b)]
-            samples += _drive(engine, [(0, p, plan.decode_steps) for p in prompts], thr, f"decode {b}x{ctx}")
+            samples += _drive(
+                engine,
+                [(0, p, plan.decode_steps) for p in prompts],
+                thr,
+                f"decode {b}x{ctx}",
+            )
     if plan.mixed:
         say("calibrate: decodes mixed with arriving prefills")
         arrivals = [(0, fresh(64), 40) for _ in range(8)]
-        arrivals += [(4, fresh(512), 8), (10, fresh(256), 8), (16, fresh(96), 8), (22, fresh(1024), 4)]
+        arrivals += [
+            (4, fresh(512), 8),
+            (10, fresh(256), 8),
+            (16, fresh(96), 8),
+            (22, fresh(1024), 4),
+        ]
         samples += _drive(engine, arrivals, thr, "mixed")
     engine.flush_cache()
     st = engine.state
     say("calibrate: tier rates (host copy, file read, loopback TCP)")
     rates = measure_rates()
     model = fit(
-        samples, thr,
+        samples,
+        thr,
         kv_bytes_per_token=int(st.kv_bytes // max(st.num_kv_tokens, 1)),
         source=f"engine on this machine ({st.model_dir.name}, {st.dtype}, {st.weights})",
         **rates,
-    )  # fmt: skip
+    )
     return model, samples
 
 
@@ -154,7 +196,9 @@ def _best_of(fn, rounds: int = 3) -> float:
     return min(fn() for _ in range(rounds))
 
 
-def measure_rates(num_bytes: int = 64 * 2**20, directory: str | None = None) -> dict[str, float]:
+def measure_rates(
+    num_bytes: int = 64 * 2**20, directory: str | None = None
+) -> dict[str, float]:
     """Bytes/s of a host memory copy, of reading a just-written file, and of loopback TCP."""
     src = np.random.default_rng(0).integers(0, 255, num_bytes, dtype=np.uint8)
     dst = np.empty_like(src)
@@ -181,7 +225,12 @@ def measure_rates(num_bytes: int = 64 * 2**20, directory: str | None = None) -> 
 
         storage = num_bytes / _best_of(read)
     tcp, latency = _loopback()
-    return {"host_bytes_per_s": host, "storage_bytes_per_s": storage, "pd_bytes_per_s": tcp, "pd_latency_s": latency}
+    return {
+        "host_bytes_per_s": host,
+        "storage_bytes_per_s": storage,
+        "pd_bytes_per_s": tcp,
+        "pd_latency_s": latency,
+    }
 
 
 def _loopback(num_bytes: int = 32 * 2**20) -> tuple[float, float]:

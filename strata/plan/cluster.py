@@ -67,21 +67,37 @@ class Deployment:
     policy: str = "cache_aware"
     prefill_policy: str = "least_load"
     replica: ReplicaConfig = field(default_factory=ReplicaConfig)
-    storage_tokens: int | None = 0  # shared L3 capacity (tokens); None: unbounded; 0: no L3
+    storage_tokens: int | None = (
+        0  # shared L3 capacity (tokens); None: unbounded; 0: no L3
+    )
     replicas_per_host: int = 1
-    contention: float = 1.0  # slowdown per other busy co-located replica, of a decode step
-    contention_prefill: float | None = None  # of a step with prefill chunks (None: `contention`)
-    cache_threshold: float = 0.3  # the cache_aware policy's knobs (RouterConfig's defaults)
+    contention: float = (
+        1.0  # slowdown per other busy co-located replica, of a decode step
+    )
+    contention_prefill: float | None = (
+        None  # of a step with prefill chunks (None: `contention`)
+    )
+    cache_threshold: float = (
+        0.3  # the cache_aware policy's knobs (RouterConfig's defaults)
+    )
     balance_abs_threshold: int = 64
     balance_rel_threshold: float = 1.5
 
     def __post_init__(self) -> None:
         if self.num_replicas < 1 or self.num_prefill < 0:
-            raise ValueError("a deployment needs >= 1 (decode) replica and >= 0 prefill workers")
+            raise ValueError(
+                "a deployment needs >= 1 (decode) replica and >= 0 prefill workers"
+            )
         for name in ("policy", "prefill_policy"):
             if getattr(self, name) not in POLICIES:
-                raise ValueError(f"{name} must be one of {tuple(POLICIES)}, got {getattr(self, name)!r}")
-        if self.replicas_per_host < 1 or self.contention < 0 or (self.contention_prefill or 0) < 0:
+                raise ValueError(
+                    f"{name} must be one of {tuple(POLICIES)}, got {getattr(self, name)!r}"
+                )
+        if (
+            self.replicas_per_host < 1
+            or self.contention < 0
+            or (self.contention_prefill or 0) < 0
+        ):
             raise ValueError("replicas_per_host must be >= 1 and contention >= 0")
 
     @property
@@ -90,7 +106,11 @@ class Deployment:
 
     @property
     def label(self) -> str:
-        return f"PD {self.num_prefill}P+{self.num_replicas}D" if self.num_prefill else f"{self.num_replicas} replica(s)"
+        return (
+            f"PD {self.num_prefill}P+{self.num_replicas}D"
+            if self.num_prefill
+            else f"{self.num_replicas} replica(s)"
+        )
 
 
 class Host:
@@ -98,9 +118,16 @@ class Host:
     flight each advances at 1 / (1 + c (k - 1)) of its solo speed, c by the step's kind (a decode
     step, memory-bound, suffers less from a neighbour than a prefill chunk does)."""
 
-    def __init__(self, loop: EventLoop, contention: float, contention_prefill: float | None = None):
+    def __init__(
+        self,
+        loop: EventLoop,
+        contention: float,
+        contention_prefill: float | None = None,
+    ):
         self.loop, self.contention = loop, contention
-        self.contention_prefill = contention if contention_prefill is None else contention_prefill
+        self.contention_prefill = (
+            contention if contention_prefill is None else contention_prefill
+        )
         # id(replica) -> [work left (solo seconds), done callback, version, contention]
         self.active: dict[int, list] = {}
         self.updated = 0.0
@@ -118,11 +145,23 @@ class Host:
     def _reschedule(self) -> None:
         for key, entry in self.active.items():
             entry[2] = next(self.version)
-            self.loop.at(self.loop.now + entry[0] / self._rate(entry[3]), self._finish, key, entry[2])
+            self.loop.at(
+                self.loop.now + entry[0] / self._rate(entry[3]),
+                self._finish,
+                key,
+                entry[2],
+            )
 
-    def run(self, replica, seconds: float, done: Callable[[], None], prefill: bool = False) -> None:
+    def run(
+        self, replica, seconds: float, done: Callable[[], None], prefill: bool = False
+    ) -> None:
         self._advance()
-        self.active[id(replica)] = [seconds, done, 0, self.contention_prefill if prefill else self.contention]
+        self.active[id(replica)] = [
+            seconds,
+            done,
+            0,
+            self.contention_prefill if prefill else self.contention,
+        ]
         self._reschedule()
 
     def _finish(self, key: int, version: int) -> None:
@@ -149,45 +188,79 @@ class _Worker:
 
 
 class _Router:
-    def __init__(self, workers: list[_Worker], policy: str, dep: Deployment, rng: random.Random):
+    def __init__(
+        self, workers: list[_Worker], policy: str, dep: Deployment, rng: random.Random
+    ):
         cfg = RouterConfig(
-            policy=policy, cache_threshold=dep.cache_threshold,
-            balance_abs_threshold=dep.balance_abs_threshold, balance_rel_threshold=dep.balance_rel_threshold,
-        )  # fmt: skip
+            policy=policy,
+            cache_threshold=dep.cache_threshold,
+            balance_abs_threshold=dep.balance_abs_threshold,
+            balance_rel_threshold=dep.balance_rel_threshold,
+        )
         self.workers = workers
         self.policy = make_policy(cfg, rng)
 
     def choose(self, prompt: tuple[int, ...]) -> _Worker:
-        return self.policy.choose(self.workers, RoutingKey(token_key(list(prompt)))).worker
+        return self.policy.choose(
+            self.workers, RoutingKey(token_key(list(prompt)))
+        ).worker
 
 
 class Simulation:
-    def __init__(self, workload: Workload, dep: Deployment, cost: CostModel, seed: int = 0):
+    def __init__(
+        self, workload: Workload, dep: Deployment, cost: CostModel, seed: int = 0
+    ):
         self.workload, self.dep, self.cost = workload, dep, cost
         self.loop = EventLoop()
         rng = random.Random(seed)
         self.think_rng = random.Random(seed + 1)
         cap = dep.storage_tokens
-        self.storage = LRUBlocks(None if cap is None else cap // dep.replica.block_size) if cap != 0 else None
+        self.storage = (
+            LRUBlocks(None if cap is None else cap // dep.replica.block_size)
+            if cap != 0
+            else None
+        )
         hosts: dict[int, Host] = {}
 
         def make(name: str, index: int, on_finish) -> Replica:
             host = None
             if dep.replicas_per_host > 1:
-                host = hosts.setdefault(index // dep.replicas_per_host, Host(self.loop, dep.contention, dep.contention_prefill))
-            return Replica(name, dep.replica, cost, self.loop, self.storage, on_finish, host, random.Random(rng.random()))
+                host = hosts.setdefault(
+                    index // dep.replicas_per_host,
+                    Host(self.loop, dep.contention, dep.contention_prefill),
+                )
+            return Replica(
+                name,
+                dep.replica,
+                cost,
+                self.loop,
+                self.storage,
+                on_finish,
+                host,
+                random.Random(rng.random()),
+            )
 
-        self.decode = [_Worker(f"r{i}", make(f"r{i}", i, self._on_finish)) for i in range(dep.num_replicas)]
+        self.decode = [
+            _Worker(f"r{i}", make(f"r{i}", i, self._on_finish))
+            for i in range(dep.num_replicas)
+        ]
         n = dep.num_replicas
         self.prefill = [
-            _Worker(f"p{i}", make(f"p{i}", n + i, self._on_prefilled)) for i in range(dep.num_prefill)
+            _Worker(f"p{i}", make(f"p{i}", n + i, self._on_prefilled))
+            for i in range(dep.num_prefill)
         ]
         self.router = _Router(self.decode, dep.policy, dep, rng)
-        self.prefill_router = _Router(self.prefill, dep.prefill_policy, dep, rng) if self.prefill else None
+        self.prefill_router = (
+            _Router(self.prefill, dep.prefill_policy, dep, rng)
+            if self.prefill
+            else None
+        )
         self.done: list[SimRequest] = []
         self.in_flight = 0
         self.pending: deque[tuple[int, int]] = deque()
-        self.pd: dict[int, dict] = {}  # id(decode-side request) -> {prefill done, reserved, ...}
+        self.pd: dict[
+            int, dict
+        ] = {}  # id(decode-side request) -> {prefill done, reserved, ...}
 
     # ----------------------------------------------------------------- requests
 
@@ -197,8 +270,15 @@ class Simulation:
         self.loop.run()
         stuck = self.workload.num_requests - len(self.done)
         if stuck:
-            raise RuntimeError(f"{stuck} requests never finished in the simulation (a KV budget that can never fit?)")
-        return collect(self.done, [w.replica for w in self.decode], [w.replica for w in self.prefill], self)
+            raise RuntimeError(
+                f"{stuck} requests never finished in the simulation (a KV budget that can never fit?)"
+            )
+        return collect(
+            self.done,
+            [w.replica for w in self.decode],
+            [w.replica for w in self.prefill],
+            self,
+        )
 
     def _arrive(self, ci: int, turn: int) -> None:
         cap = self.workload.max_concurrency
@@ -221,7 +301,10 @@ class Simulation:
         pworker.in_flight += 1
         preq = pworker.replica.new_request(turn, now, 1)
         preq.worker, preq.decode_req = pworker, req
-        self.pd[id(req)] = {"prefilled_t": None, "reserved": worker.replica.reserve(req)}
+        self.pd[id(req)] = {
+            "prefilled_t": None,
+            "reserved": worker.replica.reserve(req),
+        }
         pworker.replica.submit(preq)
 
     def _on_prefilled(self, preq: SimRequest, now: float) -> None:
@@ -239,9 +322,14 @@ class Simulation:
         if not state["reserved"]:
             state["reserved"] = req.alloc >= req.prompt_len
             if not state["reserved"]:
-                self.loop.at(self.loop.now + 0.005, self._maybe_transfer, req)  # the decode side retries each step
+                self.loop.at(
+                    self.loop.now + 0.005, self._maybe_transfer, req
+                )  # the decode side retries each step
                 return
-        seconds = self.cost.pd_latency_s + self.cost.kv_bytes(req.prompt_len) / self.cost.pd_bytes_per_s
+        seconds = (
+            self.cost.pd_latency_s
+            + self.cost.kv_bytes(req.prompt_len) / self.cost.pd_bytes_per_s
+        )
         self.loop.at(self.loop.now + seconds, req.worker.replica.kv_arrived, req)
 
     def _on_finish(self, req: SimRequest, now: float) -> None:
@@ -250,20 +338,28 @@ class Simulation:
         self.done.append(req)
         self.in_flight -= 1
         conv = self.workload.conversations[req.turn.conversation]
-        if req.turn.turn + 1 < len(conv):  # the next turn, after the user's pause (if any)
+        if req.turn.turn + 1 < len(
+            conv
+        ):  # the next turn, after the user's pause (if any)
             think = self.workload.think_time_s
             pause = self.think_rng.expovariate(1.0 / think) if think > 0 else 0.0
-            self.loop.at(now + pause, self._arrive, req.turn.conversation, req.turn.turn + 1)
+            self.loop.at(
+                now + pause, self._arrive, req.turn.conversation, req.turn.turn + 1
+            )
         if self.pending:
             self.loop.at(now, self._arrive, *self.pending.popleft())
 
 
-def simulate(workload: Workload, dep: Deployment, cost: CostModel, seed: int = 0) -> SimResult:
+def simulate(
+    workload: Workload, dep: Deployment, cost: CostModel, seed: int = 0
+) -> SimResult:
     """Serve `workload` on `dep` with step times from `cost`; deterministic for a seed."""
     return Simulation(workload, dep, cost, seed).run()
 
 
-def with_replicas(dep: Deployment, num_replicas: int, num_prefill: int = 0) -> Deployment:
+def with_replicas(
+    dep: Deployment, num_replicas: int, num_prefill: int = 0
+) -> Deployment:
     return replace(dep, num_replicas=num_replicas, num_prefill=num_prefill)
 
 

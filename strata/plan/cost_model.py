@@ -34,8 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-FEATURES = ("overhead", "overhead_large", "per_row", "per_row_large", "per_decode_ctx", "per_prefill_attn",
-            "per_prefill_ctx")  # fmt: skip
+FEATURES = (
+    "overhead",
+    "overhead_large",
+    "per_row",
+    "per_row_large",
+    "per_decode_ctx",
+    "per_prefill_attn",
+    "per_prefill_ctx",
+)
 ATTN_UNIT = 1e3  # per_prefill_attn is seconds per thousand (query, key) pairs; per_prefill_ctx per thousand keys
 
 
@@ -60,7 +67,17 @@ def step_features(segments: Iterable[Segment], row_threshold: int | None) -> np.
             prefill_ctx += s.context_len / ATTN_UNIT
     large = row_threshold is not None and rows >= row_threshold
     small_rows, large_rows = (0.0, rows) if large else (rows, 0.0)
-    return np.array([float(not large), float(large), small_rows, large_rows, decode_ctx, attn, prefill_ctx])
+    return np.array(
+        [
+            float(not large),
+            float(large),
+            small_rows,
+            large_rows,
+            decode_ctx,
+            attn,
+            prefill_ctx,
+        ]
+    )
 
 
 def chunked_prefill_steps(
@@ -93,11 +110,21 @@ class Sample:
     seconds: float
     what: str = ""
     num_steps: int = 1
-    requests: float = 0.0  # requests whose overhead outside the steps the time includes (a TTFT: 1)
+    requests: float = (
+        0.0  # requests whose overhead outside the steps the time includes (a TTFT: 1)
+    )
 
     @classmethod
-    def of_steps(cls, steps: Sequence[Sequence[Segment]], seconds: float, row_threshold: int | None, what: str = ""):
-        total = sum((step_features(s, row_threshold) for s in steps), np.zeros(len(FEATURES)))
+    def of_steps(
+        cls,
+        steps: Sequence[Sequence[Segment]],
+        seconds: float,
+        row_threshold: int | None,
+        what: str = "",
+    ):
+        total = sum(
+            (step_features(s, row_threshold) for s in steps), np.zeros(len(FEATURES))
+        )
         return cls(tuple(float(x) for x in total), seconds, what, len(steps))
 
 
@@ -115,10 +142,14 @@ class CostModel:
     request_overhead_s: float = 0.0
     kv_bytes_per_token: int = 0
     host_bytes_per_s: float = 8e9  # L2 (host pool) -> L1 copy
-    storage_bytes_per_s: float = 256 * 2**20  # L3 read (HiCache's prior: a slow shared disk)
+    storage_bytes_per_s: float = (
+        256 * 2**20
+    )  # L3 read (HiCache's prior: a slow shared disk)
     pd_bytes_per_s: float = 1e9  # prefill -> decode KV transfer
     pd_latency_s: float = 0.002  # per transfer (handshake, framing)
-    spec_accept_rate: float | None = None  # per drafted token; None: no speculative decoding
+    spec_accept_rate: float | None = (
+        None  # per drafted token; None: no speculative decoding
+    )
     spec_max_draft: int = 8
     # replicas sharing one machine: each busy one more slows a decode step / a step with prefill
     # chunks by this fraction (measured on two co-located workers; None: not measured, the
@@ -126,17 +157,25 @@ class CostModel:
     contention: float | None = None
     contention_prefill: float | None = None
     source: str = ""
-    fit: dict[str, float] = field(default_factory=dict)  # fit quality: median / max relative error, samples
+    fit: dict[str, float] = field(
+        default_factory=dict
+    )  # fit quality: median / max relative error, samples
 
     def __post_init__(self) -> None:
         unknown = set(self.coef) - set(FEATURES)
         if unknown:
-            raise ValueError(f"unknown cost-model coefficients {sorted(unknown)}; known: {FEATURES}")
+            raise ValueError(
+                f"unknown cost-model coefficients {sorted(unknown)}; known: {FEATURES}"
+            )
         bad = {k: v for k, v in self.coef.items() if not (math.isfinite(v) and v >= 0)}
         if bad:
-            raise ValueError(f"cost-model coefficients must be finite and >= 0, got {bad}")
+            raise ValueError(
+                f"cost-model coefficients must be finite and >= 0, got {bad}"
+            )
         if self.spec_accept_rate is not None and not 0 <= self.spec_accept_rate < 1:
-            raise ValueError(f"spec_accept_rate must be in [0, 1), got {self.spec_accept_rate}")
+            raise ValueError(
+                f"spec_accept_rate must be in [0, 1), got {self.spec_accept_rate}"
+            )
         for name in ("contention", "contention_prefill"):
             value = getattr(self, name)
             if value is not None and not (math.isfinite(value) and value >= 0):
@@ -152,7 +191,13 @@ class CostModel:
     def step_s(self, segments: Iterable[Segment]) -> float:
         return float(step_features(segments, self.row_threshold) @ self.vector)
 
-    def prefill_s(self, new_len: int, context_len: int = 0, chunk: int = 2048, max_batch_tokens: int = 8192) -> float:
+    def prefill_s(
+        self,
+        new_len: int,
+        context_len: int = 0,
+        chunk: int = 2048,
+        max_batch_tokens: int = 8192,
+    ) -> float:
         """One prompt alone: the sum of its chunked-prefill steps."""
         steps = chunked_prefill_steps(1, new_len, context_len, chunk, max_batch_tokens)
         return sum(self.step_s(s) for s in steps)
@@ -176,9 +221,13 @@ class CostModel:
         known = {f.name for f in fields(cls)}
         unknown = set(data) - known
         if unknown:
-            raise ValueError(f"unknown cost-model fields {sorted(unknown)}; known: {sorted(known)}")
+            raise ValueError(
+                f"unknown cost-model fields {sorted(unknown)}; known: {sorted(known)}"
+            )
         if "coef" not in data:
-            raise ValueError("a cost model needs 'coef': seconds per unit of " + ", ".join(FEATURES))
+            raise ValueError(
+                "a cost model needs 'coef': seconds per unit of " + ", ".join(FEATURES)
+            )
         return cls(**data)
 
     def save(self, path: str | Path, extra: dict | None = None) -> None:
@@ -191,24 +240,32 @@ def load_cost_model(path: str | Path) -> CostModel:
     """A calibration file written by `strata plan calibrate` (or any JSON with a "cost_model" object)."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"calibration file {p} does not exist; make one with `strata plan calibrate`")
+        raise FileNotFoundError(
+            f"calibration file {p} does not exist; make one with `strata plan calibrate`"
+        )
     try:
         data = json.loads(p.read_text())
     except json.JSONDecodeError as exc:
         raise ValueError(f"{p} is not valid JSON ({exc.msg})") from None
     if not isinstance(data, dict) or "cost_model" not in data:
-        raise ValueError(f"{p} has no 'cost_model' object; make it with `strata plan calibrate`")
+        raise ValueError(
+            f"{p} has no 'cost_model' object; make it with `strata plan calibrate`"
+        )
     return CostModel.from_json(data["cost_model"])
 
 
 # ----------------------------------------------------------------- the fit
 
 
-def fit(samples: Sequence[Sample], row_threshold: int | None, **model_fields) -> CostModel:
+def fit(
+    samples: Sequence[Sample], row_threshold: int | None, **model_fields
+) -> CostModel:
     """Non-negative, relative-error least squares over `samples`; features no sample exercises get 0.
     Samples that include requests' overhead (TTFTs) fit `request_overhead_s` as one more coefficient."""
     if len(samples) < 2:
-        raise ValueError(f"the cost model needs at least 2 measurements to fit, got {len(samples)}")
+        raise ValueError(
+            f"the cost model needs at least 2 measurements to fit, got {len(samples)}"
+        )
     X = np.array([s.features for s in samples], dtype=np.float64)
     reqs = np.array([s.requests for s in samples], dtype=np.float64)
     with_requests = bool(np.any(reqs > 0))
@@ -237,11 +294,18 @@ def fit(samples: Sequence[Sample], row_threshold: int | None, **model_fields) ->
             break
         active.pop(int(np.argmin(sol)))
     rel = np.abs(X @ coef - y) / y
-    quality = {"median_rel_err": float(np.median(rel)), "max_rel_err": float(rel.max()), "samples": float(len(y))}
+    quality = {
+        "median_rel_err": float(np.median(rel)),
+        "max_rel_err": float(rel.max()),
+        "samples": float(len(y)),
+    }
     if with_requests:
         model_fields["request_overhead_s"] = float(coef[-1])
     return CostModel(
-        coef={f: float(c) for f, c in zip(FEATURES, coef)}, row_threshold=row_threshold, fit=quality, **model_fields
+        coef={f: float(c) for f, c in zip(FEATURES, coef)},
+        row_threshold=row_threshold,
+        fit=quality,
+        **model_fields,
     )
 
 

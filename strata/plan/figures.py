@@ -26,12 +26,24 @@ from strata.plan.cost_model import (
     fit,
 )
 
-RATE_FIELDS = ("host_bytes_per_s", "storage_bytes_per_s", "pd_bytes_per_s", "pd_latency_s", "request_overhead_s",
-               "contention", "contention_prefill")  # fmt: skip
+RATE_FIELDS = (
+    "host_bytes_per_s",
+    "storage_bytes_per_s",
+    "pd_bytes_per_s",
+    "pd_latency_s",
+    "request_overhead_s",
+    "contention",
+    "contention_prefill",
+)
 
 
-def calibrate_json(paths: Sequence[str], row_threshold: int | None = None, chunked_prefill_size: int = 2048,
-                   max_batch_tokens: int = 8192, spec_scenario: str | None = None) -> tuple[CostModel, list[Sample]]:  # fmt: skip
+def calibrate_json(
+    paths: Sequence[str],
+    row_threshold: int | None = None,
+    chunked_prefill_size: int = 2048,
+    max_batch_tokens: int = 8192,
+    spec_scenario: str | None = None,
+) -> tuple[CostModel, list[Sample]]:
     """Fit from files of figures (see the module docstring); later files override earlier rates."""
     samples: list[Sample] = []
     extra: dict[str, Any] = {}
@@ -53,29 +65,71 @@ def calibrate_json(paths: Sequence[str], row_threshold: int | None = None, chunk
         elif data.get("benchmark") == "one-batch":
             for r in data.get("results", []):
                 b, n = int(r["batch_size"]), int(r["input_len"])
-                steps = chunked_prefill_steps(b, n, 0, chunked_prefill_size, max_batch_tokens)
-                samples.append(Sample.of_steps(steps, float(r["prefill_s"]), thr, f"one-batch prefill {b}x{n}"))
+                steps = chunked_prefill_steps(
+                    b, n, 0, chunked_prefill_size, max_batch_tokens
+                )
+                samples.append(
+                    Sample.of_steps(
+                        steps, float(r["prefill_s"]), thr, f"one-batch prefill {b}x{n}"
+                    )
+                )
                 if r.get("decode_step_ms"):
                     ctx = n + int(r.get("output_len", 0)) // 2
                     step = [[Segment(1, ctx, True)] * b]
-                    samples.append(Sample.of_steps(step, r["decode_step_ms"] / 1000, thr, f"one-batch decode {b}x{ctx}"))
-        elif "results" in data and isinstance(data.get("config"), dict) and "scenarios" in data["config"]:
+                    samples.append(
+                        Sample.of_steps(
+                            step,
+                            r["decode_step_ms"] / 1000,
+                            thr,
+                            f"one-batch decode {b}x{ctx}",
+                        )
+                    )
+        elif (
+            "results" in data
+            and isinstance(data.get("config"), dict)
+            and "scenarios" in data["config"]
+        ):
             extra.update(_spec_rate(data, spec_scenario, p))
         else:
             thr = data.get("row_threshold", thr)
             for i, s in enumerate(data.get("samples", [])):
-                samples.append(_figure_sample(s, thr, chunked_prefill_size, max_batch_tokens, f"{p}: samples[{i}]"))
+                samples.append(
+                    _figure_sample(
+                        s,
+                        thr,
+                        chunked_prefill_size,
+                        max_batch_tokens,
+                        f"{p}: samples[{i}]",
+                    )
+                )
             if "spec" in data:
                 spec = data["spec"]
-                extra["spec_accept_rate"] = accept_rate_from_length(float(spec["accept_length"]), float(spec["draft_length"]))
+                extra["spec_accept_rate"] = accept_rate_from_length(
+                    float(spec["accept_length"]), float(spec["draft_length"])
+                )
             known = {f.name for f in fields(CostModel)}
-            extra.update({k: v for k, v in data.items() if k in known and k not in ("coef", "row_threshold")})
+            extra.update(
+                {
+                    k: v
+                    for k, v in data.items()
+                    if k in known and k not in ("coef", "row_threshold")
+                }
+            )
     if base is not None and not samples:
         return base.with_(**extra, row_threshold=thr), []
     if not samples:
-        raise ValueError("no measurements in " + ", ".join(paths) + ": give one-batch JSON, samples or a calibration")
+        raise ValueError(
+            "no measurements in "
+            + ", ".join(paths)
+            + ": give one-batch JSON, samples or a calibration"
+        )
     start = base.to_json() if base is not None else {}
-    rates = {k: start[k] for k in RATE_FIELDS + ("kv_bytes_per_token", "spec_accept_rate", "spec_max_draft") if k in start}
+    rates = {
+        k: start[k]
+        for k in RATE_FIELDS
+        + ("kv_bytes_per_token", "spec_accept_rate", "spec_max_draft")
+        if k in start
+    }
     rates.update(extra)
     rates.setdefault("source", "figures from " + ", ".join(Path(x).name for x in paths))
     return fit(samples, thr, **rates), samples
@@ -87,16 +141,31 @@ def _figure_sample(s: dict, thr, chunk: int, mbt: int, where: str) -> Sample:
         if kind == "prefill":
             new, cached = int(s["new_tokens"]), int(s.get("cached_tokens", 0))
             b = int(s.get("batch_size", 1))
-            sample = Sample.of_steps(chunked_prefill_steps(b, new, cached, chunk, mbt), seconds, thr, f"prefill {b}x{new}")
-            return Sample(sample.features, seconds, sample.what, sample.num_steps, requests=float(s.get("requests", 0)))
+            sample = Sample.of_steps(
+                chunked_prefill_steps(b, new, cached, chunk, mbt),
+                seconds,
+                thr,
+                f"prefill {b}x{new}",
+            )
+            return Sample(
+                sample.features,
+                seconds,
+                sample.what,
+                sample.num_steps,
+                requests=float(s.get("requests", 0)),
+            )
         if kind == "decode":
             b, ctx = int(s["batch_size"]), int(s["context_tokens"])
-            return Sample.of_steps([[Segment(1, ctx, True)] * b], seconds, thr, f"decode {b}x{ctx}")
+            return Sample.of_steps(
+                [[Segment(1, ctx, True)] * b], seconds, thr, f"decode {b}x{ctx}"
+            )
         if kind == "step":
             segs = [Segment(int(n), int(c), bool(d)) for n, c, d in s["segments"]]
             return Sample.of_steps([segs], seconds, thr, "step")
     except (KeyError, TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc!r}; see docs/PLANNING.md for the figures format") from None
+        raise ValueError(
+            f"{where}: {exc!r}; see docs/PLANNING.md for the figures format"
+        ) from None
     raise ValueError(f"{where}: kind must be prefill, decode or step, got {kind!r}")
 
 
@@ -105,6 +174,13 @@ def _spec_rate(data: dict, scenario: str | None, path: Path) -> dict[str, float]
     if scenario:
         rows = [r for r in rows if r.get("scenario") == scenario]
     if not rows:
-        raise ValueError(f"{path}: no scenario with an accept length" + (f" named {scenario!r}" if scenario else ""))
+        raise ValueError(
+            f"{path}: no scenario with an accept length"
+            + (f" named {scenario!r}" if scenario else "")
+        )
     r = rows[0]
-    return {"spec_accept_rate": accept_rate_from_length(float(r["accept_length"]), float(r.get("draft_length") or 4))}
+    return {
+        "spec_accept_rate": accept_rate_from_length(
+            float(r["accept_length"]), float(r.get("draft_length") or 4)
+        )
+    }

@@ -31,7 +31,9 @@ def block_hashes(tokens: Sequence[int], block_size: int) -> list[int]:
 class LRUBlocks:
     """A bounded set of block names, least recently used dropped first (capacity None: unbounded)."""
 
-    def __init__(self, capacity_blocks: int | None, on_drop: Callable[[int], None] | None = None):
+    def __init__(
+        self, capacity_blocks: int | None, on_drop: Callable[[int], None] | None = None
+    ):
         self.capacity = capacity_blocks
         self.blocks: OrderedDict[int, None] = OrderedDict()
         self.on_drop = on_drop
@@ -66,7 +68,9 @@ class LRUBlocks:
 class DeviceCache:
     """L1's prefix tree by blocks: name -> lock count; unlocked names in `evictable` (LRU order)."""
 
-    def __init__(self, enabled: bool = True, on_evict: Callable[[int], None] | None = None):
+    def __init__(
+        self, enabled: bool = True, on_evict: Callable[[int], None] | None = None
+    ):
         self.enabled = enabled
         self.locks: dict[int, int] = {}
         self.evictable: OrderedDict[int, None] = OrderedDict()
@@ -95,7 +99,9 @@ class DeviceCache:
             self.locks[h] = c + 1
 
     def unlock(self, hashes: Sequence[int]) -> None:
-        for h in reversed(hashes):  # deepest first: its parents end up more recently used
+        for h in reversed(
+            hashes
+        ):  # deepest first: its parents end up more recently used
             c = self.locks[h] - 1
             self.locks[h] = c
             if c == 0:

@@ -24,15 +24,32 @@ def plot_fit(model: CostModel, samples: list[Sample], out_dir: str) -> list[Path
     Path(out_dir).mkdir(parents=True, exist_ok=True)
     vec = model.vector
     measured = np.array([s.seconds for s in samples]) * 1000
-    predicted = np.array([np.dot(s.features, vec) + s.requests * model.request_overhead_s for s in samples]) * 1000
+    predicted = (
+        np.array(
+            [
+                np.dot(s.features, vec) + s.requests * model.request_overhead_s
+                for s in samples
+            ]
+        )
+        * 1000
+    )
     fig, ax = plt.subplots(figsize=(5.5, 5))
     kind_of = lambda s: s.what.split(":")[0] if ":" in s.what else s.what.split(" ")[0]  # noqa: E731
     for kind in sorted({kind_of(s) for s in samples}):
         idx = [i for i, s in enumerate(samples) if kind_of(s) == kind]
         ax.scatter(measured[idx], predicted[idx], s=10, label=kind)
-    lim = [max(min(measured.min(), predicted.min()), 1e-2), max(measured.max(), predicted.max())]
+    lim = [
+        max(min(measured.min(), predicted.min()), 1e-2),
+        max(measured.max(), predicted.max()),
+    ]
     ax.plot(lim, lim, "k--", lw=0.8)
-    ax.set(xscale="log", yscale="log", xlabel="measured ms", ylabel="cost model ms", title="calibration fit")
+    ax.set(
+        xscale="log",
+        yscale="log",
+        xlabel="measured ms",
+        ylabel="cost model ms",
+        title="calibration fit",
+    )
     ax.legend(fontsize=7)
     path = Path(out_dir) / "calibration_fit.png"
     fig.tight_layout()
@@ -52,13 +69,23 @@ def plot_result(result, out_dir: str) -> list[Path]:
     for ax, values, name in ((axes[0], ttft, "TTFT"), (axes[1], itl, "ITL")):
         if len(values):
             ax.plot(values, np.arange(1, len(values) + 1) / len(values))
-        ax.set(xlabel=f"{name} ms", ylabel="fraction of requests" if name == "TTFT" else "fraction of gaps",
-               title=f"{name} (simulated)")  # fmt: skip
+        ax.set(
+            xlabel=f"{name} ms",
+            ylabel="fraction of requests" if name == "TTFT" else "fraction of gaps",
+            title=f"{name} (simulated)",
+        )
         ax.grid(alpha=0.3)
     names = [w.name for w in result.workers]
-    axes[2].bar(range(len(names)), [w.utilisation for w in result.workers],
-                color=["tab:orange" if w.role == "prefill" else "tab:blue" for w in result.workers])  # fmt: skip
-    axes[2].set(ylim=(0, 1.05), ylabel="busy fraction", title=f"utilisation: {result.label}")
+    axes[2].bar(
+        range(len(names)),
+        [w.utilisation for w in result.workers],
+        color=[
+            "tab:orange" if w.role == "prefill" else "tab:blue" for w in result.workers
+        ],
+    )
+    axes[2].set(
+        ylim=(0, 1.05), ylabel="busy fraction", title=f"utilisation: {result.label}"
+    )
     if len(names) <= 16:
         axes[2].set_xticks(range(len(names)), names, fontsize=7)
     fig.tight_layout()
@@ -77,9 +104,22 @@ def plot_size(tried, slo, out_dir: str) -> list[Path]:
         cs = [c for c in tried if bool(c.deployment.num_prefill) == pd]
         if not cs:
             continue
-        axes[0].scatter([c.cost for c in cs], [c.result.summary.ttft.p99_ms for c in cs], marker=marker, label=name)
-        axes[1].scatter([c.cost for c in cs], [c.result.summary.itl.p99_ms for c in cs], marker=marker, label=name)
-    for ax, limit, name in ((axes[0], slo.ttft_p99_ms, "TTFT p99 ms"), (axes[1], slo.itl_p99_ms, "ITL p99 ms")):
+        axes[0].scatter(
+            [c.cost for c in cs],
+            [c.result.summary.ttft.p99_ms for c in cs],
+            marker=marker,
+            label=name,
+        )
+        axes[1].scatter(
+            [c.cost for c in cs],
+            [c.result.summary.itl.p99_ms for c in cs],
+            marker=marker,
+            label=name,
+        )
+    for ax, limit, name in (
+        (axes[0], slo.ttft_p99_ms, "TTFT p99 ms"),
+        (axes[1], slo.itl_p99_ms, "ITL p99 ms"),
+    ):
         if limit is not None:
             ax.axhline(limit, color="r", ls="--", lw=0.8, label="SLO")
         ax.set(xlabel="cost (workers)", ylabel=name, yscale="log")

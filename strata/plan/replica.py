@@ -57,17 +57,27 @@ class ReplicaConfig:
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
     disable_radix_cache: bool = False
-    host_cache_tokens: int = 0  # L2 (enable_hierarchical_cache: hicache_ratio x kv_cache_tokens); 0 = none
+    host_cache_tokens: int = (
+        0  # L2 (enable_hierarchical_cache: hicache_ratio x kv_cache_tokens); 0 = none
+    )
     prefetch_threshold_tokens: int = 256  # L3 hits smaller than this are not fetched
     speculative: bool = False  # draft with the cost model's spec_accept_rate
     block_size: int = 16  # prefix-matching granularity of the simulation (tokens)
 
     def __post_init__(self) -> None:
-        for name in ("kv_cache_tokens", "max_running_requests", "max_batch_tokens", "max_prefill_tokens", "block_size"):
+        for name in (
+            "kv_cache_tokens",
+            "max_running_requests",
+            "max_batch_tokens",
+            "max_prefill_tokens",
+            "block_size",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.host_cache_tokens < 0:
-            raise ValueError(f"host_cache_tokens must be >= 0, got {self.host_cache_tokens}")
+            raise ValueError(
+                f"host_cache_tokens must be >= 0, got {self.host_cache_tokens}"
+            )
 
 
 @dataclass(eq=False)
@@ -82,7 +92,9 @@ class SimRequest:
     outputs: int = 0
     kv_len: int = 0  # positions whose KV is computed
     alloc: int = 0  # positions with KV allocated
-    locked: list[int] = field(default_factory=list)  # prefix blocks locked in the tree (hashes[:len])
+    locked: list[int] = field(
+        default_factory=list
+    )  # prefix blocks locked in the tree (hashes[:len])
     admitted_once: bool = False
     ready_t: float = 0.0  # an L3 prefetch it waits for ends then
     l3_blocks: tuple[int, int] = (0, 0)  # block index range fetched from L3 for it
@@ -91,7 +103,9 @@ class SimRequest:
     finish_t: float | None = None
     retractions: int = 0
     worker: object = None  # the cluster's handle on where it runs
-    decode_req: SimRequest | None = None  # PD prefill side: the decode-side request it feeds
+    decode_req: SimRequest | None = (
+        None  # PD prefill side: the decode-side request it feeds
+    )
 
     @property
     def prompt_len(self) -> int:
@@ -108,7 +122,9 @@ class SimRequest:
 
 @dataclass
 class Step:
-    items: list[tuple[SimRequest, int, int]]  # (request, tokens fed, drafted tokens among them)
+    items: list[
+        tuple[SimRequest, int, int]
+    ]  # (request, tokens fed, drafted tokens among them)
     seconds: float  # of the host's compute (wall time when alone)
     prefill: bool = False  # it feeds prefill chunks (co-located replicas slow it by contention_prefill)
     started: float = 0.0
@@ -131,15 +147,28 @@ class Replica:
         self.name, self.cfg, self.cost, self.loop = name, cfg, cost, loop
         self.compute = host  # runs steps: `run(replica, seconds, done)`; None: alone on its machine
         self.block = cfg.block_size
-        self.host = LRUBlocks(cfg.host_cache_tokens // self.block) if cfg.host_cache_tokens else None
-        self.storage = storage if self.host is not None else None  # L3 sits behind L2, as in HiCache
-        self.device = DeviceCache(not cfg.disable_radix_cache, self.host.put if self.host is not None else None)
+        self.host = (
+            LRUBlocks(cfg.host_cache_tokens // self.block)
+            if cfg.host_cache_tokens
+            else None
+        )
+        self.storage = (
+            storage if self.host is not None else None
+        )  # L3 sits behind L2, as in HiCache
+        self.device = DeviceCache(
+            not cfg.disable_radix_cache,
+            self.host.put if self.host is not None else None,
+        )
         self.on_finish = on_finish
         self.rng = rng or random.Random(0)
         self.waiting: list[SimRequest] = []
         self.running: list[SimRequest] = []
-        self.reserving: list[SimRequest] = []  # PD decode: waiting for room for their prompt KV
-        self.prefilled: list[SimRequest] = []  # PD decode: KV arrived, joins at the next step
+        self.reserving: list[
+            SimRequest
+        ] = []  # PD decode: waiting for room for their prompt KV
+        self.prefilled: list[
+            SimRequest
+        ] = []  # PD decode: KV arrived, joins at the next step
         self.private_tokens = 0
         self.busy = False
         self.new_token_ratio = 0.7
@@ -160,11 +189,20 @@ class Replica:
 
     @property
     def free_tokens(self) -> int:
-        return self.cfg.kv_cache_tokens - self.device.num_blocks * self.block - self.private_tokens
+        return (
+            self.cfg.kv_cache_tokens
+            - self.device.num_blocks * self.block
+            - self.private_tokens
+        )
 
     @property
     def load(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.reserving) + len(self.prefilled)
+        return (
+            len(self.waiting)
+            + len(self.running)
+            + len(self.reserving)
+            + len(self.prefilled)
+        )
 
     def make_room(self, tokens: int) -> bool:
         short = tokens - self.free_tokens
@@ -255,7 +293,10 @@ class Replica:
         queued = max(0.0, self.io_busy_until - now)
         fetch_s = queued + self.cost.kv_bytes(tokens) / self.cost.storage_bytes_per_s
         recompute_s = self.cost.prefill_s(
-            tokens, start * self.block, self.cfg.chunked_prefill_size, self.cfg.max_batch_tokens
+            tokens,
+            start * self.block,
+            self.cfg.chunked_prefill_size,
+            self.cfg.max_batch_tokens,
         )
         if fetch_s >= recompute_s:  # auto: recomputing is quicker, do not wait
             return
@@ -290,15 +331,21 @@ class Replica:
         self.num_steps += 1
         self.tokens_fed += sum(n for _, n, _ in step.items)
         self.batch_size_sum += len(step.items)
-        self.kv_peak_tokens = max(self.kv_peak_tokens, self.cfg.kv_cache_tokens - self.free_tokens)
+        self.kv_peak_tokens = max(
+            self.kv_peak_tokens, self.cfg.kv_cache_tokens - self.free_tokens
+        )
         if self.compute is None:
             self.loop.at(self.loop.now + step.seconds, self._end_step, step)
         else:
-            self.compute.run(self, step.seconds, lambda: self._end_step(step), step.prefill)
+            self.compute.run(
+                self, step.seconds, lambda: self._end_step(step), step.prefill
+            )
 
     def _schedule(self) -> Step | None:
         step = self._schedule_once()
-        while step is None and len(self.running) > 1:  # all stuck mid-prefill without KV: retract one
+        while (
+            step is None and len(self.running) > 1
+        ):  # all stuck mid-prefill without KV: retract one
             self._retract(max(self.running, key=lambda r: r.seq_no))
             step = self._schedule_once()
         return step
@@ -318,7 +365,9 @@ class Replica:
                 self.running.append(r)
         self.prefilled = []
         decodes = [r for r in self.running if r.extend_len == 1]
-        while decodes and not self.make_room(sum(1 for r in decodes if r.alloc < r.kv_len + 1)):
+        while decodes and not self.make_room(
+            sum(1 for r in decodes if r.alloc < r.kv_len + 1)
+        ):
             victim = self._victim()
             if victim is None:
                 break
@@ -328,8 +377,13 @@ class Replica:
         budget = cfg.max_batch_tokens - len(decodes)
         extends: list[tuple[SimRequest, int]] = []
         for r in [r for r in self.running if r.extend_len > 1]:
-            n = prefill_piece(r.extend_len, cfg.chunked_prefill_size, budget, not decodes and not extends,
-                              first_piece=not extends)
+            n = prefill_piece(
+                r.extend_len,
+                cfg.chunked_prefill_size,
+                budget,
+                not decodes and not extends,
+                first_piece=not extends,
+            )
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 continue
             extends.append((r, n))
@@ -337,63 +391,101 @@ class Replica:
         copy_s = self._admit(extends, budget, batch_empty=not decodes and not extends)
         if not decodes and not extends:
             return None
-        drafts = self._plan_drafts(decodes, len(decodes) + sum(n for _, n in extends)) if cfg.speculative else {}
+        drafts = (
+            self._plan_drafts(decodes, len(decodes) + sum(n for _, n in extends))
+            if cfg.speculative
+            else {}
+        )
         self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
         items = [(r, 1 + drafts.get(id(r), 0), drafts.get(id(r), 0)) for r in decodes]
         items += [(r, n, 0) for r, n in extends]
-        segments = [Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items]
+        segments = [
+            Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items
+        ]
         return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
 
     def _reserved_tokens(self) -> float:
         return sum(
-            r.extend_len + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            r.extend_len
+            + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
             for r in self.running
         )
 
-    def _admit(self, extends: list[tuple[SimRequest, int]], budget: int, batch_empty: bool) -> float:
+    def _admit(
+        self, extends: list[tuple[SimRequest, int]], budget: int, batch_empty: bool
+    ) -> float:
         """Admit waiting requests (step 4); returns the seconds of L2 -> L1 copies they caused."""
         cfg, now = self.cfg, self.loop.now
         prefill_budget = cfg.max_prefill_tokens
-        available = self.free_tokens + len(self.device.evictable) * self.block - self._reserved_tokens()
+        available = (
+            self.free_tokens
+            + len(self.device.evictable) * self.block
+            - self._reserved_tokens()
+        )
         copy_s = 0.0
         admitted_now: list[SimRequest] = []
         for r in sorted(self.waiting, key=lambda r: r.seq_no):
-            if len(self.running) >= cfg.max_running_requests or budget <= 0 or prefill_budget <= 0:
+            if (
+                len(self.running) >= cfg.max_running_requests
+                or budget <= 0
+                or prefill_budget <= 0
+            ):
                 break
             if r.ready_t > now:
                 continue
-            limit = (r.seq_len - 1) // self.block  # at most seq_len - 1 tokens are reused
+            limit = (
+                r.seq_len - 1
+            ) // self.block  # at most seq_len - 1 tokens are reused
             m = self.device.match(r.hashes, limit)
             r.locked = list(r.hashes[:m])
-            self.device.lock(r.locked)  # before promotion makes room: the match must not be evicted
+            self.device.lock(
+                r.locked
+            )  # before promotion makes room: the match must not be evicted
             promoted = 0
             if self.host is not None and self.device.enabled:
                 promoted = self.host.run_from(r.hashes, m, limit)
                 while promoted and not self.make_room(promoted * self.block):
                     promoted -= 1
-                for h in r.hashes[m : m + promoted]:  # copied up into the tree, locked by r
+                for h in r.hashes[
+                    m : m + promoted
+                ]:  # copied up into the tree, locked by r
                     self.device.insert_locked(h)
                     r.locked.append(h)
-                copy_s += self.cost.kv_bytes(promoted * self.block) / self.cost.host_bytes_per_s
+                copy_s += (
+                    self.cost.kv_bytes(promoted * self.block)
+                    / self.cost.host_bytes_per_s
+                )
             cached = len(r.locked) * self.block
             r.kv_len = r.alloc = cached
             if self._shares_uncached_prefix(r, len(r.locked), admitted_now):
                 self._unadmit(r)
                 continue  # next step it reuses what the other request is computing now
             rest = r.seq_len - cached
-            need = rest + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            need = (
+                rest
+                + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            )
             if need > available and not (batch_empty and not self.running):
                 self._unadmit(r)
                 break
-            n = prefill_piece(r.extend_len, self.cfg.chunked_prefill_size, min(budget, prefill_budget), batch_empty,
-                              first_piece=not extends)
+            n = prefill_piece(
+                r.extend_len,
+                self.cfg.chunked_prefill_size,
+                min(budget, prefill_budget),
+                batch_empty,
+                first_piece=not extends,
+            )
             if n <= 0 or not self._alloc_to(r, r.kv_len + n):
                 self._unadmit(r)
                 break
             if not r.admitted_once:
                 lo, hi = r.l3_blocks
                 from_l3 = max(0, min(m + promoted, hi) - max(m, lo)) * self.block
-                r.cached_by_tier = {"device": m * self.block, "host": promoted * self.block - from_l3, "storage": from_l3}
+                r.cached_by_tier = {
+                    "device": m * self.block,
+                    "host": promoted * self.block - from_l3,
+                    "storage": from_l3,
+                }
                 r.admitted_once = True
             self.waiting.remove(r)
             self.running.append(r)
@@ -409,13 +501,20 @@ class Replica:
         self._release(r)
         r.kv_len = 0
 
-    def _shares_uncached_prefix(self, r: SimRequest, matched: int, admitted_now: list[SimRequest]) -> bool:
-        if not self.device.enabled or r.seq_len - matched * self.block < IN_BATCH_PREFIX_TOKENS:
+    def _shares_uncached_prefix(
+        self, r: SimRequest, matched: int, admitted_now: list[SimRequest]
+    ) -> bool:
+        if (
+            not self.device.enabled
+            or r.seq_len - matched * self.block < IN_BATCH_PREFIX_TOKENS
+        ):
             return False
         if matched >= len(r.hashes):
             return False
         h = r.hashes[matched]
-        return any(len(o.hashes) > matched and o.hashes[matched] == h for o in admitted_now)
+        return any(
+            len(o.hashes) > matched and o.hashes[matched] == h for o in admitted_now
+        )
 
     def _plan_drafts(self, decodes: list[SimRequest], base_rows: int) -> dict[int, int]:
         """Drafts per decode (id -> k), added best first while tokens/second of the step grows."""
@@ -426,16 +525,25 @@ class Replica:
         large = thr is not None and base_rows >= thr
         cap = self.cfg.max_batch_tokens - base_rows
         if thr is not None and not large:
-            cap = min(cap, thr - 1 - base_rows)  # drafts never push a step across the kernel switch
+            cap = min(
+                cap, thr - 1 - base_rows
+            )  # drafts never push a step across the kernel switch
         per_row = coef.get("per_row_large" if large else "per_row", 0.0)
         step_s = self.cost.step_s([Segment(1, r.kv_len, True) for r in decodes])
         expected = float(len(decodes))
         drafts: dict[int, int] = {}
-        limits = {id(r): min(self.cost.spec_max_draft, r.max_new - r.outputs - 1) for r in decodes}
+        limits = {
+            id(r): min(self.cost.spec_max_draft, r.max_new - r.outputs - 1)
+            for r in decodes
+        }
         for depth in range(1, self.cost.spec_max_draft + 1):
             gain = p**depth
             for r in decodes:
-                if cap <= 0 or limits[id(r)] < depth or not self._alloc_to(r, r.kv_len + 1 + depth):
+                if (
+                    cap <= 0
+                    or limits[id(r)] < depth
+                    or not self._alloc_to(r, r.kv_len + 1 + depth)
+                ):
                     continue
                 extra = per_row + coef.get("per_decode_ctx", 0.0) * (r.kv_len + depth)
                 if (expected + gain) / (step_s + extra) <= expected / step_s:
@@ -500,4 +608,3 @@ class Replica:
                     self.reserving.remove(q)
         if self.on_finish is not None:
             self.on_finish(r, now)
-

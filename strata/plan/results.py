@@ -34,7 +34,9 @@ class SimResult:
     summary: ServingSummary
     hit_rate: dict[str, float]  # tier -> prompt tokens served from it / prompt tokens
     workers: list[WorkerStats]
-    spec_accepted_fraction: float | None = None  # accepted / drafted tokens, when drafting
+    spec_accepted_fraction: float | None = (
+        None  # accepted / drafted tokens, when drafting
+    )
     records: list[RequestRecord] = field(default_factory=list, repr=False)
 
     def to_json(self) -> dict[str, Any]:
@@ -81,7 +83,10 @@ def collect(done, decode_replicas, prefill_replicas, sim) -> SimResult:
     duration = summary.duration_s
     workers = []
     pd = bool(prefill_replicas)
-    for role, reps in (("decode" if pd else "replica", decode_replicas), ("prefill", prefill_replicas)):
+    for role, reps in (
+        ("decode" if pd else "replica", decode_replicas),
+        ("prefill", prefill_replicas),
+    ):
         for rep in reps:
             workers.append(
                 WorkerStats(
@@ -89,8 +94,12 @@ def collect(done, decode_replicas, prefill_replicas, sim) -> SimResult:
                     role=role,
                     utilisation=rep.busy_s / duration if duration > 0 else 0.0,
                     steps=rep.num_steps,
-                    mean_batch=rep.batch_size_sum / rep.num_steps if rep.num_steps else 0.0,
-                    tokens_per_step=rep.tokens_fed / rep.num_steps if rep.num_steps else 0.0,
+                    mean_batch=rep.batch_size_sum / rep.num_steps
+                    if rep.num_steps
+                    else 0.0,
+                    tokens_per_step=rep.tokens_fed / rep.num_steps
+                    if rep.num_steps
+                    else 0.0,
                     kv_peak_tokens=rep.kv_peak_tokens,
                     retractions=rep.num_retractions,
                 )
@@ -117,24 +126,64 @@ def result_text(r: SimResult) -> str:
         ["output tok/s", report.fmt(s.output_throughput)],
         ["total tok/s", report.fmt(s.total_throughput)],
     ]
-    for name, st in (("TTFT", s.ttft), ("ITL", s.itl), ("TPOT", s.tpot), ("E2E", s.e2e)):
-        rows.append([f"{name} ms (mean / p50 / p90 / p99)",
-                     " / ".join(report.fmt(x, 1) for x in (st.mean_ms, st.median_ms, st.p90_ms, st.p99_ms))])  # fmt: skip
-    rows.append(["cache hit rate: device / host / storage",
-                 " / ".join(f"{r.hit_rate[k]:.3f}" for k in ("device", "host", "storage"))])  # fmt: skip
+    for name, st in (
+        ("TTFT", s.ttft),
+        ("ITL", s.itl),
+        ("TPOT", s.tpot),
+        ("E2E", s.e2e),
+    ):
+        rows.append(
+            [
+                f"{name} ms (mean / p50 / p90 / p99)",
+                " / ".join(
+                    report.fmt(x, 1)
+                    for x in (st.mean_ms, st.median_ms, st.p90_ms, st.p99_ms)
+                ),
+            ]
+        )
+    rows.append(
+        [
+            "cache hit rate: device / host / storage",
+            " / ".join(f"{r.hit_rate[k]:.3f}" for k in ("device", "host", "storage")),
+        ]
+    )
     if r.spec_accepted_fraction is not None:
         rows.append(["drafted tokens accepted", f"{r.spec_accepted_fraction:.2f}"])
     out = [f"simulated: {r.label}", report.table(rows, ["figure", "value"]), ""]
     wrows = [
-        [w.name, w.role, f"{w.utilisation:.2f}", str(w.steps), f"{w.mean_batch:.1f}", f"{w.tokens_per_step:.0f}",
-         str(w.kv_peak_tokens), str(w.retractions)]
+        [
+            w.name,
+            w.role,
+            f"{w.utilisation:.2f}",
+            str(w.steps),
+            f"{w.mean_batch:.1f}",
+            f"{w.tokens_per_step:.0f}",
+            str(w.kv_peak_tokens),
+            str(w.retractions),
+        ]
         for w in r.workers
-    ]  # fmt: skip
+    ]
     if len(wrows) > 16:
         util = sorted(w.utilisation for w in r.workers)
-        out.append(f"{len(wrows)} workers: utilisation min {util[0]:.2f}, median {util[len(util) // 2]:.2f}, max {util[-1]:.2f}")
+        out.append(
+            f"{len(wrows)} workers: utilisation min {util[0]:.2f}, median {util[len(util) // 2]:.2f}, max {util[-1]:.2f}"
+        )
     else:
-        out.append(report.table(wrows, ["worker", "role", "util", "steps", "mean batch", "tok/step", "KV peak", "retracted"]))
+        out.append(
+            report.table(
+                wrows,
+                [
+                    "worker",
+                    "role",
+                    "util",
+                    "steps",
+                    "mean batch",
+                    "tok/step",
+                    "KV peak",
+                    "retracted",
+                ],
+            )
+        )
     return "\n".join(out)
 
 
@@ -144,7 +193,11 @@ def compare_text(r: SimResult, measured: dict[str, Any]) -> str:
     pairs = [
         ("requests/s", r.summary.request_throughput, s.get("request_throughput")),
         ("output tok/s", r.summary.output_throughput, s.get("output_throughput")),
-        ("TTFT p50 ms", r.summary.ttft.median_ms, (s.get("ttft") or {}).get("median_ms")),
+        (
+            "TTFT p50 ms",
+            r.summary.ttft.median_ms,
+            (s.get("ttft") or {}).get("median_ms"),
+        ),
         ("TTFT p99 ms", r.summary.ttft.p99_ms, (s.get("ttft") or {}).get("p99_ms")),
         ("ITL p50 ms", r.summary.itl.median_ms, (s.get("itl") or {}).get("median_ms")),
         ("E2E p50 ms", r.summary.e2e.median_ms, (s.get("e2e") or {}).get("median_ms")),
@@ -152,6 +205,10 @@ def compare_text(r: SimResult, measured: dict[str, Any]) -> str:
     ]
     rows = []
     for name, pred, real in pairs:
-        err = f"{(pred - real) / real * 100:+.0f}%" if pred is not None and real else "n/a"
+        err = (
+            f"{(pred - real) / real * 100:+.0f}%"
+            if pred is not None and real
+            else "n/a"
+        )
         rows.append([name, report.fmt(pred), report.fmt(real), err])
     return report.table(rows, ["figure", "predicted", "measured", "error"])

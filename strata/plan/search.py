@@ -30,9 +30,15 @@ class SLO:
         s = r.summary
         if s.failed or not s.completed:
             return False
-        if self.ttft_p99_ms is not None and (s.ttft.p99_ms is None or s.ttft.p99_ms > self.ttft_p99_ms):
+        if self.ttft_p99_ms is not None and (
+            s.ttft.p99_ms is None or s.ttft.p99_ms > self.ttft_p99_ms
+        ):
             return False
-        return not (self.itl_p99_ms is not None and s.itl.p99_ms is not None and s.itl.p99_ms > self.itl_p99_ms)
+        return not (
+            self.itl_p99_ms is not None
+            and s.itl.p99_ms is not None
+            and s.itl.p99_ms > self.itl_p99_ms
+        )
 
 
 @dataclass
@@ -69,8 +75,10 @@ def size(
             c = decode * decode_cost + prefill * prefill_cost
             tried[key] = Candidate(dep, c, result, slo.met(result))
             s = result.summary
-            say(f"size: {dep.label}: TTFT p99 {s.ttft.p99_ms or 0:,.0f} ms, ITL p99 {s.itl.p99_ms or 0:,.0f} ms"
-                f" -> {'meets' if tried[key].passes else 'misses'} the SLO")  # fmt: skip
+            say(
+                f"size: {dep.label}: TTFT p99 {s.ttft.p99_ms or 0:,.0f} ms, ITL p99 {s.itl.p99_ms or 0:,.0f} ms"
+                f" -> {'meets' if tried[key].passes else 'misses'} the SLO"
+            )
         return tried[key]
 
     def smallest(lo: int, hi: int, passes: Callable[[int], bool]) -> int | None:
@@ -85,14 +93,26 @@ def size(
         return lo
 
     def best_split(total: int) -> Candidate | None:
-        splits = sorted({min(total - 1, max(1, round(total * f))) for f in PD_FRACTIONS})
+        splits = sorted(
+            {min(total - 1, max(1, round(total * f))) for f in PD_FRACTIONS}
+        )
         passing = [c for c in (run(total - p, p) for p in splits) if c.passes]
-        return min(passing, key=lambda c: (c.cost, c.result.summary.ttft.p99_ms or 0.0), default=None)
+        return min(
+            passing,
+            key=lambda c: (c.cost, c.result.summary.ttft.p99_ms or 0.0),
+            default=None,
+        )
 
     if dp:
         smallest(1, max_workers, lambda n: run(n, 0).passes)
     if pd and max_workers >= 2:
         smallest(2, max_workers, lambda t: best_split(t) is not None)
     passing = [c for c in tried.values() if c.passes]
-    best = min(passing, key=lambda c: (c.cost, c.result.summary.ttft.p99_ms or 0.0), default=None)
-    return best, sorted(tried.values(), key=lambda c: (c.cost, c.deployment.num_prefill))
+    best = min(
+        passing,
+        key=lambda c: (c.cost, c.result.summary.ttft.p99_ms or 0.0),
+        default=None,
+    )
+    return best, sorted(
+        tried.values(), key=lambda c: (c.cost, c.deployment.num_prefill)
+    )

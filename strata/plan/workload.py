@@ -34,7 +34,9 @@ import numpy as np
 from strata.bench.datasets import Conversation, DatasetConfig, Turn, make_dataset
 
 ARRIVALS = ("poisson", "burst", "trace")
-ANSWER_ID_BASE = 1 << 40  # synthetic answer ids, above any vocabulary: they never collide with prompt ids
+ANSWER_ID_BASE = (
+    1 << 40
+)  # synthetic answer ids, above any vocabulary: they never collide with prompt ids
 
 
 class SyntheticTokenizer:
@@ -60,7 +62,11 @@ class SyntheticTokenizer:
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
         out = []
         for word in text.split():
-            if word[0] == "t" and word[1:].isdigit() and int(word[1:]) < self.vocab_size:
+            if (
+                word[0] == "t"
+                and word[1:].isdigit()
+                and int(word[1:]) < self.vocab_size
+            ):
                 out.append(int(word[1:]))
             else:
                 out.append(sum(map(ord, word)) * 2654435761 % self.vocab_size)
@@ -92,7 +98,9 @@ class Workload:
     conversations: list[list[SimTurn]]
     arrivals: list[float]
     max_concurrency: int | None = None
-    think_time_s: float = 0.0  # mean pause before a conversation's next turn (exponential)
+    think_time_s: float = (
+        0.0  # mean pause before a conversation's next turn (exponential)
+    )
 
     @property
     def num_requests(self) -> int:
@@ -122,13 +130,17 @@ def turns_of(conversations: list[Conversation]) -> list[list[SimTurn]]:
     return out
 
 
-def poisson_arrivals(n: int, rate: float, seed: int, burst_size: int = 1) -> list[float]:
+def poisson_arrivals(
+    n: int, rate: float, seed: int, burst_size: int = 1
+) -> list[float]:
     """n arrival times: Poisson at `rate` per second (inf: all at 0); with burst_size > 1, groups of
     that many at once, the groups Poisson at rate / burst_size."""
     if math.isinf(rate):
         return [0.0] * n
     groups = math.ceil(n / burst_size)
-    gaps = np.random.default_rng(seed).exponential(burst_size / rate, size=max(groups - 1, 0))
+    gaps = np.random.default_rng(seed).exponential(
+        burst_size / rate, size=max(groups - 1, 0)
+    )
     starts = [0.0] + np.cumsum(gaps).tolist()
     return [starts[i // burst_size] for i in range(n)]
 
@@ -144,14 +156,18 @@ def dataset_workload(
 ) -> Workload:
     """A bench dataset as simulator input (synthetic tokens unless a real tokenizer is given)."""
     if arrival not in ("poisson", "burst"):
-        raise ValueError(f"dataset arrivals are poisson or burst; for a trace use trace_workload, got {arrival!r}")
+        raise ValueError(
+            f"dataset arrivals are poisson or burst; for a trace use trace_workload, got {arrival!r}"
+        )
     convs = make_dataset(cfg, tokenizer or SyntheticTokenizer())
     size = burst_size if arrival == "burst" else 1
     arrivals = poisson_arrivals(len(convs), rate, cfg.seed, size)
     return Workload(turns_of(convs), arrivals, max_concurrency, think_time_s)
 
 
-def trace_workload(path: str | Path, max_concurrency: int | None = None, seed: int = 0) -> Workload:
+def trace_workload(
+    path: str | Path, max_concurrency: int | None = None, seed: int = 0
+) -> Workload:
     """A trace file (see the module docstring): arrival times and lengths as recorded."""
     p = Path(path)
     if not p.is_file():
@@ -168,10 +184,12 @@ def trace_workload(path: str | Path, max_concurrency: int | None = None, seed: i
             t, n_in, n_out = float(e["t"]), int(e["input_len"]), int(e["output_len"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise ValueError(
-                f"{p}:{lineno}: expected {{\"t\": seconds, \"input_len\": n, \"output_len\": m}} ({exc})"
+                f'{p}:{lineno}: expected {{"t": seconds, "input_len": n, "output_len": m}} ({exc})'
             ) from None
         if n_in < 1 or n_out < 1 or t < 0:
-            raise ValueError(f"{p}:{lineno}: input_len and output_len must be >= 1 and t >= 0")
+            raise ValueError(
+                f"{p}:{lineno}: input_len and output_len must be >= 1 and t >= 0"
+            )
         prefix: tuple[int, ...] = ()
         if "prefix_id" in e:
             key, plen = str(e["prefix_id"]), min(int(e.get("prefix_len", 0)), n_in - 1)

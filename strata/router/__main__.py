@@ -10,7 +10,8 @@ from strata.router.cli import add_router_args, router_main
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="strata router", description="A cache-aware gateway over data-parallel `strata serve` replicas."
+        prog="strata router",
+        description="A cache-aware gateway over data-parallel `strata serve` replicas.",
     )
     add_router_args(parser)
     return router_main(parser.parse_args(argv))

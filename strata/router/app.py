@@ -44,7 +44,9 @@ from strata.web import PAGE_PATHS, add_page_routes
 
 logger = logging.getLogger("strata.router")
 
-PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the page holds no secret; its API calls need the key
+PUBLIC_PATHS = (
+    frozenset({"/health"}) | PAGE_PATHS
+)  # the page holds no secret; its API calls need the key
 PROXIED_POST = ("/v1/chat/completions", "/v1/completions", "/generate")
 PROXIED_GET = ("/v1/models", "/health_generate")
 MAX_CONNECTIONS = 4096
@@ -59,14 +61,19 @@ class RouterError(Exception):
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status_code=status, media_type="application/json")
+    return Response(
+        _json.encode(obj), status_code=status, media_type="application/json"
+    )
 
 
 class Gateway:
     """Everything one router owns; started and stopped with the app (its lifespan)."""
 
     def __init__(
-        self, config: RouterConfig, launched_urls: frozenset[str] = frozenset(), seed: int | None = None
+        self,
+        config: RouterConfig,
+        launched_urls: frozenset[str] = frozenset(),
+        seed: int | None = None,
     ):
         self.config = config
         self.launched_urls = launched_urls
@@ -74,10 +81,16 @@ class Gateway:
         self.metrics = RouterMetrics()
         self.policy = make_policy(config, self.rng)
         self.client: httpx.AsyncClient | None = None
-        self.pool: WorkerPool | None = None  # the workers that answer clients (decode workers in PD mode)
+        self.pool: WorkerPool | None = (
+            None  # the workers that answer clients (decode workers in PD mode)
+        )
         self.forwarder: Forwarder | None = None
         # PD mode: prefill workers, with their own policy
-        self.prefill_policy = POLICIES[config.prefill_policy](config, self.rng) if config.prefill_urls else None
+        self.prefill_policy = (
+            POLICIES[config.prefill_policy](config, self.rng)
+            if config.prefill_urls
+            else None
+        )
         self.prefill_pool: WorkerPool | None = None
         self.discovery = None  # K8sDiscovery with --service-discovery k8s
         self.started_at = time.time()
@@ -88,23 +101,38 @@ class Gateway:
             timeout=httpx.Timeout(cfg.request_timeout, connect=cfg.connect_timeout),
             # idle connections expire before a worker drops them (uvicorn: 5 s), so none is reused half-closed
             limits=httpx.Limits(
-                max_connections=MAX_CONNECTIONS, max_keepalive_connections=256, keepalive_expiry=2.0
+                max_connections=MAX_CONNECTIONS,
+                max_keepalive_connections=256,
+                keepalive_expiry=2.0,
             ),
             trust_env=False,  # workers are reached directly, never through an HTTP proxy
         )
         self.pool = WorkerPool(cfg, self.policy, self.metrics, self.client)
-        self.forwarder = Forwarder(cfg, self.pool, self.policy, self.metrics, self.client, self.rng)
-        await asyncio.gather(*(self.pool.add(u, launched=u in self.launched_urls) for u in cfg.worker_urls))
+        self.forwarder = Forwarder(
+            cfg, self.pool, self.policy, self.metrics, self.client, self.rng
+        )
+        await asyncio.gather(
+            *(
+                self.pool.add(u, launched=u in self.launched_urls)
+                for u in cfg.worker_urls
+            )
+        )
         if self.prefill_policy is not None:
-            self.prefill_pool = WorkerPool(cfg, self.prefill_policy, self.metrics, self.client)
+            self.prefill_pool = WorkerPool(
+                cfg, self.prefill_policy, self.metrics, self.client
+            )
             await asyncio.gather(*(self.prefill_pool.add(u) for u in cfg.prefill_urls))
         if cfg.service_discovery == "k8s":
             from strata.router.k8s_discovery import K8sDiscovery
 
             self.discovery = K8sDiscovery.in_cluster(
-                cfg.selector, add=self.pool.add, remove=self.pool.remove, namespace=cfg.k8s_namespace,
-                port=cfg.k8s_port, api_url=cfg.k8s_api_url,
-            )  # fmt: skip
+                cfg.selector,
+                add=self.pool.add,
+                remove=self.pool.remove,
+                namespace=cfg.k8s_namespace,
+                port=cfg.k8s_port,
+                api_url=cfg.k8s_api_url,
+            )
             self.discovery.start()
 
     def role_pools(self) -> dict[str, WorkerPool | None]:
@@ -141,11 +169,17 @@ class Guard:
         self.expected = f"Bearer {api_key}".encode() if api_key else None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+        if (
+            scope["type"] == "http"
+            and self.expected is not None
+            and scope["path"] not in PUBLIC_PATHS
+        ):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 message = (
-                    "invalid API key" if given else "missing API key: send 'Authorization: Bearer <key>'"
+                    "invalid API key"
+                    if given
+                    else "missing API key: send 'Authorization: Bearer <key>'"
                 )
                 body = error_body(401, message, "invalid_api_key")
                 headers = [
@@ -153,7 +187,9 @@ class Guard:
                     (b"content-length", str(len(body)).encode()),
                     (b"www-authenticate", b"Bearer"),
                 ]
-                await send({"type": "http.response.start", "status": 401, "headers": headers})
+                await send(
+                    {"type": "http.response.start", "status": 401, "headers": headers}
+                )
                 await send({"type": "http.response.body", "body": body})
                 return
         await self.app(scope, receive, send)
@@ -161,7 +197,11 @@ class Guard:
 
 def create_app(gateway: Gateway) -> FastAPI:
     app = FastAPI(
-        title="Strata router", docs_url=None, redoc_url=None, openapi_url=None, lifespan=gateway.lifespan
+        title="Strata router",
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+        lifespan=gateway.lifespan,
     )
     app.state.gateway = gateway
     app.add_middleware(Guard, api_key=gateway.config.api_key)
@@ -171,7 +211,9 @@ def create_app(gateway: Gateway) -> FastAPI:
     @app.exception_handler(RouterError)
     async def router_error(request: Request, exc: RouterError) -> Response:
         return Response(
-            error_body(exc.status, exc.message, exc.code), exc.status, media_type="application/json"
+            error_body(exc.status, exc.message, exc.code),
+            exc.status,
+            media_type="application/json",
         )
 
     @app.exception_handler(StarletteHTTPException)
@@ -182,7 +224,11 @@ def create_app(gateway: Gateway) -> FastAPI:
                 f" (the router serves {', '.join(PROXIED_POST)}, {', '.join(PROXIED_GET)}, /health, "
                 "/get_server_info, /flush_cache, /metrics, /workers)"
             )
-        return Response(error_body(exc.status_code, message), exc.status_code, media_type="application/json")
+        return Response(
+            error_body(exc.status_code, message),
+            exc.status_code,
+            media_type="application/json",
+        )
 
     async def read_body(request: Request) -> bytes:
         chunks, size = [], 0
@@ -190,9 +236,10 @@ def create_app(gateway: Gateway) -> FastAPI:
             size += len(chunk)
             if size > cfg.max_request_bytes:
                 raise RouterError(
-                    413, f"the request body is larger than {cfg.max_request_bytes} bytes (--max-request-bytes)",
+                    413,
+                    f"the request body is larger than {cfg.max_request_bytes} bytes (--max-request-bytes)",
                     "request_too_large",
-                )  # fmt: skip
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
@@ -217,7 +264,10 @@ def create_app(gateway: Gateway) -> FastAPI:
         )
         if gateway.prefill_pool is not None and request.method == "POST":
             return PDProxyResponse(
-                gateway.forwarder, prefill_pool=gateway.prefill_pool, prefill_policy=gateway.prefill_policy, **common
+                gateway.forwarder,
+                prefill_pool=gateway.prefill_pool,
+                prefill_policy=gateway.prefill_policy,
+                **common,
             )
         return ProxyResponse(gateway.forwarder, **common)
 
@@ -241,7 +291,10 @@ def create_app(gateway: Gateway) -> FastAPI:
             body = error_body(503, "; ".join(missing), "no_healthy_workers")
             return Response(body, 503, media_type="application/json")
         assert gateway.pool is not None
-        status: dict[str, Any] = {"status": "ok", "routable_workers": len(gateway.pool.routable())}
+        status: dict[str, Any] = {
+            "status": "ok",
+            "routable_workers": len(gateway.pool.routable()),
+        }
         if gateway.prefill_pool is not None:
             status["routable_prefill_workers"] = len(gateway.prefill_pool.routable())
         return json_response(status)
@@ -257,7 +310,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             for w in gateway.pool.workers.values()
         ]
 
-    openapi = openapi_document("Strata router", router=True, secured=cfg.api_key is not None)
+    openapi = openapi_document(
+        "Strata router", router=True, secured=cfg.api_key is not None
+    )
 
     @app.get("/openapi.json")
     async def openapi_json() -> Response:
@@ -275,11 +330,15 @@ def create_app(gateway: Gateway) -> FastAPI:
                 data = msgspec.json.decode(body) if body else {}
             except msgspec.DecodeError as exc:
                 raise RouterError(
-                    400, f'the body must be JSON like {{"url": "http://host:port"}} ({exc})'
+                    400,
+                    f'the body must be JSON like {{"url": "http://host:port"}} ({exc})',
                 ) from None
             url = data.get("url") if isinstance(data, dict) else None
         if not isinstance(url, str):
-            raise RouterError(400, 'give the worker as {"url": "http://host:port"} in the body or as ?url=')
+            raise RouterError(
+                400,
+                'give the worker as {"url": "http://host:port"} in the body or as ?url=',
+            )
         return url
 
     @app.post("/workers")
@@ -292,7 +351,9 @@ def create_app(gateway: Gateway) -> FastAPI:
             raise RouterError(400, str(exc), "invalid_worker_url") from None
         except KeyError as exc:
             raise RouterError(409, exc.args[0], "worker_exists") from None
-        return json_response({**worker.describe(), **gateway.policy.describe_worker(worker.url)})
+        return json_response(
+            {**worker.describe(), **gateway.policy.describe_worker(worker.url)}
+        )
 
     @app.delete("/workers")
     async def remove_worker(request: Request) -> Response:
@@ -305,7 +366,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         except KeyError:
             known = ", ".join(gateway.pool.workers) or "none"
             raise RouterError(
-                404, f"no worker {url} is registered (registered: {known})", "worker_not_found"
+                404,
+                f"no worker {url} is registered (registered: {known})",
+                "worker_not_found",
             ) from None
         return json_response({"removed": worker.url, "in_flight": worker.in_flight})
 
@@ -314,7 +377,9 @@ def create_app(gateway: Gateway) -> FastAPI:
         assert gateway.pool is not None
         config = redacted(cfg)
         workers = describe_workers()
-        infos = [w["server_info"] for w in workers if w["routable"] and w["server_info"]]
+        infos = [
+            w["server_info"] for w in workers if w["routable"] and w["server_info"]
+        ]
         return json_response(
             {
                 "role": "router",
@@ -349,7 +414,11 @@ def create_app(gateway: Gateway) -> FastAPI:
 
         results = await asyncio.gather(*(flush(w.url) for w in targets))
         status = max(code for _, code, _ in results)
-        body = {"workers": {url: {"status": code, "body": text} for url, code, text in results}}
+        body = {
+            "workers": {
+                url: {"status": code, "body": text} for url, code, text in results
+            }
+        }
         return json_response(body, 200 if status == 200 else status)
 
     @app.get("/metrics")

@@ -41,7 +41,10 @@ class CacheAwarePolicy(Policy):
     def imbalanced(self, workers: Sequence[Worker]) -> bool:
         loads = [w.load for w in workers]
         lo, hi = min(loads), max(loads)
-        return hi - lo > self.config.balance_abs_threshold and hi > lo * self.config.balance_rel_threshold
+        return (
+            hi - lo > self.config.balance_abs_threshold
+            and hi > lo * self.config.balance_rel_threshold
+        )
 
     def choose(self, workers: Sequence[Worker], key: RoutingKey) -> Choice:
         text = key.text
@@ -53,7 +56,10 @@ class CacheAwarePolicy(Policy):
             matches = {w.url: self.tree(w.url).match(text) for w in workers}
             best = max(matches.values())
             if best / len(text) > self.config.cache_threshold:
-                choice = Choice(self.least_loaded([w for w in workers if matches[w.url] == best]), "prefix")
+                choice = Choice(
+                    self.least_loaded([w for w in workers if matches[w.url] == best]),
+                    "prefix",
+                )
             else:
                 choice = Choice(self.least_loaded(workers), "load")
         self.tree(choice.worker.url).insert(text)

@@ -48,18 +48,32 @@ def pod_url(pod: dict[str, Any], port: int | None) -> str | None:
     """`http://podIP:port` for a pod that should get traffic now, None for one that should not
     (not Running, not Ready, being deleted, no IP yet, or no port to use)."""
     meta, status = pod.get("metadata") or {}, pod.get("status") or {}
-    if meta.get("deletionTimestamp") or status.get("phase") != "Running" or not status.get("podIP"):
+    if (
+        meta.get("deletionTimestamp")
+        or status.get("phase") != "Running"
+        or not status.get("podIP")
+    ):
         return None
     ready = any(
-        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        c.get("type") == "Ready" and c.get("status") == "True"
+        for c in status.get("conditions") or []
     )
     if not ready:
         return None
     if port is None:  # the container port named "http"
-        ports = [p for c in (pod.get("spec") or {}).get("containers") or [] for p in c.get("ports") or []]
-        port = next((p.get("containerPort") for p in ports if p.get("name") == "http"), None)
+        ports = [
+            p
+            for c in (pod.get("spec") or {}).get("containers") or []
+            for p in c.get("ports") or []
+        ]
+        port = next(
+            (p.get("containerPort") for p in ports if p.get("name") == "http"), None
+        )
         if port is None:
-            logger.warning("pod %s has no container port named 'http'; give --k8s-port", meta.get("name"))
+            logger.warning(
+                "pod %s has no container port named 'http'; give --k8s-port",
+                meta.get("name"),
+            )
             return None
     ip = status["podIP"]
     return f"http://[{ip}]:{port}" if ":" in ip else f"http://{ip}:{port}"
@@ -97,7 +111,9 @@ class K8sDiscovery:
             timeout=httpx.Timeout(10.0, read=WATCH_TIMEOUT_S + 30.0),
             trust_env=False,
         )
-        self.workers: dict[str, str] = {}  # pod name -> the URL this discovery registered for it
+        self.workers: dict[
+            str, str
+        ] = {}  # pod name -> the URL this discovery registered for it
         self.resource_version: str | None = None
         self.synced = asyncio.Event()  # set after the first successful list
         self._task: asyncio.Task | None = None
@@ -119,9 +135,15 @@ class K8sDiscovery:
         api_url, namespace = in_cluster_settings(namespace, api_url, sa_dir)
         token = sa_dir / "token"
         return cls(
-            api_url=api_url, namespace=namespace, selector=selector, port=port, add=add, remove=remove,
-            token_path=token if token.exists() else None, ca_path=sa_dir / "ca.crt",
-        )  # fmt: skip
+            api_url=api_url,
+            namespace=namespace,
+            selector=selector,
+            port=port,
+            add=add,
+            remove=remove,
+            token_path=token if token.exists() else None,
+            ca_path=sa_dir / "ca.crt",
+        )
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -143,11 +165,21 @@ class K8sDiscovery:
                 backoff = BACKOFF_S[0]
                 while await self.watch_pods():
                     pass  # the server closed the watch normally: re-open it from the last version
-                logger.info("k8s discovery: watch expired (410 Gone); listing pods again")
+                logger.info(
+                    "k8s discovery: watch expired (410 Gone); listing pods again"
+                )
             except asyncio.CancelledError:
                 raise
-            except (httpx.HTTPError, DiscoveryError, ValueError, KeyError, TypeError) as exc:
-                logger.warning("k8s discovery: %s; retrying in %.1fs", describe(exc), backoff)
+            except (
+                httpx.HTTPError,
+                DiscoveryError,
+                ValueError,
+                KeyError,
+                TypeError,
+            ) as exc:
+                logger.warning(
+                    "k8s discovery: %s; retrying in %.1fs", describe(exc), backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, BACKOFF_S[1])
 
@@ -160,7 +192,9 @@ class K8sDiscovery:
 
     async def list_pods(self) -> None:
         resp = await self.client.get(
-            self.pods_path, params={"labelSelector": self.selector}, headers=self.headers()
+            self.pods_path,
+            params={"labelSelector": self.selector},
+            headers=self.headers(),
         )
         check(resp)
         body = resp.json()
@@ -187,7 +221,9 @@ class K8sDiscovery:
             "allowWatchBookmarks": "true",
             "timeoutSeconds": str(WATCH_TIMEOUT_S),
         }
-        async with self.client.stream("GET", self.pods_path, params=params, headers=self.headers()) as resp:
+        async with self.client.stream(
+            "GET", self.pods_path, params=params, headers=self.headers()
+        ) as resp:
             if resp.status_code == 410:
                 return False
             if resp.status_code != 200:
@@ -201,7 +237,9 @@ class K8sDiscovery:
                 if kind == "ERROR":
                     if obj.get("code") == 410:
                         return False
-                    raise DiscoveryError(f"watch error {obj.get('code')}: {obj.get('message')}")
+                    raise DiscoveryError(
+                        f"watch error {obj.get('code')}: {obj.get('message')}"
+                    )
                 version = (obj.get("metadata") or {}).get("resourceVersion")
                 if version:
                     self.resource_version = version
@@ -224,7 +262,9 @@ class K8sDiscovery:
     async def _admit(self, name: str, url: str) -> None:
         try:
             await self.add(url)
-        except KeyError:  # registered otherwise (--worker-urls, POST /workers): not ours to remove
+        except (
+            KeyError
+        ):  # registered otherwise (--worker-urls, POST /workers): not ours to remove
             logger.info("k8s discovery: pod %s (%s) is already a worker", name, url)
             return
         self.workers[name] = url
@@ -243,13 +283,18 @@ def in_cluster_settings(
     """(API server URL, namespace): given, else the pod's own. ValueError saying which flag to give."""
     sa_dir = service_account_dir or SERVICE_ACCOUNT_DIR
     if api_url is None:
-        host, port = os.environ.get("KUBERNETES_SERVICE_HOST"), os.environ.get("KUBERNETES_SERVICE_PORT")
+        host, port = (
+            os.environ.get("KUBERNETES_SERVICE_HOST"),
+            os.environ.get("KUBERNETES_SERVICE_PORT"),
+        )
         if not host or not port:
             raise ValueError(
                 "--service-discovery k8s: not in a Kubernetes pod (no KUBERNETES_SERVICE_HOST); "
                 "give --k8s-api-url, e.g. http://127.0.0.1:8001 with `kubectl proxy --port 8001`"
             )
-        api_url = f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+        api_url = (
+            f"https://[{host}]:{port}" if ":" in host else f"https://{host}:{port}"
+        )
     if namespace is None:
         ns_file = sa_dir / "namespace"
         if not ns_file.exists():
@@ -271,8 +316,12 @@ def check(resp: httpx.Response) -> None:
             if resp.status_code in (401, 403)
             else ""
         )
-        raise DiscoveryError(f"GET {resp.request.url.path} answered {resp.status_code}: {message}{hint}")
+        raise DiscoveryError(
+            f"GET {resp.request.url.path} answered {resp.status_code}: {message}{hint}"
+        )
 
 
 def describe(exc: BaseException) -> str:
-    return str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
+    return (
+        str(exc) if isinstance(exc, DiscoveryError) else f"{type(exc).__name__}: {exc}"
+    )

@@ -34,7 +34,9 @@ PR_SET_PDEATHSIG = 1
 
 def _prctl():
     try:
-        return ctypes.CDLL(None, use_errno=True).prctl  # looked up in the parent: no dlopen after fork
+        return ctypes.CDLL(
+            None, use_errno=True
+        ).prctl  # looked up in the parent: no dlopen after fork
     except (OSError, AttributeError):
         return None
 
@@ -83,11 +85,19 @@ def engine_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
 class LocalReplica:
     """One `strata serve` subprocess on a fixed port; start() again after stop() reuses the port."""
 
-    def __init__(self, serve_flags: list[str], port: int | None = None, host: str = "127.0.0.1",
-                 api_key: str | None = None, log_level: str = "warning",
-                 secret_env: dict[str, str] | None = None):  # fmt: skip
+    def __init__(
+        self,
+        serve_flags: list[str],
+        port: int | None = None,
+        host: str = "127.0.0.1",
+        api_key: str | None = None,
+        log_level: str = "warning",
+        secret_env: dict[str, str] | None = None,
+    ):
         self.host = host
-        self.secret_env = dict(secret_env or {})  # secrets reach the replica as STRATA_* variables
+        self.secret_env = dict(
+            secret_env or {}
+        )  # secrets reach the replica as STRATA_* variables
         self.port = port or free_port(host)
         self.url = f"http://{host}:{self.port}"
         self.serve_flags = list(serve_flags)
@@ -97,10 +107,17 @@ class LocalReplica:
 
     def command(self) -> list[str]:
         return [
-            sys.executable, "-m", "strata.server",
-            "--host", self.host, "--port", str(self.port), "--log-level", self.log_level,
+            sys.executable,
+            "-m",
+            "strata.server",
+            "--host",
+            self.host,
+            "--port",
+            str(self.port),
+            "--log-level",
+            self.log_level,
             *self.serve_flags,
-        ]  # fmt: skip
+        ]
 
     def environment(self) -> dict[str, str]:
         """The replica's environment: ours, with its secrets (the API key included) and no other."""
@@ -113,10 +130,13 @@ class LocalReplica:
 
     def start(self, stdout=None) -> None:
         self.proc = subprocess.Popen(
-            self.command(), stdout=stdout, stderr=subprocess.STDOUT if stdout is not None else None,
-            env=self.environment(), start_new_session=True,
+            self.command(),
+            stdout=stdout,
+            stderr=subprocess.STDOUT if stdout is not None else None,
+            env=self.environment(),
+            start_new_session=True,
             preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 — see _die_with_parent
-        )  # fmt: skip
+        )
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -127,9 +147,16 @@ class LocalReplica:
         while time.monotonic() < deadline:
             if not self.alive():
                 code = self.proc.returncode if self.proc is not None else None
-                raise RuntimeError(f"replica {self.url} exited with status {code} before it was ready")
+                raise RuntimeError(
+                    f"replica {self.url} exited with status {code} before it was ready"
+                )
             try:
-                if httpx.get(self.url + "/health", timeout=2, trust_env=False).status_code == 200:
+                if (
+                    httpx.get(
+                        self.url + "/health", timeout=2, trust_env=False
+                    ).status_code
+                    == 200
+                ):
                     return
             except httpx.HTTPError:
                 pass
@@ -143,7 +170,9 @@ class LocalReplica:
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            logger.warning("replica %s did not exit in %.0fs; killing it", self.url, timeout)
+            logger.warning(
+                "replica %s did not exit in %.0fs; killing it", self.url, timeout
+            )
             self.kill()
 
     def kill(self) -> None:
@@ -158,12 +187,20 @@ class LocalReplica:
 
 
 def launch_replicas(
-    n: int, serve_flags: list[str], *, api_key: str | None, timeout: float, log_level: str = "warning",
+    n: int,
+    serve_flags: list[str],
+    *,
+    api_key: str | None,
+    timeout: float,
+    log_level: str = "warning",
     secret_env: dict[str, str] | None = None,
 ) -> list[LocalReplica]:
     """Start n replicas at once and wait for all; on any failure stop them all and raise."""
     replicas = [
-        LocalReplica(serve_flags, api_key=api_key, log_level=log_level, secret_env=secret_env) for _ in range(n)
+        LocalReplica(
+            serve_flags, api_key=api_key, log_level=log_level, secret_env=secret_env
+        )
+        for _ in range(n)
     ]
     try:
         for r in replicas:

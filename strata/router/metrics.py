@@ -19,7 +19,13 @@ Name{labels}, and what it counts:
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 TTFB_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128)
 
@@ -28,13 +34,22 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
-            "strata:router_requests_total", "Attempts sent to a worker.", ["worker", "route"], registry=r
+            "strata:router_requests_total",
+            "Attempts sent to a worker.",
+            ["worker", "route"],
+            registry=r,
         )
         self.errors = Counter(
-            "strata:router_request_errors_total", "Failed attempts by kind.", ["worker", "kind"], registry=r
+            "strata:router_request_errors_total",
+            "Failed attempts by kind.",
+            ["worker", "kind"],
+            registry=r,
         )
         self.retries = Counter(
-            "strata:router_retries_total", "Requests retried on another worker.", ["worker"], registry=r
+            "strata:router_retries_total",
+            "Requests retried on another worker.",
+            ["worker"],
+            registry=r,
         )
         self.decisions = Counter(
             "strata:router_policy_decisions_total",
@@ -55,9 +70,14 @@ class RouterMetrics:
             buckets=TTFB_BUCKETS,
             registry=r,
         )
-        self.healthy = Gauge("strata:router_worker_healthy", "1 if routable.", ["worker"], registry=r)
+        self.healthy = Gauge(
+            "strata:router_worker_healthy", "1 if routable.", ["worker"], registry=r
+        )
         self.load = Gauge(
-            "strata:router_worker_load", "Worker load as policies see it.", ["worker"], registry=r
+            "strata:router_worker_load",
+            "Worker load as policies see it.",
+            ["worker"],
+            registry=r,
         )
         self.in_flight = Gauge(
             "strata:router_worker_in_flight",

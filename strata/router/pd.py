@@ -55,36 +55,60 @@ class PDProxyResponse(ProxyResponse):
         except msgspec.DecodeError:
             self.parsed = None
         self.original_body = self.body
-        self.forward_headers = [(k, v) for k, v in self.forward_headers if k.lower() != auth.HEADER]
+        self.forward_headers = [
+            (k, v) for k, v in self.forward_headers if k.lower() != auth.HEADER
+        ]
         self.original_headers = self.forward_headers
         self.secret = auth.shared_secret(self.fwd.config.disaggregation_secret)
 
     async def _attempt(self, worker: Worker, send) -> Failure | None:
-        if not isinstance(self.parsed, dict):  # not a JSON object: the decode worker explains the 400
+        if not isinstance(
+            self.parsed, dict
+        ):  # not a JSON object: the decode worker explains the 400
             return await super()._attempt(worker, send)
         prefill = self._pick_prefill()
         if prefill is None:
-            return Failure(worker, "no_prefill", self.prefill_pool.why_none_routable() or "no prefill worker")
-        addr = (self.prefill_pool.server_info.get(prefill.url) or {}).get("bootstrap_addr")
+            return Failure(
+                worker,
+                "no_prefill",
+                self.prefill_pool.why_none_routable() or "no prefill worker",
+            )
+        addr = (self.prefill_pool.server_info.get(prefill.url) or {}).get(
+            "bootstrap_addr"
+        )
         if not addr:
-            return Failure(prefill, "no_bootstrap", f"the prefill worker {prefill.url} has not reported its KV "
-                                                    "bootstrap address yet (is it started with --disaggregation-mode prefill?)")
+            return Failure(
+                prefill,
+                "no_bootstrap",
+                f"the prefill worker {prefill.url} has not reported its KV "
+                "bootstrap address yet (is it started with --disaggregation-mode prefill?)",
+            )
         room = auth.new_room()
-        self.body = _json.encode({**self.parsed, "bootstrap_room": room, "bootstrap_addr": addr})
+        self.body = _json.encode(
+            {**self.parsed, "bootstrap_room": room, "bootstrap_addr": addr}
+        )
         self.forward_headers = self._signed_headers(room, addr, self.body)
-        prefill_body = _json.encode({**self.parsed, "bootstrap_room": room, "stream": False})
+        prefill_body = _json.encode(
+            {**self.parsed, "bootstrap_room": room, "stream": False}
+        )
         prefill_headers = self._signed_headers(room, None, prefill_body)
-        p_task = asyncio.ensure_future(self._prefill(prefill, prefill_body, prefill_headers))
+        p_task = asyncio.ensure_future(
+            self._prefill(prefill, prefill_body, prefill_headers)
+        )
         d_task = asyncio.ensure_future(super()._attempt(worker, send))
         try:
-            done, _ = await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(
+                {p_task, d_task}, return_when=asyncio.FIRST_COMPLETED
+            )
             if d_task in done and p_task not in done:
                 p_task.add_done_callback(_log_prefill_outcome)
                 return d_task.result()
             exc = p_task.exception()
             if exc is None:  # prefill done: the decode side continues on its own
                 return await d_task
-            if self.started:  # the decode side already answered: its stream reports the outcome
+            if (
+                self.started
+            ):  # the decode side already answered: its stream reports the outcome
                 return await d_task
             d_task.cancel()  # closes the decode request: its reserved slots are freed now
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -98,9 +122,14 @@ class PDProxyResponse(ProxyResponse):
         finally:
             self.body, self.forward_headers = self.original_body, self.original_headers
 
-    def _signed_headers(self, room: int, addr: str | None, body: bytes) -> list[tuple[str, str]]:
+    def _signed_headers(
+        self, room: int, addr: str | None, body: bytes
+    ) -> list[tuple[str, str]]:
         assert self.secret is not None  # RouterConfig requires it with prefill workers
-        return [*self.original_headers, (auth.HEADER, auth.sign_bootstrap(self.secret, room, addr, body))]
+        return [
+            *self.original_headers,
+            (auth.HEADER, auth.sign_bootstrap(self.secret, room, addr, body)),
+        ]
 
     def _pick_prefill(self) -> Worker | None:
         candidates = self.prefill_pool.routable()
@@ -108,17 +137,27 @@ class PDProxyResponse(ProxyResponse):
             return None
         return self.prefill_policy.choose(candidates, self.key).worker
 
-    async def _prefill(self, worker: Worker, body: bytes, headers: list[tuple[str, str]]) -> None:
+    async def _prefill(
+        self, worker: Worker, body: bytes, headers: list[tuple[str, str]]
+    ) -> None:
         fwd = self.fwd
         fwd.metrics.requests.labels(worker.url, self.route).inc()
         worker.on_dispatch()
         try:
-            resp = await fwd.client.post(worker.url + self.path, content=body, headers=headers)
+            resp = await fwd.client.post(
+                worker.url + self.path, content=body, headers=headers
+            )
         except httpx.TransportError as exc:
             worker.on_failure(describe_error(exc))
             fwd.metrics.errors.labels(worker.url, "prefill").inc()
-            raise PrefillFailed(Failure(worker, "prefill", f"prefill worker {worker.url}: {describe_error(exc)}"),
-                                client_error=False) from None
+            raise PrefillFailed(
+                Failure(
+                    worker,
+                    "prefill",
+                    f"prefill worker {worker.url}: {describe_error(exc)}",
+                ),
+                client_error=False,
+            ) from None
         finally:
             worker.on_done()
         if resp.status_code >= 400:
@@ -126,12 +165,20 @@ class PDProxyResponse(ProxyResponse):
             if resp.status_code >= 500:
                 worker.on_failure(f"answered {resp.status_code}")
             headers = [(b"content-type", b"application/json")]
-            failure = Failure(worker, "prefill", f"prefill worker {worker.url} answered {resp.status_code}",
-                              status=resp.status_code, body=resp.content, headers=headers)
+            failure = Failure(
+                worker,
+                "prefill",
+                f"prefill worker {worker.url} answered {resp.status_code}",
+                status=resp.status_code,
+                body=resp.content,
+                headers=headers,
+            )
             raise PrefillFailed(failure, client_error=resp.status_code < 500)
         worker.on_success()
 
 
 def _log_prefill_outcome(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
-        logger.warning("prefill side failed after the decode side answered: %s", task.exception())
+        logger.warning(
+            "prefill side failed after the decode side answered: %s", task.exception()
+        )

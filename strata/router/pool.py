@@ -42,14 +42,20 @@ def describe_error(exc: BaseException) -> str:
 
 class WorkerPool:
     def __init__(
-        self, config: RouterConfig, policy: Policy, metrics: RouterMetrics, client: httpx.AsyncClient
+        self,
+        config: RouterConfig,
+        policy: Policy,
+        metrics: RouterMetrics,
+        client: httpx.AsyncClient,
     ):
         self.config = config
         self.policy = policy
         self.metrics = metrics
         self.client = client
         self.workers: dict[str, Worker] = {}  # url -> worker, in order of addition
-        self.server_info: dict[str, dict[str, Any]] = {}  # url -> a few fields of its last /get_server_info
+        self.server_info: dict[
+            str, dict[str, Any]
+        ] = {}  # url -> a few fields of its last /get_server_info
         self._tasks: dict[str, list[asyncio.Task]] = {}
 
     @property
@@ -68,7 +74,9 @@ class WorkerPool:
             raise KeyError(f"worker {url} is already registered")
         worker = Worker(
             url,
-            CircuitBreaker(self.config.breaker_failure_threshold, self.config.breaker_cooldown),
+            CircuitBreaker(
+                self.config.breaker_failure_threshold, self.config.breaker_cooldown
+            ),
             launched=launched,
         )
         self.workers[url] = worker
@@ -94,13 +102,19 @@ class WorkerPool:
         logger.info("worker %s removed", url)
         return worker
 
-    def routable(self, exclude: set[str] | frozenset[str] = frozenset()) -> list[Worker]:
-        return [w for w in self.workers.values() if w.url not in exclude and w.routable()]
+    def routable(
+        self, exclude: set[str] | frozenset[str] = frozenset()
+    ) -> list[Worker]:
+        return [
+            w for w in self.workers.values() if w.url not in exclude and w.routable()
+        ]
 
     def why_none_routable(self) -> str:
         if not self.workers:
             return 'no workers are registered; add one with POST /workers {"url": "http://host:port"}'
-        reasons = "; ".join(f"{w.url}: {w.why_not_routable()}" for w in self.workers.values())
+        reasons = "; ".join(
+            f"{w.url}: {w.why_not_routable()}" for w in self.workers.values()
+        )
         return f"no healthy workers ({len(self.workers)} registered: {reasons})"
 
     async def close(self) -> None:
@@ -117,20 +131,29 @@ class WorkerPool:
     async def check_health(self, worker: Worker) -> None:
         error = None
         try:
-            resp = await self.client.get(worker.url + "/health", timeout=self.config.health_check_timeout)
+            resp = await self.client.get(
+                worker.url + "/health", timeout=self.config.health_check_timeout
+            )
             if resp.status_code != 200:
-                error = f"GET /health answered {resp.status_code}: {_error_message(resp)}"
+                error = (
+                    f"GET /health answered {resp.status_code}: {_error_message(resp)}"
+                )
         except httpx.HTTPError as exc:
             error = f"GET /health: {describe_error(exc)}"
         was = worker.health
         admitted = worker.on_health_check(
-            error is None, error, self.config.health_success_threshold, self.config.health_failure_threshold
+            error is None,
+            error,
+            self.config.health_success_threshold,
+            self.config.health_failure_threshold,
         )
         if worker.url not in self.workers:
             return  # removed meanwhile
         if admitted:
             if was is Health.UNHEALTHY:
-                self.policy.reset_worker(worker.url)  # it probably restarted: its cache is empty
+                self.policy.reset_worker(
+                    worker.url
+                )  # it probably restarted: its cache is empty
                 logger.warning("worker %s is healthy again; re-admitted", worker.url)
             else:
                 logger.info("worker %s is healthy", worker.url)
@@ -145,10 +168,15 @@ class WorkerPool:
                 timeout=self.config.health_check_timeout,
             )
             if resp.status_code != 200:
-                logger.debug("GET %s/get_server_info answered %d", worker.url, resp.status_code)
+                logger.debug(
+                    "GET %s/get_server_info answered %d", worker.url, resp.status_code
+                )
                 return
             info = resp.json()
-            running, queued = int(info.get("num_running_reqs") or 0), int(info.get("num_queue_reqs") or 0)
+            running, queued = (
+                int(info.get("num_running_reqs") or 0),
+                int(info.get("num_queue_reqs") or 0),
+            )
         except (httpx.HTTPError, ValueError, TypeError, AttributeError) as exc:
             logger.debug("load poll of %s failed: %s", worker.url, exc)
             return
@@ -161,7 +189,9 @@ class WorkerPool:
                 "cache_hit_rate": info.get("cache_hit_rate"),
                 "token_usage": (info.get("kv_cache") or {}).get("token_usage"),
                 # a disaggregated prefill worker's KV inbox (host:port), for PD dispatch
-                "bootstrap_addr": (info.get("disaggregation") or {}).get("bootstrap_addr"),
+                "bootstrap_addr": (info.get("disaggregation") or {}).get(
+                    "bootstrap_addr"
+                ),
             }
 
     async def _health_loop(self, worker: Worker) -> None:

@@ -62,7 +62,9 @@ class PrefixTree:
         self.evict_to = evict_to
         self.root = _Node("", None, 0)
         self.num_chars = 0
-        self._clock = itertools.count(1)  # logical time: LRU order without calling time()
+        self._clock = itertools.count(
+            1
+        )  # logical time: LRU order without calling time()
 
     def match(self, key: str) -> int:
         """Length of the longest prefix of `key` in the tree (read-only)."""
@@ -105,7 +107,11 @@ class PrefixTree:
 
     def evict(self, target_chars: int) -> None:
         """Drop least recently used leaves until at most `target_chars` remain."""
-        heap = [(n.last_access, id(n), n) for n in self._nodes() if not n.children and n is not self.root]
+        heap = [
+            (n.last_access, id(n), n)
+            for n in self._nodes()
+            if not n.children and n is not self.root
+        ]
         heapq.heapify(heap)
         while heap and self.num_chars > target_chars:
             _, _, leaf = heapq.heappop(heap)

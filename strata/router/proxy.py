@@ -69,7 +69,16 @@ def error_body(status: int, message: str, code: str | None = None) -> bytes:
         kind = "authentication_error"
     elif status == 404:
         kind = "not_found_error"
-    return _json.encode({"error": {"message": message, "type": kind, "param": None, "code": code or status}})
+    return _json.encode(
+        {
+            "error": {
+                "message": message,
+                "type": kind,
+                "param": None,
+                "code": code or status,
+            }
+        }
+    )
 
 
 # ------------------------------------------------------------------ routing key
@@ -81,13 +90,21 @@ def _message_text(message: Any) -> str:
         return ""
     content = message.get("content")
     if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-        content = "".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+        content = "".join(
+            p["text"]
+            for p in content
+            if isinstance(p, dict) and isinstance(p.get("text"), str)
+        )
     role = message.get("role")
     return f"{role if isinstance(role, str) else ''}\n{content if isinstance(content, str) else ''}\x1e"
 
 
 def _is_ids(x: Any) -> bool:
-    return isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    return (
+        isinstance(x, list)
+        and bool(x)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+    )
 
 
 def routing_key(route: str, body: Any) -> RoutingKey:
@@ -151,7 +168,9 @@ class Forwarder:
         self.client = client
         self.rng = rng or random.Random()
 
-    def upstream_headers(self, headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    def upstream_headers(
+        self, headers: list[tuple[bytes, bytes]]
+    ) -> list[tuple[str, str]]:
         """Client headers minus hop-by-hop ones. Authorization: the --worker-api-key if set; else the
         client's own header passes through when this router has no key of its own (the workers may
         check it); a key meant for this router is never forwarded."""
@@ -172,7 +191,9 @@ class Forwarder:
         return out
 
     def backoff_s(self, retry: int) -> float:
-        base = min(self.config.retry_backoff_max, self.config.retry_backoff * 2 ** (retry - 1))
+        base = min(
+            self.config.retry_backoff_max, self.config.retry_backoff * 2 ** (retry - 1)
+        )
         return base * self.rng.uniform(0.5, 1.0)
 
 
@@ -210,7 +231,9 @@ class ProxyResponse(Response):
             await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
         finally:
             watcher.cancel()
-            if not task.done():  # the client left: cancelling closes the upstream request
+            if (
+                not task.done()
+            ):  # the client left: cancelling closes the upstream request
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, ClientGone):
                 await task
@@ -228,20 +251,28 @@ class ProxyResponse(Response):
             if attempt:
                 fwd.metrics.retries.labels(failures[-1].worker.url).inc()
                 await asyncio.sleep(fwd.backoff_s(attempt))
-                candidates = fwd.pool.routable(exclude=tried) or candidates  # it may have changed meanwhile
+                candidates = (
+                    fwd.pool.routable(exclude=tried) or candidates
+                )  # it may have changed meanwhile
             choice = fwd.policy.choose(candidates, self.key)
             worker = choice.worker
             tried.add(worker.url)
-            fwd.metrics.decisions.labels(fwd.policy.name, choice.decision, worker.url).inc()
+            fwd.metrics.decisions.labels(
+                fwd.policy.name, choice.decision, worker.url
+            ).inc()
             failure = await self._attempt(worker, send)
             if failure is None:
                 return
             failures.append(failure)
             logger.info(
                 "%s %s: attempt %d on %s failed (%s)%s",
-                self.method, self.route, attempt + 1, worker.url, failure.message,
+                self.method,
+                self.route,
+                attempt + 1,
+                worker.url,
+                failure.message,
                 "; retrying elsewhere" if attempt < cfg.max_retries else "",
-            )  # fmt: skip
+            )
         await self._give_up(send, failures)
 
     async def _attempt(self, worker: Worker, send) -> Failure | None:
@@ -263,18 +294,27 @@ class ProxyResponse(Response):
     async def _exchange(self, worker: Worker, send) -> Failure | None:
         fwd = self.fwd
         request = fwd.client.build_request(
-            self.method, worker.url + self.path, content=self.body or None, headers=self.forward_headers
+            self.method,
+            worker.url + self.path,
+            content=self.body or None,
+            headers=self.forward_headers,
         )
         try:
             resp = await fwd.client.send(request, stream=True)
         except httpx.ReadTimeout:
             return await self._timed_out(worker, send)
         except httpx.TransportError as exc:
-            kind = "connect" if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout)) else "disconnect"
+            kind = (
+                "connect"
+                if isinstance(exc, (httpx.ConnectError, httpx.ConnectTimeout))
+                else "disconnect"
+            )
             return self._fail(worker, kind, describe_error(exc))
         try:
             headers = _response_headers(resp, worker)
-            is_sse = resp.headers.get("content-type", "").startswith("text/event-stream")
+            is_sse = resp.headers.get("content-type", "").startswith(
+                "text/event-stream"
+            )
             try:
                 if resp.status_code >= 500 or not is_sse:
                     first = await resp.aread()
@@ -287,9 +327,13 @@ class ProxyResponse(Response):
                 return self._fail(worker, "disconnect", describe_error(exc))
             if resp.status_code >= 500:
                 return self._fail(
-                    worker, "status_5xx", f"answered {resp.status_code}: {_snippet(first)}",
-                    status=resp.status_code, body=first, headers=headers,
-                )  # fmt: skip
+                    worker,
+                    "status_5xx",
+                    f"answered {resp.status_code}: {_snippet(first)}",
+                    status=resp.status_code,
+                    body=first,
+                    headers=headers,
+                )
             # committed: from here on the client has bytes, so nothing is retried
             worker.on_success()
             await self._send(send, resp.status_code, headers, first, more=is_sse)
@@ -299,12 +343,16 @@ class ProxyResponse(Response):
                 async for chunk in chunks:
                     await _send_body(send, chunk, more=True)
             except httpx.TransportError as exc:
-                message = f"the worker {worker.url} failed mid-stream ({describe_error(exc)})"
+                message = (
+                    f"the worker {worker.url} failed mid-stream ({describe_error(exc)})"
+                )
                 fwd.metrics.errors.labels(worker.url, "stream_broken").inc()
                 worker.on_failure(message)
                 logger.warning("%s %s: %s", self.method, self.route, message)
                 await _send_body(
-                    send, b"data: " + error_body(502, message, "worker_failed") + b"\n\n", more=True
+                    send,
+                    b"data: " + error_body(502, message, "worker_failed") + b"\n\n",
+                    more=True,
                 )
             await _send_body(send, b"", more=False)
             return None
@@ -318,16 +366,22 @@ class ProxyResponse(Response):
         self.fwd.metrics.errors.labels(worker.url, "timeout").inc()
         worker.on_failure(f"no answer within {timeout:.0f}s")
         await self._send_error(
-            send, 504, f"the worker {worker.url} did not answer within {timeout:.0f}s (--request-timeout)",
+            send,
+            504,
+            f"the worker {worker.url} did not answer within {timeout:.0f}s (--request-timeout)",
             "worker_timeout",
-        )  # fmt: skip
+        )
 
     async def _give_up(self, send, failures: list[Failure]) -> None:
         fwd = self.fwd
         if not failures:
             fwd.metrics.failed.labels("no_worker").inc()
             await self._send_error(
-                send, 503, fwd.pool.why_none_routable(), "no_healthy_workers", retry_after=1
+                send,
+                503,
+                fwd.pool.why_none_routable(),
+                "no_healthy_workers",
+                retry_after=1,
             )
             return
         fwd.metrics.failed.labels("all_attempts_failed").inc()
@@ -338,34 +392,54 @@ class ProxyResponse(Response):
             return
         tried = "; ".join(f"{f.worker.url}: {f.message}" for f in failures)
         await self._send_error(
-            send, 502, f"{len(failures)} attempt(s) failed and no other worker is left to try ({tried})",
-            "all_workers_failed", retry_after=1,
-        )  # fmt: skip
+            send,
+            502,
+            f"{len(failures)} attempt(s) failed and no other worker is left to try ({tried})",
+            "all_workers_failed",
+            retry_after=1,
+        )
 
     # ---------------------------------------------------------------- sending
 
-    async def _send_error(self, send, status: int, message: str, code: str, retry_after: int | None = None):
+    async def _send_error(
+        self, send, status: int, message: str, code: str, retry_after: int | None = None
+    ):
         headers = [(b"content-type", b"application/json")]
         if retry_after is not None:
             headers.append((b"retry-after", str(retry_after).encode()))
-        await self._send(send, status, headers, error_body(status, message, code), more=False)
+        await self._send(
+            send, status, headers, error_body(status, message, code), more=False
+        )
 
-    async def _send(self, send, status: int, headers: list[tuple[bytes, bytes]], body: bytes, more: bool):
+    async def _send(
+        self,
+        send,
+        status: int,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        more: bool,
+    ):
         if not more:
             headers = [*headers, (b"content-length", str(len(body)).encode())]
         try:
-            await send({"type": "http.response.start", "status": status, "headers": headers})
+            await send(
+                {"type": "http.response.start", "status": status, "headers": headers}
+            )
         except OSError:
             raise ClientGone() from None
         self.started = True
-        self.fwd.metrics.ttfb.labels(self.route).observe(time.perf_counter() - self.arrived)
+        self.fwd.metrics.ttfb.labels(self.route).observe(
+            time.perf_counter() - self.arrived
+        )
         await _send_body(send, body, more)
 
 
 async def _send_body(send, body: bytes, more: bool) -> None:
     try:
         await send({"type": "http.response.body", "body": body, "more_body": more})
-    except OSError:  # uvicorn raises ClientDisconnected (an OSError) once the client is gone
+    except (
+        OSError
+    ):  # uvicorn raises ClientDisconnected (an OSError) once the client is gone
         raise ClientGone() from None
 
 
@@ -376,8 +450,14 @@ async def _wait_disconnect(receive: Callable) -> None:
             return
 
 
-def _response_headers(resp: httpx.Response, worker: Worker) -> list[tuple[bytes, bytes]]:
-    out = [(k, v) for k, v in resp.headers.raw if k.decode("latin-1").lower() not in _RESPONSE_DROP]
+def _response_headers(
+    resp: httpx.Response, worker: Worker
+) -> list[tuple[bytes, bytes]]:
+    out = [
+        (k, v)
+        for k, v in resp.headers.raw
+        if k.decode("latin-1").lower() not in _RESPONSE_DROP
+    ]
     out.append((WORKER_HEADER.encode(), worker.url.encode()))
     return out
 

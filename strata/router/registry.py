@@ -5,11 +5,23 @@ from __future__ import annotations
 import random
 
 from strata.router.cache_aware import CacheAwarePolicy
-from strata.router.policy import LeastLoadPolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy
+from strata.router.policy import (
+    LeastLoadPolicy,
+    Policy,
+    PowerOfTwoPolicy,
+    RandomPolicy,
+    RoundRobinPolicy,
+)
 
 POLICIES: dict[str, type[Policy]] = {
     cls.name: cls
-    for cls in (CacheAwarePolicy, RoundRobinPolicy, RandomPolicy, LeastLoadPolicy, PowerOfTwoPolicy)
+    for cls in (
+        CacheAwarePolicy,
+        RoundRobinPolicy,
+        RandomPolicy,
+        LeastLoadPolicy,
+        PowerOfTwoPolicy,
+    )
 }
 
 

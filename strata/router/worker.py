@@ -57,11 +57,17 @@ class CircuitBreaker:
         if self.opened_at is None:
             return BreakerState.CLOSED
         now = time.monotonic() if now is None else now
-        return BreakerState.HALF_OPEN if now - self.opened_at >= self.cooldown_s else BreakerState.OPEN
+        return (
+            BreakerState.HALF_OPEN
+            if now - self.opened_at >= self.cooldown_s
+            else BreakerState.OPEN
+        )
 
     def allows(self, now: float | None = None) -> bool:
         state = self.state(now)
-        return state is BreakerState.CLOSED or (state is BreakerState.HALF_OPEN and not self.trial_in_flight)
+        return state is BreakerState.CLOSED or (
+            state is BreakerState.HALF_OPEN and not self.trial_in_flight
+        )
 
     def on_dispatch(self, now: float | None = None) -> None:
         if self.state(now) is BreakerState.HALF_OPEN:
@@ -99,7 +105,9 @@ class Worker:
     health_successes: int = 0  # consecutive good health checks
     last_error: str | None = None  # why the last health check or request failed
     in_flight: int = 0  # this router's requests open on the worker now
-    reported_load: int | None = None  # running + queued, from the worker's last /get_server_info
+    reported_load: int | None = (
+        None  # running + queued, from the worker's last /get_server_info
+    )
     in_flight_at_report: int = 0
     reported_at: float | None = None
     num_requests: int = 0  # attempts sent (including retries)
@@ -111,7 +119,10 @@ class Worker:
     def load(self) -> int:
         if self.reported_load is None:
             return self.in_flight
-        return max(self.in_flight, self.reported_load + self.in_flight - self.in_flight_at_report)
+        return max(
+            self.in_flight,
+            self.reported_load + self.in_flight - self.in_flight_at_report,
+        )
 
     def routable(self, now: float | None = None) -> bool:
         return self.health is Health.HEALTHY and self.breaker.allows(now)
@@ -166,13 +177,20 @@ class Worker:
         self.reported_at = time.monotonic()
 
     def on_health_check(
-        self, ok: bool, error: str | None, success_threshold: int, failure_threshold: int
+        self,
+        ok: bool,
+        error: str | None,
+        success_threshold: int,
+        failure_threshold: int,
     ) -> bool:
         """Record one check; True when the worker just became healthy (admitted or re-admitted)."""
         if ok:
             self.health_failures = 0
             self.health_successes += 1
-            if self.health is not Health.HEALTHY and self.health_successes >= success_threshold:
+            if (
+                self.health is not Health.HEALTHY
+                and self.health_successes >= success_threshold
+            ):
                 self.health = Health.HEALTHY
                 self.breaker.reset()
                 return True

@@ -29,12 +29,21 @@ from strata.server import chat_api, native_api, openai_api
 from strata.server.engine_client import EngineUnavailable, Job
 from strata.server.openapi import openapi_document
 from strata.server.protocol import APIError, error_body
-from strata.server.serving import ClientGone, ServerState, collect, get_state, json_response, start_generation
+from strata.server.serving import (
+    ClientGone,
+    ServerState,
+    collect,
+    get_state,
+    json_response,
+    start_generation,
+)
 from strata.web import PAGE_PATHS, add_page_routes
 
 logger = logging.getLogger(__name__)
 
-PUBLIC_PATHS = frozenset({"/health"}) | PAGE_PATHS  # the page holds no secret; its API calls need the key
+PUBLIC_PATHS = (
+    frozenset({"/health"}) | PAGE_PATHS
+)  # the page holds no secret; its API calls need the key
 HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 
@@ -58,9 +67,15 @@ class Guard:
                     if given
                     else "missing API key: send the header 'Authorization: Bearer <key>'"
                 )
-                return await _send_error(send, 401, message, code="invalid_api_key", www_authenticate=True)
+                return await _send_error(
+                    send, 401, message, code="invalid_api_key", www_authenticate=True
+                )
         length = headers.get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_request_bytes:
+        if (
+            length is not None
+            and length.isdigit()
+            and int(length) > self.max_request_bytes
+        ):
             return await _send_error(
                 send,
                 413,
@@ -75,7 +90,10 @@ async def _send_error(
     send: Send, status: int, message: str, *, code: str, www_authenticate: bool = False
 ) -> None:
     body = error_body(status, message, code=code)
-    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers = [
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(body)).encode()),
+    ]
     if www_authenticate:
         headers.append((b"www-authenticate", b"Bearer"))
     if status == 413:
@@ -87,34 +105,49 @@ async def _send_error(
 def create_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="Strata", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.strata = state
-    secrets = secret_values(state.config, state.engine_config)  # scrubbed from any error message
-    app.add_middleware(Guard, api_key=state.config.api_key, max_request_bytes=state.config.max_request_bytes)
+    secrets = secret_values(
+        state.config, state.engine_config
+    )  # scrubbed from any error message
+    app.add_middleware(
+        Guard,
+        api_key=state.config.api_key,
+        max_request_bytes=state.config.max_request_bytes,
+    )
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> Response:
         return Response(
-            exc.body(), status_code=exc.status, media_type="application/json", headers=exc.headers
+            exc.body(),
+            status_code=exc.status,
+            media_type="application/json",
+            headers=exc.headers,
         )
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += (
-                " (endpoints: /v1/chat/completions, /v1/completions, /v1/models, /generate, /health, ...)"
-            )
+            message += " (endpoints: /v1/chat/completions, /v1/completions, /v1/models, /generate, /health, ...)"
         return Response(
-            error_body(exc.status_code, message), status_code=exc.status_code, media_type="application/json"
+            error_body(exc.status_code, message),
+            status_code=exc.status_code,
+            media_type="application/json",
         )
 
     @app.exception_handler(ClientGone)
     async def client_gone(request: Request, exc: ClientGone) -> Response:
-        return Response(status_code=499)  # nobody is listening; nginx's "client closed request"
+        return Response(
+            status_code=499
+        )  # nobody is listening; nginx's "client closed request"
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception("internal error serving %s %s", request.method, request.url.path)
-        body = error_body(500, scrub(f"internal server error: {type(exc).__name__}: {exc}", secrets))
+        logger.exception(
+            "internal error serving %s %s", request.method, request.url.path
+        )
+        body = error_body(
+            500, scrub(f"internal server error: {type(exc).__name__}: {exc}", secrets)
+        )
         return Response(body, status_code=500, media_type="application/json")
 
     app.include_router(openai_api.router)
@@ -127,11 +160,18 @@ def create_app(state: ServerState) -> FastAPI:
         state = get_state(request)
         client = state.client
         if client.failure is not None:
-            return Response(error_body(503, client.failure), status_code=503, media_type="application/json")
+            return Response(
+                error_body(503, client.failure),
+                status_code=503,
+                media_type="application/json",
+            )
         if client.info is None:
             body = error_body(503, "the model is still loading")
             return Response(
-                body, status_code=503, media_type="application/json", headers={"Retry-After": "5"}
+                body,
+                status_code=503,
+                media_type="application/json",
+                headers={"Retry-After": "5"},
             )
         return json_response({"status": "ok"})
 
@@ -143,10 +183,13 @@ def create_app(state: ServerState) -> FastAPI:
         params = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
         gen = await start_generation(state, [Job([token], params)])
         try:
-            results = await asyncio.wait_for(collect(request, gen), HEALTH_GENERATE_TIMEOUT_S)
+            results = await asyncio.wait_for(
+                collect(request, gen), HEALTH_GENERATE_TIMEOUT_S
+            )
         except asyncio.TimeoutError:
             raise APIError(
-                503, f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:.0f}s"
+                503,
+                f"a 1-token generation did not finish within {HEALTH_GENERATE_TIMEOUT_S:.0f}s",
             ) from None
         finally:
             gen.close()
@@ -180,7 +223,9 @@ def create_app(state: ServerState) -> FastAPI:
                     "mode": client.info.disaggregation_mode
                     if client.info
                     else state.engine_config.disaggregation_mode,
-                    "bootstrap_addr": client.info.bootstrap_addr if client.info else None,
+                    "bootstrap_addr": client.info.bootstrap_addr
+                    if client.info
+                    else None,
                 },
                 "num_running_reqs": stats.num_running,
                 "num_queue_reqs": stats.num_waiting,
@@ -207,7 +252,9 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(409, result.message, code="requests_in_flight")
         return json_response({"message": result.message})
 
-    openapi = openapi_document("Strata", router=False, secured=state.config.api_key is not None)
+    openapi = openapi_document(
+        "Strata", router=False, secured=state.config.api_key is not None
+    )
 
     @app.get("/openapi.json")
     async def openapi_json() -> Response:
@@ -222,7 +269,9 @@ def create_app(state: ServerState) -> FastAPI:
         if client.serving and client.info.num_experts:
             # a MoE model's per-expert counts (58 layers x 256 experts for DeepSeek-V3) never ride
             # along with outputs: each scrape asks for them; the reply sets the gauges as it arrives
-            with contextlib.suppress(EngineUnavailable):  # it just died: serve the last figures
+            with contextlib.suppress(
+                EngineUnavailable
+            ):  # it just died: serve the last figures
                 await client.fetch_stats(expert_load=True)
         return Response(state.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 

@@ -86,20 +86,30 @@ from strata.server.tool_calls import ToolCallParser
 
 router = APIRouter()
 
-PROMPT_TAIL_TOKENS = 8  # decoded to see whether the template opened or closed a reasoning block
+PROMPT_TAIL_TOKENS = (
+    8  # decoded to see whether the template opened or closed a reasoning block
+)
 
 
-def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]]) -> list[int]:
+def chat_prompt_ids(
+    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]]
+) -> list[int]:
     if not req.messages:
-        raise APIError(400, "messages must be a non-empty list of {role, content} objects", param="messages")
+        raise APIError(
+            400,
+            "messages must be a non-empty list of {role, content} objects",
+            param="messages",
+        )
     messages = template_messages(req)
     if state.tokenizer is None:
         raise APIError(
-            400, "this model has no tokenizer, so chat messages cannot be used; use /generate with input_ids"
+            400,
+            "this model has no tokenizer, so chat messages cannot be used; use /generate with input_ids",
         )
     if not getattr(state.tokenizer, "chat_template", None):
         raise APIError(
-            400, "this model's tokenizer has no chat template; use /v1/completions with a plain prompt"
+            400,
+            "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
         )
     from jinja2 import TemplateError
 
@@ -107,8 +117,15 @@ def chat_prompt_ids(state: ServerState, req: ChatCompletionRequest, tools: list[
 
     try:
         return apply_chat_template(state.tokenizer, messages, tools)
-    except (TemplateError, ValueError, TypeError, KeyError) as exc:  # the template may reject a conversation
-        raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from None
+    except (
+        TemplateError,
+        ValueError,
+        TypeError,
+        KeyError,
+    ) as exc:  # the template may reject a conversation
+        raise APIError(
+            400, f"the chat template rejected these messages: {exc}", param="messages"
+        ) from None
 
 
 def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatLogprobs:
@@ -116,10 +133,16 @@ def chat_logprobs(state: ServerState, lps: list[TokenLogprob]) -> ChatLogprobs:
     for lp in lps:
         text = state.token_text(lp.token_id)
         top = [
-            TopLogprobEntry(t := state.token_text(a.token_id), clamp_logprob(a.logprob), list(t.encode()))
+            TopLogprobEntry(
+                t := state.token_text(a.token_id),
+                clamp_logprob(a.logprob),
+                list(t.encode()),
+            )
             for a in lp.top
         ]
-        content.append(ChatTokenLogprob(text, clamp_logprob(lp.logprob), list(text.encode()), top))
+        content.append(
+            ChatTokenLogprob(text, clamp_logprob(lp.logprob), list(text.encode()), top)
+        )
     return ChatLogprobs(content)
 
 
@@ -131,33 +154,59 @@ class ChatPlan:
     tool_parser: ToolCallParser | None = None
     reasoning: ReasoningParser | None = None
     prompt_tail: str = ""
-    calls_finish: str = "tool_calls"  # the finish reason when the model stopped after calls
-    forced: bool = False  # tool_choice "required" or a named function: the output is only calls
+    calls_finish: str = (
+        "tool_calls"  # the finish reason when the model stopped after calls
+    )
+    forced: bool = (
+        False  # tool_choice "required" or a named function: the output is only calls
+    )
     forced_name: str | None = None  # the named function
 
     def splitter(self) -> ChoiceSplitter | None:
         if self.tool_parser is None and self.reasoning is None:
             return None
-        reasoning = self.reasoning.splitter(self.prompt_tail) if self.reasoning is not None else None
-        tools = None if self.tool_parser is None else self.tool_parser.splitter(self.forced, self.forced_name)
+        reasoning = (
+            self.reasoning.splitter(self.prompt_tail)
+            if self.reasoning is not None
+            else None
+        )
+        tools = (
+            None
+            if self.tool_parser is None
+            else self.tool_parser.splitter(self.forced, self.forced_name)
+        )
         return ChoiceSplitter(reasoning, tools, self.calls_finish)
 
 
 async def structured_fields(
-    state: ServerState, req: ChatCompletionRequest, plan: ChatPlan, tools: list[dict[str, Any]]
+    state: ServerState,
+    req: ChatCompletionRequest,
+    plan: ChatPlan,
+    tools: list[dict[str, Any]],
 ) -> dict[str, Any]:
     """The SamplingParams field for the grammar the request asks for ({} for none), validated (400)."""
     choice = tool_choice_of(req)
     fmt = format_spec(req)
-    forced = tool_spec(choice, tools, plan.tool_parser, req.parallel_tool_calls) if plan.tool_parser else None
+    forced = (
+        tool_spec(choice, tools, plan.tool_parser, req.parallel_tool_calls)
+        if plan.tool_parser
+        else None
+    )
     if fmt is not None and forced is not None:
-        raise APIError(400, "response_format / regex / ebnf cannot be combined with a forced tool_choice",
-                       param="tool_choice")
+        raise APIError(
+            400,
+            "response_format / regex / ebnf cannot be combined with a forced tool_choice",
+            param="tool_choice",
+        )
     spec, param = fmt if fmt is not None else (forced, "tool_choice")
     if spec is None:
         return {}
-    if plan.reasoning is not None and not plan.reasoning.prompt_closes_reasoning(plan.prompt_tail):
-        spec = msgspec.structs.replace(spec, start_after=reasoning_trigger(state, plan.reasoning))
+    if plan.reasoning is not None and not plan.reasoning.prompt_closes_reasoning(
+        plan.prompt_tail
+    ):
+        spec = msgspec.structs.replace(
+            spec, start_after=reasoning_trigger(state, plan.reasoning)
+        )
     await check_spec(state, spec, param)
     return {"structured": msgspec.to_builtins(spec)}
 
@@ -166,7 +215,9 @@ async def structured_fields(
 async def chat_completions(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, state.config.max_request_bytes)
-    req: ChatCompletionRequest = await off_loop(len(body), decode_body, body, ChatCompletionRequest)
+    req: ChatCompletionRequest = await off_loop(
+        len(body), decode_body, body, ChatCompletionRequest
+    )
     state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
@@ -175,17 +226,34 @@ async def chat_completions(request: Request) -> Response:
     choice = tool_choice_of(req)
     uses_tools = bool(tools) and choice != "none"
     input_ids = await off_loop(len(body), chat_prompt_ids, state, req, tools)
-    plan = ChatPlan(state.tool_call_parser if uses_tools else None, state.reasoning_parser)
-    plan.forced = uses_tools and (choice == "required" or isinstance(choice, NamedToolChoice))
+    plan = ChatPlan(
+        state.tool_call_parser if uses_tools else None, state.reasoning_parser
+    )
+    plan.forced = uses_tools and (
+        choice == "required" or isinstance(choice, NamedToolChoice)
+    )
     if isinstance(choice, NamedToolChoice):
         plan.calls_finish = "stop"  # as OpenAI answers a named tool_choice
         plan.forced_name = choice.function.name
     if plan.reasoning is not None:
         plan.prompt_tail = state.tokenizer.decode(input_ids[-PROMPT_TAIL_TOKENS:])
-    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    requested = (
+        req.max_completion_tokens
+        if req.max_completion_tokens is not None
+        else req.max_tokens
+    )
+    param = (
+        "max_completion_tokens"
+        if req.max_completion_tokens is not None
+        else "max_tokens"
+    )
     max_tokens = resolve_max_tokens(
-        requested, len(input_ids), info.context_len, info.num_kv_tokens, default=None, param=param
+        requested,
+        len(input_ids),
+        info.context_len,
+        info.num_kv_tokens,
+        default=None,
+        param=param,
     )
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
@@ -196,8 +264,13 @@ async def chat_completions(request: Request) -> Response:
     gen = await start_generation(state, [Job(input_ids, params, *bootstrap)])
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
-        return GenerationStream(chat_stream(state, gen, rid, created, req.logprobs, include_usage, plan), gen)
+        include_usage = (
+            req.stream_options is not None and req.stream_options.include_usage
+        )
+        return GenerationStream(
+            chat_stream(state, gen, rid, created, req.logprobs, include_usage, plan),
+            gen,
+        )
     results = await collect(request, gen)
     choices = []
     for r in results:
@@ -209,28 +282,44 @@ async def chat_completions(request: Request) -> Response:
             message = response_message(parts)
             finish = splitter.finish_reason(r.finish_reason)
         logprobs_out = chat_logprobs(state, r.logprobs) if req.logprobs else None
-        choices.append(ChatChoice(r.index, message, logprobs_out, finish, r.matched_stop))
+        choices.append(
+            ChatChoice(r.index, message, logprobs_out, finish, r.matched_stop)
+        )
     return json_response(
-        ChatCompletionResponse(rid, created, state.model_name, choices, usage(results, req.n))
+        ChatCompletionResponse(
+            rid, created, state.model_name, choices, usage(results, req.n)
+        )
     )
 
 
 def response_message(parts: ChoiceParts) -> ChatResponseMessage:
-    calls = [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in parts.calls]
+    calls = [
+        ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in parts.calls
+    ]
     content = parts.content if parts.content or not calls else None
-    return ChatResponseMessage("assistant", content, parts.reasoning or None, calls or None)
+    return ChatResponseMessage(
+        "assistant", content, parts.reasoning or None, calls or None
+    )
 
 
 def delta_chunks(parts: ChoiceParts) -> list[ChatDelta]:
     """The deltas of one step's parts: text (reasoning and content) first, then one per call piece."""
     deltas = []
     if parts.reasoning or parts.content:
-        deltas.append(ChatDelta(content=parts.content or None, reasoning_content=parts.reasoning or None))
+        deltas.append(
+            ChatDelta(
+                content=parts.content or None, reasoning_content=parts.reasoning or None
+            )
+        )
     for piece in parts.pieces:
         if piece.id is not None:  # a call starts
-            call = ToolCallDelta(piece.index, piece.id, "function", FunctionDelta(piece.name, ""))
+            call = ToolCallDelta(
+                piece.index, piece.id, "function", FunctionDelta(piece.name, "")
+            )
         else:
-            call = ToolCallDelta(piece.index, function=FunctionDelta(arguments=piece.arguments))
+            call = ToolCallDelta(
+                piece.index, function=FunctionDelta(arguments=piece.arguments)
+            )
         deltas.append(ChatDelta(tool_calls=[call]))
     return deltas
 
@@ -249,7 +338,10 @@ async def chat_stream(
     for i in range(gen.num_choices):
         yield sse(
             ChatCompletionChunk(
-                rid, created, model, [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))]
+                rid,
+                created,
+                model,
+                [ChatChunkChoice(i, ChatDelta(role="assistant", content=""))],
             )
         )
     prompt_tokens = cached_tokens = completion_tokens = 0
@@ -287,7 +379,11 @@ async def chat_stream(
     else:
         if include_usage:
             total = prompt_tokens + completion_tokens
-            u = Usage(prompt_tokens, completion_tokens, total, PromptTokensDetails(cached_tokens))
+            u = Usage(
+                prompt_tokens,
+                completion_tokens,
+                total,
+                PromptTokensDetails(cached_tokens),
+            )
             yield sse(ChatCompletionChunk(rid, created, model, [], u))
     yield SSE_DONE
-

@@ -42,12 +42,16 @@ class ChoiceSplitter:
     ):
         self.reasoning = reasoning
         self.tools = tools
-        self.calls_finish = calls_finish  # the finish reason of an output that made calls
+        self.calls_finish = (
+            calls_finish  # the finish reason of an output that made calls
+        )
         self.num_calls = 0
 
     def _tool_parts(self, events: ToolEvents) -> ChoiceParts:
         self.num_calls += len(events.calls)
-        return ChoiceParts(content=events.content, pieces=events.pieces, calls=events.calls)
+        return ChoiceParts(
+            content=events.content, pieces=events.pieces, calls=events.calls
+        )
 
     def _content(self, text: str) -> ChoiceParts:
         if self.tools is None:

@@ -117,12 +117,16 @@ class EngineClient:
         self.info: io.EngineInfo | None = None
         self.stats = io.EngineStats()
         self.ready = asyncio.Event()
-        self.failure: str | None = None  # set once the engine failed or died; then nothing is served
+        self.failure: str | None = (
+            None  # set once the engine failed or died; then nothing is served
+        )
         self.on_failure: Callable[[str], None] | None = None
         self.routes: dict[str, Route] = {}
         self.pending_adds: dict[str, _PendingAdd] = {}
         self.pending_control: dict[int, asyncio.Future] = {}
-        self.num_queued = 0  # engine requests submitted that have produced no output yet
+        self.num_queued = (
+            0  # engine requests submitted that have produced no output yet
+        )
         self.num_aborted = 0
         self._control_ids = itertools.count()
         self._reader: asyncio.Task | None = None
@@ -130,7 +134,9 @@ class EngineClient:
     # ------------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        self._reader = asyncio.get_running_loop().create_task(self._read_loop(), name="engine-reader")
+        self._reader = asyncio.get_running_loop().create_task(
+            self._read_loop(), name="engine-reader"
+        )
 
     async def wait_ready(self) -> io.EngineInfo:
         await self.ready.wait()
@@ -158,7 +164,12 @@ class EngineClient:
         logger.error("%s", message)
         for rid, route in self.routes.items():
             route.gen.queue.put_nowait(
-                (route.index, RequestOutput(rid, [], "", True, finish_reason="error", error=message))
+                (
+                    route.index,
+                    RequestOutput(
+                        rid, [], "", True, finish_reason="error", error=message
+                    ),
+                )
             )
         self.routes.clear()
         for pending in self.pending_adds.values():
@@ -183,7 +194,9 @@ class EngineClient:
         if self.failure is not None:
             raise EngineUnavailable(self.failure)
         if self.info is None:
-            raise EngineUnavailable("the model is still loading; retry when GET /health returns 200")
+            raise EngineUnavailable(
+                "the model is still loading; retry when GET /health returns 200"
+            )
 
     # ------------------------------------------------------------------ requests
 
@@ -194,10 +207,20 @@ class EngineClient:
         """
         self.check_available()
         rid_base = uuid.uuid4().hex
-        rids = [f"{rid_base}-{j}" if len(jobs) > 1 else rid_base for j in range(len(jobs))]
+        rids = [
+            f"{rid_base}-{j}" if len(jobs) > 1 else rid_base for j in range(len(jobs))
+        ]
         try:  # encode all first: a job that cannot be sent must leave nothing registered or counted
             messages = [
-                io.encode(io.GenerateReq(rid, job.input_ids, job.params, job.bootstrap_room, job.bootstrap_addr))
+                io.encode(
+                    io.GenerateReq(
+                        rid,
+                        job.input_ids,
+                        job.params,
+                        job.bootstrap_room,
+                        job.bootstrap_addr,
+                    )
+                )
                 for rid, job in zip(rids, jobs)
             ]
         except (OverflowError, TypeError, ValueError, msgspec.EncodeError) as exc:
@@ -219,11 +242,15 @@ class EngineClient:
                 errors.append(result.error)
         if errors:
             gen.close()
-            raise RequestRejected(errors[0] if len(set(errors)) == 1 else "; ".join(dict.fromkeys(errors)))
+            raise RequestRejected(
+                errors[0] if len(set(errors)) == 1 else "; ".join(dict.fromkeys(errors))
+            )
 
     def abort(self, rids: list[str]) -> None:
         if self.failure is None and rids:
-            self.push.send(io.encode(io.AbortReq(rids)))  # a PUSH with no HWM never blocks
+            self.push.send(
+                io.encode(io.AbortReq(rids))
+            )  # a PUSH with no HWM never blocks
 
     async def flush_cache(self) -> io.FlushCacheResult:
         return await self._control(io.FlushCacheReq)

@@ -39,11 +39,20 @@ logger = logging.getLogger("strata.engine_proc")
 
 IDLE_POLL_MS = 1000  # how often an idle engine checks that its parent still lives
 BACKGROUND_POLL_MS = 1  # the pause between steps that can only make background progress
-MAX_CONSECUTIVE_STEP_FAILURES = 3  # then the engine gives up and exits (the frontend reports it)
+MAX_CONSECUTIVE_STEP_FAILURES = (
+    3  # then the engine gives up and exits (the frontend reports it)
+)
 
 
 class EngineLoop:
-    def __init__(self, engine, pull: zmq.Socket, push: zmq.Socket, parent_pid: int, secrets: list[str]):
+    def __init__(
+        self,
+        engine,
+        pull: zmq.Socket,
+        push: zmq.Socket,
+        parent_pid: int,
+        secrets: list[str],
+    ):
         self.engine = engine
         self.secrets = secrets
         self.scheduler = engine.scheduler
@@ -73,13 +82,19 @@ class EngineLoop:
             page_size=s.page_size,
             num_retractions=s.num_retractions,
             num_steps=s.step_count,
-            hicache=self.engine.hicache.stats.as_dict() if self.engine.hicache is not None else None,
+            hicache=self.engine.hicache.stats.as_dict()
+            if self.engine.hicache is not None
+            else None,
             spec=s.spec.stats.as_dict() if s.spec is not None else None,
             leaked_pages=s.leaked_pages(window_groups=full),
-            window_groups=s.window_group_usage() if full and s.allocator.groups else None,
+            window_groups=s.window_group_usage()
+            if full and s.allocator.groups
+            else None,
             expert_load=load if load and expert_load else None,
             expert_load_summary=expert_load_summary(load) if load else None,
-            parallel=self.engine.parallel.describe() if full and getattr(self.engine, "parallel", None) else None,
+            parallel=self.engine.parallel.describe()
+            if full and getattr(self.engine, "parallel", None)
+            else None,
             step_threads=self.engine.step_threads() if full else None,
         )
 
@@ -111,7 +126,9 @@ class EngineLoop:
                 return
             try:
                 message = io.decode_to_engine(data.buffer)
-            except Exception as exc:  # a malformed message is the frontend's bug; never die of it
+            except (
+                Exception
+            ) as exc:  # a malformed message is the frontend's bug; never die of it
                 self.reject_undecodable(data.buffer, exc)
                 continue
             self.handle(message)
@@ -125,8 +142,14 @@ class EngineLoop:
         if rid is None:
             logger.error("dropping a malformed message: %s", exc)
             return
-        logger.warning("rejecting request %s: its message could not be decoded: %s", rid, exc)
-        self.send(io.AddResult(rid, [], f"invalid request: the engine could not decode it ({exc})"))
+        logger.warning(
+            "rejecting request %s: its message could not be decoded: %s", rid, exc
+        )
+        self.send(
+            io.AddResult(
+                rid, [], f"invalid request: the engine could not decode it ({exc})"
+            )
+        )
 
     def handle(self, message: io.ToEngine) -> None:
         if isinstance(message, io.GenerateReq):
@@ -135,7 +158,12 @@ class EngineLoop:
             for rid in message.rids:
                 self.engine.abort(rid)
         elif isinstance(message, io.StatsReq):
-            self.send(io.StatsResult(message.req_id, self.stats(full=True, expert_load=message.expert_load)))
+            self.send(
+                io.StatsResult(
+                    message.req_id,
+                    self.stats(full=True, expert_load=message.expert_load),
+                )
+            )
         elif isinstance(message, io.FlushCacheReq):
             self.send(self.flush_cache(message.req_id))
         elif isinstance(message, io.ShutdownReq):
@@ -154,9 +182,15 @@ class EngineLoop:
         except ValueError as exc:
             self.send(io.AddResult(req.rid, [], str(exc)))
             return
-        except Exception as exc:  # e.g. a seed torch cannot take: still the request's fault, not ours
+        except (
+            Exception
+        ) as exc:  # e.g. a seed torch cannot take: still the request's fault, not ours
             logger.exception("rejecting request %s", req.rid)
-            self.send(io.AddResult(req.rid, [], scrub(f"invalid request: {exc}", self.secrets)))
+            self.send(
+                io.AddResult(
+                    req.rid, [], scrub(f"invalid request: {exc}", self.secrets)
+                )
+            )
             return
         self.live.update(rids)
         self.send(io.AddResult(req.rid, rids))
@@ -183,15 +217,23 @@ class EngineLoop:
         except Exception as exc:
             self.step_failures += 1
             logger.exception("engine step failed (%d in a row)", self.step_failures)
-            outputs = self.fail_live(scrub(f"internal engine error: {type(exc).__name__}: {exc}", self.secrets))
-            if isinstance(exc, RankFailure):  # a parallel rank is gone: no later step can run
+            outputs = self.fail_live(
+                scrub(
+                    f"internal engine error: {type(exc).__name__}: {exc}", self.secrets
+                )
+            )
+            if isinstance(
+                exc, RankFailure
+            ):  # a parallel rank is gone: no later step can run
                 self.send(io.OutputBatch(outputs, self.stats()))
                 self.send(io.EngineFailed(scrub(str(exc), self.secrets)))
                 self.stopping = True
                 return
             if self.step_failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 self.send(io.OutputBatch(outputs, self.stats()))
-                message = f"the engine failed {self.step_failures} steps in a row: {exc}"
+                message = (
+                    f"the engine failed {self.step_failures} steps in a row: {exc}"
+                )
                 self.send(io.EngineFailed(scrub(message, self.secrets)))
                 self.stopping = True
                 return
@@ -223,7 +265,9 @@ class EngineLoop:
                 self.engine.abort(rid)
             except Exception:
                 logger.exception("abort of %s failed", rid)
-            failed.append(RequestOutput(rid, [], "", True, finish_reason="error", error=message))
+            failed.append(
+                RequestOutput(rid, [], "", True, finish_reason="error", error=message)
+            )
         self.live.clear()
         self.scheduler.pending_outputs.clear()  # the aborts' own outputs: already reported above
         return failed
@@ -248,23 +292,34 @@ def engine_info(engine) -> io.EngineInfo:
         kv_reason=st.kv_reason,
         load_seconds=st.load_seconds,
         eos_token_ids=sorted(st.eos_token_ids),
-        bos_token_id=(tok.bos_token_id if tok is not None else None) or st.model_config.bos_token_id,
+        bos_token_id=(tok.bos_token_id if tok is not None else None)
+        or st.model_config.bos_token_id,
         disaggregation_mode=getattr(engine.config, "disaggregation_mode", "null"),
-        bootstrap_addr=getattr(engine, "disagg_endpoint", None),  # a property: host:port or None
+        bootstrap_addr=getattr(
+            engine, "disagg_endpoint", None
+        ),  # a property: host:port or None
         dtype_reason=st.dtype_reason,
         weights=st.weights,
         kernels=describe_kernels(st.kernels),
         decode_loop=st.decode_loop,
         kv_groups=st.kv_groups,
         kv_bytes=st.kv_bytes,
-        num_experts=st.model_config.moe.num_experts if st.model_config.moe is not None else 0,
+        num_experts=st.model_config.moe.num_experts
+        if st.model_config.moe is not None
+        else 0,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Strata engine process (started by `strata serve`).")
-    parser.add_argument("--in-addr", required=True, help="ZMQ address the frontend pushes requests to")
-    parser.add_argument("--out-addr", required=True, help="ZMQ address the frontend pulls outputs from")
+    parser = argparse.ArgumentParser(
+        description="Strata engine process (started by `strata serve`)."
+    )
+    parser.add_argument(
+        "--in-addr", required=True, help="ZMQ address the frontend pushes requests to"
+    )
+    parser.add_argument(
+        "--out-addr", required=True, help="ZMQ address the frontend pulls outputs from"
+    )
     parser.add_argument("--parent-pid", type=int, required=True)
     parser.add_argument("--log-level", default="info")
     args = parser.parse_args(argv)
@@ -278,7 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         stream=sys.stderr,
     )
 
-    config_json = sys.stdin.read()  # EngineConfig fields as a JSON object, written by the server
+    config_json = (
+        sys.stdin.read()
+    )  # EngineConfig fields as a JSON object, written by the server
     secrets: list[str] = []
     ctx = zmq.Context()
     pull = ctx.socket(zmq.PULL)
@@ -299,7 +356,9 @@ def main(argv: list[str] | None = None) -> int:
         push.send(io.encode(io.EngineReady(engine_info(engine))))
     except Exception as exc:  # noqa: BLE001 -- whatever stops the load, the server must hear why
         logger.error("engine failed to start:\n%s", traceback.format_exc())
-        push.send(io.encode(io.EngineFailed(scrub(f"{type(exc).__name__}: {exc}", secrets))))
+        push.send(
+            io.encode(io.EngineFailed(scrub(f"{type(exc).__name__}: {exc}", secrets)))
+        )
         push.close()  # lingers up to 2 s to deliver the message
         pull.close(linger=0)
         ctx.term()

@@ -28,8 +28,12 @@ class GenerateReq(msgspec.Struct, tag=True):
     rid: str
     input_ids: list[int]
     params: SamplingParams
-    bootstrap_room: int | None = None  # PD disaggregation: set by the router for both workers
-    bootstrap_addr: str | None = None  # PD disaggregation, decode worker: the prefill worker's KV inbox
+    bootstrap_room: int | None = (
+        None  # PD disaggregation: set by the router for both workers
+    )
+    bootstrap_addr: str | None = (
+        None  # PD disaggregation, decode worker: the prefill worker's KV inbox
+    )
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -42,7 +46,9 @@ class FlushCacheReq(msgspec.Struct, tag=True):
 
 class StatsReq(msgspec.Struct, tag=True):
     req_id: int
-    expert_load: bool = False  # also send EngineStats.expert_load (a MoE model's per-expert counts)
+    expert_load: bool = (
+        False  # also send EngineStats.expert_load (a MoE model's per-expert counts)
+    )
 
 
 class ShutdownReq(msgspec.Struct, tag=True):
@@ -66,9 +72,15 @@ class EngineStats(msgspec.Struct):
     page_size: int = 1
     num_retractions: int = 0  # so far
     num_steps: int = 0
-    hicache: dict[str, Any] | None = None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
-    spec: dict[str, Any] | None = None  # SpecStats.as_dict() when speculative decoding is on
-    leaked_pages: int = 0  # pages neither free, cached nor held (the accounting invariant: always 0)
+    hicache: dict[str, Any] | None = (
+        None  # HiCacheStats.as_dict() when the KV cache hierarchy is on
+    )
+    spec: dict[str, Any] | None = (
+        None  # SpecStats.as_dict() when speculative decoding is on
+    )
+    leaked_pages: int = (
+        0  # pages neither free, cached nor held (the accounting invariant: always 0)
+    )
     # per window group of the pool (sliding-window models): its pages, free / cached / held by requests;
     # None in the stats sent with outputs (counting them walks the prefix cache)
     window_groups: list[dict[str, int]] | None = None
@@ -114,11 +126,15 @@ class EngineInfo(msgspec.Struct):
     bootstrap_addr: str | None = None  # a disaggregated worker's KV inbox (host:port)
     dtype_reason: str = ""  # why this compute dtype (measured, or the flag)
     weights: str = ""  # weight formats the model runs on, e.g. "q4 x120, q8 x1"
-    kernels: str = ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
+    kernels: str = (
+        ""  # native kernel build and its ISA, e.g. "native (avx2 fma f16c)", or "off"
+    )
     decode_loop: str = ""  # "native": decode steps run the layer loop in C++; "python"
     kv_bytes: int = 0  # memory of the whole KV pool (every layer group)
     kv_groups: str = ""  # the KV pool's layer groups, e.g. "3 layers keep every token (...); 15 window-512 ..."
-    num_experts: int = 0  # routed experts of each mixture-of-experts layer; 0: not a MoE model
+    num_experts: int = (
+        0  # routed experts of each mixture-of-experts layer; 0: not a MoE model
+    )
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -151,7 +167,14 @@ class StatsResult(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
-FromEngine = EngineReady | EngineFailed | AddResult | OutputBatch | FlushCacheResult | StatsResult
+FromEngine = (
+    EngineReady
+    | EngineFailed
+    | AddResult
+    | OutputBatch
+    | FlushCacheResult
+    | StatsResult
+)
 
 # ------------------------------------------------------------------ codec
 

@@ -31,7 +31,13 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from strata.config import SCALAR_TYPES, EngineConfig, add_engine_args, engine_config_from_args, field_comments
+from strata.config import (
+    SCALAR_TYPES,
+    EngineConfig,
+    add_engine_args,
+    engine_config_from_args,
+    field_comments,
+)
 from strata.process import settle_heap
 from strata.redact import install_log_redaction, secret_values, with_env_secrets
 from strata.server.config import ENGINE_WAITS, LOG_LEVELS, ServerConfig
@@ -49,8 +55,12 @@ def _add_server_args(group) -> None:
     from strata.server.reasoning import REASONING_PARSERS
     from strata.server.tool_calls import TOOL_CALL_PARSERS
 
-    choices = {"log_level": LOG_LEVELS, "tool_call_parser": sorted(TOOL_CALL_PARSERS),
-               "reasoning_parser": sorted(REASONING_PARSERS), "engine_wait": ENGINE_WAITS}
+    choices = {
+        "log_level": LOG_LEVELS,
+        "tool_call_parser": sorted(TOOL_CALL_PARSERS),
+        "reasoning_parser": sorted(REASONING_PARSERS),
+        "engine_wait": ENGINE_WAITS,
+    }
     for f in dataclasses.fields(ServerConfig):
         flag = "--" + f.name.replace("_", "-")
         type_name = str(f.type).replace(" | None", "").strip()
@@ -79,7 +89,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
 
 def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The flags' values; --api-key not given comes from STRATA_API_KEY (off the command line)."""
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerConfig) if hasattr(args, f.name)}
+    values = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(ServerConfig)
+        if hasattr(args, f.name)
+    }
     return ServerConfig(**with_env_secrets(ServerConfig, values))
 
 
@@ -99,7 +113,14 @@ class EngineProcess:
     """The engine subprocess: started with the config as JSON on its stdin (a command line is readable
     by every local user), stopped politely, then by force."""
 
-    def __init__(self, config: EngineConfig, in_addr: str, out_addr: str, log_level: str, wait: str = "bounded"):
+    def __init__(
+        self,
+        config: EngineConfig,
+        in_addr: str,
+        out_addr: str,
+        log_level: str,
+        wait: str = "bounded",
+    ):
         cmd = [
             sys.executable,
             "-m",
@@ -115,14 +136,23 @@ class EngineProcess:
         ]
         wait_env = engine_wait_env(wait, os.environ)
         env = {**os.environ, **wait_env}
-        chosen = wait_env or {k: os.environ[k] for k in OPENMP_WAIT_VARS if k in os.environ}
-        logger.info("engine threads wait: %s (%s)", wait if wait_env else "as the environment sets",
-                    " ".join(f"{k}={v}" for k, v in chosen.items()))
+        chosen = wait_env or {
+            k: os.environ[k] for k in OPENMP_WAIT_VARS if k in os.environ
+        }
+        logger.info(
+            "engine threads wait: %s (%s)",
+            wait if wait_env else "as the environment sets",
+            " ".join(f"{k}={v}" for k, v in chosen.items()),
+        )
         # its own process group: a Ctrl-C in the terminal reaches the server, which then decides
-        self.proc = subprocess.Popen(cmd, start_new_session=True, env=env, stdin=subprocess.PIPE)
+        self.proc = subprocess.Popen(
+            cmd, start_new_session=True, env=env, stdin=subprocess.PIPE
+        )
         assert self.proc.stdin is not None
         try:
-            with self.proc.stdin:  # a pipe buffer holds the few KiB; the engine reads it at once
+            with (
+                self.proc.stdin
+            ):  # a pipe buffer holds the few KiB; the engine reads it at once
                 self.proc.stdin.write(json.dumps(dataclasses.asdict(config)).encode())
         except BrokenPipeError:
             pass  # the engine died at once; its exit code is reported by the server's watch
@@ -141,7 +171,9 @@ class EngineProcess:
             return
         except subprocess.TimeoutExpired:
             pass
-        logger.warning("engine (pid %d) did not exit in %.0fs; killing it", self.proc.pid, timeout)
+        logger.warning(
+            "engine (pid %d) did not exit in %.0fs; killing it", self.proc.pid, timeout
+        )
         self.proc.kill()
         self.proc.wait(5)
 
@@ -169,7 +201,10 @@ def engine_wait_env(wait: str, environ: Mapping[str, str]) -> dict[str, str]:
         return {"OMP_WAIT_POLICY": "PASSIVE"}
     if wait == "active":
         return {"OMP_WAIT_POLICY": "ACTIVE"}
-    return {"GOMP_SPINCOUNT": str(BOUNDED_SPIN_COUNT), "KMP_BLOCKTIME": str(BOUNDED_BLOCKTIME_MS)}
+    return {
+        "GOMP_SPINCOUNT": str(BOUNDED_SPIN_COUNT),
+        "KMP_BLOCKTIME": str(BOUNDED_BLOCKTIME_MS),
+    }
 
 
 def engine_threads() -> int:
@@ -210,7 +245,9 @@ def ipc_addresses() -> tuple[str, str, str]:
     local user can connect to submit or abort requests (abstract-namespace sockets would have no
     permissions at all). The server removes the directory when it exits.
     """
-    ipc_dir = tempfile.mkdtemp(prefix="strata-ipc-")  # mkdtemp: mode 0700, owned by this user
+    ipc_dir = tempfile.mkdtemp(
+        prefix="strata-ipc-"
+    )  # mkdtemp: mode 0700, owned by this user
     os.chmod(ipc_dir, 0o700)
     return ipc_dir, f"ipc://{ipc_dir}/in", f"ipc://{ipc_dir}/out"
 
@@ -234,7 +271,9 @@ def bind_socket(host: str, port: int) -> socket.socket:
 # ------------------------------------------------------------------ serving
 
 
-def make_uvicorn_server(app, log_level: str, grace_period: float, keep_alive: int, lifespan: str):
+def make_uvicorn_server(
+    app, log_level: str, grace_period: float, keep_alive: int, lifespan: str
+):
     """uvicorn's server, but a signal ends `serve()` without being re-raised afterwards, so the caller
     can shut down what it owns (the engine, launched replicas) and exit 0. Shared with the router."""
     import threading
@@ -244,10 +283,15 @@ def make_uvicorn_server(app, log_level: str, grace_period: float, keep_alive: in
     class Server(uvicorn.Server):
         @contextlib.contextmanager
         def capture_signals(self):
-            if threading.current_thread() is not threading.main_thread():  # e.g. run in a test thread
+            if (
+                threading.current_thread() is not threading.main_thread()
+            ):  # e.g. run in a test thread
                 yield
                 return
-            previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            previous = {
+                sig: signal.signal(sig, self.handle_exit)
+                for sig in (signal.SIGINT, signal.SIGTERM)
+            }
             try:
                 yield
             finally:
@@ -266,7 +310,10 @@ def make_uvicorn_server(app, log_level: str, grace_period: float, keep_alive: in
 
 
 async def _serve(
-    server_config: ServerConfig, engine_config: EngineConfig, model_arg: str | None, started: float
+    server_config: ServerConfig,
+    engine_config: EngineConfig,
+    model_arg: str | None,
+    started: float,
 ) -> int:
     from strata.server.app import create_app
     from strata.server.engine_client import EngineClient, EngineUnavailable
@@ -282,7 +329,13 @@ async def _serve(
     ipc_dir, in_addr, out_addr = ipc_addresses()
     metrics = ServerMetrics(name)
     client = EngineClient(in_addr, out_addr, metrics)
-    engine = EngineProcess(engine_config, in_addr, out_addr, server_config.log_level, server_config.engine_wait)
+    engine = EngineProcess(
+        engine_config,
+        in_addr,
+        out_addr,
+        server_config.log_level,
+        server_config.engine_wait,
+    )
     exit_code = 0
     # until uvicorn takes the signals over, a SIGTERM/SIGINT is remembered (and honoured once it has)
     early_signals: list[int] = []
@@ -302,7 +355,11 @@ async def _serve(
             started_at=time.time(),
         )
         server = make_uvicorn_server(
-            create_app(state), server_config.log_level, server_config.grace_period, keep_alive=5, lifespan="off"
+            create_app(state),
+            server_config.log_level,
+            server_config.grace_period,
+            keep_alive=5,
+            lifespan="off",
         )
         server.should_exit = bool(early_signals)
 
@@ -336,7 +393,10 @@ async def _serve(
                     )
                     return
 
-        tasks = [asyncio.ensure_future(announce_ready()), asyncio.ensure_future(watch_engine())]
+        tasks = [
+            asyncio.ensure_future(announce_ready()),
+            asyncio.ensure_future(watch_engine()),
+        ]
         try:
             await server.serve(sockets=[sock])
         finally:
@@ -348,7 +408,9 @@ async def _serve(
                 await asyncio.to_thread(engine.stop)
             logger.info("server exiting")
     finally:
-        if engine.exit_code() is None:  # still loading (it ignores SIGTERM), or failed to stop
+        if (
+            engine.exit_code() is None
+        ):  # still loading (it ignores SIGTERM), or failed to stop
             engine.proc.kill()
             engine.proc.wait()
         sock.close()
@@ -360,7 +422,11 @@ def serve_main(argv: list[str] | argparse.Namespace | None = None) -> int:
     """Entry point of `strata serve`: command-line arguments, or flags the CLI already parsed with
     a parser set up by `add_serve_args`. Returns the process exit status."""
     started = time.perf_counter()
-    args = argv if isinstance(argv, argparse.Namespace) else build_parser().parse_args(argv)
+    args = (
+        argv
+        if isinstance(argv, argparse.Namespace)
+        else build_parser().parse_args(argv)
+    )
     return serve(args, started)
 
 
@@ -369,8 +435,12 @@ def keep_torch_out() -> None:
     GGUF's tokenizer conversion) takes its torch-free paths and the frontend stays ~400 MiB smaller.
     The engine process imports torch as usual. A stray `import torch` here fails loudly (ImportError)
     instead of silently loading it. A process that has torch already (a test) keeps it."""
-    sys.modules.setdefault("torch", None)  # None in sys.modules: find_spec says absent, import raises
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # no "PyTorch was not found" notice
+    sys.modules.setdefault(
+        "torch", None
+    )  # None in sys.modules: find_spec says absent, import raises
+    os.environ.setdefault(
+        "TRANSFORMERS_NO_ADVISORY_WARNINGS", "1"
+    )  # no "PyTorch was not found" notice
 
 
 _CONVERT = (
@@ -391,12 +461,19 @@ def resolve_model(model_arg: str | None) -> Path:
     model_dir = resolve_model_path(model_arg, convert=False)
     if model_dir is not None:
         return model_dir
-    logger.info("converting %s once into the model cache", model_arg or "the default model")
+    logger.info(
+        "converting %s once into the model cache", model_arg or "the default model"
+    )
     child = subprocess.run(
-        [sys.executable, "-c", _CONVERT, model_arg or ""], stdout=subprocess.PIPE, text=True, check=False
+        [sys.executable, "-c", _CONVERT, model_arg or ""],
+        stdout=subprocess.PIPE,
+        text=True,
+        check=False,
     )
     if child.returncode != 0:
-        raise ValueError(f"could not convert {model_arg or 'the default model'} (see the message above)")
+        raise ValueError(
+            f"could not convert {model_arg or 'the default model'} (see the message above)"
+        )
     return Path(child.stdout.strip().splitlines()[-1])
 
 
@@ -423,7 +500,9 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         print(f"strata serve: error: {exc}", file=sys.stderr)
         return 2
     engine_config = dataclasses.replace(
-        engine_config, model=str(model_dir), num_threads=engine_config.num_threads or engine_threads()
+        engine_config,
+        model=str(model_dir),
+        num_threads=engine_config.num_threads or engine_threads(),
     )
     try:
         return asyncio.run(_serve(server_config, engine_config, model_arg, started))

@@ -35,13 +35,34 @@ format that many labelled samples on a 2-core CPU, time in which the event loop 
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 
 from strata.engine.outputs import RequestOutput
 from strata.server.io import EngineStats
 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 2, 4, 8, 16, 32, 64, 128)
-ITL_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1, 2)
+ITL_BUCKETS = (
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.03,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    1,
+    2,
+)
 E2E_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
 
@@ -58,59 +79,100 @@ class ServerMetrics:
             return Gauge(f"strata:{name}", doc, labels, registry=r).labels(model_name)
 
         def histogram(name: str, doc: str, buckets) -> Histogram:
-            return Histogram(f"strata:{name}", doc, labels, buckets=buckets, registry=r).labels(model_name)
+            return Histogram(
+                f"strata:{name}", doc, labels, buckets=buckets, registry=r
+            ).labels(model_name)
 
-        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens_total", "Generated tokens of finished requests.")
-        self.cached_tokens = counter("cached_tokens_total", "Prompt tokens served from the prefix cache.")
-        self.num_requests = counter("num_requests_total", "Finished requests (each of n samples counts).")
-        self.num_aborted = counter(
-            "num_aborted_requests_total", "Requests aborted (client disconnect, shutdown)."
+        self.prompt_tokens = counter(
+            "prompt_tokens_total", "Prompt tokens of finished requests."
         )
-        self.ttft = histogram("time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS)
-        self.itl = histogram("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.generation_tokens = counter(
+            "generation_tokens_total", "Generated tokens of finished requests."
+        )
+        self.cached_tokens = counter(
+            "cached_tokens_total", "Prompt tokens served from the prefix cache."
+        )
+        self.num_requests = counter(
+            "num_requests_total", "Finished requests (each of n samples counts)."
+        )
+        self.num_aborted = counter(
+            "num_aborted_requests_total",
+            "Requests aborted (client disconnect, shutdown).",
+        )
+        self.ttft = histogram(
+            "time_to_first_token_seconds", "Time to first token.", TTFT_BUCKETS
+        )
+        self.itl = histogram(
+            "inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS
+        )
         self.e2e = histogram(
-            "e2e_request_latency_seconds", "Request latency, arrival to finish.", E2E_BUCKETS
+            "e2e_request_latency_seconds",
+            "Request latency, arrival to finish.",
+            E2E_BUCKETS,
         )
         self.num_running = gauge("num_running_reqs", "Requests in the running batch.")
-        self.num_queue = gauge("num_queue_reqs", "Requests waiting in the scheduler queue.")
-        self.token_usage = gauge("token_usage", "Fraction of the KV cache held by requests.")
-        self.cache_hit_rate = gauge("cache_hit_rate", "Cached prompt tokens / prompt tokens, since start.")
-        self.num_retracted = gauge("num_retracted_reqs", "Requests retracted so far to free KV cache.")
+        self.num_queue = gauge(
+            "num_queue_reqs", "Requests waiting in the scheduler queue."
+        )
+        self.token_usage = gauge(
+            "token_usage", "Fraction of the KV cache held by requests."
+        )
+        self.cache_hit_rate = gauge(
+            "cache_hit_rate", "Cached prompt tokens / prompt tokens, since start."
+        )
+        self.num_retracted = gauge(
+            "num_retracted_reqs", "Requests retracted so far to free KV cache."
+        )
         # the KV cache hierarchy's own counters are cumulative in the engine, mirrored here as gauges
         self.hicache_hit_tokens = Gauge(
-            "strata:hicache_hit_tokens", "Prompt tokens served per cache tier, since start.",
-            ["model_name", "tier"], registry=r,
-        )  # fmt: skip
+            "strata:hicache_hit_tokens",
+            "Prompt tokens served per cache tier, since start.",
+            ["model_name", "tier"],
+            registry=r,
+        )
         self.hicache_hit_rate = Gauge(
-            "strata:hicache_hit_rate", "Per-tier hit tokens / prompt tokens, since start.",
-            ["model_name", "tier"], registry=r,
-        )  # fmt: skip
+            "strata:hicache_hit_rate",
+            "Per-tier hit tokens / prompt tokens, since start.",
+            ["model_name", "tier"],
+            registry=r,
+        )
         self.hicache_bytes = Gauge(
-            "strata:hicache_bytes", "Bytes moved between tiers, since start.", ["model_name", "direction"], registry=r
+            "strata:hicache_bytes",
+            "Bytes moved between tiers, since start.",
+            ["model_name", "direction"],
+            registry=r,
         )
         self.hicache_events = Gauge(
-            "strata:hicache_events", "Storage errors and corrupt pages ignored, since start.",
-            ["model_name", "kind"], registry=r,
-        )  # fmt: skip
+            "strata:hicache_events",
+            "Storage errors and corrupt pages ignored, since start.",
+            ["model_name", "kind"],
+            registry=r,
+        )
         # speculative decoding's counters, cumulative in the engine
         self.spec_counts = Gauge(
-            "strata:spec_events", "Speculative decoding since start: verify_steps (request-steps that fed "
+            "strata:spec_events",
+            "Speculative decoding since start: verify_steps (request-steps that fed "
             "drafts), drafted_tokens, accepted_tokens, declined (request-steps the policy gave no draft: a proposal "
             "not worth its row, or a step where none could be, when nothing is looked up), vetoed "
             "(request-steps its guard stood down before looking drafts up: drafting measured slower at that "
             "batch size).",
-            ["model_name", "kind"], registry=r,
-        )  # fmt: skip
+            ["model_name", "kind"],
+            registry=r,
+        )
         self.spec_accept_len = gauge(
-            "spec_accept_length", "Tokens per verifying request-step (accepted drafts + 1), since start."
+            "spec_accept_length",
+            "Tokens per verifying request-step (accepted drafts + 1), since start.",
         )
         self.spec_draft_lengths = Gauge(
-            "strata:spec_draft_length_steps", "Request-steps that fed this many drafted tokens, since start.",
-            ["model_name", "length"], registry=r,
-        )  # fmt: skip
+            "strata:spec_draft_length_steps",
+            "Request-steps that fed this many drafted tokens, since start.",
+            ["model_name", "length"],
+            registry=r,
+        )
         self.model_name = model_name
-        self.expert_load: dict[int, list[int]] = {}  # the last counts the engine sent (MoE models)
+        self.expert_load: dict[
+            int, list[int]
+        ] = {}  # the last counts the engine sent (MoE models)
         self._prompt_total = 0
         self._cached_total = 0
 
@@ -152,13 +214,26 @@ class ServerMetrics:
             for tier, n in h["hit_tokens"].items():
                 self.hicache_hit_tokens.labels(m, tier).set(n)
                 self.hicache_hit_rate.labels(m, tier).set(h["hit_rate"][tier])
-            for direction in ("bytes_to_host", "bytes_from_host", "bytes_to_storage", "bytes_from_storage"):
-                self.hicache_bytes.labels(m, direction.removeprefix("bytes_")).set(h[direction])
+            for direction in (
+                "bytes_to_host",
+                "bytes_from_host",
+                "bytes_to_storage",
+                "bytes_from_storage",
+            ):
+                self.hicache_bytes.labels(m, direction.removeprefix("bytes_")).set(
+                    h[direction]
+                )
             for kind in ("storage_errors", "corrupt_pages"):
                 self.hicache_events.labels(m, kind).set(h[kind])
         spec = stats.spec
         if spec:
-            for kind in ("verify_steps", "drafted_tokens", "accepted_tokens", "declined", "vetoed"):
+            for kind in (
+                "verify_steps",
+                "drafted_tokens",
+                "accepted_tokens",
+                "declined",
+                "vetoed",
+            ):
                 self.spec_counts.labels(self.model_name, kind).set(spec[kind])
             self.spec_accept_len.set(spec["mean_accept_len"])
             for length, steps in spec["draft_lengths"].items():
@@ -174,7 +249,11 @@ class ServerMetrics:
         if not self.expert_load:
             return b""
         name = "strata:moe_expert_tokens"
-        model = self.model_name.replace("\\", r"\\").replace("\n", r"\n").replace('"', r'\"')
+        model = (
+            self.model_name.replace("\\", r"\\")
+            .replace("\n", r"\n")
+            .replace('"', r"\"")
+        )
         lines = [
             f"# HELP {name} Tokens routed to each expert of each MoE layer, since start.",
             f"# TYPE {name} gauge",

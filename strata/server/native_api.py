@@ -61,7 +61,9 @@ GRAMMAR_KEYS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "lark"}
 SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__) | frozenset(GRAMMAR_KEYS)
 
 
-def generate_prompts(state: ServerState, req: GenerateRequest) -> tuple[list[list[int]], bool]:
+def generate_prompts(
+    state: ServerState, req: GenerateRequest
+) -> tuple[list[list[int]], bool]:
     """The prompts as token ids, and whether the request was a batch."""
     if (req.text is None) == (req.input_ids is None):
         raise APIError(400, "send exactly one of text or input_ids", param="text")
@@ -69,37 +71,54 @@ def generate_prompts(state: ServerState, req: GenerateRequest) -> tuple[list[lis
         if isinstance(req.text, str):
             return [state.encode(req.text, "text")], False
         if not req.text:
-            raise APIError(400, "text must be a string or a non-empty list of strings", param="text")
+            raise APIError(
+                400,
+                "text must be a string or a non-empty list of strings",
+                param="text",
+            )
         return [state.encode(t, "text") for t in req.text], True
     ids = req.input_ids
 
     def is_ids(x: Any) -> bool:
-        return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        return isinstance(x, list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in x
+        )
 
     if ids and is_ids(ids):
         return [list(ids)], False
     if ids and all(is_ids(p) and p for p in ids):
         return [list(p) for p in ids], True
     raise APIError(
-        400, "input_ids must be a non-empty list of token ids or a list of such lists", param="input_ids"
+        400,
+        "input_ids must be a non-empty list of token ids or a list of such lists",
+        param="input_ids",
     )
 
 
 def grammar_field(fields: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
     """Pop SGLang's json_schema (a JSON string or object) / regex / ebnf (Lark) keys into one spec."""
-    asked = [(key, fields.pop(key)) for key in GRAMMAR_KEYS if fields.get(key) is not None]
+    asked = [
+        (key, fields.pop(key)) for key in GRAMMAR_KEYS if fields.get(key) is not None
+    ]
     for key in GRAMMAR_KEYS:
         fields.pop(key, None)
     if len(asked) > 1:
-        raise APIError(400, f"send at most one of json_schema, regex, ebnf (got {[k for k, _ in asked]})",
-                       param=f"sampling_params.{asked[1][0]}")
+        raise APIError(
+            400,
+            f"send at most one of json_schema, regex, ebnf (got {[k for k, _ in asked]})",
+            param=f"sampling_params.{asked[1][0]}",
+        )
     if not asked:
         return None
     key, value = asked[0]
     param = f"sampling_params.{key}"
     if key == "json_schema" and not isinstance(value, str):
         if not isinstance(value, (dict, bool)):
-            raise APIError(400, f"{param} must be a JSON schema (an object, or a JSON string of one)", param=param)
+            raise APIError(
+                400,
+                f"{param} must be a JSON schema (an object, or a JSON string of one)",
+                param=param,
+            )
         return json_schema_spec(value), param
     if not isinstance(value, str):
         raise APIError(400, f"{param} must be a string", param=param)
@@ -111,7 +130,9 @@ def grammar_field(fields: dict[str, Any]) -> tuple[GrammarSpec, str] | None:
     return spec, param
 
 
-def sampling_params(req: GenerateRequest, vocab_size: int) -> tuple[SamplingParams, str]:
+def sampling_params(
+    req: GenerateRequest, vocab_size: int
+) -> tuple[SamplingParams, str]:
     """The request's SamplingParams, and the field a grammar in them came from (structured, or one
     of SGLang's keys), for the caller to validate."""
     fields = dict(req.sampling_params or {})
@@ -131,7 +152,9 @@ def sampling_params(req: GenerateRequest, vocab_size: int) -> tuple[SamplingPara
     return params, asked[1] if asked else "sampling_params.structured"
 
 
-def finish_reason(r: ChoiceResult | RequestOutput, num_tokens: int) -> dict[str, Any] | None:
+def finish_reason(
+    r: ChoiceResult | RequestOutput, num_tokens: int
+) -> dict[str, Any] | None:
     if r.finish_reason is None:
         return None
     reason: dict[str, Any] = {"type": r.finish_reason}
@@ -144,8 +167,12 @@ def finish_reason(r: ChoiceResult | RequestOutput, num_tokens: int) -> dict[str,
 
 def logprob_fields(state: ServerState, lps) -> dict[str, Any]:
     return {
-        "output_token_logprobs": [[clamp_logprob(lp.logprob), lp.token_id, None] for lp in lps],
-        "output_top_logprobs": [[[clamp_logprob(a.logprob), a.token_id, None] for a in lp.top] for lp in lps],
+        "output_token_logprobs": [
+            [clamp_logprob(lp.logprob), lp.token_id, None] for lp in lps
+        ],
+        "output_top_logprobs": [
+            [[clamp_logprob(a.logprob), a.token_id, None] for a in lp.top] for lp in lps
+        ],
     }
 
 
@@ -161,14 +188,17 @@ async def generate(request: Request) -> Response:
         await check_spec(state, params.structured, grammar_param)
     if len(prompts) * params.n > MAX_CHOICES:
         raise APIError(
-            400, f"{len(prompts)} prompts x n={params.n} is more than {MAX_CHOICES} choices per request"
+            400,
+            f"{len(prompts)} prompts x n={params.n} is more than {MAX_CHOICES} choices per request",
         )
     bootstrap = verified_bootstrap(state, request, body, req)
     jobs = [Job(ids, params, *bootstrap) for ids in prompts]
     rid = uuid.uuid4().hex
     gen = await start_generation(state, jobs)
     if req.stream:
-        return GenerationStream(generate_stream(state, gen, rid, req.return_logprob), gen)
+        return GenerationStream(
+            generate_stream(state, gen, rid, req.return_logprob), gen
+        )
     results = await collect(request, gen)
     latency = time.perf_counter() - gen.created
     answers = []
@@ -213,5 +243,12 @@ async def generate_stream(
         }
         if return_logprob:
             meta.update(logprob_fields(state, r.logprobs))
-        yield sse({"text": r.text, "output_ids": r.token_ids, "meta_info": meta, "index": index})
+        yield sse(
+            {
+                "text": r.text,
+                "output_ids": r.token_ids,
+                "meta_info": meta,
+                "index": index,
+            }
+        )
     yield SSE_DONE

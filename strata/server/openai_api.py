@@ -66,7 +66,10 @@ async def list_models(request: Request) -> Response:
     info = state.client.info
     context = info.context_len if info is not None else 0
     card = ModelCard(
-        id=state.model_name, created=int(state.started_at), max_model_len=context, root=state.model_dir
+        id=state.model_name,
+        created=int(state.started_at),
+        max_model_len=context,
+        root=state.model_dir,
     )
     return json_response(ModelList([card]))
 
@@ -74,7 +77,9 @@ async def list_models(request: Request) -> Response:
 # ------------------------------------------------------------------ shared conversion
 
 
-def sampling_fields(req: SamplingFields, max_tokens: int, logprobs: int | None) -> dict[str, Any]:
+def sampling_fields(
+    req: SamplingFields, max_tokens: int, logprobs: int | None
+) -> dict[str, Any]:
     fields: dict[str, Any] = {
         "max_new_tokens": max_tokens,
         "min_new_tokens": req.min_tokens,
@@ -126,7 +131,9 @@ def completion_prompts(state: ServerState, prompt: Any) -> list[list[int]]:
 
     def is_ids(x: Any) -> bool:
         return (
-            isinstance(x, list) and bool(x) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+            isinstance(x, list)
+            and bool(x)
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
         )
 
     if isinstance(prompt, str):
@@ -159,7 +166,10 @@ class CompletionLogprobBuilder:
             out.tokens.append(text)
             out.token_logprobs.append(clamp_logprob(lp.logprob))
             out.top_logprobs.append(
-                {self.state.token_text(a.token_id): clamp_logprob(a.logprob) for a in lp.top}
+                {
+                    self.state.token_text(a.token_id): clamp_logprob(a.logprob)
+                    for a in lp.top
+                }
             )
             out.text_offset.append(self.offset)
             self.offset += len(text)
@@ -170,7 +180,9 @@ class CompletionLogprobBuilder:
 async def completions(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, state.config.max_request_bytes)
-    req: CompletionRequest = await off_loop(len(body), decode_body, body, CompletionRequest)
+    req: CompletionRequest = await off_loop(
+        len(body), decode_body, body, CompletionRequest
+    )
     state.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported by this server", param="echo")
@@ -200,7 +212,9 @@ async def completions(request: Request) -> Response:
             Job(
                 ids,
                 make_sampling_params(
-                    {**sampling_fields(req, max_tokens, req.logprobs), **structured}, info.vocab_size, names
+                    {**sampling_fields(req, max_tokens, req.logprobs), **structured},
+                    info.vocab_size,
+                    names,
                 ),
                 *bootstrap,
             )
@@ -210,26 +224,43 @@ async def completions(request: Request) -> Response:
     rid, created = new_id("cmpl"), int(time.time())
     want_logprobs = req.logprobs is not None
     if req.stream:
-        include_usage = req.stream_options is not None and req.stream_options.include_usage
+        include_usage = (
+            req.stream_options is not None and req.stream_options.include_usage
+        )
         return GenerationStream(
-            completion_stream(state, gen, rid, created, req.n, want_logprobs, include_usage), gen
+            completion_stream(
+                state, gen, rid, created, req.n, want_logprobs, include_usage
+            ),
+            gen,
         )
     results = await collect(request, gen)
     choices = [
         CompletionChoice(
             r.index,
             r.text,
-            CompletionLogprobBuilder(state).build(r.logprobs) if want_logprobs else None,
+            CompletionLogprobBuilder(state).build(r.logprobs)
+            if want_logprobs
+            else None,
             r.finish_reason,
             r.matched_stop,
         )
         for r in results
     ]
-    return json_response(CompletionResponse(rid, created, state.model_name, choices, usage(results, req.n)))
+    return json_response(
+        CompletionResponse(
+            rid, created, state.model_name, choices, usage(results, req.n)
+        )
+    )
 
 
 async def completion_stream(
-    state: ServerState, gen: Generation, rid: str, created: int, n: int, logprobs: bool, include_usage: bool
+    state: ServerState,
+    gen: Generation,
+    rid: str,
+    created: int,
+    n: int,
+    logprobs: bool,
+    include_usage: bool,
 ) -> AsyncIterator[bytes]:
     model = state.model_name
     builders = [CompletionLogprobBuilder(state) for _ in range(gen.num_choices)]
@@ -251,12 +282,24 @@ async def completion_stream(
         )
         yield sse(CompletionResponse(rid, created, model, [choice]))
         if out.finished:
-            prompt_tokens[index], cached_tokens[index] = out.prompt_tokens, out.cached_tokens
+            prompt_tokens[index], cached_tokens[index] = (
+                out.prompt_tokens,
+                out.cached_tokens,
+            )
             completion_tokens += out.completion_tokens
     else:
         if include_usage:
-            prompt = sum(max(prompt_tokens[s : s + n]) for s in range(0, len(prompt_tokens), n))
-            cached = sum(max(cached_tokens[s : s + n]) for s in range(0, len(cached_tokens), n))
-            u = Usage(prompt, completion_tokens, prompt + completion_tokens, PromptTokensDetails(cached))
+            prompt = sum(
+                max(prompt_tokens[s : s + n]) for s in range(0, len(prompt_tokens), n)
+            )
+            cached = sum(
+                max(cached_tokens[s : s + n]) for s in range(0, len(cached_tokens), n)
+            )
+            u = Usage(
+                prompt,
+                completion_tokens,
+                prompt + completion_tokens,
+                PromptTokensDetails(cached),
+            )
             yield sse(CompletionResponse(rid, created, model, [], u))
     yield SSE_DONE

@@ -10,15 +10,26 @@ from typing import Any
 import msgspec
 
 from strata.sampling_params import SamplingParams
-from strata.server.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse, GenerateRequest
+from strata.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ErrorResponse,
+    GenerateRequest,
+)
 
 REF = "#/components/schemas/{name}"
 
 # POST endpoints with a JSON body: path -> (body schema, summary)
 GENERATION_ENDPOINTS: dict[str, tuple[type, str]] = {
-    "/v1/chat/completions": (ChatCompletionRequest, "OpenAI chat completion (streamed with stream: true)"),
+    "/v1/chat/completions": (
+        ChatCompletionRequest,
+        "OpenAI chat completion (streamed with stream: true)",
+    ),
     "/v1/completions": (CompletionRequest, "OpenAI legacy completion"),
-    "/generate": (GenerateRequest, "SGLang-style native generation (sampling_params as SamplingParams)"),
+    "/generate": (
+        GenerateRequest,
+        "SGLang-style native generation (sampling_params as SamplingParams)",
+    ),
 }
 
 SERVER_GETS = {
@@ -46,7 +57,11 @@ class WorkerURL(msgspec.Struct):
 
 
 def _components() -> dict[str, Any]:
-    types = [body for body, _ in GENERATION_ENDPOINTS.values()] + [SamplingParams, ErrorResponse, WorkerURL]
+    types = [body for body, _ in GENERATION_ENDPOINTS.values()] + [
+        SamplingParams,
+        ErrorResponse,
+        WorkerURL,
+    ]
     _, components = msgspec.json.schema_components(types, ref_template=REF)
     # /generate decodes sampling_params as a free dict, then converts it to SamplingParams (unknown
     # keys are a 400): the document states the real contract
@@ -57,40 +72,66 @@ def _components() -> dict[str, Any]:
 
 
 def _responses(ok: str) -> dict[str, Any]:
-    error = {"content": {"application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}}}
+    error = {
+        "content": {
+            "application/json": {"schema": {"$ref": REF.format(name="ErrorResponse")}}
+        }
+    }
     return {
         "200": {"description": ok},
-        "400": {"description": "invalid request: the message says what to fix", **error},
+        "400": {
+            "description": "invalid request: the message says what to fix",
+            **error,
+        },
         "401": {"description": "missing or wrong API key", **error},
     }
 
 
 def _body(schema: str) -> dict[str, Any]:
-    return {"required": True, "content": {"application/json": {"schema": {"$ref": REF.format(name=schema)}}}}
+    return {
+        "required": True,
+        "content": {"application/json": {"schema": {"$ref": REF.format(name=schema)}}},
+    }
 
 
 def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, Any]:
     """The document for the server (router=False) or the router; `secured`: an API key is required."""
     paths: dict[str, dict[str, Any]] = {}
     for path, summary in (ROUTER_GETS if router else SERVER_GETS).items():
-        paths.setdefault(path, {})["get"] = {"summary": summary, "responses": _responses("OK")}
+        paths.setdefault(path, {})["get"] = {
+            "summary": summary,
+            "responses": _responses("OK"),
+        }
     for path, (body, summary) in GENERATION_ENDPOINTS.items():
         paths.setdefault(path, {})["post"] = {
             "summary": summary + (" (proxied to a worker)" if router else ""),
             "requestBody": _body(body.__name__),
-            "responses": _responses("the generation (JSON, or text/event-stream when streaming)"),
+            "responses": _responses(
+                "the generation (JSON, or text/event-stream when streaming)"
+            ),
         }
     if router:
-        for method, summary in (("post", "register a worker"), ("delete", "remove a worker")):
+        for method, summary in (
+            ("post", "register a worker"),
+            ("delete", "remove a worker"),
+        ):
             paths.setdefault("/workers", {})[method] = {
                 "summary": summary,
                 "requestBody": _body("WorkerURL"),
                 "responses": _responses("the worker"),
             }
-        paths["/flush_cache"] = {"post": {"summary": "flush every worker's prefix cache", "responses": _responses("OK")}}
+        paths["/flush_cache"] = {
+            "post": {
+                "summary": "flush every worker's prefix cache",
+                "responses": _responses("OK"),
+            }
+        }
     else:
         paths["/flush_cache"] = {
-            "post": {"summary": "flush the prefix cache (409 while requests run)", "responses": _responses("OK")}
+            "post": {
+                "summary": "flush the prefix cache (409 while requests run)",
+                "responses": _responses("OK"),
+            }
         }
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -99,6 +140,8 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
         "components": {"schemas": _components()},
     }
     if secured:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"}
+        }
         doc["security"] = [{"bearer": []}]
     return doc

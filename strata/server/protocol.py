@@ -73,9 +73,15 @@ class ErrorResponse(msgspec.Struct):
 
 
 def error_body(
-    status: int, message: str, *, param: str | None = None, code: str | int | None = None
+    status: int,
+    message: str,
+    *,
+    param: str | None = None,
+    code: str | int | None = None,
 ) -> bytes:
-    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "internal_server_error")
+    kind = ERROR_TYPES.get(
+        status, "invalid_request_error" if status < 500 else "internal_server_error"
+    )
     return msgspec.json.encode(ErrorResponse(ErrorInfo(message, kind, param, code)))
 
 
@@ -90,13 +96,16 @@ def decode_body(body: bytes, schema: type[Any]) -> Any:
         return msgspec.json.decode(body, type=schema)
     except UnicodeDecodeError as exc:
         raise APIError(
-            400, f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})"
+            400,
+            f"the request body is not valid UTF-8 ({exc.reason} at byte {exc.start})",
         ) from None
     except msgspec.ValidationError as exc:
         text = str(exc)
         match = _PATH.search(text)
         param = match.group(1) if match else None
-        if param is None and (missing := re.search(r"missing required field `(\w+)`", text)):
+        if param is None and (
+            missing := re.search(r"missing required field `(\w+)`", text)
+        ):
             param = missing.group(1)
         raise APIError(400, f"invalid request: {text}", param=param) from None
     except msgspec.DecodeError as exc:
@@ -141,7 +150,9 @@ class FunctionDef(msgspec.Struct, kw_only=True):
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None  # a JSON schema; None: any object
-    strict: bool | None = None  # accepted; arguments are always constrained when a call is forced
+    strict: bool | None = (
+        None  # accepted; arguments are always constrained when a call is forced
+    )
 
 
 class ToolDef(msgspec.Struct, kw_only=True):
@@ -186,7 +197,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     frequency_penalty: float | None = None
     seed: int | None = None
     user: str | None = None
-    logit_bias: dict[str, Any] | None = None  # token id (a string) -> bias in [-100, 100]
+    logit_bias: dict[str, Any] | None = (
+        None  # token id (a string) -> bias in [-100, 100]
+    )
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
@@ -208,7 +221,9 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: int | None = None
     tools: list[ToolDef] | None = None
-    tool_choice: str | NamedToolChoice | None = None  # none | auto | required | a named function
+    tool_choice: str | NamedToolChoice | None = (
+        None  # none | auto | required | a named function
+    )
     parallel_tool_calls: bool = True
 
 
@@ -229,7 +244,9 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     stream: bool = False
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    rid: Any = None  # accepted for SGLang compatibility; the server names requests itself
+    rid: Any = (
+        None  # accepted for SGLang compatibility; the server names requests itself
+    )
     bootstrap_room: int | None = None  # PD disaggregation: injected by the router
     bootstrap_addr: str | None = None
 

@@ -23,13 +23,17 @@ class ReasoningParser:
     name: str
     start_tag: str = "<think>"
     end_tag: str = "</think>"
-    starts_inside: bool = False  # the output begins in reasoning even without a start tag
+    starts_inside: bool = (
+        False  # the output begins in reasoning even without a start tag
+    )
 
     def splitter(self, prompt_text_tail: str = "") -> ReasoningSplitter:
         """A splitter for one choice; `prompt_text_tail` is the end of the prompt as text."""
         tail = prompt_text_tail.rstrip()
         splitter = ReasoningSplitter(self, inside=tail.endswith(self.start_tag))
-        if tail.endswith(self.end_tag):  # the template closed the block (thinking switched off)
+        if tail.endswith(
+            self.end_tag
+        ):  # the template closed the block (thinking switched off)
             splitter.state = "after"
         return splitter
 
@@ -67,7 +71,9 @@ class ReasoningSplitter:
             reasoning = self.pending[:idx]
             self.pending = self.pending[idx + len(self.p.end_tag) :].lstrip("\n")
             self.state = "after_trim" if not self.pending else "after"
-        if self.state == "after_trim":  # drop the newlines right after </think>, across pieces
+        if (
+            self.state == "after_trim"
+        ):  # drop the newlines right after </think>, across pieces
             self.pending = self.pending.lstrip("\n")
             if not self.pending:
                 return reasoning, ""

@@ -23,17 +23,29 @@ from strata.config import EngineConfig
 from strata.disagg import auth as disagg_auth
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.server.config import ServerConfig
-from strata.server.engine_client import EngineClient, EngineUnavailable, Generation, Job, RequestRejected
+from strata.server.engine_client import (
+    EngineClient,
+    EngineUnavailable,
+    Generation,
+    Job,
+    RequestRejected,
+)
 from strata.server.io import EngineInfo
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import APIError, error_body
 from strata.server.reasoning import REASONING_PARSERS, ReasoningParser
-from strata.server.tool_calls import TOOL_CALL_PARSERS, ToolCallParser, detect_tool_call_parser
+from strata.server.tool_calls import (
+    TOOL_CALL_PARSERS,
+    ToolCallParser,
+    detect_tool_call_parser,
+)
 
 logger = logging.getLogger(__name__)
 
 SSE_DONE = b"data: [DONE]\n\n"
-OFFLOAD_BODY_BYTES = 64 * 1024  # larger bodies are decoded and tokenized off the event loop
+OFFLOAD_BODY_BYTES = (
+    64 * 1024
+)  # larger bodies are decoded and tokenized off the event loop
 LOADING_RETRY_AFTER_S = 5
 QUEUE_FULL_RETRY_AFTER_S = 1
 
@@ -42,7 +54,9 @@ T = TypeVar("T")
 
 
 def json_response(obj: Any, status: int = 200) -> Response:
-    return Response(_json.encode(obj), status_code=status, media_type="application/json")
+    return Response(
+        _json.encode(obj), status_code=status, media_type="application/json"
+    )
 
 
 def sse(event: Any) -> bytes:
@@ -81,7 +95,9 @@ class ServerState:
         try:
             self.client.check_available()
         except EngineUnavailable as exc:
-            raise APIError(503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
+            raise APIError(
+                503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}
+            ) from None
         assert self.client.info is not None
         return self.client.info
 
@@ -106,12 +122,16 @@ class ServerState:
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            text = (
+                self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            )
             self._token_texts[token_id] = text
         return text
 
 
-_tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="strata-tokenize")
+_tokenizer_thread = ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="strata-tokenize"
+)
 
 
 async def off_loop(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
@@ -119,7 +139,9 @@ async def off_loop(num_bytes: int, fn: Callable[..., T], *args: Any) -> T:
     large, so a 10 MB prompt does not stall every other stream; small inputs run inline (cheaper)."""
     if num_bytes < OFFLOAD_BODY_BYTES:
         return fn(*args)
-    return await asyncio.get_running_loop().run_in_executor(_tokenizer_thread, fn, *args)
+    return await asyncio.get_running_loop().run_in_executor(
+        _tokenizer_thread, fn, *args
+    )
 
 
 def get_state(request: Request) -> ServerState:
@@ -153,7 +175,9 @@ def verified_bootstrap(
         message = "bootstrap_room and bootstrap_addr are for disaggregated prefill/decode workers"
         raise APIError(400, message + "; this server is not one: drop the fields")
     secret = disagg_auth.shared_secret(cfg.disaggregation_secret)
-    if not disagg_auth.verify_bootstrap(secret, room, addr, body, request.headers.get(disagg_auth.HEADER)):
+    if not disagg_auth.verify_bootstrap(
+        secret, room, addr, body, request.headers.get(disagg_auth.HEADER)
+    ):
         message = (
             "bootstrap_room and bootstrap_addr are accepted only from the PD router: this request has no "
             f"valid {disagg_auth.HEADER.title()} signature over them and its body; send it through "
@@ -184,7 +208,9 @@ async def start_generation(state: ServerState, jobs: list[Job]) -> Generation:
         raise APIError(400, str(exc)) from None
     except EngineUnavailable as exc:
         gen.close()
-        raise APIError(503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}) from None
+        raise APIError(
+            503, str(exc), headers={"Retry-After": str(LOADING_RETRY_AFTER_S)}
+        ) from None
     except BaseException:
         gen.close()
         raise
@@ -204,8 +230,12 @@ class ChoiceResult:
     error: str | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_details: dict[str, int] = field(default_factory=dict)  # per cache tier
-    spec: dict[str, float] = field(default_factory=dict)  # speculative decoding (spec_fields), if it drafted
+    cached_tokens_details: dict[str, int] = field(
+        default_factory=dict
+    )  # per cache tier
+    spec: dict[str, float] = field(
+        default_factory=dict
+    )  # speculative decoding (spec_fields), if it drafted
 
     def add(self, out: RequestOutput) -> None:
         self.text += out.text_delta

@@ -15,7 +15,12 @@ from typing import Any
 import msgspec
 
 from strata.grammar.spec import GrammarSpec, json_schema_spec
-from strata.server.protocol import APIError, ChatCompletionRequest, NamedToolChoice, SamplingFields
+from strata.server.protocol import (
+    APIError,
+    ChatCompletionRequest,
+    NamedToolChoice,
+    SamplingFields,
+)
 from strata.server.reasoning import ReasoningParser
 from strata.server.tool_calls import ToolCallParser
 
@@ -32,10 +37,16 @@ def format_spec(req: SamplingFields) -> tuple[GrammarSpec, str] | None:
         elif rf.type == "json_schema":
             if rf.json_schema is None:
                 raise APIError(
-                    400, 'response_format of type "json_schema" needs a json_schema object', param="response_format"
+                    400,
+                    'response_format of type "json_schema" needs a json_schema object',
+                    param="response_format",
                 )
             schema = rf.json_schema.schema
-            spec = GrammarSpec(kind="json_object") if schema is None else json_schema_spec(schema)
+            spec = (
+                GrammarSpec(kind="json_object")
+                if schema is None
+                else json_schema_spec(schema)
+            )
             asked.append((spec, "response_format.json_schema.schema"))
         elif rf.type != "text":
             raise APIError(
@@ -49,7 +60,11 @@ def format_spec(req: SamplingFields) -> tuple[GrammarSpec, str] | None:
         asked.append((GrammarSpec(kind="lark", source=req.ebnf), "ebnf"))
     if len(asked) > 1:
         names = ", ".join(param.split(".")[0] for _, param in asked)
-        raise APIError(400, f"send at most one of response_format, regex and ebnf (got {names})", param=asked[1][1])
+        raise APIError(
+            400,
+            f"send at most one of response_format, regex and ebnf (got {names})",
+            param=asked[1][1],
+        )
     return asked[0] if asked else None
 
 
@@ -61,16 +76,20 @@ def tool_choice_of(req: ChatCompletionRequest) -> str | NamedToolChoice:
     if isinstance(choice, str):
         if choice not in TOOL_CHOICES:
             raise APIError(
-                400, f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)} or a named function",
+                400,
+                f"tool_choice {choice!r} is not one of {', '.join(TOOL_CHOICES)} or a named function",
                 param="tool_choice",
             )
         if choice == "required" and not req.tools:
-            raise APIError(400, 'tool_choice "required" needs tools', param="tool_choice")
+            raise APIError(
+                400, 'tool_choice "required" needs tools', param="tool_choice"
+            )
         return choice
     names = [t.function.name for t in req.tools or []]
     if choice.function.name not in names:
         raise APIError(
-            400, f"tool_choice names the function {choice.function.name!r}, which is not among the tools {names}",
+            400,
+            f"tool_choice names the function {choice.function.name!r}, which is not among the tools {names}",
             param="tool_choice",
         )
     return choice
@@ -81,25 +100,40 @@ def check_tools(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     tools = []
     for i, tool in enumerate(req.tools or []):
         if tool.type != "function":
-            raise APIError(400, f"tools[{i}] has type {tool.type!r}; only function tools are supported",
-                           param=f"tools[{i}].type")
+            raise APIError(
+                400,
+                f"tools[{i}] has type {tool.type!r}; only function tools are supported",
+                param=f"tools[{i}].type",
+            )
         params = tool.function.parameters
         if params is not None and params.get("type", "object") != "object":
-            raise APIError(400, f"tools[{i}].function.parameters must be a JSON schema of an object",
-                           param=f"tools[{i}].function.parameters")
-        function = {k: v for k, v in msgspec.to_builtins(tool.function).items() if v is not None}
+            raise APIError(
+                400,
+                f"tools[{i}].function.parameters must be a JSON schema of an object",
+                param=f"tools[{i}].function.parameters",
+            )
+        function = {
+            k: v for k, v in msgspec.to_builtins(tool.function).items() if v is not None
+        }
         tools.append({"type": "function", "function": function})
     return tools
 
 
 def tool_spec(
-    choice: str | NamedToolChoice, tools: list[dict[str, Any]], parser: ToolCallParser, parallel: bool
+    choice: str | NamedToolChoice,
+    tools: list[dict[str, Any]],
+    parser: ToolCallParser,
+    parallel: bool,
 ) -> GrammarSpec | None:
     """The grammar that forces calls: tool_choice "required" (any listed function) or a named one."""
     if choice == "required":
         functions = [t["function"] for t in tools]
     elif isinstance(choice, NamedToolChoice):
-        functions = [t["function"] for t in tools if t["function"]["name"] == choice.function.name]
+        functions = [
+            t["function"]
+            for t in tools
+            if t["function"]["name"] == choice.function.name
+        ]
         parallel = False
     else:
         return None
@@ -123,14 +157,24 @@ def template_messages(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                     )
                 texts.append(part.text)
             content = "".join(texts)
-        message: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        message: dict[str, Any] = {
+            "role": m.role,
+            "content": content if content is not None else "",
+        }
         if m.name is not None:
             message["name"] = m.name
         if m.tool_call_id is not None:
             message["tool_call_id"] = m.tool_call_id
         if m.tool_calls:
             message["tool_calls"] = [
-                {"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": _args(c.function.arguments)}}
+                {
+                    "id": c.id,
+                    "type": c.type,
+                    "function": {
+                        "name": c.function.name,
+                        "arguments": _args(c.function.arguments),
+                    },
+                }
                 for c in m.tool_calls
             ]
         messages.append(message)
@@ -170,7 +214,11 @@ def validate_spec(state: Any, spec: GrammarSpec, param: str) -> None:
     try:
         if state.grammars is None:
             info = state.engine_info()
-            state.grammars = GrammarCompiler(state.tokenizer, info.vocab_size, info.eos_token_ids)
+            state.grammars = GrammarCompiler(
+                state.tokenizer, info.vocab_size, info.eos_token_ids
+            )
         state.grammars.validate(spec)
     except GrammarError as exc:
-        raise APIError(400, f"{param}: {exc}", param=param, code="invalid_grammar") from None
+        raise APIError(
+            400, f"{param}: {exc}", param=param, code="invalid_grammar"
+        ) from None

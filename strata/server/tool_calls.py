@@ -114,19 +114,27 @@ class CallReader:
 
     def __init__(self, index: int):
         self.index = index
-        self.text = ""  # the object's text (from leading whitespace up to its closing brace)
+        self.text = (
+            ""  # the object's text (from leading whitespace up to its closing brace)
+        )
         # open -> key -> colon -> value -> comma -> (key ...) -> done; key_token / value_token while
         # scanning one; bad once the text cannot be a call
         self.state = "open"
         self.key = ""  # the key whose value is being read
         self.token_start = 0  # where the key or value being scanned starts in text
-        self.scalar = False  # that value is a number / true / false / null (ends at a delimiter)
+        self.scalar = (
+            False  # that value is a number / true / false / null (ends at a delimiter)
+        )
         self.depth = 0  # brackets open inside it
         self.in_string = self.escaped = False
         self.name: str | None = None
-        self.args_start: int | None = None  # the arguments object's span in text (end: None while open)
+        self.args_start: int | None = (
+            None  # the arguments object's span in text (end: None while open)
+        )
         self.args_end: int | None = None
-        self.args_text: str | None = None  # arguments written as a JSON string: its contents
+        self.args_text: str | None = (
+            None  # arguments written as a JSON string: its contents
+        )
         self.id: str | None = None  # set with the first piece
         self.sent = 0  # length of the arguments text sent as pieces
 
@@ -213,9 +221,13 @@ class CallReader:
             self.state = "key"
         elif (self.state, c) == ("colon", ":"):
             self.state = "value"
-        elif (self.state, c) == ("key", '"') or (self.state == "value" and c not in ",:]}"):
+        elif (self.state, c) == ("key", '"') or (
+            self.state == "value" and c not in ",:]}"
+        ):
             return self._begin_token(i)
-        elif self.state in ("key", "comma") and c == "}":  # json.loads judges `{"a": 1,}` at the end
+        elif (
+            self.state in ("key", "comma") and c == "}"
+        ):  # json.loads judges `{"a": 1,}` at the end
             self.state = "done"
         else:
             self.state = "bad"
@@ -226,7 +238,12 @@ class CallReader:
         self.state = "key_token" if self.state == "key" else "value_token"
         self.token_start, self.scalar = i, c not in '"{['
         self.depth, self.in_string, self.escaped = 0, False, False
-        if self.state == "value_token" and self.key in ARGUMENT_KEYS and c == "{" and not self._has_args():
+        if (
+            self.state == "value_token"
+            and self.key in ARGUMENT_KEYS
+            and c == "{"
+            and not self._has_args()
+        ):
             self.args_start = i
         return self._scan_token(i)
 
@@ -243,7 +260,9 @@ class CallReader:
                     return self._end_token(i + 1)
         elif self.scalar:
             if c in WHITESPACE or c in ",}]":
-                return self._end_token(i)  # the delimiter is read again, outside the value
+                return self._end_token(
+                    i
+                )  # the delimiter is read again, outside the value
         elif c == '"':
             self.in_string = True
         elif c in "{[":
@@ -281,7 +300,9 @@ class CallReader:
         if self.args_start == self.token_start:
             self.args_end = end
         elif not self._has_args():
-            text = json.loads(raw)  # the arguments written as a JSON string (or not a call at all)
+            text = json.loads(
+                raw
+            )  # the arguments written as a JSON string (or not a call at all)
             if not (isinstance(text, str) and isinstance(_loads_or_none(text), dict)):
                 return False
             self.args_text = text
@@ -306,7 +327,9 @@ class ToolCallSplitter:
         self.forced = forced
         self.forced_name = forced_name
         self.incomplete = False  # a call was started but not completed as valid JSON
-        self.cut_off = False  # forced: the output ended inside a call, reported as far as it got
+        self.cut_off = (
+            False  # forced: the output ended inside a call, reported as far as it got
+        )
 
     def feed(self, text: str) -> ToolEvents:
         raise NotImplementedError
@@ -319,7 +342,9 @@ class ToolCallSplitter:
 class ToolCallParser:
     name: str = ""
 
-    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
+    def splitter(
+        self, forced: bool = False, forced_name: str | None = None
+    ) -> ToolCallSplitter:
         raise NotImplementedError
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
@@ -338,7 +363,9 @@ class HermesSplitter(ToolCallSplitter):
         # inside one, a possible start of the end tag
         self.pending = ""
         self.call: CallReader | None = None  # the call between the tags, if inside one
-        self.body = ""  # its text so far (what it stays, as content, if it is not a call)
+        self.body = (
+            ""  # its text so far (what it stays, as content, if it is not a call)
+        )
         self.num_started = 0
         self.num_calls = 0
 
@@ -348,7 +375,11 @@ class HermesSplitter(ToolCallSplitter):
         while True:
             if self.call is not None:
                 end = self.pending.find(self.END)
-                cut = end if end >= 0 else len(self.pending) - _partial_suffix(self.pending, self.END)
+                cut = (
+                    end
+                    if end >= 0
+                    else len(self.pending) - _partial_suffix(self.pending, self.END)
+                )
                 self._read(self.pending[:cut], out)
                 if end < 0:
                     self.pending = self.pending[cut:]
@@ -366,8 +397,13 @@ class HermesSplitter(ToolCallSplitter):
                 self.call, self.body = CallReader(self.num_started), ""
                 continue
             keep = _partial_suffix(self.pending, self.START)
-            head, tail = self.pending[: len(self.pending) - keep], self.pending[len(self.pending) - keep :]
-            if head.strip():  # text: emit it, but hold back trailing whitespace (a call may follow)
+            head, tail = (
+                self.pending[: len(self.pending) - keep],
+                self.pending[len(self.pending) - keep :],
+            )
+            if (
+                head.strip()
+            ):  # text: emit it, but hold back trailing whitespace (a call may follow)
                 stripped = head.rstrip()
                 out.content += stripped
                 self.pending = head[len(stripped) :] + tail
@@ -407,10 +443,14 @@ class HermesSplitter(ToolCallSplitter):
         """Forced calls: the call the output ended in (or, named, whose start tag it ended in), as far
         as it got, into `out`. False when there is none, or it cannot be a call."""
         if self.call is None:
-            if not (self.forced_name and self.pending.strip()):  # not inside a start tag either
+            if not (
+                self.forced_name and self.pending.strip()
+            ):  # not inside a start tag either
                 return False
             self.call = CallReader(self.num_started)
-        elif not self.call.closed:  # held back as a possible end tag, it was the call's text
+        elif (
+            not self.call.closed
+        ):  # held back as a possible end tag, it was the call's text
             self._read(self.pending, out)
             self.pending = ""
         got = self.call.cut_off(self.forced_name)
@@ -426,7 +466,9 @@ class HermesSplitter(ToolCallSplitter):
 class HermesParser(ToolCallParser):
     name = "hermes"
 
-    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
+    def splitter(
+        self, forced: bool = False, forced_name: str | None = None
+    ) -> ToolCallSplitter:
         return HermesSplitter(forced, forced_name)
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
@@ -451,7 +493,9 @@ class JsonSplitter(ToolCallSplitter):
     def __init__(self, forced: bool = False, forced_name: str | None = None) -> None:
         super().__init__(forced, forced_name)
         self.text = ""  # all the output, in json mode
-        self.mode = "start"  # start (undecided) -> json (read calls) | text (stream as content)
+        self.mode = (
+            "start"  # start (undecided) -> json (read calls) | text (stream as content)
+        )
         self.is_list = False
         self.reading = True  # still looking for call objects (a list's items)
         self.call: CallReader | None = None  # the call object being read
@@ -473,7 +517,9 @@ class JsonSplitter(ToolCallSplitter):
         out = ToolEvents()
         while text and self.reading:
             if self.call is None:  # between a list's items
-                text = text.lstrip(WHITESPACE + ",")  # the separators are checked at the end
+                text = text.lstrip(
+                    WHITESPACE + ","
+                )  # the separators are checked at the end
                 if not text or text[0] != "{":
                     self.reading = not text  # the list ended, or holds something else
                     break
@@ -524,7 +570,9 @@ class JsonSplitter(ToolCallSplitter):
 class JsonParser(ToolCallParser):
     name = "json"
 
-    def splitter(self, forced: bool = False, forced_name: str | None = None) -> ToolCallSplitter:
+    def splitter(
+        self, forced: bool = False, forced_name: str | None = None
+    ) -> ToolCallSplitter:
         return JsonSplitter(forced, forced_name)
 
     def grammar(self, functions: list[dict[str, Any]], parallel: bool) -> GrammarSpec:
@@ -541,7 +589,10 @@ def _partial_suffix(text: str, tag: str) -> int:
     return 0
 
 
-TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {"hermes": HermesParser(), "json": JsonParser()}
+TOOL_CALL_PARSERS: dict[str, ToolCallParser] = {
+    "hermes": HermesParser(),
+    "json": JsonParser(),
+}
 
 
 def detect_tool_call_parser(chat_template: str | None) -> ToolCallParser:

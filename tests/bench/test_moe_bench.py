@@ -11,8 +11,16 @@ from strata.layers.packed import dense_target
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_moe_bench_runs_every_implementation_and_matches_transformers(family):
-    cfg = MoEBenchConfig(family=family, hidden_size=32, intermediate_size=16, num_experts=4, top_k=2,
-                         batch_sizes=(1, 5), rounds=1, iters=1)
+    cfg = MoEBenchConfig(
+        family=family,
+        hidden_size=32,
+        intermediate_size=16,
+        num_experts=4,
+        top_k=2,
+        batch_sizes=(1, 5),
+        rounds=1,
+        iters=1,
+    )
     rows = run_moe_bench(cfg)
     optional = {"strata"} | ({"strata-native"} if dense_target() is None else set())
     assert {(r["batch_size"], r["implementation"]) for r in rows} >= {

@@ -32,7 +32,11 @@ def test_completes_every_request_with_usage_counts(fake_server, tiny_tokenizer):
     assert s.ttft.count == 8 and s.ttft.median_ms > 0
     assert s.itl.count == 8 * 4
     body = fake_server.state.bodies[-1]
-    assert body["max_tokens"] == 5 and body["ignore_eos"] is True and body["stream"] is True
+    assert (
+        body["max_tokens"] == 5
+        and body["ignore_eos"] is True
+        and body["stream"] is True
+    )
     assert body["stream_options"] == {"include_usage": True}
     assert fake_server.state.count == 9  # one warm-up request + 8
 
@@ -49,7 +53,14 @@ def test_failed_requests_are_counted_not_dropped(fake_server, tiny_tokenizer):
     assert s.completed + s.failed == 15
     # numbers 3,6,9,12,15 -> HTTP 500; 5 and 10 -> stream error (15 is already a 500)
     assert s.failed == 7
-    assert sum(n for msg, n in s.errors.items() if "HTTP 500" in msg and "injected failure" in msg) == 5
+    assert (
+        sum(
+            n
+            for msg, n in s.errors.items()
+            if "HTTP 500" in msg and "injected failure" in msg
+        )
+        == 5
+    )
     assert sum(n for msg, n in s.errors.items() if "stream error" in msg) == 2
     assert s.ttft.count == s.completed
 
@@ -61,16 +72,28 @@ def test_warmup_failure_stops_with_a_clear_error(fake_server, tiny_tokenizer):
 
 
 def test_unreachable_server_fails_requests_not_the_run(tiny_tokenizer):
-    c = ServingConfig(base_url="http://127.0.0.1:9", model="m", num_warmup=0, progress=False, timeout_s=5)
+    c = ServingConfig(
+        base_url="http://127.0.0.1:9",
+        model="m",
+        num_warmup=0,
+        progress=False,
+        timeout_s=5,
+    )
     r = run_serving(c, dataset(tiny_tokenizer, num_prompts=3), tiny_tokenizer)
     assert (r.summary.completed, r.summary.failed) == (0, 3)
 
 
 def test_without_usage_output_is_counted_from_text(fake_server, tiny_tokenizer):
     fake_server.reset(include_usage=False)
-    r = run_serving(cfg(fake_server), dataset(tiny_tokenizer, num_prompts=3), tiny_tokenizer)
-    retokenized = len(tiny_tokenizer.encode("tok0 tok1 tok2 tok3 tok4 ", add_special_tokens=False))
-    assert [x.output_len for x in r.records] == [max(retokenized, 5)] * 3  # 5 chunks of one token each
+    r = run_serving(
+        cfg(fake_server), dataset(tiny_tokenizer, num_prompts=3), tiny_tokenizer
+    )
+    retokenized = len(
+        tiny_tokenizer.encode("tok0 tok1 tok2 tok3 tok4 ", add_special_tokens=False)
+    )
+    assert [x.output_len for x in r.records] == [
+        max(retokenized, 5)
+    ] * 3  # 5 chunks of one token each
     assert all(x.cached_tokens is None for x in r.records)
 
 
@@ -84,24 +107,42 @@ def test_max_concurrency_caps_requests_in_flight(fake_server, tiny_tokenizer):
     assert fake_server.state.max_in_flight == 3
 
 
-def test_multi_turn_chat_sends_history_and_waits_for_answers(fake_server, tiny_tokenizer):
+def test_multi_turn_chat_sends_history_and_waits_for_answers(
+    fake_server, tiny_tokenizer
+):
     fake_server.reset()
-    convs = dataset(tiny_tokenizer, name="multi-turn", num_prompts=2, num_turns=3, output_len=3)
-    r = run_serving(cfg(fake_server, endpoint="chat", num_warmup=0), convs, tiny_tokenizer)
+    convs = dataset(
+        tiny_tokenizer, name="multi-turn", num_prompts=2, num_turns=3, output_len=3
+    )
+    r = run_serving(
+        cfg(fake_server, endpoint="chat", num_warmup=0), convs, tiny_tokenizer
+    )
     assert r.summary.completed == 6
     bodies = fake_server.state.bodies
     third = [b for b in bodies if len(b["messages"]) == 5]
     assert len(third) == 2
     for b in third:
-        assert [m["role"] for m in b["messages"]] == ["user", "assistant", "user", "assistant", "user"]
+        assert [m["role"] for m in b["messages"]] == [
+            "user",
+            "assistant",
+            "user",
+            "assistant",
+            "user",
+        ]
         assert b["messages"][1]["content"] == "tok0 tok1 tok2 "
     # each turn starts only after the previous turn of its conversation ended
     events = fake_server.state.events
     for conv in convs:
-        numbers = [i + 1 for i, b in enumerate(bodies) if b["messages"][0]["content"] == conv.turns[0].text]
+        numbers = [
+            i + 1
+            for i, b in enumerate(bodies)
+            if b["messages"][0]["content"] == conv.turns[0].text
+        ]
         for prev, nxt in itertools.pairwise(numbers):
             end_prev = next(t for kind, n, t in events if kind == "end" and n == prev)
-            start_next = next(t for kind, n, t in events if kind == "start" and n == nxt)
+            start_next = next(
+                t for kind, n, t in events if kind == "start" and n == nxt
+            )
             assert start_next > end_prev
 
 
@@ -113,10 +154,17 @@ def test_failed_turn_fails_the_rest_of_its_conversation(fake_server, tiny_tokeni
     assert fake_server.state.count == 2
 
 
-def test_shared_prefix_cache_hit_rate_from_server_and_usage(fake_server, tiny_tokenizer):
+def test_shared_prefix_cache_hit_rate_from_server_and_usage(
+    fake_server, tiny_tokenizer
+):
     fake_server.reset()
     convs = dataset(
-        tiny_tokenizer, name="shared-prefix", num_groups=2, prompts_per_group=4, system_len=30, question_len=5
+        tiny_tokenizer,
+        name="shared-prefix",
+        num_groups=2,
+        prompts_per_group=4,
+        system_len=30,
+        question_len=5,
     )
     r = run_serving(cfg(fake_server, max_concurrency=1), convs, tiny_tokenizer)
     assert r.server_cache_hit_rate_source == "/metrics counters (this run)"
@@ -127,8 +175,12 @@ def test_shared_prefix_cache_hit_rate_from_server_and_usage(fake_server, tiny_to
 def test_token_id_prompts(fake_server, tiny_tokenizer):
     fake_server.reset()
     convs = dataset(tiny_tokenizer, num_prompts=2)
-    run_serving(cfg(fake_server, send_token_ids=True, num_warmup=0), convs, tiny_tokenizer)
-    assert fake_server.state.bodies[0]["prompt"] in [list(c.turns[0].ids) for c in convs]
+    run_serving(
+        cfg(fake_server, send_token_ids=True, num_warmup=0), convs, tiny_tokenizer
+    )
+    assert fake_server.state.bodies[0]["prompt"] in [
+        list(c.turns[0].ids) for c in convs
+    ]
 
 
 def test_poisson_arrivals_deterministic_with_the_right_rate():
@@ -151,18 +203,42 @@ def test_request_rate_spreads_the_run(fake_server, tiny_tokenizer):
     assert starts[-1] - starts[0] == pytest.approx(expected, abs=0.05)
 
 
-def test_cli_serving_writes_json_and_plots(fake_server, tiny_tokenizer, llama_dir, tmp_path, capsys):
+def test_cli_serving_writes_json_and_plots(
+    fake_server, tiny_tokenizer, llama_dir, tmp_path, capsys
+):
     pytest.importorskip("matplotlib")
     from strata.bench.cli import cmd_serving
 
     fake_server.reset()
-    args = _parse(["serving", "--base-url", fake_server.base_url, "--tokenizer", str(llama_dir), "--num-prompts", "6",
-                   "--input-len", "10", "--output-len", "4", "--max-concurrency", "1", "4", "--disable-progress",
-                   "--output-json", str(tmp_path / "out.json"), "--plot", str(tmp_path / "plots")])  # fmt: skip
+    args = _parse(
+        [
+            "serving",
+            "--base-url",
+            fake_server.base_url,
+            "--tokenizer",
+            str(llama_dir),
+            "--num-prompts",
+            "6",
+            "--input-len",
+            "10",
+            "--output-len",
+            "4",
+            "--max-concurrency",
+            "1",
+            "4",
+            "--disable-progress",
+            "--output-json",
+            str(tmp_path / "out.json"),
+            "--plot",
+            str(tmp_path / "plots"),
+        ]
+    )
     assert cmd_serving(args) == 0
     out = capsys.readouterr().out
     assert (
-        "TTFT median (ms)" in out and "steady output throughput (tok/s)" in out and "failed requests" in out
+        "TTFT median (ms)" in out
+        and "steady output throughput (tok/s)" in out
+        and "failed requests" in out
     )
     data = json.loads((tmp_path / "out.json").read_text())
     assert data["benchmark"] == "serving" and len(data["results"]) == 2
@@ -186,10 +262,21 @@ def _parse(argv: list[str]):
 def test_length_controls_for_servers_without_ignore_eos(fake_server, tiny_tokenizer):
     fake_server.reset()
     convs = dataset(tiny_tokenizer, num_prompts=1)
-    run_serving(cfg(fake_server, length_control="logit_bias", num_warmup=0), convs, tiny_tokenizer)
+    run_serving(
+        cfg(fake_server, length_control="logit_bias", num_warmup=0),
+        convs,
+        tiny_tokenizer,
+    )
     body = fake_server.state.bodies[-1]
-    assert "ignore_eos" not in body and body["logit_bias"][str(tiny_tokenizer.eos_token_id)] == -100
-    run_serving(cfg(fake_server, length_control="generation_config", num_warmup=0), convs, tiny_tokenizer)
+    assert (
+        "ignore_eos" not in body
+        and body["logit_bias"][str(tiny_tokenizer.eos_token_id)] == -100
+    )
+    run_serving(
+        cfg(fake_server, length_control="generation_config", num_warmup=0),
+        convs,
+        tiny_tokenizer,
+    )
     body = fake_server.state.bodies[-1]
     assert json.loads(body["generation_config"]) == {
         "min_new_tokens": 5,
@@ -205,7 +292,9 @@ def test_server_cpu_per_output_token_of_a_local_server(fake_server, tiny_tokeniz
     output token measured over the run (the fake one: the test's own process, so it cannot be 0)."""
     fake_server.reset()
     r = run_serving(cfg(fake_server), dataset(tiny_tokenizer), tiny_tokenizer)
-    assert set(r.server_cpu_ms_per_output_token) == {"frontend"}  # it names no engine process
+    assert set(r.server_cpu_ms_per_output_token) == {
+        "frontend"
+    }  # it names no engine process
     assert r.server_cpu_ms_per_output_token["frontend"] > 0
 
 
@@ -215,7 +304,9 @@ def test_server_processes_gone_or_unnamed_are_left_out():
     from strata.bench.server_info import cpu_seconds, server_pids
 
     assert server_pids(None) == {} and server_pids({"frontend_pid": "x"}) == {}
-    assert server_pids({"frontend_pid": os.getpid(), "engine": {"pid": 2**22 + 1}}) == {"frontend": os.getpid()}
+    assert server_pids({"frontend_pid": os.getpid(), "engine": {"pid": 2**22 + 1}}) == {
+        "frontend": os.getpid()
+    }
     before = cpu_seconds({"me": os.getpid()})["me"]
     sum(i * i for i in range(2_000_000))
     assert cpu_seconds({"me": os.getpid()})["me"] > before

@@ -20,12 +20,20 @@ PROMPT = LONG + [1, 2, 3]
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     # 4 query heads over 2 KV heads: each rank holds one KV head
-    return make_model(tmp_path_factory.mktemp("kv_pages") / "llama", "llama", tokenizer=False)
+    return make_model(
+        tmp_path_factory.mktemp("kv_pages") / "llama", "llama", tokenizer=False
+    )
 
 
 @pytest.fixture(scope="module")
 def expected(llama):
-    plain = Engine(str(llama), dtype="float32", kv_cache_tokens=256, page_size=4, disable_radix_cache=True)
+    plain = Engine(
+        str(llama),
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=4,
+        disable_radix_cache=True,
+    )
     return plain.generate([PROMPT], GREEDY)[0].token_ids
 
 
@@ -37,19 +45,31 @@ def run_one(engine: Engine, prompt: list[int]):
     return [t for o in outs for t in o.new_token_ids], outs[-1].cached_tokens_details
 
 
-def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(llama, expected, tmp_path):
+def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(
+    llama, expected, tmp_path
+):
     storage = str(tmp_path / "l3")
-    opts = dict(dtype="float32", kv_cache_tokens=256, page_size=4, hicache_prefetch_threshold=16,
-                hicache_storage_backend="file", hicache_storage_path=storage)
+    opts = dict(
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=4,
+        hicache_prefetch_threshold=16,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+    )
     engine = Engine(str(llama), **opts, tp_size=2)
     try:
-        assert engine.generate([PROMPT], GREEDY)[0].token_ids == expected  # cold; written through to L3
+        assert (
+            engine.generate([PROMPT], GREEDY)[0].token_ids == expected
+        )  # cold; written through to L3
         rng = random.Random(0)
         for _ in range(3):  # push the prefix out of L1 (into L2)
             engine.generate([[rng.randrange(5, 380) for _ in range(100)]], GREEDY)
         assert engine.scheduler.cache.match_prefix(PROMPT).cached_len < 116
         tokens, details = run_one(engine, PROMPT)
-        assert tokens == expected and details["host"] > 0  # promoted from L2 into both ranks' shards
+        assert (
+            tokens == expected and details["host"] > 0
+        )  # promoted from L2 into both ranks' shards
         engine.scheduler.check_no_leaks()
         engine.hicache.flush()
     finally:
@@ -59,24 +79,40 @@ def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(llama, expect
         tokens, details = run_one(single, PROMPT)
     finally:
         single.close()
-    assert tokens == expected and details["storage"] >= 100  # tp 2's pages, read by one rank
+    assert (
+        tokens == expected and details["storage"] >= 100
+    )  # tp 2's pages, read by one rank
 
 
 def test_tp2_prefill_worker_feeds_a_tp1_decode_worker(llama):
     prompts = [[5, 17, 33, 91, 120, 7, 64, 200, 13], list(range(30, 71))]
     single = Engine(str(llama), dtype="float32", kv_cache_tokens=512)
     want = [r.token_ids for r in single.generate(prompts, GREEDY)]
-    common = dict(dtype="float32", kv_cache_tokens=512, page_size=4, disaggregation_secret="s3cret")
+    common = dict(
+        dtype="float32",
+        kv_cache_tokens=512,
+        page_size=4,
+        disaggregation_secret="s3cret",
+    )
     p = Engine(str(llama), **common, disaggregation_mode="prefill", tp_size=2)
     d = Engine(str(llama), **common, disaggregation_mode="decode")
     try:
         rids = [f"r{i}" for i in range(len(prompts))]
         for i, prompt in enumerate(prompts):
-            d.add_request(prompt, GREEDY, rid=rids[i], bootstrap_room=500 + i, bootstrap_addr=p.disagg_endpoint)
+            d.add_request(
+                prompt,
+                GREEDY,
+                rid=rids[i],
+                bootstrap_room=500 + i,
+                bootstrap_addr=p.disagg_endpoint,
+            )
             p.add_request(prompt, GREEDY, rid=rids[i], bootstrap_room=500 + i)
         outs = {r: [] for r in rids}
         deadline = time.monotonic() + 60
-        while not all(outs[r] and outs[r][-1].finished for r in rids) and time.monotonic() < deadline:
+        while (
+            not all(outs[r] and outs[r][-1].finished for r in rids)
+            and time.monotonic() < deadline
+        ):
             p.step()
             for o in d.step():
                 outs[o.rid].append(o)

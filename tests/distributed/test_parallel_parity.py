@@ -22,21 +22,35 @@ PROMPTS = [
 ]
 SHARED = PROMPTS[2][:32] + [7, 8, 9]  # hits the 32 cached tokens of PROMPTS[2]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=8, ignore_eos=True)
-ENGINE = dict(dtype="float32", kv_cache_tokens=1024, page_size=4, chunked_prefill_size=16)
+ENGINE = dict(
+    dtype="float32", kv_cache_tokens=1024, page_size=4, chunked_prefill_size=16
+)
 
 # name -> (family, config overrides, parallel options)
 CASES = {
     "llama_gqa_tp2": ("llama", {}, {"tp_size": 2}),
     "llama_one_kv_head_tp2": ("llama", {"num_key_value_heads": 1}, {"tp_size": 2}),
     # 6 heads over 3 KV heads: 1 + 2 KV heads per rank; vocabulary 383: the second shard padded
-    "llama_uneven_tp2": ("llama", {"num_attention_heads": 6, "num_key_value_heads": 3, "hidden_size": 96,
-                                   "vocab_size": 383}, {"tp_size": 2}),
+    "llama_uneven_tp2": (
+        "llama",
+        {
+            "num_attention_heads": 6,
+            "num_key_value_heads": 3,
+            "hidden_size": 96,
+            "vocab_size": 383,
+        },
+        {"tp_size": 2},
+    ),
     "llama_tied_tp2": ("llama_tied_llama3", {}, {"tp_size": 2}),
     "qwen2_window_tp2": ("qwen2_sw", {}, {"tp_size": 2}),
     "gemma2_tp2": ("gemma2", {}, {"tp_size": 2}),
     "mixtral_tp2": ("mixtral", {}, {"tp_size": 2}),
     "qwen2_moe_tp2_ep2": ("qwen2_moe", {}, {"tp_size": 2, "ep_size": 2}),
-    "qwen3_moe_ep2_redundant": ("qwen3_moe", {}, {"ep_size": 2, "ep_num_redundant_experts": 2}),
+    "qwen3_moe_ep2_redundant": (
+        "qwen3_moe",
+        {},
+        {"ep_size": 2, "ep_num_redundant_experts": 2},
+    ),
     # stacked checkpoint experts with biases, sinks, a window layer; attention replicated
     "gpt_oss_ep2": ("gpt_oss", {}, {"ep_size": 2}),
 }
@@ -45,18 +59,31 @@ CASES = {
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel_models")
-    return {name: make_model(root / name, family, tokenizer=False, **overrides)
-            for name, (family, overrides, _) in CASES.items()}
+    return {
+        name: make_model(root / name, family, tokenizer=False, **overrides)
+        for name, (family, overrides, _) in CASES.items()
+    }
 
 
 @torch.no_grad()
-def hf_greedy(model_dir, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+def hf_greedy(
+    model_dir, prompts: list[list[int]], max_new_tokens: int
+) -> list[list[int]]:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    cfg = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        out.append(model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)[0, len(p):].tolist())
+        out.append(
+            model.generate(
+                ids, attention_mask=torch.ones_like(ids), generation_config=cfg
+            )[0, len(p) :].tolist()
+        )
     return out
 
 
@@ -101,9 +128,17 @@ def test_drafts_verified_on_a_split_replica_keep_its_tokens(models):
         want = [r.token_ids for r in plain.generate(PROMPTS, params)]
     finally:
         plain.close()
-    engine = Engine(str(model_dir), **ENGINE, tp_size=2, speculative_algorithm="ngram", speculative_fixed_length=True)
+    engine = Engine(
+        str(model_dir),
+        **ENGINE,
+        tp_size=2,
+        speculative_algorithm="ngram",
+        speculative_fixed_length=True,
+    )
     try:
-        engine.scheduler.spec.drafter = OracleDrafter({tuple(p): w for p, w in zip(PROMPTS, want)})
+        engine.scheduler.spec.drafter = OracleDrafter(
+            {tuple(p): w for p, w in zip(PROMPTS, want)}
+        )
         assert [r.token_ids for r in engine.generate(PROMPTS, params)] == want
         stats = engine.scheduler.spec.stats
         assert stats.verify_steps < stats.accepted_tokens < stats.drafted_tokens, stats

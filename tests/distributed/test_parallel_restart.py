@@ -21,7 +21,10 @@ SPLITS = {"tp2": ("llama", {"tp_size": 2}), "ep2": ("qwen3_moe", {"ep_size": 2})
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("parallel_restart")
-    return {family: make_model(root / family, family, tokenizer=False) for family in ("llama", "qwen3_moe")}
+    return {
+        family: make_model(root / family, family, tokenizer=False)
+        for family in ("llama", "qwen3_moe")
+    }
 
 
 def tokens(engine: Engine) -> list[list[int]]:
@@ -46,7 +49,10 @@ def test_a_split_engine_whose_load_failed_leaves_the_process_free(models):
     """The draft model is resolved after the workers have started and loaded their shards."""
     with pytest.raises(ValueError, match="Cannot use model"):
         Engine(
-            str(models["llama"]), **ENGINE, tp_size=2, speculative_algorithm="draft",
+            str(models["llama"]),
+            **ENGINE,
+            tp_size=2,
+            speculative_algorithm="draft",
             speculative_draft_model="/nonexistent/draft",
         )
     engine = Engine(str(models["llama"]), **ENGINE, tp_size=2)
@@ -76,6 +82,8 @@ def test_a_second_split_engine_while_one_is_open_is_refused_clearly(models):
         with pytest.raises(RuntimeError, match=r"close\(\) that Engine"):
             Engine(str(models["llama"]), **ENGINE, tp_size=2)
         assert len(engine.parallel.procs) == 1  # the refused one started no worker
-        assert len(tokens(engine)[0]) == GREEDY.max_new_tokens  # and the open one still runs
+        assert (
+            len(tokens(engine)[0]) == GREEDY.max_new_tokens
+        )  # and the open one still runs
     finally:
         engine.close()

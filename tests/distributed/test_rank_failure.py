@@ -20,7 +20,9 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=4, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("rank_failure") / "llama", "llama", tokenizer=False)
+    return make_model(
+        tmp_path_factory.mktemp("rank_failure") / "llama", "llama", tokenizer=False
+    )
 
 
 def alive(pid: int) -> bool:
@@ -45,7 +47,9 @@ def children(pid: int) -> list[int]:
 
 
 def test_a_killed_worker_fails_the_next_step_and_close_leaves_no_process(llama):
-    engine = Engine(str(llama), dtype="float32", kv_cache_tokens=256, tp_size=2, dist_timeout=5)
+    engine = Engine(
+        str(llama), dtype="float32", kv_cache_tokens=256, tp_size=2, dist_timeout=5
+    )
     try:
         (worker,) = [p.pid for p in engine.parallel.procs]
         assert worker in children(os.getpid())
@@ -62,10 +66,14 @@ def test_a_killed_worker_fails_the_next_step_and_close_leaves_no_process(llama):
 
 
 def test_a_stalled_worker_times_out_instead_of_hanging(llama):
-    engine = Engine(str(llama), dtype="float32", kv_cache_tokens=256, tp_size=2, dist_timeout=2)
+    engine = Engine(
+        str(llama), dtype="float32", kv_cache_tokens=256, tp_size=2, dist_timeout=2
+    )
     (worker,) = [p.pid for p in engine.parallel.procs]
     try:
-        os.kill(worker, signal.SIGSTOP)  # alive but never answers: only the timeout can tell
+        os.kill(
+            worker, signal.SIGSTOP
+        )  # alive but never answers: only the timeout can tell
         start = time.monotonic()
         with pytest.raises(RankFailure):
             engine.generate([[4, 5, 6]], GREEDY)
@@ -87,9 +95,15 @@ def test_close_stops_the_workers_cleanly(llama):
 
 
 @pytest.mark.parametrize("dead_before_init", [False, True])
-def test_a_worker_that_cannot_start_fails_the_engine_at_once(llama, monkeypatch, dead_before_init):
-    monkeypatch.setenv("PYTHONHOME", "/nonexistent")  # the worker's interpreter dies before any import
-    if dead_before_init:  # it is gone before its init message is written (a broken pipe)
+def test_a_worker_that_cannot_start_fails_the_engine_at_once(
+    llama, monkeypatch, dead_before_init
+):
+    monkeypatch.setenv(
+        "PYTHONHOME", "/nonexistent"
+    )  # the worker's interpreter dies before any import
+    if (
+        dead_before_init
+    ):  # it is gone before its init message is written (a broken pipe)
         spawn = subprocess.Popen
 
         def spawn_and_wait(*args, **kwargs):

@@ -9,14 +9,29 @@ import itertools
 import pytest
 import torch
 
-from strata.distributed.eplb import imbalance, initial_placement, plan_placement, rank_loads, replicate
+from strata.distributed.eplb import (
+    imbalance,
+    initial_placement,
+    plan_placement,
+    rank_loads,
+    replicate,
+)
 from strata.distributed.sharding import ShardPlan, check_supported, head_split
 from strata.model_config import ModelConfig
 
 
 @pytest.mark.parametrize(
     "heads,kv,size",
-    [(4, 2, 2), (4, 1, 2), (9, 3, 2), (8, 2, 4), (8, 8, 3), (16, 2, 8), (6, 3, 2), (12, 4, 3)],
+    [
+        (4, 2, 2),
+        (4, 1, 2),
+        (9, 3, 2),
+        (8, 2, 4),
+        (8, 8, 3),
+        (16, 2, 8),
+        (6, 3, 2),
+        (12, 4, 3),
+    ],
 )
 def test_every_query_head_lands_once_beside_its_kv_head(heads, kv, size):
     group = heads // kv
@@ -26,21 +41,33 @@ def test_every_query_head_lands_once_beside_its_kv_head(heads, kv, size):
         q = range(h.q_start, h.q_start + h.num_q)
         assert h.num_q > 0 and h.num_kv > 0
         # every query head reads a KV head this rank holds, and the rank's KV heads are all read
-        assert {qh // group for qh in q} == set(range(h.kv_start, h.kv_start + h.num_kv))
+        assert {qh // group for qh in q} == set(
+            range(h.kv_start, h.kv_start + h.num_kv)
+        )
         seen.extend(q)
     assert sorted(seen) == list(range(heads))
 
 
 def test_heads_that_cannot_split_are_refused_with_the_reason():
     with pytest.raises(ValueError, match="multiple of the KV heads"):
-        head_split(6, 2, 0, 4)  # 4 ranks over 2 KV heads: 6 query heads do not divide by 4
+        head_split(
+            6, 2, 0, 4
+        )  # 4 ranks over 2 KV heads: 6 query heads do not divide by 4
 
 
 def small_config(**changes) -> ModelConfig:
-    cfg = ModelConfig.from_hf_dict({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 101, "hidden_size": 64,
-        "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    })
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "vocab_size": 101,
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+        }
+    )
     return dataclasses.replace(cfg, **changes)
 
 
@@ -53,7 +80,10 @@ def test_shards_of_a_checkpoint_tensor_add_back_up_to_it():
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size)
     qs = [p.shard_tensor("model.layers.1.self_attn.q_proj.weight", q) for p in plans]
     os_ = [p.shard_tensor("model.layers.1.self_attn.o_proj.weight", o) for p in plans]
-    downs = [p.shard_tensor("model.layers.0.mlp.down_proj.weight", torch.ones(64, 96)) for p in plans]
+    downs = [
+        p.shard_tensor("model.layers.0.mlp.down_proj.weight", torch.ones(64, 96))
+        for p in plans
+    ]
     embeds = [p.shard_tensor("model.embed_tokens.weight", embed) for p in plans]
     assert torch.equal(torch.cat(qs), q)  # column parallel: output rows
     assert torch.equal(torch.cat(os_, dim=1), o)  # row parallel: input columns
@@ -62,12 +92,21 @@ def test_shards_of_a_checkpoint_tensor_add_back_up_to_it():
     assert [e.shape[0] for e in embeds] == [51, 51]
     assert torch.equal(torch.cat(embeds)[:101], embed) and not embeds[1][-1].any()
     bias = torch.randn(64)
-    assert torch.equal(plans[0].shard_tensor("model.layers.0.self_attn.o_proj.bias", bias), bias)
-    assert not plans[1].shard_tensor("model.layers.0.self_attn.o_proj.bias", bias).any()  # added once
+    assert torch.equal(
+        plans[0].shard_tensor("model.layers.0.self_attn.o_proj.bias", bias), bias
+    )
+    assert (
+        not plans[1].shard_tensor("model.layers.0.self_attn.o_proj.bias", bias).any()
+    )  # added once
     norm = torch.randn(64)
     assert plans[1].shard_tensor("model.layers.0.input_layernorm.weight", norm) is norm
     local = plans[1].local_config()
-    assert (local.num_heads, local.num_kv_heads, local.intermediate_size, local.vocab_size) == (2, 1, 48, 51)
+    assert (
+        local.num_heads,
+        local.num_kv_heads,
+        local.intermediate_size,
+        local.vocab_size,
+    ) == (2, 1, 48, 51)
 
 
 def test_models_a_split_cannot_run_are_refused():

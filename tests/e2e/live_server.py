@@ -26,6 +26,7 @@ def tiny_model_dir() -> Path:
     global _model_dir
     if _model_dir is None:
         from tiny_models import make_model
+
         root = Path(tempfile.mkdtemp(prefix="strata-e2e-"))
         atexit.register(shutil.rmtree, root, True)
         _model_dir = make_model(root / "tiny-llama", "llama")
@@ -38,27 +39,43 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-
 class LiveServer:
     def __init__(
-        self, *args: str, model_dir: Path | None = None, api_key: str | None = None, env: dict[str, str] | None = None,
-        entry: tuple[str, ...] = ("-m", "strata.server"),  # ("-m", "strata.cli", "serve"): as `strata serve` starts
+        self,
+        *args: str,
+        model_dir: Path | None = None,
+        api_key: str | None = None,
+        env: dict[str, str] | None = None,
+        entry: tuple[str, ...] = (
+            "-m",
+            "strata.server",
+        ),  # ("-m", "strata.cli", "serve"): as `strata serve` starts
     ):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log = tempfile.NamedTemporaryFile(prefix="strata-serve-", suffix=".log", delete=False)  # noqa: SIM115
+        self.log = tempfile.NamedTemporaryFile(
+            prefix="strata-serve-", suffix=".log", delete=False
+        )  # noqa: SIM115
         cmd = [
-            sys.executable, *entry,
-            "--model", str(model_dir or tiny_model_dir()),
-            "--dtype", "float32",
-            "--port", str(self.port),
-            "--log-level", "warning",
+            sys.executable,
+            *entry,
+            "--model",
+            str(model_dir or tiny_model_dir()),
+            "--dtype",
+            "float32",
+            "--port",
+            str(self.port),
+            "--log-level",
+            "warning",
             *(["--api-key", api_key] if api_key else []),
             *args,
-        ]  # fmt: skip
+        ]
         self.proc = subprocess.Popen(
-            cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+            cmd,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
         )
 
     @property
@@ -81,7 +98,9 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.output()}")
+                raise RuntimeError(
+                    f"server exited with {self.proc.returncode}:\n{self.output()}"
+                )
             status = self.health_status()
             if not seen or seen[-1] != status:
                 seen.append(status)

@@ -33,7 +33,10 @@ pytestmark = pytest.mark.e2e
 EXAMPLES = int(os.environ.get("STRATA_FUZZ_EXAMPLES", "20"))
 DEADLINE_S = 60.0  # a tiny model answers any accepted request well within this
 KEY = "fuzz-key"
-GREEDY = {"text": "The quick brown fox", "sampling_params": {"max_new_tokens": 12, "temperature": 0}}
+GREEDY = {
+    "text": "The quick brown fox",
+    "sampling_params": {"max_new_tokens": 12, "temperature": 0},
+}
 FUZZ_SETTINGS = settings(
     max_examples=EXAMPLES,
     deadline=None,
@@ -46,7 +49,10 @@ CASES_RUN = {"server": 0, "router": 0}
 
 def _operations(doc: dict) -> dict[str, object]:
     schema = schemathesis.openapi.from_dict(doc)
-    return {f"{op.method.upper()} {op.path}": op for op in (r.ok() for r in schema.get_all_operations())}
+    return {
+        f"{op.method.upper()} {op.path}": op
+        for op in (r.ok() for r in schema.get_all_operations())
+    }
 
 
 SERVER_DOC = openapi_document("Strata", router=False, secured=True)
@@ -71,8 +77,12 @@ def _check(case, base_url: str, kind: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
         response = case.call(base_url=base_url, headers=headers, timeout=DEADLINE_S)
-    except Exception as exc:  # a timeout or a dropped connection is a failure of the property
-        pytest.fail(f"{case.method} {case.path} did not answer within {DEADLINE_S}s: {exc!r}\n{case.body!r}")
+    except (
+        Exception
+    ) as exc:  # a timeout or a dropped connection is a failure of the property
+        pytest.fail(
+            f"{case.method} {case.path} did not answer within {DEADLINE_S}s: {exc!r}\n{case.body!r}"
+        )
     elapsed = time.monotonic() - started
     assert response.status_code < 500, (
         f"{case.method} {case.path} -> {response.status_code} {response.text[:500]}\nbody: {case.body!r}"
@@ -92,7 +102,11 @@ def _wait_idle_and_check_leaks(url: str) -> dict:
     deadline = time.monotonic() + 60
     while True:
         info = httpx.get(url + "/get_server_info", headers=headers, timeout=30).json()
-        idle = info["num_running_reqs"] == 0 and info["num_queue_reqs"] == 0 and info["num_waiting_first_token"] == 0
+        idle = (
+            info["num_running_reqs"] == 0
+            and info["num_queue_reqs"] == 0
+            and info["num_waiting_first_token"] == 0
+        )
         if idle or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -103,7 +117,9 @@ def _wait_idle_and_check_leaks(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def server():
-    with LiveServer("--context-length", "256", "--max-request-bytes", str(2**20), api_key=KEY) as srv:
+    with LiveServer(
+        "--context-length", "256", "--max-request-bytes", str(2**20), api_key=KEY
+    ) as srv:
         yield srv
 
 
@@ -116,17 +132,30 @@ def baseline(server) -> list[int]:
 def router(server, baseline):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="strata-fuzz-router-", suffix=".log", delete=False)  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile(
+        prefix="strata-fuzz-router-", suffix=".log", delete=False
+    )  # noqa: SIM115
     cmd = [
-        sys.executable, "-m", "strata.router", "--port", str(port), "--worker-urls", server.url,
-        "--log-level", "warning", "--health-check-interval", "0.5",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "strata.router",
+        "--port",
+        str(port),
+        "--worker-urls",
+        server.url,
+        "--log-level",
+        "warning",
+        "--health-check-interval",
+        "0.5",
+    ]
     env = {**os.environ, "STRATA_API_KEY": KEY, "STRATA_WORKER_API_KEY": KEY}
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + 60
         while _health(url) != 200:
-            assert proc.poll() is None and time.monotonic() < deadline, Path(log.name).read_text()
+            assert proc.poll() is None and time.monotonic() < deadline, Path(
+                log.name
+            ).read_text()
             time.sleep(0.2)
         yield url
     finally:
@@ -148,8 +177,14 @@ def _health(url: str) -> int | None:
 
 def test_served_documents_are_the_ones_fuzzed(server, router):
     headers = {"Authorization": f"Bearer {KEY}"}
-    assert httpx.get(server.url + "/openapi.json", headers=headers, timeout=30).json() == SERVER_DOC
-    assert httpx.get(router + "/openapi.json", headers=headers, timeout=30).json() == ROUTER_DOC
+    assert (
+        httpx.get(server.url + "/openapi.json", headers=headers, timeout=30).json()
+        == SERVER_DOC
+    )
+    assert (
+        httpx.get(router + "/openapi.json", headers=headers, timeout=30).json()
+        == ROUTER_DOC
+    )
 
 
 @pytest.mark.parametrize("mode", MODES, ids=str)
@@ -177,11 +212,17 @@ def test_router_never_fails_or_hangs(label, mode, router):
 def test_router_and_server_are_intact_after_fuzzing(router, server, baseline):
     headers = {"Authorization": f"Bearer {KEY}"}
     with httpx.Client(headers=headers, timeout=30) as c:
-        for worker in c.get(router + "/workers").json()["workers"]:  # drop what the fuzzer registered
+        for worker in c.get(router + "/workers").json()[
+            "workers"
+        ]:  # drop what the fuzzer registered
             if worker["url"] != server.url:
                 c.request("DELETE", router + "/workers", json={"url": worker["url"]})
-        if server.url not in [w["url"] for w in c.get(router + "/workers").json()["workers"]]:
-            assert c.post(router + "/workers", json={"url": server.url}).status_code == 200
+        if server.url not in [
+            w["url"] for w in c.get(router + "/workers").json()["workers"]
+        ]:
+            assert (
+                c.post(router + "/workers", json={"url": server.url}).status_code == 200
+            )
     deadline = time.monotonic() + 30
     while _health(router) != 200:
         assert time.monotonic() < deadline, "the router did not recover its worker"

@@ -13,17 +13,33 @@ from live_server import LiveServer, free_port
 
 pytestmark = pytest.mark.e2e
 
-DOC = [(i * 7 + 3) % 370 + 5 for i in range(400)]  # above the default 256-token prefetch threshold
+DOC = [
+    (i * 7 + 3) % 370 + 5 for i in range(400)
+]  # above the default 256-token prefetch threshold
 
 
 def hicache_args(backend: str, path: str) -> list[str]:
-    return ["--page-size", "4", "--kv-cache-tokens", "1024", "--hicache-storage-backend", backend,
-            "--hicache-storage-path", path, "--hicache-prefetch-policy", "wait_complete",
-            "--hicache-prefetch-threshold", "16"]
+    return [
+        "--page-size",
+        "4",
+        "--kv-cache-tokens",
+        "1024",
+        "--hicache-storage-backend",
+        backend,
+        "--hicache-storage-path",
+        path,
+        "--hicache-prefetch-policy",
+        "wait_complete",
+        "--hicache-prefetch-threshold",
+        "16",
+    ]
 
 
 def generate(server: LiveServer, ids: list[int]) -> dict:
-    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}}
+    body = {
+        "input_ids": ids,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True},
+    }
     with server.client() as c:
         r = c.post("/generate", json=body)
     assert r.status_code == 200, r.text
@@ -44,10 +60,16 @@ def shared_prefix_hits(args: list[str]) -> None:
         again = generate(b, DOC + [1, 2, 3])
         assert again["output_ids"] == first["output_ids"]
         info = b.info()["hicache"]
-        assert info["hit_tokens"]["storage"] >= len(DOC) - 4 and info["bytes_from_storage"] > 0
+        assert (
+            info["hit_tokens"]["storage"] >= len(DOC) - 4
+            and info["bytes_from_storage"] > 0
+        )
         with b.client() as c:
             metrics = c.get("/metrics").text
-        assert 'strata:hicache_hit_tokens{model_name=' in metrics and 'tier="storage"' in metrics
+        assert (
+            "strata:hicache_hit_tokens{model_name=" in metrics
+            and 'tier="storage"' in metrics
+        )
     finally:
         a.close()
         b.close()
@@ -55,16 +77,39 @@ def shared_prefix_hits(args: list[str]) -> None:
 
 def test_two_servers_share_a_file_backend_with_default_flags(tmp_path):
     # the default prefetch policy (auto) waits for L3 while fetching beats recomputing
-    shared_prefix_hits(["--hicache-storage-backend", "file", "--hicache-storage-path", str(tmp_path / "l3")])
+    shared_prefix_hits(
+        [
+            "--hicache-storage-backend",
+            "file",
+            "--hicache-storage-path",
+            str(tmp_path / "l3"),
+        ]
+    )
 
 
 def test_two_servers_share_a_redis_backend(tmp_path):
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+        pytest.skip(
+            "redis-server is not installed (CI installs it: apt-get install redis-server)"
+        )
     port = free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            exe,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 10
         import redis

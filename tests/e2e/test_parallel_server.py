@@ -44,10 +44,20 @@ def test_tp2_server_answers_and_stops_every_rank():
         workers = children(engine_pid)
         assert len(workers) == 1  # rank 1; rank 0 is the engine process
         parallel = srv.info()["parallel"]
-        assert (parallel["tp_size"], parallel["worker_pids"], parallel["healthy"]) == (2, workers, True)
+        assert (parallel["tp_size"], parallel["worker_pids"], parallel["healthy"]) == (
+            2,
+            workers,
+            True,
+        )
         with srv.client() as c:
-            r = c.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 8, "temperature": 0})
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("length", "stop")
+            r = c.post(
+                "/v1/completions",
+                json={"prompt": "Hello", "max_tokens": 8, "temperature": 0},
+            )
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in (
+            "length",
+            "stop",
+        )
         assert srv.stop() == 0
         assert wait_gone([engine_pid, *workers]) == []
     finally:
@@ -60,10 +70,19 @@ def test_a_dead_worker_rank_fails_the_request_and_the_health_check():
         srv.wait_ready()
         engine_pid = srv.info()["engine"]["pid"]
         (worker,) = children(engine_pid)
-        body = {"prompt": "Hello", "max_tokens": 400, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {
+            "prompt": "Hello",
+            "max_tokens": 400,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         chunks: list[dict] = []
         start = time.monotonic()
-        with httpx.Client(base_url=srv.url, timeout=60) as c, c.stream("POST", "/v1/completions", json=body) as r:
+        with (
+            httpx.Client(base_url=srv.url, timeout=60) as c,
+            c.stream("POST", "/v1/completions", json=body) as r,
+        ):
             lines = r.iter_lines()
             for line in lines:
                 if line.startswith("data: {"):
@@ -89,7 +108,9 @@ def test_a_worker_rank_dying_while_idle_fails_the_health_check():
         srv.wait_ready()
         engine_pid = srv.info()["engine"]["pid"]
         (worker,) = children(engine_pid)
-        os.kill(worker, signal.SIGKILL)  # no request in flight: the idle engine notices on its own
+        os.kill(
+            worker, signal.SIGKILL
+        )  # no request in flight: the idle engine notices on its own
         deadline = time.monotonic() + 15
         while srv.health_status() == 200 and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -105,15 +126,29 @@ def test_expert_parallel_server_rebalances_between_steps(tmp_path):
     from tiny_models import make_model
 
     model = make_model(tmp_path / "mixtral", "mixtral")
-    srv = LiveServer("--ep-size", "2", "--ep-num-redundant-experts", "2", "--eplb-interval", "4", model_dir=model)
+    srv = LiveServer(
+        "--ep-size",
+        "2",
+        "--ep-num-redundant-experts",
+        "2",
+        "--eplb-interval",
+        "4",
+        model_dir=model,
+    )
     try:
         srv.wait_ready()
         with srv.client() as c:
             for i in range(3):
-                r = c.post("/v1/completions", json={"prompt": f"Hello {i}", "max_tokens": 6, "temperature": 0})
+                r = c.post(
+                    "/v1/completions",
+                    json={"prompt": f"Hello {i}", "max_tokens": 6, "temperature": 0},
+                )
                 assert r.status_code == 200
         parallel = srv.info()["parallel"]
         assert parallel["ep_size"] == 2 and parallel["rebalances"] >= 1
-        assert set(parallel["rank_load"]) == {"0", "1"}  # both MoE layers, rows per rank since the last placement
+        assert set(parallel["rank_load"]) == {
+            "0",
+            "1",
+        }  # both MoE layers, rows per rank since the last placement
     finally:
         srv.close()

@@ -34,7 +34,9 @@ def _ipc_dirs(pid: int) -> set[Path]:
     for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
         parts = line.split()
         if len(parts) >= 8 and parts[6] in inodes:
-            assert not parts[7].startswith("@strata"), f"abstract socket {parts[7]} has no permissions"
+            assert not parts[7].startswith("@strata"), (
+                f"abstract socket {parts[7]} has no permissions"
+            )
             if parts[7].startswith("/"):
                 dirs.add(Path(parts[7]).parent)
     return dirs
@@ -50,8 +52,12 @@ def server():
         "STRATA_DISAGG_SECRET": PD_SECRET,
         "STRATA_HICACHE_STORAGE_PATH": f"redis://:{REDIS_PASSWORD}@127.0.0.1:{dead_port}/0",
     }
-    srv = LiveServer("--hicache-storage-backend", "redis", "--log-level", "debug", env=env)
-    srv.api_key = API_KEY  # the client side sends it; the server read it from STRATA_API_KEY
+    srv = LiveServer(
+        "--hicache-storage-backend", "redis", "--log-level", "debug", env=env
+    )
+    srv.api_key = (
+        API_KEY  # the client side sends it; the server read it from STRATA_API_KEY
+    )
     try:
         srv.wait_ready()
         yield srv
@@ -61,15 +67,22 @@ def server():
 
 def test_secrets_never_leave(server):
     with server.client() as c:
-        assert httpx.get(server.url + "/get_server_info").status_code == 401  # the key came from the env
-        r = c.post("/generate", json={"text": "Hello there", "sampling_params": {"max_new_tokens": 4}})
+        assert (
+            httpx.get(server.url + "/get_server_info").status_code == 401
+        )  # the key came from the env
+        r = c.post(
+            "/generate",
+            json={"text": "Hello there", "sampling_params": {"max_new_tokens": 4}},
+        )
         assert r.status_code == 200, r.text
         info_text = c.get("/get_server_info").text
         metrics_text = c.get("/metrics").text
     info = server.info()
     engine_pid = info["engine"]["pid"]
     assert info["engine_config"]["disaggregation_secret"] == "<redacted>"
-    assert info["engine_config"]["hicache_storage_path"].startswith("redis://<redacted>@127.0.0.1:")
+    assert info["engine_config"]["hicache_storage_path"].startswith(
+        "redis://<redacted>@127.0.0.1:"
+    )
     assert info["server_config"]["api_key"] == "<redacted>"
     exposed = {
         "server info": info_text,

@@ -26,7 +26,13 @@ def test_health_is_503_until_ready_and_sigterm_lets_streams_finish():
         engine_pid = srv.info()["engine"]["pid"]
         assert pid_alive(engine_pid)
 
-        body = {"prompt": "Hello", "max_tokens": 60, "temperature": 0, "stream": True, "ignore_eos": True}
+        body = {
+            "prompt": "Hello",
+            "max_tokens": 60,
+            "temperature": 0,
+            "stream": True,
+            "ignore_eos": True,
+        }
         chunks: list[dict] = []
         with (
             httpx.Client(base_url=srv.url, timeout=60) as c,
@@ -37,9 +43,13 @@ def test_health_is_503_until_ready_and_sigterm_lets_streams_finish():
                 if line.startswith("data: {"):
                     chunks.append(json.loads(line[6:]))
                     break
-            srv.proc.send_signal(signal.SIGTERM)  # the request in flight must still complete
+            srv.proc.send_signal(
+                signal.SIGTERM
+            )  # the request in flight must still complete
             time.sleep(0.5)
-            with pytest.raises(httpx.ConnectError):  # no new connections during the grace period
+            with pytest.raises(
+                httpx.ConnectError
+            ):  # no new connections during the grace period
                 httpx.get(srv.url + "/health", timeout=2)
             done = False
             for line in lines:
@@ -73,16 +83,28 @@ def test_queue_limit_answers_503_with_retry_after_and_grace_period_is_bounded():
         assert 200 in codes and 503 in codes, codes
         assert set(codes) <= {200, 503}
         rejected = next(r for r in responses if r.status_code == 503)
-        assert rejected.headers["Retry-After"] and "queue" in rejected.json()["error"]["message"]
-        assert post(0).status_code == 200  # once the queue drains, requests are accepted again
+        assert (
+            rejected.headers["Retry-After"]
+            and "queue" in rejected.json()["error"]["message"]
+        )
+        assert (
+            post(0).status_code == 200
+        )  # once the queue drains, requests are accepted again
 
         # a stream that would run far longer than --grace-period 1 is cut off, and the server still exits
-        long = {"prompt": "Hello", "max_tokens": 480, "stream": True, "ignore_eos": True}
+        long = {
+            "prompt": "Hello",
+            "max_tokens": 480,
+            "stream": True,
+            "ignore_eos": True,
+        }
         got_first = threading.Event()
 
         def stream():
             try:
-                with httpx.stream("POST", srv.url + "/v1/completions", json=long, timeout=60) as r:
+                with httpx.stream(
+                    "POST", srv.url + "/v1/completions", json=long, timeout=60
+                ) as r:
                     for _ in r.iter_lines():
                         got_first.set()
             except httpx.HTTPError:
@@ -116,8 +138,18 @@ def test_engine_death_fails_requests_and_exits_the_server():
 def test_bad_flags_fail_fast_with_a_clear_message(tmp_path):
     run = [sys.executable, "-m", "strata.server", "--port", "0"]
     r = subprocess.run(
-        [*run, "--model", str(tmp_path / "nope")], capture_output=True, text=True, timeout=60, check=False
+        [*run, "--model", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert r.returncode == 2 and "config.json" in r.stderr
-    r = subprocess.run([*run, "--page-size", "0"], capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [*run, "--page-size", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 2 and "page_size" in r.stderr

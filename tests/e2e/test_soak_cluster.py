@@ -23,7 +23,9 @@ DURATION_S = 90
 @pytest.mark.parametrize("l3", ["file", "redis"])
 def test_a_short_soak_with_every_fault_loses_and_leaks_nothing(l3, llama_dir, tmp_path):
     if l3 == "redis" and shutil.which("redis-server") is None:
-        pytest.skip("redis-server is not installed (CI installs it: apt-get install redis-server)")
+        pytest.skip(
+            "redis-server is not installed (CI installs it: apt-get install redis-server)"
+        )
     out = tmp_path / "soak.json"
     cmd = [
         sys.executable,
@@ -56,10 +58,19 @@ def test_a_short_soak_with_every_fault_loses_and_leaks_nothing(l3, llama_dir, tm
 
     requests = result["requests"]
     assert requests["lost"] == 0 and requests["hung"] == 0, report
-    assert requests["sent"] >= 40 and requests["answered"] >= requests["sent"] // 2, report
-    assert set(result["leaked_pages"]) == {"replica-a", "replica-b", "prefill", "decode"}
+    assert requests["sent"] >= 40 and requests["answered"] >= requests["sent"] // 2, (
+        report
+    )
+    assert set(result["leaked_pages"]) == {
+        "replica-a",
+        "replica-b",
+        "prefill",
+        "decode",
+    }
     assert all(n == 0 for n in result["leaked_pages"].values()), report
-    assert all(r["detail"] for r in result["not_answered"]), report  # every failure said why
+    assert all(r["detail"] for r in result["not_answered"]), (
+        report
+    )  # every failure said why
     assert result["server_errors_5xx"]["quiet"] == 0, report
     for kind in set(KINDS) - {"abort", "disconnect"}:
         assert result["by_kind"][kind].get("answered", 0) >= 1, (kind, report)
@@ -68,10 +79,19 @@ def test_a_short_soak_with_every_fault_loses_and_leaks_nothing(l3, llama_dir, tm
     assert set(faults) == set(FAULTS)
     skipped = {name for name, f in faults.items() if f["skipped"]}
     assert skipped == ({"fill_disk"} if l3 == "redis" else {"restart_redis"}), report
-    for name in ("kill_replica", "kill_prefill"):  # /health and the router see it go and come back
+    for name in (
+        "kill_replica",
+        "kill_prefill",
+    ):  # /health and the router see it go and come back
         f = faults[name]
-        assert None not in (f["server_unhealthy_after_s"], f["router_unhealthy_after_s"]), (name, report)
-        assert None not in (f["server_healthy_after_s"], f["router_healthy_after_s"]), (name, report)
+        assert None not in (
+            f["server_unhealthy_after_s"],
+            f["router_unhealthy_after_s"],
+        ), (name, report)
+        assert None not in (f["server_healthy_after_s"], f["router_healthy_after_s"]), (
+            name,
+            report,
+        )
     assert faults["stop_engine"]["server_healthy_after_s"] is not None, report
     for name in {
         "fill_disk",

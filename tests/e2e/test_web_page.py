@@ -29,9 +29,15 @@ pytestmark = pytest.mark.e2e
 KEY = "web-test-key"
 ROUTER_KEY = "router-web-key"
 CHROMIUM_ARGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-    "--disable-component-update", "--no-first-run", "--disable-sync", "--disable-quic",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-quic",
+]
 DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 SYSTEM = "You are a terse assistant. Answer in one short sentence and never add anything else to it."
 
@@ -46,15 +52,30 @@ def server():
 def router(server):
     """`strata router` over the live server, with a key of its own."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile(prefix="strata-router-", suffix=".log", delete=False)  # noqa: SIM115
+    log = tempfile.NamedTemporaryFile(
+        prefix="strata-router-", suffix=".log", delete=False
+    )  # noqa: SIM115
     proc = subprocess.Popen(
         [
-            sys.executable, "-m", "strata.router", "--port", str(port), "--worker-urls", server.url,
-            "--worker-api-key", KEY, "--api-key", ROUTER_KEY, "--log-level", "warning",
-            "--load-poll-interval", "0.2",
+            sys.executable,
+            "-m",
+            "strata.router",
+            "--port",
+            str(port),
+            "--worker-urls",
+            server.url,
+            "--worker-api-key",
+            KEY,
+            "--api-key",
+            ROUTER_KEY,
+            "--log-level",
+            "warning",
+            "--load-poll-interval",
+            "0.2",
         ],
-        stdout=log, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
@@ -65,7 +86,9 @@ def router(server):
                     break
             except httpx.TransportError:
                 pass
-            assert time.monotonic() < deadline, "router not ready: " + Path(log.name).read_text()
+            assert time.monotonic() < deadline, (
+                "router not ready: " + Path(log.name).read_text()
+            )
             time.sleep(0.1)
         yield url
     finally:
@@ -77,7 +100,9 @@ def router(server):
 
 def test_page_is_public_and_its_api_calls_need_the_key(server):
     page = httpx.get(server.url + "/")
-    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    assert page.status_code == 200 and page.headers["content-type"].startswith(
+        "text/html"
+    )
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert KEY not in page.text
     # every script and stylesheet is this server's own: nothing from a CDN
@@ -89,16 +114,26 @@ def test_page_is_public_and_its_api_calls_need_the_key(server):
         assert "http://" not in asset.text and "https://" not in asset.text, ref
     for path in ("/get_server_info", "/metrics", "/v1/models"):
         assert httpx.get(server.url + path).status_code == 401, path
-        assert httpx.get(server.url + path, headers=server.headers).status_code == 200, path
+        assert (
+            httpx.get(server.url + path, headers=server.headers).status_code == 200
+        ), path
 
 
 def test_router_page_is_public_and_its_api_calls_need_the_routers_key(router):
     assert httpx.get(router + "/").status_code == 200
     assert httpx.get(router + "/ui/app.js").status_code == 200
     assert httpx.get(router + "/workers").status_code == 401
-    assert httpx.get(router + "/workers", headers={"Authorization": f"Bearer {KEY}"}).status_code == 401
     assert (
-        httpx.get(router + "/workers", headers={"Authorization": f"Bearer {ROUTER_KEY}"}).status_code == 200
+        httpx.get(
+            router + "/workers", headers={"Authorization": f"Bearer {KEY}"}
+        ).status_code
+        == 401
+    )
+    assert (
+        httpx.get(
+            router + "/workers", headers={"Authorization": f"Bearer {ROUTER_KEY}"}
+        ).status_code
+        == 200
     )
 
 
@@ -110,13 +145,23 @@ def browser():
     try:
         from playwright.sync_api import Error, sync_playwright
     except ImportError:
-        pytest.skip("Playwright is not installed: pip install -e '.[web-test]' (.ci/run does)")
-    exe = os.environ.get("STRATA_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+        pytest.skip(
+            "Playwright is not installed: pip install -e '.[web-test]' (.ci/run does)"
+        )
+    exe = (
+        os.environ.get("STRATA_CHROMIUM")
+        or shutil.which("chromium")
+        or "/usr/bin/chromium"
+    )
     if not os.path.exists(exe):
-        pytest.skip(f"no Chromium at {exe}: apt-get install chromium (.ci/run tries), or set STRATA_CHROMIUM")
+        pytest.skip(
+            f"no Chromium at {exe}: apt-get install chromium (.ci/run tries), or set STRATA_CHROMIUM"
+        )
     with sync_playwright() as pw:
         try:
-            chromium = pw.chromium.launch(executable_path=exe, args=CHROMIUM_ARGS, headless=True)
+            chromium = pw.chromium.launch(
+                executable_path=exe, args=CHROMIUM_ARGS, headless=True
+            )
         except Error as exc:
             pytest.skip(f"Chromium at {exe} did not start: {exc}")
         yield chromium
@@ -160,7 +205,9 @@ def wait_number(page, selector: str, predicate, timeout_s: float = 30) -> float:
         value = number(page, selector)
         if predicate(value):
             return value
-        assert time.monotonic() < deadline, f"{selector} stayed at {page.inner_text(selector)!r}"
+        assert time.monotonic() < deadline, (
+            f"{selector} stayed at {page.inner_text(selector)!r}"
+        )
         time.sleep(0.2)
 
 
@@ -188,7 +235,9 @@ def chat(page, prompt: str):
 def test_chat_streams_and_the_dashboard_moves(browser, server, shots):
     context, page, requested, errors = open_page(browser, server.url, KEY)
     try:
-        done_before = wait_number(page, "#stat-requests", lambda v: v == v)  # first poll answered
+        done_before = wait_number(
+            page, "#stat-requests", lambda v: v == v
+        )  # first poll answered
         page.fill("#system", SYSTEM)
         page.fill("#temperature", "0")
         page.fill("#max-tokens", "24")
@@ -198,8 +247,12 @@ def test_chat_streams_and_the_dashboard_moves(browser, server, shots):
         text = answer.locator(".content").inner_text()
         completion_tokens = int(answer.get_attribute("data-completion-tokens"))
         assert text and "error" not in text
-        assert completion_tokens == 24  # the tiny random model never says EOS this early
-        assert updates >= 5, f"the answer arrived in {updates} DOM updates: not streamed"
+        assert (
+            completion_tokens == 24
+        )  # the tiny random model never says EOS this early
+        assert updates >= 5, (
+            f"the answer arrived in {updates} DOM updates: not streamed"
+        )
         assert int(answer.get_attribute("data-prompt-tokens")) > 0
         assert "first token" in answer.locator(".stats").inner_text()
 
@@ -208,17 +261,24 @@ def test_chat_streams_and_the_dashboard_moves(browser, server, shots):
         assert int(second.get_attribute("data-cached-tokens")) > 0
         assert "cached" in second.locator(".stats").inner_text()
 
-        assert wait_number(page, "#stat-requests", lambda v: v >= done_before + 2) >= done_before + 2
+        assert (
+            wait_number(page, "#stat-requests", lambda v: v >= done_before + 2)
+            >= done_before + 2
+        )
         assert wait_number(page, "#stat-output-tokens", lambda v: v >= 48) >= 48
         wait_number(page, "#stat-hit-rate", lambda v: v > 0)
-        ttft_row = page.locator("#latency tr[data-metric='strata:time_to_first_token_seconds'] td")
+        ttft_row = page.locator(
+            "#latency tr[data-metric='strata:time_to_first_token_seconds'] td"
+        )
         assert ttft_row.nth(1).inner_text() != "–"
         page.wait_for_selector("#tiers tbody tr")
 
         page.locator("#playground").screenshot(path=str(shots / "playground.png"))
         page.locator("#dashboard").screenshot(path=str(shots / "dashboard.png"))
         assert not errors, errors
-        assert all(u.startswith(server.url + "/") for u in requested), requested  # nothing from elsewhere
+        assert all(u.startswith(server.url + "/") for u in requested), (
+            requested
+        )  # nothing from elsewhere
     finally:
         context.close()
 
@@ -229,7 +289,11 @@ def test_json_schema_box_sends_response_format(browser, server):
         sent: list[dict] = []
         page.on(
             "request",
-            lambda r: sent.append(r.post_data_json) if r.url.endswith("/v1/chat/completions") else None,
+            lambda r: (
+                sent.append(r.post_data_json)
+                if r.url.endswith("/v1/chat/completions")
+                else None
+            ),
         )
         page.fill("#schema", "{not json")
         page.fill("#prompt", "hi")
@@ -243,10 +307,16 @@ def test_json_schema_box_sends_response_format(browser, server):
         page.uncheck("#stream")
         page.fill("#prompt", "hi")
         page.click("#send")
-        page.wait_for_selector(".msg.assistant.done, .msg.assistant.failed", timeout=60_000)
+        page.wait_for_selector(
+            ".msg.assistant.done, .msg.assistant.failed", timeout=60_000
+        )
         assert sent and sent[0]["response_format"] == {
             "type": "json_schema",
-            "json_schema": {"name": "answer", "schema": json.loads(schema), "strict": True},
+            "json_schema": {
+                "name": "answer",
+                "schema": json.loads(schema),
+                "strict": True,
+            },
         }
         assert sent[0]["stream"] is False and sent[0]["max_tokens"] == 8
         assert not errors, errors
@@ -268,7 +338,9 @@ def test_router_dashboard_shows_each_workers_load(browser, router, server, shots
         answer, _ = chat(page, "Hello through the router")
         assert int(answer.get_attribute("data-completion-tokens")) > 0
         wait_number(page, "#stat-requests", lambda v: v > before)
-        assert int(row.locator("td").nth(8).inner_text()) >= 1  # requests the router sent this worker
+        assert (
+            int(row.locator("td").nth(8).inner_text()) >= 1
+        )  # requests the router sent this worker
         page.locator("#dashboard").screenshot(path=str(shots / "router-dashboard.png"))
         assert not errors, errors
         assert all(u.startswith(router + "/") for u in requested), requested

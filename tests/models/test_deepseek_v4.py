@@ -49,7 +49,9 @@ def expected(ref):
 
 
 def engine(model_dir, **options) -> Engine:
-    return Engine(str(model_dir), **{"dtype": "float32", "kv_cache_tokens": 1024, **options})
+    return Engine(
+        str(model_dir), **{"dtype": "float32", "kv_cache_tokens": 1024, **options}
+    )
 
 
 @torch.no_grad()
@@ -58,7 +60,9 @@ def ref_logits(ref, seq: list[int]) -> torch.Tensor:
 
 
 def test_tiny_checkpoint_holds_no_constant_tensor(model_dir):
-    assert constant_tensors(model_dir) == ["model.hc_head.hc_scale"]  # a single value, moved off 1 by make_dsv4
+    assert constant_tensors(model_dir) == [
+        "model.hc_head.hc_scale"
+    ]  # a single value, moved off 1 by make_dsv4
     cfg = ModelConfig.from_dir(model_dir)
     assert cfg.dsv4.layer_kinds == ("sliding", "csa", "hca", "csa")
     assert cfg.dsv4.hash_layers == (True, False, False, False)
@@ -69,14 +73,24 @@ def test_batched_prefill_and_decode_logits_match(model_dir, ref, page_size):
     """A batched prefill of three prompts, then decode steps for all three at once, every request at
     another position in its windows."""
     eng = engine(model_dir, page_size=page_size)
-    reqs = [Req(rid=str(i), prompt_ids=list(p), params=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(rid=str(i), prompt_ids=list(p), params=SamplingParams())
+        for i, p in enumerate(PROMPTS)
+    ]
     logits = forward_logits(eng, reqs, [len(p) for p in PROMPTS], num_decode=0)
     start = 0
     for p in PROMPTS:
-        torch.testing.assert_close(logits[start : start + len(p)], ref_logits(ref, p), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits[start : start + len(p)], ref_logits(ref, p), atol=1e-4, rtol=0
+        )
         start += len(p)
     seqs = [list(p) for p in PROMPTS]
-    last = torch.stack([logits[i - 1] for i in torch.tensor([len(p) for p in PROMPTS]).cumsum(0).tolist()])
+    last = torch.stack(
+        [
+            logits[i - 1]
+            for i in torch.tensor([len(p) for p in PROMPTS]).cumsum(0).tolist()
+        ]
+    )
     for _ in range(4):
         for req, s, t in zip(reqs, seqs, last.argmax(-1).tolist()):
             req.output_ids.append(t)
@@ -91,13 +105,20 @@ def test_query_blocks_give_the_same_logits(model_dir, ref, monkeypatch):
     queries, each reading only its columns of the window, give transformers' logits."""
     from strata.layers import dsv4_attention
 
-    monkeypatch.setattr(dsv4_attention, "SCORES_MAX", 16384)  # blocks of ~5 queries here
+    monkeypatch.setattr(
+        dsv4_attention, "SCORES_MAX", 16384
+    )  # blocks of ~5 queries here
     eng = engine(model_dir, page_size=16)
-    reqs = [Req(rid=str(i), prompt_ids=list(p), params=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(rid=str(i), prompt_ids=list(p), params=SamplingParams())
+        for i, p in enumerate(PROMPTS)
+    ]
     logits = forward_logits(eng, reqs, [len(p) for p in PROMPTS], num_decode=0)
     start = 0
     for p in PROMPTS:
-        torch.testing.assert_close(logits[start : start + len(p)], ref_logits(ref, p), atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits[start : start + len(p)], ref_logits(ref, p), atol=1e-4, rtol=0
+        )
         start += len(p)
 
 
@@ -115,7 +136,9 @@ def test_prefill_chunked_inside_windows_matches(model_dir, ref, page_size):
         b.output_ids.append(5 + n)
         logits = forward_logits(eng, [b, a], [1, n], num_decode=1)
         torch.testing.assert_close(logits[1:], full[done : done + n], atol=1e-4, rtol=0)
-        torch.testing.assert_close(logits[0], ref_logits(ref, other + b.output_ids)[-1], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits[0], ref_logits(ref, other + b.output_ids)[-1], atol=1e-4, rtol=0
+        )
         done += n
     assert done == len(long)
 
@@ -165,10 +188,18 @@ def test_state_pages_through_every_tier(model_dir, tmp_path):
     """Entries and window rows demoted to L2, promoted back, and restored from L3 by a restarted
     engine give the answers of a plain engine."""
     prompt = LONG + [1, 2, 3]
-    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256, page_size=4, disable_radix_cache=True)
+    plain = Engine(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=4,
+        disable_radix_cache=True,
+    )
     want = plain.generate([prompt], TIER_GREEDY)[0].token_ids
     storage = str(tmp_path / "l3")
-    eng = make_engine(model_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    eng = make_engine(
+        model_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
     assert eng.generate([prompt], TIER_GREEDY)[0].token_ids == want
     fill_l1(eng, 0)
     assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
@@ -176,8 +207,12 @@ def test_state_pages_through_every_tier(model_dir, tmp_path):
     assert tokens == want and last.cached_tokens_details["host"] >= 100
     check_hierarchy_leaks(eng)
     eng.close()
-    eng2 = make_engine(model_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                       hicache_prefetch_policy="wait_complete")
+    eng2 = make_engine(
+        model_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+    )
     tokens, last = run_one(eng2, prompt)
     assert tokens == want and last.cached_tokens_details["storage"] >= 100
     check_hierarchy_leaks(eng2)
@@ -185,12 +220,23 @@ def test_state_pages_through_every_tier(model_dir, tmp_path):
 
 
 def test_prefill_decode_pair_equals_a_single_engine(model_dir, expected):
-    kw = dict(dtype="float32", kv_cache_tokens=1024, page_size=4, disaggregation_secret="s3cret")
+    kw = dict(
+        dtype="float32",
+        kv_cache_tokens=1024,
+        page_size=4,
+        disaggregation_secret="s3cret",
+    )
     p = Engine(str(model_dir), disaggregation_mode="prefill", **kw)
     d = Engine(str(model_dir), disaggregation_mode="decode", **kw)
     rids = []
     for i, prompt_ids in enumerate(PROMPTS):
-        d.add_request(prompt_ids, GREEDY, rid=f"r{i}", bootstrap_room=2000 + i, bootstrap_addr=p.disagg_endpoint)
+        d.add_request(
+            prompt_ids,
+            GREEDY,
+            rid=f"r{i}",
+            bootstrap_room=2000 + i,
+            bootstrap_addr=p.disagg_endpoint,
+        )
         p.add_request(prompt_ids, GREEDY, rid=f"r{i}", bootstrap_room=2000 + i)
         rids.append(f"r{i}")
     outs = run_pair(p, d, rids)
@@ -199,7 +245,6 @@ def test_prefill_decode_pair_equals_a_single_engine(model_dir, expected):
     p.scheduler.check_no_leaks()
     p.close()
     d.close()
-
 
 
 def test_kv_layout_counts_entries_and_windows(model_dir):
@@ -212,21 +257,36 @@ def test_kv_layout_counts_entries_and_windows(model_dir):
     entries = (2 * 48 / 4 + 32 / 16) * 2
     windows = 32 * (4 * 32 + 2 * 192 + 64) * 2
     assert row.bytes_per_token == entries == 52
-    assert row.at_context == {8192: entries + windows / 8192, 65536: entries + windows / 65536}
+    assert row.at_context == {
+        8192: entries + windows / 8192,
+        65536: entries + windows / 65536,
+    }
 
 
 def test_yarn_on_the_compressed_layers_matches(tmp_path):
     """Published V4 configs stretch the compressed layers' RoPE with YaRN (attention factor 1) and
     keep the sliding layers' plain: logits of a prompt past the original length still match."""
-    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
-            "beta_fast": 32, "beta_slow": 1}
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+    }
     model_dir = make_dsv4(tmp_path / "yarn", rope_parameters=yarn)
     cfg = ModelConfig.from_dir(model_dir)
-    assert [spec.rope.rope_type for spec in cfg.layers] == ["default", "yarn", "yarn", "yarn"]
+    assert [spec.rope.rope_type for spec in cfg.layers] == [
+        "default",
+        "yarn",
+        "yarn",
+        "yarn",
+    ]
     eng = engine(model_dir, page_size=16)
     req = Req(rid="y", prompt_ids=list(PROMPTS[0]), params=SamplingParams())
     logits = forward_logits(eng, [req], [len(PROMPTS[0])], num_decode=0)
-    torch.testing.assert_close(logits, ref_logits(hf_model(model_dir), PROMPTS[0]), atol=1e-4, rtol=0)
+    torch.testing.assert_close(
+        logits, ref_logits(hf_model(model_dir), PROMPTS[0]), atol=1e-4, rtol=0
+    )
 
 
 def test_small_pool_under_pressure_stays_exact(model_dir, ref):

@@ -13,7 +13,12 @@ pytestmark = pytest.mark.slow
 def test_greedy_chat_answer_matches_transformers(default_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    messages = [{"role": "user", "content": "Name three primary colors and say why they are called primary."}]
+    messages = [
+        {
+            "role": "user",
+            "content": "Name three primary colors and say why they are called primary.",
+        }
+    ]
     tok = AutoTokenizer.from_pretrained(default_dir)
     ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -23,11 +28,21 @@ def test_greedy_chat_answer_matches_transformers(default_dir):
         prompt = torch.tensor([ids])
         # explicit mask: pad == eos == <|im_end|> here, which the prompt itself contains
         expected = ref.generate(
-            prompt, attention_mask=torch.ones_like(prompt), do_sample=False, max_new_tokens=32, pad_token_id=0
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=False,
+            max_new_tokens=32,
+            pad_token_id=0,
         )[0, len(ids) :].tolist()
-    engine = Engine(None, dtype="float32", kv_cache_tokens=4096, quantization="none")  # the GGUF dequantized
-    assert engine.state.weights == "float x121"  # 120 in the layers, and the tied head's packed copy
-    got = engine.chat(messages, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True))
+    engine = Engine(
+        None, dtype="float32", kv_cache_tokens=4096, quantization="none"
+    )  # the GGUF dequantized
+    assert (
+        engine.state.weights == "float x121"
+    )  # 120 in the layers, and the tied head's packed copy
+    got = engine.chat(
+        messages, SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True)
+    )
     assert engine.chat_ids(messages) == ids
     assert got.token_ids == expected
     assert "prim" in got.text.lower() or len(got.text) > 20
@@ -40,7 +55,9 @@ SHIPPED_PROMPT = [{"role": "user", "content": "What is the capital of Japan?"}]
 SHIPPED_TEXT = "The capital of Japan is Tokyo."
 
 
-@pytest.mark.parametrize("target", ["native", "x86-64-v3", None], ids=["native", "avx2", "no-kernels"])
+@pytest.mark.parametrize(
+    "target", ["native", "x86-64-v3", None], ids=["native", "avx2", "no-kernels"]
+)
 def test_default_model_runs_as_shipped(default_dir, target):
     from strata import kernels
 
@@ -49,12 +66,21 @@ def test_default_model_runs_as_shipped(default_dir, target):
     with kernels.using(target):
         engine = Engine(None, dtype="float32", kv_cache_tokens=1024)
         assert engine.state.weights == "q4 x120, q8 x1"
-        r = engine.chat(SHIPPED_PROMPT, SamplingParams(temperature=0, max_new_tokens=16))
+        r = engine.chat(
+            SHIPPED_PROMPT, SamplingParams(temperature=0, max_new_tokens=16)
+        )
     assert r.text == SHIPPED_TEXT and r.finish_reason == "stop"
 
 
 def test_bfloat16_default_answers_sensibly(default_dir):
     engine = Engine(None, kv_cache_tokens=4096)
-    r = engine.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
-                    SamplingParams(temperature=0, max_new_tokens=24))
+    r = engine.chat(
+        [
+            {
+                "role": "user",
+                "content": "What is the capital of France? Answer in one sentence.",
+            }
+        ],
+        SamplingParams(temperature=0, max_new_tokens=24),
+    )
     assert "Paris" in r.text

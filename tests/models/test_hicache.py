@@ -16,7 +16,9 @@ LONG = [(i * 7 + 3) % 370 + 5 for i in range(120)]  # a 120-token "document"
 
 
 def make_engine(model_dir, **kw) -> Engine:
-    opts = dict(dtype="float32", kv_cache_tokens=256, page_size=4, hicache_prefetch_threshold=16)
+    opts = dict(
+        dtype="float32", kv_cache_tokens=256, page_size=4, hicache_prefetch_threshold=16
+    )
     opts.update(kw)
     return Engine(str(model_dir), **opts)
 
@@ -30,7 +32,13 @@ def fill_l1(engine: Engine, seed: int) -> None:
 
 @pytest.fixture(scope="module")
 def expected(llama_dir):
-    plain = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=256, page_size=4, disable_radix_cache=True)
+    plain = Engine(
+        str(llama_dir),
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=4,
+        disable_radix_cache=True,
+    )
     return plain.generate([LONG + [1, 2, 3]], GREEDY)[0].token_ids
 
 
@@ -42,13 +50,17 @@ def check_hierarchy_leaks(engine: Engine) -> None:
 
 def test_l1_l2_l3_hits_give_identical_answers(llama_dir, expected, tmp_path):
     storage = str(tmp_path / "l3")
-    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    eng = make_engine(
+        llama_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
     prompt = LONG + [1, 2, 3]
     assert eng.generate([prompt], GREEDY)[0].token_ids == expected  # cold
     r = eng.generate([prompt], GREEDY)[0]  # in L1
     assert r.token_ids == expected and r.cached_tokens >= 116
     fill_l1(eng, 0)
-    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 116  # evicted from L1 ...
+    assert (
+        eng.scheduler.cache.match_prefix(prompt).cached_len < 116
+    )  # evicted from L1 ...
     outs = []
     (rid,) = eng.add_request(prompt, GREEDY)
     while not any(o.finished for o in outs):
@@ -58,8 +70,12 @@ def test_l1_l2_l3_hits_give_identical_answers(llama_dir, expected, tmp_path):
     check_hierarchy_leaks(eng)
     eng.close()
     # a restarted engine finds the prefix only in L3
-    eng2 = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                       hicache_prefetch_policy="wait_complete")
+    eng2 = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+    )
     (rid,) = eng2.add_request(prompt, GREEDY)
     outs = []
     while not any(o.finished for o in outs):
@@ -71,16 +87,27 @@ def test_l1_l2_l3_hits_give_identical_answers(llama_dir, expected, tmp_path):
     eng2.close()
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+@pytest.mark.parametrize(
+    "policy", ["write_through", "write_through_selective", "write_back"]
+)
 def test_write_policies_reach_storage(llama_dir, expected, tmp_path, policy):
     storage = str(tmp_path / "l3")
-    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                      hicache_write_policy=policy, hicache_ratio=0.5)
+    eng = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_write_policy=policy,
+        hicache_ratio=0.5,
+    )
     prompt = LONG + [1, 2, 3]
-    for _ in range(3):  # hit it twice (write_through_selective writes on the second hit)
+    for _ in range(
+        3
+    ):  # hit it twice (write_through_selective writes on the second hit)
         assert eng.generate([prompt], GREEDY)[0].token_ids == expected
     fill_l1(eng, 0)
-    fill_l1(eng, 1)  # with a small L2 this pushes its pages out of L2 too (write_back writes then)
+    fill_l1(
+        eng, 1
+    )  # with a small L2 this pushes its pages out of L2 too (write_back writes then)
     eng.hicache.flush()
     assert eng.hicache.stats.storage_written_pages > 0
     assert any(Path(storage).rglob("strata-kv-*"))
@@ -88,14 +115,20 @@ def test_write_policies_reach_storage(llama_dir, expected, tmp_path, policy):
     eng.close()
 
 
-def test_corrupted_storage_entries_are_ignored_and_recomputed(llama_dir, expected, tmp_path):
+def test_corrupted_storage_entries_are_ignored_and_recomputed(
+    llama_dir, expected, tmp_path
+):
     storage = tmp_path / "l3"
-    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage))
+    eng = make_engine(
+        llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage)
+    )
     eng.generate([LONG + [1, 2, 3]], GREEDY)
     eng.close()
     files = sorted(storage.rglob("strata-kv-*"))
     assert files
-    for i, f in enumerate(files):  # damage every entry: flip a byte, truncate, or swap contents
+    for i, f in enumerate(
+        files
+    ):  # damage every entry: flip a byte, truncate, or swap contents
         data = f.read_bytes()
         if i % 3 == 0:
             f.write_bytes(data[:-1] + bytes([data[-1] ^ 0xFF]))
@@ -103,18 +136,28 @@ def test_corrupted_storage_entries_are_ignored_and_recomputed(llama_dir, expecte
             f.write_bytes(data[: len(data) // 2])
         else:
             f.write_bytes(files[(i + 1) % len(files)].read_bytes())
-    eng2 = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage),
-                       hicache_prefetch_policy="wait_complete")
+    eng2 = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=str(storage),
+        hicache_prefetch_policy="wait_complete",
+    )
     r = eng2.generate([LONG + [1, 2, 3]], GREEDY)[0]
     assert r.token_ids == expected
     assert eng2.hicache.stats.corrupt_pages >= 1
     eng2.close()
 
 
-def test_engines_share_a_file_backend_with_the_default_prefetch_policy(llama_dir, expected, tmp_path):
+def test_engines_share_a_file_backend_with_the_default_prefetch_policy(
+    llama_dir, expected, tmp_path
+):
     storage = str(tmp_path / "shared")
-    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
-    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage)
+    a = make_engine(
+        llama_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
+    b = make_engine(
+        llama_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
     assert b.hicache.config.prefetch_policy == "auto"
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()
@@ -130,14 +173,29 @@ def test_engines_share_a_file_backend_with_the_default_prefetch_policy(llama_dir
     b.close()
 
 
-@pytest.mark.parametrize("other", [{"quantization": "int8"}, {"kv_cache_dtype": "bfloat16"}])
+@pytest.mark.parametrize(
+    "other", [{"quantization": "int8"}, {"kv_cache_dtype": "bfloat16"}]
+)
 def test_engines_whose_kv_differs_never_exchange_pages(llama_dir, tmp_path, other):
     """Quantized weights or another KV dtype make other KV bytes: the namespace keeps them apart."""
     storage = str(tmp_path / "shared")
-    device = {"device": "cpu"} if "quantization" in other else {}  # block quantization: the CPU kernels
-    a = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage, **device)
-    b = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=storage,
-                    hicache_prefetch_policy="wait_complete", **other, **device)
+    device = (
+        {"device": "cpu"} if "quantization" in other else {}
+    )  # block quantization: the CPU kernels
+    a = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        **device,
+    )
+    b = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+        **other,
+        **device,
+    )
     assert a.hicache.namespace != b.hicache.namespace
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()
@@ -150,11 +208,21 @@ def test_engines_whose_kv_differs_never_exchange_pages(llama_dir, tmp_path, othe
 
 def test_file_storage_stays_within_its_size_bound(llama_dir, tmp_path):
     storage = tmp_path / "l3"
-    page_bytes = 4 * 512 + 80  # 4 tokens x (2 layers x K,V x 2 heads x 16 dims x 4 bytes) + header
+    page_bytes = (
+        4 * 512 + 80
+    )  # 4 tokens x (2 layers x K,V x 2 heads x 16 dims x 4 bytes) + header
     bound = 40 * page_bytes
-    eng = make_engine(llama_dir, hicache_storage_backend="file", hicache_storage_path=str(storage),
-                      hicache_storage_max_gib=bound / 2**30, hicache_storage_ttl=3600)
-    assert abs(eng.hicache.storage.max_bytes - bound) <= 1 and eng.hicache.storage.ttl_s == 3600
+    eng = make_engine(
+        llama_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=str(storage),
+        hicache_storage_max_gib=bound / 2**30,
+        hicache_storage_ttl=3600,
+    )
+    assert (
+        abs(eng.hicache.storage.max_bytes - bound) <= 1
+        and eng.hicache.storage.ttl_s == 3600
+    )
     rng = random.Random(5)
     for _ in range(4):  # ~100 pages written through
         eng.generate([[rng.randrange(5, 380) for _ in range(100)]], GREEDY)
@@ -166,24 +234,39 @@ def test_file_storage_stays_within_its_size_bound(llama_dir, tmp_path):
     eng.close()
 
 
-def test_engines_share_a_redis_backend_and_survive_its_death(llama_dir, expected, redis_server):
+def test_engines_share_a_redis_backend_and_survive_its_death(
+    llama_dir, expected, redis_server
+):
     proc, url = redis_server
-    a = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url)
-    b = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url,
-                    hicache_prefetch_policy="wait_complete")
+    a = make_engine(
+        llama_dir, hicache_storage_backend="redis", hicache_storage_path=url
+    )
+    b = make_engine(
+        llama_dir,
+        hicache_storage_backend="redis",
+        hicache_storage_path=url,
+        hicache_prefetch_policy="wait_complete",
+    )
     a.generate([LONG + [1, 2, 3]], GREEDY)
     a.hicache.flush()
     import redis
 
     pages = redis.Redis.from_url(url).keys("strata-kv-*")
-    assert pages and 0 < redis.Redis.from_url(url).pttl(pages[0]) <= 86400 * 1000  # the default TTL
+    assert (
+        pages and 0 < redis.Redis.from_url(url).pttl(pages[0]) <= 86400 * 1000
+    )  # the default TTL
     r = b.generate([LONG + [9, 9, 9]], GREEDY)[0]
     assert r.cached_tokens >= 100
     proc.kill()
     proc.wait()
     other = [(i * 11 + 5) % 370 + 5 for i in range(120)]
-    c = make_engine(llama_dir, hicache_storage_backend="redis", hicache_storage_path=url,
-                    hicache_prefetch_policy="timeout", hicache_prefetch_timeout=5.0)
+    c = make_engine(
+        llama_dir,
+        hicache_storage_backend="redis",
+        hicache_storage_path=url,
+        hicache_prefetch_policy="timeout",
+        hicache_prefetch_timeout=5.0,
+    )
     start = time.monotonic()
     got = c.generate([LONG + [1, 2, 3], other], GREEDY)
     assert time.monotonic() - start < 30
@@ -211,13 +294,25 @@ def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
     through the tiers is the next test's.)"""
     model = tiny_models["gemma3"]
     prompt = LONG + [1, 2, 3]
-    plain = Engine(str(model), dtype="float32", kv_cache_tokens=256, page_size=page_size,
-                   disable_radix_cache=True)
+    plain = Engine(
+        str(model),
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=page_size,
+        disable_radix_cache=True,
+    )
     expected = plain.generate([prompt], GREEDY)[0].token_ids
     storage = str(tmp_path / "l3")
-    eng = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage,
-                      swa_pool="split")
-    assert eng.scheduler.allocator.groups  # the windowed layout, not every layer in one pool
+    eng = make_engine(
+        model,
+        page_size=page_size,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        swa_pool="split",
+    )
+    assert (
+        eng.scheduler.allocator.groups
+    )  # the windowed layout, not every layer in one pool
     assert eng.generate([prompt], GREEDY)[0].token_ids == expected
     fill_l1(eng, 0)
     assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
@@ -225,8 +320,14 @@ def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
     assert tokens == expected and last.cached_tokens_details["host"] >= 100
     check_hierarchy_leaks(eng)
     eng.close()
-    eng2 = make_engine(model, page_size=page_size, hicache_storage_backend="file", hicache_storage_path=storage,
-                       hicache_prefetch_policy="wait_complete", swa_pool="split")
+    eng2 = make_engine(
+        model,
+        page_size=page_size,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+        swa_pool="split",
+    )
     tokens, last = run_one(eng2, prompt)
     assert tokens == expected and last.cached_tokens_details["storage"] >= 100
     check_hierarchy_leaks(eng2)
@@ -240,21 +341,38 @@ def test_a_shared_window_pool_through_the_tiers(tiny_models, tmp_path, page_size
     (promoted pages take pool pages for the parts they carry); its tokens stay a plain engine's."""
     model = tiny_models["gemma3"]
     storage = str(tmp_path / "l3")
-    eng = make_engine(model, page_size=page_size, kv_cache_tokens=160, hicache_storage_backend="file",
-                      hicache_storage_path=storage)
+    eng = make_engine(
+        model,
+        page_size=page_size,
+        kv_cache_tokens=160,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+    )
     assert eng.scheduler.allocator.shared
     prompt = LONG + [1, 2, 3]
     first = eng.generate([prompt], GREEDY)[0]
     turn2 = prompt + first.token_ids + [4, 5]
-    plain = Engine(str(model), dtype="float32", kv_cache_tokens=256, page_size=page_size, disable_radix_cache=True)
+    plain = Engine(
+        str(model),
+        dtype="float32",
+        kv_cache_tokens=256,
+        page_size=page_size,
+        disable_radix_cache=True,
+    )
     expected = plain.generate([turn2], GREEDY)[0].token_ids
     fill_l1(eng, 1)
     tokens, last = run_one(eng, turn2)
     assert tokens == expected and last.cached_tokens_details["host"] >= 100
     check_hierarchy_leaks(eng)
     eng.close()
-    eng2 = make_engine(model, page_size=page_size, kv_cache_tokens=160, hicache_storage_backend="file",
-                       hicache_storage_path=storage, hicache_prefetch_policy="wait_complete")
+    eng2 = make_engine(
+        model,
+        page_size=page_size,
+        kv_cache_tokens=160,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+    )
     tokens, last = run_one(eng2, turn2)
     assert tokens == expected and last.cached_tokens_details["storage"] >= 100
     check_hierarchy_leaks(eng2)
@@ -263,18 +381,34 @@ def test_a_shared_window_pool_through_the_tiers(tiny_models, tmp_path, page_size
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_no_leaks_across_demote_promote_cycles(tiny_models, tmp_path, page_size, family):
+def test_no_leaks_across_demote_promote_cycles(
+    tiny_models, tmp_path, page_size, family
+):
     rng = random.Random(page_size)
-    eng = make_engine(tiny_models[family], page_size=page_size, kv_cache_tokens=160, hicache_ratio=1.5,
-                      hicache_storage_backend="file", hicache_storage_path=str(tmp_path / "l3"),
-                      chunked_prefill_size=24)
-    docs = [[rng.randrange(5, 380) for _ in range(rng.randint(20, 60))] for _ in range(5)]
+    eng = make_engine(
+        tiny_models[family],
+        page_size=page_size,
+        kv_cache_tokens=160,
+        hicache_ratio=1.5,
+        hicache_storage_backend="file",
+        hicache_storage_path=str(tmp_path / "l3"),
+        chunked_prefill_size=24,
+    )
+    docs = [
+        [rng.randrange(5, 380) for _ in range(rng.randint(20, 60))] for _ in range(5)
+    ]
     live: list[str] = []
     for _ in range(250):
         if rng.random() < 0.3 and len(live) < 6:
-            prompt = rng.choice(docs) + [rng.randrange(5, 380) for _ in range(rng.randint(1, 10))]
-            live += eng.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=rng.randint(1, 12),
-                                                           ignore_eos=True))
+            prompt = rng.choice(docs) + [
+                rng.randrange(5, 380) for _ in range(rng.randint(1, 10))
+            ]
+            live += eng.add_request(
+                prompt,
+                SamplingParams(
+                    temperature=0, max_new_tokens=rng.randint(1, 12), ignore_eos=True
+                ),
+            )
         if rng.random() < 0.03 and live:
             eng.abort(rng.choice(live))
         for out in eng.step():

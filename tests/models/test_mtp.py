@@ -38,16 +38,26 @@ def add_mtp_layer(model_dir, seed: int = 1) -> torch.nn.Module:
     carrier.save_pretrained(model_dir / "carrier")
     saved = load_file(model_dir / "carrier" / "model.safetensors")
     last, mtp_prefix = f"model.layers.{NUM_LAYERS - 1}.", f"model.layers.{NUM_LAYERS}."
-    tensors = {mtp_prefix + k.removeprefix(last): v for k, v in saved.items() if k.startswith(last)}
+    tensors = {
+        mtp_prefix + k.removeprefix(last): v
+        for k, v in saved.items()
+        if k.startswith(last)
+    }
     own = mtp.layers[0]
-    tensors.update({
-        f"{mtp_prefix}enorm.weight": own.enorm.weight, f"{mtp_prefix}hnorm.weight": own.hnorm.weight,
-        f"{mtp_prefix}eh_proj.weight": own.eh_proj.weight,
-        f"{mtp_prefix}shared_head.norm.weight": own.post_norm.weight,
-        f"{mtp_prefix}shared_head.head.weight": main.lm_head.weight,
-        f"{mtp_prefix}embed_tokens.weight": main.model.embed_tokens.weight,
-    })
-    save_file({k: v.detach().contiguous() for k, v in tensors.items()}, model_dir / "model-mtp.safetensors")
+    tensors.update(
+        {
+            f"{mtp_prefix}enorm.weight": own.enorm.weight,
+            f"{mtp_prefix}hnorm.weight": own.hnorm.weight,
+            f"{mtp_prefix}eh_proj.weight": own.eh_proj.weight,
+            f"{mtp_prefix}shared_head.norm.weight": own.post_norm.weight,
+            f"{mtp_prefix}shared_head.head.weight": main.lm_head.weight,
+            f"{mtp_prefix}embed_tokens.weight": main.model.embed_tokens.weight,
+        }
+    )
+    save_file(
+        {k: v.detach().contiguous() for k, v in tensors.items()},
+        model_dir / "model-mtp.safetensors",
+    )
     for f in (model_dir / "carrier").iterdir():
         f.unlink()
     (model_dir / "carrier").rmdir()
@@ -56,15 +66,25 @@ def add_mtp_layer(model_dir, seed: int = 1) -> torch.nn.Module:
 
 @pytest.fixture(scope="module")
 def mtp_model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("mtp") / "v3", "deepseek_v3", tokenizer=False,
-                           num_nextn_predict_layers=1)
+    model_dir = make_model(
+        tmp_path_factory.mktemp("mtp") / "v3",
+        "deepseek_v3",
+        tokenizer=False,
+        num_nextn_predict_layers=1,
+    )
     mtp = add_mtp_layer(model_dir)
     return model_dir, hf_model(model_dir), mtp
 
 
 def mtp_engine(model_dir, **kw) -> Engine:
-    options = dict(dtype="float32", kv_cache_tokens=1024, page_size=1, speculative_algorithm="mtp",
-                   speculative_fixed_length=True, speculative_num_draft_tokens=3)
+    options = dict(
+        dtype="float32",
+        kv_cache_tokens=1024,
+        page_size=1,
+        speculative_algorithm="mtp",
+        speculative_fixed_length=True,
+        speculative_num_draft_tokens=3,
+    )
     options.update(kw)
     return Engine(str(model_dir), **options)
 
@@ -78,7 +98,9 @@ def oracle_states(main, mtp, seq: list[int]) -> torch.Tensor:
     hidden = main.model(ids[:, :-1]).last_hidden_state
     positions = torch.arange(1, len(seq))[None]
     cache = MtpCache(config=main.config.get_mtp_config())
-    return mtp.forward_layer(0, hidden, positions, cache, input_ids=ids[:, 1:])[0], cache
+    return mtp.forward_layer(0, hidden, positions, cache, input_ids=ids[:, 1:])[
+        0
+    ], cache
 
 
 @torch.no_grad()
@@ -91,7 +113,9 @@ def oracle_chain(main, mtp, seq: list[int], k: int) -> list[int]:
         drafts.append(token)
         if step + 1 < k:
             position = torch.tensor([[len(seq) + step]])
-            state = mtp.forward_layer(0, state[None], position, cache, input_ids=torch.tensor([[token]]))[0]
+            state = mtp.forward_layer(
+                0, state[None], position, cache, input_ids=torch.tensor([[token]])
+            )[0]
     return drafts
 
 
@@ -105,21 +129,29 @@ def test_states_and_chained_drafts_match_transformers(mtp_model, page_size):
     engine = mtp_engine(model_dir, page_size=page_size, chunked_prefill_size=8)
     drafter = engine.scheduler.spec.draft_model
     prompt = PROMPTS[2]  # 41 tokens: prefilled in chunks of 8
-    (rid,) = engine.add_request(prompt, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True))
+    (rid,) = engine.add_request(
+        prompt, SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    )
     for _ in range(6):  # five chunks, then the first token
         engine.step()
     req = engine.scheduler.running[0]
     seq = req.prompt_ids + req.output_ids
     assert len(req.output_ids) == 1
     expected, _ = oracle_states(main, mtp, seq)
-    torch.testing.assert_close(drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4
+    )
     assert drafter.draft([(rid, seq, 4)]) == [oracle_chain(main, mtp, seq, 4)]
-    for _ in range(4):  # verification steps (the random layer's drafts are mostly rejected)
+    for _ in range(
+        4
+    ):  # verification steps (the random layer's drafts are mostly rejected)
         engine.step()
     seq = req.prompt_ids + req.output_ids
     assert req.spec_verify_steps > 0 and drafter.seqs[rid].end == len(seq) - 1
     expected, _ = oracle_states(main, mtp, seq)
-    torch.testing.assert_close(drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        drafter.seqs[rid].state.cpu(), expected[-1], atol=1e-4, rtol=1e-4
+    )
     assert drafter.draft([(rid, seq, 3)]) == [oracle_chain(main, mtp, seq, 3)]
 
 
@@ -144,7 +176,9 @@ def test_accepted_runs_extend_the_layer_rows(mtp_model, expected):
         return out
 
     drafter.draft = draft
-    (rid,) = engine.add_request(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    (rid,) = engine.add_request(
+        PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    )
     engine.step()  # the prefill
     runs = set()
     while engine.scheduler.running:
@@ -157,7 +191,9 @@ def test_accepted_runs_extend_the_layer_rows(mtp_model, expected):
         seq = req.prompt_ids + req.output_ids
         assert drafter.seqs[rid].end == len(seq) - 1
         states, _ = oracle_states(main, mtp, seq)
-        torch.testing.assert_close(drafter.seqs[rid].state.cpu(), states[-1], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            drafter.seqs[rid].state.cpu(), states[-1], atol=1e-4, rtol=1e-4
+        )
     assert max(runs) >= 3 and 0 in runs
     assert req.output_ids == expected[0]
 
@@ -171,12 +207,16 @@ def expected(mtp_model):
 @pytest.mark.parametrize("page_size,chunk", [(1, 0), (16, 8)])
 def test_greedy_output_is_unchanged(mtp_model, expected, page_size, chunk):
     engine = mtp_engine(mtp_model[0], page_size=page_size, chunked_prefill_size=chunk)
-    out = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    out = engine.generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    )
     assert [r.choices[0].token_ids for r in out] == expected
     stats = engine.scheduler.spec.stats
     assert stats.verify_steps > 0 and stats.drafted_tokens > 0
     # a radix hit: the layer's rows start where the target computed (no hidden states for the prefix)
-    again = engine.generate(PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True))
+    again = engine.generate(
+        PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+    )
     assert again[0].cached_tokens > 0 and again[0].choices[0].token_ids == expected[2]
     assert engine.scheduler.spec.draft_model.seqs == {}
     drafter = engine.scheduler.spec.draft_model
@@ -185,23 +225,35 @@ def test_greedy_output_is_unchanged(mtp_model, expected, page_size, chunk):
 
 def test_parallel_samples_and_aborts_release_the_layer_kv(mtp_model, expected):
     engine = mtp_engine(mtp_model[0])
-    out = engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, n=2))
+    out = engine.generate(
+        PROMPTS[0],
+        SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True, n=2),
+    )
     assert [c.token_ids for c in out[0].choices] == [expected[0]] * 2
-    rids = engine.add_request(PROMPTS[3], SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True))
+    rids = engine.add_request(
+        PROMPTS[3], SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
+    )
     for _ in range(4):
         engine.step()
     drafter = engine.scheduler.spec.draft_model
     assert drafter.seqs
     engine.abort(rids[0])
     engine.step()
-    assert drafter.seqs == {} and drafter.allocator.num_free_pages == drafter.allocator.num_pages
+    assert (
+        drafter.seqs == {}
+        and drafter.allocator.num_free_pages == drafter.allocator.num_pages
+    )
 
 
 def test_checkpoints_without_the_layer_are_refused(tmp_path):
-    plain = make_model(tmp_path / "plain", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=1)
+    plain = make_model(
+        tmp_path / "plain", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=1
+    )
     with pytest.raises(ValueError, match="holds no model.layers.2"):
         mtp_engine(plain)
-    none = make_model(tmp_path / "none", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=0)
+    none = make_model(
+        tmp_path / "none", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=0
+    )
     with pytest.raises(ValueError, match="no multi-token prediction layers"):
         mtp_engine(none)
 
@@ -209,10 +261,18 @@ def test_checkpoints_without_the_layer_are_refused(tmp_path):
 def test_int8_weights_quantize_the_layer_and_keep_the_output(mtp_model):
     model_dir = mtp_model[0]
     params = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
-    plain = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, quantization="int8", device="cpu")
+    plain = Engine(
+        str(model_dir),
+        dtype="float32",
+        kv_cache_tokens=1024,
+        quantization="int8",
+        device="cpu",
+    )
     engine = mtp_engine(model_dir, quantization="int8", device="cpu")
     drafter = engine.scheduler.spec.draft_model
     assert type(drafter.layer.decoder.layers[0].self_attn.o_proj).__name__ == "Q8Linear"
     expected = [r.choices[0].token_ids for r in plain.generate(PROMPTS, params)]
-    assert [r.choices[0].token_ids for r in engine.generate(PROMPTS, params)] == expected
+    assert [
+        r.choices[0].token_ids for r in engine.generate(PROMPTS, params)
+    ] == expected
     assert engine.scheduler.spec.stats.verify_steps > 0

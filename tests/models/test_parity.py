@@ -21,19 +21,30 @@ PROMPTS = [
 
 def hf_model(model_dir):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # compare with ignore_eos: generate every token
+    model.generation_config.eos_token_id = (
+        None  # compare with ignore_eos: generate every token
+    )
     return model
 
 
 @torch.no_grad()
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
-    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=None, pad_token_id=0)
+    cfg = GenerationConfig(
+        do_sample=False,
+        max_new_tokens=max_new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=cfg)
+    out = model.generate(
+        ids, attention_mask=torch.ones_like(ids), generation_config=cfg
+    )
     return out[0, len(prompt) :].tolist()
 
 
-def forward_logits(engine: Engine, reqs: list[Req], extend_lens: list[int], num_decode: int) -> torch.Tensor:
+def forward_logits(
+    engine: Engine, reqs: list[Req], extend_lens: list[int], num_decode: int
+) -> torch.Tensor:
     """One raw forward through the engine's model; logits for every fed token: [T, vocab]."""
     runner = engine.scheduler.runner
     for req, n in zip(reqs, extend_lens):
@@ -51,15 +62,22 @@ def forward_logits(engine: Engine, reqs: list[Req], extend_lens: list[int], num_
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_prefill_and_decode_logits_match(tiny_models, family, page_size):
     model_dir = tiny_models[family]
-    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
+    engine = Engine(
+        str(model_dir), dtype="float32", kv_cache_tokens=1024, page_size=page_size
+    )
     ref = hf_model(model_dir)
-    reqs = [Req(rid=str(i), prompt_ids=list(p), params=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(rid=str(i), prompt_ids=list(p), params=SamplingParams())
+        for i, p in enumerate(PROMPTS)
+    ]
     logits = forward_logits(engine, reqs, [len(p) for p in PROMPTS], num_decode=0)
     start = 0
     for p in PROMPTS:
         with torch.no_grad():
             expected = ref(torch.tensor([p])).logits[0]
-        torch.testing.assert_close(logits[start : start + len(p)], expected, atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits[start : start + len(p)], expected, atol=1e-4, rtol=0
+        )
         start += len(p)
     # decode steps: feed the reference's greedy token to every request at once
     seqs = [list(p) for p in PROMPTS]
@@ -78,7 +96,10 @@ def test_prefill_and_decode_logits_match(tiny_models, family, page_size):
 
 def prefill_then_decode_logits(engine: Engine, steps: int = 3) -> torch.Tensor:
     """Logits of a batched prefill of PROMPTS, then `steps` batched decode steps feeding fixed tokens."""
-    reqs = [Req(rid=str(i), prompt_ids=list(p), params=SamplingParams()) for i, p in enumerate(PROMPTS)]
+    reqs = [
+        Req(rid=str(i), prompt_ids=list(p), params=SamplingParams())
+        for i, p in enumerate(PROMPTS)
+    ]
     out = [forward_logits(engine, reqs, [len(p) for p in PROMPTS], num_decode=0)]
     for step in range(steps):
         for i, req in enumerate(reqs):
@@ -93,28 +114,51 @@ def test_pytorch_path_matches_too(tiny_models, page_size):
     from strata import kernels
 
     with kernels.disabled():
-        engine = Engine(str(tiny_models["qwen3"]), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
+        engine = Engine(
+            str(tiny_models["qwen3"]),
+            dtype="float32",
+            kv_cache_tokens=1024,
+            page_size=page_size,
+        )
         got = prefill_then_decode_logits(engine)
-    with_kernels = Engine(str(tiny_models["qwen3"]), dtype="float32", kv_cache_tokens=1024, page_size=page_size)
-    torch.testing.assert_close(got, prefill_then_decode_logits(with_kernels), atol=1e-4, rtol=0)
+    with_kernels = Engine(
+        str(tiny_models["qwen3"]),
+        dtype="float32",
+        kv_cache_tokens=1024,
+        page_size=page_size,
+    )
+    torch.testing.assert_close(
+        got, prefill_then_decode_logits(with_kernels), atol=1e-4, rtol=0
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_bf16_fast_paths_are_as_close_to_the_oracle_as_pytorch_bf16(tiny_models, family):
+def test_bf16_fast_paths_are_as_close_to_the_oracle_as_pytorch_bf16(
+    tiny_models, family
+):
     """bf16 with the native kernels and packed linears vs bf16 through plain PyTorch ops: both are
     compared with the float32 engine (itself exact against transformers, above), and the fast path
     must not add error: within 1.5x the PyTorch path's worst logit error plus 0.02, 1.2x its mean."""
     from strata import kernels
 
     model_dir = str(tiny_models[family])
-    exact = prefill_then_decode_logits(Engine(model_dir, dtype="float32", kv_cache_tokens=1024))
-    fast = prefill_then_decode_logits(Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024))
+    exact = prefill_then_decode_logits(
+        Engine(model_dir, dtype="float32", kv_cache_tokens=1024)
+    )
+    fast = prefill_then_decode_logits(
+        Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024)
+    )
     with kernels.disabled():
-        plain = prefill_then_decode_logits(Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024))
+        plain = prefill_then_decode_logits(
+            Engine(model_dir, dtype="bfloat16", kv_cache_tokens=1024)
+        )
     fast_err = (fast - exact).abs().max().item()
     plain_err = (plain - exact).abs().max().item()
     assert fast_err <= 1.5 * plain_err + 0.02, (fast_err, plain_err)
-    fast_mean, plain_mean = (fast - exact).abs().mean().item(), (plain - exact).abs().mean().item()
+    fast_mean, plain_mean = (
+        (fast - exact).abs().mean().item(),
+        (plain - exact).abs().mean().item(),
+    )
     assert fast_mean <= 1.2 * plain_mean + 1e-3, (fast_mean, plain_mean)
     # and the greedy choice agrees with the exact model about as often as plain bf16 does
     fast_agree = (fast.argmax(-1) == exact.argmax(-1)).float().mean().item()
@@ -162,8 +206,12 @@ def test_greedy_under_scheduler_options(llama_dir, llama_expected, options):
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_radix_hit_is_identical_and_reports_cached_tokens(llama_dir, llama_expected, page_size):
-    engine = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=2048, page_size=page_size)
+def test_radix_hit_is_identical_and_reports_cached_tokens(
+    llama_dir, llama_expected, page_size
+):
+    engine = Engine(
+        str(llama_dir), dtype="float32", kv_cache_tokens=2048, page_size=page_size
+    )
     first = engine.generate(PROMPTS, GREEDY)
     assert [r.token_ids for r in first] == llama_expected
     second = engine.generate(PROMPTS, GREEDY)
@@ -174,7 +222,9 @@ def test_radix_hit_is_identical_and_reports_cached_tokens(llama_dir, llama_expec
     shared = long_prompt[:32] + [7, 8, 9]
     third = engine.generate([shared], GREEDY)[0]
     assert third.cached_tokens == (32 // page_size) * page_size
-    assert third.token_ids == hf_greedy(hf_model(llama_dir), shared, GREEDY.max_new_tokens)
+    assert third.token_ids == hf_greedy(
+        hf_model(llama_dir), shared, GREEDY.max_new_tokens
+    )
     engine.scheduler.check_no_leaks()
 
 
@@ -194,7 +244,13 @@ def test_retraction_keeps_outputs_exact(llama_dir):
 def test_llama_with_attention_and_mlp_bias(tmp_path):
     from tiny_models import make_model
 
-    model_dir = make_model(tmp_path / "biased", "llama", attention_bias=True, mlp_bias=True, tokenizer=False)
+    model_dir = make_model(
+        tmp_path / "biased",
+        "llama",
+        attention_bias=True,
+        mlp_bias=True,
+        tokenizer=False,
+    )
     ref = hf_model(model_dir)
     expected = [hf_greedy(ref, p, GREEDY.max_new_tokens) for p in PROMPTS]
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024)
@@ -210,5 +266,7 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     cfg = json.loads((model_dir / "config.json").read_text())
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match="not supported; supported: .*LlamaForCausalLM"):
+    with pytest.raises(
+        ValueError, match="not supported; supported: .*LlamaForCausalLM"
+    ):
         Engine(str(model_dir), dtype="float32", kv_cache_tokens=64)

@@ -64,7 +64,9 @@ def perplexity(engine: Engine, token_ids: list[int]) -> float:
     assert scheduler._alloc_for(req, len(token_ids))
     fb = runner.prepare(ScheduleBatch([req], [len(token_ids)], 0))
     with torch.inference_mode():
-        hidden = engine.model(fb.input_ids, fb.positions, fb.attn, runner.kv)  # [T, hidden]
+        hidden = engine.model(
+            fb.input_ids, fb.positions, fb.attn, runner.kv
+        )  # [T, hidden]
         logits = torch.cat(
             [engine.model.compute_logits(row) for row in hidden[:-1].split(1)]
         )  # [T - 1, vocab]
@@ -80,16 +82,22 @@ def float_ppl(default_dir) -> tuple[list[int], float]:
     ids = engine.encode(TEXT)
     assert 450 <= len(ids) <= 650
     ppl = perplexity(engine, ids)
-    assert ppl < 40, f"the dequantized model itself is off: ppl {ppl:.2f} on plain English"
+    assert ppl < 40, (
+        f"the dequantized model itself is off: ppl {ppl:.2f} on plain English"
+    )
     return ids, ppl
 
 
 @pytest.mark.parametrize("quantization", list(MAX_PPL_RATIO))
 def test_quantized_perplexity_close_to_dequantized(float_ppl, quantization):
     ids, base = float_ppl
-    engine = Engine(None, dtype="float32", kv_cache_tokens=2048, quantization=quantization)
+    engine = Engine(
+        None, dtype="float32", kv_cache_tokens=2048, quantization=quantization
+    )
     ppl = perplexity(engine, ids)
-    print(f"{quantization}: ppl {ppl:.3f} vs dequantized {base:.3f} ({ppl / base:.4f}x)")
+    print(
+        f"{quantization}: ppl {ppl:.3f} vs dequantized {base:.3f} ({ppl / base:.4f}x)"
+    )
     assert ppl <= base * MAX_PPL_RATIO[quantization], (
         f"{quantization}: ppl {ppl:.3f} vs dequantized {base:.3f} ({ppl / base:.3f}x)"
     )

@@ -33,18 +33,31 @@ def engine(tmp_path_factory):
 
 def check(value: dict) -> None:
     assert set(value) == {"name", "n", "ok"}
-    assert len(value["name"]) <= 6 and -5 <= value["n"] <= 500 and isinstance(value["ok"], bool)
+    assert (
+        len(value["name"]) <= 6
+        and -5 <= value["n"] <= 500
+        and isinstance(value["ok"], bool)
+    )
 
 
 def test_constrained_rows_are_valid_and_free_rows_are_unchanged(engine):
     free = SamplingParams(temperature=0, max_new_tokens=24)
-    alone = [r.text for r in engine.generate(["The quick brown fox", "Hello world"], free)]
+    alone = [
+        r.text for r in engine.generate(["The quick brown fox", "Hello world"], free)
+    ]
     prompts = ["The quick brown fox", "Paged attention", "Hello world", "Numbers 0123"]
     params = [
         free,
-        SamplingParams(temperature=0, max_new_tokens=80, structured=json_schema_spec(SCHEMA)),
+        SamplingParams(
+            temperature=0, max_new_tokens=80, structured=json_schema_spec(SCHEMA)
+        ),
         free,
-        SamplingParams(temperature=1.0, seed=7, max_new_tokens=80, structured=json_schema_spec(SCHEMA)),
+        SamplingParams(
+            temperature=1.0,
+            seed=7,
+            max_new_tokens=80,
+            structured=json_schema_spec(SCHEMA),
+        ),
     ]
     out = engine.generate(prompts, params)
     assert [out[0].text, out[2].text] == alone
@@ -55,24 +68,42 @@ def test_constrained_rows_are_valid_and_free_rows_are_unchanged(engine):
 
 
 def test_sampled_requests_all_satisfy_their_grammar(engine):
-    params = [SamplingParams(temperature=1.2, seed=s, max_new_tokens=80, structured=json_schema_spec(SCHEMA))
-              for s in range(12)]
+    params = [
+        SamplingParams(
+            temperature=1.2,
+            seed=s,
+            max_new_tokens=80,
+            structured=json_schema_spec(SCHEMA),
+        )
+        for s in range(12)
+    ]
     for r in engine.generate(["Radix trees"] * 12, params):
         assert r.finish_reason == "stop", r.text
         check(json.loads(r.text))
-    regex = SamplingParams(temperature=1.0, seed=1, max_new_tokens=40,
-                           structured=GrammarSpec(kind="regex", source=r"(cat|dog)s? [a-z]{2,5}!"))
+    regex = SamplingParams(
+        temperature=1.0,
+        seed=1,
+        max_new_tokens=40,
+        structured=GrammarSpec(kind="regex", source=r"(cat|dog)s? [a-z]{2,5}!"),
+    )
     (r,) = engine.generate(["x"], regex)
-    assert re.fullmatch(r"(cat|dog)s? [a-z]{2,5}!", r.text) and r.finish_reason == "stop"
+    assert (
+        re.fullmatch(r"(cat|dog)s? [a-z]{2,5}!", r.text) and r.finish_reason == "stop"
+    )
 
 
 def test_the_grammar_applies_only_after_its_trigger(engine):
     """A reasoning model's grammar waits for `</think>`: here the trigger is whatever this model writes
     first when free, so the constrained run must write exactly that, then follow the grammar."""
-    (free,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_new_tokens=3))
+    (free,) = engine.generate(
+        ["Hello world"], SamplingParams(temperature=0, max_new_tokens=3)
+    )
     trigger = free.choices[0].token_ids[:3]
     spec = GrammarSpec(kind="regex", source=r"<[0-9]{3}>", start_after=trigger)
-    (out,) = engine.generate(["Hello world"], SamplingParams(temperature=0, max_new_tokens=30, structured=spec))
+    (out,) = engine.generate(
+        ["Hello world"],
+        SamplingParams(temperature=0, max_new_tokens=30, structured=spec),
+    )
     ids = out.choices[0].token_ids
     assert ids[:3] == trigger and out.choices[0].finish_reason == "stop"
     tail = engine.tokenizer.decode(ids[3:])
@@ -80,7 +111,9 @@ def test_the_grammar_applies_only_after_its_trigger(engine):
 
 
 def test_n_greedy_choices_agree(engine):
-    params = SamplingParams(temperature=0, n=3, max_new_tokens=80, structured=json_schema_spec(SCHEMA))
+    params = SamplingParams(
+        temperature=0, n=3, max_new_tokens=80, structured=json_schema_spec(SCHEMA)
+    )
     (out,) = engine.generate(["Hello"], params)
     assert len(out.choices) == 3 and len({c.text for c in out.choices}) == 1
     check(json.loads(out.choices[0].text))
@@ -88,8 +121,15 @@ def test_n_greedy_choices_agree(engine):
 
 def test_an_invalid_grammar_fails_its_request_alone(engine):
     with pytest.raises(ValueError, match="unclosed group"):
-        engine.generate(["x"], SamplingParams(structured=GrammarSpec(kind="regex", source="a(b")))
-    assert engine.generate(["Hello"], SamplingParams(temperature=0, max_new_tokens=4))[0].completion_tokens == 4
+        engine.generate(
+            ["x"], SamplingParams(structured=GrammarSpec(kind="regex", source="a(b"))
+        )
+    assert (
+        engine.generate(["Hello"], SamplingParams(temperature=0, max_new_tokens=4))[
+            0
+        ].completion_tokens
+        == 4
+    )
     engine.scheduler.check_no_leaks()
 
 
@@ -100,12 +140,23 @@ def test_the_default_model_answers_a_schema_with_parseable_json(default_dir):
     engine = Engine(str(default_dir))
     schema = {
         "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 40}, "country": {"type": "string", "maxLength": 40}},
+        "properties": {
+            "city": {"type": "string", "maxLength": 40},
+            "country": {"type": "string", "maxLength": 40},
+        },
         "required": ["city", "country"],
         "additionalProperties": False,
     }
-    prompt = apply_chat_template(engine.tokenizer, [{"role": "user", "content": "What is the capital of France? JSON."}])
-    (r,) = engine.generate([prompt], SamplingParams(temperature=0, max_new_tokens=60, structured=json_schema_spec(schema)))
+    prompt = apply_chat_template(
+        engine.tokenizer,
+        [{"role": "user", "content": "What is the capital of France? JSON."}],
+    )
+    (r,) = engine.generate(
+        [prompt],
+        SamplingParams(
+            temperature=0, max_new_tokens=60, structured=json_schema_spec(schema)
+        ),
+    )
     answer = json.loads(r.text)
     assert r.finish_reason == "stop" and set(answer) == {"city", "country"}
     assert "paris" in answer["city"].lower()

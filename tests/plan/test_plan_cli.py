@@ -17,26 +17,85 @@ def _calibration(tmp_path, cost: CostModel):
 def test_simulate_prints_writes_json_and_plots(tmp_path, cost, capsys):
     cal = _calibration(tmp_path, cost)
     out = tmp_path / "sim.json"
-    rc = main(["plan", "simulate", "--calibration", cal, "--dataset", "shared-prefix", "--num-groups", "2",
-               "--prompts-per-group", "4", "--system-len", "256", "--question-len", "16", "--output-len", "8",
-               "--replicas", "2", "--request-rate", "4", "--output-json", str(out), "--plot", str(tmp_path / "plots")])  # fmt: skip
+    rc = main(
+        [
+            "plan",
+            "simulate",
+            "--calibration",
+            cal,
+            "--dataset",
+            "shared-prefix",
+            "--num-groups",
+            "2",
+            "--prompts-per-group",
+            "4",
+            "--system-len",
+            "256",
+            "--question-len",
+            "16",
+            "--output-len",
+            "8",
+            "--replicas",
+            "2",
+            "--request-rate",
+            "4",
+            "--output-json",
+            str(out),
+            "--plot",
+            str(tmp_path / "plots"),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "TTFT ms" in text and "cache hit rate" in text
     result = json.loads(out.read_text())["result"]
     assert result["summary"]["completed"] == 8
-    assert result["hit_rate"]["device"] > 0.5  # cache-aware routing keeps each group on one replica
+    assert (
+        result["hit_rate"]["device"] > 0.5
+    )  # cache-aware routing keeps each group on one replica
     assert (tmp_path / "plots" / "simulation.png").stat().st_size > 0
 
 
 def test_simulate_compares_with_a_serving_json(tmp_path, cost, capsys):
     cal = _calibration(tmp_path, cost)
     measured = tmp_path / "serving.json"
-    measured.write_text(json.dumps({"benchmark": "serving", "results": [{"summary": {
-        "request_throughput": 1.0, "output_throughput": 16.0, "ttft": {"median_ms": 150.0, "p99_ms": 300.0},
-        "itl": {"median_ms": 12.0}, "e2e": {"median_ms": 400.0}, "usage_cache_hit_rate": 0.0}}]}))  # fmt: skip
-    rc = main(["plan", "simulate", "--calibration", cal, "--num-prompts", "4", "--input-len", "128",
-               "--output-len", "16", "--request-rate", "1", "--compare-json", str(measured)])  # fmt: skip
+    measured.write_text(
+        json.dumps(
+            {
+                "benchmark": "serving",
+                "results": [
+                    {
+                        "summary": {
+                            "request_throughput": 1.0,
+                            "output_throughput": 16.0,
+                            "ttft": {"median_ms": 150.0, "p99_ms": 300.0},
+                            "itl": {"median_ms": 12.0},
+                            "e2e": {"median_ms": 400.0},
+                            "usage_cache_hit_rate": 0.0,
+                        }
+                    }
+                ],
+            }
+        )
+    )
+    rc = main(
+        [
+            "plan",
+            "simulate",
+            "--calibration",
+            cal,
+            "--num-prompts",
+            "4",
+            "--input-len",
+            "128",
+            "--output-len",
+            "16",
+            "--request-rate",
+            "1",
+            "--compare-json",
+            str(measured),
+        ]
+    )
     assert rc == 0
     text = capsys.readouterr().out
     assert "predicted" in text and "measured" in text and "%" in text
@@ -44,8 +103,29 @@ def test_simulate_compares_with_a_serving_json(tmp_path, cost, capsys):
 
 def test_size_answers_with_the_cheapest_deployment(tmp_path, cost, capsys):
     cal = _calibration(tmp_path, cost)
-    rc = main(["plan", "size", "--calibration", cal, "--rate", "10", "--slo-ttft-p99", "1000", "--slo-itl-p99", "200",
-               "--num-prompts", "60", "--input-len", "128", "--output-len", "16", "--max-workers", "8", "--no-pd"])  # fmt: skip
+    rc = main(
+        [
+            "plan",
+            "size",
+            "--calibration",
+            cal,
+            "--rate",
+            "10",
+            "--slo-ttft-p99",
+            "1000",
+            "--slo-itl-p99",
+            "200",
+            "--num-prompts",
+            "60",
+            "--input-len",
+            "128",
+            "--output-len",
+            "16",
+            "--max-workers",
+            "8",
+            "--no-pd",
+        ]
+    )
     assert rc == 0
     assert "cheapest meeting the SLO" in capsys.readouterr().out
 
@@ -54,13 +134,33 @@ def test_calibrate_from_figures_and_one_batch_json(tmp_path, capsys):
     figures = tmp_path / "h100.json"
     samples = []
     for b in (1, 8, 32, 128):
-        samples.append({"kind": "decode", "batch_size": b, "context_tokens": 1024, "seconds": 0.008 + 0.00005 * b})
+        samples.append(
+            {
+                "kind": "decode",
+                "batch_size": b,
+                "context_tokens": 1024,
+                "seconds": 0.008 + 0.00005 * b,
+            }
+        )
     for n in (256, 1024, 4096):
-        samples.append({"kind": "prefill", "new_tokens": n, "seconds": 0.01 + 0.00004 * n})
-    figures.write_text(json.dumps({"samples": samples, "kv_bytes_per_token": 131072, "pd_bytes_per_s": 25e9,
-                                   "spec": {"accept_length": 2.0, "draft_length": 4}}))  # fmt: skip
+        samples.append(
+            {"kind": "prefill", "new_tokens": n, "seconds": 0.01 + 0.00004 * n}
+        )
+    figures.write_text(
+        json.dumps(
+            {
+                "samples": samples,
+                "kv_bytes_per_token": 131072,
+                "pd_bytes_per_s": 25e9,
+                "spec": {"accept_length": 2.0, "draft_length": 4},
+            }
+        )
+    )
     out = tmp_path / "cal.json"
-    assert main(["plan", "calibrate", "--from-json", str(figures), "--output", str(out)]) == 0
+    assert (
+        main(["plan", "calibrate", "--from-json", str(figures), "--output", str(out)])
+        == 0
+    )
     model = load_cost_model(out)
     assert model.kv_bytes_per_token == 131072 and model.pd_bytes_per_s == 25e9
     assert 0.4 < model.spec_accept_rate < 0.6
@@ -68,11 +168,39 @@ def test_calibrate_from_figures_and_one_batch_json(tmp_path, capsys):
     assert abs(model.prefill_s(1024) - (0.01 + 0.00004 * 1024)) < 0.003
 
     one_batch = tmp_path / "one_batch.json"
-    one_batch.write_text(json.dumps({"benchmark": "one-batch", "results": [
-        {"batch_size": b, "input_len": 256, "output_len": 32, "prefill_s": 0.7 * b, "decode_step_ms": 25 + 6 * b}
-        for b in (1, 4, 16)]}))  # fmt: skip
+    one_batch.write_text(
+        json.dumps(
+            {
+                "benchmark": "one-batch",
+                "results": [
+                    {
+                        "batch_size": b,
+                        "input_len": 256,
+                        "output_len": 32,
+                        "prefill_s": 0.7 * b,
+                        "decode_step_ms": 25 + 6 * b,
+                    }
+                    for b in (1, 4, 16)
+                ],
+            }
+        )
+    )
     out2 = tmp_path / "cal2.json"
-    assert main(["plan", "calibrate", "--from-json", str(one_batch), "--row-threshold", "32", "--output", str(out2)]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "calibrate",
+                "--from-json",
+                str(one_batch),
+                "--row-threshold",
+                "32",
+                "--output",
+                str(out2),
+            ]
+        )
+        == 0
+    )
     assert abs(load_cost_model(out2).decode_step_s(4, 272) - 0.049) < 0.005
 
 

@@ -10,7 +10,9 @@ from strata.plan.workload import dataset_workload
 
 def workload():
     # ~20 requests/s of 128-token prompts: one replica (a 128-token prefill alone is 138 ms) cannot keep up
-    cfg = DatasetConfig(name="random", num_prompts=120, input_len=128, output_len=16, range_ratio=0.5)
+    cfg = DatasetConfig(
+        name="random", num_prompts=120, input_len=128, output_len=16, range_ratio=0.5
+    )
     return dataset_workload(cfg, rate=20.0)
 
 

@@ -32,7 +32,9 @@ def run_checked(workload: Workload, dep: Deployment, cost: CostModel, seed: int 
 def test_one_request_alone_ttft_is_its_prefill_time(cost, prompt_len, chunk):
     prompt = tuple(range(prompt_len))
     wl = Workload([one(prompt, 5)], [0.0])
-    r = run_checked(wl, Deployment(1, replica=ReplicaConfig(chunked_prefill_size=chunk)), cost)
+    r = run_checked(
+        wl, Deployment(1, replica=ReplicaConfig(chunked_prefill_size=chunk)), cost
+    )
     chunks = [min(chunk, prompt_len - i) for i in range(0, prompt_len, chunk)]
     prefill = sum(0.010 + 0.001 * n for n in chunks)
     decodes = [0.010 + 0.001 + 2e-6 * (prompt_len + i) for i in range(4)]
@@ -46,22 +48,30 @@ def test_one_request_alone_ttft_is_its_prefill_time(cost, prompt_len, chunk):
 def test_request_overhead_shifts_what_the_client_sees(cost):
     wl = Workload([one(tuple(range(100)), 3)], [0.0])
     base = simulate(wl, Deployment(1), cost).records[0]
-    shifted = simulate(wl, Deployment(1), cost.with_(request_overhead_s=0.05)).records[0]
+    shifted = simulate(wl, Deployment(1), cost.with_(request_overhead_s=0.05)).records[
+        0
+    ]
     assert shifted.ttft == pytest.approx(base.ttft + 0.05)
     assert shifted.itls == pytest.approx(base.itls)
 
 
 @pytest.mark.parametrize("policy,hits", [("cache_aware", True), ("round_robin", False)])
-def test_a_shared_prefix_hits_on_the_second_request_with_cache_aware_routing(cost, policy, hits):
+def test_a_shared_prefix_hits_on_the_second_request_with_cache_aware_routing(
+    cost, policy, hits
+):
     prefix = tuple(range(1000, 1256))  # 256 tokens = 16 whole blocks
     a = [SimTurn(0, 0, prefix + tuple(range(16)), answer_ids(0, 0, 4))]
     b = [SimTurn(1, 0, prefix + tuple(range(50, 66)), answer_ids(1, 0, 4))]
-    wl = Workload([a, b], [0.0, 5.0])  # the second arrives long after the first finished
+    wl = Workload(
+        [a, b], [0.0, 5.0]
+    )  # the second arrives long after the first finished
     r = run_checked(wl, Deployment(2, policy=policy), cost)
     second = max(r.records, key=lambda x: x.start)
     assert second.cached_tokens == (256 if hits else 0)
     busy = sorted(w.steps for w in r.workers)
-    assert (busy[0] == 0) == hits  # cache_aware kept both on one replica, round_robin used both
+    assert (
+        busy[0] == 0
+    ) == hits  # cache_aware kept both on one replica, round_robin used both
     # the hit shortens the second prefill: 16 new tokens instead of 272
     assert second.ttft == pytest.approx(0.010 + 0.001 * (16 if hits else 272))
 
@@ -71,16 +81,23 @@ def test_pd_split_first_token_waits_for_prefill_transfer_and_a_decode_step(cost)
     r = run_checked(wl, Deployment(1, num_prefill=1), cost)
     prefill = 0.010 + 0.001 * 100
     transfer = 0.001 + 100 * 1000 / 1e9
-    first_decode = 0.010 + 0.001 + 2e-6 * 100  # the decode worker's step that takes the request in
+    first_decode = (
+        0.010 + 0.001 + 2e-6 * 100
+    )  # the decode worker's step that takes the request in
     rec = r.records[0]
     assert rec.ttft == pytest.approx(prefill + transfer + first_decode)
     assert rec.output_len == 5
     roles = {w.role: w.steps for w in r.workers}
-    assert roles == {"prefill": 1, "decode": 4}  # the first decode step yields tokens 1 and 2
+    assert roles == {
+        "prefill": 1,
+        "decode": 4,
+    }  # the first decode step yields tokens 1 and 2
 
 
 def test_closed_loop_obeys_littles_law(cost):
-    cfg = DatasetConfig(name="random", num_prompts=200, input_len=64, output_len=16, range_ratio=0.5)
+    cfg = DatasetConfig(
+        name="random", num_prompts=200, input_len=64, output_len=16, range_ratio=0.5
+    )
     wl = dataset_workload(cfg, max_concurrency=8)
     r = run_checked(wl, Deployment(1), cost)
     s = r.summary
@@ -91,7 +108,11 @@ def test_closed_loop_obeys_littles_law(cost):
 def test_saturated_throughput_is_bounded_by_the_step_rate():
     flat = CostModel(coef={"overhead": 0.010})  # every step 10 ms, whatever it holds
     cfg = DatasetConfig(name="random", num_prompts=80, input_len=32, output_len=32)
-    r = run_checked(dataset_workload(cfg), Deployment(1, replica=ReplicaConfig(max_running_requests=4)), flat)
+    r = run_checked(
+        dataset_workload(cfg),
+        Deployment(1, replica=ReplicaConfig(max_running_requests=4)),
+        flat,
+    )
     bound = 4 / 0.010  # at most 4 requests sample a token per step
     assert 0.9 * bound <= r.summary.output_throughput <= bound
 
@@ -106,23 +127,45 @@ def test_a_tight_kv_pool_retracts_and_still_finishes_everything(cost):
 
 
 def test_the_host_tier_turns_evicted_turns_into_hits(cost):
-    cfg = DatasetConfig(name="multi-turn", num_prompts=8, num_turns=3, input_len=96, output_len=16)
+    cfg = DatasetConfig(
+        name="multi-turn", num_prompts=8, num_turns=3, input_len=96, output_len=16
+    )
     wl = lambda: dataset_workload(cfg, max_concurrency=8)  # noqa: E731  (8 histories > 1024 tokens of L1)
     small = ReplicaConfig(kv_cache_tokens=1024)
     without = run_checked(wl(), Deployment(1, replica=small), cost)
-    with_l2 = run_checked(wl(), Deployment(1, replica=ReplicaConfig(kv_cache_tokens=1024, host_cache_tokens=4096)), cost)
+    with_l2 = run_checked(
+        wl(),
+        Deployment(
+            1, replica=ReplicaConfig(kv_cache_tokens=1024, host_cache_tokens=4096)
+        ),
+        cost,
+    )
     assert without.hit_rate["host"] == 0
     assert with_l2.hit_rate["host"] > 0
     assert sum(with_l2.hit_rate.values()) > sum(without.hit_rate.values()) + 0.1
 
 
 def test_shared_storage_serves_a_prefix_computed_on_another_replica(cost):
-    cfg = DatasetConfig(name="shared-prefix", num_groups=2, prompts_per_group=4, system_len=256, question_len=16,
-                        output_len=4)  # fmt: skip
+    cfg = DatasetConfig(
+        name="shared-prefix",
+        num_groups=2,
+        prompts_per_group=4,
+        system_len=256,
+        question_len=16,
+        output_len=4,
+    )
     replica = ReplicaConfig(host_cache_tokens=4096, prefetch_threshold_tokens=64)
     wl = lambda: dataset_workload(cfg, max_concurrency=1)  # noqa: E731
-    shared = run_checked(wl(), Deployment(2, policy="round_robin", replica=replica, storage_tokens=None), cost)
-    alone = run_checked(wl(), Deployment(2, policy="round_robin", replica=replica, storage_tokens=0), cost)
+    shared = run_checked(
+        wl(),
+        Deployment(2, policy="round_robin", replica=replica, storage_tokens=None),
+        cost,
+    )
+    alone = run_checked(
+        wl(),
+        Deployment(2, policy="round_robin", replica=replica, storage_tokens=0),
+        cost,
+    )
     assert shared.hit_rate["storage"] > 0.2
     assert alone.hit_rate["storage"] == 0
     assert shared.summary.ttft.median_ms < alone.summary.ttft.median_ms
@@ -139,7 +182,9 @@ def test_speculative_decoding_pays_at_low_load_and_stops_itself_at_high_load(cos
     cfg = DatasetConfig(name="random", num_prompts=64, input_len=32, output_len=32)
     busy = run_checked(dataset_workload(cfg), Deployment(1, replica=on), spec)
     plain = run_checked(dataset_workload(cfg), Deployment(1, replica=off), spec)
-    assert busy.summary.output_throughput == pytest.approx(plain.summary.output_throughput, rel=0.1)
+    assert busy.summary.output_throughput == pytest.approx(
+        plain.summary.output_throughput, rel=0.1
+    )
 
 
 def test_co_located_replicas_share_the_machine(cost):
@@ -166,7 +211,19 @@ def test_co_located_steps_slow_each_other_by_their_own_kind():
     loop = EventLoop()
     host = Host(loop, contention=0.0, contention_prefill=1.0)
     ends = {}
-    host.run("decode-replica", 1.0, lambda: ends.setdefault("decode", loop.now), prefill=False)
-    host.run("prefill-replica", 1.0, lambda: ends.setdefault("prefill", loop.now), prefill=True)
+    host.run(
+        "decode-replica",
+        1.0,
+        lambda: ends.setdefault("decode", loop.now),
+        prefill=False,
+    )
+    host.run(
+        "prefill-replica",
+        1.0,
+        lambda: ends.setdefault("prefill", loop.now),
+        prefill=True,
+    )
     loop.run()
-    assert ends["decode"] == pytest.approx(1.0) and ends["prefill"] == pytest.approx(1.5)
+    assert ends["decode"] == pytest.approx(1.0) and ends["prefill"] == pytest.approx(
+        1.5
+    )

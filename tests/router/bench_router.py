@@ -41,10 +41,14 @@ def free_port() -> int:
 
 def model_dir(name: str) -> tuple[Path, list[str]]:
     if name == "tiny":
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/conftest.py: make_model
+        sys.path.insert(
+            0, str(Path(__file__).resolve().parents[1])
+        )  # tests/conftest.py: make_model
         from tiny_models import make_model
 
-        return make_model(Path(tempfile.mkdtemp(prefix="router-bench-")) / "tiny-llama", "llama"), [
+        return make_model(
+            Path(tempfile.mkdtemp(prefix="router-bench-")) / "tiny-llama", "llama"
+        ), [
             "--dtype",
             "float32",
         ]
@@ -55,8 +59,19 @@ def model_dir(name: str) -> tuple[Path, list[str]]:
 
 def start_router(urls: list[str], policy: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    cmd = [sys.executable, "-m", "strata.router", "--port", str(port), "--policy", policy,
-           "--log-level", "warning", "--worker-urls", *urls]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "strata.router",
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--log-level",
+        "warning",
+        "--worker-urls",
+        *urls,
+    ]
     proc = subprocess.Popen(cmd)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -81,8 +96,12 @@ def worker_counters(urls: list[str]) -> tuple[float, float]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="default", help="default | tiny | a model directory")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--model", default="default", help="default | tiny | a model directory"
+    )
     ap.add_argument("--policies", nargs="+", default=["round_robin", "cache_aware"])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--num-groups", type=int, default=8)
@@ -91,7 +110,9 @@ def main() -> int:
     ap.add_argument("--question-len", type=int, default=32)
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--max-concurrency", type=int, default=4)
-    ap.add_argument("--num-threads", type=int, default=1, help="torch threads per replica")
+    ap.add_argument(
+        "--num-threads", type=int, default=1, help="torch threads per replica"
+    )
     ap.add_argument("--output-json", default=None)
     args = ap.parse_args()
 
@@ -107,9 +128,14 @@ def main() -> int:
             r.wait_ready(600)
         urls = [r.url for r in replicas]
         dataset = DatasetConfig(
-            name="shared-prefix", num_groups=args.num_groups, prompts_per_group=args.prompts_per_group,
-            system_len=args.system_len, question_len=args.question_len, output_len=args.output_len, seed=0,
-        )  # fmt: skip
+            name="shared-prefix",
+            num_groups=args.num_groups,
+            prompts_per_group=args.prompts_per_group,
+            system_len=args.system_len,
+            question_len=args.question_len,
+            output_len=args.output_len,
+            seed=0,
+        )
         conversations = make_dataset(dataset, tokenizer)
         for rnd in range(args.rounds):
             for policy in args.policies:
@@ -117,12 +143,18 @@ def main() -> int:
                 try:
                     httpx.post(url + "/flush_cache", timeout=60).raise_for_status()
                     before = worker_counters(urls)
-                    config = ServingConfig(base_url=url, max_concurrency=args.max_concurrency, num_warmup=1,
-                                           progress=False, seed=rnd)  # fmt: skip
+                    config = ServingConfig(
+                        base_url=url,
+                        max_concurrency=args.max_concurrency,
+                        num_warmup=1,
+                        progress=False,
+                        seed=rnd,
+                    )
                     res = run_serving(config, conversations, tokenizer)
                     after = worker_counters(urls)
                     per_worker = {
-                        w["url"]: w["num_requests"] for w in httpx.get(url + "/workers").json()["workers"]
+                        w["url"]: w["num_requests"]
+                        for w in httpx.get(url + "/workers").json()["workers"]
                     }
                 finally:
                     proc.send_signal(signal.SIGTERM)
@@ -140,7 +172,8 @@ def main() -> int:
                     "ttft_p99_ms": s.ttft.p99_ms,
                     "e2e_median_ms": s.e2e.median_ms,
                     "usage_hit_rate": s.usage_cache_hit_rate,
-                    "worker_hit_rate": (after[1] - before[1]) / max(after[0] - before[0], 1),
+                    "worker_hit_rate": (after[1] - before[1])
+                    / max(after[0] - before[0], 1),
                     "requests_per_worker": sorted(per_worker.values()),
                 }
                 results[policy].append(row)
@@ -156,20 +189,28 @@ def main() -> int:
         values = [row[key] for row in results[policy]]
         return f"{format(med(policy, key), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
 
-    print(f"\nmodel {path.name}; 2 replicas x {args.num_threads} thread(s); shared-prefix {args.num_groups} groups x "
-          f"{args.prompts_per_group} prompts, system {args.system_len} + question {args.question_len} tokens, "
-          f"output {args.output_len}; max concurrency {args.max_concurrency}; median (min–max) of {args.rounds} rounds\n")  # fmt: skip
+    print(
+        f"\nmodel {path.name}; 2 replicas x {args.num_threads} thread(s); shared-prefix {args.num_groups} groups x "
+        f"{args.prompts_per_group} prompts, system {args.system_len} + question {args.question_len} tokens, "
+        f"output {args.output_len}; max concurrency {args.max_concurrency}; median (min–max) of {args.rounds} rounds\n"
+    )
     print(
         "| policy | req/s | input tok/s | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | hit rate (usage) | hit rate (workers) |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for p in args.policies:
-        print(f"| {p} | {span(p, 'request_throughput', '.2f')} | {med(p, 'input_throughput'):.0f} | "
-              f"{span(p, 'ttft_mean_ms', '.0f')} | {med(p, 'ttft_median_ms'):.0f} | {med(p, 'ttft_p99_ms'):.0f} | "
-              f"{med(p, 'usage_hit_rate'):.3f} | {med(p, 'worker_hit_rate'):.3f} |")  # fmt: skip
+        print(
+            f"| {p} | {span(p, 'request_throughput', '.2f')} | {med(p, 'input_throughput'):.0f} | "
+            f"{span(p, 'ttft_mean_ms', '.0f')} | {med(p, 'ttft_median_ms'):.0f} | {med(p, 'ttft_p99_ms'):.0f} | "
+            f"{med(p, 'usage_hit_rate'):.3f} | {med(p, 'worker_hit_rate'):.3f} |"
+        )
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"args": vars(args), "results": results}, indent=1))
-    return 0 if all(row["failed"] == 0 for rows in results.values() for row in rows) else 1
+        Path(args.output_json).write_text(
+            json.dumps({"args": vars(args), "results": results}, indent=1)
+        )
+    return (
+        0 if all(row["failed"] == 0 for rows in results.values() for row in rows) else 1
+    )
 
 
 if __name__ == "__main__":

@@ -92,8 +92,15 @@ def fake_worker_app(state: FakeState) -> FastAPI:
     app = FastAPI()
 
     def unauthorized(request: Request) -> Response | None:
-        if state.api_key and request.headers.get("authorization") != f"Bearer {state.api_key}":
-            return Response(b'{"error": {"message": "invalid API key"}}', 401, media_type="application/json")
+        if (
+            state.api_key
+            and request.headers.get("authorization") != f"Bearer {state.api_key}"
+        ):
+            return Response(
+                b'{"error": {"message": "invalid API key"}}',
+                401,
+                media_type="application/json",
+            )
         return None
 
     @app.get("/health")
@@ -101,20 +108,30 @@ def fake_worker_app(state: FakeState) -> FastAPI:
         if state.healthy:
             return Response(b'{"status": "ok"}', media_type="application/json")
         return Response(
-            b'{"error": {"message": "the model is still loading"}}', 503, media_type="application/json"
+            b'{"error": {"message": "the model is still loading"}}',
+            503,
+            media_type="application/json",
         )
 
     @app.get("/get_server_info")
     async def info(request: Request) -> Response:
         if (denied := unauthorized(request)) is not None:
             return denied
-        body = {"model": "fake", "num_running_reqs": state.running, "num_queue_reqs": state.queued}
+        body = {
+            "model": "fake",
+            "num_running_reqs": state.running,
+            "num_queue_reqs": state.queued,
+        }
         return Response(json.dumps(body), media_type="application/json")
 
     @app.get("/v1/models")
     async def models() -> Response:
-        return Response(json.dumps({"object": "list", "data": [{"id": "fake", "owned_by": state.name}]}),
-                        media_type="application/json")  # fmt: skip
+        return Response(
+            json.dumps(
+                {"object": "list", "data": [{"id": "fake", "owned_by": state.name}]}
+            ),
+            media_type="application/json",
+        )
 
     @app.post("/flush_cache")
     async def flush() -> Response:
@@ -125,13 +142,17 @@ def fake_worker_app(state: FakeState) -> FastAPI:
             return denied
         raw = await request.body()
         body = json.loads(raw) if raw else {}
-        state.requests.append({"path": request.url.path, "body": body, "headers": dict(request.headers)})
+        state.requests.append(
+            {"path": request.url.path, "body": body, "headers": dict(request.headers)}
+        )
         if state.fail_next > 0:
             state.fail_next -= 1
             return Response(
-                json.dumps({"error": {"message": f"{state.name} failed on purpose"}}), state.fail_status,
-                media_type="application/json", headers={"Retry-After": "7"},
-            )  # fmt: skip
+                json.dumps({"error": {"message": f"{state.name} failed on purpose"}}),
+                state.fail_status,
+                media_type="application/json",
+                headers={"Retry-After": "7"},
+            )
         state.in_progress += 1
         state.max_in_progress = max(state.max_in_progress, state.in_progress)
         try:
@@ -141,7 +162,10 @@ def fake_worker_app(state: FakeState) -> FastAPI:
             raise
         if not body.get("stream"):
             state.in_progress -= 1
-            return Response(json.dumps({"worker": state.name, "echo": body}), media_type="application/json")
+            return Response(
+                json.dumps({"worker": state.name, "echo": body}),
+                media_type="application/json",
+            )
 
         async def events():
             try:
@@ -182,14 +206,23 @@ class RouterThread(ThreadServer):
 
     def client(self, **kw) -> httpx.Client:
         kw.setdefault("timeout", 30)
-        headers = {"Authorization": f"Bearer {self.config.api_key}"} if self.config.api_key else {}
+        headers = (
+            {"Authorization": f"Bearer {self.config.api_key}"}
+            if self.config.api_key
+            else {}
+        )
         return httpx.Client(base_url=self.url, headers=headers, trust_env=False, **kw)
 
     def workers(self) -> dict[str, dict]:
         with self.client() as c:
-            return {w["url"]: w for w in c.get("/workers").raise_for_status().json()["workers"]}
+            return {
+                w["url"]: w
+                for w in c.get("/workers").raise_for_status().json()["workers"]
+            }
 
-    def wait_for(self, predicate, timeout: float = 10.0, what: str = "condition") -> None:
+    def wait_for(
+        self, predicate, timeout: float = 10.0, what: str = "condition"
+    ) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if predicate(self.workers()):

@@ -23,14 +23,25 @@ SELECTOR = "app=strata,component=replica"
 TOKEN = "service-account-token"
 
 
-def make_pod(name: str, port: int, *, ready: bool = True, labels: dict | None = None, ip: str = "127.0.0.1"):
+def make_pod(
+    name: str,
+    port: int,
+    *,
+    ready: bool = True,
+    labels: dict | None = None,
+    ip: str = "127.0.0.1",
+):
     return {
         "metadata": {
             "name": name,
             "namespace": NAMESPACE,
             "labels": labels or {"app": "strata", "component": "replica"},
         },
-        "spec": {"containers": [{"name": "strata", "ports": [{"name": "http", "containerPort": port}]}]},
+        "spec": {
+            "containers": [
+                {"name": "strata", "ports": [{"name": "http", "containerPort": port}]}
+            ]
+        },
         "status": {
             "phase": "Running",
             "podIP": ip,
@@ -74,7 +85,11 @@ class FakeKubeAPI(ThreadServer):
                 q.put(
                     {
                         "type": "ERROR",
-                        "object": {"kind": "Status", "code": 410, "message": "too old resource version"},
+                        "object": {
+                            "kind": "Status",
+                            "code": 410,
+                            "message": "too old resource version",
+                        },
                     }
                 )
 
@@ -104,19 +119,34 @@ class FakeKubeAPI(ThreadServer):
 
         def matches(pod: dict, selector: str) -> bool:
             labels = pod["metadata"].get("labels") or {}
-            return all(labels.get(k) == v for k, v in (term.split("=", 1) for term in selector.split(",")))
+            return all(
+                labels.get(k) == v
+                for k, v in (term.split("=", 1) for term in selector.split(","))
+            )
 
         @app.get(f"/api/v1/namespaces/{NAMESPACE}/pods")
         async def pods(request: Request):
             params = dict(request.query_params)
-            self.requests.append({"params": params, "authorization": request.headers.get("authorization")})
+            self.requests.append(
+                {
+                    "params": params,
+                    "authorization": request.headers.get("authorization"),
+                }
+            )
             selector = params["labelSelector"]
             if params.get("watch") != "1":
                 with self.lock:
                     if self.fail_lists > 0:
                         self.fail_lists -= 1
                         return Response(
-                            json.dumps({"kind": "Status", "code": 403, "message": "pods is forbidden"}), 403
+                            json.dumps(
+                                {
+                                    "kind": "Status",
+                                    "code": 403,
+                                    "message": "pods is forbidden",
+                                }
+                            ),
+                            403,
                         )
                     items = [p for p in self.pods.values() if matches(p, selector)]
                     return {
@@ -127,7 +157,10 @@ class FakeKubeAPI(ThreadServer):
             since = int(params["resourceVersion"])
             with self.lock:
                 if since < self.expired_before:
-                    return Response(json.dumps({"kind": "Status", "code": 410, "message": "Gone"}), 410)
+                    return Response(
+                        json.dumps({"kind": "Status", "code": 410, "message": "Gone"}),
+                        410,
+                    )
                 q: queue.Queue = queue.Queue()
                 for version, kind, pod in self.events:
                     if version > since:
@@ -144,7 +177,9 @@ class FakeKubeAPI(ThreadServer):
                             continue
                         if event["type"] == "END":
                             return
-                        if event["type"] == "ERROR" or matches(event["object"], selector):
+                        if event["type"] == "ERROR" or matches(
+                            event["object"], selector
+                        ):
                             yield json.dumps(event) + "\n"
                         if event["type"] == "ERROR":
                             return
@@ -185,7 +220,9 @@ def router(kube, service_account, workers):
     routers = []
 
     def make(**config) -> RouterThread:
-        r = RouterThread(service_discovery="k8s", selector=SELECTOR, k8s_api_url=kube.url, **config).start()
+        r = RouterThread(
+            service_discovery="k8s", selector=SELECTOR, k8s_api_url=kube.url, **config
+        ).start()
         routers.append(r)
         return r
 
@@ -194,8 +231,12 @@ def router(kube, service_account, workers):
         r.stop()
 
 
-def wait_workers(router: RouterThread, expected: set[str], timeout: float = 10.0) -> None:
-    router.wait_for(lambda ws: set(ws) == expected, timeout, f"workers {sorted(expected)}")
+def wait_workers(
+    router: RouterThread, expected: set[str], timeout: float = 10.0
+) -> None:
+    router.wait_for(
+        lambda ws: set(ws) == expected, timeout, f"workers {sorted(expected)}"
+    )
 
 
 def test_ready_pods_join_and_leave(kube, router, workers):
@@ -211,18 +252,28 @@ def test_ready_pods_join_and_leave(kube, router, workers):
     wait_workers(r, {static.url, a.url, b.url})
     kube.delete("replica-a")  # goes away
     wait_workers(r, {static.url, b.url})
-    kube.put(make_pod("replica-b", b.port, ready=False))  # stops being Ready (e.g. failing probes)
-    wait_workers(r, {static.url})  # the worker given on the command line is never dropped by discovery
+    kube.put(
+        make_pod("replica-b", b.port, ready=False)
+    )  # stops being Ready (e.g. failing probes)
+    wait_workers(
+        r, {static.url}
+    )  # the worker given on the command line is never dropped by discovery
 
     lists = [q for q in kube.requests if q["params"].get("watch") != "1"]
     watches = [q for q in kube.requests if q["params"].get("watch") == "1"]
     assert lists and watches
     assert all(q["params"]["labelSelector"] == SELECTOR for q in kube.requests)
-    assert all(q["authorization"] == f"Bearer {TOKEN}" for q in kube.requests)  # the service account's token
-    assert watches[0]["params"]["resourceVersion"] == "103"  # from the list, not from scratch
+    assert all(
+        q["authorization"] == f"Bearer {TOKEN}" for q in kube.requests
+    )  # the service account's token
+    assert (
+        watches[0]["params"]["resourceVersion"] == "103"
+    )  # from the list, not from scratch
 
 
-def test_an_expired_watch_relists_and_catches_up_on_missed_changes(kube, router, workers):
+def test_an_expired_watch_relists_and_catches_up_on_missed_changes(
+    kube, router, workers
+):
     a, b, _ = workers
     kube.put(make_pod("replica-a", a.port))
     r = router()
@@ -238,7 +289,9 @@ def test_an_expired_watch_relists_and_catches_up_on_missed_changes(kube, router,
     assert sum(q["params"].get("watch") != "1" for q in kube.requests) == num_lists + 1
 
 
-def test_a_watch_the_server_ends_is_reopened_from_the_last_version_seen(kube, router, workers):
+def test_a_watch_the_server_ends_is_reopened_from_the_last_version_seen(
+    kube, router, workers
+):
     a, b, _ = workers
     r = router()
     kube.put(make_pod("replica-a", a.port))
@@ -249,8 +302,12 @@ def test_a_watch_the_server_ends_is_reopened_from_the_last_version_seen(kube, ro
         assert time.monotonic() < deadline, kube.requests
         time.sleep(0.05)
     watches = [q for q in kube.requests if q["params"].get("watch") == "1"]
-    assert watches[-1]["params"]["resourceVersion"] == str(kube.version)  # the pod's event, not the list's
-    assert sum(q["params"].get("watch") != "1" for q in kube.requests) == 1  # no relist needed
+    assert watches[-1]["params"]["resourceVersion"] == str(
+        kube.version
+    )  # the pod's event, not the list's
+    assert (
+        sum(q["params"].get("watch") != "1" for q in kube.requests) == 1
+    )  # no relist needed
     kube.put(make_pod("replica-b", b.port))
     wait_workers(r, {a.url, b.url})
 
@@ -266,7 +323,9 @@ def test_api_errors_are_retried_until_the_api_answers(kube, router, workers):
 
 def test_pod_url_only_for_pods_that_should_get_traffic():
     assert pod_url(make_pod("p", 30000), None) == "http://127.0.0.1:30000"
-    assert pod_url(make_pod("p", 30000), 8080) == "http://127.0.0.1:8080"  # --k8s-port wins
+    assert (
+        pod_url(make_pod("p", 30000), 8080) == "http://127.0.0.1:8080"
+    )  # --k8s-port wins
     assert pod_url(make_pod("p", 30000, ip="fd00::5"), None) == "http://[fd00::5]:30000"
     assert pod_url(make_pod("p", 30000, ready=False), None) is None
     pending = make_pod("p", 30000)
@@ -292,14 +351,31 @@ def test_config_says_what_is_missing():
         RouterConfig(selector="app=strata")
 
 
-def test_outside_a_cluster_the_router_says_which_flag_to_give(tmp_path, monkeypatch, capsys):
+def test_outside_a_cluster_the_router_says_which_flag_to_give(
+    tmp_path, monkeypatch, capsys
+):
     from strata.cli import build_parser
     from strata.router.cli import router_main
 
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
-    monkeypatch.setattr(k8s_discovery, "SERVICE_ACCOUNT_DIR", tmp_path)  # no namespace file there
-    argv = ["router", "--port", "0", "--service-discovery", "k8s", "--selector", SELECTOR]
+    monkeypatch.setattr(
+        k8s_discovery, "SERVICE_ACCOUNT_DIR", tmp_path
+    )  # no namespace file there
+    argv = [
+        "router",
+        "--port",
+        "0",
+        "--service-discovery",
+        "k8s",
+        "--selector",
+        SELECTOR,
+    ]
     assert router_main(build_parser().parse_args(argv)) == 2
     assert "give --k8s-api-url" in capsys.readouterr().err
-    assert router_main(build_parser().parse_args([*argv, "--k8s-api-url", "http://127.0.0.1:1"])) == 2
+    assert (
+        router_main(
+            build_parser().parse_args([*argv, "--k8s-api-url", "http://127.0.0.1:1"])
+        )
+        == 2
+    )
     assert "give --k8s-namespace" in capsys.readouterr().err

@@ -14,7 +14,10 @@ from strata.router.worker import CircuitBreaker, Health, Worker
 
 
 def make_workers(n: int) -> list[Worker]:
-    workers = [Worker(f"http://127.0.0.1:{9000 + i}", CircuitBreaker(3, 10.0)) for i in range(n)]
+    workers = [
+        Worker(f"http://127.0.0.1:{9000 + i}", CircuitBreaker(3, 10.0))
+        for i in range(n)
+    ]
     for w in workers:
         w.health = Health.HEALTHY
     return workers
@@ -25,7 +28,13 @@ def policy(name: str, **kw):
 
 
 def test_registry_names_every_policy():
-    assert set(POLICIES) == {"round_robin", "random", "least_load", "power_of_two", "cache_aware"}
+    assert set(POLICIES) == {
+        "round_robin",
+        "random",
+        "least_load",
+        "power_of_two",
+        "cache_aware",
+    }
     with pytest.raises(ValueError, match="policy must be one of"):
         RouterConfig(policy="nope")
 
@@ -34,7 +43,10 @@ def test_registry_names_every_policy():
 def test_every_policy_uses_every_worker_when_idle(name):
     workers = make_workers(3)
     p = policy(name)
-    seen = Counter(p.choose(workers, RoutingKey(f"prompt {i} " + "x" * i)).worker.url for i in range(60))
+    seen = Counter(
+        p.choose(workers, RoutingKey(f"prompt {i} " + "x" * i)).worker.url
+        for i in range(60)
+    )
     assert set(seen) == {w.url for w in workers}
 
 
@@ -49,7 +61,9 @@ def test_least_load_and_power_of_two_avoid_the_loaded_worker():
     workers[0].on_load_report(running=50, queued=10)
     for name in ("least_load", "power_of_two"):
         p = policy(name)
-        assert {p.choose(workers, RoutingKey("a")).worker.url for _ in range(20)} == {workers[1].url}
+        assert {p.choose(workers, RoutingKey("a")).worker.url for _ in range(20)} == {
+            workers[1].url
+        }
 
 
 def test_load_is_reported_plus_own_requests_since_the_report():
@@ -57,22 +71,34 @@ def test_load_is_reported_plus_own_requests_since_the_report():
     w.on_dispatch()
     w.on_dispatch()
     assert w.load == 2  # no report yet: our own in-flight requests
-    w.on_load_report(running=5, queued=1)  # the worker counts ours and other routers' requests
+    w.on_load_report(
+        running=5, queued=1
+    )  # the worker counts ours and other routers' requests
     assert w.load == 6
     w.on_dispatch()
     assert w.load == 7  # one more since the report
     w.on_done()
     w.on_done()
     assert w.load == 5  # two finished since the report
-    w.on_load_report(running=1, queued=0)  # the correction resets at every report: no drift
+    w.on_load_report(
+        running=1, queued=0
+    )  # the correction resets at every report: no drift
     assert w.load == 1
     w.on_done()
     assert w.load == 0 and w.in_flight == 0
 
 
-def shared_prefix_prompts(num_groups: int, per_group: int, rng: random.Random) -> list[tuple[int, str]]:
-    systems = [f"System prompt of group {g}: " + "lorem ipsum " * 20 for g in range(num_groups)]
-    prompts = [(g, systems[g] + f"question {q}") for g in range(num_groups) for q in range(per_group)]
+def shared_prefix_prompts(
+    num_groups: int, per_group: int, rng: random.Random
+) -> list[tuple[int, str]]:
+    systems = [
+        f"System prompt of group {g}: " + "lorem ipsum " * 20 for g in range(num_groups)
+    ]
+    prompts = [
+        (g, systems[g] + f"question {q}")
+        for g in range(num_groups)
+        for q in range(per_group)
+    ]
     rng.shuffle(prompts)
     return prompts
 
@@ -89,7 +115,9 @@ def test_cache_aware_sends_each_group_to_one_worker_and_spreads_groups():
         choice.worker.on_dispatch()  # requests stay open: load builds up as it would under traffic
     assert all(len(urls) == 1 for urls in placement.values()), placement
     per_worker = Counter(next(iter(urls)) for urls in placement.values())
-    assert len(per_worker) == 2  # misses went to the least loaded worker, not all to one
+    assert (
+        len(per_worker) == 2
+    )  # misses went to the least loaded worker, not all to one
     assert decisions["load"] == 8 and decisions["prefix"] == 72
 
 
@@ -158,7 +186,9 @@ def test_circuit_breaker_opens_half_opens_and_closes():
 
 def test_health_ejects_after_threshold_and_readmits():
     (w,) = make_workers(1)
-    assert not w.on_health_check(False, "down", success_threshold=1, failure_threshold=2)
+    assert not w.on_health_check(
+        False, "down", success_threshold=1, failure_threshold=2
+    )
     assert w.health is Health.HEALTHY  # one failure is not enough
     w.on_health_check(False, "down", 1, 2)
     assert w.health is Health.UNHEALTHY and not w.routable()

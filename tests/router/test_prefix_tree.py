@@ -12,7 +12,9 @@ def test_common_prefix_len_matches_naive():
     for _ in range(500):
         a = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
         b = "".join(rng.choice("ab") for _ in range(rng.randrange(0, 40)))
-        naive = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        naive = next(
+            (i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))
+        )
         assert common_prefix_len(a, b) == naive
 
 
@@ -21,13 +23,19 @@ def test_match_after_inserts_and_splits():
     assert tree.match("anything") == 0
     tree.insert("You are a helpful assistant. Q1")
     tree.insert("You are a helpful bot. Q2")  # splits the first edge
-    assert tree.match("You are a helpful assistant. Q1") == len("You are a helpful assistant. Q1")
-    assert tree.match("You are a helpful assistant. Q9") == len("You are a helpful assistant. Q")
+    assert tree.match("You are a helpful assistant. Q1") == len(
+        "You are a helpful assistant. Q1"
+    )
+    assert tree.match("You are a helpful assistant. Q9") == len(
+        "You are a helpful assistant. Q"
+    )
     assert tree.match("You are a helpful bot. Q3") == len("You are a helpful bot. Q")
     assert tree.match("You are a grumpy bot") == len("You are a ")
     assert tree.match("Something else") == 0
     # size counts distinct characters stored, shared prefixes once
-    assert tree.num_chars == len("You are a helpful ") + len("assistant. Q1") + len("bot. Q2")
+    assert tree.num_chars == len("You are a helpful ") + len("assistant. Q1") + len(
+        "bot. Q2"
+    )
 
 
 def test_tree_matches_a_reference_set_of_strings():

@@ -21,11 +21,26 @@ def parse(*argv: str) -> argparse.Namespace:
 def test_flags_default_to_the_config_and_reach_it():
     assert config_from_args(parse()) == RouterConfig()
     config = config_from_args(
-        parse("--worker-urls", "http://a:1/", "https://b:2", "--policy", "round_robin", "--max-retries", "5",
-              "--balance-abs-threshold", "8", "--worker-api-key", "k")
-    )  # fmt: skip
+        parse(
+            "--worker-urls",
+            "http://a:1/",
+            "https://b:2",
+            "--policy",
+            "round_robin",
+            "--max-retries",
+            "5",
+            "--balance-abs-threshold",
+            "8",
+            "--worker-api-key",
+            "k",
+        )
+    )
     assert config.worker_urls == ("http://a:1", "https://b:2")
-    assert (config.policy, config.max_retries, config.balance_abs_threshold) == ("round_robin", 5, 8)
+    assert (config.policy, config.max_retries, config.balance_abs_threshold) == (
+        "round_robin",
+        5,
+        8,
+    )
     assert config.worker_api_key == "k"
 
 
@@ -69,25 +84,46 @@ def test_other_errors_exit_2_before_anything_starts(capsys):
         busy.bind(("127.0.0.1", 0))
         busy.listen(1)
         port = busy.getsockname()[1]
-        assert router_main(parse("--port", str(port), "--worker-urls", "http://127.0.0.1:1")) == 2
+        assert (
+            router_main(
+                parse("--port", str(port), "--worker-urls", "http://127.0.0.1:1")
+            )
+            == 2
+        )
     assert "pick another --port" in capsys.readouterr().err
 
 
 def test_launch_passes_the_engine_flags_that_were_given():
     args = parse(
-        "--launch", "2", "--model", "/m", "--dtype", "float32", "--num-threads", "1", "--disable-radix-cache",
-        "--disaggregation-secret", "pd-s3cret", "--hicache-storage-path", "redis://:pw@host:6379/0",
-    )  # fmt: skip
+        "--launch",
+        "2",
+        "--model",
+        "/m",
+        "--dtype",
+        "float32",
+        "--num-threads",
+        "1",
+        "--disable-radix-cache",
+        "--disaggregation-secret",
+        "pd-s3cret",
+        "--hicache-storage-path",
+        "redis://:pw@host:6379/0",
+    )
     flags, secret_env = engine_flags(args)
     assert flags[:2] == ["--model", "/m"]
-    assert {"--dtype", "float32", "--num-threads", "1", "--disable-radix-cache"} <= set(flags)
+    assert {"--dtype", "float32", "--num-threads", "1", "--disable-radix-cache"} <= set(
+        flags
+    )
     assert "--page-size" not in flags  # defaults are left to `strata serve`
     replica = LocalReplica(flags, port=1234, api_key="wk", secret_env=secret_env)
     cmd = replica.command()
     assert cmd[1:3] == ["-m", "strata.server"]
     assert cmd[cmd.index("--port") + 1] == "1234"
     # secrets never go on a command line (readable by every local user in /proc): the environment
-    assert not {"wk", "pd-s3cret", "redis://:pw@host:6379/0"} & set(cmd) and "--api-key" not in cmd
+    assert (
+        not {"wk", "pd-s3cret", "redis://:pw@host:6379/0"} & set(cmd)
+        and "--api-key" not in cmd
+    )
     env = replica.environment()
     assert env["STRATA_API_KEY"] == "wk" and env["STRATA_DISAGG_SECRET"] == "pd-s3cret"
     assert env["STRATA_HICACHE_STORAGE_PATH"] == "redis://:pw@host:6379/0"

@@ -150,9 +150,13 @@ def test_shared_pool_page_costs_and_gives_back():
     assert len(used) == 9  # every part is a page of its own
     for g in a.groups:
         assert g.drop([pages[0]]) == 1
-    assert a.num_free_pages == 5 and a.usable_prefix(pages) == 3  # a query at 12 reads from 5 on
+    assert (
+        a.num_free_pages == 5 and a.usable_prefix(pages) == 3
+    )  # a query at 12 reads from 5 on
     more = a.alloc(1)
-    assert set(more) | {int(g.to_group[more[0]]) for g in a.groups} <= set(range(12)) - (used - set(behind))
+    assert set(more) | {int(g.to_group[more[0]]) for g in a.groups} <= set(
+        range(12)
+    ) - (used - set(behind))
     a.free(pages + more)
     assert a.num_free_pages == 12 and all((g.to_group < 0).all() for g in a.groups)
     assert a.alloc(5) is None and a.num_free_pages == 12  # all or nothing
@@ -178,6 +182,8 @@ def test_shared_pool_randomized_accounting():
             out = rng.sample(live, min(len(live), rng.randint(1, 3)))
             a.free(out)
             live = [p for p in live if p not in out]
-        held = [int(g.to_group[p]) for g in a.groups for p in live if g.to_group[p] >= 0]
+        held = [
+            int(g.to_group[p]) for g in a.groups for p in live if g.to_group[p] >= 0
+        ]
         assert len(set(held) | set(live)) == len(held) + len(live)
         assert a.num_free_pages + len(live) + len(held) == 64

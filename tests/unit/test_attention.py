@@ -11,7 +11,11 @@ import pytest
 import torch
 
 from strata import kernels
-from strata.layers.attention import AttentionMetadata, paged_attention, reference_attention
+from strata.layers.attention import (
+    AttentionMetadata,
+    paged_attention,
+    reference_attention,
+)
 
 # decodes (q_len 1) first, then extends with and without a cached prefix; `long` adds a request of
 # many tiles and query blocks
@@ -37,13 +41,17 @@ def backend(name: str):
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
-@pytest.mark.parametrize("shape", [(4, 4), (8, 2), (6, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
+@pytest.mark.parametrize(
+    "shape", [(4, 4), (8, 2), (6, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}"
+)
 @pytest.mark.parametrize("page_size", [1, 4, 16])
 @pytest.mark.parametrize("batch", ["mixed", "mixed-long"])
 @pytest.mark.parametrize("backend_name", ["kernels", "pytorch"])
 def test_matches_reference(dtype, atol, shape, page_size, batch, backend_name):
     with backend(backend_name):
-        check_against_reference(dtype, atol, shape, page_size, BATCHES[batch], head_dim=16)
+        check_against_reference(
+            dtype, atol, shape, page_size, BATCHES[batch], head_dim=16
+        )
 
 
 @pytest.mark.parametrize("dtype, atol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
@@ -52,10 +60,18 @@ def test_matches_reference(dtype, atol, shape, page_size, batch, backend_name):
 @pytest.mark.parametrize("batch", ["mixed-long", "decode-only", "extend-only"])
 @pytest.mark.parametrize("feature", FEATURES)
 @pytest.mark.parametrize("backend_name", ["kernels", "pytorch"])
-def test_window_sinks_softcap_match_reference(dtype, atol, shape, page_size, batch, feature, backend_name):
+def test_window_sinks_softcap_match_reference(
+    dtype, atol, shape, page_size, batch, feature, backend_name
+):
     with backend(backend_name):
         check_against_reference(
-            dtype, atol, shape, page_size, BATCHES[batch], head_dim=16, **FEATURES[feature]
+            dtype,
+            atol,
+            shape,
+            page_size,
+            BATCHES[batch],
+            head_dim=16,
+            **FEATURES[feature],
         )
 
 
@@ -63,7 +79,9 @@ def test_window_sinks_softcap_match_reference(dtype, atol, shape, page_size, bat
 @pytest.mark.parametrize("feature", [None, "all"])
 def test_head_dim_the_kernels_do_not_vectorise(batch, feature):
     options = FEATURES.get(feature, {})
-    check_against_reference(torch.float32, 1e-5, (4, 2), 1, BATCHES[batch], head_dim=24, **options)
+    check_against_reference(
+        torch.float32, 1e-5, (4, 2), 1, BATCHES[batch], head_dim=24, **options
+    )
 
 
 @pytest.mark.parametrize("head_dim", [32, 64, 96, 128])
@@ -73,8 +91,15 @@ def test_head_dim_the_kernels_do_not_vectorise(batch, feature):
 def test_bf16_head_dims_of_the_dot_product_paths(head_dim, shape, batch, feature):
     """bf16 with head_dim a multiple of 32: with AVX512-BF16 the decode and extend kernels multiply
     by the bf16 dot-product instruction (one, two, three and four 32-dimension chunks here)."""
-    check_against_reference(torch.bfloat16, 2e-2, shape, 16, BATCHES[batch], head_dim=head_dim,
-                            **FEATURES.get(feature, {}))
+    check_against_reference(
+        torch.bfloat16,
+        2e-2,
+        shape,
+        16,
+        BATCHES[batch],
+        head_dim=head_dim,
+        **FEATURES.get(feature, {}),
+    )
 
 
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -84,13 +109,28 @@ def test_pages_before_the_window_are_never_read(page_size, bad_page, backend_nam
     """Sliding layers will free the pages behind their window: those page-table entries may be anything."""
     with backend(backend_name):
         check_against_reference(
-            torch.float32, 1e-5, (8, 2), page_size, BATCHES["mixed-long"], head_dim=16, window=20, sinks=True,
+            torch.float32,
+            1e-5,
+            (8, 2),
+            page_size,
+            BATCHES["mixed-long"],
+            head_dim=16,
+            window=20,
+            sinks=True,
             pages_behind_window=bad_page,
         )
 
 
 def check_against_reference(
-    dtype, atol, shape, page_size, batch, head_dim, window=None, softcap=None, sinks=False,
+    dtype,
+    atol,
+    shape,
+    page_size,
+    batch,
+    head_dim,
+    window=None,
+    softcap=None,
+    sinks=False,
     pages_behind_window=None,
 ):
     rng = random.Random(0)
@@ -110,12 +150,16 @@ def check_against_reference(
     for b, pages in enumerate(page_lists):
         page_table[b, : len(pages)] = torch.tensor(pages)
     slot_lists = [
-        (torch.tensor(pages).view(-1, 1) * page_size + torch.arange(page_size)).view(-1)[:n]
+        (torch.tensor(pages).view(-1, 1) * page_size + torch.arange(page_size)).view(
+            -1
+        )[:n]
         for pages, n in zip(page_lists, kv_lens)
     ]
     if pages_behind_window is not None:
         for b, (q_len, kv_len) in enumerate(zip(q_lens, kv_lens)):
-            key_start = max(0, kv_len - q_len - window + 1)  # the earliest query's first key
+            key_start = max(
+                0, kv_len - q_len - window + 1
+            )  # the earliest query's first key
             page_table[b, : key_start // page_size] = pages_behind_window
     total = sum(q_lens)
     q = torch.randn(total, num_heads, head_dim, dtype=dtype)
@@ -123,11 +167,21 @@ def check_against_reference(
     v_new = torch.randn(total, num_kv_heads, head_dim, dtype=dtype)
     sink_logits = torch.randn(num_heads) * 2 if sinks else None
     features = {"window": window, "softcap": softcap, "sinks": sink_logits}
-    meta = AttentionMetadata.build(q_lens, kv_lens, page_table, page_size, num_decode, torch.device("cpu"))
-    assert meta.positions.tolist() == [p for q, k in zip(q_lens, kv_lens) for p in range(k - q, k)]
-    assert meta.out_slots.tolist() == [x for s, q in zip(slot_lists, q_lens) for x in s[-q:].tolist()]
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, scale=head_dim**-0.5, **features)
-    ref = reference_attention(q, k_cache, v_cache, q_lens, slot_lists, scale=head_dim**-0.5, **features)
+    meta = AttentionMetadata.build(
+        q_lens, kv_lens, page_table, page_size, num_decode, torch.device("cpu")
+    )
+    assert meta.positions.tolist() == [
+        p for q, k in zip(q_lens, kv_lens) for p in range(k - q, k)
+    ]
+    assert meta.out_slots.tolist() == [
+        x for s, q in zip(slot_lists, q_lens) for x in s[-q:].tolist()
+    ]
+    out = paged_attention(
+        q, k_new, v_new, k_cache, v_cache, meta, scale=head_dim**-0.5, **features
+    )
+    ref = reference_attention(
+        q, k_cache, v_cache, q_lens, slot_lists, scale=head_dim**-0.5, **features
+    )
     torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=0)
 
 
@@ -140,7 +194,9 @@ def test_features_change_the_output():
     slots = [torch.arange(40), torch.arange(30) + 40]
     plain = reference_attention(q, k_cache, v_cache, q_lens, slots, 0.25)
     for feature in ({"window": 8}, {"softcap": 0.5}, {"sinks": torch.full((4,), 3.0)}):
-        changed = reference_attention(q, k_cache, v_cache, q_lens, slots, 0.25, **feature)
+        changed = reference_attention(
+            q, k_cache, v_cache, q_lens, slots, 0.25, **feature
+        )
         assert not torch.allclose(changed, plain, atol=1e-3), feature
     # the first 8 queries of the chunk sit inside any 8-key window: only the later ones change
     windowed = reference_attention(q, k_cache, v_cache, q_lens, slots, 0.25, window=8)
@@ -151,17 +207,25 @@ def test_one_view_per_window_size_per_step():
     """Sliding and full layers share one metadata; each window size builds its masks once per step."""
     table = torch.arange(400).view(4, 100)
     with kernels.disabled():
-        meta = AttentionMetadata.build([1, 1, 30, 20], [50, 90, 30, 100], table, 1, 2, torch.device("cpu"))
+        meta = AttentionMetadata.build(
+            [1, 1, 30, 20], [50, 90, 30, 100], table, 1, 2, torch.device("cpu")
+        )
         q, kv = torch.randn(52, 4, 16), torch.randn(52, 2, 16)
         caches = torch.zeros(400, 2, 16), torch.zeros(400, 2, 16)
         for _layer in range(3):
             for window in (None, 16):
                 paged_attention(q, kv, kv, *caches, meta, 0.25, window=window)
         assert meta.view(16) is not meta.view(None)
-        assert meta.view(100) is meta.view(None)  # a window as long as every request is no window
+        assert meta.view(100) is meta.view(
+            None
+        )  # a window as long as every request is no window
         alone = meta.view(16).extend_alone  # the torch path takes each extend by itself
         assert set(alone) == {0, 1} and alone[1].kv_slots.shape[1] == 20 + 16 - 1
-        assert (alone[0].token_start, alone[0].num_tokens, alone[1].token_start) == (2, 30, 32)
+        assert (alone[0].token_start, alone[0].num_tokens, alone[1].token_start) == (
+            2,
+            30,
+            32,
+        )
 
 
 def test_single_fresh_prefill_takes_the_causal_path():
@@ -177,7 +241,10 @@ def test_single_fresh_prefill_takes_the_causal_path():
     "kwargs, message",
     [
         ({"window": 0}, "attention window is 0 tokens; it must be at least 1"),
-        ({"sinks": torch.zeros(3)}, "sinks has shape (3,); it must hold one logit per query head (4)"),
+        (
+            {"sinks": torch.zeros(3)},
+            "sinks has shape (3,); it must hold one logit per query head (4)",
+        ),
         ({"softcap": 0.0}, "softcap is 0.0; it must be positive"),
     ],
 )
@@ -186,7 +253,16 @@ def test_bad_layer_settings_are_refused(kwargs, message):
     meta = AttentionMetadata.build([2], [2], table, 1, 0, torch.device("cpu"))
     q, kv = torch.randn(2, 4, 16), torch.randn(2, 2, 16)
     with pytest.raises(ValueError, match=re.escape(message)):
-        paged_attention(q, kv, kv, torch.zeros(64, 2, 16), torch.zeros(64, 2, 16), meta, 0.25, **kwargs)
+        paged_attention(
+            q,
+            kv,
+            kv,
+            torch.zeros(64, 2, 16),
+            torch.zeros(64, 2, 16),
+            meta,
+            0.25,
+            **kwargs,
+        )
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
@@ -198,19 +274,39 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
     gen = torch.Generator().manual_seed(11)
     heads, kv_heads, dim = 4, 2, 16
     # (new tokens, tokens in KV after the step): a short one, a long one, a long chunk after a prefix
-    requests = {"short": (40, 40), "long": (300, 300), "chunk": (200, 500), "other": (700, 700), "mid": (100, 120)}
-    pages = {name: torch.arange(i * 1000, i * 1000 + 1000) for i, name in enumerate(requests)}
+    requests = {
+        "short": (40, 40),
+        "long": (300, 300),
+        "chunk": (200, 500),
+        "other": (700, 700),
+        "mid": (100, 120),
+    }
+    pages = {
+        name: torch.arange(i * 1000, i * 1000 + 1000) for i, name in enumerate(requests)
+    }
     tensors = {
-        name: [torch.randn(q, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)]
+        name: [
+            torch.randn(q, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)
+        ]
         for name, (q, _) in requests.items()
     }
-    cache = torch.randn(5000, kv_heads, dim, generator=gen), torch.randn(5000, kv_heads, dim, generator=gen)
+    cache = (
+        torch.randn(5000, kv_heads, dim, generator=gen),
+        torch.randn(5000, kv_heads, dim, generator=gen),
+    )
 
     def step(names: list[str]) -> dict[str, torch.Tensor]:
-        k_cache, v_cache = cache[0].clone(), cache[1].clone()  # cached prefixes as they were
+        k_cache, v_cache = (
+            cache[0].clone(),
+            cache[1].clone(),
+        )  # cached prefixes as they were
         meta = AttentionMetadata.build(
-            [requests[n][0] for n in names], [requests[n][1] for n in names],
-            torch.stack([pages[n] for n in names]), 1, 0, torch.device("cpu"),
+            [requests[n][0] for n in names],
+            [requests[n][1] for n in names],
+            torch.stack([pages[n] for n in names]),
+            1,
+            0,
+            torch.device("cpu"),
         )
         q, k, v = (torch.cat([tensors[n][i] for n in names]) for i in range(3))
         with contextlib.nullcontext() if native else kernels.disabled():
@@ -218,40 +314,85 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
         return dict(zip(names, out.split([requests[n][0] for n in names])))
 
     alone = {name: step([name])[name] for name in ("short", "long", "chunk", "mid")}
-    for names in (["short", "long"], ["long", "short", "chunk"], ["other", "chunk", "short", "long"],
-                  ["mid", "short"], ["short", "other", "mid"]):
+    for names in (
+        ["short", "long"],
+        ["long", "short", "chunk"],
+        ["other", "chunk", "short", "long"],
+        ["mid", "short"],
+        ["short", "other", "mid"],
+    ):
         for name, out in step(names).items():
             if name in alone:
                 assert torch.equal(out, alone[name]), (names, name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(9, 3), (4, 4), (8, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
+@pytest.mark.parametrize(
+    "shape", [(9, 3), (4, 4), (8, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}"
+)
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("feature", [None, "window", "all"])
-def test_a_prefill_attends_the_same_however_its_prompt_is_chunked(dtype, shape, page_size, feature):
+def test_a_prefill_attends_the_same_however_its_prompt_is_chunked(
+    dtype, shape, page_size, feature
+):
     """The extend kernel computes a query row the same whichever rows share its work item and
     wherever its chunk starts: a prompt prefilled at once, in chunks of any size, or after a cached
     prefix (a radix hit) gives the same bits for every token."""
     ops = kernels.usable(torch.zeros(1))
     if ops is None or not ops.has_simd():
         pytest.skip("the extend kernel needs AVX2 or AVX-512")
-    options = {"window": {"window": 37}, "all": {"window": 37, "softcap": 1.5, "sinks": True}}.get(feature, {})
+    options = {
+        "window": {"window": 37},
+        "all": {"window": 37, "softcap": 1.5, "sinks": True},
+    }.get(feature, {})
     heads, kv_heads, dim, n = *shape, 64, 300
     gen = torch.Generator().manual_seed(3)
-    q, k, v = (torch.randn(n, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(n, h, dim, generator=gen).to(dtype)
+        for h in (heads, kv_heads, kv_heads)
+    )
     sinks = torch.randn(heads, generator=gen) if options.pop("sinks", False) else None
     table = torch.arange(n // page_size + 1).view(1, -1)
 
     def chunk(a: int, b: int) -> torch.Tensor:
-        k_cache, v_cache = (torch.zeros(n + page_size, kv_heads, dim, dtype=dtype) for _ in range(2))
-        k_cache[:a], v_cache[:a] = k[:a], v[:a]  # the cached prefix (pages are slots in order)
-        meta = AttentionMetadata.build([b - a], [b], table, page_size, 0, torch.device("cpu"))
-        return paged_attention(q[a:b], k[a:b], v[a:b], k_cache, v_cache, meta, dim**-0.5, sinks=sinks, **options)
+        k_cache, v_cache = (
+            torch.zeros(n + page_size, kv_heads, dim, dtype=dtype) for _ in range(2)
+        )
+        k_cache[:a], v_cache[:a] = (
+            k[:a],
+            v[:a],
+        )  # the cached prefix (pages are slots in order)
+        meta = AttentionMetadata.build(
+            [b - a], [b], table, page_size, 0, torch.device("cpu")
+        )
+        return paged_attention(
+            q[a:b],
+            k[a:b],
+            v[a:b],
+            k_cache,
+            v_cache,
+            meta,
+            dim**-0.5,
+            sinks=sinks,
+            **options,
+        )
 
     whole = chunk(0, n)
-    ref = reference_attention(q, k, v, [n], [torch.arange(n)], dim**-0.5, sinks=sinks, **options)
-    torch.testing.assert_close(whole.float(), ref.float(), atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=0)
-    for cuts in ([0, 1, 300], [0, 100, 200, 300], [0, 17, 50, 51, 129, 300], [0, 299, 300], [0, 64, 300]):
+    ref = reference_attention(
+        q, k, v, [n], [torch.arange(n)], dim**-0.5, sinks=sinks, **options
+    )
+    torch.testing.assert_close(
+        whole.float(),
+        ref.float(),
+        atol=1e-5 if dtype == torch.float32 else 2e-2,
+        rtol=0,
+    )
+    for cuts in (
+        [0, 1, 300],
+        [0, 100, 200, 300],
+        [0, 17, 50, 51, 129, 300],
+        [0, 299, 300],
+        [0, 64, 300],
+    ):
         for a, b in itertools.pairwise(cuts):
             assert torch.equal(chunk(a, b), whole[a:b]), (cuts, a, b)

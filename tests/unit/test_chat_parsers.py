@@ -27,7 +27,9 @@ def run(splitter_factory, text: str, pieces: list[str] | None = None) -> ChoiceP
 
 
 def random_pieces(text: str, rng: random.Random) -> list[str]:
-    cuts = sorted(rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12))))
+    cuts = sorted(
+        rng.sample(range(1, len(text)), k=min(len(text) - 1, rng.randint(1, 12)))
+    )
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
@@ -37,42 +39,125 @@ def tools_only(parser: str):
 
 def with_reasoning(reasoning: str, prompt_tail: str = "", tools: str | None = "hermes"):
     return lambda: ChoiceSplitter(
-        REASONING_PARSERS[reasoning].splitter(prompt_tail), TOOL_CALL_PARSERS[tools].splitter() if tools else None
+        REASONING_PARSERS[reasoning].splitter(prompt_tail),
+        TOOL_CALL_PARSERS[tools].splitter() if tools else None,
     )
 
 
 CASES = [
     # (factory, text, reasoning, content, [(name, arguments)], finish_reason)
-    (tools_only("hermes"), "Let me check." + "\n" + CALL, "", "Let me check.",
-     [("get_weather", {"city": "Paris", "days": 3})], "tool_calls"),
-    (tools_only("hermes"), CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n", "", None,
-     [("get_weather", {"city": "Paris", "days": 3}), ("get_weather", {"city": "Oslo", "days": 3})], "tool_calls"),
-    (tools_only("hermes"), "No tools needed: 2 < 3 and <b>bold</b> stays.  ", "",
-     "No tools needed: 2 < 3 and <b>bold</b> stays.  ", [], "stop"),
+    (
+        tools_only("hermes"),
+        "Let me check." + "\n" + CALL,
+        "",
+        "Let me check.",
+        [("get_weather", {"city": "Paris", "days": 3})],
+        "tool_calls",
+    ),
+    (
+        tools_only("hermes"),
+        CALL + "\n" + CALL.replace("Paris", "Oslo") + "\n",
+        "",
+        None,
+        [
+            ("get_weather", {"city": "Paris", "days": 3}),
+            ("get_weather", {"city": "Oslo", "days": 3}),
+        ],
+        "tool_calls",
+    ),
+    (
+        tools_only("hermes"),
+        "No tools needed: 2 < 3 and <b>bold</b> stays.  ",
+        "",
+        "No tools needed: 2 < 3 and <b>bold</b> stays.  ",
+        [],
+        "stop",
+    ),
     # invalid JSON inside the tags, and a call cut off: text, never a call
-    (tools_only("hermes"), "<tool_call>\n{\"name\": \"x\", \"arguments\": {oops}\n</tool_call>", "",
-     "<tool_call>\n{\"name\": \"x\", \"arguments\": {oops}\n</tool_call>", [], "stop"),
-    (tools_only("hermes"), '<tool_call>\n{"name": "get_weather", "argu', "", '<tool_call>\n{"name": "get_weather", "argu',
-     [], "stop"),
-    (tools_only("json"), '{"name": "add", "parameters": {"a": 1}}', "", None, [("add", {"a": 1})], "tool_calls"),
-    (tools_only("json"), '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": "{\\"a\\": 2}"}]', "",
-     None, [("add", {"a": 1}), ("add", {"a": 2})], "tool_calls"),
+    (
+        tools_only("hermes"),
+        '<tool_call>\n{"name": "x", "arguments": {oops}\n</tool_call>',
+        "",
+        '<tool_call>\n{"name": "x", "arguments": {oops}\n</tool_call>',
+        [],
+        "stop",
+    ),
+    (
+        tools_only("hermes"),
+        '<tool_call>\n{"name": "get_weather", "argu',
+        "",
+        '<tool_call>\n{"name": "get_weather", "argu',
+        [],
+        "stop",
+    ),
+    (
+        tools_only("json"),
+        '{"name": "add", "parameters": {"a": 1}}',
+        "",
+        None,
+        [("add", {"a": 1})],
+        "tool_calls",
+    ),
+    (
+        tools_only("json"),
+        '[{"name": "add", "arguments": {"a": 1}}, {"name": "add", "arguments": "{\\"a\\": 2}"}]',
+        "",
+        None,
+        [("add", {"a": 1}), ("add", {"a": 2})],
+        "tool_calls",
+    ),
     (tools_only("json"), '{"answer": 42}', "", '{"answer": 42}', [], "stop"),
     (tools_only("json"), "Plain {text}", "", "Plain {text}", [], "stop"),
-    (with_reasoning("qwen3"), "<think>\nweigh it: a<b\n</think>\n\nThe answer." , "\nweigh it: a<b\n", "The answer.", [],
-     "stop"),
+    (
+        with_reasoning("qwen3"),
+        "<think>\nweigh it: a<b\n</think>\n\nThe answer.",
+        "\nweigh it: a<b\n",
+        "The answer.",
+        [],
+        "stop",
+    ),
     (with_reasoning("qwen3"), "No thinking here.", "", "No thinking here.", [], "stop"),
-    (with_reasoning("qwen3"), "<think>I should call.</think>" + CALL, "I should call.", None,
-     [("get_weather", {"city": "Paris", "days": 3})], "tool_calls"),
-    (with_reasoning("deepseek_r1"), "thinking...</think>Done", "thinking...", "Done", [], "stop"),
-    (with_reasoning("deepseek_r1"), "still thinking when cut off", "still thinking when cut off", "", [], "stop"),
-    (with_reasoning("deepseek_r1", prompt_tail="<think>\n\n</think>\n\n", tools=None), "Direct.", "", "Direct.", [],
-     "stop"),
+    (
+        with_reasoning("qwen3"),
+        "<think>I should call.</think>" + CALL,
+        "I should call.",
+        None,
+        [("get_weather", {"city": "Paris", "days": 3})],
+        "tool_calls",
+    ),
+    (
+        with_reasoning("deepseek_r1"),
+        "thinking...</think>Done",
+        "thinking...",
+        "Done",
+        [],
+        "stop",
+    ),
+    (
+        with_reasoning("deepseek_r1"),
+        "still thinking when cut off",
+        "still thinking when cut off",
+        "",
+        [],
+        "stop",
+    ),
+    (
+        with_reasoning(
+            "deepseek_r1", prompt_tail="<think>\n\n</think>\n\n", tools=None
+        ),
+        "Direct.",
+        "",
+        "Direct.",
+        [],
+        "stop",
+    ),
 ]
 
 
 @pytest.mark.parametrize("factory, text, reasoning, content, calls, finish", CASES)
-def test_parsers_split_and_are_chunk_invariant(factory, text, reasoning, content, calls, finish):
+def test_parsers_split_and_are_chunk_invariant(
+    factory, text, reasoning, content, calls, finish
+):
     whole = run(factory, text)
     assert whole.reasoning == reasoning
     assert (whole.content if whole.content or not whole.calls else None) == content
@@ -82,8 +167,13 @@ def test_parsers_split_and_are_chunk_invariant(factory, text, reasoning, content
     for _ in range(25):
         pieces = random_pieces(text, rng)
         streamed = run(factory, text, pieces)
-        assert (streamed.reasoning, streamed.content) == (whole.reasoning, whole.content), pieces
-        assert [(c.name, c.arguments) for c in streamed.calls] == [(c.name, c.arguments) for c in whole.calls]
+        assert (streamed.reasoning, streamed.content) == (
+            whole.reasoning,
+            whole.content,
+        ), pieces
+        assert [(c.name, c.arguments) for c in streamed.calls] == [
+            (c.name, c.arguments) for c in whole.calls
+        ]
 
 
 def test_incomplete_calls_are_flagged_and_keep_the_engine_finish_reason():
@@ -97,7 +187,10 @@ def test_incomplete_calls_are_flagged_and_keep_the_engine_finish_reason():
 def test_call_ids_are_unique_and_the_parser_follows_the_template():
     parts = run(tools_only("hermes"), CALL + CALL)
     assert len({c.id for c in parts.calls}) == 2
-    assert detect_tool_call_parser("{% for t in tools %}<tool_call>{% endfor %}").name == "hermes"
+    assert (
+        detect_tool_call_parser("{% for t in tools %}<tool_call>{% endfor %}").name
+        == "hermes"
+    )
     assert detect_tool_call_parser("{{ messages }}").name == "json"
     assert detect_tool_call_parser(None).name == "json"
 
@@ -110,15 +203,38 @@ TRICKY_ARGS = (
 )
 STREAM_SAMPLES = [
     # (parser, model output, [(name, arguments text)], content)
-    ("hermes", 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": ' + TRICKY_ARGS + "}\n</tool_call>",
-     [("get_weather", TRICKY_ARGS)], "Let me check."),
-    ("hermes", ('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, 3]}}}\n</tool_call>\n'
-                '<tool_call>\n{"arguments": {"s": "}\\"{"}, "name": "echo"}\n</tool_call>'),
-     [("add", '{"a": 1, "b": {"c": [2, 3]}}'), ("echo", '{"s": "}\\"{"}')], ""),
+    (
+        "hermes",
+        'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": '
+        + TRICKY_ARGS
+        + "}\n</tool_call>",
+        [("get_weather", TRICKY_ARGS)],
+        "Let me check.",
+    ),
+    (
+        "hermes",
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": {"c": [2, 3]}}}\n</tool_call>\n'
+            '<tool_call>\n{"arguments": {"s": "}\\"{"}, "name": "echo"}\n</tool_call>'
+        ),
+        [("add", '{"a": 1, "b": {"c": [2, 3]}}'), ("echo", '{"s": "}\\"{"}')],
+        "",
+    ),
     ("hermes", '<tool_call>{"name": "now"}</tool_call>', [("now", "{}")], ""),
-    ("json", '[{"name": "add", "arguments": {"a": 1, "b": {"c": "}]"}}}, {"name": "echo", "parameters": '
-     + TRICKY_ARGS + "}]", [("add", '{"a": 1, "b": {"c": "}]"}}'), ("echo", TRICKY_ARGS)], ""),
-    ("json", ' {"name": "add", "arguments": "{\\"a\\": 2}"}\n', [("add", '{"a": 2}')], ""),
+    (
+        "json",
+        '[{"name": "add", "arguments": {"a": 1, "b": {"c": "}]"}}}, {"name": "echo", "parameters": '
+        + TRICKY_ARGS
+        + "}]",
+        [("add", '{"a": 1, "b": {"c": "}]"}}'), ("echo", TRICKY_ARGS)],
+        "",
+    ),
+    (
+        "json",
+        ' {"name": "add", "arguments": "{\\"a\\": 2}"}\n',
+        [("add", '{"a": 2}')],
+        "",
+    ),
 ]
 
 
@@ -132,17 +248,31 @@ def stream(
 ):
     """Feed `pieces` as a stream would; returns (parts of every step together, the calls as a client
     that accumulates the pieces by index sees them, finish_reason)."""
-    s = ChoiceSplitter(None, TOOL_CALL_PARSERS[parser].splitter(forced, forced_name), calls_finish)
+    s = ChoiceSplitter(
+        None, TOOL_CALL_PARSERS[parser].splitter(forced, forced_name), calls_finish
+    )
     total, seen = ChoiceParts(), {}
     for step in [s.feed(p) for p in pieces] + [s.finish()]:
         total.extend(step)
         for piece in step.pieces:
-            if piece.index not in seen:  # the first piece of a call: id and name, no arguments yet
-                assert piece.id.startswith("call_") and piece.name and piece.arguments == "", piece
+            if (
+                piece.index not in seen
+            ):  # the first piece of a call: id and name, no arguments yet
+                assert (
+                    piece.id.startswith("call_")
+                    and piece.name
+                    and piece.arguments == ""
+                ), piece
                 assert piece.index == len(seen)
-                seen[piece.index] = {"id": piece.id, "name": piece.name, "arguments": ""}
+                seen[piece.index] = {
+                    "id": piece.id,
+                    "name": piece.name,
+                    "arguments": "",
+                }
             else:
-                assert piece.id is None and piece.name is None and piece.arguments, piece
+                assert piece.id is None and piece.name is None and piece.arguments, (
+                    piece
+                )
                 seen[piece.index]["arguments"] += piece.arguments
     return total, [seen[i] for i in sorted(seen)], s.finish_reason(engine_finish)
 
@@ -158,10 +288,14 @@ def cuttings(text: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("parser, text, calls, content", STREAM_SAMPLES)
-def test_streamed_argument_fragments_add_up_to_the_whole_calls(parser, text, calls, content):
+def test_streamed_argument_fragments_add_up_to_the_whole_calls(
+    parser, text, calls, content
+):
     whole, _, finish = stream(parser, [text])
     assert [(c.name, c.arguments) for c in whole.calls] == calls
-    assert [json.loads(c.arguments) for c in whole.calls] == [json.loads(a) for _, a in calls]
+    assert [json.loads(c.arguments) for c in whole.calls] == [
+        json.loads(a) for _, a in calls
+    ]
     assert whole.content == content and finish == "tool_calls"
     for pieces in cuttings(text):
         parts, streamed, _ = stream(parser, pieces)
@@ -188,14 +322,20 @@ def test_arguments_stream_as_soon_as_they_are_certain():
             # everything read inside the arguments is out, except a "<" that may start </tool_call>
             expected = args[: k + 1 - args_at]
             assert sent == (expected[:-1] if ch == "<" else expected), k
-    assert head_at == text.index('", "arguments"')  # the call starts when the name's string closes
+    assert head_at == text.index(
+        '", "arguments"'
+    )  # the call starts when the name's string closes
     assert sent == args
 
 
 def test_a_cut_off_call_streams_its_start_but_is_no_call():
     text = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa'
-    parts, streamed, finish = stream("hermes", [text[:30], text[30:]], engine_finish="length")
-    assert [c["name"] for c in streamed] == ["get_weather"]  # already sent: a client sees it cut off
+    parts, streamed, finish = stream(
+        "hermes", [text[:30], text[30:]], engine_finish="length"
+    )
+    assert [c["name"] for c in streamed] == [
+        "get_weather"
+    ]  # already sent: a client sees it cut off
     assert streamed[0]["arguments"] == '{"city": "Pa'
     assert not parts.calls and parts.content == text and finish == "length"
     # a call that turns out to be invalid JSON is text too, streamed or not
@@ -207,22 +347,35 @@ def test_a_cut_off_call_streams_its_start_but_is_no_call():
 
 FORCED_SAMPLES = [
     # (parser, the forced output written whole, [(name, arguments text)] of its calls)
-    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa <x>", "days": 3}}\n'
-     "</tool_call>",
-     [("get_weather", '{"city": "Pa <x>", "days": 3}')]),
-    ("hermes", '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
-     '{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',
-     [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')]),
-    ("json", '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
-     [("get_weather", '{"city": "Paris", "days": 3}')]),
-    ("json", '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"days": 3}}]',
-     [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')]),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa <x>", "days": 3}}\n'
+        "</tool_call>",
+        [("get_weather", '{"city": "Pa <x>", "days": 3}')],
+    ),
+    (
+        "hermes",
+        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+        '{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',
+        [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')],
+    ),
+    (
+        "json",
+        '{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}',
+        [("get_weather", '{"city": "Paris", "days": 3}')],
+    ),
+    (
+        "json",
+        '[{"name": "add", "arguments": {"a": 1}}, {"name": "get_weather", "arguments": {"days": 3}}]',
+        [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "parser, text, calls, named",
-    [(*sample, False) for sample in FORCED_SAMPLES] + [(*s, True) for s in FORCED_SAMPLES if len(s[2]) == 1],
+    [(*sample, False) for sample in FORCED_SAMPLES]
+    + [(*s, True) for s in FORCED_SAMPLES if len(s[2]) == 1],
 )
 def test_a_forced_call_cut_off_is_a_call_as_far_as_it_got(parser, text, calls, named):
     """tool_choice "required" or a named function (one call), max_tokens reached at any point: the call
@@ -242,40 +395,64 @@ def test_a_forced_call_cut_off_is_a_call_as_far_as_it_got(parser, text, calls, n
         prefix = text[:k]
         expected = [
             (call_name, prefix[args_at:args_end] if k > args_at else "")
-            for (call_name, _), (start, name_end, args_at, args_end) in zip(calls, spans)
+            for (call_name, _), (start, name_end, args_at, args_end) in zip(
+                calls, spans
+            )
             if k >= name_end or named
         ]
         started = [start for start, *_ in spans if k > start]
-        unnamed = started[len(expected)] if expected and len(started) > len(expected) else None
+        unnamed = (
+            started[len(expected)]
+            if expected and len(started) > len(expected)
+            else None
+        )
         for pieces in ([prefix], list(prefix)):
             parts, streamed, finish = stream(
                 parser, pieces, engine_finish="length", forced=True, forced_name=name
             )
             assert finish == "length"
-            assert [(c.name, c.arguments) for c in parts.calls] == expected, (prefix, pieces)
+            assert [(c.name, c.arguments) for c in parts.calls] == expected, (
+                prefix,
+                pieces,
+            )
             assert [(c["id"], c["name"], c["arguments"]) for c in streamed] == [
                 (c.id, c.name, c.arguments) for c in parts.calls
             ], (prefix, pieces)
-            content = prefix[unnamed:] if unnamed is not None else "" if expected else prefix
-            assert parts.content.lstrip() == content, (prefix, pieces)  # whitespace between calls: either
+            content = (
+                prefix[unnamed:] if unnamed is not None else "" if expected else prefix
+            )
+            assert parts.content.lstrip() == content, (
+                prefix,
+                pieces,
+            )  # whitespace between calls: either
 
 
 def test_a_forced_call_cut_off_by_a_stop_is_not_a_finished_call():
     text = '<tool_call>\n{"name": "f", "arguments": {"a": 1'
     for calls_finish, name in (("stop", "f"), ("tool_calls", None)):  # named, required
-        parts, _, finish = stream("hermes", [text], calls_finish, forced=True, forced_name=name)
-        assert [(c.name, c.arguments) for c in parts.calls] == [("f", '{"a": 1')] and finish == "stop"
+        parts, _, finish = stream(
+            "hermes", [text], calls_finish, forced=True, forced_name=name
+        )
+        assert [(c.name, c.arguments) for c in parts.calls] == [
+            ("f", '{"a": 1')
+        ] and finish == "stop"
     # cut off only in the end tag, the call is whole
-    parts, _, finish = stream("hermes", [text + '}}\n</tool_'], forced=True)
-    assert [(c.name, c.arguments) for c in parts.calls] == [("f", '{"a": 1}')] and finish == "tool_calls"
+    parts, _, finish = stream("hermes", [text + "}}\n</tool_"], forced=True)
+    assert [(c.name, c.arguments) for c in parts.calls] == [
+        ("f", '{"a": 1}')
+    ] and finish == "tool_calls"
 
 
 def test_a_later_call_keeps_its_index_after_a_failed_one():
     good = '<tool_call>\n{"name": "g", "arguments": {"b": 2}}\n</tool_call>'
-    text = '<tool_call>\n{"name": "f", "arguments": {"a": 1}, oops}\n</tool_call>' + good
+    text = (
+        '<tool_call>\n{"name": "f", "arguments": {"a": 1}, oops}\n</tool_call>' + good
+    )
     parts, streamed, finish = stream("hermes", list(text))
     assert [c["name"] for c in streamed] == ["f", "g"]
-    assert [(c.index, c.name, c.arguments) for c in parts.calls] == [(1, "g", '{"b": 2}')]
+    assert [(c.index, c.name, c.arguments) for c in parts.calls] == [
+        (1, "g", '{"b": 2}')
+    ]
     assert finish == "tool_calls"
 
 
@@ -287,7 +464,10 @@ def test_a_later_call_keeps_its_index_after_a_failed_one():
         ("json", '[{"name": "f", "arguments": {}}, 5]'),
         ("json", '[{"name": "f", "arguments": {}}'),  # cut off
         ("hermes", '<tool_call>\n{"name": 5, "arguments": {}}\n</tool_call>'),
-        ("hermes", '<tool_call>\n{"name": "f", "arguments": "{not json"}\n</tool_call>'),
+        (
+            "hermes",
+            '<tool_call>\n{"name": "f", "arguments": "{not json"}\n</tool_call>',
+        ),
     ],
 )
 def test_output_that_is_not_calls_is_content(parser, text):
@@ -299,5 +479,8 @@ def test_output_that_is_not_calls_is_content(parser, text):
 def test_a_named_tool_choice_finishes_with_stop_as_openai_does():
     call = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
     assert stream("hermes", [call], calls_finish="stop")[2] == "stop"
-    assert stream("hermes", [call], calls_finish="stop", engine_finish="length")[2] == "length"
+    assert (
+        stream("hermes", [call], calls_finish="stop", engine_finish="length")[2]
+        == "length"
+    )
     assert stream("hermes", [call])[2] == "tool_calls"

@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-yaml = pytest.importorskip("yaml", reason="PyYAML is not installed: pip install -e '.[deploy-test]'")
+yaml = pytest.importorskip(
+    "yaml", reason="PyYAML is not installed: pip install -e '.[deploy-test]'"
+)
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 K8S_VERSION = "1.33.0"
@@ -27,7 +29,9 @@ def manifests() -> list[dict]:
 
 
 def find(kind: str, name: str) -> dict:
-    matches = [d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name]
+    matches = [
+        d for d in manifests() if d["kind"] == kind and d["metadata"]["name"] == name
+    ]
     assert len(matches) == 1, f"{kind}/{name}: {len(matches)} found"
     return matches[0]
 
@@ -57,7 +61,10 @@ def router_config(argv: list[str]):
 
 
 def selector_matches(selector: str, labels: dict[str, str]) -> bool:
-    return all(labels.get(k) == v for k, v in (term.split("=", 1) for term in selector.split(",")))
+    return all(
+        labels.get(k) == v
+        for k, v in (term.split("=", 1) for term in selector.split(","))
+    )
 
 
 # ------------------------------------------------------------------ Kubernetes
@@ -65,7 +72,8 @@ def selector_matches(selector: str, labels: dict[str, str]) -> bool:
 
 def test_manifests_validate_against_the_kubernetes_schemas():
     kv = pytest.importorskip(
-        "kubernetes_validate", reason="kubernetes-validate is not installed: pip install -e '.[deploy-test]'"
+        "kubernetes_validate",
+        reason="kubernetes-validate is not installed: pip install -e '.[deploy-test]'",
     )
     docs = manifests()
     assert {d["kind"] for d in docs} >= {
@@ -77,17 +85,25 @@ def test_manifests_validate_against_the_kubernetes_schemas():
         "RoleBinding",
     }
     for doc in docs:
-        kv.validate(doc, K8S_VERSION, strict=True)  # raises on an unknown field or a wrong type
+        kv.validate(
+            doc, K8S_VERSION, strict=True
+        )  # raises on an unknown field or a wrong type
     broken = json.loads(json.dumps(find("Deployment", "strata-replica")))
-    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["port"] = ["http"]
+    broken["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"][
+        "port"
+    ] = ["http"]
     with pytest.raises(kv.ValidationError):
         kv.validate(broken, K8S_VERSION, strict=True)
 
 
 def test_kustomization_lists_every_manifest():
-    listed = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())["resources"]
+    listed = yaml.safe_load((DEPLOY / "k8s" / "kustomization.yaml").read_text())[
+        "resources"
+    ]
     assert sorted(listed) == sorted(
-        p.name for p in (DEPLOY / "k8s").glob("*.yaml") if p.name != "kustomization.yaml"
+        p.name
+        for p in (DEPLOY / "k8s").glob("*.yaml")
+        if p.name != "kustomization.yaml"
     )
 
 
@@ -96,16 +112,23 @@ def test_every_deployment_and_service_selects_what_it_means_to():
     deployments = [d for d in docs if d["kind"] == "Deployment"]
     for dep in deployments:
         pod_labels = dep["spec"]["template"]["metadata"]["labels"]
-        assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), dep["metadata"]["name"]
+        assert dep["spec"]["selector"]["matchLabels"].items() <= pod_labels.items(), (
+            dep["metadata"]["name"]
+        )
     for svc in (d for d in docs if d["kind"] == "Service"):
         selected = [
             dep
             for dep in deployments
-            if svc["spec"]["selector"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+            if svc["spec"]["selector"].items()
+            <= dep["spec"]["template"]["metadata"]["labels"].items()
         ]
-        assert len(selected) == 1, f"service {svc['metadata']['name']} selects {len(selected)} deployments"
+        assert len(selected) == 1, (
+            f"service {svc['metadata']['name']} selects {len(selected)} deployments"
+        )
         port_names = {
-            p["name"] for c in selected[0]["spec"]["template"]["spec"]["containers"] for p in c["ports"]
+            p["name"]
+            for c in selected[0]["spec"]["template"]["spec"]["containers"]
+            for p in c["ports"]
         }
         for port in svc["spec"]["ports"]:
             assert port["targetPort"] in port_names, (svc["metadata"]["name"], port)
@@ -118,14 +141,20 @@ def test_replicas_run_strata_serve_with_redis_as_l3_and_health_probes():
     http = {p["name"]: p["containerPort"] for p in container["ports"]}["http"]
     assert server.host == "0.0.0.0" and server.port == http
     assert engine.hicache_storage_backend == "redis"
-    redis_host, redis_port = re.fullmatch(r"redis://([\w-]+):(\d+)/\d+", engine.hicache_storage_path).groups()
+    redis_host, redis_port = re.fullmatch(
+        r"redis://([\w-]+):(\d+)/\d+", engine.hicache_storage_path
+    ).groups()
     redis_svc = find("Service", redis_host)
     assert int(redis_port) in {p["port"] for p in redis_svc["spec"]["ports"]}
     assert container["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
     assert container["startupProbe"]["httpGet"]["path"] == "/health"
     liveness = " ".join(container["livenessProbe"]["exec"]["command"])
-    assert f"127.0.0.1:{http}/health_generate" in liveness and "STRATA_API_KEY" in liveness
-    assert {e["name"] for e in container["env"]} == {"STRATA_API_KEY"}  # the key never on the command line
+    assert (
+        f"127.0.0.1:{http}/health_generate" in liveness and "STRATA_API_KEY" in liveness
+    )
+    assert {e["name"] for e in container["env"]} == {
+        "STRATA_API_KEY"
+    }  # the key never on the command line
     assert dep["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
 
 
@@ -140,19 +169,33 @@ def test_router_discovers_exactly_the_replica_pods_and_may_only_read_pods():
         for d in manifests()
         if d["kind"] == "Deployment"
     }
-    assert [name for name, labels in pods.items() if selector_matches(config.selector, labels)] == [
-        "strata-replica"
-    ]
-    assert {e["name"] for e in container["env"]} == {"STRATA_API_KEY", "STRATA_WORKER_API_KEY"}
+    assert [
+        name
+        for name, labels in pods.items()
+        if selector_matches(config.selector, labels)
+    ] == ["strata-replica"]
+    assert {e["name"] for e in container["env"]} == {
+        "STRATA_API_KEY",
+        "STRATA_WORKER_API_KEY",
+    }
     assert container["readinessProbe"]["httpGet"]["path"] == "/health"
-    assert "tcpSocket" in container["livenessProbe"]  # not /health: 503 while no replica is up
+    assert (
+        "tcpSocket" in container["livenessProbe"]
+    )  # not /health: 503 while no replica is up
     # RBAC: the router's service account may get/list/watch pods, and nothing else
-    assert pod_spec["serviceAccountName"] == find("ServiceAccount", "strata-router")["metadata"]["name"]
+    assert (
+        pod_spec["serviceAccountName"]
+        == find("ServiceAccount", "strata-router")["metadata"]["name"]
+    )
     role = find("Role", "strata-router")
-    assert role["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]
+    assert role["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
     binding = find("RoleBinding", "strata-router")
     assert binding["roleRef"]["name"] == role["metadata"]["name"]
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "strata-router", "namespace": "strata"}]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": "strata-router", "namespace": "strata"}
+    ]
 
 
 # ------------------------------------------------------------------ compose, Docker, Grafana
@@ -161,7 +204,9 @@ def test_router_discovers_exactly_the_replica_pods_and_may_only_read_pods():
 def test_compose_runs_a_router_over_two_replicas_sharing_redis():
     compose = yaml.safe_load((DEPLOY / "compose" / "compose.yaml").read_text())
     services = compose["services"]
-    replicas = [name for name, s in services.items() if s.get("command", [None])[0] == "serve"]
+    replicas = [
+        name for name, s in services.items() if s.get("command", [None])[0] == "serve"
+    ]
     assert len(replicas) == 2
     for name in replicas:
         server, engine = serve_configs(services[name]["command"])
@@ -169,14 +214,24 @@ def test_compose_runs_a_router_over_two_replicas_sharing_redis():
         assert engine.hicache_storage_path.startswith("redis://redis:")
         assert "redis" in services[name]["depends_on"]
     config = router_config(services["router"]["command"])
-    assert sorted(config.worker_urls) == sorted(f"http://{name}:{server.port}" for name in replicas)
+    assert sorted(config.worker_urls) == sorted(
+        f"http://{name}:{server.port}" for name in replicas
+    )
     assert set(services["router"]["depends_on"]) == set(replicas)
-    assert set(services["router"]["environment"]) == {"STRATA_API_KEY", "STRATA_WORKER_API_KEY"}
+    assert set(services["router"]["environment"]) == {
+        "STRATA_API_KEY",
+        "STRATA_WORKER_API_KEY",
+    }
     prometheus = yaml.safe_load((DEPLOY / "compose" / "prometheus.yml").read_text())
     targets = {
-        t for job in prometheus["scrape_configs"] for sc in job["static_configs"] for t in sc["targets"]
+        t
+        for job in prometheus["scrape_configs"]
+        for sc in job["static_configs"]
+        for t in sc["targets"]
     }
-    assert targets == {f"{name}:{server.port}" for name in replicas} | {f"router:{config.port}"}
+    assert targets == {f"{name}:{server.port}" for name in replicas} | {
+        f"router:{config.port}"
+    }
 
 
 def test_dockerfile_builds_the_kernels_and_model_and_runs_unprivileged():
@@ -212,22 +267,31 @@ def test_grafana_dashboard_queries_only_metrics_strata_exports():
     for registry in (ServerMetrics("m").registry, RouterMetrics().registry):
         for family in registry.collect():
             exported.add(family.name)
-            exported |= {family.name + suffix for suffix in ("_total", "_bucket", "_sum", "_count")}
+            exported |= {
+                family.name + suffix
+                for suffix in ("_total", "_bucket", "_sum", "_count")
+            }
     dashboard = json.loads((DEPLOY / "grafana" / "strata-dashboard.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
     assert len(exprs) >= 20
     used = {name for e in exprs for name in re.findall(r"strata:[a-z0-9_]+", e)}
     assert used and not used - exported, f"not exported: {sorted(used - exported)}"
     # every exported family is on the dashboard somewhere
-    families = {n for n in exported if not n.endswith(("_bucket", "_sum", "_count", "_total"))}
-    covered = {n for n in families if any(u == n or u.startswith(n + "_") for u in used)}
+    families = {
+        n for n in exported if not n.endswith(("_bucket", "_sum", "_count", "_total"))
+    }
+    covered = {
+        n for n in families if any(u == n or u.startswith(n + "_") for u in used)
+    }
     assert covered == families, f"not on the dashboard: {sorted(families - covered)}"
 
 
 def test_docs_commands_match_the_cli():
     """Every `strata router ...` / `strata serve ...` line in docs/DEPLOY.md parses."""
     text = (DEPLOY.parent / "docs" / "DEPLOY.md").read_text()
-    commands = re.findall(r"^\s*(?:\.venv/bin/)?strata ((?:serve|router)\b[^\n#]*)", text, re.M)
+    commands = re.findall(
+        r"^\s*(?:\.venv/bin/)?strata ((?:serve|router)\b[^\n#]*)", text, re.M
+    )
     assert commands
     for command in commands:
         parse_cli(shlex.split(command.replace("\\", "")))

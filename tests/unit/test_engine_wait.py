@@ -6,14 +6,22 @@ from __future__ import annotations
 import pytest
 
 from strata.server.config import ServerConfig
-from strata.server.launch import BOUNDED_SPIN_COUNT, build_parser, engine_wait_env, server_config_from_args
+from strata.server.launch import (
+    BOUNDED_SPIN_COUNT,
+    build_parser,
+    engine_wait_env,
+    server_config_from_args,
+)
 
 
 def test_each_policy_sets_its_variables():
     assert engine_wait_env("passive", {}) == {"OMP_WAIT_POLICY": "PASSIVE"}
     assert engine_wait_env("active", {}) == {"OMP_WAIT_POLICY": "ACTIVE"}
     bounded = engine_wait_env("bounded", {"PATH": "/bin"})
-    assert bounded["GOMP_SPINCOUNT"] == str(BOUNDED_SPIN_COUNT) and "OMP_WAIT_POLICY" not in bounded
+    assert (
+        bounded["GOMP_SPINCOUNT"] == str(BOUNDED_SPIN_COUNT)
+        and "OMP_WAIT_POLICY" not in bounded
+    )
     assert bounded["KMP_BLOCKTIME"]  # Intel's OpenMP, for torch builds that use it
 
 
@@ -42,7 +50,11 @@ def test_bench_target_passes_it_to_the_server_only(tmp_path):
     ctx = BenchContext.__new__(BenchContext)
     object.__setattr__(ctx, "engine_options", {})
     target = StrataTarget(parse_target("strata:engine_wait=passive,page_size=4"), ctx)
-    assert target.options == {"page_size": 4} and target.server_options == {"engine_wait": "passive"}
-    assert target.unavailable("one-batch") is not None and "serving" in target.unavailable("one-batch")
+    assert target.options == {"page_size": 4} and target.server_options == {
+        "engine_wait": "passive"
+    }
+    assert target.unavailable(
+        "one-batch"
+    ) is not None and "serving" in target.unavailable("one-batch")
     with pytest.raises(ValueError, match="not an EngineConfig field"):
         StrataTarget(parse_target("strata:engine_waits=passive"), ctx)

@@ -11,7 +11,9 @@ from tiny_models import build_tokenizer
 
 
 def _run(code: str) -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     return result.stdout
 
@@ -36,7 +38,12 @@ def test_frontend_tokenizes_without_torch_as_with_it(tmp_path):
     )
     theirs = load_tokenizer(tmp_path)
     ids = theirs(text)["input_ids"]
-    expected = [type(theirs).__name__, ids, apply_chat_template(theirs, messages), theirs.decode(ids, skip_special_tokens=True)]
+    expected = [
+        type(theirs).__name__,
+        ids,
+        apply_chat_template(theirs, messages),
+        theirs.decode(ids, skip_special_tokens=True),
+    ]
     assert json.loads(out) == expected
 
 

@@ -30,8 +30,16 @@ def bitmask_of(allowed: list[list[int]], vocab: int) -> torch.Tensor:
     bits = np.zeros((len(allowed), words * 32), dtype=bool)
     for row, ids in enumerate(allowed):
         bits[row, ids] = True
-    packed = np.packbits(bits.reshape(len(allowed), words, 32)[:, :, ::-1], axis=-1, bitorder="big")
-    return torch.from_numpy(packed.view(">u4").astype(np.uint32).view(np.int32).reshape(len(allowed), words).copy())
+    packed = np.packbits(
+        bits.reshape(len(allowed), words, 32)[:, :, ::-1], axis=-1, bitorder="big"
+    )
+    return torch.from_numpy(
+        packed.view(">u4")
+        .astype(np.uint32)
+        .view(np.int32)
+        .reshape(len(allowed), words)
+        .copy()
+    )
 
 
 # ------------------------------------------------------------------ the sampler's mask
@@ -43,7 +51,9 @@ def test_unpack_bitmask_reads_every_bit_including_the_sign_bit():
     assert [torch.nonzero(row).view(-1).tolist() for row in got] == allowed
     # the accelerator path (a broadcast AND) agrees with numpy's unpackbits used on the CPU
     words = torch.randint(-(2**31), 2**31 - 1, (3, 7), dtype=torch.int32)
-    assert torch.equal(unpack_bytes_torch(words.view(torch.uint8))[:, :200], unpack_bitmask(words, 200))
+    assert torch.equal(
+        unpack_bytes_torch(words.view(torch.uint8))[:, :200], unpack_bitmask(words, 200)
+    )
 
 
 def test_mask_applies_only_to_listed_rows_and_greedy_picks_the_best_allowed_token():
@@ -55,8 +65,14 @@ def test_mask_applies_only_to_listed_rows_and_greedy_picks_the_best_allowed_toke
     assert torch.equal(masked[[0, 2]], logits[[0, 2]])  # unconstrained rows untouched
     assert torch.isinf(masked[1]).sum() == 98 and masked[3].argmax() == 50
     s = SamplingBatch(
-        temperatures=torch.zeros(4), top_ps=torch.ones(4), top_ks=torch.full((4,), 100), min_ps=torch.zeros(4),
-        uniforms=torch.rand(4), all_greedy=True, grammar_rows=rows, grammar_bitmask=bitmask_of([[7, 8], [50]], 100),
+        temperatures=torch.zeros(4),
+        top_ps=torch.ones(4),
+        top_ks=torch.full((4,), 100),
+        min_ps=torch.zeros(4),
+        uniforms=torch.rand(4),
+        all_greedy=True,
+        grammar_rows=rows,
+        grammar_bitmask=bitmask_of([[7, 8], [50]], 100),
     )
     ids = sample(logits.clone(), s).token_ids.tolist()
     assert ids[0] == logits[0].argmax() and ids[2] == logits[2].argmax()
@@ -67,8 +83,14 @@ def test_sampled_rows_never_draw_a_forbidden_token():
     logits = torch.zeros(64, 40)
     allowed = [[3, 17, 29]] * 64
     s = SamplingBatch(
-        temperatures=torch.ones(64), top_ps=torch.ones(64), top_ks=torch.full((64,), 40), min_ps=torch.zeros(64),
-        uniforms=torch.rand(64), all_greedy=False, grammar_rows=torch.arange(64), grammar_bitmask=bitmask_of(allowed, 40),
+        temperatures=torch.ones(64),
+        top_ps=torch.ones(64),
+        top_ks=torch.full((64,), 40),
+        min_ps=torch.zeros(64),
+        uniforms=torch.rand(64),
+        all_greedy=False,
+        grammar_rows=torch.arange(64),
+        grammar_bitmask=bitmask_of(allowed, 40),
     )
     ids = set(sample(logits, s).token_ids.tolist())
     assert ids <= {3, 17, 29} and len(ids) == 3
@@ -108,7 +130,9 @@ def drive(state, tokenizer, text: str) -> bool:
     """Write `text` as a model under the mask would: each step the longest allowed token that continues
     it. True if the whole text was written."""
     while text:
-        pieces = [(tokenizer.decode([t]), t) for t in allowed_ids(state) if t < len(tokenizer)]
+        pieces = [
+            (tokenizer.decode([t]), t) for t in allowed_ids(state) if t < len(tokenizer)
+        ]
         fits = [(len(p), t) for p, t in pieces if p and text.startswith(p)]
         if not fits:
             return False
@@ -118,12 +142,24 @@ def drive(state, tokenizer, text: str) -> bool:
     return True
 
 
-def test_each_distinct_grammar_compiles_once_and_requests_get_independent_states(compiler, tokenizer):
-    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": False}
-    first, second = compiler.new_state(json_schema_spec(schema)), compiler.new_state(json_schema_spec(dict(schema)))
+def test_each_distinct_grammar_compiles_once_and_requests_get_independent_states(
+    compiler, tokenizer
+):
+    schema = {
+        "type": "object",
+        "properties": {"a": {"type": "integer"}},
+        "required": ["a"],
+        "additionalProperties": False,
+    }
+    first, second = (
+        compiler.new_state(json_schema_spec(schema)),
+        compiler.new_state(json_schema_spec(dict(schema))),
+    )
     assert (compiler.stats.misses, compiler.stats.hits) == (1, 1)
     assert drive(first, tokenizer, '{"a": 12}') and first.is_complete
-    assert not second.is_complete and drive(second, tokenizer, '{"a": ')  # untouched by the first
+    assert not second.is_complete and drive(
+        second, tokenizer, '{"a": '
+    )  # untouched by the first
     assert allowed_ids(first) == [tokenizer.eos_token_id]
     # LRU of 2: a third grammar evicts the least recently used
     compiler.validate(GrammarSpec(kind="regex", source="x+"))
@@ -157,7 +193,9 @@ def test_a_rejected_token_breaks_the_state_with_an_error(compiler, tokenizer):
 
 def test_the_grammar_arms_after_its_trigger_and_rolls_back(compiler, tokenizer):
     trigger = tokenizer.encode("Hello", add_special_tokens=False)
-    state = compiler.new_state(GrammarSpec(kind="regex", source="(yes|no)", start_after=trigger))
+    state = compiler.new_state(
+        GrammarSpec(kind="regex", source="(yes|no)", start_after=trigger)
+    )
     free = tokenizer.encode("The lazy dog ", add_special_tokens=False)
     for t in free:
         assert not state.needs_mask and state.accept(t)  # thinking: unconstrained
@@ -177,26 +215,55 @@ def test_the_grammar_arms_after_its_trigger_and_rolls_back(compiler, tokenizer):
 # ------------------------------------------------------------------ tool-call grammars
 
 FUNCTIONS = [
-    {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
-                                   "additionalProperties": False}},
-    {"name": "echo", "parameters": {"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"],
-                                    "additionalProperties": False}},
+    {
+        "name": "add",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}},
+            "required": ["a"],
+            "additionalProperties": False,
+        },
+    },
+    {
+        "name": "echo",
+        "parameters": {
+            "type": "object",
+            "properties": {"s": {"type": "string"}},
+            "required": ["s"],
+            "additionalProperties": False,
+        },
+    },
 ]
 
 
 @pytest.mark.parametrize(
     "parser, parallel, good, bad",
     [
-        ("hermes", False, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
-         '<tool_call>\n{"name": "add", "arguments": {"s": "x"}}'),
-        ("hermes", True, '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "echo", "arguments": {"s": "hi"}}\n</tool_call>', '{"name": "add"'),
+        (
+            "hermes",
+            False,
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>',
+            '<tool_call>\n{"name": "add", "arguments": {"s": "x"}}',
+        ),
+        (
+            "hermes",
+            True,
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "echo", "arguments": {"s": "hi"}}\n</tool_call>',
+            '{"name": "add"',
+        ),
         ("json", False, '{"name": "echo", "arguments": {"s": "hi"}}', '{"name": "mul"'),
-        ("json", True, '[{"name": "echo", "arguments": {"s": "hi"}}, {"name": "add", "arguments": {"a": 2}}]',
-         '[{"name": "echo", "arguments": {"a": 1'),
+        (
+            "json",
+            True,
+            '[{"name": "echo", "arguments": {"s": "hi"}}, {"name": "add", "arguments": {"a": 2}}]',
+            '[{"name": "echo", "arguments": {"a": 1',
+        ),
     ],
 )
-def test_tool_grammars_accept_valid_calls_only(compiler, tokenizer, parser, parallel, good, bad):
+def test_tool_grammars_accept_valid_calls_only(
+    compiler, tokenizer, parser, parallel, good, bad
+):
     spec = TOOL_CALL_PARSERS[parser].grammar(FUNCTIONS, parallel)
     state = compiler.new_state(spec)
     assert drive(state, tokenizer, good) and state.matcher.is_accepting()
@@ -204,5 +271,7 @@ def test_tool_grammars_accept_valid_calls_only(compiler, tokenizer, parser, para
     events = splitter.feed(good)
     calls = events.calls + splitter.finish().calls
     assert [c.name for c in calls] == re.findall(r'"name": "(\w+)"', good)
-    assert [json.loads(c.arguments) for c in calls] == [json.loads(a) for a in re.findall(r'"arguments": ({[^}]*})', good)]
+    assert [json.loads(c.arguments) for c in calls] == [
+        json.loads(a) for a in re.findall(r'"arguments": ({[^}]*})', good)
+    ]
     assert not drive(compiler.new_state(spec), tokenizer, bad + " ]]]}}}")

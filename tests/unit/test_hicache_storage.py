@@ -45,7 +45,9 @@ def test_file_storage_stays_under_its_size_bound_evicting_least_recently_used(tm
     store = make_storage_backend("file", str(tmp_path), max_bytes=10_000, ttl_s=None)
     try:
         store.set([(key(i), bytes(1000)) for i in range(10)])
-        assert store.get([key(0)]) == [bytes(1000)]  # a hit: page 0 is now the most recently used
+        assert store.get([key(0)]) == [
+            bytes(1000)
+        ]  # a hit: page 0 is now the most recently used
         store.set([(key(10), bytes(1000))])
         assert store.exists([key(0), key(1), key(10)]) == [True, False, True]
         for i in range(11, 60):
@@ -56,7 +58,9 @@ def test_file_storage_stays_under_its_size_bound_evicting_least_recently_used(tm
         store.close()
 
 
-def test_file_storage_write_on_a_full_disk_fails_and_leaves_no_partial_file(tmp_path, monkeypatch):
+def test_file_storage_write_on_a_full_disk_fails_and_leaves_no_partial_file(
+    tmp_path, monkeypatch
+):
     """ENOSPC mid-write: the write fails (the storage worker degrades to recomputation) and its
     half-written temp file is removed at once, not left to keep the disk full until the stale sweep."""
     import errno
@@ -81,12 +85,16 @@ def test_file_storage_write_on_a_full_disk_fails_and_leaves_no_partial_file(tmp_
         store.close()
 
 
-def test_file_storage_shared_by_replicas_learns_their_pages_and_tolerates_deletions(tmp_path):
+def test_file_storage_shared_by_replicas_learns_their_pages_and_tolerates_deletions(
+    tmp_path,
+):
     a = FileStorage(tmp_path, max_bytes=10**9)
     b = FileStorage(tmp_path, max_bytes=8_000)
     user_file = tmp_path / "notes.txt"
     user_file.write_text("not a page")
-    stale_tmp = tmp_path / "0a" / ".strata-kv-0a.deadbeef.tmp"  # a crashed writer's leftover
+    stale_tmp = (
+        tmp_path / "0a" / ".strata-kv-0a.deadbeef.tmp"
+    )  # a crashed writer's leftover
     stale_tmp.parent.mkdir()
     stale_tmp.write_bytes(b"half a page")
     os.utime(stale_tmp, (time.time() - 3600, time.time() - 3600))
@@ -96,11 +104,15 @@ def test_file_storage_shared_by_replicas_learns_their_pages_and_tolerates_deleti
         b.sweep()  # ... and deletes the least recently used down to its bound
         assert dir_bytes(tmp_path) <= 8_000
         assert user_file.exists() and not stale_tmp.exists()
-        for p in page_files(tmp_path):  # every page vanishes under both (another replica, an operator)
+        for p in page_files(
+            tmp_path
+        ):  # every page vanishes under both (another replica, an operator)
             p.unlink()
         assert b.get([key(19), key(18)]) == [None, None]
         assert b.exists([key(19)]) == [False]
-        a.set([(key(100), bytes(3000)), (key(101), bytes(3000))])  # evicting vanished files is fine
+        a.set(
+            [(key(100), bytes(3000)), (key(101), bytes(3000))]
+        )  # evicting vanished files is fine
         b.set([(key(102), bytes(3000)), (key(103), bytes(3000))])
         b.rescan()
         b.sweep()
@@ -111,20 +123,30 @@ def test_file_storage_shared_by_replicas_learns_their_pages_and_tolerates_deleti
         b.close()
 
 
-def test_file_storage_treats_idle_pages_as_misses_and_its_cleaner_deletes_them(tmp_path):
-    store = FileStorage(tmp_path, max_bytes=10**9, ttl_s=2.0)  # the cleaner sweeps every second
+def test_file_storage_treats_idle_pages_as_misses_and_its_cleaner_deletes_them(
+    tmp_path,
+):
+    store = FileStorage(
+        tmp_path, max_bytes=10**9, ttl_s=2.0
+    )  # the cleaner sweeps every second
     try:
         store.set([(key(0), b"used"), (key(1), b"idle"), (key(2), b"old")])
         old = store._path(key(2))
-        os.utime(old, (time.time() - 60, time.time() - 60))  # as if written a minute ago
+        os.utime(
+            old, (time.time() - 60, time.time() - 60)
+        )  # as if written a minute ago
         assert store.exists([key(2)]) == [False] and store.get([key(2)]) == [None]
         deadline = time.monotonic() + 15
         # key 0 is read, key 1 is not; one sweep deletes key 1 and the old page, one after the other
-        while (store._path(key(1)).exists() or old.exists()) and time.monotonic() < deadline:
+        while (
+            store._path(key(1)).exists() or old.exists()
+        ) and time.monotonic() < deadline:
             assert store.get([key(0)]) == [b"used"]
             time.sleep(0.1)
         assert store.exists([key(0), key(1)]) == [True, False]
-        assert not store._path(key(1)).exists() and not old.exists()  # deleted, not just hidden
+        assert (
+            not store._path(key(1)).exists() and not old.exists()
+        )  # deleted, not just hidden
     finally:
         store.close()
 
@@ -163,12 +185,17 @@ def parse(*argv: str):
 def test_storage_is_bounded_and_prefetch_is_auto_by_default():
     cfg = parse()
     assert cfg.hicache_prefetch_policy == "auto"
-    assert 0 < cfg.hicache_storage_max_gib <= 64 and 0 < cfg.hicache_storage_ttl < float("inf")
+    assert (
+        0 < cfg.hicache_storage_max_gib <= 64
+        and 0 < cfg.hicache_storage_ttl < float("inf")
+    )
     cfg = parse("--hicache-storage-max-gib", "0.5", "--hicache-storage-ttl", "600")
     assert (cfg.hicache_storage_max_gib, cfg.hicache_storage_ttl) == (0.5, 600)
 
 
-@pytest.mark.parametrize("flag, value", [("--hicache-storage-max-gib", "0"), ("--hicache-storage-ttl", "-5")])
+@pytest.mark.parametrize(
+    "flag, value", [("--hicache-storage-max-gib", "0"), ("--hicache-storage-ttl", "-5")]
+)
 def test_storage_bound_flags_must_be_positive(flag, value):
     with pytest.raises(ValueError, match=flag):
         parse(flag, value)
@@ -185,7 +212,16 @@ def mutate(rng: random.Random, page: bytes) -> object:
     """`page` damaged the way a disk, a network, a peer or a bug might damage it."""
     kind = rng.randrange(9)
     if kind == 0:  # random bytes, any length
-        lengths = [0, 1, 20, HEADER - 1, HEADER, HEADER + 1, len(page), rng.randrange(2 * len(page))]
+        lengths = [
+            0,
+            1,
+            20,
+            HEADER - 1,
+            HEADER,
+            HEADER + 1,
+            len(page),
+            rng.randrange(2 * len(page)),
+        ]
         return rng.randbytes(rng.choice(lengths))
     if kind == 1:  # truncated
         return page[: rng.randrange(len(page))]
@@ -195,17 +231,31 @@ def mutate(rng: random.Random, page: bytes) -> object:
             data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
         return bytes(data)
     if kind == 3:  # a length field that lies, up to absurd
-        length = rng.choice([0, 1, len(page) - HEADER - 1, len(page) - HEADER + 1, 2**31, 2**63, 2**64 - 1])
+        length = rng.choice(
+            [
+                0,
+                1,
+                len(page) - HEADER - 1,
+                len(page) - HEADER + 1,
+                2**31,
+                2**63,
+                2**64 - 1,
+            ]
+        )
         return page[:72] + struct.pack("<Q", length) + page[80:]
     if kind == 4:  # extra bytes after the payload
         return page + rng.randbytes(rng.randint(1, 64))
-    if kind == 5:  # a checksum recomputed over a damaged payload, as a buggy writer would
+    if (
+        kind == 5
+    ):  # a checksum recomputed over a damaged payload, as a buggy writer would
         return page[:68] + rng.randbytes(4) + page[72:]
     if kind == 6:  # the header of one page glued to a payload of the right length
         return page[:HEADER] + rng.randbytes(len(page) - HEADER)
     if kind == 7:  # not bytes at all
         return rng.choice(["a string", 42, 3.5, [1, 2], {"k": 1}, object()])
-    return bytearray(page) if rng.random() < 0.5 else memoryview(page)  # undamaged, other buffer types
+    return (
+        bytearray(page) if rng.random() < 0.5 else memoryview(page)
+    )  # undamaged, other buffer types
 
 
 def test_decoder_turns_any_damage_into_a_miss():
@@ -225,7 +275,9 @@ def test_decoder_turns_any_damage_into_a_miss():
             got = decode_page(data, want_key, want_ns, len(payload))
         except CorruptPage:
             continue
-        intact = isinstance(data, (bytes, bytearray, memoryview)) and bytes(data) == page
+        intact = (
+            isinstance(data, (bytes, bytearray, memoryview)) and bytes(data) == page
+        )
         assert intact and (want_key, want_ns) == (k, ns) and got == payload, (n, data)
     assert n > 1000
 
@@ -249,7 +301,12 @@ class FuzzedStore:
         if self.rng.random() < 0.02:
             raise TimeoutError("backend slow")
         out = [self.pages.get(k) for k in keys]
-        return [mutate(self.rng, b) if b is not None and self.rng.random() < self.damage else b for b in out]
+        return [
+            mutate(self.rng, b)
+            if b is not None and self.rng.random() < self.damage
+            else b
+            for b in out
+        ]
 
     def set(self, items: list[tuple[str, bytes]]) -> None:
         self.pages.update(items)
@@ -261,9 +318,15 @@ class FuzzedStore:
 def make_hicache(storage, page_size: int = 4, **config) -> HiCache:
     l1 = MHAKVPool(2, 2, 8, 32, page_size, torch.float32, torch.device("cpu"))
     allocator = PageAllocator(32, page_size)
-    defaults = {"host_pages": 64, "prefetch_threshold_tokens": 4, "storage_failures_before_pause": 10**9}
+    defaults = {
+        "host_pages": 64,
+        "prefetch_threshold_tokens": 4,
+        "storage_failures_before_pause": 10**9,
+    }
     config = defaults | config
-    return HiCache(HiCacheConfig(**config), l1, RadixCache(allocator), b"test-layout", storage)
+    return HiCache(
+        HiCacheConfig(**config), l1, RadixCache(allocator), b"test-layout", storage
+    )
 
 
 def finish(hc: HiCache, rid: str) -> None:
@@ -306,9 +369,15 @@ def test_prefetch_installs_only_intact_pages_whatever_the_backend_returns():
 def test_auto_waits_only_while_fetching_beats_recomputing():
     # 1000 tokens in 10 MB: 0.1 s from a 100 MB/s L3 against 0.5 s of prefill at 2000 tokens/s
     assert auto_prefetch_wait_s(1000, 10**7, 0, 1e8, 2000) == pytest.approx(0.5)
-    assert auto_prefetch_wait_s(1000, 10**7, 0, 1e7, 2000) == 0  # 1 s to fetch: recompute
-    assert auto_prefetch_wait_s(1000, 10**7, 5 * 10**7, 1e8, 2000) == 0  # behind 0.5 s of other fetches
-    assert auto_prefetch_wait_s(1000, 10**7, 0, 1e8, 50_000) == 0  # a fast prefill: 0.02 s
+    assert (
+        auto_prefetch_wait_s(1000, 10**7, 0, 1e7, 2000) == 0
+    )  # 1 s to fetch: recompute
+    assert (
+        auto_prefetch_wait_s(1000, 10**7, 5 * 10**7, 1e8, 2000) == 0
+    )  # behind 0.5 s of other fetches
+    assert (
+        auto_prefetch_wait_s(1000, 10**7, 0, 1e8, 50_000) == 0
+    )  # a fast prefill: 0.02 s
 
 
 def test_rate_meter_uses_its_prior_until_measured_then_recent_samples():
@@ -342,7 +411,9 @@ class SlowStore(FuzzedStore):
 def stored_prompt(hc: HiCache, store: FuzzedStore, num_tokens: int) -> list[int]:
     tokens = list(range(7, 7 + num_tokens))
     for d in hc.hasher.hashes(tokens):
-        store.pages[hc.storage_key(d)] = encode_page(d, hc.namespace, bytes(hc.payload_bytes))
+        store.pages[hc.storage_key(d)] = encode_page(
+            d, hc.namespace, bytes(hc.payload_bytes)
+        )
     return tokens
 
 
@@ -382,7 +453,9 @@ def test_auto_policy_does_not_wait_when_prefill_is_faster():
 
 def test_auto_policy_waits_for_a_fetch_that_beats_recomputing():
     store = SlowStore(delay_s=0.05)
-    hc = make_hicache(store, prefill_tokens_per_s_prior=100.0)  # 2 s to recompute 200 tokens
+    hc = make_hicache(
+        store, prefill_tokens_per_s_prior=100.0
+    )  # 2 s to recompute 200 tokens
     hc.on_arrival("a", stored_prompt(hc, store, 200))
     assert seconds_until_ready(hc, "a") < 1.5
     assert hc.prefetches["a"].done and len(hc.l2) == 50
@@ -425,7 +498,9 @@ def test_hicache_is_a_prefix_cache_that_brings_back_what_l1_evicted():
         t.normal_()
     before, _ = hc.l1.read_pages(pages)
     assert hc.insert(tokens, pages) == 0
-    assert hc.evict(10) == 10 and hc.allocator.num_free_pages == 32  # demoted into L2, freed in L1
+    assert (
+        hc.evict(10) == 10 and hc.allocator.num_free_pages == 32
+    )  # demoted into L2, freed in L1
     assert hc.match_prefix(tokens).cached_len == 0  # L1 alone has nothing
     match = hc.load_prefix(tokens + [7])
     assert match.cached_len == 40 and match.loaded == {"host": 40, "storage": 0}

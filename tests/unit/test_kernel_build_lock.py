@@ -35,7 +35,11 @@ def holder(tmp_path):
     """A live builder of tmp_path/build: (its process, the build directory)."""
     build_dir = tmp_path / "build"
     build_dir.mkdir()
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(build_dir)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(build_dir)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout.readline().strip() == "building"
         yield proc, build_dir
@@ -72,7 +76,9 @@ def test_a_killed_builders_locks_are_taken_over_at_once(holder):
     assert not (build_dir / "lock").exists()
 
 
-def test_a_waiter_reports_the_live_builder_until_it_is_gone(holder, monkeypatch, caplog):
+def test_a_waiter_reports_the_live_builder_until_it_is_gone(
+    holder, monkeypatch, caplog
+):
     proc, build_dir = holder
     monkeypatch.setattr(kernels, "WAIT_REPORT_S", 0.2)
     taken = threading.Event()
@@ -83,19 +89,26 @@ def test_a_waiter_reports_the_live_builder_until_it_is_gone(holder, monkeypatch,
         assert (build_dir / "lock").exists()  # and its baton left alone
         waits = [r.getMessage() for r in caplog.records if "waiting" in r.getMessage()]
         assert len(waits) >= 2, waits  # again and again, not once
-        assert f"pid {proc.pid}" in waits[-1] and str(build_dir.with_name("build.lock")) in waits[-1]
+        assert (
+            f"pid {proc.pid}" in waits[-1]
+            and str(build_dir.with_name("build.lock")) in waits[-1]
+        )
         proc.kill()
         assert taken.wait(10)
 
 
-def test_a_build_after_a_killed_one_does_not_wait_on_its_lock_file(tmp_path, monkeypatch):
+def test_a_build_after_a_killed_one_does_not_wait_on_its_lock_file(
+    tmp_path, monkeypatch
+):
     """The whole _build path, with torch's load replaced by its lock handling (no compile): a
     killed build left the baton (and the OS lock's file, no longer locked)."""
     from torch.utils import cpp_extension
     from torch.utils.file_baton import FileBaton
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
-    build_dir = Path(cpp_extension._get_build_directory(kernels._build_name("native"), verbose=False))
+    build_dir = Path(
+        cpp_extension._get_build_directory(kernels._build_name("native"), verbose=False)
+    )
     (build_dir / "lock").touch()
     build_dir.with_name(build_dir.name + ".lock").write_text("999999\n")
 
@@ -104,8 +117,14 @@ def test_a_build_after_a_killed_one_does_not_wait_on_its_lock_file(tmp_path, mon
         def compiled_isa():
             return []
 
-    def load(name, **_):  # what torch.utils.cpp_extension._jit_compile does around its build
-        baton = FileBaton(os.path.join(cpp_extension._get_build_directory(name, verbose=False), "lock"))
+    def load(
+        name, **_
+    ):  # what torch.utils.cpp_extension._jit_compile does around its build
+        baton = FileBaton(
+            os.path.join(
+                cpp_extension._get_build_directory(name, verbose=False), "lock"
+            )
+        )
         if baton.try_acquire():
             baton.release()
         else:

@@ -14,42 +14,128 @@ from strata.layers.packed import dense_target, pack_linears
 from strata.layers.moe_routing import ROUTING
 from strata.model_config import ModelConfig
 
-BASE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, initializer_range=0.5)
+BASE = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    initializer_range=0.5,
+)
 T = 40  # tokens
 
 # name -> (config class, its MoE fields, module of the HF classes, router class, MoE block class)
 CASES = {
-    "mixtral": ("MixtralConfig", dict(num_local_experts=6, num_experts_per_tok=2),
-                "mixtral", "MixtralTopKRouter", "MixtralSparseMoeBlock"),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
-                                         shared_expert_intermediate_size=24, norm_topk_prob=False),
-                  "qwen2_moe", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock"),
-    "qwen2_moe_norm": ("Qwen2MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
-                                              shared_expert_intermediate_size=24, norm_topk_prob=True),
-                       "qwen2_moe", "Qwen2MoeTopKRouter", "Qwen2MoeSparseMoeBlock"),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=16,
-                                         norm_topk_prob=True),
-                  "qwen3_moe", "Qwen3MoeTopKRouter", "Qwen3MoeSparseMoeBlock"),
-    "gpt_oss": ("GptOssConfig", dict(num_local_experts=6, num_experts_per_tok=2, head_dim=8, swiglu_limit=2.0),
-                "gpt_oss", "GptOssTopKRouter", "GptOssMLP"),
-    "deepseek_v3": ("DeepseekV3Config", dict(n_routed_experts=16, num_experts_per_tok=3, moe_intermediate_size=16,
-                                             n_group=4, topk_group=2, norm_topk_prob=True,
-                                             routed_scaling_factor=2.5, n_shared_experts=2),
-                    "deepseek_v3", "DeepseekV3TopkRouter", "DeepseekV3MoE"),
-    "deepseek_v2_greedy": ("DeepseekV2Config", dict(n_routed_experts=8, num_experts_per_tok=2,
-                                                    moe_intermediate_size=16, topk_method="greedy",
-                                                    routed_scaling_factor=1.5, n_shared_experts=1),
-                           "deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Moe"),
-    "deepseek_v2_group": ("DeepseekV2Config", dict(n_routed_experts=16, num_experts_per_tok=3,
-                                                   moe_intermediate_size=16, topk_method="group_limited_greedy",
-                                                   n_group=4, topk_group=2, routed_scaling_factor=1.5,
-                                                   n_shared_experts=1),
-                          "deepseek_v2", "DeepseekV2TopkRouter", "DeepseekV2Moe"),
+    "mixtral": (
+        "MixtralConfig",
+        dict(num_local_experts=6, num_experts_per_tok=2),
+        "mixtral",
+        "MixtralTopKRouter",
+        "MixtralSparseMoeBlock",
+    ),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            norm_topk_prob=False,
+        ),
+        "qwen2_moe",
+        "Qwen2MoeTopKRouter",
+        "Qwen2MoeSparseMoeBlock",
+    ),
+    "qwen2_moe_norm": (
+        "Qwen2MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            norm_topk_prob=True,
+        ),
+        "qwen2_moe",
+        "Qwen2MoeTopKRouter",
+        "Qwen2MoeSparseMoeBlock",
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=8,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            norm_topk_prob=True,
+        ),
+        "qwen3_moe",
+        "Qwen3MoeTopKRouter",
+        "Qwen3MoeSparseMoeBlock",
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        dict(num_local_experts=6, num_experts_per_tok=2, head_dim=8, swiglu_limit=2.0),
+        "gpt_oss",
+        "GptOssTopKRouter",
+        "GptOssMLP",
+    ),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            n_group=4,
+            topk_group=2,
+            norm_topk_prob=True,
+            routed_scaling_factor=2.5,
+            n_shared_experts=2,
+        ),
+        "deepseek_v3",
+        "DeepseekV3TopkRouter",
+        "DeepseekV3MoE",
+    ),
+    "deepseek_v2_greedy": (
+        "DeepseekV2Config",
+        dict(
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=16,
+            topk_method="greedy",
+            routed_scaling_factor=1.5,
+            n_shared_experts=1,
+        ),
+        "deepseek_v2",
+        "DeepseekV2TopkRouter",
+        "DeepseekV2Moe",
+    ),
+    "deepseek_v2_group": (
+        "DeepseekV2Config",
+        dict(
+            n_routed_experts=16,
+            num_experts_per_tok=3,
+            moe_intermediate_size=16,
+            topk_method="group_limited_greedy",
+            n_group=4,
+            topk_group=2,
+            routed_scaling_factor=1.5,
+            n_shared_experts=1,
+        ),
+        "deepseek_v2",
+        "DeepseekV2TopkRouter",
+        "DeepseekV2Moe",
+    ),
 }
-ROUTING_OF = {"mixtral": "softmax_topk", "qwen2_moe": "softmax_topk", "qwen2_moe_norm": "softmax_topk",
-              "qwen3_moe": "softmax_topk", "gpt_oss": "topk_softmax", "deepseek_v3": "sigmoid_group_topk",
-              "deepseek_v2_greedy": "softmax_greedy", "deepseek_v2_group": "softmax_group_limited_greedy"}
+ROUTING_OF = {
+    "mixtral": "softmax_topk",
+    "qwen2_moe": "softmax_topk",
+    "qwen2_moe_norm": "softmax_topk",
+    "qwen3_moe": "softmax_topk",
+    "gpt_oss": "topk_softmax",
+    "deepseek_v3": "sigmoid_group_topk",
+    "deepseek_v2_greedy": "softmax_greedy",
+    "deepseek_v2_group": "softmax_group_limited_greedy",
+}
 
 
 def hf_case(name: str):
@@ -99,7 +185,10 @@ def test_routing_function_equals_transformers_router(name):
     assert torch.equal(got_e, want_e)
     torch.testing.assert_close(got_w, want_w, atol=1e-6, rtol=1e-6)
     if name == "deepseek_v3":  # the correction bias changed the choice for some tokens
-        assert not torch.equal(experts.sort(-1).values, torch.topk(logits, moe_cfg.top_k).indices.sort(-1).values)
+        assert not torch.equal(
+            experts.sort(-1).values,
+            torch.topk(logits, moe_cfg.top_k).indices.sort(-1).values,
+        )
 
 
 @pytest.mark.parametrize("backend", ["grouped_mm", "loop", "native"])
@@ -119,8 +208,14 @@ def test_moe_block_equals_transformers(name, backend):
     ours = MoE(BASE["hidden_size"], moe_cfg)
     load_hf_moe_block(ours, hf_block, gpt_oss=name == "gpt_oss")
     if backend == "native":
-        assert pack_linears(ours) >= 2 and ours.gate.native_kernel and ours.experts.native_kernel
-        assert ours.experts.gate_up_proj is None  # packed in place of the float stack, not beside it
+        assert (
+            pack_linears(ours) >= 2
+            and ours.gate.native_kernel
+            and ours.experts.native_kernel
+        )
+        assert (
+            ours.experts.gate_up_proj is None
+        )  # packed in place of the float stack, not beside it
     else:
         ours.experts.backend = backend
     x = torch.randn(T, BASE["hidden_size"])
@@ -133,7 +228,9 @@ def test_moe_block_equals_transformers(name, backend):
         if backend == "native":
             for t in range(T):
                 assert torch.equal(ours(x[t : t + 1]), got[t : t + 1]), t
-    tol = 1e-4 if backend == "native" else 1e-5  # the kernel sums in its own order, not BLAS's
+    tol = (
+        1e-4 if backend == "native" else 1e-5
+    )  # the kernel sums in its own order, not BLAS's
     torch.testing.assert_close(got, expected, atol=tol, rtol=tol)
 
 
@@ -143,7 +240,10 @@ def test_packed_experts_unpack_to_their_stacks():
         pytest.skip("the CPU kernels could not be built here")
     ours = MoE(BASE["hidden_size"], moe_cfg)
     randomize(ours)
-    stacks = {name: getattr(ours.experts, name).detach().clone() for name in ("gate_up_proj", "down_proj")}
+    stacks = {
+        name: getattr(ours.experts, name).detach().clone()
+        for name in ("gate_up_proj", "down_proj")
+    }
     pack_linears(ours)
     for name, stack in stacks.items():
         assert torch.equal(ours.experts.unpacked(name), stack)
@@ -165,9 +265,20 @@ def test_grouped_linear_backends_equal_a_per_token_loop():
 def test_expert_load_summary_names_the_busiest_expert_and_the_imbalance():
     from strata.layers.expert_load import expert_load_delta, expert_load_summary
 
-    before, after = {1: [0, 2, 0, 0], 3: [0, 0, 0, 0]}, {1: [0, 8, 2, 0], 3: [0, 0, 0, 0]}
+    before, after = (
+        {1: [0, 2, 0, 0], 3: [0, 0, 0, 0]},
+        {1: [0, 8, 2, 0], 3: [0, 0, 0, 0]},
+    )
     assert expert_load_delta(after, before) == {1: [0, 6, 2, 0], 3: [0, 0, 0, 0]}
     summary = expert_load_summary(expert_load_delta(after, before))
-    assert summary[1] == {"tokens": 8, "busiest_expert": 1, "max_tokens": 6, "mean_tokens": 2.0,
-                          "max_over_mean": 3.0, "idle_experts": 2}
-    assert summary[3]["max_over_mean"] is None and summary[3]["idle_experts"] == 4  # no token yet
+    assert summary[1] == {
+        "tokens": 8,
+        "busiest_expert": 1,
+        "max_tokens": 6,
+        "mean_tokens": 2.0,
+        "max_over_mean": 3.0,
+        "idle_experts": 2,
+    }
+    assert (
+        summary[3]["max_over_mean"] is None and summary[3]["idle_experts"] == 4
+    )  # no token yet

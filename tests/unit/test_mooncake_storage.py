@@ -18,7 +18,9 @@ def key(i: int) -> str:
 
 
 def backend(url: str, timeout_s: float = 2.0, **query):
-    params = "&".join(f"{k}={v}" for k, v in ({"global_segment_size": 64 << 20} | query).items())
+    params = "&".join(
+        f"{k}={v}" for k, v in ({"global_segment_size": 64 << 20} | query).items()
+    )
     store = make_storage_backend("mooncake", f"{url}?{params}", max_bytes=1, ttl_s=None)
     store.timeout_s = timeout_s
     return store
@@ -27,11 +29,18 @@ def backend(url: str, timeout_s: float = 2.0, **query):
 def test_pages_round_trip_and_are_shared_between_clients(mooncake_master):
     a, b = backend(mooncake_master.url), backend(mooncake_master.url)
     try:
-        pages = [(key(i), os.urandom(size)) for i, size in enumerate([1, 2128, 1 << 20, 3 << 20])]
+        pages = [
+            (key(i), os.urandom(size))
+            for i, size in enumerate([1, 2128, 1 << 20, 3 << 20])
+        ]
         a.set(pages)
         assert a.exists([k for k, _ in pages] + [key(99)]) == [True] * 4 + [False]
-        assert b.get([k for k, _ in pages] + [key(99)]) == [v for _, v in pages] + [None]  # another replica
-        a.set(pages[:1])  # a page written again (another replica computed it too) is no error
+        assert b.get([k for k, _ in pages] + [key(99)]) == [v for _, v in pages] + [
+            None
+        ]  # another replica
+        a.set(
+            pages[:1]
+        )  # a page written again (another replica computed it too) is no error
         a.delete([key(1)])  # gone: a miss for everyone, never an error
         assert b.exists([key(0), key(1)]) == [True, False] and b.get([key(1)]) == [None]
         assert a.exists([]) == [] and a.get([]) == []
@@ -89,11 +98,21 @@ def test_an_absent_master_fails_each_call_clearly(tmp_path):
 
 
 def test_config_from_a_url_or_a_file(tmp_path):
-    cfg = mooncake_config("mooncake://10.0.0.7:50051?local_hostname=10.0.0.8&global_segment_size=1073741824")
-    assert cfg["master_server_address"] == "10.0.0.7:50051" and cfg["local_hostname"] == "10.0.0.8"
-    assert cfg["global_segment_size"] == 1 << 30 and cfg["metadata_server"] == "P2PHANDSHAKE"
+    cfg = mooncake_config(
+        "mooncake://10.0.0.7:50051?local_hostname=10.0.0.8&global_segment_size=1073741824"
+    )
+    assert (
+        cfg["master_server_address"] == "10.0.0.7:50051"
+        and cfg["local_hostname"] == "10.0.0.8"
+    )
+    assert (
+        cfg["global_segment_size"] == 1 << 30
+        and cfg["metadata_server"] == "P2PHANDSHAKE"
+    )
     path = tmp_path / "mooncake.json"
-    path.write_text('{"master_server_address": "m:1", "protocol": "rdma", "device_name": "mlx5_0"}')
+    path.write_text(
+        '{"master_server_address": "m:1", "protocol": "rdma", "device_name": "mlx5_0"}'
+    )
     assert mooncake_config(str(path))["protocol"] == "rdma"
     for bad, why in [
         ("mooncake://nohost", "HOST:PORT"),

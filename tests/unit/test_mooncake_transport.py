@@ -19,8 +19,12 @@ from strata.disagg.transport import make_transport
 def pair():
     if skip_reason():
         pytest.skip(skip_reason())
-    a = make_transport("mooncake", "127.0.0.1", 0, max_payload_bytes=0)  # a prefill worker
-    b = make_transport("mooncake", "127.0.0.1", 0, max_payload_bytes=8 << 20)  # a decode worker
+    a = make_transport(
+        "mooncake", "127.0.0.1", 0, max_payload_bytes=0
+    )  # a prefill worker
+    b = make_transport(
+        "mooncake", "127.0.0.1", 0, max_payload_bytes=8 << 20
+    )  # a decode worker
     yield a, b
     a.close()
     b.close()
@@ -54,13 +58,21 @@ def test_kv_frames_arrive_whole_and_the_sender_releases_them(pair):
 
 def test_oversized_or_unreachable_payloads_are_dropped_and_later_ones_arrive(pair):
     a, b = pair
-    a.send(b.endpoint, [b"too big", bytes(9 << 20)])  # over the decode worker's 8 MiB cap
+    a.send(
+        b.endpoint, [b"too big", bytes(9 << 20)]
+    )  # over the decode worker's 8 MiB cap
     assert receive(b, a, timeout_s=1.0) is None
     a.session = "127.0.0.1:9"  # a descriptor naming an engine that is not there
     a.send(b.endpoint, [b"lost", b"x" * 100])
     assert receive(b, a, timeout_s=5.0) is None and b.stats["pull_failures"] == 1
     pull = msgspec.msgpack.encode(
-        {"session": "h:1", "address": -1, "length": 1, "ticket": "0" * 32, "ack_endpoint": "tcp://h:1"}
+        {
+            "session": "h:1",
+            "address": -1,
+            "length": 1,
+            "ticket": "0" * 32,
+            "ack_endpoint": "tcp://h:1",
+        }
     )
     b.zmq.send(b.endpoint, [b"bad descriptor", b"strata-mooncake-pull/1", pull])
     assert receive(b, a, timeout_s=1.0) is None
@@ -77,10 +89,19 @@ def test_the_flag_offers_the_registry_and_defaults_to_the_built_in_path():
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
-    action = next(a for a in parser._actions if a.dest == "disaggregation_transfer_backend")
+    action = next(
+        a for a in parser._actions if a.dest == "disaggregation_transfer_backend"
+    )
     assert list(action.choices) == list(TRANSFER_BACKENDS) == ["tcp", "mooncake"]
-    assert engine_config_from_args(parser.parse_args([])).disaggregation_transfer_backend == "tcp"
-    cfg = engine_config_from_args(parser.parse_args(["--disaggregation-transfer-backend", "mooncake"]))
+    assert (
+        engine_config_from_args(parser.parse_args([])).disaggregation_transfer_backend
+        == "tcp"
+    )
+    cfg = engine_config_from_args(
+        parser.parse_args(["--disaggregation-transfer-backend", "mooncake"])
+    )
     assert cfg.disaggregation_transfer_backend == "mooncake"
-    with pytest.raises(ValueError, match="disaggregation_transfer_backend must be one of"):
+    with pytest.raises(
+        ValueError, match="disaggregation_transfer_backend must be one of"
+    ):
         EngineConfig(disaggregation_transfer_backend="nixl")

@@ -27,12 +27,18 @@ def test_bootstrap_signature_binds_room_addr_and_body():
     body = b'{"prompt": "hi", "bootstrap_room": 7, "bootstrap_addr": "10.0.0.1:5000"}'
     sig = auth.sign_bootstrap(SECRET, 7, "10.0.0.1:5000", body)
     assert auth.verify_bootstrap(SECRET, 7, "10.0.0.1:5000", body, sig)
-    assert not auth.verify_bootstrap(SECRET, 8, "10.0.0.1:5000", body, sig)  # another room
-    assert not auth.verify_bootstrap(SECRET, 7, "evil:5000", body, sig)  # another KV address
+    assert not auth.verify_bootstrap(
+        SECRET, 8, "10.0.0.1:5000", body, sig
+    )  # another room
+    assert not auth.verify_bootstrap(
+        SECRET, 7, "evil:5000", body, sig
+    )  # another KV address
     other_prompt = body.replace(b"hi", b"ho")
     assert not auth.verify_bootstrap(SECRET, 7, "10.0.0.1:5000", other_prompt, sig)
     assert not auth.verify_bootstrap(b"other secret", 7, "10.0.0.1:5000", body, sig)
-    assert not auth.verify_bootstrap(None, 7, "10.0.0.1:5000", body, sig)  # a worker without a secret
+    assert not auth.verify_bootstrap(
+        None, 7, "10.0.0.1:5000", body, sig
+    )  # a worker without a secret
     for bad in (None, "", "é" * 64, sig.upper(), sig[:-1]):
         assert not auth.verify_bootstrap(SECRET, 7, "10.0.0.1:5000", body, bad)
     for room in (-1, 2**63):  # not a room, even when signed
@@ -40,7 +46,9 @@ def test_bootstrap_signature_binds_room_addr_and_body():
         assert not auth.verify_bootstrap(SECRET, room, None, body, signed)
 
 
-def _pd_attempt(seed: int, client_headers: list[tuple[bytes, bytes]]) -> list[httpx.Request]:
+def _pd_attempt(
+    seed: int, client_headers: list[tuple[bytes, bytes]]
+) -> list[httpx.Request]:
     """One PD attempt through PDProxyResponse over mocked workers; returns the requests they got."""
     from strata.router.config import RouterConfig
     from strata.router.metrics import RouterMetrics
@@ -57,8 +65,11 @@ def _pd_attempt(seed: int, client_headers: list[tuple[bytes, bytes]]) -> list[ht
         return httpx.Response(200, json={"text": "ok"})
 
     async def run() -> None:
-        cfg = RouterConfig(worker_urls=("http://decode:1",), prefill_urls=("http://prefill:1",),
-                           disaggregation_secret=SECRET.decode())
+        cfg = RouterConfig(
+            worker_urls=("http://decode:1",),
+            prefill_urls=("http://prefill:1",),
+            disaggregation_secret=SECRET.decode(),
+        )
         rng = random.Random(seed)
         policy = POLICIES["round_robin"](cfg, rng)
         metrics = RouterMetrics()
@@ -66,21 +77,39 @@ def _pd_attempt(seed: int, client_headers: list[tuple[bytes, bytes]]) -> list[ht
             pools = {}
             for url in ("http://decode:1", "http://prefill:1"):
                 pools[url] = WorkerPool(cfg, policy, metrics, client)
-                pools[url].workers[url] = Worker(url, CircuitBreaker(3, 10.0), health=Health.HEALTHY)
-            pools["http://prefill:1"].server_info["http://prefill:1"] = {"bootstrap_addr": "10.0.0.9:7000"}
+                pools[url].workers[url] = Worker(
+                    url, CircuitBreaker(3, 10.0), health=Health.HEALTHY
+                )
+            pools["http://prefill:1"].server_info["http://prefill:1"] = {
+                "bootstrap_addr": "10.0.0.9:7000"
+            }
             fwd = Forwarder(cfg, pools["http://decode:1"], policy, metrics, client, rng)
-            body = json.dumps({"model": "m", "prompt": "hello", "max_tokens": 3}).encode()
+            body = json.dumps(
+                {"model": "m", "prompt": "hello", "max_tokens": 3}
+            ).encode()
             resp = PDProxyResponse(
-                fwd, prefill_pool=pools["http://prefill:1"], prefill_policy=policy, route="/v1/completions",
-                method="POST", path="/v1/completions", body=body, headers=client_headers,
-                key=routing_key("/v1/completions", json.loads(body)), arrived=time.perf_counter(),
-            )  # fmt: skip
+                fwd,
+                prefill_pool=pools["http://prefill:1"],
+                prefill_policy=policy,
+                route="/v1/completions",
+                method="POST",
+                path="/v1/completions",
+                body=body,
+                headers=client_headers,
+                key=routing_key("/v1/completions", json.loads(body)),
+                arrived=time.perf_counter(),
+            )
             sent = []
 
             async def send(message) -> None:
                 sent.append(message)
 
-            assert await resp._attempt(pools["http://decode:1"].workers["http://decode:1"], send) is None
+            assert (
+                await resp._attempt(
+                    pools["http://decode:1"].workers["http://decode:1"], send
+                )
+                is None
+            )
             assert sent[0]["status"] == 200
 
     asyncio.run(run())
@@ -88,7 +117,10 @@ def _pd_attempt(seed: int, client_headers: list[tuple[bytes, bytes]]) -> list[ht
 
 
 def test_router_signs_what_it_hands_each_worker_and_strips_forged_signatures():
-    forged = [(b"x-strata-bootstrap", b"0" * 64), (b"content-type", b"application/json")]
+    forged = [
+        (b"x-strata-bootstrap", b"0" * 64),
+        (b"content-type", b"application/json"),
+    ]
     seen = _pd_attempt(0, forged)
     assert len(seen) == 2
     by_host = {r.url.host: r for r in seen}
@@ -97,14 +129,20 @@ def test_router_signs_what_it_hands_each_worker_and_strips_forged_signatures():
         body = json.loads(request.content)
         assert body.get("bootstrap_addr") == addr
         signatures = request.headers.get_list(auth.HEADER)
-        assert len(signatures) == 1 and signatures[0] != "0" * 64  # the client's header never passes
-        assert auth.verify_bootstrap(SECRET, body["bootstrap_room"], addr, request.content, signatures[0])
+        assert (
+            len(signatures) == 1 and signatures[0] != "0" * 64
+        )  # the client's header never passes
+        assert auth.verify_bootstrap(
+            SECRET, body["bootstrap_room"], addr, request.content, signatures[0]
+        )
     rooms = {json.loads(r.content)["bootstrap_room"] for r in seen}
     assert len(rooms) == 1  # both workers got the same room
 
 
 def test_rooms_do_not_follow_the_routers_seeded_rng():
-    rooms = [json.loads(_pd_attempt(42, [])[0].content)["bootstrap_room"] for _ in range(2)]
+    rooms = [
+        json.loads(_pd_attempt(42, [])[0].content)["bootstrap_room"] for _ in range(2)
+    ]
     assert rooms[0] != rooms[1]  # random.Random(42) twice would give the same room
 
 
@@ -118,8 +156,12 @@ def test_pd_router_needs_the_shared_secret(monkeypatch):
     RouterConfig(worker_urls=("http://d:1",))  # no prefill workers: no secret needed
     monkeypatch.setenv(auth.SECRET_ENV, "from-env")
     RouterConfig(worker_urls=("http://d:1",), prefill_urls=("http://p:1",))
-    shown = redacted(RouterConfig(worker_urls=("http://d:1",), disaggregation_secret="hush"))
-    assert shown["disaggregation_secret"] == REDACTED  # never in the router's /get_server_info
+    shown = redacted(
+        RouterConfig(worker_urls=("http://d:1",), disaggregation_secret="hush")
+    )
+    assert (
+        shown["disaggregation_secret"] == REDACTED
+    )  # never in the router's /get_server_info
 
 
 # --------------------------------------------------------------------------- worker ↔ worker messages
@@ -127,9 +169,13 @@ def test_pd_router_needs_the_shared_secret(monkeypatch):
 
 def _hello(**kw) -> protocol.Hello:
     fields = {
-        "room": 5, "kv_endpoint": "tcp://127.0.0.1:4000", "prompt_len": 3, "namespace": "ab",
-        "prompt_digest": protocol.prompt_digest([1, 2, 3]), "nonce": protocol.new_nonce(),
-    }  # fmt: skip
+        "room": 5,
+        "kv_endpoint": "tcp://127.0.0.1:4000",
+        "prompt_len": 3,
+        "namespace": "ab",
+        "prompt_digest": protocol.prompt_digest([1, 2, 3]),
+        "nonce": protocol.new_nonce(),
+    }
     return protocol.Hello(**{**fields, **kw})
 
 
@@ -137,14 +183,21 @@ def test_signed_messages_round_trip_and_any_change_breaks_the_mac():
     hello = protocol.sign(_hello(), SECRET)
     got = protocol.decode(protocol.encode(hello))
     assert got == hello and protocol.verify(got, SECRET)
-    for change in ({"room": 6}, {"prompt_len": 4}, {"nonce": protocol.new_nonce()},
-                   {"prompt_digest": protocol.prompt_digest([1, 2, 4])}, {"kv_endpoint": "tcp://1.2.3.4:1"}):
+    for change in (
+        {"room": 6},
+        {"prompt_len": 4},
+        {"nonce": protocol.new_nonce()},
+        {"prompt_digest": protocol.prompt_digest([1, 2, 4])},
+        {"kv_endpoint": "tcp://1.2.3.4:1"},
+    ):
         assert not protocol.verify(msgspec.structs.replace(got, **change), SECRET)
     assert not protocol.verify(got, b"another secret")
     # a float that JSON would write as null (so the MAC did not cover it) is signed as itself
     kv = protocol.KVHeader(5, got.nonce, 3, 1, None, "float32", [1, 2, 3, 1, 4])
     kv = protocol.sign(kv, SECRET, b"x" * 48)
-    assert not protocol.verify(msgspec.structs.replace(kv, first_logprob=float("nan")), SECRET, b"x" * 48)
+    assert not protocol.verify(
+        msgspec.structs.replace(kv, first_logprob=float("nan")), SECRET, b"x" * 48
+    )
     assert not protocol.verify(kv, SECRET, b"y" * 48)
 
 
@@ -155,11 +208,20 @@ def test_verify_never_raises_on_a_hostile_mac():
         assert protocol.verify(msg, SECRET) is False
 
 
-@pytest.mark.parametrize("change", [
-    {"room": -1}, {"room": 2**63}, {"prompt_len": 0}, {"kv_endpoint": "ipc:///tmp/x"},
-    {"kv_endpoint": "tcp://" + "a" * 400 + ":1"}, {"nonce": "xyz"}, {"prompt_digest": "00"},
-    {"namespace": "not hex"}, {"mac": "é"},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"room": -1},
+        {"room": 2**63},
+        {"prompt_len": 0},
+        {"kv_endpoint": "ipc:///tmp/x"},
+        {"kv_endpoint": "tcp://" + "a" * 400 + ":1"},
+        {"nonce": "xyz"},
+        {"prompt_digest": "00"},
+        {"namespace": "not hex"},
+        {"mac": "é"},
+    ],
+)
 def test_malformed_fields_do_not_decode(change):
     fields = msgspec.structs.asdict(protocol.sign(_hello(), SECRET))
     raw = msgspec.msgpack.encode({**fields, "type": "hello", **change})
@@ -170,7 +232,9 @@ def test_malformed_fields_do_not_decode(change):
 def test_failure_reasons_are_capped():
     reason = protocol.failure_reason("x" * 100_000)
     assert len(reason) <= protocol.MAX_REASON_CHARS
-    raw = msgspec.msgpack.encode({"type": "failed", "room": 1, "nonce": "0" * 32, "reason": "x" * 100_000})
+    raw = msgspec.msgpack.encode(
+        {"type": "failed", "room": 1, "nonce": "0" * 32, "reason": "x" * 100_000}
+    )
     with pytest.raises(msgspec.ValidationError):
         protocol.decode(raw)
 
@@ -186,9 +250,15 @@ def test_inbox_drops_oversized_frames_and_truncates_long_messages():
         for s in (big, ok):
             s.setsockopt(zmq.LINGER, 0)
             s.connect(inbox.endpoint)
-        big.send_multipart([b"h", b"x" * (inbox.max_frame_bytes + 1)])  # over the cap: never read
-        ok.send_multipart([b"h"] * 50)  # too many frames: read, but only the first few are kept
-        ok.send_multipart([b"hello", b"y" * (1 << 16)])  # the largest legitimate payload still arrives
+        big.send_multipart(
+            [b"h", b"x" * (inbox.max_frame_bytes + 1)]
+        )  # over the cap: never read
+        ok.send_multipart(
+            [b"h"] * 50
+        )  # too many frames: read, but only the first few are kept
+        ok.send_multipart(
+            [b"hello", b"y" * (1 << 16)]
+        )  # the largest legitimate payload still arrives
         got = []
         deadline = time.monotonic() + 5
         while len(got) < 2 and time.monotonic() < deadline:
@@ -210,14 +280,18 @@ def test_inbox_drops_oversized_frames_and_truncates_long_messages():
 def test_a_bad_peer_address_does_not_raise():
     t = ZmqTransport()
     try:
-        t.send("tcp://no port here", [b"x"])  # dropped: the room times out on the other side
+        t.send(
+            "tcp://no port here", [b"x"]
+        )  # dropped: the room times out on the other side
         t.send("garbage", [b"x"])
     finally:
         t.close()
 
 
 def test_invalid_utf8_is_a_decode_error():
-    raw = msgspec.msgpack.encode({"type": "failed", "room": 1, "nonce": "0" * 32, "reason": "é"})
+    raw = msgspec.msgpack.encode(
+        {"type": "failed", "room": 1, "nonce": "0" * 32, "reason": "é"}
+    )
     raw = raw.replace("é".encode(), b"\xc3)")
     with pytest.raises(msgspec.DecodeError):
         protocol.decode(raw)

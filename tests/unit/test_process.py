@@ -13,14 +13,20 @@ def test_settle_heap_freezes_startup_objects_and_watches_collections():
     try:
         log = settle_heap()
         assert gc.get_freeze_count() >= len(keep)
-        assert settle_heap() is log and gc.callbacks.count(log) == 1  # again: no second callback
+        assert (
+            settle_heap() is log and gc.callbacks.count(log) == 1
+        )  # again: no second callback
         before = log.collections
         gc.collect()
         assert log.collections == before + 1
-        assert all(o is not keep[0] for o in gc.get_objects(generation=2))  # frozen: no collection walks it
+        assert all(
+            o is not keep[0] for o in gc.get_objects(generation=2)
+        )  # frozen: no collection walks it
     finally:
         unsettle_heap()
-    assert gc.get_freeze_count() == 0 and all(not isinstance(cb, GCPauseLog) for cb in gc.callbacks)
+    assert gc.get_freeze_count() == 0 and all(
+        not isinstance(cb, GCPauseLog) for cb in gc.callbacks
+    )
 
 
 def test_slow_collections_are_logged_at_most_once_a_minute(caplog):
@@ -42,4 +48,8 @@ def test_slow_collections_are_logged_at_most_once_a_minute(caplog):
     assert log.collections == 5 and log.slow == 4 and abs(log.pause_s - 0.481) < 1e-9
     first, second = (r.getMessage() for r in caplog.records)
     assert "generation 2" in first and "200 ms" in first and "more since" not in first
-    assert "generation 1" in second and "80 ms" in second and "2 more since the last report" in second
+    assert (
+        "generation 1" in second
+        and "80 ms" in second
+        and "2 more since the last report" in second
+    )

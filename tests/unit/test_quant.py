@@ -33,14 +33,19 @@ from strata.weights.gguf_blocks import to_blocks
 
 DTYPES = [torch.float32, torch.bfloat16]
 # kernel vs its emulation (same integers): float accumulation order / one bf16 rounding of the output
-PARITY = {torch.float32: {"atol": 1e-4, "rtol": 1e-5}, torch.bfloat16: {"atol": 2e-2, "rtol": 1.6e-2}}
+PARITY = {
+    torch.float32: {"atol": 1e-4, "rtol": 1e-5},
+    torch.bfloat16: {"atol": 2e-2, "rtol": 1.6e-2},
+}
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def linear(in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False) -> nn.Linear:
+def linear(
+    in_features: int, out_features: int, dtype: torch.dtype, bias: bool = False
+) -> nn.Linear:
     torch.manual_seed(0)
     lin = nn.Linear(in_features, out_features, bias=bias)
     with torch.no_grad():
@@ -61,7 +66,10 @@ def random_layer(fmt: str, n: int, k: int, gen: torch.Generator) -> QuantLinear:
 
     if fmt == "q4":
         qs = torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=gen)
-        d, m = torch.rand(n, k // 32, generator=gen) * 0.1, torch.randn(n, k // 32, generator=gen) * 0.1
+        d, m = (
+            torch.rand(n, k // 32, generator=gen) * 0.1,
+            torch.randn(n, k // 32, generator=gen) * 0.1,
+        )
         layer = Q4Linear(qs, scales(d), scales(m))
     else:
         group = 32 if fmt == "q8" else 16
@@ -99,7 +107,9 @@ def test_kernel_matches_its_emulation(build, fmt, rows, k):
     x = torch.randn(rows, k, generator=gen)
     want = layer.emulated_mm(x)
     got = layer.kernel_mm(build, x)
-    torch.testing.assert_close(got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5)
+    torch.testing.assert_close(
+        got, want, atol=1e-4 * want.abs().max().item(), rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("fmt", ["q4", "q8h"])
@@ -111,7 +121,9 @@ def test_each_activation_block_keeps_its_own_scale(build, fmt, k):
     layer = random_layer(fmt, 48, k, gen)
     x = torch.randn(5, k, generator=gen) * 8.0 ** (torch.arange(k) // 32 % 7).float()
     want = layer.emulated_mm(x)
-    torch.testing.assert_close(layer.kernel_mm(build, x), want, atol=1e-5 * want.abs().max().item(), rtol=0)
+    torch.testing.assert_close(
+        layer.kernel_mm(build, x), want, atol=1e-5 * want.abs().max().item(), rtol=0
+    )
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -127,7 +139,9 @@ def test_forward_with_and_without_kernels(build, fmt, dtype):
     torch.testing.assert_close(out, layer.emulated_forward(x), **PARITY[dtype])
     assert rel_err(out, layer.reference_forward(x)) < 0.02
     with kernels.disabled():  # bf16: the weights are rounded to bf16 for the matmul
-        assert rel_err(layer(x), layer.reference_forward(x)) < (1e-6 if dtype == torch.float32 else 1e-2)
+        assert rel_err(layer(x), layer.reference_forward(x)) < (
+            1e-6 if dtype == torch.float32 else 1e-2
+        )
 
 
 # Bad arguments: each raises a RuntimeError naming the argument and the sizes it needs, before any
@@ -142,7 +156,9 @@ BAD_CALLS = {
         "qp must be [4, 3, 4, 16, 4], got [4, 2, 4, 16, 4]",
     ),
     "scale groups unlike the weight's": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp, q4.dp[:1].contiguous(), q4.mp, 64),
+        lambda ops, q4, q8: ops.q4_linear(
+            torch.randn(1, 64), q4.qp, q4.dp[:1].contiguous(), q4.mp, 64
+        ),
         "dp must be [4, 2, 16], got [1, 2, 16]",
     ),
     "N beyond the groups": (
@@ -154,27 +170,39 @@ BAD_CALLS = {
         "N (48) must be within the 4 groups of 16 rows of qp",
     ),
     "q8 scales per 8 channels": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp, torch.zeros(4, 2, 4, 16), 64),
+        lambda ops, q4, q8: ops.q8_linear(
+            torch.randn(1, 64), q8.qp, torch.zeros(4, 2, 4, 16), 64
+        ),
         "dp must be [G, K / 32, 32 / S, 16] with S = 16 or 32, got sizes [4, 2, 4, 16]",
     ),
     "q8 weight blocks unlike K": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp[:, :1].contiguous(), q8.dp, 64),
+        lambda ops, q4, q8: ops.q8_linear(
+            torch.randn(1, 64), q8.qp[:, :1].contiguous(), q8.dp, 64
+        ),
         "qp must be [4, 2, 8, 16, 4], got [4, 1, 8, 16, 4]",
     ),
     "q4 blocks stored as int8": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp.view(torch.int8), q4.dp, q4.mp, 64),
+        lambda ops, q4, q8: ops.q4_linear(
+            torch.randn(1, 64), q4.qp.view(torch.int8), q4.dp, q4.mp, 64
+        ),
         "qp must be Byte, got Char",
     ),
     "float64 scales": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp, q8.dp.double(), 64),
+        lambda ops, q4, q8: ops.q8_linear(
+            torch.randn(1, 64), q8.qp, q8.dp.double(), 64
+        ),
         "dp must be float32 or float16, got Double",
     ),
     "q4 scales and offsets of two dtypes": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(1, 64), q4.qp, q4.dp.half(), q4.mp, 64),
+        lambda ops, q4, q8: ops.q4_linear(
+            torch.randn(1, 64), q4.qp, q4.dp.half(), q4.mp, 64
+        ),
         "dp (Half) and mp (Float) must share a dtype",
     ),
     "integer x": (
-        lambda ops, q4, q8: ops.q8_linear(torch.ones(1, 64, dtype=torch.int32), q8.qp, q8.dp, 64),
+        lambda ops, q4, q8: ops.q8_linear(
+            torch.ones(1, 64, dtype=torch.int32), q8.qp, q8.dp, 64
+        ),
         "x must be float32, bfloat16, float16 or float64, got Int",
     ),
     "x not 2-d": (
@@ -182,11 +210,15 @@ BAD_CALLS = {
         "x must be [rows, K], got sizes [64]",
     ),
     "x not contiguous": (
-        lambda ops, q4, q8: ops.q4_linear(torch.randn(64, 2).t(), q4.qp, q4.dp, q4.mp, 64),
+        lambda ops, q4, q8: ops.q4_linear(
+            torch.randn(64, 2).t(), q4.qp, q4.dp, q4.mp, 64
+        ),
         "x must be contiguous",
     ),
     "weight not contiguous": (
-        lambda ops, q4, q8: ops.q8_linear(torch.randn(1, 64), q8.qp.transpose(1, 2), q8.dp, 64),
+        lambda ops, q4, q8: ops.q8_linear(
+            torch.randn(1, 64), q8.qp.transpose(1, 2), q8.dp, 64
+        ),
         "qp must be contiguous",
     ),
 }
@@ -208,7 +240,9 @@ def test_dequant_path_matches_reference_at_any_size(fmt, chunked, monkeypatch):
         monkeypatch.setattr(quant, "DEQUANT_CHUNK_NUMEL", 16 * 96)
     layer = random_layer(fmt, 208, 96, torch.Generator().manual_seed(1))
     x = torch.randn(7, 96)
-    torch.testing.assert_close(layer.dequant_mm(x), layer.reference_forward(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        layer.dequant_mm(x), layer.reference_forward(x), atol=1e-5, rtol=1e-5
+    )
 
 
 @pytest.mark.parametrize("cls", [Q8Linear, Q4Linear], ids=["int8", "int4"])
@@ -253,11 +287,17 @@ def test_shapes_that_cannot_be_blocked_are_refused():
 
 def test_concat_rows_merges_one_format_and_joins_mixed_ones():
     gen = torch.Generator().manual_seed(2)
-    a, b, c = random_layer("q4", 32, 64, gen), random_layer("q4", 16, 64, gen), random_layer("q8/16", 16, 64, gen)
+    a, b, c = (
+        random_layer("q4", 32, 64, gen),
+        random_layer("q4", 16, 64, gen),
+        random_layer("q8/16", 16, 64, gen),
+    )
     x = torch.randn(3, 64, generator=gen)
     merged = concat_rows([a, b])
     assert isinstance(merged, Q4Linear) and merged.out_features == 48
-    torch.testing.assert_close(merged.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    torch.testing.assert_close(
+        merged.dequantize(), torch.cat([a.dequantize(), b.dequantize()])
+    )
     mixed = concat_rows([a, c], bias=torch.ones(48))
     assert isinstance(mixed, ConcatLinear)
     torch.testing.assert_close(mixed(x), torch.cat([a(x), c(x)], dim=1) + 1)
@@ -269,12 +309,18 @@ def test_the_packed_layout_gives_the_row_major_blocks_back(fmt):
     was built from, and its groups hold what the layout says."""
     gen = torch.Generator().manual_seed(6)
     layer = random_layer(fmt, 37, 96, gen)
-    again = Q4Linear(layer.qs, layer.d, layer.m) if fmt.startswith("q4") else Q8Linear(layer.qs, layer.d)
+    again = (
+        Q4Linear(layer.qs, layer.d, layer.m)
+        if fmt.startswith("q4")
+        else Q8Linear(layer.qs, layer.d)
+    )
     assert torch.equal(again.qp, layer.qp) and torch.equal(again.dp, layer.dp)
     quads = 4 if fmt.startswith("q4") else 8
     assert layer.qp.shape == (3, 3, quads, 16, 4)
     row, block, quad = 21, 2, 1  # group 1, lane 5
-    assert torch.equal(layer.qp[1, block, quad, 5], layer.qs[row, block * quads * 4 + quad * 4 :][:4])
+    assert torch.equal(
+        layer.qp[1, block, quad, 5], layer.qs[row, block * quads * 4 + quad * 4 :][:4]
+    )
     assert not layer.qp[2, :, :, 5:].any()  # rows 37.. of the last group are zeros
 
 
@@ -288,8 +334,13 @@ def test_gather_rows_is_an_embedding_lookup():
 
 # ---------------------------------------------------------------------------- GGUF types
 
-_GGUF_BLOCK = {Q.Q4_0: (18, 32, [0]), Q.Q4_1: (20, 32, [0, 2]), Q.Q8_0: (34, 32, [0]),
-               Q.Q4_K: (144, 256, [0, 2]), Q.Q6_K: (210, 256, [208])}
+_GGUF_BLOCK = {
+    Q.Q4_0: (18, 32, [0]),
+    Q.Q4_1: (20, 32, [0, 2]),
+    Q.Q8_0: (34, 32, [0]),
+    Q.Q4_K: (144, 256, [0, 2]),
+    Q.Q6_K: (210, 256, [208]),
+}
 
 
 def random_gguf(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -307,8 +358,12 @@ def test_gguf_types_convert_without_loss(qtype):
     """Our blocks dequantize to exactly what gguf-py's reference dequantizer reads from the bytes."""
     rows, cols = 6, 512
     raw = random_gguf(qtype, rows, cols, np.random.default_rng(int(qtype)))
-    want = torch.from_numpy(gguf_dequantize(raw, qtype).reshape(rows, cols).astype(np.float32))
-    blocks = {k: torch.from_numpy(v) for k, v in to_blocks(raw, qtype, rows, cols).items()}
+    want = torch.from_numpy(
+        gguf_dequantize(raw, qtype).reshape(rows, cols).astype(np.float32)
+    )
+    blocks = {
+        k: torch.from_numpy(v) for k, v in to_blocks(raw, qtype, rows, cols).items()
+    }
     layer = Q4Linear(**blocks) if "m" in blocks else Q8Linear(**blocks)
     assert torch.equal(layer.dequantize(), want)
 
@@ -338,15 +393,23 @@ def _hidden(engine: Engine, prompt: list[int]) -> torch.Tensor:
 
 def _logits(engine: Engine, prompt: list[int]) -> torch.Tensor:
     with torch.inference_mode():
-        return engine.model.compute_logits(_hidden(engine, prompt))  # [len(prompt), vocab]
+        return engine.model.compute_logits(
+            _hidden(engine, prompt)
+        )  # [len(prompt), vocab]
 
 
 def _load_dequantized(engine: Engine, quantized: nn.Module) -> None:
     """Give `engine`'s float model the weights `quantized` stands for (each QuantLinear's dequantize())."""
     with torch.no_grad():
         for name, layer in quantized.named_modules():
-            if isinstance(layer, QuantLinear) and (name.startswith("layers.") or name == "lm_head"):
-                target = engine.model.get_submodule(name) if engine.model.lm_head is not None or name != "lm_head" else None
+            if isinstance(layer, QuantLinear) and (
+                name.startswith("layers.") or name == "lm_head"
+            ):
+                target = (
+                    engine.model.get_submodule(name)
+                    if engine.model.lm_head is not None or name != "lm_head"
+                    else None
+                )
                 if target is not None:
                     target.weight.copy_(layer.dequantize())
 
@@ -361,12 +424,18 @@ def test_quantized_model_computes_its_dequantized_weights(tiny_models, family, m
     model_dir = tiny_models[family]
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
     quantize_model(engine.model, method)
-    assert [name for name, m in engine.model.named_modules() if isinstance(m, (nn.Linear, DenseLinear))] == []
+    assert [
+        name
+        for name, m in engine.model.named_modules()
+        if isinstance(m, (nn.Linear, DenseLinear))
+    ] == []
     head = engine.model.lm_head
     assert isinstance(head, QuantLinear)
     if family == "qwen2":
         assert engine.model.layers[0].self_attn.qkv_proj.bias is not None
-    with kernels.disabled():  # plain nn.Linear weights, for _load_dequantized to overwrite
+    with (
+        kernels.disabled()
+    ):  # plain nn.Linear weights, for _load_dequantized to overwrite
         ref = Engine(str(model_dir), dtype="float32", kv_cache_tokens=512)
     _load_dequantized(ref, engine.model)
     head_weight = head.dequantize()
@@ -376,7 +445,9 @@ def test_quantized_model_computes_its_dequantized_weights(tiny_models, family, m
             torch.testing.assert_close(hidden, want, atol=1e-4, rtol=1e-4)
             with torch.inference_mode():
                 logits = engine.model.compute_logits(hidden[-1:])
-            torch.testing.assert_close(logits, F.linear(want[-1:], head_weight), atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(
+                logits, F.linear(want[-1:], head_weight), atol=1e-4, rtol=1e-4
+            )
         if family != "qwen2":
             with torch.no_grad():
                 ref.model.lm_head.weight.copy_(head_weight)
@@ -399,17 +470,25 @@ def test_quantized_model_stays_close_and_generates(tiny_models, dtype, method):
     engine = Engine(str(tiny_models["llama"]), dtype=dtype, kv_cache_tokens=512)
     quantize_model(engine.model, method)
     for prompt in PROMPTS:
-        assert rel_err(_logits(engine, prompt), _logits(ref, prompt)) < MODEL_ERR[method]
+        assert (
+            rel_err(_logits(engine, prompt), _logits(ref, prompt)) < MODEL_ERR[method]
+        )
     outs = engine.generate(PROMPTS, GREEDY)
     assert [len(o.token_ids) for o in outs] == [GREEDY.max_new_tokens] * len(PROMPTS)
 
 
 def test_tied_embedding_can_stay_float_for_logits(tiny_models):
-    engine = Engine(str(tiny_models["llama_tied_llama3"]), dtype="float32", kv_cache_tokens=512)
+    engine = Engine(
+        str(tiny_models["llama_tied_llama3"]), dtype="float32", kv_cache_tokens=512
+    )
     quantize_model(engine.model, "int8", tied_lm_head=False)
-    assert not isinstance(engine.model.lm_head, QuantLinear)  # the embedding, or the loader's packed copy
+    assert not isinstance(
+        engine.model.lm_head, QuantLinear
+    )  # the embedding, or the loader's packed copy
     assert isinstance(engine.model.layers[0].mlp.down_proj, Q8Linear)
-    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    assert (
+        len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    )
 
 
 def test_unquantizable_layers_stay_float(tmp_path, caplog):
@@ -428,7 +507,9 @@ def test_unquantizable_layers_stay_float(tmp_path, caplog):
     assert "stay unquantized" in caplog.text
     assert isinstance(engine.model.layers[0].self_attn.o_proj, (nn.Linear, DenseLinear))
     assert isinstance(engine.model.layers[0].mlp.gate_up_proj, Q4Linear)
-    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    assert (
+        len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    )
 
 
 def test_unknown_method_is_rejected(tiny_models):
@@ -438,11 +519,18 @@ def test_unknown_method_is_rejected(tiny_models):
 
 
 def test_engine_quantization_option_quantizes_at_load(tiny_models):
-    engine = Engine(str(tiny_models["qwen2"]), dtype="float32", kv_cache_tokens=512, quantization="int4")
+    engine = Engine(
+        str(tiny_models["qwen2"]),
+        dtype="float32",
+        kv_cache_tokens=512,
+        quantization="int4",
+    )
     assert isinstance(engine.model.layers[0].mlp.down_proj, Q4Linear)
     assert isinstance(engine.model.lm_head, Q4Linear)
     assert "q4" in engine.state.weights
-    assert len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    assert (
+        len(engine.generate(PROMPTS[:1], GREEDY)[0].token_ids) == GREEDY.max_new_tokens
+    )
     with pytest.raises(ValueError, match="quantization must be one of"):
         Engine(str(tiny_models["qwen2"]), quantization="int3")
     with pytest.raises(ValueError, match="no GGUF blocks"):
@@ -469,4 +557,6 @@ def test_a_row_computes_the_same_in_any_call(build, fmt):
         assert torch.equal(layer(x[perm]), alone[perm])
     for start, end in ((0, 3), (3, 40), (40, 150), (17, 18)):
         assert torch.equal(layer(x[start:end]), alone[start:end])
-    torch.testing.assert_close(layer(x), layer.emulated_forward(x), **PARITY[torch.float32])
+    torch.testing.assert_close(
+        layer(x), layer.emulated_forward(x), **PARITY[torch.float32]
+    )

@@ -21,7 +21,9 @@ def make(ps: int, num_pages: int = 64) -> tuple[PageAllocator, RadixCache]:
     return alloc, RadixCache(alloc)
 
 
-def insert_fresh(alloc: PageAllocator, cache: RadixCache, tokens: list[int]) -> tuple[list[int], int]:
+def insert_fresh(
+    alloc: PageAllocator, cache: RadixCache, tokens: list[int]
+) -> tuple[list[int], int]:
     """Insert with freshly allocated pages; free the duplicates like a caller must."""
     pages = alloc.alloc(len(tokens) // cache.page_size)
     assert pages is not None
@@ -367,7 +369,9 @@ def test_parent_evicted_after_children(ps):
     pa, _ = insert_fresh(alloc, cache, seq(ps, 1, 2))
     pb, _ = insert_fresh(alloc, cache, seq(ps, 1, 3))
     # B's insert split A: parent [1] and leaf [2] (A's old timestamp), leaf [3] (newest)
-    assert cache.evict(1) == 1  # leaf A's tail (oldest leaf); the parent is not a leaf yet
+    assert (
+        cache.evict(1) == 1
+    )  # leaf A's tail (oldest leaf); the parent is not a leaf yet
     assert alloc.is_free(pa[1]) and not alloc.is_free(pa[0])
     assert cache.evict(1) == 1  # leaf B's tail
     assert alloc.is_free(pb[1])
@@ -487,7 +491,9 @@ class Model:
 
     def longest(self, toks) -> int:
         k = 0
-        while (k + 1) * self.ps <= len(toks) and tuple(toks[: (k + 1) * self.ps]) in self.pages:
+        while (k + 1) * self.ps <= len(toks) and tuple(
+            toks[: (k + 1) * self.ps]
+        ) in self.pages:
             k += 1
         return k * self.ps
 
@@ -538,7 +544,9 @@ def run_random(seed: int, ps: int, num_pages: int = 40, n_ops: int = 2000) -> No
     def gen(aligned: bool) -> list[int]:
         base = rng.choice(history)
         cut = rng.randint(0, len(base))
-        toks = base[:cut] + [rng.randint(0, alphabet) for _ in range(rng.randint(0, 3 * ps + 2))]
+        toks = base[:cut] + [
+            rng.randint(0, alphabet) for _ in range(rng.randint(0, 3 * ps + 2))
+        ]
         if rng.random() < 0.3:
             toks = [rng.randint(0, alphabet) for _ in range(rng.randint(0, 6 * ps))]
         toks = toks[: 8 * ps]
@@ -557,7 +565,9 @@ def run_random(seed: int, ps: int, num_pages: int = 40, n_ops: int = 2000) -> No
         expect = model.longest(toks)
         m = cache.match_prefix(toks)
         assert m.cached_len == expect
-        assert m.pages == [model.pages[tuple(toks[: (i + 1) * ps])] for i in range(expect // ps)]
+        assert m.pages == [
+            model.pages[tuple(toks[: (i + 1) * ps])] for i in range(expect // ps)
+        ]
         assert node_path(m.node) == tuple(toks[:expect])
         if expect:
             model.touch(toks, expect)
@@ -575,7 +585,9 @@ def run_random(seed: int, ps: int, num_pages: int = 40, n_ops: int = 2000) -> No
         if gone:
             # LRU: nothing evicted is newer than anything unlocked that stays
             locked = locked_prefixes()
-            stay = [model.ts[p] for p in model.pages if p not in gone and p not in locked]
+            stay = [
+                model.ts[p] for p in model.pages if p not in gone and p not in locked
+            ]
             if stay:
                 assert max(model.ts[p] for p in gone) <= min(stay)
         for p in gone:
@@ -607,7 +619,9 @@ def run_random(seed: int, ps: int, num_pages: int = 40, n_ops: int = 2000) -> No
             if pages is not None:
                 prefix = do_insert(toks, pages)
                 alloc.free(pages[: prefix // ps])
-        elif op < 0.45:  # scheduler style: match, lock, allocate the rest, maybe race, insert
+        elif (
+            op < 0.45
+        ):  # scheduler style: match, lock, allocate the rest, maybe race, insert
             toks = gen(aligned=True)
             m = check_match(toks)
             cache.inc_lock(m.node)
@@ -615,7 +629,9 @@ def run_random(seed: int, ps: int, num_pages: int = 40, n_ops: int = 2000) -> No
             k = m.cached_len // ps
             new = alloc_or_evict(len(toks) // ps - k)
             if new is not None:
-                if rng.random() < 0.4:  # another request with the same prompt finishes first
+                if (
+                    rng.random() < 0.4
+                ):  # another request with the same prompt finishes first
                     other = alloc_or_evict(len(toks) // ps)
                     if other is not None:
                         p2 = do_insert(toks, other)

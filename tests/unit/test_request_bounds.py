@@ -46,7 +46,14 @@ def test_sampling_fields_are_typed_and_bounded(fields, param):
 
 def test_edge_values_still_pass():
     params = make_sampling_params(
-        {"top_k": VOCAB, "seed": -(2**63), "logprobs": 20, "stop": "x", "temperature": 1e-7}, VOCAB
+        {
+            "top_k": VOCAB,
+            "seed": -(2**63),
+            "logprobs": 20,
+            "stop": "x",
+            "temperature": 1e-7,
+        },
+        VOCAB,
     )
     assert params.stop == ["x"] and params.is_greedy
 
@@ -59,13 +66,19 @@ NUMERIC_FIELDS = [
 
 
 def test_every_numeric_engine_flag_is_bounded():
-    assert set(NUMERIC_FIELDS) <= set(NUMERIC_RANGES), set(NUMERIC_FIELDS) - set(NUMERIC_RANGES)
+    assert set(NUMERIC_FIELDS) <= set(NUMERIC_RANGES), set(NUMERIC_FIELDS) - set(
+        NUMERIC_RANGES
+    )
 
 
 @pytest.mark.parametrize("name", NUMERIC_FIELDS)
 def test_out_of_range_engine_flag_names_itself(name):
     low, high = NUMERIC_RANGES[name]
-    bad = [float("nan")] + ([low - 1] if low is not None else []) + ([high * 2 + 1] if high is not None else [])
+    bad = (
+        [float("nan")]
+        + ([low - 1] if low is not None else [])
+        + ([high * 2 + 1] if high is not None else [])
+    )
     for value in bad:
         with pytest.raises(ValueError, match=f"--{name.replace('_', '-')}"):
             EngineConfig(**{name: value})
@@ -77,14 +90,22 @@ class _Sent(list):
 
 
 def test_engine_answers_a_submission_it_cannot_decode():
-    raw = msgspec.msgpack.decode(io.encode(io.GenerateReq("r-bad", [1, 2], SamplingParams())))
+    raw = msgspec.msgpack.decode(
+        io.encode(io.GenerateReq("r-bad", [1, 2], SamplingParams()))
+    )
     raw["params"]["logprobs"] = 1.5
     loop = EngineLoop.__new__(EngineLoop)
     loop.push, loop.secrets = _Sent(), []
-    loop.reject_undecodable(memoryview(msgspec.msgpack.encode(raw)), ValueError("bad logprobs"))
-    loop.reject_undecodable(memoryview(b"\x93garbage"), ValueError("not msgpack"))  # logged, no rid
+    loop.reject_undecodable(
+        memoryview(msgspec.msgpack.encode(raw)), ValueError("bad logprobs")
+    )
+    loop.reject_undecodable(
+        memoryview(b"\x93garbage"), ValueError("not msgpack")
+    )  # logged, no rid
     (answer,) = loop.push
-    assert isinstance(answer, io.AddResult) and answer.rid == "r-bad" and not answer.rids
+    assert (
+        isinstance(answer, io.AddResult) and answer.rid == "r-bad" and not answer.rids
+    )
     assert "could not decode" in answer.error
 
 
@@ -92,11 +113,20 @@ def test_a_request_the_sampler_cannot_hold_fails_alone(llama_dir):
     from strata.engine.engine import Engine
 
     engine = Engine(model=str(llama_dir), dtype="float32", kv_cache_tokens=256)
-    (good,) = engine.add_request([1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0))
+    (good,) = engine.add_request(
+        [1, 2, 3], SamplingParams(max_new_tokens=4, temperature=0)
+    )
     engine.step()  # the good request is running when the bad one arrives
-    for bad in (SamplingParams(top_k=2**70), SamplingParams(temperature=1e39), SamplingParams(seed=2**64)):
+    for bad in (
+        SamplingParams(top_k=2**70),
+        SamplingParams(temperature=1e39),
+        SamplingParams(seed=2**64),
+    ):
         with pytest.raises(ValueError):
             engine.add_request([1, 2, 3], bad)
     finished = False
     while not finished:
-        finished = any(o.finished and o.rid == good and o.finish_reason == "length" for o in engine.step())
+        finished = any(
+            o.finished and o.rid == good and o.finish_reason == "length"
+            for o in engine.step()
+        )

@@ -47,8 +47,14 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
 
 def test_min_p_drops_unlikely_tokens():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    seen = {int(sample(logits, batch(1, 4, min_ps=torch.tensor([0.4]), uniforms=u.view(1))).token_ids)
-            for u in torch.linspace(0, 0.999, 200)}
+    seen = {
+        int(
+            sample(
+                logits, batch(1, 4, min_ps=torch.tensor([0.4]), uniforms=u.view(1))
+            ).token_ids
+        )
+        for u in torch.linspace(0, 0.999, 200)
+    }
     assert seen == {0, 1}
 
 
@@ -62,8 +68,12 @@ def test_sampling_follows_the_distribution():
 
 def test_temperature_sharpens():
     logits = torch.tensor([1.0, 0.0]).repeat(20000, 1)
-    cold = sample(logits, batch(20000, 2, temperatures=torch.full((20000,), 0.25))).token_ids
-    hot = sample(logits, batch(20000, 2, temperatures=torch.full((20000,), 4.0))).token_ids
+    cold = sample(
+        logits, batch(20000, 2, temperatures=torch.full((20000,), 0.25))
+    ).token_ids
+    hot = sample(
+        logits, batch(20000, 2, temperatures=torch.full((20000,), 4.0))
+    ).token_ids
     assert (cold == 0).float().mean() > 0.95 > (hot == 0).float().mean()
 
 
@@ -72,7 +82,8 @@ def test_penalties_change_logits_as_defined():
     counts = torch.tensor([[3, 1, 0, 0]], dtype=torch.int32)
     seen = torch.tensor([[True, True, False, True]])
     s = batch(
-        1, 4,
+        1,
+        4,
         repetition_penalties=torch.tensor([2.0]),
         seen_mask=seen,
         frequency_penalties=torch.tensor([0.5]),
@@ -97,15 +108,25 @@ def test_logit_bias_is_added_before_the_choice_greedy_or_sampled():
     logits = torch.randn(4, 10)
     weakest = logits.argmin(-1)
     rows = torch.tensor([0, 1, 3])  # row 2 has no bias
-    bias = dict(bias_rows=rows, bias_ids=weakest[rows], bias_values=torch.full((3,), 100.0))
-    s = batch(4, 10, temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0]), top_logprobs=0, **bias)
+    bias = dict(
+        bias_rows=rows, bias_ids=weakest[rows], bias_values=torch.full((3,), 100.0)
+    )
+    s = batch(
+        4, 10, temperatures=torch.tensor([0.0, 1.0, 0.0, 1.0]), top_logprobs=0, **bias
+    )
     out = sample(logits.clone(), s)
-    assert out.token_ids[rows].tolist() == weakest[rows].tolist()  # +100 outweighs any randn logit
+    assert (
+        out.token_ids[rows].tolist() == weakest[rows].tolist()
+    )  # +100 outweighs any randn logit
     assert out.token_ids[2] == logits[2].argmax()
     raw = torch.log_softmax(logits, -1)  # logprobs stay the model's own
-    torch.testing.assert_close(out.logprobs, raw.gather(1, out.token_ids.view(-1, 1)).view(-1))
+    torch.testing.assert_close(
+        out.logprobs, raw.gather(1, out.token_ids.view(-1, 1)).view(-1)
+    )
     banned = logits.argmax(-1)
-    bias = dict(bias_rows=torch.arange(4), bias_ids=banned, bias_values=torch.full((4,), -100.0))
+    bias = dict(
+        bias_rows=torch.arange(4), bias_ids=banned, bias_values=torch.full((4,), -100.0)
+    )
     s = batch(4, 10, temperatures=torch.zeros(4), all_greedy=True, **bias)
     assert (sample(logits.clone(), s).token_ids != banned).all()
 
@@ -131,10 +152,16 @@ def test_logprobs_are_raw_log_softmax():
         ({"min_new_tokens": 10, "max_new_tokens": 5}, "min_new_tokens"),
         ({"stop": [""]}, "stop"),
         ({"stop_token_ids": [10**9]}, "stop_token_ids"),
-        ({"logit_bias": {1000: 5.0}}, "logit_bias names token id 1000, which is outside the vocabulary"),
+        (
+            {"logit_bias": {1000: 5.0}},
+            "logit_bias names token id 1000, which is outside the vocabulary",
+        ),
         ({"logit_bias": {"-3": 5.0}}, "token id -3"),
         ({"logit_bias": {"abc": 5.0}}, "logit_bias key 'abc' is not a token id"),
-        ({"logit_bias": {"7": 100.5}}, r"logit_bias for token id 7 must be .* \[-100, 100\], got 100.5"),
+        (
+            {"logit_bias": {"7": 100.5}},
+            r"logit_bias for token id 7 must be .* \[-100, 100\], got 100.5",
+        ),
         ({"logit_bias": {"7": "high"}}, "logit_bias for token id 7"),
     ],
 )
@@ -151,8 +178,13 @@ def test_a_rejection_tested_draft_leaves_the_distribution_unchanged(draft):
     torch.manual_seed(draft)
     rows, vocab = 200_000, 8
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
-    s = batch(rows, vocab, temperatures=torch.full((rows,), 0.8), top_ks=torch.full((rows,), 6, dtype=torch.int64),
-              top_ps=torch.full((rows,), 0.97))
+    s = batch(
+        rows,
+        vocab,
+        temperatures=torch.full((rows,), 0.8),
+        top_ks=torch.full((rows,), 6, dtype=torch.int64),
+        top_ps=torch.full((rows,), 0.97),
+    )
     s.draft_ids = torch.full((rows,), draft, dtype=torch.int64)
     s.accept_uniforms = torch.rand(rows)
     out = sample(logits.repeat(rows, 1), s)
@@ -183,6 +215,13 @@ def test_greedy_argmax_is_torch_argmax_for_any_layout():
     wide = torch.randn(4, 700, generator=gen)
     wide[2, 100] = float("nan")
     wide[3, :] = -float("inf")
-    cases = [wide, wide[:, :600], wide[:1].expand(3, 700), wide.t(), wide.double(), torch.randn(2, 3, 40, generator=gen)]
+    cases = [
+        wide,
+        wide[:, :600],
+        wide[:1].expand(3, 700),
+        wide.t(),
+        wide.double(),
+        torch.randn(2, 3, 40, generator=gen),
+    ]
     for x in cases:
         assert torch.equal(argmax_rows(x), x.argmax(dim=-1))

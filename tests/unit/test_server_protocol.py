@@ -41,9 +41,22 @@ def test_serve_flags_cover_every_engine_field_with_its_default():
 
 def test_engine_flags_parse_types_and_choices():
     args = build_parser().parse_args(
-        ["--page-size", "16", "--dtype", "float32", "--disable-radix-cache", "--kv-cache-tokens", "4096",
-         "--mem-fraction-static", "0.1", "--port", "8080", "--api-key", "k"]
-    )  # fmt: skip
+        [
+            "--page-size",
+            "16",
+            "--dtype",
+            "float32",
+            "--disable-radix-cache",
+            "--kv-cache-tokens",
+            "4096",
+            "--mem-fraction-static",
+            "0.1",
+            "--port",
+            "8080",
+            "--api-key",
+            "k",
+        ]
+    )
     cfg = engine_config_from_args(args)
     assert (cfg.page_size, cfg.dtype, cfg.disable_radix_cache, cfg.kv_cache_tokens) == (
         16,
@@ -61,18 +74,33 @@ def test_engine_flags_parse_types_and_choices():
 
 
 def test_messages_round_trip_without_pickle():
-    req = io.GenerateReq("r1", [1, 2, 3], SamplingParams(max_new_tokens=5, stop=["x"], logprobs=2, seed=3))
+    req = io.GenerateReq(
+        "r1",
+        [1, 2, 3],
+        SamplingParams(max_new_tokens=5, stop=["x"], logprobs=2, seed=3),
+    )
     assert io.decode_to_engine(io.encode(req)) == req
     out = RequestOutput(
-        "r1", [7], "hi", True, "stop", matched_stop=2, logprobs=[TokenLogprob(7, -0.5, [TopLogprob(7, -0.5)])]
+        "r1",
+        [7],
+        "hi",
+        True,
+        "stop",
+        matched_stop=2,
+        logprobs=[TokenLogprob(7, -0.5, [TopLogprob(7, -0.5)])],
     )
     batch = io.OutputBatch(
-        [out], io.EngineStats(num_running=1, num_pages=10, num_free_pages=4, num_evictable_pages=1)
+        [out],
+        io.EngineStats(
+            num_running=1, num_pages=10, num_free_pages=4, num_evictable_pages=1
+        ),
     )
     decoded = io.decode_from_engine(io.encode(batch))
     assert decoded == batch and decoded.stats.token_usage == pytest.approx(0.5)
     with pytest.raises(msgspec.DecodeError):
-        io.decode_to_engine(io.encode(batch))  # an engine->frontend message is not a frontend->engine one
+        io.decode_to_engine(
+            io.encode(batch)
+        )  # an engine->frontend message is not a frontend->engine one
 
 
 def test_expert_load_travels_on_request_and_renders_one_series_per_expert():
@@ -84,28 +112,47 @@ def test_expert_load_travels_on_request_and_renders_one_series_per_expert():
     from strata.layers.expert_load import expert_load_summary
     from strata.server.metrics import ServerMetrics
 
-    assert io.decode_to_engine(io.encode(io.StatsReq(3, expert_load=True))) == io.StatsReq(3, True)
+    assert io.decode_to_engine(
+        io.encode(io.StatsReq(3, expert_load=True))
+    ) == io.StatsReq(3, True)
     load = {0: [5, 0, 3], 2: [1, 1, 6]}
-    stats = io.EngineStats(num_running=1, expert_load=load, expert_load_summary=expert_load_summary(load))
+    stats = io.EngineStats(
+        num_running=1, expert_load=load, expert_load_summary=expert_load_summary(load)
+    )
     decoded = io.decode_from_engine(io.encode(io.StatsResult(1, stats)))
-    assert decoded.stats == stats and decoded.stats.expert_load == load  # layer keys stay ints
+    assert (
+        decoded.stats == stats and decoded.stats.expert_load == load
+    )  # layer keys stay ints
     metrics = ServerMetrics('tiny "moe"\\')
     metrics.on_stats(stats)
     metrics.on_stats(io.EngineStats())  # as sent with a batch of outputs
-    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    families = {
+        f.name: f for f in text_string_to_metric_families(metrics.render().decode())
+    }
     experts = families["strata:moe_expert_tokens"]
     assert experts.type == "gauge"
-    assert {(s.labels["layer"], s.labels["expert"]): s.value for s in experts.samples} == {
-        ("0", "0"): 5, ("0", "1"): 0, ("0", "2"): 3, ("2", "0"): 1, ("2", "1"): 1, ("2", "2"): 6,
-    }  # fmt: skip
+    assert {
+        (s.labels["layer"], s.labels["expert"]): s.value for s in experts.samples
+    } == {
+        ("0", "0"): 5,
+        ("0", "1"): 0,
+        ("0", "2"): 3,
+        ("2", "0"): 1,
+        ("2", "1"): 1,
+        ("2", "2"): 6,
+    }
     assert {s.labels["model_name"] for s in experts.samples} == {'tiny "moe"\\'}
     assert "strata:num_running_reqs" in families
     assert "moe_expert_tokens" not in ServerMetrics("dense").render().decode()
 
 
 def test_max_tokens_defaults_and_limits():
-    assert resolve_max_tokens(None, 10, 512, 10_000, default=None) == 502  # to the end of the context
-    assert resolve_max_tokens(None, 10, 512, 100, default=None) == 91  # ... bounded by the KV pool
+    assert (
+        resolve_max_tokens(None, 10, 512, 10_000, default=None) == 502
+    )  # to the end of the context
+    assert (
+        resolve_max_tokens(None, 10, 512, 100, default=None) == 91
+    )  # ... bounded by the KV pool
     assert resolve_max_tokens(None, 10, 512, 10_000, default=16) == 16
     assert resolve_max_tokens(20, 10, 512, 10_000, default=16) == 20
     with pytest.raises(APIError, match="at most 502") as e:
@@ -120,7 +167,9 @@ def test_max_tokens_defaults_and_limits():
 def test_sampling_errors_name_the_clients_field():
     with pytest.raises(APIError) as e:
         make_sampling_params(
-            {"max_new_tokens": 4, "min_new_tokens": 9}, 100, {"min_new_tokens": "min_tokens"}
+            {"max_new_tokens": 4, "min_new_tokens": 9},
+            100,
+            {"min_new_tokens": "min_tokens"},
         )
     assert e.value.param == "min_tokens" and e.value.message.startswith("min_tokens")
     with pytest.raises(APIError, match="top_p"):
@@ -129,7 +178,13 @@ def test_sampling_errors_name_the_clients_field():
 
 @pytest.mark.parametrize(
     "body,param",
-    [(b"{", None), (b"\xff", None), (b"", None), (b'{"messages": 3}', "messages"), (b"{}", "messages")],
+    [
+        (b"{", None),
+        (b"\xff", None),
+        (b"", None),
+        (b'{"messages": 3}', "messages"),
+        (b"{}", "messages"),
+    ],
 )
 def test_bad_bodies_are_400s(body, param):
     with pytest.raises(APIError) as e:

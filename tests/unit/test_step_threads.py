@@ -9,7 +9,9 @@ import torch
 from strata.engine.step_threads import StepThreads
 
 
-def run(st: StepThreads, num_tokens: int, cost: dict[int, float], steps: int) -> list[int]:
+def run(
+    st: StepThreads, num_tokens: int, cost: dict[int, float], steps: int
+) -> list[int]:
     """`steps` steps of `num_tokens` tokens whose time per step on t threads is cost[t]."""
     chosen = []
     for _ in range(steps):
@@ -23,7 +25,9 @@ def test_times_both_then_keeps_the_faster():
     st = StepThreads(2)
     chosen = run(st, 1, {1: 5e-3, 2: 8e-3}, 40)
     assert chosen[:2] == [2, 1]  # every core first, then one thread
-    assert chosen[2:10] == [1] * 8  # one thread won: it stays, trying two only after the interval
+    assert (
+        chosen[2:10] == [1] * 8
+    )  # one thread won: it stays, trying two only after the interval
     assert chosen.count(2) <= 4
     assert st.describe()["tokens 1"]["threads"] == 1
 
@@ -45,9 +49,13 @@ def test_larger_steps_skip_one_thread_trials_once_a_smaller_size_runs_on_all():
     for n in (256, 1024, 2048, 4096):
         assert run(st, n, {1: 2.0, 2: 1.0}, 300) == [2] * 300
     st = StepThreads(2)
-    assert run(st, 2048, {1: 2.0, 2: 1.0}, 50) == [2] * 50  # a first prefill: no trial either
+    assert (
+        run(st, 2048, {1: 2.0, 2: 1.0}, 50) == [2] * 50
+    )  # a first prefill: no trial either
     run(st, 1, {1: 4e-3, 2: 5e-3}, 50)  # one thread wins for single tokens
-    assert run(st, 2, {1: 5e-3, 2: 6e-3}, 50).count(1) > 0  # so the next size tries it too
+    assert (
+        run(st, 2, {1: 5e-3, 2: 6e-3}, 50).count(1) > 0
+    )  # so the next size tries it too
 
 
 def test_follows_a_change_of_load():
@@ -59,7 +67,9 @@ def test_follows_a_change_of_load():
     assert run(st, 1, quiet, 30)[-1] == 2
     busy_run = run(st, 1, busy, 600)
     assert busy_run[1:8] == [1] * 7  # one slow step is enough to leave all threads
-    assert busy_run.count(2) < 12  # trials of the loser grow rare: their cost stays bounded
+    assert (
+        busy_run.count(2) < 12
+    )  # trials of the loser grow rare: their cost stays bounded
     assert run(st, 1, quiet, 1200)[-1] == 2
 
 
@@ -68,7 +78,9 @@ def test_trials_back_off_while_the_choice_holds():
     chosen = run(st, 4, {1: 1e-3, 2: 3e-3}, 2000)
     trials = [i for i, t in enumerate(chosen) if t == 2][1:]  # after the first timing
     gaps = [b - a for a, b in zip(trials, trials[1:])]
-    assert gaps == sorted(gaps) and gaps[-1] == 65  # 8, 16, 32, 64, 64, ... steps between trials
+    assert (
+        gaps == sorted(gaps) and gaps[-1] == 65
+    )  # 8, 16, 32, 64, 64, ... steps between trials
 
 
 def test_one_thread_machine_never_switches():
@@ -93,7 +105,11 @@ def test_engine_answers_the_same_on_any_thread_count(model, request):
         path, options = request.getfixturevalue("llama_dir"), {"dtype": "float32"}
     else:
         path = request.getfixturevalue("default_dir")
-        options = {"quantization": "none", "dtype": "bfloat16"} if model.endswith("bf16") else {}
+        options = (
+            {"quantization": "none", "dtype": "bfloat16"}
+            if model.endswith("bf16")
+            else {}
+        )
 
     class Alternating(StepThreads):
         def threads_for(self, num_tokens: int) -> int:
@@ -108,7 +124,9 @@ def test_engine_answers_the_same_on_any_thread_count(model, request):
         expected = [r.token_ids for r in plain.generate(prompts, params)]
         plain.close()
         flipping = Engine(str(path), num_threads=2, **options)
-        assert flipping.scheduler.runner.step_threads is not None  # on by default on a CPU
+        assert (
+            flipping.scheduler.runner.step_threads is not None
+        )  # on by default on a CPU
         flipping.scheduler.runner.step_threads = Alternating(2)
         assert [r.token_ids for r in flipping.generate(prompts, params)] == expected
         flipping.close()
@@ -120,4 +138,6 @@ def test_one_slow_step_is_not_a_neighbour():
     st = StepThreads(2)
     run(st, 1, {1: 6e-3, 2: 5e-3}, 5)
     assert run(st, 1, {1: 6e-3, 2: 12e-3}, 1) == [2]  # a collection or a page fault
-    assert st.threads_for(1) == 2  # the average moved by a quarter of it: still within the margin
+    assert (
+        st.threads_for(1) == 2
+    )  # the average moved by a quarter of it: still within the margin

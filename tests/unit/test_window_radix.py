@@ -14,7 +14,9 @@ from strata.cache.radix import PrefixCache
 from strata.cache.window_radix import WindowRadixCache
 
 
-def make(ps: int = 1, pages: int = 128, groups=((4, 128),)) -> tuple[GroupedPageAllocator, WindowRadixCache]:
+def make(
+    ps: int = 1, pages: int = 128, groups=((4, 128),)
+) -> tuple[GroupedPageAllocator, WindowRadixCache]:
     alloc = GroupedPageAllocator(pages, ps, list(groups))
     return alloc, WindowRadixCache(alloc)
 
@@ -37,7 +39,11 @@ def check_groups(alloc, cache, private=()) -> None:
     held = tree_pages(cache) + list(private)
     assert alloc.num_free_pages + len(held) == alloc.num_pages
     for g in alloc.groups:
-        live = g.to_group[np.asarray(held, dtype=np.int64)] if held else np.array([], dtype=np.int64)
+        live = (
+            g.to_group[np.asarray(held, dtype=np.int64)]
+            if held
+            else np.array([], dtype=np.int64)
+        )
         live = live[live >= 0]
         assert len(set(live.tolist())) == len(live)
         assert g.num_free_pages + len(live) == g.num_pages
@@ -70,7 +76,9 @@ def test_alloc_is_all_or_nothing_across_groups():
     with pytest.raises(ValueError):
         alloc.free([pages[0], pages[0]])  # nothing freed on a bad call
     alloc.free(pages)
-    assert alloc.groups[0].num_free_pages == 2  # the third page's group page went to the alloc(1) above
+    assert (
+        alloc.groups[0].num_free_pages == 2
+    )  # the third page's group page went to the alloc(1) above
 
 
 @pytest.mark.parametrize("ps", [1, 2])
@@ -81,13 +89,17 @@ def test_usable_prefix_needs_only_the_window_before_the_end(ps):
     assert alloc.usable_prefix(pages) == 8
     group = alloc.groups[0]
     end = 8 * ps
-    first_read = max(0, end - window + 1) // ps  # the query at `end` reads from page first_read on
+    first_read = (
+        max(0, end - window + 1) // ps
+    )  # the query at `end` reads from page first_read on
     group.drop(pages[:first_read])
     assert alloc.usable_prefix(pages) == 8
     group.drop([pages[first_read]])
     k = alloc.usable_prefix(pages)
     assert k < 8
-    assert all(group.to_group[p] >= 0 for p in pages[max(0, k * ps - window + 1) // ps : k])
+    assert all(
+        group.to_group[p] >= 0 for p in pages[max(0, k * ps - window + 1) // ps : k]
+    )
 
 
 def test_two_windows_must_both_cover():
@@ -96,7 +108,9 @@ def test_two_windows_must_both_cover():
     alloc.groups[0].drop(pages[:8])  # window 2 reads 1 key back: fine at 10
     assert alloc.usable_prefix(pages) == 10
     alloc.groups[1].drop(pages[6:7])  # window 6 at 10 reads 5..9
-    assert alloc.usable_prefix(pages) == 0  # at k <= 6 window 2 would need pages alive before 8
+    assert (
+        alloc.usable_prefix(pages) == 0
+    )  # at k <= 6 window 2 would need pages alive before 8
 
 
 def test_match_backs_off_to_a_resumable_prefix():
@@ -107,7 +121,9 @@ def test_match_backs_off_to_a_resumable_prefix():
     assert cache.match_prefix(tokens + [1]).cached_len == 20
     alloc.groups[0].drop(pages[17:18])
     m = cache.match_prefix(tokens + [1])
-    assert m.cached_len == 0  # everything before 18 is gone: no position in 1..19 can resume
+    assert (
+        m.cached_len == 0
+    )  # everything before 18 is gone: no position in 1..19 can resume
     assert m.pages == []
     check_groups(alloc, cache)
 
@@ -116,8 +132,12 @@ def test_evict_window_reports_what_it_freed():
     alloc, cache, a, b = two_branches()
     before = alloc.groups[0].num_free_pages
     freed = cache.evict_window([1000])[0]
-    assert freed == alloc.groups[0].num_free_pages - before == 45  # interiors, then the unlocked tails
-    assert alloc.num_free_pages == alloc.num_pages  # leaves without their tails went whole
+    assert (
+        freed == alloc.groups[0].num_free_pages - before == 45
+    )  # interiors, then the unlocked tails
+    assert (
+        alloc.num_free_pages == alloc.num_pages
+    )  # leaves without their tails went whole
     check_groups(alloc, cache)
 
 
@@ -132,10 +152,18 @@ def test_interior_sweep_then_tails_order():
     # W / 4 = 1 more (a match may diverge that far before a guard)
     assert cache.match_prefix(a + [0]).cached_len == 30
     assert cache.match_prefix(b + [0]).cached_len == 35
-    assert cache.match_prefix(a[:20] + [0]).cached_len == 20  # the branch point kept its tail
-    assert cache.match_prefix(a[:29]).cached_len == 29  # a page before the end: the slack
-    assert cache.match_prefix(a[:28] + [0]).cached_len == 28  # two before: the W / 4 band
-    assert cache.match_prefix(a[:25] + [0]).cached_len == 20  # mid-node: interior gone, backs off
+    assert (
+        cache.match_prefix(a[:20] + [0]).cached_len == 20
+    )  # the branch point kept its tail
+    assert (
+        cache.match_prefix(a[:29]).cached_len == 29
+    )  # a page before the end: the slack
+    assert (
+        cache.match_prefix(a[:28] + [0]).cached_len == 28
+    )  # two before: the W / 4 band
+    assert (
+        cache.match_prefix(a[:25] + [0]).cached_len == 20
+    )  # mid-node: interior gone, backs off
     check_groups(alloc, cache)
 
 
@@ -147,7 +175,9 @@ def test_tail_pass_tombstones_inner_nodes_and_keeps_children():
     freed = cache.evict_window([40])[0]
     assert freed >= 35  # interiors (30, the locked leaf's too), then a's leaf whole (5)
     assert cache.match_prefix(b + [0]).cached_len == 35  # locked leaf untouched
-    assert cache.match_prefix(a + [0]).cached_len < 30  # a's leaf went whole (LRU, unlocked)
+    assert (
+        cache.match_prefix(a + [0]).cached_len < 30
+    )  # a's leaf went whole (LRU, unlocked)
     assert alloc.groups[0].to_group[m.pages[-1]] >= 0
     cache.dec_lock(m.node)
     # now everything unlocked: the inner node (the branch point) loses its tail but b stays matchable
@@ -163,7 +193,9 @@ def test_locked_interior_is_swept_but_the_locked_end_is_not():
     insert_fresh(alloc, cache, a)
     m = cache.match_prefix(a + [0])
     cache.inc_lock(m.node)
-    assert cache.evict_window([1000]) == [35]  # interior only: the lock holder reads the last 3 (+ slack, + W / 4)
+    assert cache.evict_window([1000]) == [
+        35
+    ]  # interior only: the lock holder reads the last 3 (+ slack, + W / 4)
     assert all(alloc.groups[0].to_group[p] >= 0 for p in m.pages[-3:])
     assert cache.match_prefix(a + [0]).cached_len == 40
     cache.dec_lock(m.node)
@@ -178,7 +210,9 @@ def test_insert_revives_tombstones_from_the_inserting_copy():
     assert cache.match_prefix(a + [0]).cached_len == 0
     fresh = alloc.alloc(10)  # a request recomputed it: its copies hold window KV
     assert cache.insert(a, fresh) == 10
-    alloc.free(fresh)  # the caller frees its duplicates; their window KV moved to the tree's pages
+    alloc.free(
+        fresh
+    )  # the caller frees its duplicates; their window KV moved to the tree's pages
     assert cache.match_prefix(a + [0]).cached_len == 10
     check_groups(alloc, cache)
 
@@ -238,7 +272,9 @@ def test_nodes_left_by_chunked_inserts_do_not_guard_their_pages():
     for end in range(7, 43, 7):  # chunks of 7 tokens
         insert_fresh(alloc, cache, a[:end])
     assert len(list(cache._nodes())) == 7
-    assert cache.evict_window([37]) == [37]  # every page but the 3 before the chain's end, a page of slack, W / 4
+    assert cache.evict_window([37]) == [
+        37
+    ]  # every page but the 3 before the chain's end, a page of slack, W / 4
     assert cache.match_prefix(a + [0]).cached_len == 42
     assert cache.match_prefix(a[:21] + [0]).cached_len == 0
     check_groups(alloc, cache)
@@ -251,7 +287,9 @@ def test_replay_keeps_full_layer_pages_of_leaves_without_their_window():
     insert_fresh(alloc, cache, a)
     assert cache.evict_window([1000]) == [30]  # every window page, the tail too
     assert alloc.num_free_pages == 98  # the full layers' pages stay cached
-    assert cache.match_prefix(a + [0]).cached_len == 30  # matched as is: the scheduler replays
+    assert (
+        cache.match_prefix(a + [0]).cached_len == 30
+    )  # matched as is: the scheduler replays
     check_groups(alloc, cache)
 
 
@@ -263,7 +301,10 @@ def check_shared(alloc, cache, private=()) -> None:
     and no page of the pool is named twice (as a primary page or behind one)."""
     held = tree_pages(cache) + list(private)
     idx = np.asarray(held, dtype=np.int64)
-    live = [g.to_group[idx][g.to_group[idx] >= 0].tolist() if held else [] for g in alloc.groups]
+    live = [
+        g.to_group[idx][g.to_group[idx] >= 0].tolist() if held else []
+        for g in alloc.groups
+    ]
     named = held + [p for group in live for p in group]
     assert len(set(named)) == len(named)
     assert alloc.num_free_pages + len(named) == alloc.num_pages
@@ -281,13 +322,23 @@ def test_shared_make_room_gives_back_window_interiors_before_whole_conversations
     insert_fresh(alloc, cache, a)
     insert_fresh(alloc, cache, b)
     assert alloc.page_cost == 3 and alloc.num_free_pages == 240 - 2 * 30 * 3
-    assert cache.make_room(30)  # 90 pages: 60 free + 30 of the 2 x 2 x 26 interior parts
+    assert cache.make_room(
+        30
+    )  # 90 pages: 60 free + 30 of the 2 x 2 x 26 interior parts
     check_shared(alloc, cache)
     assert alloc.num_free_pages >= 90
-    assert cache.match_prefix(a).cached_len == 30 and cache.match_prefix(b).cached_len == 30
-    assert cache.make_room(60)  # 180 pages: 60 free + all 104 interior parts are not enough
+    assert (
+        cache.match_prefix(a).cached_len == 30
+        and cache.match_prefix(b).cached_len == 30
+    )
+    assert cache.make_room(
+        60
+    )  # 180 pages: 60 free + all 104 interior parts are not enough
     check_shared(alloc, cache)
-    assert sorted(cache.match_prefix(x).cached_len for x in (a, b)) == [0, 30]  # the older one went
+    assert sorted(cache.match_prefix(x).cached_len for x in (a, b)) == [
+        0,
+        30,
+    ]  # the older one went
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -347,9 +398,13 @@ def test_a_prompt_end_stays_resumable_after_the_answer_extends_it():
     cache.evict_window([1000], tails=False)
     check_groups(alloc, cache)
     assert cache.match_prefix(turn + [0]).cached_len == 40
-    assert cache.match_prefix(turn[:30] + [7, 7, 7]).cached_len == 30  # the answer re-tokenized
+    assert (
+        cache.match_prefix(turn[:30] + [7, 7, 7]).cached_len == 30
+    )  # the answer re-tokenized
     assert cache.match_prefix(turn[:29]).cached_len == 29  # the same prompt again
-    assert cache.match_prefix(turn[:20] + [7]).cached_len == 0  # elsewhere: interior, gone
+    assert (
+        cache.match_prefix(turn[:20] + [7]).cached_len == 0
+    )  # elsewhere: interior, gone
 
 
 def test_a_match_just_before_a_guard_resumes_while_far_interiors_last():
@@ -365,7 +420,9 @@ def test_a_match_just_before_a_guard_resumes_while_far_interiors_last():
     assert cache.match_prefix(a[:30] + [0]).cached_len == 0  # would read 23: gone
     assert cache.evict_window([100], tails=False) == [6]  # then down to the last 10
     assert cache.match_prefix(a[:31] + [0]).cached_len == 0
-    assert cache.match_prefix(a[:37] + [0]).cached_len == 37  # 3 before the guard still resumes
+    assert (
+        cache.match_prefix(a[:37] + [0]).cached_len == 37
+    )  # 3 before the guard still resumes
     assert cache.match_prefix(a + [0]).cached_len == 40
     assert group.num_pages - group.num_free_pages == 10
     check_groups(alloc, cache)
@@ -380,7 +437,10 @@ def test_the_near_band_goes_node_by_node_across_groups():
     insert_fresh(alloc, cache, a)
     insert_fresh(alloc, cache, b)
     cache.match_prefix(b)  # b most recent
-    assert cache.evict_window([48, 48]) == [48, 48]  # both chains' far interiors, every group
+    assert cache.evict_window([48, 48]) == [
+        48,
+        48,
+    ]  # both chains' far interiors, every group
     assert cache.evict_window([6, 6]) == [6, 6]
     assert cache.match_prefix(a[:31] + [0]).cached_len == 0
     assert cache.match_prefix(b[:31] + [0]).cached_len == 31
@@ -393,6 +453,8 @@ def test_a_shared_pool_frees_what_it_was_asked_for_once_not_per_group():
     a = list(range(100, 140))
     insert_fresh(alloc, cache, a)
     free = alloc.num_free_pages
-    assert sum(cache.evict_window([10, 10], tails=False)) == 24  # 10 asked: group 0's 24 far pages at once
+    assert (
+        sum(cache.evict_window([10, 10], tails=False)) == 24
+    )  # 10 asked: group 0's 24 far pages at once
     assert alloc.num_free_pages == free + 24
     assert cache.match_prefix(a[:31] + [0]).cached_len == 31

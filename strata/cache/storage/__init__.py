@@ -35,7 +35,11 @@ STORAGE_BACKENDS = ("file", "redis", "mooncake")
 
 
 def make_storage_backend(
-    name: str, target: str | None, max_bytes: int, ttl_s: float | None, timeout_s: float = 2.0
+    name: str,
+    target: str | None,
+    max_bytes: int,
+    ttl_s: float | None,
+    timeout_s: float = 2.0,
 ) -> StorageBackend:
     """name: file (target = directory), redis (target = redis://host:port/db), mooncake (target =
     mooncake://master_host:port or a config file)."""
@@ -43,14 +47,20 @@ def make_storage_backend(
         from strata.cache.storage.file import FileStorage
 
         if not target:
-            raise ValueError("--hicache-storage-backend file needs --hicache-storage-path DIR")
+            raise ValueError(
+                "--hicache-storage-backend file needs --hicache-storage-path DIR"
+            )
         return FileStorage(target, max_bytes=max_bytes, ttl_s=ttl_s)
     if name == "redis":
         from strata.cache.storage.redis import RedisStorage
 
-        return RedisStorage(target or "redis://127.0.0.1:6379/0", timeout_s=timeout_s, ttl_s=ttl_s)
+        return RedisStorage(
+            target or "redis://127.0.0.1:6379/0", timeout_s=timeout_s, ttl_s=ttl_s
+        )
     if name == "mooncake":
         from strata.cache.storage.mooncake import MooncakeStorage
 
         return MooncakeStorage(target, timeout_s=timeout_s)
-    raise ValueError(f"unknown storage backend {name!r}; choose one of {', '.join(STORAGE_BACKENDS)}")
+    raise ValueError(
+        f"unknown storage backend {name!r}; choose one of {', '.join(STORAGE_BACKENDS)}"
+    )

@@ -41,14 +41,22 @@ class FileStorage:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.max_bytes, self.ttl_s = max_bytes, ttl_s
-        self.sweep_s = sweep_s if ttl_s is None else min(sweep_s, ttl_s / 2)  # idle pages live < 1.5 x TTL
-        self.rescan_s = rescan_s  # how often the whole directory is listed (other replicas' writes)
+        self.sweep_s = (
+            sweep_s if ttl_s is None else min(sweep_s, ttl_s / 2)
+        )  # idle pages live < 1.5 x TTL
+        self.rescan_s = (
+            rescan_s  # how often the whole directory is listed (other replicas' writes)
+        )
         # key -> (file bytes, last use in wall-clock seconds, comparable with mtimes); least recent first
         self._index: OrderedDict[str, tuple[int, float]] = OrderedDict()
         self.total_bytes = 0  # sum of the index's file bytes
-        self._lock = threading.Lock()  # the index: the storage worker and the cleaner both change it
+        self._lock = (
+            threading.Lock()
+        )  # the index: the storage worker and the cleaner both change it
         self._stop = threading.Event()
-        self._cleaner = threading.Thread(target=self._clean, name="strata-hicache-file-cleaner", daemon=True)
+        self._cleaner = threading.Thread(
+            target=self._clean, name="strata-hicache-file-cleaner", daemon=True
+        )
         self._cleaner.start()
 
     def _path(self, key: str) -> Path:
@@ -82,7 +90,9 @@ class FileStorage:
                 out.append(None)
                 continue
             with contextlib.suppress(OSError):  # gone since, or a read-only share
-                os.utime(path)  # a hit is a use: keeps the page young for every replica's LRU and TTL
+                os.utime(
+                    path
+                )  # a hit is a use: keeps the page young for every replica's LRU and TTL
             out.append(data)
             self._touch(key, len(data), now)
         return out
@@ -95,7 +105,9 @@ class FileStorage:
             try:
                 tmp.write_bytes(data)
                 os.replace(tmp, path)
-            except OSError:  # e.g. ENOSPC: a half-written temp file would keep the disk full
+            except (
+                OSError
+            ):  # e.g. ENOSPC: a half-written temp file would keep the disk full
                 _unlink_quietly(tmp)
                 raise
             self._touch(key, len(data), time.time())
@@ -155,7 +167,9 @@ class FileStorage:
         except FileNotFoundError:
             return
         with self._lock:
-            if key not in self._index:  # by last use: it is younger than the TTL, so near the end
+            if (
+                key not in self._index
+            ):  # by last use: it is younger than the TTL, so near the end
                 self._index[key] = (size, used)
                 self.total_bytes += size
 
@@ -174,12 +188,18 @@ class FileStorage:
                 if entry.name.startswith(".") and entry.name.endswith(".tmp"):
                     if started - st.st_mtime > STALE_TMP_S:
                         _unlink_quietly(Path(entry.path))
-                elif entry.name[-2:] == sub.name and entry.is_file(follow_symlinks=False):
+                elif entry.name[-2:] == sub.name and entry.is_file(
+                    follow_symlinks=False
+                ):
                     found.append((st.st_mtime, entry.name, st.st_size))
         found.sort()
         with self._lock:
-            used_since = [(k, v) for k, v in self._index.items() if v[1] >= started]  # during the scan
-            self._index = OrderedDict((key, (size, mtime)) for mtime, key, size in found)
+            used_since = [
+                (k, v) for k, v in self._index.items() if v[1] >= started
+            ]  # during the scan
+            self._index = OrderedDict(
+                (key, (size, mtime)) for mtime, key, size in found
+            )
             for key, value in used_since:
                 self._index.pop(key, None)
                 self._index[key] = value
@@ -194,7 +214,9 @@ class FileStorage:
                     last_scan = time.monotonic()
                 self.sweep()
             except OSError as exc:  # a flaky mount must not stop the cleaning for good
-                logger.warning("hicache file storage: cleaning %s failed: %s", self.root, exc)
+                logger.warning(
+                    "hicache file storage: cleaning %s failed: %s", self.root, exc
+                )
             if self._stop.wait(self.sweep_s):
                 return
 

@@ -54,28 +54,40 @@ def mooncake_config(target: str | None) -> dict:
     if target.startswith("mooncake://"):
         url = urlsplit(target)
         if not url.hostname or not url.port:
-            raise ValueError(f"a mooncake URL names the master as mooncake://HOST:PORT, got {target!r}")
-        cfg = dict(parse_qsl(url.query)) | {"master_server_address": f"{url.hostname}:{url.port}"}
+            raise ValueError(
+                f"a mooncake URL names the master as mooncake://HOST:PORT, got {target!r}"
+            )
+        cfg = dict(parse_qsl(url.query)) | {
+            "master_server_address": f"{url.hostname}:{url.port}"
+        }
     else:
         try:
             cfg = json.loads(Path(target).read_text())
         except (OSError, ValueError) as exc:
-            raise ValueError(f"cannot read the mooncake config file {target!r}: {exc}") from exc
+            raise ValueError(
+                f"cannot read the mooncake config file {target!r}: {exc}"
+            ) from exc
         if not isinstance(cfg, dict) or not cfg.get("master_server_address"):
             raise ValueError(
                 f"the mooncake config {target!r} must be a JSON object with master_server_address"
             )
     known = {*DEFAULTS, "master_server_address"}
     if set(cfg) - known:
-        raise ValueError(f"unknown mooncake config keys {sorted(set(cfg) - known)}; known: {sorted(known)}")
+        raise ValueError(
+            f"unknown mooncake config keys {sorted(set(cfg) - known)}; known: {sorted(known)}"
+        )
     cfg = DEFAULTS | cfg
     for key in INT_KEYS:
         try:
             cfg[key] = int(cfg[key])
         except (TypeError, ValueError):
-            raise ValueError(f"mooncake config {key} must be a number of bytes, got {cfg[key]!r}") from None
+            raise ValueError(
+                f"mooncake config {key} must be a number of bytes, got {cfg[key]!r}"
+            ) from None
     if cfg["global_segment_size"] < MIN_SEGMENT_BYTES:
-        raise ValueError(f"mooncake global_segment_size must be at least {MIN_SEGMENT_BYTES} bytes (16 MiB)")
+        raise ValueError(
+            f"mooncake global_segment_size must be at least {MIN_SEGMENT_BYTES} bytes (16 MiB)"
+        )
     return cfg
 
 
@@ -91,9 +103,13 @@ class MooncakeStorage:
         self._new_store = MooncakeDistributedStore
         self.timeout_s = timeout_s
         self.master = self.config["master_server_address"]
-        self.connect_timeout_s = max(timeout_s, 30.0)  # joining mounts this process's segment
+        self.connect_timeout_s = max(
+            timeout_s, 30.0
+        )  # joining mounts this process's segment
         self._store = None  # connected on first use
-        self._busy = threading.Lock()  # held while a native call runs (maybe past its timeout)
+        self._busy = (
+            threading.Lock()
+        )  # held while a native call runs (maybe past its timeout)
 
     # The contract's calls, each one native call in batch, bounded by timeout_s.
 
@@ -102,7 +118,9 @@ class MooncakeStorage:
             return []
         codes = self._call("exists", lambda s: s.batch_is_exist(keys))
         if any(c < 0 for c in codes):
-            raise StorageError(f"mooncake exists failed for {sum(c < 0 for c in codes)} of {len(keys)} keys")
+            raise StorageError(
+                f"mooncake exists failed for {sum(c < 0 for c in codes)} of {len(keys)} keys"
+            )
         return [c == 1 for c in codes]
 
     def get(self, keys: list[str]) -> list[bytes | None]:
@@ -163,7 +181,9 @@ class MooncakeStorage:
         holds the GIL (so no deadline can cut it short), retries an absent master for minutes."""
         host, _, port = self.master.rpartition(":")
         try:
-            socket.create_connection((host.strip("[]"), int(port)), timeout=self.timeout_s).close()
+            socket.create_connection(
+                (host.strip("[]"), int(port)), timeout=self.timeout_s
+            ).close()
         except (OSError, ValueError) as exc:
             raise StorageError(
                 f"cannot reach the Mooncake master at {self.master} ({exc}): is mooncake_master running there?"
@@ -176,7 +196,9 @@ class MooncakeStorage:
             raise StorageError(
                 f"mooncake {what}: an earlier call to the master at {self.master} has not returned"
             )
-        timeout_s = self.timeout_s if self._store is not None else self.connect_timeout_s
+        timeout_s = (
+            self.timeout_s if self._store is not None else self.connect_timeout_s
+        )
         box: list = []
 
         def run() -> None:

@@ -17,7 +17,10 @@ class RedisStorage:
 
         self._redis = redis
         self.client = redis.Redis.from_url(
-            url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, retry_on_timeout=False
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry_on_timeout=False,
         )
         self.ttl_ms = None if ttl_s is None else max(1, round(ttl_s * 1000))
 
