@@ -106,7 +106,7 @@ def install_log_redaction(secrets: Iterable[str]) -> None:
         record = previous(*args, **kwargs)
         try:
             message = record.getMessage()
-        except Exception:  # a malformed record is the logging module's to report
+        except Exception:  # noqa: BLE001 - a malformed record is the logging module's to report
             return record
         scrubbed = scrub(message, secrets)
         if (

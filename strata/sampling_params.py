@@ -154,8 +154,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (
                 self.top_k == -1 or 0 <= self.top_k <= (vocab_size or INT32_MAX),
-                f"top_k must be -1 or 0 (disabled) or at most the vocabulary size ({vocab_size or INT32_MAX}), "
-                f"got {self.top_k}",
+                (
+                    f"top_k must be -1 or 0 (disabled) or at most the vocabulary size ({vocab_size or INT32_MAX}), "
+                    f"got {self.top_k}"
+                ),
             ),
             (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
             (

@@ -300,7 +300,7 @@ def randomize_constants(model, scale: float = 0.3) -> None:
     the wrong place, or not at all, shows in the logits."""
     persistent = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
-        for name, t in persistent.items():
+        for t in persistent.values():
             if (
                 t.is_floating_point()
                 and t.numel() > 1

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import random
 import weakref
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -231,9 +230,10 @@ _ASSISTANT_ROLES = {"gpt", "assistant", "bot", "chatgpt", "model"}
 def _file(cfg: DatasetConfig, tokenizer, rng: random.Random) -> list[Conversation]:
     entries = read_entries(Path(cfg.path))  # type: ignore[arg-type]
     rng.shuffle(entries)
-    encode: Callable[[str], tuple[int, ...]] = lambda s: tuple(
-        tokenizer.encode(s, add_special_tokens=False)
-    )
+
+    def encode(s: str) -> tuple[int, ...]:
+        return tuple(tokenizer.encode(s, add_special_tokens=False))
+
     out: list[Conversation] = []
     for lineno, entry in entries:
         conv = _conversation_from_entry(entry, cfg, encode, f"{cfg.path}:{lineno}")
@@ -272,7 +272,7 @@ def _conversation_from_entry(
     entry: Any, cfg: DatasetConfig, encode, where: str
 ) -> Conversation | None:
     if not isinstance(entry, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")  # noqa: TRY004 (a bad input file, reported as such)
+        raise ValueError(f"{where}: expected a JSON object, got {type(entry).__name__}")
     if "prompt" in entry:
         ids = encode(str(entry["prompt"]))
         out_len = cfg.file_output_len or int(entry.get("output_len") or cfg.output_len)
@@ -283,7 +283,7 @@ def _conversation_from_entry(
     if not isinstance(raw, list):
         raise ValueError(
             f"{where}: expected a 'prompt', 'conversations' (ShareGPT) or 'messages' field"
-        )  # noqa: TRY004
+        )
     system: Turn | None = None
     turns: list[Turn] = []
     pending: str | None = None

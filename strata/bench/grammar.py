@@ -190,8 +190,10 @@ def format_text(result: dict) -> str:
     c = result["compile"]
     lines = [
         f"grammar compile ({c['num_schemas']} JSON schemas): first {c['first_ms']:.2f} ms, cached {c['cached_ms']:.3f} ms",
-        f"{'batch':>5} {'free ms/step':>13} {'grammar ms/step':>16} {'overhead':>9} {'model ms':>17} "
-        f"{'sample ms':>17} {'process ms':>17} {'added ms':>9} {'added':>7}",
+        (
+            f"{'batch':>5} {'free ms/step':>13} {'grammar ms/step':>16} {'overhead':>9} {'model ms':>17} "
+            f"{'sample ms':>17} {'process ms':>17} {'added ms':>9} {'added':>7}"
+        ),
     ]
     for d in result["decode"]:
         fp, gp = d["free_pieces_ms"], d["grammar_pieces_ms"]

@@ -163,8 +163,10 @@ def format_rows(cfg: MoEBenchConfig, rows: list[dict]) -> str:
     )
     lines = [
         head,
-        f"{'batch':>5}  {'implementation':<19} {'step ms':>9} {'tokens/s':>10} {'vs transformers':>15} "
-        f"{'max |diff|':>10}",
+        (
+            f"{'batch':>5}  {'implementation':<19} {'step ms':>9} {'tokens/s':>10} {'vs transformers':>15} "
+            f"{'max |diff|':>10}"
+        ),
     ]
     base = {
         r["batch_size"]: r["tok_s"]

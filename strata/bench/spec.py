@@ -437,7 +437,7 @@ def run(
         _run_arm(arm, [warm], True, 96)
     llama = _llamacpp(engine_options) if cfg.llamacpp else None
     pools = {kind: prompts_for(kind, engine, cfg) for kind in ("grounded", "chat")}
-    cursor = {kind: 0 for kind in pools}
+    cursor = dict.fromkeys(pools, 0)
     results = []
     for scenario in cfg.scenarios:
         kind, mode = scenario.split("-")
@@ -557,8 +557,10 @@ def _llamacpp(engine_options: dict) -> _LlamaCpp:
 
 def format_text(results: list[ScenarioResult]) -> str:
     lines = [
-        f"{'scenario':<22}{'off tok/s':>10}{'on tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
-        f"{'same out':>9}{'llama.cpp':>10}{'+lookup':>9}"
+        (
+            f"{'scenario':<22}{'off tok/s':>10}{'on tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
+            f"{'same out':>9}{'llama.cpp':>10}{'+lookup':>9}"
+        )
     ]
     for r in results:
         s = r.summary()
@@ -569,7 +571,7 @@ def format_text(results: list[ScenarioResult]) -> str:
         )
         lines.append(
             f"{r.scenario:<22}{s['off_tok_s']:>10.1f}{s['on_tok_s']:>12.1f}{s['ratio']:>7.2f}"
-            f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{str(s['identical_outputs']):>9}{llama}"
+            f"{s['accept_length']:>11.2f}{s['draft_length']:>10.2f}{s['identical_outputs']!s:>9}{llama}"
         )
     for r in results:
         pooled = r.pooled()

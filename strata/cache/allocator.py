@@ -39,9 +39,8 @@ class PageAllocator:
         self._free_list: list[int] = list(range(self.num_pages - 1, -1, -1))
         self._is_free = bytearray(b"\x01") * self.num_pages
 
-    groups: list[
-        WindowGroup
-    ] = []  # sliding-window groups behind the page ids (GroupedPageAllocator)
+    # sliding-window groups behind the page ids (GroupedPageAllocator)
+    groups: Sequence[WindowGroup] = ()
 
     @property
     def num_free_pages(self) -> int:

@@ -45,14 +45,14 @@ EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 class TreeNode:
     __slots__ = (
         "children",
-        "parent",
+        "id",
         "key",
-        "value",
+        "last_access",
         "lock_ref",
+        "parent",
         "pins",
         "resume",
-        "last_access",
-        "id",
+        "value",
     )
 
     def __init__(

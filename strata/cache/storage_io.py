@@ -61,7 +61,7 @@ class StorageWorker(threading.Thread):
         try:
             self.results.put(self._do(job))
             self.failures = 0
-        except Exception as exc:  # a dead or slow backend degrades to recomputation
+        except Exception as exc:  # noqa: BLE001 - a dead or slow backend degrades to recomputation
             self.failures += 1
             cfg = self.hicache.config
             if self.failures >= cfg.storage_failures_before_pause:

@@ -48,7 +48,6 @@ from collections.abc import Sequence
 from strata.cache.allocator import GroupedPageAllocator, WindowGroup
 from strata.cache.radix import MatchResult, RadixCache, TreeNode
 
-
 # Pass 1's rounds: each keeps W (1 + extra) before every guard, the window KV farthest from the
 # guards going first across the whole tree. The last keeps W / 4 more than a match at the guard
 # reads, so one diverging up to W / 4 before it resumes too (a shared system prompt's first reuse by

@@ -151,7 +151,7 @@ def load_placements(
     wanted = {f"layers.{int(i)}." for i in placements}
     for path in checkpoint_files(Path(model_dir)):
         with safe_open(str(path), framework="pt") as f:
-            for hf_name in f.keys():
+            for hf_name in f.keys():  # noqa: SIM118 - safetensors handles are not mappings
                 name = hf_name.removeprefix("model.")
                 for old, new in model.RENAMES:
                     name = name.replace(old, new)

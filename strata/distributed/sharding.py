@@ -93,11 +93,10 @@ def check_supported(cfg: ModelConfig, tp_size: int, ep_size: int) -> None:
         raise ValueError(
             f"{cfg.architecture} normalises q/k over all heads at once; tensor parallel does not split it"
         )
-    if ep_size > 1:
-        if cfg.moe is None:
-            raise ValueError(
-                "--ep-size shards a mixture-of-experts model's experts; this model has none"
-            )
+    if ep_size > 1 and cfg.moe is None:
+        raise ValueError(
+            "--ep-size shards a mixture-of-experts model's experts; this model has none"
+        )
     if tp_size > 1:
         head_split(
             cfg.num_heads, cfg.num_kv_heads, 0, tp_size

@@ -242,9 +242,7 @@ def _build(target: str) -> ModuleType | None:
                 extra_ldflags=["-fopenmp"],
                 verbose=False,
             )
-    except (
-        Exception
-    ) as exc:  # no compiler, missing headers, ...: the PyTorch path still works
+    except Exception as exc:  # noqa: BLE001 - no compiler, missing headers, ...: the PyTorch path still works
         errors = [line for line in str(exc).splitlines() if "error" in line.lower()]
         logger.warning(
             "CPU kernels unavailable (%s); using the slower PyTorch path",

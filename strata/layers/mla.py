@@ -181,7 +181,7 @@ class MLAttention(nn.Module):
         cache = kv.latent[self.layer_id]  # [slots, 1, L + R]
 
         nd = meta.num_decode
-        decompress = T > nd and self._decompress_extends(meta)
+        decompress = nd < T and self._decompress_extends(meta)
         rows = nd if decompress else T  # the tokens attending in latent space
         q_absorbed = self.kv_b_proj.absorb_query(q_nope[:rows])  # [rows, H, L]
         q_latent = torch.cat([q_absorbed, q_pe[:rows]], dim=-1)  # [rows, H, L + R]

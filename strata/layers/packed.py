@@ -264,7 +264,7 @@ def dense_target() -> str | None:
                     dtype,
                 )
                 return None
-    except Exception as exc:  # a build without the kernel, ...
+    except Exception as exc:  # noqa: BLE001 - a build without the kernel, ...
         logger.info("native dense linears unavailable (%s)", exc)
         return None
     return target
@@ -280,9 +280,7 @@ def packing_works() -> bool:
         b = torch.randn(48, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
         return _close(_onednn_linear(x, _onednn_pack(w), b), F.linear(x, w, b))
-    except (
-        Exception
-    ) as exc:  # an op missing from this torch build, an unsupported CPU, ...
+    except Exception as exc:  # noqa: BLE001 - an op missing from this torch build, an unsupported CPU, ...
         logger.info("oneDNN weight packing unavailable (%s)", exc)
         return False
 

@@ -18,6 +18,7 @@ the next norm (see `ModelConfig` for the three norm layouts):
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -165,7 +166,7 @@ class DecoderForCausalLM(nn.Module):
 
     # HF checkpoint name fragment -> (our parameter fragment, index of the shard inside the fused
     # weight); a family whose checkpoint already stores fused weights (Phi-3) sets it empty
-    FUSED: dict[str, tuple[str, int]] = {
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {
         "q_proj": ("qkv_proj", 0),
         "k_proj": ("qkv_proj", 1),
         "v_proj": ("qkv_proj", 2),
@@ -205,7 +206,7 @@ class DecoderForCausalLM(nn.Module):
                     rope_device,
                 )
         self.layer_ropes = [tables[spec.rope] for spec in cfg.layers]
-        self._native: NativeDecode | None | bool = False  # False: not built yet
+        self._native: NativeDecode | bool | None = False  # False: not built yet
 
     def forward(
         self,

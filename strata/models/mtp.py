@@ -129,7 +129,7 @@ def mtp_weights(model_dir: Path, prefix: str) -> Iterator[tuple[str, torch.Tenso
         p for p in model_dir.glob("*.safetensors") if p.name != BLOCKS_FILE
     ):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a mapping
                 if name.startswith(prefix):
                     yield name, f.get_tensor(name)
 

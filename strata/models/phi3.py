@@ -7,10 +7,11 @@ factors below the original context, long ones past it; see `strata.layers.rope`)
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 from strata.models.decoder import DecoderForCausalLM
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
-    FUSED: dict[
-        str, tuple[str, int]
-    ] = {}  # the checkpoint's qkv_proj / gate_up_proj are ours
+    # the checkpoint's qkv_proj / gate_up_proj are ours
+    FUSED: ClassVar[dict[str, tuple[str, int]]] = {}

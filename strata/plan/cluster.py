@@ -365,4 +365,4 @@ def with_replicas(
 
 def host_cache_tokens(kv_cache_tokens: int, ratio: float) -> int:
     """L2 size as `--hicache-ratio` sets it (L2 tokens per L1 token)."""
-    return int(math.floor(kv_cache_tokens * ratio))
+    return math.floor(kv_cache_tokens * ratio)

@@ -28,6 +28,7 @@ import math
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 
@@ -43,8 +44,8 @@ class SyntheticTokenizer:
     """A tokenizer of words "t<id>": decode(ids) joins them, encode splits on whitespace (any other
     word maps to a stable id), so make_dataset gets exactly the lengths it asks for."""
 
-    all_special_ids: list[int] = []
-    added_tokens_decoder: dict = {}
+    all_special_ids: ClassVar[list[int]] = []
+    added_tokens_decoder: ClassVar[dict] = {}
     chat_template = None
 
     def __init__(self, vocab_size: int = 32000):

@@ -248,7 +248,7 @@ async def _serve(
     url_host = f"[{host}]" if ":" in host else host
 
     async def announce() -> None:
-        while not server.started:
+        while not server.started:  # noqa: ASYNC110 - uvicorn's flag, no event to await
             await asyncio.sleep(0.05)
         assert gateway.pool is not None
         n, ok = len(gateway.pool.workers), len(gateway.pool.routable())

@@ -135,7 +135,7 @@ class LocalReplica:
             stderr=subprocess.STDOUT if stdout is not None else None,
             env=self.environment(),
             start_new_session=True,
-            preexec_fn=_die_with_parent if _PRCTL is not None else None,  # noqa: PLW1509 — see _die_with_parent
+            preexec_fn=_die_with_parent if _PRCTL is not None else None,
         )
 
     def alive(self) -> bool:

@@ -56,11 +56,11 @@ class Policy(ABC):
     @abstractmethod
     def choose(self, workers: Sequence[Worker], key: RoutingKey) -> Choice: ...
 
-    def remove_worker(self, url: str) -> None:
-        pass
+    def remove_worker(self, url: str) -> None:  # noqa: B027 - optional hook
+        """Forget a worker's per-worker state (default: none kept)."""
 
-    def reset_worker(self, url: str) -> None:
-        pass
+    def reset_worker(self, url: str) -> None:  # noqa: B027 - optional hook
+        """Clear a worker's per-worker state after it restarted (default: none kept)."""
 
     def describe_worker(self, url: str) -> dict:
         """Extra per-worker fields for GET /workers."""

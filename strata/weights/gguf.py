@@ -370,7 +370,7 @@ def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
         names = LAYER_TENSOR_NAMES_BY_ARCH.get(arch, LAYER_TENSOR_NAMES)
         if m["key"] in names:
             return f"model.layers.{m['layer']}.{names[m['key']]}.{m['suffix']}"
-    elif m := _GLOBAL_TENSOR_RE.fullmatch(gguf_name):
+    elif m := _GLOBAL_TENSOR_RE.fullmatch(gguf_name):  # noqa: SIM102 - as the branch above
         if m["key"] in GLOBAL_TENSOR_NAMES:
             return f"{GLOBAL_TENSOR_NAMES[m['key']]}.{m['suffix']}"
     raise GGUFConversionError(

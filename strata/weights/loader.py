@@ -36,7 +36,7 @@ def iter_safetensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     for path in checkpoint_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a mapping
                 if name not in skip:
                     yield name, f.get_tensor(name)
 
@@ -129,7 +129,7 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
     """Our linear layers (and embedding table) whose checkpoint tensors all come in blocks, built
     from them: {module name: QuantLinear without bias}."""
     with safe_open(str(blocks_path), framework="pt") as f:
-        keys = set(f.keys())  # noqa: SIM118 (safe_open has no __contains__)
+        keys = set(f.keys())
         stored = {name.rsplit(".", 1)[0] for name in keys}
 
         def layer(name: str) -> QuantLinear:

@@ -9,10 +9,9 @@ word-prefix shared with an earlier prompt) and exposes /get_server_info and /met
 
 from __future__ import annotations
 
-import os
-
 import asyncio
 import json
+import os
 import socket
 import threading
 import time

@@ -138,7 +138,7 @@ def test_file_dataset_reads_sharegpt_and_prompt_lines(tmp_path, tiny_tokenizer):
 def test_file_dataset_errors_name_the_line(tmp_path, tiny_tokenizer):
     path = tmp_path / "bad.jsonl"
     path.write_text('{"prompt": "ok"}\n{not json}\n')
-    with pytest.raises(ValueError, match="bad.jsonl:2"):
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         make_dataset(DatasetConfig(name="file", path=str(path)), tiny_tokenizer)
     with pytest.raises(FileNotFoundError):
         make_dataset(

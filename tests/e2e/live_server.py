@@ -54,9 +54,9 @@ class LiveServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
-        self.log = tempfile.NamedTemporaryFile(
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the server's log, closed in close()
             prefix="strata-serve-", suffix=".log", delete=False
-        )  # noqa: SIM115
+        )
         cmd = [
             sys.executable,
             *entry,

@@ -77,9 +77,7 @@ def _check(case, base_url: str, kind: str) -> None:
     headers = {"Authorization": f"Bearer {KEY}"}
     try:
         response = case.call(base_url=base_url, headers=headers, timeout=DEADLINE_S)
-    except (
-        Exception
-    ) as exc:  # a timeout or a dropped connection is a failure of the property
+    except Exception as exc:  # noqa: BLE001 - a timeout or a dropped connection fails the property
         pytest.fail(
             f"{case.method} {case.path} did not answer within {DEADLINE_S}s: {exc!r}\n{case.body!r}"
         )
@@ -132,9 +130,9 @@ def baseline(server) -> list[int]:
 def router(server, baseline):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the router's log, kept for the fixture's life
         prefix="strata-fuzz-router-", suffix=".log", delete=False
-    )  # noqa: SIM115
+    )
     cmd = [
         sys.executable,
         "-m",

@@ -52,9 +52,9 @@ def server():
 def router(server):
     """`strata router` over the live server, with a key of its own."""
     port = free_port()
-    log = tempfile.NamedTemporaryFile(
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the router's log, kept for the fixture's life
         prefix="strata-router-", suffix=".log", delete=False
-    )  # noqa: SIM115
+    )
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -196,7 +196,7 @@ def open_page(browser, url: str, key: str):
 
 def number(page, selector: str) -> float:
     text = page.inner_text(selector).replace(",", "").replace("%", "")
-    return float(text) if text not in ("–", "") else float("nan")
+    return float(text) if text not in ("\N{EN DASH}", "") else float("nan")
 
 
 def wait_number(page, selector: str, predicate, timeout_s: float = 30) -> float:
@@ -270,7 +270,7 @@ def test_chat_streams_and_the_dashboard_moves(browser, server, shots):
         ttft_row = page.locator(
             "#latency tr[data-metric='strata:time_to_first_token_seconds'] td"
         )
-        assert ttft_row.nth(1).inner_text() != "–"
+        assert ttft_row.nth(1).inner_text() != "\N{EN DASH}"
         page.wait_for_selector("#tiers tbody tr")
 
         page.locator("#playground").screenshot(path=str(shots / "playground.png"))

@@ -193,7 +193,7 @@ def test_no_page_leaks_under_a_random_workload(llama_dir, page_size):
     )
     system = [rng.randrange(3, 380) for _ in range(24)]
     live: list[str] = []
-    for step in range(300):
+    for _ in range(300):
         if rng.random() < 0.3 and len(live) < 12:
             prompt = (system if rng.random() < 0.6 else []) + [
                 rng.randrange(3, 380) for _ in range(rng.randint(1, 40))

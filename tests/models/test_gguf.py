@@ -616,7 +616,7 @@ def test_resolve_directory_and_errors(f32_dir: Path, tmp_path: Path) -> None:
         tmp_path / "empty",
         tmp_path / "weights.bin",
     ]:
-        with pytest.raises(ValueError, match="config.json") as info:
+        with pytest.raises(ValueError, match=r"config\.json") as info:
             resolve_model_path(str(bad))
         assert ".gguf" in str(info.value) and "not supported" in str(info.value)
 

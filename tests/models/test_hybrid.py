@@ -105,7 +105,7 @@ def test_window_layers_hold_about_a_window_per_request(tiny_models, family):
     assert engine.scheduler.allocator.groups[0].window == WINDOW
     prompt = [(5 * i + 1) % 380 + 2 for i in range(200)]
     params = SamplingParams(temperature=0, max_new_tokens=30, ignore_eos=True)
-    (rid,) = engine.add_request(prompt, params)
+    (_rid,) = engine.add_request(prompt, params)
     peak, tokens = 0, []
     while engine.scheduler.has_work():
         for out in engine.step():

@@ -249,7 +249,7 @@ def test_checkpoints_without_the_layer_are_refused(tmp_path):
     plain = make_model(
         tmp_path / "plain", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=1
     )
-    with pytest.raises(ValueError, match="holds no model.layers.2"):
+    with pytest.raises(ValueError, match=r"holds no model\.layers\.2"):
         mtp_engine(plain)
     none = make_model(
         tmp_path / "none", "deepseek_v3", tokenizer=False, num_nextn_predict_layers=0

@@ -267,6 +267,6 @@ def test_unsupported_architecture_names_the_supported_ones(tmp_path):
     cfg["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(
-        ValueError, match="not supported; supported: .*LlamaForCausalLM"
+        ValueError, match=r"not supported; supported: .*LlamaForCausalLM"
     ):
         Engine(str(model_dir), dtype="float32", kv_cache_tokens=64)

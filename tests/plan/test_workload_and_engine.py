@@ -45,7 +45,7 @@ def test_a_trace_shares_prefixes_and_chains_conversation_turns(tmp_path):
     )  # the history, then 20 new tokens
     assert second.prompt_len == 50 + 10 + 20
     trace.write_text('{"t": 0, "input_len": 5}\n')
-    with pytest.raises(ValueError, match="trace.jsonl:1"):
+    with pytest.raises(ValueError, match=r"trace\.jsonl:1"):
         trace_workload(trace)
 
 

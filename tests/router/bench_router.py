@@ -187,12 +187,12 @@ def main() -> int:
 
     def span(policy: str, key: str, fmt: str) -> str:
         values = [row[key] for row in results[policy]]
-        return f"{format(med(policy, key), fmt)} ({format(min(values), fmt)}–{format(max(values), fmt)})"
+        return f"{format(med(policy, key), fmt)} ({format(min(values), fmt)}\N{EN DASH}{format(max(values), fmt)})"
 
     print(
         f"\nmodel {path.name}; 2 replicas x {args.num_threads} thread(s); shared-prefix {args.num_groups} groups x "
         f"{args.prompts_per_group} prompts, system {args.system_len} + question {args.question_len} tokens, "
-        f"output {args.output_len}; max concurrency {args.max_concurrency}; median (min–max) of {args.rounds} rounds\n"
+        f"output {args.output_len}; max concurrency {args.max_concurrency}; median (min\N{EN DASH}max) of {args.rounds} rounds\n"
     )
     print(
         "| policy | req/s | input tok/s | TTFT mean ms | TTFT p50 ms | TTFT p99 ms | hit rate (usage) | hit rate (workers) |"

@@ -35,9 +35,9 @@ class Cluster:
         self.model_dir = model_dir
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(
+        self.log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - the router's log, closed in close()
             prefix="strata-router-", suffix=".log", delete=False
-        )  # noqa: SIM115
+        )
         cmd = [
             sys.executable,
             "-m",

@@ -349,14 +349,18 @@ FORCED_SAMPLES = [
     # (parser, the forced output written whole, [(name, arguments text)] of its calls)
     (
         "hermes",
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa <x>", "days": 3}}\n'
-        "</tool_call>",
+        (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa <x>", "days": 3}}\n'
+            "</tool_call>"
+        ),
         [("get_weather", '{"city": "Pa <x>", "days": 3}')],
     ),
     (
         "hermes",
-        '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
-        '{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>',
+        (
+            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n<tool_call>\n'
+            '{"name": "get_weather", "arguments": {"days": 3}}\n</tool_call>'
+        ),
         [("add", '{"a": 1}'), ("get_weather", '{"days": 3}')],
     ),
     (

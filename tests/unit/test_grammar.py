@@ -248,8 +248,10 @@ FUNCTIONS = [
         (
             "hermes",
             True,
-            '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
-            '<tool_call>\n{"name": "echo", "arguments": {"s": "hi"}}\n</tool_call>',
+            (
+                '<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>\n'
+                '<tool_call>\n{"name": "echo", "arguments": {"s": "hi"}}\n</tool_call>'
+            ),
             '{"name": "add"',
         ),
         ("json", False, '{"name": "echo", "arguments": {"s": "hi"}}', '{"name": "mul"'),

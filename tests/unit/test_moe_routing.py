@@ -10,8 +10,8 @@ import transformers
 
 from strata.bench.moe import load_hf_moe_block
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
-from strata.layers.packed import dense_target, pack_linears
 from strata.layers.moe_routing import ROUTING
+from strata.layers.packed import dense_target, pack_linears
 from strata.model_config import ModelConfig
 
 BASE = dict(

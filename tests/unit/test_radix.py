@@ -194,7 +194,7 @@ def test_insert_branching(ps):
     assert cache.total_pages == 5
     check_counts(alloc, cache)
     # a third branch off the root
-    pc, prefix = insert_fresh(alloc, cache, seq(ps, 7))
+    _, prefix = insert_fresh(alloc, cache, seq(ps, 7))
     assert prefix == 0 and len(cache.root.children) == 2
     check_counts(alloc, cache)
 
@@ -344,7 +344,7 @@ def test_insert_refreshes_lru(ps):
     alloc, cache = make(ps)
     pa, _ = insert_fresh(alloc, cache, seq(ps, 1))
     pb, _ = insert_fresh(alloc, cache, seq(ps, 2))
-    pa2, _ = insert_fresh(alloc, cache, seq(ps, 1))  # already present, but touched
+    insert_fresh(alloc, cache, seq(ps, 1))  # already present, but touched
     assert cache.evict(1) == 1
     assert all(alloc.is_free(p) for p in pb)
     assert not alloc.is_free(pa[0])

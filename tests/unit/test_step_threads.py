@@ -3,6 +3,8 @@ change in the machine's load; threads never change what the engine answers."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -77,7 +79,7 @@ def test_trials_back_off_while_the_choice_holds():
     st = StepThreads(2, min_interval=8, max_interval=64)
     chosen = run(st, 4, {1: 1e-3, 2: 3e-3}, 2000)
     trials = [i for i, t in enumerate(chosen) if t == 2][1:]  # after the first timing
-    gaps = [b - a for a, b in zip(trials, trials[1:])]
+    gaps = [b - a for a, b in itertools.pairwise(trials)]
     assert (
         gaps == sorted(gaps) and gaps[-1] == 65
     )  # 8, 16, 32, 64, 64, ... steps between trials

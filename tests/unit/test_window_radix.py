@@ -129,7 +129,7 @@ def test_match_backs_off_to_a_resumable_prefix():
 
 
 def test_evict_window_reports_what_it_freed():
-    alloc, cache, a, b = two_branches()
+    alloc, cache, _, _ = two_branches()
     before = alloc.groups[0].num_free_pages
     freed = cache.evict_window([1000])[0]
     assert (
