@@ -1,6 +1,8 @@
-"""Per-room state on each side of a prefill/decode pair. Both run on the scheduler thread,
-polled once per step (`Scheduler.disagg.poll()`); nothing here blocks, and nothing a peer sends
-raises out of poll(): a message that fails a check is counted in stats["rejected"] and dropped.
+"""Per-room state on each side of a prefill/decode pair. Each side is the scheduler's
+`KVTransferPeer` (strata.engine.hooks): it runs on the scheduler thread, polled once per step;
+nothing here blocks, and nothing a peer sends raises out of poll(): a message that fails a check is
+counted in stats["rejected"] and dropped. It acts on the scheduler only through the scheduler's
+public request operations.
 
 Prefill side, per room:  announced (request arrived) ─▶ KV ready (prefill finished, KV copied out)
                          + Hello from the decode worker ─▶ KV sent ─▶ done
@@ -25,6 +27,7 @@ import math
 import re
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import numpy as np
@@ -36,6 +39,9 @@ from strata.disagg.auth import MAX_ROOM
 from strata.disagg.transport import KVTransport
 from strata.engine.request import Req, TokenLogprob
 from strata.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from strata.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -98,11 +104,16 @@ class _PrefillRoom:
 
 class _Side:
     """What both sides hold: the scheduler and KV pool they serve, the transport, the shared secret,
-    the KV-layout namespace both must agree on, and how long a room may wait for its peer."""
+    the KV-layout namespace both must agree on, and how long a room may wait for its peer.
+
+    Attaches itself to the scheduler as its `KVTransferPeer`."""
+
+    mode = ""  # "prefill" or "decode": the --disaggregation-mode this side serves
+    rooms: dict[int, Any]  # the transfers under way, by bootstrap room
 
     def __init__(
         self,
-        scheduler,
+        scheduler: Scheduler,
         kv: KVPool,
         transport: KVTransport,
         secret: bytes,
@@ -113,7 +124,43 @@ class _Side:
         self.secret, self.namespace, self.timeout_s = secret, namespace, timeout_s
         self.stats = {"rejected": 0}
         self._last_reject_log = -math.inf
-        scheduler.disagg = self
+        scheduler.attach_peer(self)
+
+    def add_request(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        room: int | None,
+        bootstrap: str | None,
+    ) -> list[str]:
+        """Accept a request the router sent with its `room` (and, to a decode worker, `bootstrap`:
+        the prefill worker's host:port). Returns the engine rids created; raises ValueError (nothing
+        held) if the request can never run here."""
+        if room is None:
+            raise ValueError(
+                f"this is a disaggregated {self.mode} worker: requests need a bootstrap_room (send them via the router)"
+            )
+        return self._add(rid, prompt_ids, params, room, bootstrap)
+
+    def _add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        room: int,
+        bootstrap: str | None,
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def poll(self) -> None:
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        return bool(self.rooms)
+
+    def before_release(self, req: Req) -> None:
+        """The scheduler releases a finished request's KV next (nothing to do on this side)."""
 
     def _receive_all(self) -> None:
         while (frames := self.transport.recv()) is not None:
@@ -175,6 +222,8 @@ def _check_room(room: int) -> None:
 
 
 class PrefillManager(_Side):
+    mode = "prefill"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _PrefillRoom] = {}
@@ -183,7 +232,19 @@ class PrefillManager(_Side):
             int, tuple[float, protocol.Hello]
         ] = {}  # Hello before the request
         self.stats.update({"sent": 0, "failed": 0, "timed_out": 0, "bytes_sent": 0})
-        self.scheduler.before_release = self._on_release
+
+    def _add(
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        room: int,
+        bootstrap: str | None,
+    ) -> list[str]:
+        """Queue the request to compute its prompt and first token, for `room`."""
+        rids = self.scheduler.add_request(rid, prompt_ids, self.prefill_params(params))
+        self.announce(rid, room)
+        return rids
 
     def announce(self, rid: str, room: int) -> None:
         """The router sent request `rid` (queued just before) with `room`: only announced rooms are
@@ -209,7 +270,8 @@ class PrefillManager(_Side):
         """The prefill worker computes the prompt and one token; the decode worker does the rest."""
         return msgspec.structs.replace(params, max_new_tokens=1, min_new_tokens=0, n=1)
 
-    def _on_release(self, req: Req) -> None:
+    def before_release(self, req: Req) -> None:
+        """A finished prefill: copy its prompt's KV out for the room's decode worker."""
         room_id = self.room_of.pop(req.rid, None)
         if room_id is None or room_id not in self.rooms:
             return
@@ -326,9 +388,6 @@ class PrefillManager(_Side):
         same_len = hello.prompt_len == room.header.prompt_len
         return same_len and hmac.compare_digest(hello.prompt_digest, room.prompt_digest)
 
-    def busy(self) -> bool:
-        return bool(self.rooms)
-
 
 # --------------------------------------------------------------------------- decode side
 
@@ -348,6 +407,8 @@ class _DecodeRoom:
 
 
 class DecodeManager(_Side):
+    mode = "decode"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.rooms: dict[int, _DecodeRoom] = {}
@@ -355,18 +416,19 @@ class DecodeManager(_Side):
             {"received": 0, "failed": 0, "timed_out": 0, "bytes_received": 0}
         )
 
-    def add(
+    def _add(
         self,
         rid: str,
         prompt_ids: list[int],
         params: SamplingParams,
         room: int,
-        bootstrap: str,
-    ) -> None:
-        """Accept a request whose prompt KV comes from the prefill worker at `bootstrap` (host:port).
-
-        Raises ValueError for a request that can never run here (as Scheduler.add_request does).
-        """
+        bootstrap: str | None,
+    ) -> list[str]:
+        """Hold a request whose prompt KV comes from the prefill worker at `bootstrap` (host:port)."""
+        if not bootstrap:
+            raise ValueError(
+                "a decode worker needs bootstrap_addr: the prefill worker's host:port"
+            )
         _check_room(room)
         if room in self.rooms:
             raise ValueError(f"bootstrap room {room} is already in use")
@@ -377,7 +439,7 @@ class DecodeManager(_Side):
             raise ValueError(
                 f"bootstrap_addr must be the prefill worker's host:port, got {bootstrap!r:.200}"
             )
-        self.scheduler._validate([rid], prompt_ids, params)
+        self.scheduler.validate_request([rid], prompt_ids, params)
         endpoint = bootstrap if bootstrap.startswith("tcp://") else f"tcp://{bootstrap}"
         self.rooms[room] = _DecodeRoom(
             rid, list(prompt_ids), params, endpoint, time.monotonic()
@@ -387,6 +449,7 @@ class DecodeManager(_Side):
         except ValueError:  # e.g. n > 1: refused now, and never retried by poll() (it would fail each step)
             del self.rooms[room]
             raise
+        return [rid]
 
     def _try_reserve(self, room_id: int, room: _DecodeRoom) -> None:
         req = self.scheduler.reserve_prefilled(room.rid, room.prompt_ids, room.params)
@@ -409,7 +472,7 @@ class DecodeManager(_Side):
         self._receive_all()
         now = time.monotonic()
         for room_id, room in list(self.rooms.items()):
-            if room.reserved and room.rid not in self.scheduler.prealloc:
+            if room.reserved and self.scheduler.reserved(room.rid) is None:
                 del self.rooms[room_id]  # aborted by its client meanwhile
             elif not room.reserved:
                 self._try_reserve(room_id, room)
@@ -427,11 +490,7 @@ class DecodeManager(_Side):
         if room.reserved:
             self.scheduler.fail_prefilled(room.rid, reason)
         else:  # never reserved: report it through the scheduler anyway
-            req = self.scheduler._new_req(
-                room.rid, room.prompt_ids, room.params, None, None
-            )
-            req.error = reason
-            self.scheduler._finish(req, "error")
+            self.scheduler.fail_request(room.rid, room.prompt_ids, room.params, reason)
 
     def _on_message(self, frames: list[bytes]) -> None:
         msg = self._parse(frames)
@@ -464,7 +523,10 @@ class DecodeManager(_Side):
             return
         raw = torch.from_numpy(np.frombuffer(payload, dtype=np.uint8).copy())
         data = raw.view(self.kv.dtype).view(msg.shape)  # kv_shape(self.kv, prompt_len)
-        req = self.scheduler.prealloc[room.rid]
+        req = self.scheduler.reserved(room.rid)
+        assert (
+            req is not None
+        )  # a reserved room's request is held until it is added or fails
         install_kv(self.kv, req.pages, data)
         del self.rooms[msg.room]
         self.stats["received"] += 1
@@ -505,6 +567,3 @@ class DecodeManager(_Side):
         if lp is not None and not (math.isfinite(lp) and lp <= 0):
             return f"its first token's logprob {lp} is not a finite number <= 0"
         return None
-
-    def busy(self) -> bool:
-        return bool(self.rooms)

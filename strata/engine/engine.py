@@ -34,6 +34,7 @@ from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
 from strata.engine.step_threads import StepThreads
 from strata.kernels import describe_kernels, kernel_info
+from strata.layers.expert_load import expert_load_summary
 from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
 from strata.model_config import ModelConfig
@@ -657,23 +658,10 @@ class Engine:
         params = params or SamplingParams()
         rid = rid or f"req-{next(self._ids)}"
         ids = self.encode(prompt)
-        mode = self.config.disaggregation_mode
-        if mode != "null" and bootstrap_room is None:
-            raise ValueError(
-                f"this is a disaggregated {mode} worker: requests need a bootstrap_room (send them via the router)"
+        if self.disagg is not None:  # the PD side admits it (and checks its bootstrap)
+            rids = self.disagg.add_request(
+                rid, ids, params, bootstrap_room, bootstrap_addr
             )
-        if mode == "decode":
-            if not bootstrap_addr:
-                raise ValueError(
-                    "a decode worker needs bootstrap_addr: the prefill worker's host:port"
-                )
-            self.disagg.add(rid, ids, params, bootstrap_room, bootstrap_addr)
-            rids = [rid]
-        elif mode == "prefill":
-            rids = self.scheduler.add_request(
-                rid, ids, self.disagg.prefill_params(params)
-            )
-            self.disagg.announce(rid, bootstrap_room)
         else:
             rids = self.scheduler.add_request(rid, ids, params)
         if buffer_outputs:
@@ -683,6 +671,53 @@ class Engine:
 
     def abort(self, rid: str) -> bool:
         return self.scheduler.abort(rid)
+
+    def has_work(self) -> bool:
+        """Whether `step()` can make progress (requests, or PD transfers under way)."""
+        return self.scheduler.has_work()
+
+    def has_requests(self) -> bool:
+        """Whether a request is queued or running, or has outputs `step()` did not return yet;
+        False while only background work (a PD transfer, an L3 prefetch's wait) is left."""
+        return self.scheduler.has_requests()
+
+    def discard_pending_outputs(self) -> None:
+        """Drop the outputs the next `step()` would return (a caller that reported them already,
+        e.g. after aborting every request in flight)."""
+        self.scheduler.discard_pending_outputs()
+
+    def stats(self, full: bool = False, expert_load: bool = False) -> dict[str, Any]:
+        """The engine's load, by the field names of the server's `EngineStats`. `full` also walks
+        the prefix cache for the window groups' pages and checks their accounting, summarises a MoE
+        model's expert load (one copy of the counters off the device), and adds the parallel ranks
+        and the step-thread choices; `expert_load` adds the expert counts themselves."""
+        s = self.scheduler
+        load = self.model.expert_load() if full else {}  # {} for a dense model
+        return {
+            "num_running": len(s.running),
+            "num_waiting": len(s.waiting),
+            "num_pages": s.allocator.num_pages,
+            "num_free_pages": s.allocator.num_free_pages,
+            "num_cached_pages": s.cache.total_pages,
+            "num_evictable_pages": s.cache.evictable_pages,
+            "page_size": s.page_size,
+            "num_retractions": s.num_retractions,
+            "num_steps": s.step_count,
+            "hicache": self.hicache.stats.as_dict()
+            if self.hicache is not None
+            else None,
+            "spec": s.spec.stats.as_dict() if s.spec is not None else None,
+            "leaked_pages": s.leaked_pages(window_groups=full),
+            "window_groups": s.window_group_usage()
+            if full and s.allocator.groups
+            else None,
+            "expert_load": load if load and expert_load else None,
+            "expert_load_summary": expert_load_summary(load) if load else None,
+            "parallel": self.parallel.describe()
+            if full and self.parallel is not None
+            else None,
+            "step_threads": self.step_threads() if full else None,
+        }
 
     def step_threads(self) -> dict[str, dict[str, float | int]] | None:
         """Per size of step, the CPU threads it runs on and each option's measured time per token;

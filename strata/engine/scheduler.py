@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable
 
 import torch
 
@@ -33,6 +32,7 @@ from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
 from strata.engine.chunking import prefill_piece
 from strata.engine.draft_steps import DraftSteps
+from strata.engine.hooks import KVTransferPeer, StepObserver
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import (
     Req,
@@ -92,12 +92,11 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         self.new_token_ratio_decay = 0.001
         self.num_retractions = 0
         self.step_count = 0
-        # PD disaggregation: requests whose prompt KV is being received (decode side), a hook that
-        # copies a finished prefill's KV out before it is released (prefill side), and the manager
-        # polled at every step
+        # PD disaggregation: requests whose prompt KV is being received (decode side), and the
+        # peer that moves KV in or out (`attach_peer`)
         self.prealloc: dict[str, Req] = {}
-        self.before_release: Callable[[Req], None] | None = None
-        self.disagg = None
+        self.peer: KVTransferPeer | None = None
+        self.observers: list[StepObserver] = []  # `add_observer`
         # speculative decoding; draft_model: a DraftModelDrafter (--speculative-algorithm draft) or
         # an MTPDrafter (mtp, which reads the target's hidden states after every step)
         self.spec = (
@@ -106,6 +105,31 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             else None
         )
         runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
+
+    # ----------------------------------------------------------------- extension points
+
+    def attach_peer(self, peer: KVTransferPeer) -> None:
+        """Attach the subsystem that moves requests' KV in or out (see `KVTransferPeer`): it is
+        polled at every step, keeps `has_work` true while busy, and sees each finished request
+        before its KV is released. One per scheduler."""
+        if self.peer is not None and self.peer is not peer:
+            raise RuntimeError("this scheduler already has a KV transfer peer attached")
+        self.peer = peer
+
+    def add_observer(self, observer: StepObserver) -> None:
+        """Tell `observer` what every later step does (see `StepObserver`)."""
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: StepObserver) -> None:
+        """Stop telling `observer`; a no-op if it was not added."""
+        if observer in self.observers:
+            self.observers.remove(observer)
+
+    def set_speculator(self, spec: Speculator | None) -> Speculator | None:
+        """Use `spec` for speculative decoding from the next step on (None: none); returns the
+        one used so far. Only between requests: a request's drafts belong to its speculator."""
+        previous, self.spec = self.spec, spec
+        return previous
 
     # ----------------------------------------------------------------- requests in and out
 
@@ -139,7 +163,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         Raises ValueError (nothing queued) if the request is invalid or can never fit.
         """
         rids = [rid] if params.n == 1 else [f"{rid}-{i}" for i in range(params.n)]
-        self._validate(rids, prompt_ids, params)
+        self.validate_request(rids, prompt_ids, params)
         first: Req | None = None
         for i, r in enumerate(rids):
             seed = None if params.seed is None else params.seed + i
@@ -160,9 +184,11 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             self.cache.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
-    def _validate(
+    def validate_request(
         self, rids: list[str], prompt_ids: list[int], params: SamplingParams
     ) -> None:
+        """Raise ValueError (with what to change) if requests `rids` with this prompt and these
+        parameters could never run here, or an id is in use. Changes nothing."""
         params.validate(self.vocab_size)
         bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -221,7 +247,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             raise ValueError(
                 "n > 1 is not supported with prefill/decode disaggregation"
             )
-        self._validate([rid], prompt_ids, params)
+        self.validate_request([rid], prompt_ids, params)
         need = math.ceil(len(prompt_ids) / self.page_size)
         parts = self.allocator.tail_parts(
             need, len(prompt_ids)
@@ -263,12 +289,28 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         else:
             self.pending_outputs.append(req.make_output())
 
+    def reserved(self, rid: str) -> Req | None:
+        """The request `reserve_prefilled` holds for `rid` (its pages take the prompt's KV), if
+        it still waits for it."""
+        return self.prealloc.get(rid)
+
     def fail_prefilled(self, rid: str, error: str) -> None:
+        """A reserved request's KV will not come: free its pages and finish it with `error`.
+        A no-op if `rid` holds no reservation."""
         req = self.prealloc.pop(rid, None)
         if req is None:
             return
         self.allocator.free(req.pages)
         req.pages = []
+        req.error = error
+        self._finish(req, "error")
+
+    def fail_request(
+        self, rid: str, prompt_ids: list[int], params: SamplingParams, error: str
+    ) -> None:
+        """Report request `rid`, which never reached the scheduler's queues, as failed with
+        `error`: its output (finish_reason "error") comes out of the next step."""
+        req = self._new_req(rid, prompt_ids, params, None, None)
         req.error = error
         self._finish(req, "error")
 
@@ -287,22 +329,46 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         self._finish(req, "abort")
         return True
 
+    def has_requests(self) -> bool:
+        """Whether a request is queued or running, or has outputs that no step returned yet."""
+        return bool(self.waiting or self.running or self.pending_outputs)
+
     def has_work(self) -> bool:
-        return bool(
-            self.waiting or self.running or self.pending_outputs or self.prealloc
-        ) or (self.disagg is not None and self.disagg.busy())
+        """Whether a step can make progress: `has_requests`, or background work (reserved PD
+        requests, a busy KV transfer peer)."""
+        return bool(self.has_requests() or self.prealloc) or (
+            self.peer is not None and self.peer.busy()
+        )
+
+    def discard_pending_outputs(self) -> None:
+        """Drop the outputs the next step would return (a caller that reported them already)."""
+        self.pending_outputs.clear()
 
     # ----------------------------------------------------------------- the step
 
     def step(self) -> list[RequestOutput]:
         self.step_count += 1
+        observers = list(self.observers)
+        for o in observers:
+            o.on_step_start()
+        try:
+            return self._step(observers)
+        finally:
+            for o in observers:
+                o.on_step_end()
+
+    def _step(self, observers: list[StepObserver]) -> list[RequestOutput]:
         self.cache.poll()
-        if self.disagg is not None:
-            self.disagg.poll()
+        if self.peer is not None:
+            self.peer.poll()
         start = (
             time.perf_counter()
         )  # speculation's cost includes looking drafts up (in schedule)
+        for o in observers:
+            o.on_schedule_start()
         batch = self.schedule()
+        for o in observers:
+            o.on_scheduled(batch)
         if batch is None and self.cache.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
@@ -318,7 +384,11 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                         req.error = f"internal error during forward: {exc}"
                         self._finish(req, "error")
             else:
+                for o in observers:
+                    o.on_results_start(batch)
                 self.process_results(batch, sampled)
+                for o in observers:
+                    o.on_results_end(batch)
                 if watch is not None:
                     self.spec.observe(
                         watch, time.perf_counter() - start, self.runner.hidden
@@ -606,8 +676,8 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
     def _finish(self, req: Req, reason: str) -> None:
         req.finish_reason = reason
         if req.status is ReqStatus.RUNNING:
-            if self.before_release is not None:
-                self.before_release(req)
+            if self.peer is not None:
+                self.peer.before_release(req)
             self.running.remove(req)
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
