@@ -3,14 +3,16 @@
 One scheduler step is:  schedule() -> runner.forward(batch) -> process_results()
 and runner.forward is:  prepare(batch) -> model(...) -> model.compute_logits(...) -> sample(...)
 
-`StepTimer(engine)` installs timing wrappers as *instance* attributes on the engine's scheduler,
-runner and (through a proxy) model, and removes them on exit; the classes are never touched, so
-other engines in the process are unaffected. `sample_s` is what forward spends outside prepare,
-the model and the logits (sampling and moving the chosen ids to the CPU). On CUDA each clock read
-synchronizes the device first, so the pieces are real durations, not launch times.
+`StepTimer(engine)` is one of the scheduler's step observers (strata.engine.hooks.StepObserver)
+for the step, its schedule and its results; inside the forward it installs timing wrappers as
+*instance* attributes on the engine's runner and (through a proxy) model, and removes them on exit;
+the classes are never touched, so other engines in the process are unaffected. `sample_s` is what
+forward spends outside prepare, the model and the logits (sampling and moving the chosen ids to the
+CPU). On CUDA each clock read synchronizes the device first, so the pieces are real durations, not
+launch times.
 
-If the engine's internals are renamed this module fails loudly at `__enter__` (AttributeError),
-and the bench tests catch it; a first-class hook in the scheduler would make it unnecessary.
+If the runner's internals are renamed this module fails loudly at `__enter__` (AttributeError),
+and the bench tests catch it.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Any
+
+from strata.engine.hooks import StepObserver
 
 PIECES = ("schedule", "prepare", "model", "logits", "sample", "process")
 
@@ -89,13 +93,14 @@ class _TimedModel:
         return getattr(self._model, name)
 
 
-class StepTimer:
+class StepTimer(StepObserver):
     """`with StepTimer(engine) as timer: engine.step() ...` -> timer.steps (one StepTiming per step)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.steps: list[StepTiming] = []
         self.current = StepTiming(start=0.0)
+        self._t0 = 0.0  # when the piece being timed (schedule or results) began
         device = getattr(getattr(engine, "state", None), "device", None)
         self._sync = None
         if device is not None and getattr(device, "type", "cpu") == "cuda":
@@ -108,41 +113,46 @@ class StepTimer:
             self._sync()
         return time.perf_counter()
 
+    # ----------------------------------------------------------------- scheduler events
+
+    def on_step_start(self) -> None:
+        self.current = StepTiming(start=self.clock())
+
+    def on_schedule_start(self) -> None:
+        self._t0 = self.clock()
+
+    def on_scheduled(self, batch) -> None:
+        self.current.schedule_s += self.clock() - self._t0
+        if batch is not None:
+            self.current.num_reqs = len(batch.reqs)
+            self.current.num_decode = batch.num_decode
+            self.current.num_verify = sum(1 for r in batch.reqs if r.draft_ids)
+            self.current.num_tokens = batch.num_tokens
+            self.current.num_sampled = len(batch.sampled_reqs())
+
+    def on_results_start(self, batch) -> None:
+        self._t0 = self.clock()
+
+    def on_results_end(self, batch) -> None:
+        self.current.process_s += self.clock() - self._t0
+        self.current.num_finished = sum(1 for r in batch.reqs if r.finished)
+
+    def on_step_end(self) -> None:
+        self.current.end = self.clock()
+        self.current.kv_bytes = self.engine.scheduler.kv_bytes_in_use()
+        if self.current.num_reqs:
+            self.steps.append(self.current)
+
+    # ----------------------------------------------------------------- the forward's pieces
+
     def __enter__(self):
         sched = self.engine.scheduler
         runner = sched.runner
-        orig_step, orig_schedule, orig_process = (
-            sched.step,
-            sched.schedule,
-            sched.process_results,
-        )
         orig_forward, orig_prepare, orig_model = (
             runner.forward,
             runner.prepare,
             runner.model,
         )
-
-        def step():
-            self.current = StepTiming(start=self.clock())
-            try:
-                return orig_step()
-            finally:
-                self.current.end = self.clock()
-                self.current.kv_bytes = sched.kv_bytes_in_use()
-                if self.current.num_reqs:
-                    self.steps.append(self.current)
-
-        def schedule():
-            t0 = self.clock()
-            batch = orig_schedule()
-            self.current.schedule_s += self.clock() - t0
-            if batch is not None:
-                self.current.num_reqs = len(batch.reqs)
-                self.current.num_decode = batch.num_decode
-                self.current.num_verify = sum(1 for r in batch.reqs if r.draft_ids)
-                self.current.num_tokens = batch.num_tokens
-                self.current.num_sampled = len(batch.sampled_reqs())
-            return batch
 
         def forward(batch):
             cur = self.current
@@ -164,28 +174,15 @@ class StepTimer:
             finally:
                 self.current.prepare_s += self.clock() - t0
 
-        def process_results(batch, sampled):
-            t0 = self.clock()
-            try:
-                return orig_process(batch, sampled)
-            finally:
-                self.current.process_s += self.clock() - t0
-                self.current.num_finished = sum(1 for r in batch.reqs if r.finished)
-
-        sched.step, sched.schedule, sched.process_results = (
-            step,
-            schedule,
-            process_results,
-        )
         runner.forward, runner.prepare = forward, prepare
         runner.model = _TimedModel(orig_model, self)
+        sched.add_observer(self)
         self._restore = (sched, runner, orig_model)
         return self
 
     def __exit__(self, *exc) -> None:
         sched, runner, orig_model = self._restore
-        for name in ("step", "schedule", "process_results"):
-            sched.__dict__.pop(name, None)
+        sched.remove_observer(self)
         for name in ("forward", "prepare"):
             runner.__dict__.pop(name, None)
         runner.model = orig_model

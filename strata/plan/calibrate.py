@@ -4,7 +4,8 @@ The engine runs batches shaped to cover the model's features — prompts alone (
 cached prefix), decode batches across the kernel switch and at short and long contexts (the long
 ones share a prefix so their prefill stays cheap), and decodes mixed with arriving prefills. Every
 scheduler step is one sample: its segments (tokens fed, context) and its time (`engine.step()`),
-recorded by wrapping the scheduler's `schedule` for the run, as strata/bench/step_timer.py does.
+recorded by a step observer on the scheduler (strata.engine.hooks), as strata/bench/step_timer.py
+does.
 Tier rates are measured here too: a host memory copy (L2 -> L1 on a CPU), reading a file back
 (L3 `file`), loopback TCP (a PD transfer between two local workers).
 
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from strata.engine.hooks import StepObserver
 from strata.plan.cost_model import CostModel, Sample, Segment, fit
 
 
@@ -50,36 +52,31 @@ class EnginePlan:
 # ----------------------------------------------------------------- engine
 
 
-class _BatchRecorder:
-    """Wraps scheduler.schedule for the run: the segments of the batch each step ran."""
+class _BatchRecorder(StepObserver):
+    """Observes the scheduler for the run: the segments of the batch each step ran."""
 
     def __init__(self, scheduler):
         self.scheduler = scheduler
         self.last: list[Segment] | None = None
 
+    def on_scheduled(self, batch) -> None:
+        self.last = None
+        if batch is not None:
+            self.last = [
+                Segment(
+                    n,
+                    r.kv_len,
+                    decode=i < batch.num_decode or bool(getattr(r, "draft_ids", None)),
+                )
+                for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens))
+            ]
+
     def __enter__(self):
-        orig = self.scheduler.schedule
-
-        def schedule():
-            batch = orig()
-            self.last = None
-            if batch is not None:
-                self.last = [
-                    Segment(
-                        n,
-                        r.kv_len,
-                        decode=i < batch.num_decode
-                        or bool(getattr(r, "draft_ids", None)),
-                    )
-                    for i, (r, n) in enumerate(zip(batch.reqs, batch.extend_lens))
-                ]
-            return batch
-
-        self.scheduler.schedule = schedule
+        self.scheduler.add_observer(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.scheduler.__dict__.pop("schedule", None)
+        self.scheduler.remove_observer(self)
 
 
 def _drive(
@@ -94,7 +91,7 @@ def _drive(
     rids: set[str] = set()
     step = 0
     with _BatchRecorder(engine.scheduler) as rec:
-        while pending or engine.scheduler.has_work():
+        while pending or engine.has_work():
             while pending and pending[0][0] <= step:
                 _, ids, max_new = pending.pop(0)
                 params = SamplingParams(
