@@ -1,6 +1,7 @@
 """The FastAPI app: the guard (API key, body size), OpenAI-shaped errors, and the admin endpoints.
 
-    GET  /health            200 once the model is loaded, 503 before (never needs the API key)
+    GET  /health            200 once the model is loaded and its engine answers; 503 before, after a
+                            failure, or while the engine is stopped or stuck (never needs the API key)
     GET  /health_generate   200 after a 1-token generation succeeds, 503 otherwise
     GET  /get_server_info   config, KV cache usage (free / total / cached pages), load, hit rate, expert load
     POST /flush_cache       empty the prefix cache; 409 while requests are in flight
@@ -164,6 +165,11 @@ def create_app(state: ServerState) -> FastAPI:
                 error_body(503, client.failure),
                 status_code=503,
                 media_type="application/json",
+            )
+        stalled = client.stalled()
+        if stalled is not None:
+            return Response(
+                error_body(503, stalled), status_code=503, media_type="application/json"
             )
         if client.info is None:
             body = error_body(503, "the model is still loading")

@@ -42,6 +42,7 @@ class ServerConfig:
         None  # split <think> reasoning into reasoning_content (strata.server.reasoning); default: off
     )
     engine_wait: str = "bounded"  # the engine's OpenMP threads: bounded (spin briefly, then sleep), passive, active
+    health_stall_timeout: float = 3.0  # seconds without a heartbeat from the engine process before /health says 503 (stopped or hung); a long step still sends them
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -65,6 +66,10 @@ class ServerConfig:
         if self.log_level not in LOG_LEVELS:
             raise ValueError(
                 f"log_level must be one of {LOG_LEVELS}, got {self.log_level!r}"
+            )
+        if not self.health_stall_timeout > 0:
+            raise ValueError(
+                f"health_stall_timeout must be > 0 seconds, got {self.health_stall_timeout}"
             )
         if self.engine_wait not in ENGINE_WAITS:
             raise ValueError(

@@ -30,6 +30,11 @@ from strata.engine.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server import io
 
+DEFAULT_STALL_TIMEOUT_S = 5.0  # ServerConfig.health_stall_timeout's default
+PROBE_AFTER_S = (
+    1.0  # seconds of quiet before the watchdog asks the engine for its stats
+)
+
 logger = logging.getLogger(__name__)
 
 
@@ -104,7 +109,13 @@ class _PendingAdd:
 class EngineClient:
     """Owns the two ZMQ sockets (bound here; the engine connects) and the routing table."""
 
-    def __init__(self, in_addr: str, out_addr: str, metrics=None):
+    def __init__(
+        self,
+        in_addr: str,
+        out_addr: str,
+        metrics=None,
+        stall_timeout: float = DEFAULT_STALL_TIMEOUT_S,
+    ):
         self.ctx = zmq.asyncio.Context()
         self.push = self.ctx.socket(zmq.PUSH)
         self.push.setsockopt(zmq.SNDHWM, 0)
@@ -130,6 +141,13 @@ class EngineClient:
         self.num_aborted = 0
         self._control_ids = itertools.count()
         self._reader: asyncio.Task | None = None
+        # liveness: a loaded engine that sends nothing, not even a heartbeat, for stall_timeout
+        # seconds is stopped or hung: /health says so
+        self.stall_timeout = stall_timeout
+        self.last_heard = time.monotonic()
+        self.step_s: float | None = (
+            None  # the last heartbeat's: how long a step has run
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -189,6 +207,23 @@ class EngineClient:
     def serving(self) -> bool:
         """The engine has loaded and not failed (what check_available checks, as a bool)."""
         return self.info is not None and self.failure is None
+
+    def stalled(self) -> str | None:
+        """Why the engine counts as unresponsive now (None: it is heard from).
+
+        A thread of the engine process sends a Heartbeat every io.HEARTBEAT_S whatever the loop
+        does, so silence for stall_timeout seconds means the process is stopped (SIGSTOP, a
+        debugger) or hung whole; a long step alone is not a stall.
+        """
+        if not self.serving:
+            return None
+        silent = time.monotonic() - self.last_heard
+        if silent < self.stall_timeout:
+            return None
+        return (
+            f"the engine process has not been heard from for {silent:.0f}s "
+            f"(stopped or hung; --health-stall-timeout is {self.stall_timeout:g}s)"
+        )
 
     def check_available(self) -> None:
         if self.failure is not None:
@@ -275,6 +310,7 @@ class EngineClient:
     async def _read_loop(self) -> None:
         while True:
             data = await self.pull.recv(copy=False)
+            self.last_heard = time.monotonic()
             try:
                 message = io.decode_from_engine(data.buffer)
             except Exception:
@@ -286,7 +322,9 @@ class EngineClient:
                 logger.exception("failed to dispatch %s", type(message).__name__)
 
     def _dispatch(self, message: io.FromEngine) -> None:
-        if isinstance(message, io.OutputBatch):
+        if isinstance(message, io.Heartbeat):
+            self.step_s = message.step_s
+        elif isinstance(message, io.OutputBatch):
             self.stats = message.stats
             now = time.perf_counter()
             for out in message.outputs:

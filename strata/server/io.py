@@ -4,7 +4,7 @@ Two ZMQ PUSH/PULL pipes, both bound by the frontend (the engine connects):
 
     frontend ──ToEngine──▶ engine      GenerateReq | AbortReq | FlushCacheReq | StatsReq | ShutdownReq
     frontend ◀─FromEngine── engine     EngineReady | EngineFailed | AddResult | OutputBatch
-                                       | FlushCacheResult | StatsResult
+                                       | FlushCacheResult | StatsResult | Heartbeat
 
 Every message is a tagged msgspec Struct encoded as msgpack; decoding checks the types, nothing is
 pickled. Order on one pipe is preserved, so a request's AddResult always arrives before its outputs.
@@ -167,8 +167,17 @@ class StatsResult(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class Heartbeat(msgspec.Struct, tag=True):
+    """Sent every HEARTBEAT_S by a thread of the engine process, whatever its loop is doing."""
+
+    step_s: float | None  # how long the step now running has run; None between steps
+
+
+HEARTBEAT_S = 0.5
+
 FromEngine = (
-    EngineReady
+    Heartbeat
+    | EngineReady
     | EngineFailed
     | AddResult
     | OutputBatch

@@ -328,7 +328,9 @@ async def _serve(
     url_host = f"[{host}]" if ":" in host else host
     ipc_dir, in_addr, out_addr = ipc_addresses()
     metrics = ServerMetrics(name)
-    client = EngineClient(in_addr, out_addr, metrics)
+    client = EngineClient(
+        in_addr, out_addr, metrics, stall_timeout=server_config.health_stall_timeout
+    )
     engine = EngineProcess(
         engine_config,
         in_addr,

@@ -33,7 +33,7 @@ GENERATION_ENDPOINTS: dict[str, tuple[type, str]] = {
 }
 
 SERVER_GETS = {
-    "/health": "200 once the engine is ready, 503 while loading or failed",
+    "/health": "200 once the engine is ready and answering, 503 while loading, failed, stopped or stuck",
     "/health_generate": "200 once a 1-token generation succeeds",
     "/get_server_info": "configuration (secrets redacted), engine facts, KV cache and queue state",
     "/metrics": "Prometheus metrics",

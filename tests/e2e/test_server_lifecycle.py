@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -153,3 +154,38 @@ def test_bad_flags_fail_fast_with_a_clear_message(tmp_path):
         check=False,
     )
     assert r.returncode == 2 and "page_size" in r.stderr
+
+
+def test_health_says_503_while_the_engine_is_stopped_and_200_once_it_runs_again():
+    srv = LiveServer("--health-stall-timeout", "1.5")
+    try:
+        srv.wait_ready()
+        engine_pid = srv.info()["engine"]["pid"]
+        time.sleep(4)  # idle for longer than the stall timeout: heartbeats keep it 200
+        assert srv.health_status() == 200
+        with ThreadPoolExecutor(1) as pool, srv.client() as c:
+            os.kill(engine_pid, signal.SIGSTOP)
+            try:
+                # a request sent while the engine is stopped waits; it is not lost
+                pending = pool.submit(
+                    c.post,
+                    "/v1/completions",
+                    json={"prompt": "hello", "max_tokens": 8, "temperature": 0},
+                )
+                stopped_at = time.monotonic()
+                while srv.health_status() != 503:
+                    assert time.monotonic() - stopped_at < 10, "/health stayed 200"
+                    time.sleep(0.1)
+                body = httpx.get(srv.url + "/health", timeout=2).json()
+                assert "has not been heard from" in body["error"]["message"]
+            finally:
+                os.kill(engine_pid, signal.SIGCONT)
+            resumed_at = time.monotonic()
+            while srv.health_status() != 200:
+                assert time.monotonic() - resumed_at < 10, "/health stayed 503"
+                time.sleep(0.1)
+            r = pending.result(timeout=60)
+            assert r.status_code == 200
+            assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        srv.close()
