@@ -202,7 +202,7 @@ def _time_steps(engine, batch: int, cfg: StepTimeConfig) -> tuple[float, float]:
     engine.step()  # every prompt in one prefill step (chunk and token budgets allow it)
     prefill = time.perf_counter() - start
     decode = []
-    while engine.scheduler.running or engine.scheduler.waiting:
+    while engine.has_requests():
         start = time.perf_counter()
         engine.step()
         decode.append(time.perf_counter() - start)

@@ -7,9 +7,7 @@ engine's logs and from every error message it sends.
 
 Loop: drain every waiting message (add / abort / flush / stats), run one `Engine.step()` if
 there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
-(waking once a second to check that its parent is alive) instead of spinning. A heartbeat thread
-(heartbeat.py) reports to the frontend twice a second however long a step runs, so the frontend's
-/health can tell a stopped or hung process from a busy one.
+(waking once a second to check that its parent is alive) instead of spinning.
 
 A request the engine rejects (invalid parameters, prompt too long, can never fit) gets an AddResult
 with the error message; a step that raises fails the requests in flight with an error output and
@@ -25,7 +23,6 @@ import logging
 import os
 import signal
 import sys
-import time
 import traceback
 
 import zmq
@@ -33,11 +30,9 @@ import zmq
 from strata.config import EngineConfig
 from strata.distributed.errors import RankFailure
 from strata.engine.outputs import RequestOutput
-from strata.layers.expert_load import expert_load_summary
 from strata.process import die_with_parent, settle_heap
 from strata.redact import install_log_redaction, scrub, secret_values
 from strata.server import io
-from strata.server.heartbeat import Heartbeat
 
 logger = logging.getLogger("strata.engine_proc")
 
@@ -59,73 +54,40 @@ class EngineLoop:
     ):
         self.engine = engine
         self.secrets = secrets
-        self.scheduler = engine.scheduler
         self.pull = pull
         self.push = push
         self.parent_pid = parent_pid
         self.live: set[str] = set()  # engine rids added and not yet reported finished
         self.stopping = False
         self.step_failures = 0
-        self.step_started_at: float | None = None
 
     def send(self, message: io.FromEngine) -> None:
         self.push.send(io.encode(message), copy=False)
 
     def stats(self, full: bool = False, expert_load: bool = False) -> io.EngineStats:
-        """The scheduler's load; `full` (on request) also walks the prefix cache for the window
-        groups' pages and checks their accounting, and summarises a MoE model's expert load (one
-        copy of the counters off the device); `expert_load` adds the counts themselves."""
-        s = self.scheduler
-        load = self.engine.model.expert_load() if full else {}  # {} for a dense model
-        return io.EngineStats(
-            num_running=len(s.running),
-            num_waiting=len(s.waiting),
-            num_pages=s.allocator.num_pages,
-            num_free_pages=s.allocator.num_free_pages,
-            num_cached_pages=s.cache.total_pages,
-            num_evictable_pages=s.cache.evictable_pages,
-            page_size=s.page_size,
-            num_retractions=s.num_retractions,
-            num_steps=s.step_count,
-            hicache=self.engine.hicache.stats.as_dict()
-            if self.engine.hicache is not None
-            else None,
-            spec=s.spec.stats.as_dict() if s.spec is not None else None,
-            leaked_pages=s.leaked_pages(window_groups=full),
-            window_groups=s.window_group_usage()
-            if full and s.allocator.groups
-            else None,
-            expert_load=load if load and expert_load else None,
-            expert_load_summary=expert_load_summary(load) if load else None,
-            parallel=self.engine.parallel.describe()
-            if full and getattr(self.engine, "parallel", None)
-            else None,
-            step_threads=self.engine.step_threads() if full else None,
-        )
+        """The engine's load (`Engine.stats`); `full` (on request) also walks the prefix cache
+        for the window groups' pages and checks their accounting, and summarises a MoE model's
+        expert load; `expert_load` adds the counts themselves."""
+        return io.EngineStats(**self.engine.stats(full=full, expert_load=expert_load))
 
     # ------------------------------------------------------------------ the loop
 
     def run(self) -> None:
         while not self.stopping:
-            s = self.scheduler
-            if not s.has_work() and not self.pull.poll(IDLE_POLL_MS):
+            if not self.engine.has_work() and not self.pull.poll(IDLE_POLL_MS):
                 if os.getppid() != self.parent_pid:
                     logger.warning("the server process is gone; engine exiting")
                     return
                 if not self.ranks_alive():
                     return
                 continue
-            if not (s.running or s.waiting or s.pending_outputs):
+            if not self.engine.has_requests():
                 # only background work is pending (a PD KV transfer, an L3 prefetch): wait a little
                 # for a message instead of spinning on empty steps
                 self.pull.poll(BACKGROUND_POLL_MS)
             self.drain()
-            if not self.stopping and self.scheduler.has_work():
-                self.step_started_at = time.monotonic()  # read by the heartbeat thread
-                try:
-                    self.step()
-                finally:
-                    self.step_started_at = None
+            if not self.stopping and self.engine.has_work():
+                self.step()
 
     def drain(self) -> None:
         while True:
@@ -205,15 +167,16 @@ class EngineLoop:
         self.send(io.AddResult(req.rid, rids))
 
     def flush_cache(self, req_id: int) -> io.FlushCacheResult:
-        s = self.scheduler
-        if s.running or s.waiting:
+        load = self.engine.stats()
+        running, waiting = load["num_running"], load["num_waiting"]
+        if running or waiting:
             return io.FlushCacheResult(
                 req_id,
                 False,
-                f"cannot flush the cache while requests are in flight ({len(s.running)} running, "
-                f"{len(s.waiting)} waiting); retry when the server is idle",
+                f"cannot flush the cache while requests are in flight ({running} running, "
+                f"{waiting} waiting); retry when the server is idle",
             )
-        num_pages = s.cache.total_pages
+        num_pages = load["num_cached_pages"]
         try:
             self.engine.flush_cache()  # the radix tree and, with --enable-hierarchical-cache, L2
         except RuntimeError as exc:
@@ -251,7 +214,7 @@ class EngineLoop:
         for out in outputs:
             if out.finished:
                 self.live.discard(out.rid)
-        if outputs or not self.scheduler.has_work():
+        if outputs or not self.engine.has_work():
             self.send(io.OutputBatch(outputs, self.stats()))
 
     def ranks_alive(self) -> bool:
@@ -278,7 +241,7 @@ class EngineLoop:
                 RequestOutput(rid, [], "", True, finish_reason="error", error=message)
             )
         self.live.clear()
-        self.scheduler.pending_outputs.clear()  # the aborts' own outputs: already reported above
+        self.engine.discard_pending_outputs()  # the aborts' own outputs: reported above
         return failed
 
 
@@ -372,13 +335,9 @@ def main(argv: list[str] | None = None) -> int:
         pull.close(linger=0)
         ctx.term()
         return 1
-    loop = EngineLoop(engine, pull, push, args.parent_pid, secrets)
-    heartbeat = Heartbeat(ctx, args.out_addr, lambda: loop.step_started_at)
-    heartbeat.start()
     try:
-        loop.run()
+        EngineLoop(engine, pull, push, args.parent_pid, secrets).run()
     finally:
-        heartbeat.stop()
         engine.close()  # background storage threads, PD sockets
     push.close()
     pull.close(linger=0)
