@@ -7,7 +7,9 @@ engine's logs and from every error message it sends.
 
 Loop: drain every waiting message (add / abort / flush / stats), run one `Engine.step()` if
 there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
-(waking once a second to check that its parent is alive) instead of spinning.
+(waking once a second to check that its parent is alive) instead of spinning. A heartbeat thread
+(heartbeat.py) reports to the frontend twice a second however long a step runs, so the frontend's
+/health can tell a stopped or hung process from a busy one.
 
 A request the engine rejects (invalid parameters, prompt too long, can never fit) gets an AddResult
 with the error message; a step that raises fails the requests in flight with an error output and
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 
 import zmq
@@ -33,6 +36,7 @@ from strata.engine.outputs import RequestOutput
 from strata.process import die_with_parent, settle_heap
 from strata.redact import install_log_redaction, scrub, secret_values
 from strata.server import io
+from strata.server.heartbeat import Heartbeat
 
 logger = logging.getLogger("strata.engine_proc")
 
@@ -60,6 +64,7 @@ class EngineLoop:
         self.live: set[str] = set()  # engine rids added and not yet reported finished
         self.stopping = False
         self.step_failures = 0
+        self.step_started_at: float | None = None
 
     def send(self, message: io.FromEngine) -> None:
         self.push.send(io.encode(message), copy=False)
@@ -87,7 +92,11 @@ class EngineLoop:
                 self.pull.poll(BACKGROUND_POLL_MS)
             self.drain()
             if not self.stopping and self.engine.has_work():
-                self.step()
+                self.step_started_at = time.monotonic()  # read by the heartbeat thread
+                try:
+                    self.step()
+                finally:
+                    self.step_started_at = None
 
     def drain(self) -> None:
         while True:
@@ -335,9 +344,13 @@ def main(argv: list[str] | None = None) -> int:
         pull.close(linger=0)
         ctx.term()
         return 1
+    loop = EngineLoop(engine, pull, push, args.parent_pid, secrets)
+    heartbeat = Heartbeat(ctx, args.out_addr, lambda: loop.step_started_at)
+    heartbeat.start()
     try:
-        EngineLoop(engine, pull, push, args.parent_pid, secrets).run()
+        loop.run()
     finally:
+        heartbeat.stop()
         engine.close()  # background storage threads, PD sockets
     push.close()
     pull.close(linger=0)
