@@ -7,15 +7,24 @@ from __future__ import annotations
 
 import math
 
+from strata.cache.allocator import PageAllocator
 from strata.engine.request import Req
+from strata.engine.speculative import Speculator
 from strata.layers.sampler import SamplerOutput
 
 
 class DraftSteps:
-    """Mixed into `Scheduler`, whose speculator, allocator, page size and limits it uses."""
+    """Owned by the `Scheduler`: works on its allocator, within its context length. The
+    speculator is passed to each call (the scheduler's current one: `Scheduler.set_speculator`
+    may swap it between requests)."""
 
-    def _plan_drafts(
-        self, decodes: list[Req], base_tokens: int, budget: int
+    def __init__(self, allocator: PageAllocator, context_len: int):
+        self.allocator = allocator
+        self.page_size = allocator.page_size
+        self.context_len = context_len
+
+    def plan(
+        self, spec: Speculator, decodes: list[Req], base_tokens: int, budget: int
     ) -> list[Req]:
         """Speculative decoding: the decodes that feed drafted tokens this step, with `draft_ids` set
         and pages for them allocated (from free pages only: drafts never evict cached KV)."""
@@ -32,25 +41,32 @@ class DraftSteps:
             if limit > 0 and req.replay_from is None:
                 eligible.append((req, limit))
         verifying = []
-        for req, draft, match_len in self.spec.plan(
+        for req, draft, match_len in spec.plan(
             eligible, base_tokens, len(decodes), budget
         ):
             k = len(draft)
             while k > 0 and not self.allocator.can_alloc(
-                self._pages_short(req, req.kv_len + 1 + k)
+                req.pages_short(req.kv_len + 1 + k, self.page_size)
             ):
                 k -= 1
             if k > 0:
                 req.pages.extend(
-                    self.allocator.alloc(self._pages_short(req, req.kv_len + 1 + k))
+                    self.allocator.alloc(
+                        req.pages_short(req.kv_len + 1 + k, self.page_size)
+                    )
                     or []
                 )
                 req.draft_ids, req.draft_match = draft[:k], match_len
                 verifying.append(req)
         return verifying
 
-    def _take_tokens(
-        self, req: Req, n: int, sampled: SamplerOutput, row: int
+    def take_tokens(
+        self,
+        spec: Speculator | None,
+        req: Req,
+        n: int,
+        sampled: SamplerOutput,
+        row: int,
     ) -> tuple[list[int], int]:
         """The tokens a request that sampled at `row` (and after) appends, and the KV length they
         leave it with. Drafted tokens: the accepted run, then the target's own token (its correction
@@ -65,8 +81,9 @@ class DraftSteps:
         tokens = drafts[:accepted] + [int(sampled.token_ids[row + accepted])]
         kv_end = req.kv_len + n - len(drafts) + accepted
         if drafts:
+            assert spec is not None  # only a speculator drafts
             keep = math.ceil(kv_end / self.page_size)
             self.allocator.free(req.pages[keep:])
             del req.pages[keep:]
-            self.spec.verified(req, len(drafts), accepted)
+            spec.verified(req, len(drafts), accepted)
         return tokens, kv_end

@@ -107,6 +107,10 @@ class Req:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
 
+    def pages_short(self, end: int, page_size: int) -> int:
+        """Pages `pages` lacks to cover positions [0, end)."""
+        return max(0, -(-end // page_size) - len(self.pages))
+
     @property
     def fed_len(self) -> int:
         """Positions this step's forward computes up to: the sequence plus any drafted tokens."""

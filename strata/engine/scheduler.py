@@ -58,7 +58,7 @@ IN_BATCH_PREFIX_TOKENS = (
 )
 
 
-class Scheduler(WindowKV, KVAccounting, DraftSteps):
+class Scheduler(KVAccounting):
     def __init__(
         self,
         config: EngineConfig,
@@ -105,6 +105,9 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             else None
         )
         runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
+        # the parts for window groups (sliding-window layers) and for speculative decoding
+        self.window_kv = WindowKV(allocator, prefix_cache, self._alloc_for)
+        self.drafts = DraftSteps(allocator, context_len)
 
     # ----------------------------------------------------------------- extension points
 
@@ -421,7 +424,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 alone,
                 first_piece=not extends,
             )
-            n = self._alloc_chunk(req, n, alone)
+            n = self.window_kv.alloc_chunk(req, n, alone)
             if n <= 0:
                 continue
             extends.append((req, n))
@@ -433,7 +436,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         if self.spec is not None and decodes:
             base = len(decodes) + sum(n for _, n in extends)
             budget = self.config.max_batch_tokens - base
-            verifying = self._plan_drafts(decodes, len(decodes), budget)
+            verifying = self.drafts.plan(self.spec, decodes, len(decodes), budget)
             decodes = [r for r in decodes if not r.draft_ids]
         self.new_token_ratio = max(
             self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay
@@ -445,9 +448,6 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             + [n for _, n in extends],
             num_decode=len(decodes),
         )
-
-    def _pages_short(self, req: Req, end: int) -> int:
-        return max(0, math.ceil(end / self.page_size) - len(req.pages))
 
     def _reserve_decode_pages(self, decodes: list[Req]) -> None:
         """Give every decode whose last page is full a new page, retracting others if needed."""
@@ -479,7 +479,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
 
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
-        need = self._pages_short(req, end)
+        need = req.pages_short(end, self.page_size)
         if need <= 0:
             return True
         if not self.cache.make_room(need):
@@ -582,7 +582,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             if (
                 self.config.swa_replay
                 and self.allocator.groups
-                and not self._start_replay(req, batch_empty)
+                and not self.window_kv.start_replay(req, batch_empty)
             ):
                 self._release_kv(req, cache_it=False)
                 break
@@ -593,7 +593,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
                 batch_empty,
                 first_piece=not extends,
             )
-            n = self._alloc_chunk(req, n, batch_empty)
+            n = self.window_kv.alloc_chunk(req, n, batch_empty)
             if n <= 0:
                 self._release_kv(req, cache_it=False)
                 break
@@ -634,7 +634,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             drafted = len(req.draft_ids)
             if drafted:
                 verified.add(id(req))
-            tokens, kv_end = self._take_tokens(req, n, sampled, row)
+            tokens, kv_end = self.drafts.take_tokens(self.spec, req, n, sampled, row)
             for j, token in enumerate(tokens):
                 req.output_ids.append(token)
                 req.kv_len = min(
@@ -658,7 +658,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
             if (
                 self.allocator.groups
             ):  # after caching: the prompt's window KV is the tree's to keep or drop
-                self._drop_behind_window(req)
+                self.window_kv.drop_behind_window(req)
             if req.output_ids[req.sent_tokens :]:
                 self.pending_outputs.append(req.make_output())
 
@@ -711,7 +711,7 @@ class Scheduler(WindowKV, KVAccounting, DraftSteps):
         ps = self.page_size
         own_from = req.cached_len // ps
         if req.replay_from is not None:
-            self._end_replay(req)
+            self.window_kv.end_replay(req)
         if cache_it and self.cache_enabled:
             full = max(
                 req.kv_len // ps * ps, req.cached_len

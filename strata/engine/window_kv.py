@@ -5,13 +5,29 @@ pages, window KV given back behind a request's window, and --swa-replay's recomp
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+from strata.cache.allocator import PageAllocator
+from strata.cache.radix import PrefixCache
 from strata.engine.request import Req
 
 
 class WindowKV:
-    """Mixed into `Scheduler`, whose allocator, prefix cache and page size it uses."""
+    """Owned by the `Scheduler`: works on its allocator and prefix cache. `alloc_for(req, end)` is
+    the scheduler's all-or-nothing page allocation for positions [0, end) of a request."""
 
-    def _alloc_chunk(self, req: Req, n: int, alone: bool) -> int:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        cache: PrefixCache,
+        alloc_for: Callable[[Req, int], bool],
+    ):
+        self.allocator = allocator
+        self.cache = cache
+        self.page_size = allocator.page_size
+        self.alloc_for = alloc_for
+
+    def alloc_chunk(self, req: Req, n: int, alone: bool) -> int:
         """Allocate pages for the next n tokens of req; returns the tokens allocated for (0: none).
 
         With window groups a chunk needs window pages for all of itself while its window needs only
@@ -43,14 +59,14 @@ class WindowKV:
                 return 0
             n = min(n, fits) if fits > 0 else min(n, max(g.window for g in groups))
         while n > 0:
-            if self._alloc_for(req, req.kv_len + n):
+            if self.alloc_for(req, req.kv_len + n):
                 return n
             if not self.allocator.groups:
                 return 0
             n //= 2
         return 0
 
-    def _start_replay(self, req: Req, alone: bool) -> bool:
+    def start_replay(self, req: Req, alone: bool) -> bool:
         """--swa-replay: if the window groups lack the matched prefix's last window, recompute it.
 
         The request keeps its match (the full layers' KV, locked in the tree) but is fed again from
@@ -58,7 +74,7 @@ class WindowKV:
         window layers write those positions into pages of their own (`replay_pages`) and read nothing
         before replay_from; the full layers' writes for them go to the pool's scratch page, so the
         cached KV stays as it was. False (nothing held) if the window groups have no room (a request
-        not `alone` in its step does not evict window KV for it; see `_alloc_chunk`)."""
+        not `alone` in its step does not evict window KV for it; see `alloc_chunk`)."""
         ps, end = self.page_size, req.cached_len
         if not end or self.allocator.usable_prefix(req.pages[: end // ps]) * ps == end:
             return True
@@ -86,12 +102,12 @@ class WindowKV:
         req.kv_len = start
         return True
 
-    def _end_replay(self, req: Req) -> None:
+    def end_replay(self, req: Req) -> None:
         for group, pages in zip(self.allocator.groups, req.replay_pages):
             group.allocator.free(pages)
         req.replay_from, req.replay_end, req.replay_pages = None, 0, []
 
-    def _drop_behind_window(self, req: Req) -> None:
+    def drop_behind_window(self, req: Req) -> None:
         """Give back the window groups' KV of the request's own pages that no query reads any more.
 
         Kept: the pages a query at the request's last whole page boundary would read (so its computed
@@ -107,7 +123,7 @@ class WindowKV:
             req.replay_from is not None
             and end - max(g.window for g in groups) + 1 >= req.replay_end
         ):
-            self._end_replay(req)  # every window has moved past the replayed positions
+            self.end_replay(req)  # every window has moved past the replayed positions
         for i, group in enumerate(groups):
             keep_from = max(0, end - group.window + 1) // ps
             start = max(own_from, req.window_dropped[i])
