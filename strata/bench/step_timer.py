@@ -3,16 +3,12 @@
 One scheduler step is:  schedule() -> runner.forward(batch) -> process_results()
 and runner.forward is:  prepare(batch) -> model(...) -> model.compute_logits(...) -> sample(...)
 
-`StepTimer(engine)` is one of the scheduler's step observers (strata.engine.hooks.StepObserver)
-for the step, its schedule and its results; inside the forward it installs timing wrappers as
-*instance* attributes on the engine's runner and (through a proxy) model, and removes them on exit;
-the classes are never touched, so other engines in the process are unaffected. `sample_s` is what
-forward spends outside prepare, the model and the logits (sampling and moving the chosen ids to the
-CPU). On CUDA each clock read synchronizes the device first, so the pieces are real durations, not
-launch times.
-
-If the runner's internals are renamed this module fails loudly at `__enter__` (AttributeError),
-and the bench tests catch it.
+`StepTimer(engine)` observes the engine's scheduler (strata.engine.hooks.StepObserver: the step,
+its schedule, the forward, its results) and runner (ForwardObserver: the forward's prepare, model
+and logits pieces) while it is entered; it changes nothing in the engine. `sample_s` is what
+forward spends outside prepare, the model and the logits (grammar masks, sampling and moving the
+chosen ids to the CPU). On CUDA each clock read synchronizes the device first, so the pieces are
+real durations, not launch times.
 """
 
 from __future__ import annotations
@@ -21,7 +17,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from strata.engine.hooks import StepObserver
+from strata.engine.hooks import ForwardObserver, StepObserver
 
 PIECES = ("schedule", "prepare", "model", "logits", "sample", "process")
 
@@ -68,39 +64,18 @@ class StepTiming:
         return {p: 1000.0 * getattr(self, f"{p}_s") for p in PIECES}
 
 
-class _TimedModel:
-    """Stands in for runner.model: times calls and compute_logits, forwards everything else."""
-
-    def __init__(self, model: Any, timer: StepTimer):
-        self._model = model
-        self._timer = timer
-
-    def __call__(self, *args, **kwargs):
-        t0 = self._timer.clock()
-        try:
-            return self._model(*args, **kwargs)
-        finally:
-            self._timer.current.model_s += self._timer.clock() - t0
-
-    def compute_logits(self, *args, **kwargs):
-        t0 = self._timer.clock()
-        try:
-            return self._model.compute_logits(*args, **kwargs)
-        finally:
-            self._timer.current.logits_s += self._timer.clock() - t0
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-
-class StepTimer(StepObserver):
+class StepTimer(StepObserver, ForwardObserver):
     """`with StepTimer(engine) as timer: engine.step() ...` -> timer.steps (one StepTiming per step)."""
 
     def __init__(self, engine: Any):
         self.engine = engine
         self.steps: list[StepTiming] = []
         self.current = StepTiming(start=0.0)
-        self._t0 = 0.0  # when the piece being timed (schedule or results) began
+        # when the piece being timed began: the scheduler's (schedule, results), the forward's
+        # (prepare, model, logits), the forward itself; and the step's prepare + model + logits
+        # seconds when the forward began
+        self._t0 = self._piece_t0 = self._forward_t0 = 0.0
+        self._forward_pieces_s = 0.0
         device = getattr(getattr(engine, "state", None), "device", None)
         self._sync = None
         if device is not None and getattr(device, "type", "cpu") == "cuda":
@@ -143,49 +118,39 @@ class StepTimer(StepObserver):
         if self.current.num_reqs:
             self.steps.append(self.current)
 
-    # ----------------------------------------------------------------- the forward's pieces
+    def on_forward_start(self, batch) -> None:
+        self._forward_t0 = self.clock()
+        cur = self.current
+        self._forward_pieces_s = cur.prepare_s + cur.model_s + cur.logits_s
+
+    def on_forward_end(self, batch) -> None:
+        cur = self.current
+        pieces = cur.prepare_s + cur.model_s + cur.logits_s - self._forward_pieces_s
+        cur.sample_s += self.clock() - self._forward_t0 - pieces
+
+    # ----------------------------------------------------------------- runner events
+
+    def on_piece_start(self, piece: str) -> None:
+        self._piece_t0 = self.clock()
+
+    def on_piece_end(self, piece: str) -> None:
+        seconds = self.clock() - self._piece_t0
+        cur = self.current
+        if piece == "prepare":
+            cur.prepare_s += seconds
+        elif piece == "model":
+            cur.model_s += seconds
+        elif piece == "logits":
+            cur.logits_s += seconds
 
     def __enter__(self):
-        sched = self.engine.scheduler
-        runner = sched.runner
-        orig_forward, orig_prepare, orig_model = (
-            runner.forward,
-            runner.prepare,
-            runner.model,
-        )
-
-        def forward(batch):
-            cur = self.current
-            t0 = self.clock()
-            before = cur.prepare_s + cur.model_s + cur.logits_s
-            try:
-                return orig_forward(batch)
-            finally:
-                cur.sample_s += (
-                    self.clock()
-                    - t0
-                    - (cur.prepare_s + cur.model_s + cur.logits_s - before)
-                )
-
-        def prepare(batch):
-            t0 = self.clock()
-            try:
-                return orig_prepare(batch)
-            finally:
-                self.current.prepare_s += self.clock() - t0
-
-        runner.forward, runner.prepare = forward, prepare
-        runner.model = _TimedModel(orig_model, self)
-        sched.add_observer(self)
-        self._restore = (sched, runner, orig_model)
+        self.engine.scheduler.add_observer(self)
+        self.engine.scheduler.runner.add_observer(self)
         return self
 
     def __exit__(self, *exc) -> None:
-        sched, runner, orig_model = self._restore
-        sched.remove_observer(self)
-        for name in ("forward", "prepare"):
-            runner.__dict__.pop(name, None)
-        runner.model = orig_model
+        self.engine.scheduler.remove_observer(self)
+        self.engine.scheduler.runner.remove_observer(self)
 
 
 def mean_pieces_ms(steps: list[StepTiming]) -> dict[str, float] | None:

@@ -10,6 +10,8 @@ its internals.
 - `StepObserver`: told what each step does (`Scheduler.add_observer`); tools that model or time
   the engine (the bench's step timer, the planner's calibration) subscribe instead of wrapping the
   scheduler's methods.
+- `ForwardObserver`: told where each forward of the model runner is (`ModelRunner.add_observer`):
+  its preparation, the model and the logits, for the step timer's pieces.
 
 Both run on the scheduler thread; nothing here needs a lock.
 """
@@ -53,7 +55,8 @@ class StepObserver(Protocol):
       on_step_start()          step() entered (before the prefix cache and the peer are polled)
       on_schedule_start()      the batch is about to be picked
       on_scheduled(batch)      the batch picked (None: nothing runs this step)
-      ...                      the forward runs
+      on_forward_start(batch)  the runner's forward is called
+      on_forward_end(batch)    it returned or raised
       on_results_start(batch)  the forward succeeded; its tokens are about to be appended
       on_results_end(batch)    appended: finished requests are marked finished and released
       on_step_end()            step() returns (also after a failed forward, which fails the
@@ -73,6 +76,12 @@ class StepObserver(Protocol):
     def on_scheduled(self, batch: ScheduleBatch | None) -> None:
         return None
 
+    def on_forward_start(self, batch: ScheduleBatch) -> None:
+        return None
+
+    def on_forward_end(self, batch: ScheduleBatch) -> None:
+        return None
+
     def on_results_start(self, batch: ScheduleBatch) -> None:
         return None
 
@@ -80,4 +89,20 @@ class StepObserver(Protocol):
         return None
 
     def on_step_end(self) -> None:
+        return None
+
+
+class ForwardObserver(Protocol):
+    """Told where a `ModelRunner.forward` is: `on_piece_start(piece)` and `on_piece_end(piece)`
+    (also when the piece raised) around each of its pieces, in order: "prepare" (the batch's
+    tensors), "model" (the model's forward over every fed token) and, when a row samples,
+    "logits" (the LM head over the sampled rows). What the forward does outside them (the
+    grammar masks, sampling, moving the sampled ids to the host) is in no piece. Same rules as
+    `StepObserver`: it reads, and what it raises propagates out of the forward.
+    """
+
+    def on_piece_start(self, piece: str) -> None:
+        return None
+
+    def on_piece_end(self, piece: str) -> None:
         return None

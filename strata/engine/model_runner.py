@@ -5,6 +5,7 @@ It owns the model and the KV pool; it never decides what runs (the scheduler doe
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Sequence
 
@@ -14,6 +15,7 @@ import torch
 from strata.cache.allocator import WindowGroup
 from strata.cache.kv_pool import KVPool
 from strata.engine.batch import ForwardBatch, SampleRow, ScheduleBatch, sample_rows_of
+from strata.engine.hooks import ForwardObserver
 from strata.engine.request import Req
 from strata.engine.step_threads import StepThreads
 from strata.grammar.state import bitmask_words, fill_bitmasks
@@ -54,6 +56,20 @@ class ModelRunner:
         # CPU: how many threads each forward runs on, chosen by measurement (None: torch's setting)
         self.step_threads: StepThreads | None = None
         self._threads = 0  # the count last set
+        self.observers: list[ForwardObserver] = []  # `add_observer`
+
+    def add_observer(self, observer: ForwardObserver) -> None:
+        """Tell `observer` where every later forward is (see `ForwardObserver`)."""
+        self.observers.append(observer)
+
+    def remove_observer(self, observer: ForwardObserver) -> None:
+        """Stop telling `observer`; a no-op if it was not added."""
+        if observer in self.observers:
+            self.observers.remove(observer)
+
+    def _piece(self, piece: str) -> contextlib.AbstractContextManager:
+        """Tells the observers (if any) when `piece` of the forward starts and ends."""
+        return _Piece(self.observers, piece) if self.observers else _NO_PIECE
 
     def prepare(self, batch: ScheduleBatch) -> ForwardBatch:
         ids: list[int] = []
@@ -181,16 +197,21 @@ class ModelRunner:
         return out
 
     def _forward(self, batch: ScheduleBatch) -> SamplerOutput | None:
-        fb = self.prepare(batch)
+        with self._piece("prepare"):
+            fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+        with self._piece("model"):
+            hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
         self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:
             return None
         # grammar masks are computed on the CPU while an accelerator runs the forward
         self.add_grammar_masks(fb.rows, fb.sampling)
-        logits = self.model.compute_logits(hidden[fb.sample_rows])[:, : self.vocab_size]
+        sampled_hidden = hidden[fb.sample_rows]  # [num_sampled_rows, hidden]
+        with self._piece("logits"):
+            logits = self.model.compute_logits(sampled_hidden)
+        logits = logits[:, : self.vocab_size]
         out = sample(logits, fb.sampling)
         out.token_ids = out.token_ids.cpu()
         if out.accepted is not None:
@@ -347,3 +368,21 @@ class ModelRunner:
         ).repeat_interleave(counts)
         s.bias_ids = torch.cat([ids for ids, _ in pairs])
         s.bias_values = torch.cat([values for _, values in pairs])
+
+
+_NO_PIECE = contextlib.nullcontext()
+
+
+class _Piece:
+    """`ForwardObserver.on_piece_start` / `on_piece_end` around one piece of a forward."""
+
+    def __init__(self, observers: list[ForwardObserver], piece: str):
+        self.observers, self.piece = list(observers), piece
+
+    def __enter__(self) -> None:
+        for o in self.observers:
+            o.on_piece_start(self.piece)
+
+    def __exit__(self, *exc) -> None:
+        for o in self.observers:
+            o.on_piece_end(self.piece)

@@ -377,7 +377,7 @@ class Scheduler(KVAccounting):
         if batch is not None:
             watch = self.spec.watch(batch) if self.spec is not None else None
             try:
-                sampled = self.runner.forward(batch)
+                sampled = self._forward(batch, observers)
             except (
                 Exception
             ) as exc:  # a failed forward fails its requests, not the engine
@@ -398,6 +398,17 @@ class Scheduler(KVAccounting):
                     )
         outputs, self.pending_outputs = self.pending_outputs, []
         return outputs
+
+    def _forward(
+        self, batch: ScheduleBatch, observers: list[StepObserver]
+    ) -> SamplerOutput | None:
+        for o in observers:
+            o.on_forward_start(batch)
+        try:
+            return self.runner.forward(batch)
+        finally:
+            for o in observers:
+                o.on_forward_end(batch)
 
     def schedule(self) -> ScheduleBatch | None:
         batch = self._schedule_once()

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 import strata
+from strata.engine.hooks import ForwardObserver, StepObserver
 
 ROOT = Path(strata.__file__).parent
 SCHEDULER_NAMES = {"scheduler", "sched"}
@@ -133,7 +134,7 @@ def engine(llama_dir):
     return Engine(model=str(llama_dir), dtype="float32", kv_cache_tokens=1024)
 
 
-class _Recorder:
+class _Recorder(StepObserver, ForwardObserver):
     def __init__(self):
         self.events: list[str] = []
 
@@ -145,6 +146,15 @@ class _Recorder:
 
     def on_scheduled(self, batch):
         self.events.append("batch" if batch is not None else "none")
+
+    def on_forward_start(self, batch):
+        self.events.append("forward")
+
+    def on_piece_start(self, piece):
+        self.events.append(piece)
+
+    def on_forward_end(self, batch):
+        self.events.append("forward-end")
 
     def on_results_start(self, batch):
         self.events.append("results")
@@ -161,14 +171,18 @@ def test_observers_see_each_step_in_order_until_removed(engine):
 
     rec = _Recorder()
     engine.scheduler.add_observer(rec)
+    engine.scheduler.runner.add_observer(rec)
     try:
         engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=2, temperature=0))
     finally:
         engine.scheduler.remove_observer(rec)
-    step = ["step", "schedule", "batch", "results"]
+        engine.scheduler.runner.remove_observer(rec)
+    step = ["step", "schedule", "batch", "forward", "prepare", "model", "logits"]
+    step += ["forward-end", "results"]
     assert rec.events == [*step, "done:0", "end", *step, "done:1", "end"]
+    seen = len(rec.events)
     engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=1, temperature=0))
-    assert len(rec.events) == 12  # removed: told nothing more
+    assert len(rec.events) == seen  # removed: told nothing more
     engine.scheduler.check_no_leaks()
 
 
