@@ -124,7 +124,7 @@ def test_window_layers_full_layout_is_exact_too(tiny_models, expected):
         sliding_kv="full",
         chunked_prefill_size=5,
     )
-    assert engine.scheduler.allocator.groups == []
+    assert engine.scheduler.allocator.groups == ()
     got = [r.token_ids for r in engine.generate(LONG_PROMPTS, PARAMS)]
     assert got == expected["gemma3"]
 
