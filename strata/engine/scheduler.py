@@ -33,6 +33,7 @@ from strata.engine.batch import ScheduleBatch
 from strata.engine.chunking import prefill_piece
 from strata.engine.draft_steps import DraftSteps
 from strata.engine.hooks import KVTransferPeer, StepObserver
+from strata.engine.limits import SizeLimits
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import (
     Req,
@@ -141,22 +142,10 @@ class Scheduler(KVAccounting):
         return self.allocator.num_pages * self.page_size
 
     def check_fits(self, prompt_len: int, params: SamplingParams) -> None:
-        """Raise ValueError if a request could never run on this engine."""
-        if prompt_len == 0:
-            raise ValueError("the prompt is empty; send at least one token")
-        total = prompt_len + params.max_new_tokens
-        if total > self.context_len:
-            raise ValueError(
-                f"prompt is {prompt_len} tokens and max_new_tokens is {params.max_new_tokens} ({total} in all); "
-                f"this model accepts {self.context_len}: shorten the prompt or lower max_new_tokens"
-            )
-        # the last sampled token never needs KV, so a request needs prompt + max_new - 1 slots
-        need = prompt_len + max(params.max_new_tokens - 1, 0)
-        if need > self.pool_tokens:
-            raise ValueError(
-                f"request needs {need} KV cache slots but the pool holds {self.pool_tokens}; "
-                "raise --kv-cache-tokens or shorten the request"
-            )
+        """Raise ValueError (a LimitError) if a request could never run on this engine."""
+        SizeLimits(self.context_len, self.pool_tokens).check(
+            prompt_len, params.max_new_tokens
+        )
 
     def add_request(
         self, rid: str, prompt_ids: list[int], params: SamplingParams

@@ -19,6 +19,7 @@ from typing import Any
 
 import msgspec
 
+from strata.engine.limits import LimitError, SizeLimits
 from strata.sampling_params import SamplingParams
 
 MAX_CHOICES = 256  # prompts x n in one request
@@ -432,43 +433,22 @@ def resolve_max_tokens(
 ) -> int:
     """The output budget of one prompt: `requested`, or `default` (None: to the end of the context).
 
-    A request needs prompt_len + max_tokens <= context_len, and prompt_len + max_tokens - 1 KV slots.
+    The limits and their error texts are the engine's (strata.engine.limits), checked here first so
+    a client hears about them before anything is queued.
     """
-    limit = min(context_len - prompt_len, pool_tokens - prompt_len + 1)
-    if limit < 1:
-        if prompt_len >= context_len:
-            raise APIError(
-                400,
-                f"the prompt is {prompt_len} tokens; this model accepts {context_len} tokens in all "
-                f"(prompt + output), so shorten the prompt to at most {context_len - 1} tokens",
-                param=prompt_param,
-                code="context_length_exceeded",
-            )
-        raise APIError(
-            400,
-            f"the prompt is {prompt_len} tokens but the server's KV cache holds {pool_tokens}; "
-            "shorten the prompt or restart the server with a larger --kv-cache-tokens",
-            param=prompt_param,
-            code="context_length_exceeded",
-        )
-    if requested is None:
-        return limit if default is None else min(default, limit)
-    if requested < 1:
+    limits = SizeLimits(context_len, pool_tokens)
+    if requested is not None and requested < 1:
         raise APIError(400, f"{param} must be at least 1, got {requested}", param=param)
-    if requested > limit:
-        what = (
-            f"this model accepts {context_len} tokens in all"
-            if context_len - prompt_len <= pool_tokens - prompt_len + 1
-            else f"the server's KV cache holds {pool_tokens} tokens"
-        )
-        raise APIError(
-            400,
-            f"the prompt is {prompt_len} tokens and {param} is {requested} ({prompt_len + requested} in all); "
-            f"{what}: lower {param} to at most {limit} or shorten the prompt",
-            param=param,
-            code="context_length_exceeded",
-        )
-    return requested
+    budget = requested
+    if budget is None:
+        limit = limits.max_new(prompt_len)
+        budget = max(limit if default is None else min(default, limit), 1)
+    try:
+        limits.check(prompt_len, budget, param=param, prompt_param=prompt_param)
+    except LimitError as exc:
+        code = "context_length_exceeded" if prompt_len else None
+        raise APIError(400, str(exc), param=exc.param, code=code) from None
+    return budget
 
 
 def clamp_logprob(value: float) -> float:

@@ -163,7 +163,7 @@ def test_abort_frees_kv_at_once(engine):
 
 def test_requests_that_cannot_fit_are_rejected_clearly(llama_dir):
     small = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=64)
-    with pytest.raises(ValueError, match="KV cache slots"):
+    with pytest.raises(ValueError, match="KV cache holds 64"):
         small.add_request(list(range(3, 80)), greedy(4))
     with pytest.raises(ValueError, match="this model accepts 512"):
         small.add_request(list(range(3, 13)), greedy(600))
