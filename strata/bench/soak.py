@@ -232,6 +232,15 @@ async def _run(
     )
 
 
+def _host_tier(kv: dict[str, Any]) -> str:
+    """The host tier's pages written / its size (MiB): engine memory that grows until it is full."""
+    touched, total = kv.get("host_touched_bytes"), kv.get("host_bytes")
+    if touched is None or not total:
+        return "-"
+    mib = 2**20
+    return f"{touched / mib:.0f} of {total / mib:.0f}"
+
+
 async def _report_progress(load: Load, progress, duration_s: float) -> None:
     while True:
         await asyncio.sleep(30.0)
@@ -285,6 +294,11 @@ def final_kv(cluster: Cluster) -> dict[str, dict[str, Any] | None]:
                 **info["kv_cache"],
                 "running": info.get("num_running_reqs"),
                 "queued": info.get("num_queue_reqs"),
+                # the host (L2) tier's pages written so far: resident memory it accounts for
+                "host_touched_bytes": (info.get("hicache") or {}).get(
+                    "host_touched_bytes"
+                ),
+                "host_bytes": (info.get("hicache") or {}).get("host_bytes"),
             }
         )
     return out
@@ -406,11 +420,13 @@ def format_text(result: SoakResult) -> str:
             name,
             str(kv.get("leaked_pages")),
             f"{kv['free_pages']}/{kv['total_pages']}",
+            _host_tier(kv),
         ]
         for name, kv in result.kv.items()
     ]
-    kv_rows = [r + [""] * (3 - len(r)) for r in kv_rows]
-    parts += ["", table(kv_rows, ["server", "leaked KV pages", "free/total pages"])]
+    kv_rows = [r + [""] * (4 - len(r)) for r in kv_rows]
+    header = ["server", "leaked KV pages", "free/total pages", "L2 written MiB"]
+    parts += ["", table(kv_rows, header)]
     for note in result.notes + [n for f in result.faults for n in f.notes]:
         parts.append(f"note: {note}")
     shown = [r for r in result.records if r.outcome in ("lost", "hung")][:20]

@@ -105,6 +105,12 @@ class HiCacheStats:
     bytes_from_storage: int = 0
     storage_errors: int = 0
     corrupt_pages: int = 0
+    # host (L2) memory: its pages are allocated lazily by the OS, so the engine's resident memory
+    # grows by one page's bytes the first time each host page is written, up to host_bytes
+    host_bytes: int = 0
+    host_touched_bytes: int = (
+        0  # bytes of the host pages up to the highest one ever written
+    )
 
     def as_dict(self) -> dict:
         d = dict(self.__dict__)
@@ -154,7 +160,8 @@ class HiCache:
             set()
         )  # L2 entries that came from L3 (for per-tier hit counts)
         self.pinned: set[bytes] = set()  # being promoted: L2 must not drop them
-        self.stats = HiCacheStats()
+        self.stats = HiCacheStats(host_bytes=config.host_pages * self.host.page_bytes)
+        self._host_touched_pages = 0
         self.storage = storage
         # digests written to (or read from) L3, with when (monotonic); least recent first, bounded
         self.in_storage: OrderedDict[bytes, float] = OrderedDict()
@@ -271,7 +278,12 @@ class HiCache:
                 self._write([(victim, self.host.page_payload(hp))])
             self.l2_from_storage.discard(victim)
             self.host_allocator.free([hp])
-        return self.host_allocator.alloc(n)
+        pages = self.host_allocator.alloc(n)
+        if pages:
+            touched = max(self._host_touched_pages, max(pages) + 1)
+            self._host_touched_pages = touched
+            self.stats.host_touched_bytes = touched * self.host.page_bytes
+        return pages
 
     # ----------------------------------------------------------------- L2 -> L1 (admission)
 
@@ -562,6 +574,7 @@ class HiCache:
         if self.worker is not None:
             self.worker.jobs.put(None)
             self.worker.join(timeout=5)
+            assert self.storage is not None  # the worker runs only with a backend
             self.storage.close()
 
     def flush(self, timeout_s: float = 10.0) -> None:

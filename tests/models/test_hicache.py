@@ -418,5 +418,11 @@ def test_no_leaks_across_demote_promote_cycles(
     while eng.scheduler.has_work():
         eng.step()
     check_hierarchy_leaks(eng)
-    assert eng.hicache.stats.demoted_pages > 0 and eng.hicache.stats.promoted_pages > 0
+    stats = eng.hicache.stats
+    assert stats.demoted_pages > 0 and stats.promoted_pages > 0
+    # the host pages written so far (what L2 adds to resident memory) never pass its size, and
+    # cover at least the pages L2 holds now
+    page_bytes = eng.hicache.host.page_bytes
+    held = len(eng.hicache.l2) * page_bytes
+    assert 0 < held <= stats.host_touched_bytes <= stats.host_bytes
     eng.close()
