@@ -12,10 +12,9 @@ Per layer (`layer_kinds`):
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from strata.model_config import RopeConfig
+from strata.rope_config import RopeConfig
 
 LAYER_KINDS = {
     "sliding_attention": "sliding",

@@ -6,10 +6,9 @@ their KV in `strata.cache.kv_pool.LatentKVPool`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from strata.model_config import RopeConfig
+from strata.rope_config import RopeConfig
 
 # HF model types whose attention is MLA
 _MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
