@@ -58,7 +58,7 @@ from strata.cache.pages import (
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
 from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
 from strata.cache.storage import StorageBackend
-from strata.cache.storage_io import Prefetch, StorageWorker
+from strata.cache.storage_io import Prefetch, StorageWorker, storage_key
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +174,17 @@ class HiCache:
         )  # tokens/s, admission to cached
         # last page digest of a request's reusable prompt -> (admitted at, tokens it must compute)
         self.prefilling: OrderedDict[bytes, tuple[float, int]] = OrderedDict()
-        self.worker = StorageWorker(storage, self) if storage is not None else None
+        self.worker = (
+            StorageWorker(
+                storage,
+                self.page_size,
+                config.prefetch_threshold_tokens,
+                config.storage_failures_before_pause,
+                config.storage_pause_s,
+            )
+            if storage is not None
+            else None
+        )
         if self.worker is not None:
             self.worker.start()
         if isinstance(device, RadixCache):
@@ -239,7 +249,7 @@ class HiCache:
         return self.host.page_bytes
 
     def storage_key(self, digest: bytes) -> str:
-        return "strata-kv-" + digest.hex()
+        return storage_key(digest)
 
     # ----------------------------------------------------------------- L1 -> L2
 

@@ -12,14 +12,15 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from strata.cache.storage import StorageBackend
 
-if TYPE_CHECKING:
-    from strata.cache.hicache import HiCache
-
 logger = logging.getLogger(__name__)
+
+
+def storage_key(digest: bytes) -> str:
+    """A page's name in L3: its chained hash, which covers the KV layout's namespace."""
+    return "strata-kv-" + digest.hex()
 
 
 @dataclass
@@ -35,10 +36,23 @@ class Prefetch:
 class StorageWorker(threading.Thread):
     """Runs storage I/O off the scheduler thread. Jobs in, results out; never touches L1/L2."""
 
-    def __init__(self, backend: StorageBackend, hicache: HiCache):
+    def __init__(
+        self,
+        backend: StorageBackend,
+        page_size: int,
+        prefetch_threshold_tokens: int,
+        failures_before_pause: int,
+        pause_s: float,
+    ):
+        """A prefetch reads nothing when L3 holds fewer than `prefetch_threshold_tokens` of it (in
+        pages of `page_size` tokens); `failures_before_pause` failed jobs in a row leave the backend
+        alone for `pause_s`."""
         super().__init__(name="strata-hicache-storage", daemon=True)
         self.backend = backend
-        self.hicache = hicache
+        self.page_size = page_size
+        self.prefetch_threshold_tokens = prefetch_threshold_tokens
+        self.failures_before_pause = failures_before_pause
+        self.pause_s = pause_s
         self.jobs: queue.Queue = queue.Queue()
         self.results: queue.Queue = queue.Queue()
         self.failures = 0
@@ -63,9 +77,8 @@ class StorageWorker(threading.Thread):
             self.failures = 0
         except Exception as exc:  # noqa: BLE001 - a dead or slow backend degrades to recomputation
             self.failures += 1
-            cfg = self.hicache.config
-            if self.failures >= cfg.storage_failures_before_pause:
-                self.paused_until = time.monotonic() + cfg.storage_pause_s
+            if self.failures >= self.failures_before_pause:
+                self.paused_until = time.monotonic() + self.pause_s
             logger.warning("hicache storage %s failed: %s", self.backend.name, exc)
             self.results.put(("failed", job))
 
@@ -77,13 +90,12 @@ class StorageWorker(threading.Thread):
             return ("written", items)
         if kind == "prefetch":
             pf: Prefetch = job[1]
-            hc = self.hicache
             started = time.monotonic()
-            names = [hc.storage_key(k) for k in pf.keys]
+            names = [storage_key(k) for k in pf.keys]
             present = [bool(p) for p in self.backend.exists(names)][: len(names)]
             missing = [k for k, p in zip(pf.keys, present) if not p]
             hits = next((i for i, p in enumerate(present) if not p), len(present))
-            if hits * hc.page_size < hc.config.prefetch_threshold_tokens:
+            if hits * self.page_size < self.prefetch_threshold_tokens:
                 return ("prefetched", pf, [], missing, 0.0)
             blobs = list(self.backend.get(names[:hits]))
             return (

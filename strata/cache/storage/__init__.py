@@ -15,21 +15,9 @@ from the memory the replicas lend it.
 
 from __future__ import annotations
 
-from typing import Protocol
+from strata.cache.storage.base import StorageBackend, StorageError
 
-
-class StorageError(Exception):
-    pass
-
-
-class StorageBackend(Protocol):
-    name: str
-
-    def exists(self, keys: list[str]) -> list[bool]: ...
-    def get(self, keys: list[str]) -> list[bytes | None]: ...
-    def set(self, items: list[tuple[str, bytes]]) -> None: ...
-    def close(self) -> None: ...
-
+__all__ = ["STORAGE_BACKENDS", "StorageBackend", "StorageError", "make_storage_backend"]
 
 STORAGE_BACKENDS = ("file", "redis", "mooncake")
 

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 from urllib.parse import parse_qsl, urlsplit
 
-from strata.cache.storage import StorageError
+from strata.cache.storage.base import StorageError
 
 HOW_TO_INSTALL = (
     "the mooncake backend needs Mooncake: `pip install 'strata[mooncake]'` (the "

@@ -6,7 +6,7 @@ round trip as the read). Size is the server's to bound (`maxmemory` with an `all
 
 from __future__ import annotations
 
-from strata.cache.storage import StorageError
+from strata.cache.storage.base import StorageError
 
 
 class RedisStorage:
