@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.disagg.transport import TRANSFER_BACKENDS
 from strata.redact import CREDENTIALS, secret, with_env_secrets
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -24,7 +23,7 @@ HICACHE_PREFETCH_POLICIES = (
 )  # strata.cache.hicache
 HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
-DISAGGREGATION_TRANSFER_BACKENDS = tuple(TRANSFER_BACKENDS)  # strata.disagg.transport
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "mooncake")  # strata.disagg.transport
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool

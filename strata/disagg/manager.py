@@ -36,7 +36,7 @@ import torch
 from strata.cache.kv_pool import KVPool, tensor_bytes
 from strata.disagg import protocol
 from strata.disagg.auth import MAX_ROOM
-from strata.disagg.transport import KVTransport
+from strata.disagg.zmq_transport import KVTransport
 from strata.engine.request import Req, TokenLogprob
 from strata.sampling_params import SamplingParams
 

@@ -35,7 +35,7 @@ from typing import Annotated
 
 import msgspec
 
-from strata.disagg.transport import ZmqTransport
+from strata.disagg.zmq_transport import ZmqTransport
 
 logger = logging.getLogger(__name__)
 
