@@ -14,6 +14,8 @@ from strata.redact import SECRET, secret
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SERVICE_DISCOVERY = (None, "k8s")  # None: only --worker-urls and POST /workers
+# the routing policies, by the `name` of their class in strata.router.registry.POLICIES (same order)
+POLICY_NAMES = ("cache_aware", "round_robin", "random", "least_load", "power_of_two")
 
 
 def normalize_worker_url(url: str) -> str:
@@ -131,17 +133,15 @@ class RouterConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
-        from strata.router.registry import POLICIES
-
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
-        if self.policy not in POLICIES:
+        if self.policy not in POLICY_NAMES:
             raise ValueError(
-                f"policy must be one of {tuple(POLICIES)}, got {self.policy!r}"
+                f"policy must be one of {POLICY_NAMES}, got {self.policy!r}"
             )
-        if self.prefill_policy not in POLICIES:
+        if self.prefill_policy not in POLICY_NAMES:
             raise ValueError(
-                f"prefill_policy must be one of {tuple(POLICIES)}, got {self.prefill_policy!r}"
+                f"prefill_policy must be one of {POLICY_NAMES}, got {self.prefill_policy!r}"
             )
         object.__setattr__(
             self,

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from strata.router.config import RouterConfig
+from strata.router.config import POLICY_NAMES, RouterConfig
 from strata.router.policy import RoutingKey
 from strata.router.registry import POLICIES, make_policy
 from strata.router.worker import CircuitBreaker, Health, Worker
@@ -28,6 +28,7 @@ def policy(name: str, **kw):
 
 
 def test_registry_names_every_policy():
+    assert tuple(POLICIES) == POLICY_NAMES  # what RouterConfig accepts
     assert set(POLICIES) == {
         "round_robin",
         "random",
