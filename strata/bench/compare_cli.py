@@ -9,7 +9,7 @@ import dataclasses
 import sys
 from typing import Any
 
-from strata.bench.cli import (
+from strata.bench.args import (
     dataset_config_from_args,
     load_bench_tokenizer,
     serving_config_from_args,
