@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from strata.cache.allocator import GroupedPageAllocator, PageAllocator
@@ -29,6 +30,7 @@ from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig
+from strata.engine.embed import check_embed_request, embed
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
@@ -685,6 +687,49 @@ class Engine:
         """Drop the outputs the next `step()` would return (a caller that reported them already,
         e.g. after aborting every request in flight)."""
         self.scheduler.discard_pending_outputs()
+
+    def embed(
+        self,
+        inputs: Sequence[str | Sequence[int]],
+        pooling: str = "last",
+        *,
+        normalize: bool = True,
+        dimensions: int | None = None,
+    ) -> np.ndarray:
+        """Embeddings of whole inputs (strings or token-id lists): float32 [len(inputs), dimensions
+        or hidden_size], each the final hidden state (after the final norm) of the input's last
+        token (`pooling="last"`) or the mean over its tokens (`"mean"`), cut to its first
+        `dimensions` values, then L2-normalised unless `normalize` is False. Runs over a scratch KV
+        pool of its own (strata.engine.embed): the requests generating meanwhile, the KV pool and
+        the prefix cache are untouched. Raises ValueError for an input that cannot run."""
+        if self.parallel is not None:
+            raise ValueError(
+                "embeddings are not available with --tp-size/--ep-size > 1"
+            )
+        st = self.state
+        mc = st.model_config
+        ids = [self.encode(x) for x in inputs]
+        check_embed_request(
+            ids,
+            pooling,
+            dimensions,
+            vocab_size=mc.vocab_size,
+            hidden_size=mc.hidden_size,
+            context_len=st.context_len,
+        )
+        governor = self.scheduler.runner.step_threads
+        return embed(
+            self.model,
+            mc,
+            ids,
+            pooling,
+            normalize=normalize,
+            dimensions=dimensions,
+            page_size=self.config.page_size,
+            kv_dtype=st.kv_dtype,
+            device=st.device,
+            threads=governor.max_threads if governor is not None else None,
+        )
 
     def stats(self, full: bool = False, expert_load: bool = False) -> dict[str, Any]:
         """The engine's load, by the field names of the server's `EngineStats`. `full` also walks

@@ -5,11 +5,16 @@ A request of `prompt_len` tokens asking for up to `max_new` more must fit the mo
 it needs prompt_len + max_new - 1 slots (pool_tokens). The HTTP frontend (server/protocol.py)
 checks these before it sends a request and the scheduler checks them again (the offline API and
 PD decode workers reach it directly); both call `SizeLimits.check`, so they cannot disagree.
+An embedding input is only read, never extended: `SizeLimits.check_input` (the context alone; it
+never touches the KV pool).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit)
+EMBED_BATCH_TOKENS = 2048  # tokens of one embedding forward; a longer input runs alone
 
 
 class LimitError(ValueError):
@@ -74,3 +79,16 @@ class SizeLimits:
             f"{max(self.max_new(prompt_len), 0)} or shorten the prompt",
             param,
         )
+
+    def check_input(self, input_len: int, *, param: str = "input") -> None:
+        """Raise LimitError if an input that is only read (an embedding's) cannot run: it must fit
+        the context; it needs no KV slots of the pool."""
+        if input_len == 0:
+            raise LimitError("the input is empty; send at least one token", param)
+        if input_len > self.context_len:
+            raise LimitError(
+                f"the input is {input_len} tokens; this model accepts "
+                f"{self.context_len} tokens in all, so shorten the input to at most "
+                f"{self.context_len} tokens",
+                param,
+            )
