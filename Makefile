@@ -1,5 +1,5 @@
 # The README's two commands: `make run` (set up, then stream an answer from the default model)
-# and `make test` (set up, lint, then run the test suite).
+# and `make test` (set up, lint and type-check, then run the test suite).
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -31,6 +31,7 @@ AVX2_TESTS := tests/unit/test_cpu_kernels.py tests/unit/test_quant.py tests/unit
 lint: setup
 	$(VENV)/bin/ruff check strata tests scripts
 	$(VENV)/bin/ruff format --check strata tests scripts
+	$(VENV)/bin/mypy
 
 test: setup lint
 	$(PY) -m pytest -q

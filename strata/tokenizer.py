@@ -41,8 +41,11 @@ def apply_chat_template(
         raise ValueError(
             "this model's tokenizer has no chat template; use a plain prompt instead"
         )
-    ids = tokenizer.apply_chat_template(
-        messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+    ids: Any = tokenizer.apply_chat_template(
+        messages,
+        tools=tools or None,  # type: ignore[arg-type]  # JSON tool schemas
+        add_generation_prompt=True,
+        tokenize=True,
     )
     if hasattr(ids, "keys") and "input_ids" in ids:  # BatchEncoding
         ids = ids["input_ids"]
@@ -76,7 +79,9 @@ class IncrementalDetokenizer:
         self.matched_stop: str | None = None
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        text = self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
+        assert isinstance(text, str)  # one sequence in, one string out
+        return text
 
     def add(self, token_id: int) -> None:
         """Append one token; sets `matched_stop` (and truncates `text`) if a stop string completes."""

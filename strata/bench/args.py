@@ -34,6 +34,7 @@ def load_bench_tokenizer(model: str | None):
     from strata.weights.default_model import resolve_model_path
 
     model_dir = resolve_model_path(model)
+    assert model_dir is not None  # None only for no model, and there is one here
     tokenizer = load_tokenizer(model_dir)
     if tokenizer is None:
         raise ValueError(

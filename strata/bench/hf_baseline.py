@@ -35,7 +35,7 @@ class HFModel:
         self.torch = torch
         self.model = (
             AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
-            .to(device)
+            .to(device)  # type: ignore[arg-type]  # transformers' decorated .to() hides its signature
             .eval()
         )
         self.device = device

@@ -94,7 +94,7 @@ class LatencyStats:
         )
 
 
-def percentile(values: Sequence[float], q: float) -> float:
+def percentile(values: Sequence[float] | np.ndarray, q: float) -> float:
     """The q-th percentile with linear interpolation between closest ranks (numpy's default)."""
     if len(values) == 0:
         raise ValueError("percentile of no values")

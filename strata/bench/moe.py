@@ -78,7 +78,7 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
     modeling = getattr(getattr(transformers.models, module), f"modeling_{module}")
     dtype = getattr(torch, cfg.dtype)
     torch.manual_seed(cfg.seed)
-    blocks = {}
+    blocks: dict[str, torch.nn.Module] = {}
     for impl in ("transformers", "transformers-eager"):
         impl_cfg = copy.deepcopy(
             hf_cfg
@@ -95,6 +95,7 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
                     t.copy_(torch.randn_like(t) * 0.1)
         blocks[impl] = block.to(dtype).eval()
     moe_cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "num_hidden_layers": 1}).moe
+    assert moe_cfg is not None  # every FAMILIES entry is a mixture of experts
     for impl in ("strata", "strata-loop", "strata-native"):
         ours = MoE(cfg.hidden_size, moe_cfg)
         load_hf_moe_block(ours, blocks["transformers"], gpt_oss=cfg.family == "gpt_oss")

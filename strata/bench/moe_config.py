@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 # family -> (transformers config class, MoE block class's module and name, config fields)
-FAMILIES = {
+# family -> (transformers config class, module, MoE block class, extra config fields)
+FAMILIES: dict[str, tuple[str, str, str, dict[str, int | None]]] = {
     "mixtral": ("MixtralConfig", "mixtral", "MixtralSparseMoeBlock", {}),
     "qwen2_moe": (
         "Qwen2MoeConfig",

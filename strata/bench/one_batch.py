@@ -17,6 +17,7 @@ import random
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Any
 
 from strata.bench.step_timer import StepTimer, mean_pieces_ms
 
@@ -58,7 +59,7 @@ class OneBatchResult:
         prefill_s: float,
         decode_step_ms: float | None,
         num_decode_steps: int,
-        **extra: dict[str, object] | None,
+        **extra: Any,
     ) -> OneBatchResult:
         """A result from the measured times; the rates follow from them."""
         return cls(

@@ -9,7 +9,7 @@ it, `--plot` fails with the line to install it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from strata.bench.one_batch import OneBatchResult
@@ -34,7 +34,7 @@ def _label(r: ServingResult) -> str:
 
 
 def plot_serving(
-    runs: dict[str, Sequence[ServingResult]], out_dir: str | Path
+    runs: Mapping[str, Sequence[ServingResult]], out_dir: str | Path
 ) -> list[Path]:
     """`runs`: target label -> its serving results (a sweep over concurrency / rate). Returns files written."""
     plt = _pyplot()
@@ -45,8 +45,8 @@ def plot_serving(
     sweeps = {t: [r for r in rs if r.config.max_concurrency] for t, rs in runs.items()}
     if any(len(rs) > 1 for rs in sweeps.values()):
         fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
-        for target, rs in sweeps.items():
-            rs = sorted(rs, key=lambda r: r.config.max_concurrency)
+        for target, sweep in sweeps.items():
+            rs = sorted(sweep, key=lambda r: r.config.max_concurrency or 0)
             xs = [r.config.max_concurrency for r in rs]
             ax1.plot(
                 xs, [r.summary.output_throughput for r in rs], marker="o", label=target
@@ -78,8 +78,8 @@ def plot_serving(
     ):
         fig, ax = plt.subplots(figsize=(7, 4))
         drawn = False
-        for target, rs in runs.items():
-            for r in rs:
+        for target, results in runs.items():
+            for r in results:
                 vals = [1000.0 * v for v in values_of(r)]
                 if vals:
                     ax.hist(vals, bins=40, alpha=0.5, label=f"{target} {_label(r)}")

@@ -101,7 +101,9 @@ def server_pids(info: dict[str, Any] | None) -> dict[str, int]:
     {"frontend": pid, "engine": pid}, either missing when not told or not here."""
     if not info:
         return {}
-    engine = info.get("engine") if isinstance(info.get("engine"), dict) else {}
+    engine = info.get("engine")
+    if not isinstance(engine, dict):
+        engine = {}
     pids = {"frontend": info.get("frontend_pid"), "engine": engine.get("pid")}
     return {
         name: pid

@@ -112,6 +112,7 @@ class Proc:
 
     def signal(self, sig: int) -> None:
         if self.alive():
+            assert self.popen is not None
             os.kill(self.popen.pid, sig)
 
     def find_engine_pid(self) -> int | None:
@@ -123,6 +124,7 @@ class Proc:
                 info = httpx.get(self.url + "/get_server_info", timeout=10).json()
                 self.engine_pid = int(info["engine"]["pid"])
             if self.engine_pid is None:
+                assert self.popen is not None  # alive
                 children = child_pids(self.popen.pid)
                 self.engine_pid = children[0] if children else None
         return self.engine_pid

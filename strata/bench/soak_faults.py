@@ -169,6 +169,7 @@ class FaultInjector:
             seen["server"],
             seen["router"],
         )
+        assert proc.popen is not None  # it was running
         await asyncio.to_thread(proc.popen.wait, 10)
         if (
             engine is not None
@@ -227,6 +228,7 @@ class FaultInjector:
             return r
         watch = self._watch_unhealthy()
         redis.signal(signal.SIGKILL)
+        assert redis.popen is not None  # it was running
         await asyncio.to_thread(redis.popen.wait, 10)
         await asyncio.sleep(self.hold_s / 3)
         redis.start()

@@ -271,10 +271,10 @@ class Load:
                     )
                 if isinstance(event, dict) and "error" in event:
                     error = event["error"]
-                    message = error.get("message") if isinstance(error, dict) else error
+                    detail = error.get("message") if isinstance(error, dict) else error
                     return (
-                        ("failed", status, str(message))
-                        if message
+                        ("failed", status, str(detail))
+                        if detail
                         else ("lost", status, "an empty error event")
                     )
                 chunks += 1
@@ -366,7 +366,7 @@ class Load:
                 "messages": [{"role": "user", "content": words}],
             }
         if kind == "bad_type":
-            bad = rng.choice(
+            bad: dict[str, Any] = rng.choice(
                 [
                     {"max_tokens": "ten"},
                     {"temperature": "hot"},

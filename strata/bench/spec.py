@@ -349,7 +349,7 @@ def _run(
                 [r.token_ids for r in engine.generate(prompts, params)], 0.0
             )
         run.seconds = time.perf_counter() - start
-    if timer is not None:
+    if timer is not None and steps is not None:
         steps.extend(timer.steps)
     return run
 
@@ -422,6 +422,7 @@ def run(
         }
     )
     spec = engine.scheduler.spec
+    assert spec is not None  # the engine was built with a speculative algorithm
     arms = {"off": Arm(engine, None), "on": Arm(engine, spec)}
     # warm-up: kernels, the allocator, and the first forward of each shape (drafted steps have many)
     warm = engine.chat_ids(
@@ -449,7 +450,8 @@ def run(
             prompts = [pool[(cursor[kind] + i) % len(pool)] for i in range(size)]
             cursor[kind] += size
             before = dict(spec.stats.as_dict())
-            timings, steps = {}, {"off": [], "on": []}
+            timings: dict[str, RunTiming] = {}
+            steps: dict[str, list[StepTiming]] = {"off": [], "on": []}
             if batch1:
                 timings = _run_interleaved(
                     arms, prompts, cfg.output_len, steps, first=r % 2
@@ -486,11 +488,13 @@ def run(
                     f"(x{result.decode_ratios[-1]:.2f})"
                 )
             after = spec.stats.as_dict()
-            steps = after["verify_steps"] - before["verify_steps"]
+            verify_steps = after["verify_steps"] - before["verify_steps"]
             accepted = after["accepted_tokens"] - before["accepted_tokens"]
             drafted = after["drafted_tokens"] - before["drafted_tokens"]
-            result.accept_length.append((accepted + steps) / steps if steps else 0.0)
-            result.draft_length.append(drafted / steps if steps else 0.0)
+            result.accept_length.append(
+                (accepted + verify_steps) / verify_steps if verify_steps else 0.0
+            )
+            result.draft_length.append(drafted / verify_steps if verify_steps else 0.0)
             if llama is not None and batch1:
                 for lookup, sink in (
                     (False, result.llamacpp_off_tok_s),

@@ -427,6 +427,7 @@ class LlamaServerTarget(Target):
 
         if self._server is None:
             binary = llamacpp.llama_server_binary(self.spec.options.get("binary"))
+            assert binary is not None  # `available` checked it
             gguf = llamacpp.gguf_path(self.ctx.model)
             self._server = ServerProcess(
                 lambda port: llamacpp.llama_server_argv(

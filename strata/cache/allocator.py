@@ -136,7 +136,9 @@ class WindowGroup:
         self, window: int, num_pages: int, num_primary_pages: int, page_size: int
     ) -> None:
         self.window = window
-        self.allocator = PageAllocator(num_pages, page_size)
+        self.allocator: PageAllocator | _SharedPages = PageAllocator(
+            num_pages, page_size
+        )
         self.to_group = np.full(num_primary_pages, -1, dtype=np.int64)
 
     @property
@@ -260,7 +262,9 @@ class GroupedPageAllocator(PageAllocator):
             for gi, g in enumerate(self.groups):
                 rows = idx if present is None else idx[present[:, gi]]
                 if len(rows):
-                    g.to_group[rows] = g.allocator.alloc(len(rows))
+                    got = g.allocator.alloc(len(rows))
+                    assert got is not None  # can_alloc said every group has room
+                    g.to_group[rows] = got
         return pages
 
     def tail_parts(self, num_pages: int, end: int) -> np.ndarray:

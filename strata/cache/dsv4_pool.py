@@ -114,7 +114,7 @@ class DSV4KVPool(KVPool):
     def _buffers(self) -> list[tuple[torch.Tensor, int, int]]:
         """(buffer, group (0: primary), rows per page) of every buffer, in page-row order."""
         P = self.page_size
-        out = []
+        out: list[tuple[torch.Tensor | None, int, int]] = []
         for layer, kind in enumerate(self.v4.layer_kinds):
             if kind != "sliding":
                 out.append((self.entries[layer], 0, entry_rows(P, self.v4.rate(kind))))
@@ -124,7 +124,8 @@ class DSV4KVPool(KVPool):
             out.append((self.swa[layer], self.group_of["swa"], P))
             if kind != "sliding":
                 out.append((self.state[layer], self.group_of[kind], P))
-        return out
+        # a sliding layer has no entries, index keys or state, and none was listed
+        return [(buf, g, rows) for buf, g, rows in out if buf is not None]
 
     def _page_ids(self, pages: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
         """Per group (primary first): each page's page there (0 where absent) and whether it is held."""

@@ -146,11 +146,14 @@ class MHAKVPool(KVPool):
             full = sum(w is None for w in layer_windows)
             windowed = [i for i, w in enumerate(layer_windows) if w is not None]
             num_groups = -(-len(windowed) // full)
-            self.windows = [layer_windows[windowed[0]]] * num_groups
+            window = layer_windows[windowed[0]]
+            assert window is not None
+            self.windows = [window] * num_groups
             self.group_pages = [num_pages] * num_groups
             self.group_of = [0] * len(layer_windows)
             buffers = [buffer(num_pages + 1) for _ in range(full)]
-            lane = {}  # layer -> its buffer: full layers in order, then each group's layers in order
+            # layer -> its buffer: full layers in order, then each group's layers in order
+            lane: dict[int, int] = {}
             for i in (i for i, w in enumerate(layer_windows) if w is None):
                 lane[i] = len(lane)
             for j, i in enumerate(windowed):

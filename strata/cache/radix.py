@@ -33,11 +33,11 @@ from __future__ import annotations
 import heapq
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
-from strata.cache.allocator import PageAllocator
+from strata.cache.allocator import GroupedPageAllocator, PageAllocator
 
 EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 
@@ -168,6 +168,14 @@ class SingleTier:
 
     allocator: PageAllocator
 
+    if TYPE_CHECKING:  # the cache this is mixed into provides them
+
+        def match_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
+        def evict(self, num_pages: int) -> int: ...
+        def evict_window(
+            self, wanted: Sequence[int], tails: bool = True
+        ) -> list[int]: ...
+
     def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool:
         if self.allocator.shared:
             return self._make_shared_room(num_pages, present)
@@ -185,6 +193,7 @@ class SingleTier:
         least recently used cached leaves whole (every group's part with them), then inner nodes'
         window KV."""
         a = self.allocator
+        assert isinstance(a, GroupedPageAllocator)  # only it shares the pool
         need = a.pool_cost(num_pages, present)
         if need > a.num_free_pages:
             self.evict_window([need - a.num_free_pages] * len(a.groups), tails=False)
@@ -197,6 +206,7 @@ class SingleTier:
         """Shared pool: least recently used leaves whole until `need` pool pages are free
         (WindowRadixCache may give back a leaf's band instead)."""
         a = self.allocator
+        assert isinstance(a, GroupedPageAllocator)  # only it shares the pool
         while need > a.num_free_pages and self.evict(
             -(-(need - a.num_free_pages) // a.page_cost)
         ):
@@ -390,6 +400,7 @@ class RadixCache(SingleTier):
             yield node
             if (
                 node.parent is None
+                and parent is not None
                 and not parent.children
                 and parent.lock_ref == 0
                 and parent is not self.root

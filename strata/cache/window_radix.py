@@ -193,6 +193,7 @@ class WindowRadixCache(RadixCache):
                     ]
                     if pages:
                         band.append((group, pages))
+            assert node.parent is not None  # below the root
             node = node.parent
         return band
 

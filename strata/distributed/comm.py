@@ -144,7 +144,7 @@ class Comm:
         return data.numpy().tobytes()
 
     def mark(self, key: str) -> None:
-        self.store.set(f"{key}/{self.rank}", b"1")
+        self.store.set(f"{key}/{self.rank}", "1")  # only its presence is read
 
     def marked(self, key: str, ranks: list[int]) -> bool:
         """Rank 0: whether each of `ranks` has set `key` (does not wait)."""

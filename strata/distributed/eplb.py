@@ -112,6 +112,7 @@ def plan_placement(
         worst = max(rank_loads(load, placement, world_size))
         if best is None or worst < best[0]:
             best = (worst, placement)
+    assert best is not None  # at least one placement was tried
     return best[1]
 
 

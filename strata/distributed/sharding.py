@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -145,7 +146,7 @@ class ShardPlan:
             lo, hi = split_range(
                 moe.shared_intermediate_size, self.rank, self.world_size
             )
-            moe_changes = {"shared_intermediate_size": hi - lo}
+            moe_changes: dict[str, Any] = {"shared_intermediate_size": hi - lo}
             if self.ep_size == 1:
                 lo, hi = split_range(moe.intermediate_size, self.rank, self.world_size)
                 moe_changes["intermediate_size"] = hi - lo
@@ -194,10 +195,12 @@ class ShardPlan:
         if ".experts." in name:
             if self.ep_size > 1:
                 return tensor  # whole experts: EPExperts.load keeps the ones in this rank's slots
+            assert self.cfg.moe is not None  # experts belong to an MoE model
             return self._sliced(
                 tensor, leaf, kind, self.cfg.moe.intermediate_size, world, stacked=True
             )
         if ".shared_expert." in name or ".shared_experts." in name:
+            assert self.cfg.moe is not None
             return self._sliced(
                 tensor, leaf, kind, self.cfg.moe.shared_intermediate_size, world
             )

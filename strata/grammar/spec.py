@@ -8,15 +8,18 @@ requests with the same schema share one compiled grammar.
 from __future__ import annotations
 
 import json
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import msgspec
+
+if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "lark"]
 MAX_GRAMMAR_CHARS = 1_000_000  # larger schemas / grammars are refused before compiling
 # JSON is generated compact, as `json.dumps` writes it ({"a": 1, "b": [2, 3]}): no free whitespace, which
 # a weak model would otherwise fill until max_tokens. A schema's own "x-guidance" overrides this.
-JSON_FORMAT = {
+JSON_FORMAT: JsonCompileOptions = {
     "whitespace_flexible": False,
     "item_separator": ", ",
     "key_separator": ": ",

@@ -32,9 +32,11 @@ import platform
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -188,6 +190,16 @@ def load(target: str) -> ModuleType | None:
     return _modules[target]
 
 
+def loaded(target: str) -> ModuleType:
+    """`load(target)` where it is known to have loaded: for modules packed for that build."""
+    module = load(target)
+    if module is None:
+        raise RuntimeError(
+            f"the {target} CPU kernels are not available in this process"
+        )
+    return module
+
+
 def _checked(module: ModuleType | None, target: str) -> ModuleType | None:
     if module is None:
         return None
@@ -325,7 +337,7 @@ def kernel_info() -> dict[str, object]:
     }
 
 
-def describe_kernels(info: dict[str, object]) -> str:
+def describe_kernels(info: Mapping[str, Any]) -> str:
     """One line for logs: the build and its ISA, e.g. "native (avx2 fma f16c)", or "off"."""
     if not info or info.get("cpu_kernels") is None:
         return "off"

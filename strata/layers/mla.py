@@ -64,6 +64,9 @@ class KVUpProjection(NativePackable, nn.Module):
     absorbed products of a token never depend on the other rows of the step; `expand` (long
     prefills) keeps the plain weight."""
 
+    uk_packed: torch.Tensor  # buffers `pack` registers
+    uv_packed: torch.Tensor
+
     def __init__(
         self, num_heads: int, kv_lora_rank: int, qk_nope_head_dim: int, v_head_dim: int
     ):
@@ -128,6 +131,8 @@ class MLAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         mla = cfg.mla
+        if mla is None:
+            raise ValueError(f"{cfg.architecture} has no MLA configuration")
         self.mla, self.layer_id, self.num_heads = mla, layer_id, cfg.num_heads
         self.scale = cfg.layers[layer_id].scale
         self.prefill_form = (
@@ -135,7 +140,10 @@ class MLAttention(nn.Module):
         )
         H, L, R = cfg.num_heads, mla.kv_lora_rank, mla.qk_rope_head_dim
         q_size = H * mla.qk_head_dim
-        self.q_proj = self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.q_proj: nn.Linear | None = None
+        self.q_a_proj: nn.Linear | None = None
+        self.q_a_layernorm: RMSNorm | None = None
+        self.q_b_proj: nn.Linear | None = None
         if mla.q_lora_rank is None:
             self.q_proj = nn.Linear(cfg.hidden_size, q_size, bias=False)
         else:
@@ -163,11 +171,12 @@ class MLAttention(nn.Module):
     ) -> torch.Tensor:
         mla, T, H = self.mla, x.shape[0], self.num_heads
         L, R = mla.kv_lora_rank, mla.qk_rope_head_dim
-        q = (
-            self.q_proj(x)
-            if self.q_proj is not None
-            else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        )
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_layernorm is not None
+            assert self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q_nope, q_pe = q.view(T, H, mla.qk_head_dim).split(
             [mla.qk_nope_head_dim, R], dim=-1
         )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import functools
 import re
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -107,13 +108,20 @@ class Router(NativePackable, nn.Module):
         self.packed_target = target
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] -> logits [T, E]
-        if self.packed_target is not None and x.is_cpu:
+        if self.dense is not None and x.is_cpu:  # packed
             return self.dense(x)
         return F.linear(x, self.weight, self.bias)
 
 
 # a per-expert checkpoint tensor, relative to the experts module: "3.gate_proj.weight"
 _PER_EXPERT = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.(weight|bias)")
+
+
+class ExpertLoader(Protocol):
+    """What loading a checkpoint asks of an experts module (`Experts`, or EP's `EPExperts`)."""
+
+    def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]: ...
+    def num_pieces(self, name: str) -> int: ...
 
 
 class Experts(NativePackable, nn.Module):
@@ -150,6 +158,7 @@ class Experts(NativePackable, nn.Module):
         dropped, not kept twice; `unpacked(name)` rebuilds one."""
         for name in ("gate_up_proj", "down_proj"):
             weight = self._parameters[name]
+            assert weight is not None  # packed once
             packed = pack_groups(weight.detach())
             self._parameters[name] = None
             self.register_buffer(f"{name}_packed", packed, persistent=False)
@@ -187,7 +196,8 @@ class Experts(NativePackable, nn.Module):
         stacks on the native kernel (group_ends int64), else grouped_linear's (group_ends int32)."""
         bias = getattr(self, f"{name}_bias")
         if backend is None:
-            return kernels.load(self.packed_target).dense_grouped_linear(
+            assert self.packed_target is not None  # backend None: packed
+            return kernels.loaded(self.packed_target).dense_grouped_linear(
                 x.contiguous(),
                 getattr(self, f"{name}_packed"),
                 group_ends,
@@ -277,6 +287,8 @@ def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 
 class MoE(nn.Module):
     """A mixture-of-experts MLP in place of a decoder layer's dense one: [T, H] -> [T, H]."""
+
+    expert_load: torch.Tensor  # a buffer
 
     def __init__(self, hidden_size: int, cfg: MoEConfig, mlp_bias: bool = False):
         super().__init__()

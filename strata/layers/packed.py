@@ -63,6 +63,9 @@ class DenseLinear(nn.Module):
     """y = x @ W^T + b over a packed bf16/float32 weight, by the native kernel of the build `target`
     (the one loaded when the model was: a model keeps its kernels, as the quantized layers do)."""
 
+    wp: torch.Tensor  # buffers
+    bias: torch.Tensor | None
+
     def __init__(
         self,
         weight: torch.Tensor,
@@ -148,7 +151,7 @@ def grouped_dense(
     tokens, groups, k = x.shape
     rows = x.transpose(0, 1).reshape(groups * tokens, k)
     ends = torch.arange(1, groups + 1, dtype=torch.int64) * tokens
-    out = kernels.load(target).dense_grouped_linear(
+    out = kernels.loaded(target).dense_grouped_linear(
         rows.contiguous(), packed, ends, None, n
     )
     return out.view(groups, tokens, n).transpose(0, 1)
@@ -156,7 +159,11 @@ def grouped_dense(
 
 def float_weight(module: nn.Module) -> torch.Tensor:
     """The [N, K] weight of a float linear, packed (DenseLinear) or not (nn.Linear)."""
-    return module.unpacked() if isinstance(module, DenseLinear) else module.weight
+    if isinstance(module, DenseLinear):
+        return module.unpacked()
+    weight = module.weight
+    assert isinstance(weight, torch.Tensor)
+    return weight
 
 
 # Modules whose float matmuls run on BLAS (besides nn.Linear): oneDNN-packed linears; MoE routers and
@@ -252,6 +259,7 @@ def dense_target() -> str | None:
     ):
         return None
     target = kernels.selected_target()
+    assert target is not None  # the CPU kernels loaded
     try:
         gen = torch.Generator().manual_seed(0)
         for dtype in (torch.bfloat16, torch.float32):
@@ -299,7 +307,7 @@ def pack_linears(model: nn.Module) -> int:
     with the native kernels, MoE routers and expert stacks, MLA's absorbed up-projections and
     DeepSeek-V4's grouped projections are packed for them too. Returns how many modules were replaced
     or packed."""
-    targets = [
+    targets: list[tuple[nn.Module, str, nn.Linear | nn.Embedding]] = [
         (parent, name, child)
         for parent in model.modules()
         for name, child in parent.named_children()
@@ -337,8 +345,9 @@ def pack_linears(model: nn.Module) -> int:
         else:
             continue
         count += 1
-    for module in grouped if target is not None else []:
-        if all(_fits(w) for w in module.pack_sources()):
-            module.pack(target)
-            count += 1
+    if target is not None:
+        for module in grouped:
+            if all(_fits(w) for w in module.pack_sources()):
+                module.pack(target)
+                count += 1
     return count

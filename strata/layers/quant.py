@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +89,7 @@ class QuantLinear(nn.Module, ABC):
     """
 
     format: str
+    bias: torch.Tensor | None  # a buffer
 
     def __init__(self, in_features: int, out_features: int, bias: torch.Tensor | None):
         super().__init__()
@@ -185,6 +188,9 @@ class Q4Linear(QuantLinear):
     the row-major layout back."""
 
     format = "q4"
+    qp: torch.Tensor  # buffers
+    dp: torch.Tensor
+    mp: torch.Tensor
 
     def __init__(
         self,
@@ -277,6 +283,8 @@ class Q8Linear(QuantLinear):
     layout back."""
 
     format = "q8"
+    qp: torch.Tensor  # buffers
+    dp: torch.Tensor
 
     def __init__(
         self, qs: torch.Tensor, d: torch.Tensor, bias: torch.Tensor | None = None
@@ -407,12 +415,13 @@ def concat_rows(
         for p in parts
     ):
         if isinstance(first, Q4Linear):
-            return Q4Linear(
-                *(torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")),
-                bias,
+            qs, d, m = (
+                torch.cat([getattr(p, t) for p in parts]) for t in ("qs", "d", "m")
             )
+            return Q4Linear(qs, d, m, bias)
+        q8 = cast("list[Q8Linear]", parts)  # the other format, checked above
         return Q8Linear(
-            torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), bias
+            torch.cat([p.qs for p in q8]), torch.cat([p.d for p in q8]), bias
         )
     return ConcatLinear(parts, bias)
 
@@ -420,7 +429,9 @@ def concat_rows(
 class ConcatLinear(nn.Module):
     """Row ranges of one output held in different formats: y = cat([part(x) for part]) + bias."""
 
-    def __init__(self, parts: list[nn.Module], bias: torch.Tensor | None = None):
+    bias: torch.Tensor | None  # a buffer
+
+    def __init__(self, parts: Sequence[QuantLinear], bias: torch.Tensor | None = None):
         super().__init__()
         self.parts = nn.ModuleList(parts)
         self.in_features = parts[0].in_features
@@ -432,7 +443,7 @@ class ConcatLinear(nn.Module):
         return out if self.bias is None else out.add_(self.bias.to(out.dtype))
 
     def dequantize(self) -> torch.Tensor:
-        return torch.cat([p.dequantize() for p in self.parts])
+        return torch.cat([cast(QuantLinear, p).dequantize() for p in self.parts])
 
 
 class QuantEmbedding(nn.Module):
@@ -538,7 +549,9 @@ def quantize_model(
     )
     if tied and tied_lm_head:
         try:
-            model.lm_head = cls.from_weight(model.embed_tokens.weight)
+            model.lm_head = cls.from_weight(
+                cast(nn.Embedding, model.embed_tokens).weight
+            )
         except ValueError as e:
             kept.append(f"lm_head (tied embedding: {e})")
     if kept:

@@ -52,6 +52,7 @@ def _longrope_scale(rope: RopeConfig) -> float:
         return rope.attention_factor
     if rope.factor <= 1.0:
         return 1.0
+    assert rope.original_max_position_embeddings is not None  # longrope sets it
     return math.sqrt(
         1 + math.log(rope.factor) / math.log(rope.original_max_position_embeddings)
     )
@@ -138,6 +139,7 @@ class RotaryEmbedding:
             freqs = torch.outer(positions, inv_freq)  # [max_positions, rot_dim // 2]
             if rope.rope_type == "longrope":
                 old_len = rope.original_max_position_embeddings
+                assert old_len is not None  # longrope sets it
                 long_freqs = torch.outer(
                     positions, _longrope(rope, 2 * inv_freq.numel(), rope.long_factor)
                 )

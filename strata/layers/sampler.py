@@ -168,6 +168,7 @@ def apply_penalties(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     frequency / presence (OpenAI): logit - f * count - p * (count > 0), over output tokens.
     """
     if s.bias_ids is not None:
+        assert s.bias_rows is not None and s.bias_values is not None  # set together
         logits = logits.index_put(
             (s.bias_rows, s.bias_ids), s.bias_values.to(logits.dtype), accumulate=True
         )
@@ -234,6 +235,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
     )
     logits = apply_penalties(logits, s)
     if s.grammar_bitmask is not None:
+        assert s.grammar_rows is not None  # set together
         apply_token_bitmask_(logits, s.grammar_rows, s.grammar_bitmask)
     greedy_ids = argmax_rows(logits)
     drafts = s.draft_ids
@@ -250,6 +252,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
         kept = filter_probs(probs_sorted, s)
         accepted = None
         if drafts is not None:
+            assert s.accept_uniforms is not None  # drawn with the drafts
             kept, accepted = _judge_drafts(kept, order, drafts, s.accept_uniforms)
         cdf = kept.cumsum(-1)
         target = s.uniforms.view(-1, 1) * cdf[:, -1:]
@@ -258,6 +261,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> SamplerOutput:
         sampled = s.temperatures > 0
         out.token_ids = torch.where(sampled, sampled_ids, greedy_ids)
         if drafts is not None:
+            assert accepted is not None
             out.accepted = torch.where(sampled, accepted, greedy_ids == drafts)
             out.token_ids = torch.where(out.accepted, drafts, out.token_ids)
     if raw_logprobs is not None:

@@ -18,7 +18,7 @@ the next norm (see `ModelConfig` for the three norm layouts):
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import ClassVar
+from typing import ClassVar, Literal, cast
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from strata.layers.activation import check_activation
 from strata.layers.attention import AttentionMetadata, paged_attention
 from strata.layers.mla import MLAttention
 from strata.layers.mlp import MLP
-from strata.layers.moe import MoE
+from strata.layers.moe import ExpertLoader, MoE
 from strata.layers.norm import RMSNorm
 from strata.layers.rope import RotaryEmbedding
 from strata.model_config import LayerSpec, ModelConfig
@@ -59,7 +59,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         # "head": one RMSNorm over each head's head_dim; "full": over all heads of q (of k) at once
         self.qk_norm = cfg.qk_norm
-        self.q_norm = self.k_norm = None
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
         if cfg.qk_norm != "none":
             full = cfg.qk_norm == "full"
             self.q_norm = RMSNorm(
@@ -88,11 +89,13 @@ class Attention(nn.Module):
             [self.q_size, self.kv_size, self.kv_size], dim=-1
         )
         if self.qk_norm == "full":
+            assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if self.qk_norm == "head":
+            assert self.q_norm is not None and self.k_norm is not None
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rope(positions, q, k)
         spec = self.spec
@@ -122,7 +125,9 @@ class DecoderLayer(nn.Module):
         self.self_attn = (
             MLAttention(cfg, layer_id) if cfg.mla else Attention(cfg, layer_id)
         )
+        self.mlp: MoE | MLP
         if cfg.layers[layer_id].moe:
+            assert cfg.moe is not None  # a layer is MoE only in an MoE model
             self.mlp = MoE(cfg.hidden_size, cfg.moe, cfg.mlp_bias)
         else:
             act = check_activation(cfg.hidden_act, cfg.architecture)
@@ -206,7 +211,9 @@ class DecoderForCausalLM(nn.Module):
                     rope_device,
                 )
         self.layer_ropes = [tables[spec.rope] for spec in cfg.layers]
-        self._native: NativeDecode | bool | None = False  # False: not built yet
+        self._native: NativeDecode | Literal[False] | None = (
+            False  # False: not built yet
+        )
 
     def forward(
         self,
@@ -222,7 +229,11 @@ class DecoderForCausalLM(nn.Module):
         ):  # Gemma: the factor rounded to the weights' dtype, as trained
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         native = self.native_decode()
-        if native is not None and native.accepts(x, meta, kv):
+        if (
+            native is not None
+            and isinstance(kv, MHAKVPool)
+            and native.accepts(x, meta, kv)
+        ):
             x, residual = native(
                 x, positions, meta, kv
             )  # the same kernels as the loop below, from C++
@@ -318,7 +329,7 @@ class DecoderForCausalLM(nn.Module):
                 continue
             if ".experts." in name:
                 module, _, rest = name.partition(".experts.")
-                experts = self.get_submodule(f"{module}.experts")
+                experts = cast(ExpertLoader, self.get_submodule(f"{module}.experts"))
                 target, pieces = experts.load(rest, self.expert_tensor(rest, tensor))
                 full = f"{module}.experts.{target}"
                 expert_pieces[full] = expert_pieces.get(full, 0) + pieces

@@ -11,6 +11,7 @@ import json
 import math
 import sys
 from dataclasses import fields
+from typing import TypedDict
 
 from strata.config import EngineConfig
 
@@ -322,7 +323,12 @@ def deployment_from_args(args: argparse.Namespace, cost=None):
     )
 
 
-def contention_from(flag: float | None, cost) -> dict[str, float | None]:
+class _Contention(TypedDict):
+    contention: float
+    contention_prefill: float | None
+
+
+def contention_from(flag: float | None, cost) -> _Contention:
     """Deployment's contention figures: --contention for every step, else the calibration's
     measured ones, else 1 (full processor sharing)."""
     if flag is not None:
@@ -412,16 +418,16 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         from strata.engine.engine import Engine
 
         engine = Engine(**dataclasses.asdict(engine_config_from_args(args)))
-        plan = calibrate.EnginePlan()
+        engine_plan = calibrate.EnginePlan()
         if args.quick:
-            plan = calibrate.EnginePlan(
+            engine_plan = calibrate.EnginePlan(
                 prefill_lens=(64, 512),
                 cached_prefills=((512, 128),),
                 decode_batches=(1, 8, 31, 48),
                 decode_contexts=(64, 512),
                 decode_steps=6,
             )
-        model, samples = calibrate.calibrate_engine(engine, plan, progress=say)
+        model, samples = calibrate.calibrate_engine(engine, engine_plan, progress=say)
         engine.close()
     print(calibration_text(model))
     model.save(

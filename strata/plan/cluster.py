@@ -32,6 +32,7 @@ import random
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, cast
 
 from strata.plan.cost_model import CostModel
 from strata.plan.kv_tiers import LRUBlocks
@@ -42,6 +43,9 @@ from strata.router.config import RouterConfig
 from strata.router.policy import RoutingKey
 from strata.router.prefix_tree import token_key
 from strata.router.registry import POLICIES, make_policy
+
+if TYPE_CHECKING:
+    from strata.router.worker import Worker
 
 
 class EventLoop:
@@ -201,9 +205,10 @@ class _Router:
         self.policy = make_policy(cfg, rng)
 
     def choose(self, prompt: tuple[int, ...]) -> _Worker:
-        return self.policy.choose(
-            self.workers, RoutingKey(token_key(list(prompt)))
-        ).worker
+        # a _Worker stands in for the router's Worker: the policies read only its url and load
+        workers = cast("list[Worker]", self.workers)
+        choice = self.policy.choose(workers, RoutingKey(token_key(list(prompt))))
+        return cast(_Worker, choice.worker)
 
 
 class Simulation:
@@ -310,6 +315,7 @@ class Simulation:
     def _on_prefilled(self, preq: SimRequest, now: float) -> None:
         preq.worker.in_flight -= 1
         req = preq.decode_req
+        assert req is not None  # a PD prefill feeds a decode-side request
         req.cached_by_tier = preq.cached_by_tier
         state = self.pd[id(req)]
         state["prefilled_t"] = now

@@ -84,7 +84,7 @@ def calibrate_server(
     kv_tokens, kv_bytes = _find(info, "num_kv_tokens"), _find(info, "kv_bytes")
     bytes_per_token = int(kv_bytes // kv_tokens) if kv_tokens and kv_bytes else 0
     colocated = _colocated_workers(_workers(base, api_key))
-    contention = (None, None)
+    contention: tuple[float | None, float | None] = (None, None)
     if len(colocated) >= 2:
         contention = asyncio.run(
             _contention(

@@ -37,6 +37,7 @@ import math
 import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from strata.engine.chunking import prefill_piece
 from strata.plan.cost_model import CostModel, Segment
@@ -102,7 +103,7 @@ class SimRequest:
     chunk_times: list[float] = field(default_factory=list)
     finish_t: float | None = None
     retractions: int = 0
-    worker: object = None  # the cluster's handle on where it runs
+    worker: Any = None  # the cluster's handle on where it runs (plan.cluster's _Worker)
     decode_req: SimRequest | None = (
         None  # PD prefill side: the decode-side request it feeds
     )
@@ -305,6 +306,7 @@ class Replica:
         self.loop.at(r.ready_t, self._prefetch_done, r.hashes[start : start + s])
 
     def _prefetch_done(self, hashes: list[int]) -> None:
+        assert self.host is not None  # prefetches fill the host tier
         for h in hashes:
             self.host.put(h)
         self.kick()

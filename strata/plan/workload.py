@@ -118,7 +118,9 @@ def turns_of(conversations: list[Conversation]) -> list[list[SimTurn]]:
     (the separator between an answer and the next message is whitespace, so it has no tokens here)."""
     out = []
     for ci, conv in enumerate(conversations):
-        turns, prev_prompt, prev_answer = [], None, None
+        turns: list[SimTurn] = []
+        prev_prompt: tuple[int, ...] = ()
+        prev_answer: tuple[int, ...] = ()
         for k, t in enumerate(conv.turns):
             if k == 0:
                 prompt = tuple(conv.system.ids if conv.system else ()) + tuple(t.ids)

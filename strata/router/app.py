@@ -24,7 +24,7 @@ import hmac
 import logging
 import random
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import msgspec
@@ -41,6 +41,9 @@ from strata.router.registry import POLICIES, make_policy
 from strata.router.worker import Health
 from strata.server.openapi import openapi_document
 from strata.web import PAGE_PATHS, add_page_routes
+
+if TYPE_CHECKING:
+    from strata.router.k8s_discovery import K8sDiscovery
 
 logger = logging.getLogger("strata.router")
 
@@ -92,7 +95,7 @@ class Gateway:
             else None
         )
         self.prefill_pool: WorkerPool | None = None
-        self.discovery = None  # K8sDiscovery with --service-discovery k8s
+        self.discovery: K8sDiscovery | None = None  # with --service-discovery k8s
         self.started_at = time.time()
 
     async def start(self) -> None:
@@ -125,6 +128,7 @@ class Gateway:
         if cfg.service_discovery == "k8s":
             from strata.router.k8s_discovery import K8sDiscovery
 
+            assert cfg.selector is not None  # RouterConfig requires it with k8s
             self.discovery = K8sDiscovery.in_cluster(
                 cfg.selector,
                 add=self.pool.add,
@@ -401,9 +405,12 @@ def create_app(gateway: Gateway) -> FastAPI:
         if not targets:
             raise RouterError(503, pool.why_none_routable(), "no_healthy_workers")
 
+        client = gateway.client
+        assert client is not None  # set at startup
+
         async def flush(url: str) -> tuple[str, int, str]:
             try:
-                resp = await gateway.client.post(
+                resp = await client.post(
                     url + "/flush_cache", headers=pool.worker_headers, timeout=30
                 )
             except httpx.HTTPError as exc:

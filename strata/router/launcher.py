@@ -205,6 +205,7 @@ def launch_replicas(
     try:
         for r in replicas:
             r.start()
+            assert r.proc is not None
             logger.info("started replica %s (pid %d)", r.url, r.proc.pid)
         deadline = time.monotonic() + timeout
         for r in replicas:
@@ -217,7 +218,7 @@ def launch_replicas(
 
 def stop_replicas(replicas: list[LocalReplica]) -> None:
     for r in replicas:
-        if r.alive():
+        if r.alive() and r.proc is not None:
             r.proc.send_signal(signal.SIGTERM)
     for r in replicas:
         r.stop()

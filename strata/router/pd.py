@@ -116,6 +116,8 @@ class PDProxyResponse(ProxyResponse):
             assert isinstance(exc, PrefillFailed)
             if exc.client_error:
                 f = exc.failure
+                # a client error is a status the worker answered
+                assert f.status is not None
                 await self._send(send, f.status, f.headers, f.body, more=False)
                 return None
             return exc.failure
@@ -164,14 +166,14 @@ class PDProxyResponse(ProxyResponse):
             fwd.metrics.errors.labels(worker.url, "prefill").inc()
             if resp.status_code >= 500:
                 worker.on_failure(f"answered {resp.status_code}")
-            headers = [(b"content-type", b"application/json")]
+            failure_headers = [(b"content-type", b"application/json")]
             failure = Failure(
                 worker,
                 "prefill",
                 f"prefill worker {worker.url} answered {resp.status_code}",
                 status=resp.status_code,
                 body=resp.content,
-                headers=headers,
+                headers=failure_headers,
             )
             raise PrefillFailed(failure, client_error=resp.status_code < 500)
         worker.on_success()

@@ -24,7 +24,7 @@ import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import httpx
 import msgspec
@@ -99,7 +99,7 @@ def _message_text(message: Any) -> str:
     return f"{role if isinstance(role, str) else ''}\n{content if isinstance(content, str) else ''}\x1e"
 
 
-def _is_ids(x: Any) -> bool:
+def _is_ids(x: Any) -> TypeGuard[list[int]]:
     return (
         isinstance(x, list)
         and bool(x)
@@ -217,7 +217,7 @@ class ProxyResponse(Response):
         self.route = route
         self.method = method
         self.path = path  # with the query string
-        self.body = body
+        self.body: bytes = body
         self.forward_headers = fwd.upstream_headers(headers)
         self.key = key
         self.arrived = arrived
@@ -302,7 +302,8 @@ class ProxyResponse(Response):
         try:
             resp = await fwd.client.send(request, stream=True)
         except httpx.ReadTimeout:
-            return await self._timed_out(worker, send)
+            await self._timed_out(worker, send)
+            return None
         except httpx.TransportError as exc:
             kind = (
                 "connect"
@@ -322,7 +323,8 @@ class ProxyResponse(Response):
                     chunks = resp.aiter_raw()
                     first = await anext(chunks, b"")
             except httpx.ReadTimeout:
-                return await self._timed_out(worker, send)
+                await self._timed_out(worker, send)
+                return None
             except httpx.TransportError as exc:
                 return self._fail(worker, "disconnect", describe_error(exc))
             if resp.status_code >= 500:

@@ -25,7 +25,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from strata.engine.outputs import RequestOutput
-from strata.grammar.spec import GrammarSpec, json_schema_spec
+from strata.grammar.spec import GrammarKind, GrammarSpec, json_schema_spec
 from strata.sampling_params import SamplingParams
 from strata.server.engine_client import Generation, Job
 from strata.server.protocol import (
@@ -57,7 +57,11 @@ from strata.server.structured import check_spec
 router = APIRouter()
 
 # SGLang's structured-output keys of sampling_params -> GrammarSpec kinds (at most one per request)
-GRAMMAR_KEYS = {"json_schema": "json_schema", "regex": "regex", "ebnf": "lark"}
+GRAMMAR_KEYS: dict[str, GrammarKind] = {
+    "json_schema": "json_schema",
+    "regex": "regex",
+    "ebnf": "lark",
+}
 SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__) | frozenset(GRAMMAR_KEYS)
 
 

@@ -165,7 +165,7 @@ class CallReader:
 
     def take_pieces(self) -> list[CallPiece]:
         """The pieces that became certain since the last call."""
-        pieces = []
+        pieces: list[CallPiece] = []
         if self.state == "bad":
             return pieces
         if self.id is None and self.name is not None:
@@ -412,13 +412,16 @@ class HermesSplitter(ToolCallSplitter):
     def _read(self, text: str, out: ToolEvents) -> None:
         """More of the call's text, certain to come before its end tag."""
         self.body += text
-        if self.call.feed(text).strip():  # something after the object, inside the tags
-            self.call.fail()
-        out.pieces.extend(self.call.take_pieces())
+        call = self.call
+        assert call is not None  # inside a call's tags
+        if call.feed(text).strip():  # something after the object, inside the tags
+            call.fail()
+        out.pieces.extend(call.take_pieces())
 
     def _close(self, out: ToolEvents) -> None:
         """The end tag came: the call is complete, or its block stays text."""
         call, self.call = self.call, None
+        assert call is not None  # inside a call's tags
         self.num_started += call.started
         if call.complete():
             out.calls.append(call.result())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import torch
 from safetensors import safe_open
@@ -19,7 +20,6 @@ from strata.layers.quant import (
     quantize_model,
 )
 from strata.model_config import ModelConfig
-from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
 
 
@@ -42,6 +42,7 @@ def iter_safetensors(
 
 
 def load_model(
+    model_cls: type,
     model_dir: Path,
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -50,7 +51,8 @@ def load_model(
     quantization: str = "auto",
     shard=None,
 ) -> torch.nn.Module:
-    """Build the model without initialising weights (meta device) and fill it from the checkpoint.
+    """Build `model_cls` (the class `strata.models.get_model_class` gives for the config's
+    architecture) without initialising weights (meta device) and fill it from the checkpoint.
 
     quantization: `auto` runs a converted GGUF on its own blocks (strata.layers.quant) and any other
     checkpoint in float; `gguf` insists on the blocks; `none` loads float weights (a GGUF dequantized);
@@ -76,12 +78,11 @@ def load_model(
         raise ValueError(
             "--quantization gguf cannot be split over ranks; use --quantization auto or none"
         )
-    cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = cls(
+            model = model_cls(
                 shard.local_config() if shard else cfg,
                 max_positions=max_positions,
                 rope_device=device,
@@ -125,7 +126,14 @@ def load_model(
     return model.eval()
 
 
-def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLinear]:
+class _CheckpointModel(Protocol):
+    def named_modules(self) -> Iterator[tuple[str, torch.nn.Module]]: ...
+    def checkpoint_parts(self, module: str) -> list[str]: ...
+
+
+def block_layers(
+    model: _CheckpointModel, blocks_path: Path
+) -> dict[str, torch.nn.Module]:
     """Our linear layers (and embedding table) whose checkpoint tensors all come in blocks, built
     from them: {module name: QuantLinear without bias}."""
     with safe_open(str(blocks_path), framework="pt") as f:
@@ -141,7 +149,7 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
                 )
             return Q8Linear(f.get_tensor(f"{name}.qs"), f.get_tensor(f"{name}.d"))
 
-        out = {}
+        out: dict[str, torch.nn.Module] = {}
         for module, sub in model.named_modules():
             if isinstance(sub, (torch.nn.Linear, torch.nn.Embedding)):
                 parts = model.checkpoint_parts(module)
@@ -151,7 +159,7 @@ def block_layers(model: torch.nn.Module, blocks_path: Path) -> dict[str, QuantLi
 
 
 def install_block_layers(
-    model: torch.nn.Module, blocks: dict[str, QuantLinear], dtype: torch.dtype
+    model: torch.nn.Module, blocks: dict[str, torch.nn.Module], dtype: torch.dtype
 ) -> None:
     """Swap the block layers in (a linear keeps its loaded bias); an embedding in blocks becomes a
     `QuantEmbedding` whose blocks also serve as the tied output projection."""
@@ -159,11 +167,12 @@ def install_block_layers(
         old = model.get_submodule(module)
         parent, _, leaf = module.rpartition(".")
         if isinstance(old, torch.nn.Embedding):
+            assert isinstance(layer, QuantLinear)
             layer, tied = QuantEmbedding(layer, dtype), layer
             if getattr(model, "lm_head", "absent") is None:
                 model.lm_head = tied
-        elif old.bias is not None:
-            layer.register_buffer("bias", old.bias.detach().clone())
+        elif isinstance(bias := old.bias, torch.Tensor):
+            layer.register_buffer("bias", bias.detach().clone())
         setattr(model.get_submodule(parent) if parent else model, leaf, layer)
 
 

@@ -22,6 +22,7 @@ import os
 import socket
 import threading
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from strata.cache.storage.base import StorageError
@@ -31,7 +32,7 @@ HOW_TO_INSTALL = (
     "mooncake-transfer-engine-non-cuda wheel, Linux x86_64; it loads libibverbs.so.1, apt: libibverbs1) "
     "and a running `mooncake_master`; or use --hicache-storage-backend file or redis"
 )
-DEFAULTS = {
+DEFAULTS: dict[str, Any] = {
     "metadata_server": "P2PHANDSHAKE",  # peers exchange segment metadata directly, no etcd/HTTP service
     "local_hostname": "127.0.0.1",  # where the other clients reach this one's segment
     "protocol": "tcp",
@@ -57,7 +58,7 @@ def mooncake_config(target: str | None) -> dict:
             raise ValueError(
                 f"a mooncake URL names the master as mooncake://HOST:PORT, got {target!r}"
             )
-        cfg = dict(parse_qsl(url.query)) | {
+        cfg: dict[str, Any] = dict(parse_qsl(url.query)) | {
             "master_server_address": f"{url.hostname}:{url.port}"
         }
     else:

@@ -38,7 +38,7 @@ class RedisStorage:
             if not keys:
                 return []
             if self.ttl_ms is None:
-                return list(self.client.mget(keys))
+                return list(self.client.mget(keys))  # type: ignore[arg-type]  # bytes: no decode_responses
             pipe = self.client.pipeline(transaction=False)
             for key in keys:
                 pipe.get(key)
