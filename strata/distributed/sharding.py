@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from strata.model_config import ModelConfig
+from strata.models import family_spec
 
 _LAYER = re.compile(r"layers\.(\d+)\.")
 
@@ -81,14 +82,10 @@ def check_supported(cfg: ModelConfig, tp_size: int, ep_size: int) -> None:
         raise ValueError(
             f"--tp-size {tp_size} and --ep-size {ep_size}: each must be 1 or the other's value"
         )
-    if cfg.mla is not None or getattr(cfg, "dsv4", None) is not None:
+    spec = family_spec(cfg.architecture)
+    if not spec.tensor_parallel:
         raise ValueError(
-            f"tensor/expert parallel does not cover {cfg.architecture}'s attention (DeepSeek's latent or V4 "
-            "attention) yet; run it with one rank"
-        )
-    if cfg.dsv4 is not None:
-        raise ValueError(
-            "tensor/expert parallel does not cover DeepSeek-V4 yet; run with one rank"
+            f"tensor/expert parallel does not cover {cfg.architecture} ({spec.name}) yet; run it with one rank"
         )
     if cfg.qk_norm == "full":
         raise ValueError(

@@ -27,6 +27,7 @@ from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req
 from strata.model_config import ModelConfig
+from strata.models import family_spec
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,9 +63,10 @@ class DraftModelDrafter:
 
         model_dir = resolve_model_path(str(model_dir))
         mc = ModelConfig.from_dir(model_dir)
-        if mc.mla is not None:
+        if not family_spec(mc.architecture).draft_model:
             raise ValueError(
-                "--speculative-draft-model: latent-attention (MLA) draft models are not supported"
+                f"--speculative-draft-model: {mc.architecture} draft models are not supported "
+                "(their KV is not the paged layout a draft model keeps)"
             )
         check_same_tokenizer(load_tokenizer(model_dir), target_tokenizer, model_dir)
         self.vocab_size = min(mc.vocab_size, target_vocab)

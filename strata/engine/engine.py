@@ -23,10 +23,10 @@ import numpy as np
 import torch
 
 from strata.cache.allocator import GroupedPageAllocator, PageAllocator
-from strata.cache.dsv4_pool import DSV4KVPool, plan_dsv4_pool
 from strata.cache.hicache import HiCache, HiCacheConfig
-from strata.cache.kv_plan import KV_CONTEXTS_CAP, plan_kv_pool, total_memory_bytes
-from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
+from strata.cache.kv_layouts import KV_LAYOUTS, PoolRequest
+from strata.cache.kv_plan import plan_kv_pool
+from strata.cache.kv_pool import KVPool
 from strata.cache.radix import NoPrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig
@@ -40,6 +40,7 @@ from strata.layers.expert_load import expert_load_summary
 from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
 from strata.model_config import ModelConfig
+from strata.models import family_spec
 from strata.models.native_decode import decode_loop_name
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer
@@ -237,75 +238,22 @@ class Engine:
             self.parallel.local_config() if self.parallel else model_config
         )  # this rank's KV heads
         # a GPU rank sizes its shard of the pool from its own device; CPU ranks share the host's memory
+        # the family's KV layout builds the pool (strata.cache.kv_layouts)
+        layout = KV_LAYOUTS[family_spec(model_config.architecture).kv_layout]
         plan = plan_kv_pool(
             cfg,
             pool_config if device.type == "cuda" else model_config,
             kv_dtype,
             device,
             context_len,
-            shareable=self.parallel is None
-            and model_config.dsv4 is None
-            and model_config.mla is None,
+            shareable=self.parallel is None and layout.shareable,
+        )
+        plan, kv_pool = layout.build(
+            PoolRequest(
+                cfg, model_config, pool_config, plan, kv_dtype, device, context_len
+            )
         )
         num_pages = plan.num_pages
-        mla = model_config.mla
-        if (
-            model_config.dsv4 is not None
-        ):  # DeepSeek-V4: sliding K, compressor windows, compressed entries
-            if cfg.swa_replay or cfg.sliding_kv != "window":
-                raise ValueError(
-                    "--swa-replay and --sliding-kv full do not apply to DeepSeek-V4: its windows "
-                    "are window groups, and prefix hits resume exactly from them (strata.cache.dsv4_pool)"
-                )
-            chunk = (
-                cfg.chunked_prefill_size
-                if cfg.chunked_prefill_size > 0
-                else context_len
-            )
-            plan = plan_dsv4_pool(
-                model_config.dsv4,
-                model_config.head_dim,
-                kv_dtype,
-                cfg.page_size,
-                cfg.kv_cache_tokens,
-                cfg.mem_fraction_static,
-                total_memory_bytes(device),
-                context_len,
-                chunk,
-                cfg.swa_full_tokens_ratio,
-                KV_CONTEXTS_CAP,
-            )
-            num_pages = plan.num_pages
-            kv_pool = DSV4KVPool(
-                model_config.dsv4,
-                model_config.head_dim,
-                num_pages,
-                cfg.page_size,
-                plan.group_pages,
-                kv_dtype,
-                device,
-            )
-        elif mla is not None:  # DeepSeek-V2/V3: one latent row per token and layer
-            kv_pool = LatentKVPool(
-                model_config.num_layers,
-                mla.latent_dim,
-                num_pages,
-                cfg.page_size,
-                kv_dtype,
-                device,
-            )
-        else:
-            kv_pool = MHAKVPool(
-                plan.layer_windows,
-                pool_config.num_kv_heads,
-                model_config.head_dim,
-                num_pages,
-                cfg.page_size,
-                kv_dtype,
-                device,
-                group_pages=plan.group_pages,
-                shared=plan.shared,
-            )
         if kv_pool.grouped:
             if (
                 kv_pool.shared

@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.kv_pool import LatentKVPool, MHAKVPool
+from strata.cache.kv_layouts import KV_LAYOUTS
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import argmax_rows
+from strata.models import family_spec
 from strata.models.mtp import load_mtp_layer
 
 logger = logging.getLogger(__name__)
@@ -82,14 +83,9 @@ class MTPDrafter:
                 cfg.mtp_layers,
             )
         num_pages = max(1, num_tokens // page_size)
-        if cfg.mla is not None:
-            self.kv = LatentKVPool(
-                1, cfg.mla.latent_dim, num_pages, page_size, dtype, device
-            )
-        else:
-            self.kv = MHAKVPool(
-                1, cfg.num_kv_heads, cfg.head_dim, num_pages, page_size, dtype, device
-            )
+        # one layer of the target's KV layout
+        layout = KV_LAYOUTS[family_spec(cfg.architecture).kv_layout]
+        self.kv = layout.one_layer(cfg, num_pages, page_size, dtype, device)
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
         self.device = device

@@ -1,4 +1,5 @@
-"""Model families: a registry from HF architecture names to our model classes (imported lazily).
+"""Model families: a registry of their `FamilySpec`s (`strata.models.spec`), one per family file,
+imported on first use; from it, the model class of an HF architecture name.
 
 Every family is the decoder of `decoder.py` (plain PyTorch over `strata.layers`), configured by
 `ModelConfig` and its per-layer `LayerSpec`s (a layer's MLP is dense or a mixture of experts,
@@ -11,36 +12,53 @@ only on the rows that are sampled.
 from __future__ import annotations
 
 import importlib
+from functools import cache
 
-# HF architecture name -> "module:Class"
-_REGISTRY: dict[str, str] = {
-    "LlamaForCausalLM": "strata.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "strata.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "strata.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "strata.models.llama:LlamaForCausalLM",
-    "Gemma2ForCausalLM": "strata.models.gemma:Gemma2ForCausalLM",
-    "Gemma3ForCausalLM": "strata.models.gemma:Gemma3ForCausalLM",
-    "Phi3ForCausalLM": "strata.models.phi3:Phi3ForCausalLM",
-    "Olmo2ForCausalLM": "strata.models.olmo2:Olmo2ForCausalLM",
-    "MixtralForCausalLM": "strata.models.mixtral:MixtralForCausalLM",
-    "Qwen2MoeForCausalLM": "strata.models.qwen_moe:Qwen2MoeForCausalLM",
-    "Qwen3MoeForCausalLM": "strata.models.qwen_moe:Qwen3MoeForCausalLM",
-    "GptOssForCausalLM": "strata.models.gpt_oss:GptOssForCausalLM",
-    "DeepseekV2ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM": "strata.models.deepseek_v2:DeepseekV2ForCausalLM",
-    "DeepseekV4ForCausalLM": "strata.models.deepseek_v4:DeepseekV4ForCausalLM",
-}
+from strata.models.spec import FamilySpec
+
+# One line per family: the module that declares its `SPEC` beside its model classes.
+FAMILIES: tuple[str, ...] = (
+    "strata.models.llama",
+    "strata.models.gemma",
+    "strata.models.phi3",
+    "strata.models.olmo2",
+    "strata.models.mixtral",
+    "strata.models.qwen_moe",
+    "strata.models.gpt_oss",
+    "strata.models.deepseek_v2",
+    "strata.models.deepseek_v4",
+)
+
+
+@cache
+def family_specs() -> tuple[FamilySpec, ...]:
+    """Every family's spec, imported on first use; no two claim an architecture or a model_type."""
+    specs = tuple(importlib.import_module(module).SPEC for module in FAMILIES)
+    for names in ("architectures", "model_types"):
+        seen: dict[str, str] = {}
+        for spec in specs:
+            for name in getattr(spec, names):
+                if name in seen:
+                    raise RuntimeError(
+                        f"{name} is claimed by {seen[name]} and {spec.name}"
+                    )
+                seen[name] = spec.name
+    return specs
 
 
 def supported_architectures() -> list[str]:
-    return sorted(_REGISTRY)
+    return sorted(arch for spec in family_specs() for arch in spec.architectures)
+
+
+def family_spec(architecture: str) -> FamilySpec:
+    """The spec of the family that runs HF `architecture` (config.json's `architectures[0]`)."""
+    for spec in family_specs():
+        if architecture in spec.architectures:
+            return spec
+    raise ValueError(
+        f"model architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
+    )
 
 
 def get_model_class(architecture: str) -> type:
-    target = _REGISTRY.get(architecture)
-    if target is None:
-        raise ValueError(
-            f"model architecture {architecture!r} is not supported; supported: {', '.join(supported_architectures())}"
-        )
-    module_name, class_name = target.split(":")
-    return getattr(importlib.import_module(module_name), class_name)
+    return family_spec(architecture).architectures[architecture]

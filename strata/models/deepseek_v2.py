@@ -23,6 +23,7 @@ from typing import ClassVar
 import torch
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec, KVLayout
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor)
@@ -53,3 +54,17 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
             layer = _LAYER.match(name)
             if layer is None or int(layer[1]) < self.config.num_layers:
                 yield name, tensor
+
+
+SPEC = FamilySpec(
+    name="deepseek_v2",
+    architectures={
+        "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
+        "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
+    },
+    model_types=("deepseek_v2", "deepseek_v3"),
+    kv_layout=KVLayout.LATENT,
+    tensor_parallel=False,
+    native_decode=False,
+    draft_model=False,
+)

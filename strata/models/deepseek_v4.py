@@ -32,6 +32,7 @@ from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
 from strata.layers.hyper_connection import HyperConnection, HyperHead
 from strata.layers.moe import grouped_linear, grouped_mm_works
 from strata.model_config import ModelConfig
+from strata.models.spec import FamilySpec, KVLayout
 
 
 def clamped_silu_mul(
@@ -347,3 +348,14 @@ def our_name(ckpt_name: str) -> str | None:
     for pattern, replacement in _RENAMES:
         name = pattern.sub(replacement, name)
     return name
+
+
+SPEC = FamilySpec(
+    name="deepseek_v4",
+    architectures={"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM},
+    model_types=("deepseek_v4",),
+    kv_layout=KVLayout.DSV4,
+    tensor_parallel=False,
+    native_decode=False,
+    draft_model=False,
+)

@@ -15,6 +15,7 @@ The LM head is tied to the embeddings. Checkpoint names are Llama's.
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class Gemma2ForCausalLM(DecoderForCausalLM):
@@ -23,3 +24,13 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     pass
+
+
+SPEC = FamilySpec(
+    name="gemma",
+    architectures={
+        "Gemma2ForCausalLM": Gemma2ForCausalLM,
+        "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    },
+    model_types=("gemma2", "gemma3_text"),
+)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -45,3 +46,10 @@ class GptOssForCausalLM(DecoderForCausalLM):
 
     def expert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         return expert_tensor(name, tensor)
+
+
+SPEC = FamilySpec(
+    name="gpt_oss",
+    architectures={"GptOssForCausalLM": GptOssForCausalLM},
+    model_types=("gpt_oss",),
+)

@@ -7,7 +7,20 @@ Weights load from HF names; q/k/v and gate/up are fused into one matmul each at 
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
     pass
+
+
+SPEC = FamilySpec(
+    name="llama",
+    architectures={
+        "LlamaForCausalLM": LlamaForCausalLM,
+        "MistralForCausalLM": LlamaForCausalLM,
+        "Qwen2ForCausalLM": LlamaForCausalLM,
+        "Qwen3ForCausalLM": LlamaForCausalLM,
+    },
+    model_types=("llama", "mistral", "qwen2", "qwen3"),
+)

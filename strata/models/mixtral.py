@@ -8,6 +8,7 @@ w2 (down); they load into the stacked experts of `strata.layers.moe` under our n
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
@@ -17,3 +18,10 @@ class MixtralForCausalLM(DecoderForCausalLM):
         (".w3.", ".up_proj."),
         (".w2.", ".down_proj."),
     )
+
+
+SPEC = FamilySpec(
+    name="mixtral",
+    architectures={"MixtralForCausalLM": MixtralForCausalLM},
+    model_types=("mixtral",),
+)

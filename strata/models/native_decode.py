@@ -27,6 +27,7 @@ from strata.layers.attention import AttentionMetadata
 from strata.layers.mlp import MLP
 from strata.layers.packed import DenseLinear
 from strata.layers.quant import Q4Linear, Q8Linear, QuantLinear
+from strata.models import family_spec
 
 ENV_VAR = "STRATA_DECODE_LOOP"
 
@@ -79,7 +80,7 @@ def _plan(
         or cfg.norm_layout != "pre"
         or cfg.qk_norm != "none"
         or cfg.norm_unit_offset
-        or cfg.mla
+        or not family_spec(cfg.architecture).native_decode
     ):
         return None
     if _has_hooks(model.layers):

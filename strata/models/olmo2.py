@@ -6,7 +6,15 @@ the split into heads and RoPE. Checkpoint names are Llama's.
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class Olmo2ForCausalLM(DecoderForCausalLM):
     pass
+
+
+SPEC = FamilySpec(
+    name="olmo2",
+    architectures={"Olmo2ForCausalLM": Olmo2ForCausalLM},
+    model_types=("olmo2",),
+)

@@ -10,8 +10,16 @@ from __future__ import annotations
 from typing import ClassVar
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class Phi3ForCausalLM(DecoderForCausalLM):
     # the checkpoint's qkv_proj / gate_up_proj are ours
     FUSED: ClassVar[dict[str, tuple[str, int]]] = {}
+
+
+SPEC = FamilySpec(
+    name="phi3",
+    architectures={"Phi3ForCausalLM": Phi3ForCausalLM},
+    model_types=("phi3",),
+)

@@ -9,6 +9,7 @@ names are ours: `mlp.gate` (router), `mlp.experts.{e}.{gate,up,down}_proj`, `mlp
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.spec import FamilySpec
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
@@ -17,3 +18,13 @@ class Qwen2MoeForCausalLM(DecoderForCausalLM):
 
 class Qwen3MoeForCausalLM(DecoderForCausalLM):
     pass
+
+
+SPEC = FamilySpec(
+    name="qwen_moe",
+    architectures={
+        "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
+        "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    },
+    model_types=("qwen2_moe", "qwen3_moe"),
+)

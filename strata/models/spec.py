@@ -1,0 +1,46 @@
+"""`FamilySpec`: what the engine needs to know about a model family, declared once in the family's
+file beside its modules (`SPEC = FamilySpec(...)`) and collected by the registry in
+`strata.models`. The engine, the loader, the tensor-parallel split and the native decode loop ask
+the spec instead of branching on `model_type`.
+
+Torch-free: the spec names its model classes, it does not build them.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class KVLayout(enum.Enum):
+    """How a family's KV cache is laid out; `strata.engine.kv_layouts` builds the pool for each."""
+
+    # K and V of every KV head per layer and slot (`MHAKVPool`); the layers with a sliding window
+    # get window groups of their own (`GroupedPageAllocator`, `WindowRadixCache`) when they slide
+    PAGED = "paged"
+    # multi-head latent attention: one latent row per token and layer (`LatentKVPool`)
+    LATENT = "latent"
+    # DeepSeek-V4: compressed entries by primary page, sliding K and compressor windows in window
+    # groups (`DSV4KVPool`)
+    DSV4 = "dsv4"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family: the HF names it serves and what the engine builds for it.
+
+    `architectures` maps each HF architecture name (config.json's `architectures[0]`) to the model
+    class that runs it; `model_types` are the HF `model_type`s those configs carry. No two specs
+    share an architecture or a model_type (the registry checks)."""
+
+    name: str
+    architectures: dict[str, type] = field(hash=False)
+    model_types: tuple[str, ...]
+    kv_layout: KVLayout = KVLayout.PAGED
+    # the model's layers split over ranks (--tp-size / --ep-size); False: refused with a message
+    tensor_parallel: bool = True
+    # a decode step's layers may run from C++ (`strata.models.native_decode`), when the model's
+    # config and weights also qualify (pre-norm, no q/k norm, SiLU MLP, packed linears)
+    native_decode: bool = True
+    # a model of this family can be a separate draft model (`--speculative-draft-model`)
+    draft_model: bool = True
