@@ -21,6 +21,8 @@ same step or earlier ones, so chunks may end anywhere inside a window.
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -91,6 +93,8 @@ class GroupedLinear(NativePackable, nn.Module):
     [i * d_out, (i + 1) * d_out). Not an nn.Linear, so no weight format swaps it for a dense one; on
     the CPU `pack` adds the groups packed for the native dense kernel (rows independent of the call)."""
 
+    packed: torch.Tensor  # a buffer `pack` registers
+
     def __init__(self, in_per_group: int, out_features: int, groups: int):
         super().__init__()
         self.groups = groups
@@ -160,6 +164,10 @@ class Compressor(nn.Module):
     entry = norm(sum_j softmax_j(gate_j + bias_j) * kv_j), roped at position i * rate.
     Also the indexer's compressor (`dim` = index_head_dim), whose entries are the index keys."""
 
+    indexer: (
+        Indexer  # a CSA layer's compressor holds its indexer (set by DSV4Attention)
+    )
+
     def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float):
         super().__init__()
         self.dim, self.rate, self.overlap = dim, rate, overlap
@@ -201,6 +209,7 @@ class Indexer(Compressor):
 
     def __init__(self, cfg: ModelConfig):
         v4 = cfg.dsv4
+        assert v4 is not None  # a DeepSeek-V4 layer
         super().__init__(
             cfg.hidden_size, v4.index_head_dim, v4.csa_rate, True, cfg.rms_norm_eps
         )
@@ -218,7 +227,8 @@ class Indexer(Compressor):
         q = apply_rope(
             self.q_b_proj(q_res).view(x.shape[0], self.num_heads, self.dim), cos, sin
         )
-        return q, self.scorer.weights_proj(x).float() * self.num_heads**-0.5
+        weights_proj = cast(nn.Linear, self.scorer.weights_proj)
+        return q, weights_proj(x).float() * self.num_heads**-0.5
 
     def select(
         self,
@@ -246,6 +256,8 @@ class DSV4Attention(nn.Module):
     ):
         super().__init__()
         v4 = cfg.dsv4
+        if v4 is None:
+            raise ValueError(f"{cfg.architecture} has no DeepSeek-V4 configuration")
         self.layer_id, self.kind = layer_id, v4.layer_kinds[layer_id]
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.window, self.o_groups = v4.sliding_window, v4.o_groups
@@ -270,7 +282,7 @@ class DSV4Attention(nn.Module):
         self.rope = PartialRope(
             self.rope_key, D, cfg.max_position_embeddings, rope_device
         )
-        self.compressor = None
+        self.compressor: Compressor | None = None
         if self.kind != "sliding":
             self.rate = v4.rate(self.kind)
             self.compressor = Compressor(
@@ -309,7 +321,7 @@ class DSV4Attention(nn.Module):
         kv.swa[self.layer_id][swa.out_slots] = k.to(kv.dtype)
         index_q = None
         if self.compressor is not None:
-            self._compress(x, positions, meta, kv, shared)
+            self._compress(self.compressor, x, positions, meta, kv, shared)
             if self.kind == "csa":
                 index_q = self.compressor.indexer.queries(q_res, x, cos, sin)
         out = q.new_empty(T, H, D)
@@ -333,6 +345,7 @@ class DSV4Attention(nn.Module):
 
     def _compress(
         self,
+        comp: Compressor,
         x: torch.Tensor,
         positions: torch.Tensor,
         meta: AttentionMetadata,
@@ -340,13 +353,14 @@ class DSV4Attention(nn.Module):
         shared: dict,
     ) -> None:
         """Store this step's compressor inputs; pool every window whose last token is in the step."""
-        comp, layer = self.compressor, self.layer_id
-        indexer = getattr(comp, "indexer", None)
+        layer = self.layer_id
+        indexer: Indexer | None = getattr(comp, "indexer", None)
         group = meta.group(kv.group_of[self.kind])
         inputs = [comp.inputs(x, positions)] + (
             [indexer.inputs(x, positions)] if indexer else []
         )
         state = kv.state[layer]
+        assert state is not None  # a compressed layer keeps its windows' inputs
         state[group.out_slots] = torch.cat(inputs, dim=-1).to(state.dtype)
         closing = _once(
             shared,
@@ -360,12 +374,15 @@ class DSV4Attention(nn.Module):
         slots, valid, where, cos, sin = closing
         rows = state[slots]  # [C, span, width]
         entries = kv.entries[layer]
+        assert entries is not None  # and its entries
         entries[where] = apply_rope(
             comp.pool(rows[..., : comp.width], valid), cos, sin
         ).to(entries.dtype)
         if indexer is not None:
             keys = indexer.pool(rows[..., comp.width :], valid)
-            kv.index_keys[layer][where] = apply_rope(keys, cos, sin).to(entries.dtype)
+            index_keys = kv.index_keys[layer]
+            assert index_keys is not None  # a CSA layer keeps its index keys
+            index_keys[where] = apply_rope(keys, cos, sin).to(entries.dtype)
 
     def _closing_windows(
         self,
@@ -414,7 +431,10 @@ class DSV4Attention(nn.Module):
         keys = kv.swa[self.layer_id][seg.kv_slots]  # [B, N, D]
         B, N = keys.shape[:2]
         qp = pad_queries(q, seg)  # [B, max_q, H, D]
-        entries = index_keys = visible = index = None
+        entries: torch.Tensor | None = None
+        index_keys: torch.Tensor | None = None
+        visible: torch.Tensor | None = None
+        index: tuple[torch.Tensor, torch.Tensor] | None = None
         n = 0
         if self.compressor is not None:
             n, where, visible = _once(
@@ -423,14 +443,22 @@ class DSV4Attention(nn.Module):
                 lambda: self._entries_read(seg, rows, meta, keys.device),
             )
             if n:
-                entries = kv.entries[self.layer_id][where].to(keys.dtype)  # [B, n, D]
+                layer_entries = kv.entries[self.layer_id]
+                assert layer_entries is not None  # a compressed layer keeps entries
+                entries = layer_entries[where].to(keys.dtype)  # [B, n, D]
                 if index_q is not None:
-                    index_keys = kv.index_keys[self.layer_id][where]  # [B, n, Di]
+                    layer_keys = kv.index_keys[self.layer_id]
+                    assert layer_keys is not None  # a CSA layer keeps index keys
+                    index_keys = layer_keys[where]  # [B, n, Di]
                     index = (
                         pad_queries(index_q[0][tokens], seg),
                         pad_queries(index_q[1][tokens], seg),
                     )
-        indexer = self.compressor.indexer if index is not None else None
+        indexer = (
+            self.compressor.indexer
+            if index is not None and self.compressor is not None
+            else None
+        )
         per_query = B * (
             H * (N + n) + (indexer.num_heads * n if indexer is not None else 0)
         )
@@ -445,8 +473,10 @@ class DSV4Attention(nn.Module):
             )
             k, mask = keys[:, lo:hi], seg.mask[:, :, i0:i1, lo:hi]
             if n:
+                assert visible is not None and entries is not None
                 vis = visible[:, i0:i1]
                 if indexer is not None:
+                    assert index is not None and index_keys is not None
                     vis = indexer.select(
                         index[0][:, i0:i1], index[1][:, i0:i1], index_keys, vis
                     )

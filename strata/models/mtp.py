@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import safe_open
@@ -31,6 +32,9 @@ from torch import nn
 
 from strata.layers.norm import RMSNorm
 from strata.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from strata.models.decoder import DecoderForCausalLM
 
 OWN = (
     "enorm.",
@@ -58,7 +62,7 @@ def mtp_config(cfg: ModelConfig) -> ModelConfig:
 class MTPLayer(nn.Module):
     def __init__(
         self,
-        target: nn.Module,
+        target: DecoderForCausalLM,
         max_positions: int,
         rope_device: torch.device | str = "cpu",
     ):
@@ -70,7 +74,7 @@ class MTPLayer(nn.Module):
         self.eh_proj = nn.Linear(2 * hidden, hidden, bias=False)
         # the decoder layer and its final norm, in the target's family (its weight names and fusions)
         self.decoder = type(target)(mtp_config(cfg), max_positions, rope_device)
-        self.decoder.embed_tokens = None  # the target's, passed to forward
+        self.decoder.embed_tokens = None  # type: ignore[assignment]  # the target's, passed to forward
         self.decoder.lm_head = None
 
     def forward(
@@ -136,7 +140,7 @@ def mtp_weights(model_dir: Path, prefix: str) -> Iterator[tuple[str, torch.Tenso
 
 def load_mtp_layer(
     model_dir: Path,
-    target: nn.Module,
+    target: DecoderForCausalLM,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
