@@ -20,6 +20,7 @@ from strata.layers.quant import (
     quantize_model,
 )
 from strata.model_config import ModelConfig
+from strata.models import get_model_class
 from strata.weights.gguf import BLOCKS_FILE
 
 
@@ -42,7 +43,6 @@ def iter_safetensors(
 
 
 def load_model(
-    model_cls: type,
     model_dir: Path,
     cfg: ModelConfig,
     dtype: torch.dtype,
@@ -51,8 +51,7 @@ def load_model(
     quantization: str = "auto",
     shard=None,
 ) -> torch.nn.Module:
-    """Build `model_cls` (the class `strata.models.get_model_class` gives for the config's
-    architecture) without initialising weights (meta device) and fill it from the checkpoint.
+    """Build the model without initialising weights (meta device) and fill it from the checkpoint.
 
     quantization: `auto` runs a converted GGUF on its own blocks (strata.layers.quant) and any other
     checkpoint in float; `gguf` insists on the blocks; `none` loads float weights (a GGUF dequantized);
@@ -78,11 +77,12 @@ def load_model(
         raise ValueError(
             "--quantization gguf cannot be split over ranks; use --quantization auto or none"
         )
+    cls = get_model_class(cfg.architecture)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device("meta"):
-            model = model_cls(
+            model = cls(
                 shard.local_config() if shard else cfg,
                 max_positions=max_positions,
                 rope_device=device,
