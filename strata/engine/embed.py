@@ -5,7 +5,7 @@ of the KV pool or its allocator, no prefix-cache entry. Each forward gets a scra
 own, sized to its tokens and dropped after it; the model then runs its ordinary prefill over it
 (the same attention, kernels and masks as a prompt's prefill, so the result is exactly the hidden
 states a generation computes for those tokens). Several inputs share one forward, up to
-`EMBED_BATCH_TOKENS` tokens (an input longer than that runs alone):
+`EMBED_BATCH_TOKENS` tokens (`strata.engine.limits.embed_batches`; a longer input runs alone):
 
     forward:   tokens  [ a0 a1 a2 a3 | b0 b1 | c0 c1 c2 ]    one extend (prefill) entry per input
     scratch:   pages   [ a: 0 .. ceil(4 / ps) - 1 | b: next pages | c: ... ]   positions from 0
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
-from strata.engine.limits import EMBED_BATCH_TOKENS, SizeLimits
+from strata.engine.limits import SizeLimits, embed_batches
 from strata.layers.attention import AttentionMetadata
 from strata.model_config import ModelConfig
 
@@ -87,23 +87,6 @@ def scratch_pool(
     )
 
 
-def forward_batches(
-    lengths: Sequence[int], max_tokens: int = EMBED_BATCH_TOKENS
-) -> Iterator[list[int]]:
-    """Indices of inputs, in order, grouped into forwards of at most max_tokens tokens each (an
-    input longer than that in a forward of its own)."""
-    batch: list[int] = []
-    tokens = 0
-    for i, n in enumerate(lengths):
-        if batch and tokens + n > max_tokens:
-            yield batch
-            batch, tokens = [], 0
-        batch.append(i)
-        tokens += n
-    if batch:
-        yield batch
-
-
 @contextlib.contextmanager
 def torch_threads(threads: int | None) -> Iterator[None]:
     """Run with `threads` CPU threads (None: as set), then restore the count set before."""
@@ -138,7 +121,7 @@ def embed(
         (len(token_id_lists), dimensions or mc.hidden_size), dtype=np.float32
     )
     with torch_threads(threads):
-        for batch in forward_batches([len(ids) for ids in token_id_lists]):
+        for batch in embed_batches([len(ids) for ids in token_id_lists]):
             inputs = [token_id_lists[i] for i in batch]
             pooled = _embed_batch(
                 model, mc, inputs, pooling, page_size, kv_dtype, device

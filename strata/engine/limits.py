@@ -11,10 +11,29 @@ never touches the KV pool).
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 MAX_EMBEDDING_INPUTS = 2048  # inputs in one embeddings request (OpenAI's limit)
 EMBED_BATCH_TOKENS = 2048  # tokens of one embedding forward; a longer input runs alone
+
+
+def embed_batches(
+    lengths: Sequence[int], max_tokens: int = EMBED_BATCH_TOKENS
+) -> Iterator[list[int]]:
+    """Indices of inputs of these lengths, in order, grouped into batches of at most max_tokens
+    tokens (an input longer than that in a batch of its own): one forward each in the engine, one
+    message each from the HTTP frontend, so that generation steps run between them."""
+    batch: list[int] = []
+    tokens = 0
+    for i, n in enumerate(lengths):
+        if batch and tokens + n > max_tokens:
+            yield batch
+            batch, tokens = [], 0
+        batch.append(i)
+        tokens += n
+    if batch:
+        yield batch
 
 
 class LimitError(ValueError):

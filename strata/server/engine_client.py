@@ -34,6 +34,9 @@ DEFAULT_STALL_TIMEOUT_S = 5.0  # ServerConfig.health_stall_timeout's default
 PROBE_AFTER_S = (
     1.0  # seconds of quiet before the watchdog asks the engine for its stats
 )
+CONTROL_TIMEOUT_S = 30.0  # a control message's answer (flush, stats)
+# one EmbedReq's answer: a forward of up to EMBED_BATCH_TOKENS tokens, or of one long input
+EMBED_TIMEOUT_S = 600.0
 
 logger = logging.getLogger(__name__)
 
@@ -294,14 +297,35 @@ class EngineClient:
         """The engine's full stats, now; `expert_load`: with a MoE model's per-expert counts."""
         return (await self._control(io.StatsReq, expert_load=expert_load)).stats
 
-    async def _control(self, kind, **fields) -> io.FlushCacheResult | io.StatsResult:
+    async def embed(
+        self,
+        inputs: list[list[int]],
+        pooling: str,
+        normalize: bool,
+        dimensions: int | None,
+    ) -> io.EmbedResult:
+        """Embeddings of tokenized inputs, computed by the engine between two steps."""
+        result = await self._control(
+            io.EmbedReq,
+            timeout=EMBED_TIMEOUT_S,
+            inputs=inputs,
+            pooling=pooling,
+            normalize=normalize,
+            dimensions=dimensions,
+        )
+        assert isinstance(result, io.EmbedResult)
+        return result
+
+    async def _control(
+        self, kind, timeout: float = CONTROL_TIMEOUT_S, **fields
+    ) -> io.FlushCacheResult | io.StatsResult | io.EmbedResult:
         self.check_available()
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
         self.pending_control[req_id] = fut
         await self.push.send(io.encode(kind(req_id, **fields)))
         try:
-            return await asyncio.wait_for(fut, 30.0)
+            return await asyncio.wait_for(fut, timeout)
         finally:
             self.pending_control.pop(req_id, None)
 
@@ -333,7 +357,7 @@ class EngineClient:
                 self.metrics.on_stats(message.stats)
         elif isinstance(message, io.AddResult):
             self._on_add_result(message)
-        elif isinstance(message, (io.FlushCacheResult, io.StatsResult)):
+        elif isinstance(message, (io.FlushCacheResult, io.StatsResult, io.EmbedResult)):
             if isinstance(message, io.StatsResult):
                 self.stats = message.stats
                 if self.metrics is not None:

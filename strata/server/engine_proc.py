@@ -5,8 +5,8 @@ EngineConfig, as JSON) arrives on stdin, never on the command line, which every 
 in /proc; the messages travel as msgspec (see io.py). Secrets of the config are scrubbed from the
 engine's logs and from every error message it sends.
 
-Loop: drain every waiting message (add / abort / flush / stats), run one `Engine.step()` if
-there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
+Loop: drain every waiting message (add / abort / flush / stats / embed), run one `Engine.step()`
+if there is work, push its outputs back in one OutputBatch. With no work it blocks on the socket
 (waking once a second to check that its parent is alive) instead of spinning. A heartbeat thread
 (heartbeat.py) reports to the frontend twice a second however long a step runs, so the frontend's
 /health can tell a stopped or hung process from a busy one.
@@ -146,6 +146,8 @@ class EngineLoop:
             )
         elif isinstance(message, io.FlushCacheReq):
             self.send(self.flush_cache(message.req_id))
+        elif isinstance(message, io.EmbedReq):
+            self.send(self.embed(message))
         elif isinstance(message, io.ShutdownReq):
             self.stopping = True
 
@@ -191,6 +193,25 @@ class EngineLoop:
         except RuntimeError as exc:
             return io.FlushCacheResult(req_id, False, str(exc))
         return io.FlushCacheResult(req_id, True, f"flushed {num_pages} cached pages")
+
+    def embed(self, req: io.EmbedReq) -> io.EmbedResult:
+        """Embed between two steps (a scratch KV pool: the requests in flight are untouched)."""
+        try:
+            vectors = self.engine.embed(
+                req.inputs,
+                req.pooling,
+                normalize=req.normalize,
+                dimensions=req.dimensions,
+            )
+        except ValueError as exc:
+            return io.EmbedResult(req.req_id, [], str(exc))
+        except Exception as exc:  # noqa: BLE001 -- a failed embedding fails that request alone
+            logger.exception("embedding %d inputs failed", len(req.inputs))
+            message = f"internal engine error: {type(exc).__name__}: {exc}"
+            return io.EmbedResult(
+                req.req_id, [], scrub(message, self.secrets), internal=True
+            )
+        return io.EmbedResult(req.req_id, [v.astype("<f4").tobytes() for v in vectors])
 
     def step(self) -> None:
         try:
@@ -288,6 +309,7 @@ def engine_info(engine) -> io.EngineInfo:
         num_experts=st.model_config.moe.num_experts
         if st.model_config.moe is not None
         else 0,
+        hidden_size=st.model_config.hidden_size,
     )
 
 

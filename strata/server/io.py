@@ -2,9 +2,10 @@
 
 Two ZMQ PUSH/PULL pipes, both bound by the frontend (the engine connects):
 
-    frontend ──ToEngine──▶ engine      GenerateReq | AbortReq | FlushCacheReq | StatsReq | ShutdownReq
+    frontend ──ToEngine──▶ engine      GenerateReq | AbortReq | FlushCacheReq | StatsReq | EmbedReq
+                                       | ShutdownReq
     frontend ◀─FromEngine── engine     EngineReady | EngineFailed | AddResult | OutputBatch
-                                       | FlushCacheResult | StatsResult | Heartbeat
+                                       | FlushCacheResult | StatsResult | EmbedResult | Heartbeat
 
 Every message is a tagged msgspec Struct encoded as msgpack; decoding checks the types, nothing is
 pickled. Order on one pipe is preserved, so a request's AddResult always arrives before its outputs.
@@ -51,11 +52,21 @@ class StatsReq(msgspec.Struct, tag=True):
     )
 
 
+class EmbedReq(msgspec.Struct, tag=True):
+    """Embed tokenized inputs (`Engine.embed`), between two steps; answered with an EmbedResult."""
+
+    req_id: int
+    inputs: list[list[int]]
+    pooling: str = "last"  # last | mean
+    normalize: bool = True
+    dimensions: int | None = None  # keep the first N values (then normalise)
+
+
 class ShutdownReq(msgspec.Struct, tag=True):
     pass
 
 
-ToEngine = GenerateReq | AbortReq | FlushCacheReq | StatsReq | ShutdownReq
+ToEngine = GenerateReq | AbortReq | FlushCacheReq | StatsReq | EmbedReq | ShutdownReq
 
 # ------------------------------------------------------------------ engine -> frontend
 
@@ -135,6 +146,7 @@ class EngineInfo(msgspec.Struct):
     num_experts: int = (
         0  # routed experts of each mixture-of-experts layer; 0: not a MoE model
     )
+    hidden_size: int = 0  # the length of an embedding (before `dimensions`)
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -167,6 +179,16 @@ class StatsResult(msgspec.Struct, tag=True):
     stats: EngineStats
 
 
+class EmbedResult(msgspec.Struct, tag=True):
+    req_id: int
+    embeddings: list[bytes]  # one per input: little-endian float32 values
+    # why the inputs cannot be embedded (HTTP 400); embeddings are then empty
+    error: str | None = None
+    internal: bool = (
+        False  # the error is the engine's fault (HTTP 500), not the input's
+    )
+
+
 class Heartbeat(msgspec.Struct, tag=True):
     """Sent every HEARTBEAT_S by a thread of the engine process, whatever its loop is doing."""
 
@@ -183,6 +205,7 @@ FromEngine = (
     | OutputBatch
     | FlushCacheResult
     | StatsResult
+    | EmbedResult
 )
 
 # ------------------------------------------------------------------ codec

@@ -13,6 +13,7 @@ from strata.sampling_params import SamplingParams
 from strata.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    EmbeddingRequest,
     ErrorResponse,
     GenerateRequest,
 )
@@ -29,6 +30,14 @@ GENERATION_ENDPOINTS: dict[str, tuple[type, str]] = {
     "/generate": (
         GenerateRequest,
         "SGLang-style native generation (sampling_params as SamplingParams)",
+    ),
+}
+
+# POST endpoints of the server alone (the router does not proxy them): path -> (body schema, summary)
+SERVER_POSTS: dict[str, tuple[type, str]] = {
+    "/v1/embeddings": (
+        EmbeddingRequest,
+        "OpenAI embeddings: the final hidden state of each input's last token, or their mean",
     ),
 }
 
@@ -57,7 +66,8 @@ class WorkerURL(msgspec.Struct):
 
 
 def _components() -> dict[str, Any]:
-    types = [body for body, _ in GENERATION_ENDPOINTS.values()] + [
+    bodies = {**GENERATION_ENDPOINTS, **SERVER_POSTS}.values()
+    types = [body for body, _ in bodies] + [
         SamplingParams,
         ErrorResponse,
         WorkerURL,
@@ -67,6 +77,16 @@ def _components() -> dict[str, Any]:
     # keys are a 400): the document states the real contract
     components["GenerateRequest"]["properties"]["sampling_params"] = {
         "anyOf": [{"$ref": REF.format(name="SamplingParams")}, {"type": "null"}]
+    }
+    # `input` decodes as any JSON value and is checked by hand (msgspec unions take one array type)
+    ids = {"type": "array", "items": {"type": "integer"}}
+    components["EmbeddingRequest"]["properties"]["input"] = {
+        "anyOf": [
+            {"type": "string"},
+            {"type": "array", "items": {"type": "string"}},
+            ids,
+            {"type": "array", "items": ids},
+        ]
     }
     return components
 
@@ -110,6 +130,15 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
                 "the generation (JSON, or text/event-stream when streaming)"
             ),
         }
+    if not router:
+        for path, (body, summary) in SERVER_POSTS.items():
+            paths[path] = {
+                "post": {
+                    "summary": summary,
+                    "requestBody": _body(body.__name__),
+                    "responses": _responses("the embeddings (JSON)"),
+                }
+            }
     if router:
         for method, summary in (
             ("post", "register a worker"),

@@ -15,7 +15,7 @@ as in OpenAI's API; native /generate defaults to max_new_tokens 128 (SGLang's de
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -252,6 +252,19 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     bootstrap_addr: str | None = None
 
 
+class EmbeddingRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's embeddings request; `pooling` and `normalize` are Strata's extensions."""
+
+    input: Any  # a string, a list of strings, a list of token ids, or a list of token-id lists
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = None  # keep the first N values, then normalise
+    user: str | None = None  # accepted and ignored
+    # the last token's final hidden state, or the mean over the tokens
+    pooling: Literal["last", "mean"] = "last"
+    normalize: bool = True  # L2-normalised
+
+
 # ------------------------------------------------------------------ responses
 
 
@@ -379,6 +392,25 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     object: str = "text_completion"
+
+
+class EmbeddingData(msgspec.Struct, kw_only=True):
+    object: str = "embedding"
+    index: int
+    # a str with encoding_format "base64": the little-endian float32 bytes
+    embedding: list[float] | str
+
+
+class EmbeddingUsage(msgspec.Struct):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(msgspec.Struct, kw_only=True):
+    object: str = "list"
+    data: list[EmbeddingData]
+    model: str
+    usage: EmbeddingUsage
 
 
 class ModelCard(msgspec.Struct):

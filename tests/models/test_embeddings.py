@@ -10,7 +10,7 @@ from tiny_models import make_model
 from transformers import AutoModelForCausalLM
 
 from strata import Engine, SamplingParams
-from strata.engine.embed import forward_batches
+from strata.engine.limits import embed_batches
 
 INPUTS = [
     [5, 17, 33, 91, 120, 7, 64, 200, 13],
@@ -126,11 +126,11 @@ def test_embedding_between_steps_leaves_generation_and_cache_alone(model_dirs):
     assert after["leaked_pages"] == 0
 
 
-def test_forward_batches_bound_tokens():
-    assert list(forward_batches([3, 3, 3, 10, 1], max_tokens=6)) == [
+def test_embed_batches_bound_tokens():
+    assert list(embed_batches([3, 3, 3, 10, 1], max_tokens=6)) == [
         [0, 1],
         [2],
         [3],
         [4],
     ]
-    assert list(forward_batches([], max_tokens=6)) == []
+    assert list(embed_batches([], max_tokens=6)) == []
