@@ -37,11 +37,14 @@ class PoolRequest:
 class KVLayoutBuilder:
     """`build` returns (the plan the pool was sized by, the pool); `shareable`: its window groups
     may become one shared pool (--swa-pool shared), so `plan_kv_pool` may plan one;
-    `one_layer(model_config, num_pages, page_size, dtype, device)`: a one-layer pool of this layout
-    (a multi-token-prediction layer's)."""
+    `flat(model_config, num_layers, num_pages, page_size, dtype, device)`: a pool of this layout
+    for `num_layers` layers that each keep every token, no window groups (a multi-token-prediction
+    layer's, an embedding forward's scratch pool); None where the layout has none."""
 
     build: Callable[[PoolRequest], tuple[Any, KVPool]]
-    one_layer: Callable[[ModelConfig, int, int, torch.dtype, torch.device], KVPool]
+    flat: (
+        Callable[[ModelConfig, int, int, int, torch.dtype, torch.device], KVPool] | None
+    )
     shareable: bool = False
 
 
@@ -60,15 +63,16 @@ def _paged(r: PoolRequest) -> tuple[KVPlan, KVPool]:
     return r.plan, pool
 
 
-def _paged_layer(
+def _paged_flat(
     mc: ModelConfig,
+    num_layers: int,
     num_pages: int,
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVPool:
     return MHAKVPool(
-        1, mc.num_kv_heads, mc.head_dim, num_pages, page_size, dtype, device
+        num_layers, mc.num_kv_heads, mc.head_dim, num_pages, page_size, dtype, device
     )
 
 
@@ -87,15 +91,17 @@ def _latent(r: PoolRequest) -> tuple[KVPlan, KVPool]:
     return r.plan, pool
 
 
-def _latent_layer(
+def _latent_flat(
     mc: ModelConfig,
+    num_layers: int,
     num_pages: int,
     page_size: int,
     dtype: torch.dtype,
     device: torch.device,
 ) -> KVPool:
-    assert mc.mla is not None, "a latent-attention family's config has its MLAConfig"
-    return LatentKVPool(1, mc.mla.latent_dim, num_pages, page_size, dtype, device)
+    mla = mc.mla
+    assert mla is not None, "a latent-attention family's config has its MLAConfig"
+    return LatentKVPool(num_layers, mla.latent_dim, num_pages, page_size, dtype, device)
 
 
 def _dsv4(r: PoolRequest) -> tuple[Any, KVPool]:
@@ -134,8 +140,8 @@ def _dsv4(r: PoolRequest) -> tuple[Any, KVPool]:
 
 
 KV_LAYOUTS: dict[KVLayout, KVLayoutBuilder] = {
-    KVLayout.PAGED: KVLayoutBuilder(_paged, _paged_layer, shareable=True),
-    KVLayout.LATENT: KVLayoutBuilder(_latent, _latent_layer),
-    # V4's multi-token prediction layers are refused before a pool is built (strata.models.mtp)
-    KVLayout.DSV4: KVLayoutBuilder(_dsv4, _paged_layer),
+    KVLayout.PAGED: KVLayoutBuilder(_paged, _paged_flat, shareable=True),
+    KVLayout.LATENT: KVLayoutBuilder(_latent, _latent_flat),
+    # V4's state is its window groups: no flat pool (its MTP layers and embeddings are refused)
+    KVLayout.DSV4: KVLayoutBuilder(_dsv4, None),
 }

@@ -24,10 +24,12 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 import torch
 
-from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
+from strata.cache.kv_layouts import KV_LAYOUTS
+from strata.cache.kv_pool import KVPool
 from strata.engine.limits import SizeLimits, embed_batches
 from strata.layers.attention import AttentionMetadata
 from strata.model_config import ModelConfig
+from strata.models import family_spec
 
 POOLINGS = ("last", "mean")
 
@@ -73,18 +75,13 @@ def scratch_pool(
     """A pool for one forward's tokens, in the model's KV layout. Every layer keeps every token (no
     window groups): a sliding layer's window is applied by attention's mask, as with --sliding-kv
     full."""
-    if mc.dsv4 is not None:
+    flat = KV_LAYOUTS[family_spec(mc.architecture).kv_layout].flat
+    if flat is None:
         raise ValueError(
-            f"embeddings are not available for {mc.architecture} models (their compressed KV "
-            "layout has no scratch pool)"
+            f"embeddings are not available for {mc.architecture} models (their KV layout has "
+            "no scratch pool)"
         )
-    if mc.mla is not None:  # one latent row per token and layer
-        return LatentKVPool(
-            mc.num_layers, mc.mla.latent_dim, num_pages, page_size, dtype, device
-        )
-    return MHAKVPool(
-        mc.num_layers, mc.num_kv_heads, mc.head_dim, num_pages, page_size, dtype, device
-    )
+    return flat(mc, mc.num_layers, num_pages, page_size, dtype, device)
 
 
 @contextlib.contextmanager

@@ -84,8 +84,12 @@ class MTPDrafter:
             )
         num_pages = max(1, num_tokens // page_size)
         # one layer of the target's KV layout
-        layout = KV_LAYOUTS[family_spec(cfg.architecture).kv_layout]
-        self.kv = layout.one_layer(cfg, num_pages, page_size, dtype, device)
+        flat = KV_LAYOUTS[family_spec(cfg.architecture).kv_layout].flat
+        if flat is None:
+            raise ValueError(
+                f"--speculative-algorithm mtp: {cfg.architecture}'s KV layout has no pool for an MTP layer"
+            )
+        self.kv = flat(cfg, 1, num_pages, page_size, dtype, device)
         self.allocator = PageAllocator(num_pages, page_size)
         self.page_size = page_size
         self.device = device

@@ -7,7 +7,7 @@ Weights load from HF names; q/k/v and gate/up are fused into one matmul each at 
 from __future__ import annotations
 
 from strata.models.decoder import DecoderForCausalLM
-from strata.models.spec import FamilySpec
+from strata.models.spec import FamilySpec, GGUFArch
 
 
 class LlamaForCausalLM(DecoderForCausalLM):
@@ -23,4 +23,11 @@ SPEC = FamilySpec(
         "Qwen3ForCausalLM": LlamaForCausalLM,
     },
     model_types=("llama", "mistral", "qwen2", "qwen3"),
+    gguf=(
+        # llama.cpp labels Mistral-style GGUFs `llama` too; it permutes their q/k rows, and stores
+        # qwen2/qwen3 (ggml's NEOX rope) unpermuted
+        GGUFArch("llama", "LlamaForCausalLM", "llama", permuted_qk=True),
+        GGUFArch("qwen2", "Qwen2ForCausalLM", "qwen2"),
+        GGUFArch("qwen3", "Qwen3ForCausalLM", "qwen3"),
+    ),
 )

@@ -9,7 +9,9 @@ Torch-free: the spec names its model classes, it does not build them.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 class KVLayout(enum.Enum):
@@ -23,6 +25,30 @@ class KVLayout(enum.Enum):
     # DeepSeek-V4: compressed entries by primary page, sliding K and compressor windows in window
     # groups (`DSV4KVPool`)
     DSV4 = "dsv4"
+
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How llama.cpp writes a family in GGUF (`strata.weights.gguf` converts it back to HF)."""
+
+    name: str  # GGUF `general.architecture`
+    architecture: str  # the HF architecture and model_type written into config.json
+    model_type: str
+    # llama.cpp permuted the q/k rows on conversion (HF rotate_half -> ggml's interleaved pairs)
+    permuted_qk: bool = False
+    # llama.cpp stored every `*norm.weight` plus 1 (RMSNorm scaling by 1 + weight)
+    norm_offset: bool = False
+    # a layer's tensors whose names differ from Llama's: llama.cpp key (`blk.N.<key>`) -> HF name
+    layer_tensor_names: dict[str, str] = field(default_factory=dict, hash=False)
+    # transformers' AutoTokenizer takes the tokenizer class by the model_type (`tokenizer_type`)
+    named_tokenizer: bool = False
+    # tokens that end a turn besides the file's eos token (added to generation_config.json)
+    end_of_turn_tokens: tuple[str, ...] = ()
+    # config(hf_config, meta): writes into the config.json dict what the file leaves to llama.cpp's
+    # runtime; meta(key, default) reads `<name>.<key>` from the file's metadata; ValueError if unusable
+    config: Callable[[dict[str, Any], Callable[..., Any]], None] | None = field(
+        default=None, hash=False
+    )
 
 
 @dataclass(frozen=True)
@@ -44,3 +70,5 @@ class FamilySpec:
     native_decode: bool = True
     # a model of this family can be a separate draft model (`--speculative-draft-model`)
     draft_model: bool = True
+    # the GGUF architectures that convert to this family
+    gguf: tuple[GGUFArch, ...] = ()

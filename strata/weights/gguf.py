@@ -21,7 +21,8 @@ The engine only loads Hugging Face layouts (`config.json` + `*.safetensors` + to
   `out_dir` only once complete, so an interrupted conversion never leaves a directory that looks valid.
 
 Supported GGUF architectures: llama (also Mistral-style GGUFs, which llama.cpp labels `llama`),
-qwen2, qwen3 and gemma3 (text) - the decoder families the engine implements that llama.cpp writes.
+qwen2, qwen3 and gemma3 (text) - the decoder families the engine implements that llama.cpp writes;
+each family file declares its own (`FamilySpec.gguf`, `strata.models.spec.GGUFArch`).
 """
 
 from __future__ import annotations
@@ -41,23 +42,19 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from safetensors.numpy import save_file
 
+from strata.models.spec import GGUFArch
+
 logger = logging.getLogger(__name__)
 
-# GGUF `general.architecture` -> (HF architecture class, HF model_type).
-ARCHITECTURES: dict[str, tuple[str, str]] = {
-    "llama": ("LlamaForCausalLM", "llama"),
-    "qwen2": ("Qwen2ForCausalLM", "qwen2"),
-    "qwen3": ("Qwen3ForCausalLM", "qwen3"),
-    "gemma3": ("Gemma3ForCausalLM", "gemma3_text"),
-}
 
-# Architectures whose q/k rows llama.cpp permutes on conversion (HF "rotate_half" rope layout ->
-# ggml's interleaved-pairs layout). qwen2/qwen3/gemma3 use ggml's NEOX rope and are stored unpermuted.
-PERMUTED_ARCHITECTURES = frozenset({"llama"})
+def gguf_architectures() -> dict[str, GGUFArch]:
+    """GGUF `general.architecture` -> how it converts: what each family file's `FamilySpec.gguf`
+    declares (the q/k permutation, the norm offset, tensor names, tokenizer, settings the file leaves
+    to llama.cpp's runtime). Importing the families imports torch: only a conversion calls this."""
+    from strata.models import family_specs
 
-# Architectures whose RMSNorm scales by (1 + weight): llama.cpp stores every `*norm.weight` plus 1
-# (`norm_shift` in convert_hf_to_gguf.py's Gemma3Model), so its runtime multiplies by the weight alone.
-NORM_OFFSET_ARCHITECTURES = frozenset({"gemma3"})
+    return {arch.name: arch for spec in family_specs() for arch in spec.gguf}
+
 
 # Tensors outside the decoder layers.
 GLOBAL_TENSOR_NAMES: dict[str, str] = {
@@ -80,28 +77,6 @@ LAYER_TENSOR_NAMES: dict[str, str] = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-
-# Gemma's four norms per layer (before and after attention, before and after the MLP): llama.cpp's
-# `ffn_norm` is the norm before the MLP, which HF Gemma names pre_feedforward_layernorm, and HF's
-# post_attention_layernorm is the norm after attention (Llama uses that name for the pre-MLP norm).
-GEMMA_LAYER_TENSOR_NAMES: dict[str, str] = {
-    **LAYER_TENSOR_NAMES,
-    "post_attention_norm": "post_attention_layernorm",
-    "ffn_norm": "pre_feedforward_layernorm",
-    "post_ffw_norm": "post_feedforward_layernorm",
-}
-LAYER_TENSOR_NAMES_BY_ARCH: dict[str, dict[str, str]] = {
-    "gemma3": GEMMA_LAYER_TENSOR_NAMES
-}
-
-# Model types whose tokenizer class transformers' AutoTokenizer takes by name (`tokenizer_type`). For
-# the others it picks the class from a config it builds by parsing the whole file a second time (~30 s
-# for Gemma's 262k vocabulary; llama's class, TokenizersBackend, has no name to pass)
-NAMED_TOKENIZER_TYPES = frozenset({"gemma3_text"})
-
-# Tokens that end a turn besides `tokenizer.ggml.eos_token_id` (llama.cpp stops on them too): Gemma's
-# chat turns end with <end_of_turn>, and its HF generation_config.json lists both.
-END_OF_TURN_TOKENS: dict[str, tuple[str, ...]] = {"gemma3": ("<end_of_turn>",)}
 
 # config.json / generation_config.json field -> GGUF metadata key.
 SPECIAL_TOKEN_IDS: dict[str, str] = {
@@ -204,8 +179,9 @@ def _field(reader: GGUFReader, key: str, default: Any = None) -> Any:
 
 def _architecture(reader: GGUFReader) -> str:
     arch = _field(reader, "general.architecture")
-    if arch not in ARCHITECTURES:
-        supported = ", ".join(sorted(ARCHITECTURES))
+    archs = gguf_architectures()
+    if arch not in archs:
+        supported = ", ".join(sorted(archs))
         raise GGUFConversionError(
             f"GGUF architecture {arch!r} is not supported (supported: {supported})"
         )
@@ -231,7 +207,7 @@ def _single_int(value: Any, key: str) -> int:
 def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
     """The HF `config.json` contents described by the GGUF metadata and tensor list."""
     arch = _architecture(reader)
-    hf_arch, model_type = ARCHITECTURES[arch]
+    spec = gguf_architectures()[arch]
 
     def meta(key: str, default: Any = None) -> Any:
         return _field(reader, f"{arch}.{key}", default)
@@ -252,8 +228,8 @@ def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
     rope_theta = _f32(meta("rope.freq_base", 10000.0))
 
     config: dict[str, Any] = {
-        "architectures": [hf_arch],
-        "model_type": model_type,
+        "architectures": [spec.architecture],
+        "model_type": spec.model_type,
         # Embedding rows are the real vocabulary size (`{arch}.vocab_size` is optional metadata).
         "vocab_size": _hf_shape(tensors["token_embd.weight"])[0],
         "hidden_size": hidden,
@@ -275,8 +251,13 @@ def build_hf_config(reader: GGUFReader) -> dict[str, Any]:
         "torch_dtype": "float32",
     }
     _apply_rope_scaling(config, arch, meta, tensors)
-    if arch == "gemma3":
-        _apply_gemma3(config, meta)
+    if spec.config is not None:
+        try:
+            spec.config(config, meta)
+        except GGUFConversionError:
+            raise
+        except ValueError as exc:
+            raise GGUFConversionError(str(exc)) from exc
     for name, key in SPECIAL_TOKEN_IDS.items():
         token_id = _field(reader, key)
         if token_id is not None:
@@ -308,52 +289,13 @@ def _apply_rope_scaling(
     config["rope_scaling"] = {"rope_type": "linear", "factor": factor}
 
 
-def _apply_gemma3(config: dict[str, Any], meta: Callable[..., Any]) -> None:
-    """Gemma 3's settings. The file states the window and the global RoPE base; the rest llama.cpp's
-    runtime fixes for the architecture (llama-model.cpp, LLM_ARCH_GEMMA3), and so do we: a full-attention
-    layer every 6th (`set_swa_pattern(6)`), RoPE base 10000 without scaling on sliding layers, scores
-    scaled by head_dim**-0.5 except on the 62-layer 27B model (hidden / heads, as gemma_pytorch), no
-    softcaps, GELU (tanh)."""
-    num_layers = config["num_hidden_layers"]
-    pattern = meta(
-        "attention.sliding_window_pattern", 6
-    )  # a period, or per layer True = sliding
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern]
-    else:
-        sliding = [pattern == 0 or (i + 1) % pattern != 0 for i in range(num_layers)]
-    window = meta("attention.sliding_window")
-    if window is None:
-        raise GGUFConversionError(
-            "gemma3.attention.sliding_window is missing (llama.cpp requires it)"
-        )
-    local_theta = _f32(meta("rope.freq_base_swa", 10000.0))
-    per_head = config["hidden_size"] // config["num_attention_heads"]
-    config.update(
-        hidden_act="gelu_pytorch_tanh",
-        hidden_activation="gelu_pytorch_tanh",  # what transformers' Gemma 3 reads
-        sliding_window=int(window),
-        layer_types=["sliding_attention" if s else "full_attention" for s in sliding],
-        query_pre_attn_scalar=per_head if num_layers == 62 else config["head_dim"],
-        attn_logit_softcapping=meta("attn_logit_softcapping"),
-        final_logit_softcapping=meta("final_logit_softcapping"),
-        # transformers 5 reads a RoPE per layer kind; older readers rope_theta + rope_local_base_freq
-        rope_local_base_freq=local_theta,
-        rope_parameters={
-            "full_attention": config[
-                "rope_parameters"
-            ],  # the global base, with its scaling if any
-            "sliding_attention": {"rope_type": "default", "rope_theta": local_theta},
-        },
-    )
-
-
 def _generation_config(
     reader: GGUFReader, arch: str, config: dict[str, Any]
 ) -> dict[str, Any]:
     generation = {k: config[k] for k in SPECIAL_TOKEN_IDS if k in config}
     tokens = _field(reader, "tokenizer.ggml.tokens") or []
-    extra = [tokens.index(t) for t in END_OF_TURN_TOKENS.get(arch, ()) if t in tokens]
+    ends = gguf_architectures()[arch].end_of_turn_tokens
+    extra = [tokens.index(t) for t in ends if t in tokens]
     if "eos_token_id" in generation and extra:
         generation["eos_token_id"] = [generation["eos_token_id"], *extra]
     return generation
@@ -367,7 +309,8 @@ def _generation_config(
 def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """Map a llama.cpp tensor name to its Hugging Face name; `GGUFConversionError` if unknown."""
     if m := _LAYER_TENSOR_RE.fullmatch(gguf_name):
-        names = LAYER_TENSOR_NAMES_BY_ARCH.get(arch, LAYER_TENSOR_NAMES)
+        spec = gguf_architectures().get(arch)
+        names = {**LAYER_TENSOR_NAMES, **(spec.layer_tensor_names if spec else {})}
         if m["key"] in names:
             return f"model.layers.{m['layer']}.{names[m['key']]}.{m['suffix']}"
     elif m := _GLOBAL_TENSOR_RE.fullmatch(gguf_name):  # noqa: SIM102 - as the branch above
@@ -423,7 +366,7 @@ def dequantize_tensor(tensor: ReaderTensor) -> np.ndarray:
 def permuted_heads(gguf_name: str, arch: str, config: dict[str, Any]) -> int | None:
     """The head count to un-permute a tensor's rows over (see `unpermute_rotary_rows`), or None
     for tensors llama.cpp stores unpermuted."""
-    if arch not in PERMUTED_ARCHITECTURES:
+    if not gguf_architectures()[arch].permuted_qk:
         return None
     heads = {
         "attn_q": config["num_attention_heads"],
@@ -437,17 +380,14 @@ def _hf_tensors(
 ) -> Iterable[TensorSource]:
     """A `TensorSource` for every tensor of the GGUF, in file order."""
     seen: set[str] = set()
+    norm_offset = gguf_architectures()[arch].norm_offset
     for tensor in reader.tensors:
         name = hf_tensor_name(tensor.name, arch)
         if name in seen:
             raise GGUFConversionError(f"duplicate tensor {name}")
         seen.add(name)
         n_head = permuted_heads(tensor.name, arch, config)
-        offset = (
-            1.0
-            if arch in NORM_OFFSET_ARCHITECTURES and name.endswith("norm.weight")
-            else 0.0
-        )
+        offset = 1.0 if norm_offset and name.endswith("norm.weight") else 0.0
 
         def load(
             tensor: ReaderTensor = tensor,
@@ -515,9 +455,10 @@ def _write_tokenizer(
     from transformers import AutoTokenizer  # heavy import, only needed here
 
     model_type = config["model_type"]
-    named = (
-        {"tokenizer_type": model_type} if model_type in NAMED_TOKENIZER_TYPES else {}
-    )
+    named_types = {
+        a.model_type for a in gguf_architectures().values() if a.named_tokenizer
+    }
+    named = {"tokenizer_type": model_type} if model_type in named_types else {}
     tokenizer = AutoTokenizer.from_pretrained(
         str(gguf_path.parent), gguf_file=gguf_path.name, **named
     )

@@ -51,6 +51,14 @@ def test_every_architecture_and_model_type_has_exactly_one_spec():
         for arch, cls in spec.architectures.items():
             assert family_spec(arch) is spec and get_model_class(arch) is cls
     assert sorted(TINY) == sorted(spec.name for spec in specs)
+    gguf = [arch for spec in specs for arch in spec.gguf]
+    assert len({arch.name for arch in gguf}) == len(gguf)
+    for spec in specs:
+        for (
+            arch
+        ) in spec.gguf:  # a GGUF converts to a config of the family that declares it
+            assert arch.architecture in spec.architectures
+            assert arch.model_type in spec.model_types
     with pytest.raises(ValueError, match="not supported; supported: "):
         family_spec("NoSuchForCausalLM")
 
@@ -105,15 +113,27 @@ def test_tiny_models_cover_every_registered_model_type():
 
 
 def _engine_branches(tree: ast.AST, model_types: set[str]) -> list[str]:
-    """Comparisons with a model_type name, and any reading of `.model_type` / `.mla` / `.dsv4`."""
+    """Any reading of `.model_type`, a condition on `.mla` / `.dsv4` (if, while, conditional
+    expression, comprehension filter), and a comparison with a model_type name."""
     found = []
+    conditions = [
+        node.test
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.If, ast.IfExp, ast.While))
+    ]
+    conditions += [
+        cond
+        for node in ast.walk(tree)
+        if isinstance(node, ast.comprehension)
+        for cond in node.ifs
+    ]
+    for cond in conditions:
+        for node in ast.walk(cond):
+            if isinstance(node, ast.Attribute) and node.attr in ("mla", "dsv4"):
+                found.append(f"line {node.lineno}: a condition on .{node.attr}")
     for node in ast.walk(tree):
-        if isinstance(node, ast.Attribute) and node.attr in (
-            "model_type",
-            "mla",
-            "dsv4",
-        ):
-            found.append(f"line {node.lineno}: .{node.attr}")
+        if isinstance(node, ast.Attribute) and node.attr == "model_type":
+            found.append(f"line {node.lineno}: .model_type")
         if isinstance(node, ast.Compare):
             for sub in ast.walk(node):
                 if isinstance(sub, ast.Constant) and sub.value in model_types:
@@ -131,5 +151,6 @@ def test_the_engine_does_not_branch_on_the_model_type():
     }
     assert found == {}
     # the check sees what it looks for
-    probe = 'if cfg.mla is not None or cfg.model_type == "qwen2": pass'
-    assert len(_engine_branches(ast.parse(probe), model_types)) == 3
+    probe = 'if cfg.mla is not None or cfg.model_type == "qwen2": pass\nx = 1 if c.dsv4 else 2'
+    assert len(_engine_branches(ast.parse(probe), model_types)) == 4
+    assert _engine_branches(ast.parse("latent = cfg.mla.latent_dim"), model_types) == []
