@@ -123,6 +123,15 @@ FAMILIES = {
     # hybrid attention with tiny windows, so that the parity prompts (up to 41 tokens) and their
     # generations run past them
     "mistral_sw": ("MistralConfig", {"sliding_window": 8}),
+    # a sliding layer, then a full one, as its config's layer_types say
+    "ministral": (
+        "MinistralConfig",
+        {
+            "head_dim": 16,  # transformers' MinistralConfig leaves it None
+            "sliding_window": 8,
+            "layer_types": ["sliding_attention", "full_attention"],
+        },
+    ),
     "qwen2_sw": (
         "Qwen2Config",
         {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1},

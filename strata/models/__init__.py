@@ -19,6 +19,7 @@ from strata.models.spec import FamilySpec
 # One line per family: the module that declares its `SPEC` beside its model classes.
 FAMILIES: tuple[str, ...] = (
     "strata.models.llama",
+    "strata.models.ministral",
     "strata.models.gemma",
     "strata.models.phi3",
     "strata.models.olmo2",

@@ -16,6 +16,7 @@ from strata.cache.dsv4_pool import DSV4KVPool
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
 from strata.distributed.sharding import check_supported
 from strata.engine.engine import Engine
+from strata.model_config import ModelConfig
 from strata.models import FAMILIES as FAMILY_MODULES
 from strata.models import family_spec, family_specs, get_model_class
 from strata.models.spec import KVLayout
@@ -27,6 +28,7 @@ TINY = {
     "gemma": "gemma3",
     "phi3": "phi3",
     "olmo2": "olmo2",
+    "ministral": "ministral",
     "mixtral": "mixtral",
     "qwen_moe": "qwen2_moe",
     "gpt_oss": "gpt_oss",
@@ -154,3 +156,10 @@ def test_the_engine_does_not_branch_on_the_model_type():
     probe = 'if cfg.mla is not None or cfg.model_type == "qwen2": pass\nx = 1 if c.dsv4 else 2'
     assert len(_engine_branches(ast.parse(probe), model_types)) == 4
     assert _engine_branches(ast.parse("latent = cfg.mla.latent_dim"), model_types) == []
+
+
+def test_ministral_slides_on_the_layers_its_config_says(tiny_dir):
+    """Ministral, added as its file and one registry line: its config reads as its family's."""
+    mc = ModelConfig.from_dir(tiny_dir("ministral"))
+    assert family_spec(mc.architecture).name == "ministral"
+    assert [spec.window for spec in mc.layers] == [8, None]
