@@ -122,6 +122,19 @@ class Req:
         return self.seq_len - self.kv_len
 
     @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def remaining_new(self) -> int:
+        """Output tokens it may still produce (max_new_tokens less those it has)."""
+        return self.params.max_new_tokens - len(self.output_ids)
+
+    @property
     def finished(self) -> bool:
         return self.status is ReqStatus.FINISHED
 

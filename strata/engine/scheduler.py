@@ -35,6 +35,15 @@ from strata.engine.draft_steps import DraftSteps
 from strata.engine.hooks import KVTransferPeer, StepObserver
 from strata.engine.limits import SizeLimits
 from strata.engine.model_runner import ModelRunner
+from strata.engine.policy import (
+    NewTokenRatio,
+    SchedulePolicy,
+    admission_open,
+    kv_admits,
+    kv_pages,
+    retraction_victim,
+    stuck_victim,
+)
 from strata.engine.request import (
     Req,
     ReqStatus,
@@ -52,12 +61,6 @@ from strata.tokenizer import IncrementalDetokenizer
 
 logger = logging.getLogger(__name__)
 
-LPM_MAX_WAITING = 128  # past this many waiting requests, lpm falls back to fcfs (matching all costs too much)
-RESERVE_CLIP_TOKENS = 4096  # future-token reservation per request is capped at this
-IN_BATCH_PREFIX_TOKENS = (
-    32  # a new prefix shared with a request admitted this step defers the second
-)
-
 
 class Scheduler(KVAccounting):
     def __init__(
@@ -70,6 +73,7 @@ class Scheduler(KVAccounting):
         eos_token_ids: frozenset[int],
         context_len: int,
         draft_model=None,
+        policy: SchedulePolicy | None = None,
     ):
         self.config = config
         self.runner = runner
@@ -86,11 +90,9 @@ class Scheduler(KVAccounting):
         self.reqs: dict[str, Req] = {}
         self.pending_outputs: list[RequestOutput] = []
         self.arrivals = 0
-        # fraction of each running request's remaining max_new_tokens reserved when admitting others;
-        # decays while things go well, jumps after a retraction (as in SGLang)
-        self.new_token_ratio = self.init_new_token_ratio = 0.7
-        self.min_new_token_ratio = 0.1
-        self.new_token_ratio_decay = 0.001
+        # the numbers and orders it decides by (strata.engine.policy, shared with the planner)
+        self.policy = policy or SchedulePolicy()
+        self.ratio = NewTokenRatio(self.policy)
         self.num_retractions = 0
         self.step_count = 0
         # PD disaggregation: requests whose prompt KV is being received (decode side), and the
@@ -136,6 +138,11 @@ class Scheduler(KVAccounting):
         return previous
 
     # ----------------------------------------------------------------- requests in and out
+
+    @property
+    def new_token_ratio(self) -> float:
+        """The share of running requests' remaining outputs admission keeps KV back for."""
+        return self.ratio.value
 
     @property
     def pool_tokens(self) -> int:
@@ -403,7 +410,7 @@ class Scheduler(KVAccounting):
         batch = self._schedule_once()
         # running requests that are all stuck mid-prefill without pages: retract until one can move
         while batch is None and len(self.running) > 1:
-            self.retract(max(self.running, key=lambda r: r.arrival))
+            self.retract(stuck_victim(self.running))
             batch = self._schedule_once()
         return batch
 
@@ -438,9 +445,7 @@ class Scheduler(KVAccounting):
             budget = self.config.max_batch_tokens - base
             verifying = self.drafts.plan(self.spec, decodes, len(decodes), budget)
             decodes = [r for r in decodes if not r.draft_ids]
-        self.new_token_ratio = max(
-            self.min_new_token_ratio, self.new_token_ratio - self.new_token_ratio_decay
-        )
+        self.ratio.after_step()
         return ScheduleBatch(
             reqs=decodes + verifying + [r for r, _ in extends],
             extend_lens=[1] * len(decodes)
@@ -453,7 +458,7 @@ class Scheduler(KVAccounting):
         """Give every decode whose last page is full a new page, retracting others if needed."""
         needy = [r for r in decodes if r.kv_len + 1 > len(r.pages) * self.page_size]
         while needy and not self.cache.make_room(len(needy)):
-            victim = self._pick_victim()
+            victim = retraction_victim(self.running)
             if victim is None:
                 break
             self.retract(victim)
@@ -467,15 +472,6 @@ class Scheduler(KVAccounting):
                 self._finish(req, "error")
                 continue
             req.pages.extend(pages)
-
-    def _pick_victim(self) -> Req | None:
-        if len(self.running) <= 1:
-            return None
-        # fewest outputs first (least work lost), then longest prompt (most KV freed)
-        return min(
-            self.running,
-            key=lambda r: (len(r.output_ids), -len(r.prompt_ids), -r.arrival),
-        )
 
     def _alloc_for(self, req: Req, end: int) -> bool:
         """Make req.pages cover positions [0, end). All or nothing."""
@@ -493,7 +489,7 @@ class Scheduler(KVAccounting):
     def _waiting_order(self) -> list[Req]:
         if (
             self.config.schedule_policy == "lpm"
-            and len(self.waiting) <= LPM_MAX_WAITING
+            and len(self.waiting) <= self.policy.lpm_max_waiting
             and self.cache_enabled
         ):
             lens = {
@@ -506,13 +502,16 @@ class Scheduler(KVAccounting):
     def _shares_uncached_prefix(
         self, tokens: list[int], cached_len: int, admitted_now: list[Req]
     ) -> bool:
-        """True if a request admitted in this step starts with the same IN_BATCH_PREFIX_TOKENS tokens
-        after `cached_len`: admitting both now would compute that shared prefix twice (SGLang's
-        in-batch prefix check). Costs O(IN_BATCH_PREFIX_TOKENS) per admitted request."""
-        if not self.cache_enabled or len(tokens) - cached_len < IN_BATCH_PREFIX_TOKENS:
+        """True if a request admitted in this step starts with the same in_batch_prefix_tokens
+        tokens after `cached_len`: admitting both now would compute that shared prefix twice
+        (`SchedulePolicy.checks_shared_prefix`). Costs O(in_batch_prefix_tokens) per admitted
+        request."""
+        if not self.cache_enabled or not self.policy.checks_shared_prefix(
+            len(tokens), cached_len
+        ):
             return False
-        window = tokens[cached_len : cached_len + IN_BATCH_PREFIX_TOKENS]
-        end = cached_len + IN_BATCH_PREFIX_TOKENS
+        end = cached_len + self.policy.in_batch_prefix_tokens
+        window = tokens[cached_len:end]
         return any(
             r.seq_len > end
             and r.seq_slice(cached_len, end) == window
@@ -522,14 +521,8 @@ class Scheduler(KVAccounting):
 
     def _reserved_pages(self) -> int:
         """Pages kept back for the future tokens of running requests."""
-        tokens = 0.0
-        for r in self.running:
-            remaining_new = r.params.max_new_tokens - len(r.output_ids)
-            tokens += (
-                r.extend_len
-                + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
-            )
-        return math.ceil(tokens / self.page_size)
+        tokens = self.policy.reserved_tokens(self.running, self.ratio.value)
+        return kv_pages(tokens, self.page_size)
 
     def _admit(
         self, extends: list[tuple[Req, int]], budget: int, batch_empty: bool
@@ -545,10 +538,11 @@ class Scheduler(KVAccounting):
         )
         admitted_now: list[Req] = []
         for req in self._waiting_order():
-            if (
-                len(self.running) >= self.config.max_running_requests
-                or budget <= 0
-                or prefill_budget <= 0
+            if not admission_open(
+                len(self.running),
+                self.config.max_running_requests,
+                budget,
+                prefill_budget,
             ):
                 break
             dep = req.depends_on
@@ -563,18 +557,11 @@ class Scheduler(KVAccounting):
             match = self.cache.load_prefix(reusable)
             if self._shares_uncached_prefix(reusable, match.cached_len, admitted_now):
                 continue  # next step it reuses what the other request is computing now
-            rest = req.seq_len - match.cached_len
-            remaining_new = req.params.max_new_tokens - len(req.output_ids)
-            need_pages = held(
-                math.ceil(
-                    (
-                        rest
-                        + min(remaining_new, RESERVE_CLIP_TOKENS) * self.new_token_ratio
-                    )
-                    / self.page_size
-                )
+            need = self.policy.reserve_tokens(
+                req.seq_len - match.cached_len, req.remaining_new, self.ratio.value
             )
-            if need_pages > available and not (batch_empty and not self.running):
+            need_pages = held(kv_pages(need, self.page_size))
+            if not kv_admits(need_pages, available, batch_empty, len(self.running)):
                 break
             self.cache.inc_lock(match.node)
             req.prefix_node, req.pages = match.node, list(match.pages)
@@ -697,7 +684,7 @@ class Scheduler(KVAccounting):
         req.num_retractions += 1
         self.num_retractions += 1
         self.waiting.append(req)
-        self.new_token_ratio = min(1.0, self.new_token_ratio + 0.1)
+        self.ratio.after_retraction()
         logger.info("retracted %s (%d tokens) to free KV", req.rid, req.seq_len)
 
     # ----------------------------------------------------------------- KV ownership

@@ -29,6 +29,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from strata.engine.policy import draft_pays
+
 DEFAULT_PRIOR_ACCEPT = 0.5  # assumed per-token acceptance before anything is measured
 PRIOR_WEIGHT = 4.0  # pseudo-trials the learned per-match-length rate counts for, against a request's own
 REQUEST_DECAY = (
@@ -434,9 +436,9 @@ def _blend(history: tuple[float, float], prior: float) -> float:
 
 
 def _pays(gain: float, a: float, b: float, tokens: int, expected: float) -> bool:
-    """Whether one more drafted row worth `gain` expected tokens raises the step's output rate:
-    (E + g) / (a + b (T + 1)) > E / (a + b T)  <=>  g (a + b T) > E b."""
-    return gain * (a + b * tokens) > expected * b
+    """Whether one more drafted row worth `gain` expected tokens raises the step's output rate,
+    the step taking a + b T for T rows (`draft_pays`)."""
+    return draft_pays(gain, expected, a + b * tokens, b)
 
 
 @dataclass

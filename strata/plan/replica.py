@@ -1,19 +1,23 @@
 """One simulated `strata serve` replica: the scheduler's step loop, with step times from the cost model.
 
-Each step mirrors `Scheduler._schedule_once` (strata/engine/scheduler.py):
+Each step follows `Scheduler._schedule_once` (strata/engine/scheduler.py), deciding with the
+scheduler's own policy code (strata/engine/policy.py: the new-token ratio, the KV reservation,
+admission's stop rules, the retraction victims; strata/engine/chunking.py: the prefill pieces):
 
     1. (PD decode) requests whose prompt KV arrived join the running batch as decodes
     2. every decode needs one more KV slot; out of room even after evicting the prefix cache,
-       running requests are retracted (fewest outputs, longest prompt first) and re-queued
+       running requests are retracted (`retraction_victim`) and re-queued
     3. requests part-way through a chunked prefill continue (pieces of chunked_prefill_size; one
        that does not fit the step's budget, max_batch_tokens - decodes, waits, unless it is the
        step's first piece, which is cut to fit)
     4. waiting requests are admitted in arrival order while the running limit, the token budget,
-       max_prefill_tokens and the KV budget allow; the KV budget keeps back new_token_ratio x the
-       remaining outputs of running requests (0.7, decaying 0.001 per step to 0.1). An admitted
-       request matches its longest cached prefix (L1, then consecutive L2 blocks copied up, paid at
-       the host copy rate in this step), skips a step when it shares an uncached prefix with a
-       request admitted in the same step, and gets KV for its first chunk
+       max_prefill_tokens and the KV budget allow; the KV budget keeps back the new-token ratio x
+       the remaining outputs of running requests (`NewTokenRatio`), counted in tokens (the
+       engine's pages at page_size 1). An admitted request matches its longest cached prefix
+       (L1, then consecutive L2 blocks copied up, paid at the host copy rate in this step), skips
+       a step when it shares an uncached prefix with a request admitted in the same step (the
+       next block's name compared, where the engine compares tokens), and gets KV for its first
+       chunk
     5. with speculative decoding, decodes get drafts best first while the expected tokens per
        second of the step grow (DraftPolicy's rule, with one acceptance rate p for every request)
     6. the step needs cost_model.step_s(its segments) (+ L2 copies) of its host's compute (a
@@ -39,13 +43,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.config import EngineConfig
 from strata.engine.chunking import prefill_piece
+from strata.engine.policy import (
+    NewTokenRatio,
+    SchedulePolicy,
+    admission_open,
+    draft_pays,
+    kv_admits,
+    kv_pages,
+    retraction_victim,
+    stuck_victim,
+)
 from strata.plan.cost_model import CostModel, Segment
 from strata.plan.kv_tiers import DeviceCache, LRUBlocks, block_hashes
 from strata.plan.workload import SimTurn
-
-RESERVE_CLIP_TOKENS = 4096  # as the scheduler
-IN_BATCH_PREFIX_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -53,15 +65,16 @@ class ReplicaConfig:
     """The engine flags the simulation honours (EngineConfig's names and defaults)."""
 
     kv_cache_tokens: int = 16455  # the default `strata serve` pool of the default model here (fp32 KV, 24 GiB)
-    max_running_requests: int = 256
-    max_batch_tokens: int = 8192
-    chunked_prefill_size: int = 2048
-    max_prefill_tokens: int = 16384
-    disable_radix_cache: bool = False
+    max_running_requests: int = EngineConfig.max_running_requests
+    max_batch_tokens: int = EngineConfig.max_batch_tokens
+    chunked_prefill_size: int = EngineConfig.chunked_prefill_size
+    max_prefill_tokens: int = EngineConfig.max_prefill_tokens
+    disable_radix_cache: bool = EngineConfig.disable_radix_cache
     host_cache_tokens: int = (
         0  # L2 (enable_hierarchical_cache: hicache_ratio x kv_cache_tokens); 0 = none
     )
-    prefetch_threshold_tokens: int = 256  # L3 hits smaller than this are not fetched
+    # L3 hits smaller than this are not fetched
+    prefetch_threshold_tokens: int = EngineConfig.hicache_prefetch_threshold
     speculative: bool = False  # draft with the cost model's spec_accept_rate
     block_size: int = 16  # prefix-matching granularity of the simulation (tokens)
 
@@ -120,6 +133,19 @@ class SimRequest:
     def extend_len(self) -> int:
         return self.seq_len - self.kv_len
 
+    # what strata.engine.policy reads (its PolicyReq)
+    @property
+    def remaining_new(self) -> int:
+        return self.max_new - self.outputs
+
+    @property
+    def num_outputs(self) -> int:
+        return self.outputs
+
+    @property
+    def arrival(self) -> int:
+        return self.seq_no
+
 
 @dataclass
 class Step:
@@ -144,6 +170,7 @@ class Replica:
         on_finish: Callable[[SimRequest, float], None] | None = None,
         host=None,
         rng: random.Random | None = None,
+        policy: SchedulePolicy | None = None,
     ):
         self.name, self.cfg, self.cost, self.loop = name, cfg, cost, loop
         self.compute = host  # runs steps: `run(replica, seconds, done)`; None: alone on its machine
@@ -172,7 +199,9 @@ class Replica:
         ] = []  # PD decode: KV arrived, joins at the next step
         self.private_tokens = 0
         self.busy = False
-        self.new_token_ratio = 0.7
+        # the scheduler's own policy (strata.engine.policy)
+        self.policy = policy or SchedulePolicy()
+        self.ratio = NewTokenRatio(self.policy)
         self.io_busy_until = 0.0
         self.arrivals = 0
         self.wake_at: float | None = None
@@ -348,7 +377,7 @@ class Replica:
         while (
             step is None and len(self.running) > 1
         ):  # all stuck mid-prefill without KV: retract one
-            self._retract(max(self.running, key=lambda r: r.seq_no))
+            self._retract(stuck_victim(self.running))
             step = self._schedule_once()
         return step
 
@@ -370,7 +399,7 @@ class Replica:
         while decodes and not self.make_room(
             sum(1 for r in decodes if r.alloc < r.kv_len + 1)
         ):
-            victim = self._victim()
+            victim = retraction_victim(self.running)
             if victim is None:
                 break
             self._retract(victim)
@@ -398,7 +427,7 @@ class Replica:
             if cfg.speculative
             else {}
         )
-        self.new_token_ratio = max(0.1, self.new_token_ratio - 0.001)
+        self.ratio.after_step()
         items = [(r, 1 + drafts.get(id(r), 0), drafts.get(id(r), 0)) for r in decodes]
         items += [(r, n, 0) for r, n in extends]
         segments = [
@@ -406,31 +435,24 @@ class Replica:
         ]
         return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
 
-    def _reserved_tokens(self) -> float:
-        return sum(
-            r.extend_len
-            + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
-            for r in self.running
-        )
-
     def _admit(
         self, extends: list[tuple[SimRequest, int]], budget: int, batch_empty: bool
     ) -> float:
         """Admit waiting requests (step 4); returns the seconds of L2 -> L1 copies they caused."""
         cfg, now = self.cfg, self.loop.now
         prefill_budget = cfg.max_prefill_tokens
+        # KV is counted in tokens: the engine's pages at its default page_size of 1
+        reserved = self.policy.reserved_tokens(self.running, self.ratio.value)
         available = (
             self.free_tokens
             + len(self.device.evictable) * self.block
-            - self._reserved_tokens()
+            - kv_pages(reserved, 1)
         )
         copy_s = 0.0
         admitted_now: list[SimRequest] = []
         for r in sorted(self.waiting, key=lambda r: r.seq_no):
-            if (
-                len(self.running) >= cfg.max_running_requests
-                or budget <= 0
-                or prefill_budget <= 0
+            if not admission_open(
+                len(self.running), cfg.max_running_requests, budget, prefill_budget
             ):
                 break
             if r.ready_t > now:
@@ -462,12 +484,13 @@ class Replica:
             if self._shares_uncached_prefix(r, len(r.locked), admitted_now):
                 self._unadmit(r)
                 continue  # next step it reuses what the other request is computing now
-            rest = r.seq_len - cached
-            need = (
-                rest
-                + min(r.max_new - r.outputs, RESERVE_CLIP_TOKENS) * self.new_token_ratio
+            need = kv_pages(
+                self.policy.reserve_tokens(
+                    r.seq_len - cached, r.remaining_new, self.ratio.value
+                ),
+                1,
             )
-            if need > available and not (batch_empty and not self.running):
+            if not kv_admits(need, available, batch_empty, len(self.running)):
                 self._unadmit(r)
                 break
             n = prefill_piece(
@@ -506,20 +529,25 @@ class Replica:
     def _shares_uncached_prefix(
         self, r: SimRequest, matched: int, admitted_now: list[SimRequest]
     ) -> bool:
-        if (
-            not self.device.enabled
-            or r.seq_len - matched * self.block < IN_BATCH_PREFIX_TOKENS
+        # at most seq_len - 1 tokens are reusable, as in the scheduler
+        if not self.device.enabled or not self.policy.checks_shared_prefix(
+            r.seq_len - 1, matched * self.block
         ):
             return False
         if matched >= len(r.hashes):
             return False
+        # the engine compares the next in_batch_prefix_tokens tokens; the simulation knows blocks,
+        # so it compares the next block's name (it covers every token before it)
         h = r.hashes[matched]
         return any(
             len(o.hashes) > matched and o.hashes[matched] == h for o in admitted_now
         )
 
     def _plan_drafts(self, decodes: list[SimRequest], base_rows: int) -> dict[int, int]:
-        """Drafts per decode (id -> k), added best first while tokens/second of the step grows."""
+        """Drafts per decode (id -> k), added best first while tokens/second of the step grows
+        (the engine's rule, `draft_pays`). Where the engine's DraftPolicy learns each request's
+        acceptance and measures its step cost, this has one rate p for every request (so best
+        first is depth by depth, in request order) and the cost model's step times."""
         p = self.cost.spec_accept_rate
         if p is None or p <= 0 or not decodes:
             return {}
@@ -548,18 +576,13 @@ class Replica:
                 ):
                     continue
                 extra = per_row + coef.get("per_decode_ctx", 0.0) * (r.kv_len + depth)
-                if (expected + gain) / (step_s + extra) <= expected / step_s:
+                if not draft_pays(gain, expected, step_s, extra):
                     return drafts
                 drafts[id(r)] = depth
                 expected += gain
                 step_s += extra
                 cap -= 1
         return drafts
-
-    def _victim(self) -> SimRequest | None:
-        if len(self.running) <= 1:
-            return None
-        return min(self.running, key=lambda r: (r.outputs, -r.prompt_len, -r.seq_no))
 
     def _retract(self, r: SimRequest) -> None:
         self._release(r)
@@ -568,7 +591,7 @@ class Replica:
         self.num_retractions += 1
         self.running.remove(r)
         self.waiting.append(r)
-        self.new_token_ratio = 0.7
+        self.ratio.after_retraction()
 
     def _end_step(self, step: Step) -> None:
         now = self.loop.now
