@@ -55,7 +55,7 @@ from strata.cache.pages import (
     decode_page,
     encode_page,
 )
-from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
+from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s, fetches_l3_hit
 from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
 from strata.cache.storage import StorageBackend
 from strata.cache.storage_io import Prefetch, StorageWorker, storage_key
@@ -464,7 +464,7 @@ class HiCache:
         while start < len(digests) and digests[start] in self.l2:
             start += 1
         rest = digests[start:]
-        if len(rest) * ps < self.config.prefetch_threshold_tokens:
+        if not fetches_l3_hit(len(rest) * ps, self.config.prefetch_threshold_tokens):
             return
         wait_s = self._wait_s(rest)
         pf = Prefetch(

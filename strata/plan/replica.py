@@ -43,6 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from strata.cache.prefetch import auto_wait_s, fetches_l3_hit
 from strata.config import EngineConfig
 from strata.engine.chunking import prefill_piece
 from strata.engine.policy import (
@@ -317,7 +318,9 @@ class Replica:
         while start + s < limit and r.hashes[start + s] in self.storage:
             s += 1
         tokens = s * self.block
-        if s == 0 or tokens < self.cfg.prefetch_threshold_tokens:
+        # the engine asks L3 for every page past L1/L2 (it cannot know which it holds); the
+        # simulation knows, and asks for the run of blocks it holds
+        if s == 0 or not fetches_l3_hit(tokens, self.cfg.prefetch_threshold_tokens):
             return
         now = self.loop.now
         queued = max(0.0, self.io_busy_until - now)
@@ -328,7 +331,9 @@ class Replica:
             self.cfg.chunked_prefill_size,
             self.cfg.max_batch_tokens,
         )
-        if fetch_s >= recompute_s:  # auto: recomputing is quicker, do not wait
+        # the engine waits up to auto_wait_s for the fetch, which here ends after fetch_s;
+        # 0: recomputing is quicker, do not wait
+        if auto_wait_s(fetch_s, recompute_s) == 0:
             return
         r.ready_t = self.io_busy_until = now + fetch_s
         r.l3_blocks = (start, start + s)
