@@ -43,18 +43,6 @@ class KVPlan:
         """Pages of context one request can hold in the full layers (all of them unless shared)."""
         return max(1, self.num_pages - self.window_reserve)
 
-    def layout(self, page_size: int, kv_dtype: torch.dtype):
-        """The pool as the other parallel ranks build their shards of it."""
-        from strata.distributed.messages import KVLayout
-
-        return KVLayout(
-            self.layer_windows,
-            self.num_pages,
-            page_size,
-            dict(self.group_pages),
-            str(kv_dtype).removeprefix("torch."),
-        )
-
     def describe(self) -> str:
         full = sum(w is None or w not in self.group_pages for w in self.layer_windows)
         if self.shared:

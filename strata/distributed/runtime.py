@@ -6,7 +6,7 @@ radix cache (page ids mean the same slots in every rank's KV shard), samples, an
 Workers (`strata.distributed.worker`) are child processes of it, one thread each by default (the
 machine's cores split over the ranks), killed by the kernel if rank 0 dies.
 
-    Engine ──► ParallelRuntime.start_kv(layout)     once: workers allocate their KV shards
+    Engine ──► ParallelRuntime.start_kv(plan, ...)  once: workers allocate their KV shards
     ModelRunner.forward ──► send_step(fb)           every step, before rank 0's own forward
     Engine.step ──► before_step()                   EPLB every --eplb-interval steps
     HiCache / PD ──► page_pool(local).read_pages    whole pages of every KV head (strata.distributed.kv)
@@ -23,6 +23,7 @@ import sys
 import time
 import weakref
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import torch
@@ -42,6 +43,9 @@ from strata.distributed.layers import ShardedLoad, expert_layers
 from strata.distributed.sharding import ShardPlan, check_supported
 from strata.layers.expert_load import expert_load_delta
 from strata.model_config import ModelConfig
+
+if TYPE_CHECKING:
+    from strata.cache.kv_plan import KVPlan
 
 logger = logging.getLogger(__name__)
 STOP_WAIT_S = 10.0
@@ -177,11 +181,22 @@ class ParallelRuntime:
         ]
         return ShardedKVPool(local, self, splits, cfg.num_kv_heads)
 
-    def start_kv(self, layout: msg.KVLayout, model) -> None:
-        """Workers allocate their KV shards; returns once every rank is ready to step."""
+    def start_kv(
+        self, plan: KVPlan, page_size: int, kv_dtype: torch.dtype, model
+    ) -> None:
+        """Workers allocate their KV shards of the pool `plan` sized; returns once every rank is
+        ready to step."""
         self.model = model
         self._wait_loaded()
-        self.send(layout)
+        self.send(
+            msg.KVLayout(
+                plan.layer_windows,
+                plan.num_pages,
+                page_size,
+                dict(plan.group_pages),
+                str(kv_dtype).removeprefix("torch."),
+            )
+        )
         self.comm.barrier()
         self._load_mark = model.expert_load()
 

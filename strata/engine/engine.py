@@ -308,7 +308,7 @@ class Engine:
         if (
             self.parallel is not None
         ):  # the workers allocate their KV shards; rank 0 broadcasts each step
-            self.parallel.start_kv(plan.layout(cfg.page_size, kv_dtype), self.model)
+            self.parallel.start_kv(plan, cfg.page_size, kv_dtype, self.model)
             runner.parallel = self.parallel
         draft = (
             self._make_draft_model(
