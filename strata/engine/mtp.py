@@ -33,7 +33,7 @@ from strata.cache.kv_layouts import KV_LAYOUTS
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import argmax_rows
 from strata.models import family_spec
-from strata.models.mtp import load_mtp_layer
+from strata.weights.mtp import load_mtp_layer
 
 logger = logging.getLogger(__name__)
 
