@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from strata.cache.dsv4_pool import DSV4KVPool, plan_dsv4_pool
+from strata.cache.kv_layout import KVLayout
 from strata.cache.kv_plan import KV_CONTEXTS_CAP, KVPlan, total_memory_bytes
 from strata.cache.kv_pool import KVPool, LatentKVPool, MHAKVPool
 from strata.config import EngineConfig
 from strata.model_config import ModelConfig
-from strata.models.spec import KVLayout
 
 
 @dataclass(frozen=True)

@@ -8,23 +8,11 @@ Torch-free: the spec names its model classes, it does not build them.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-
-class KVLayout(enum.Enum):
-    """How a family's KV cache is laid out; `strata.engine.kv_layouts` builds the pool for each."""
-
-    # K and V of every KV head per layer and slot (`MHAKVPool`); the layers with a sliding window
-    # get window groups of their own (`GroupedPageAllocator`, `WindowRadixCache`) when they slide
-    PAGED = "paged"
-    # multi-head latent attention: one latent row per token and layer (`LatentKVPool`)
-    LATENT = "latent"
-    # DeepSeek-V4: compressed entries by primary page, sliding K and compressor windows in window
-    # groups (`DSV4KVPool`)
-    DSV4 = "dsv4"
+from strata.cache.kv_layout import KVLayout
 
 
 @dataclass(frozen=True)
