@@ -12,8 +12,9 @@ Token accounting lives with the replica (what running requests hold privately); 
 knows blocks. Whether an L3 hit is fetched, and how long a request waits for it, the replica asks
 the engine's own functions (strata.cache.prefetch); which block goes first is this module's model
 of the engine's LRU orders (the radix tree's leaves by last use, the host pool's and the file
-backend's pages), not shared code: the engine orders tree nodes of any length, this blocks. Matching is by whole blocks, so a simulated hit can be up to block_size - 1 tokens
-shorter than the engine's (page_size 1 by default).
+backend's pages), not shared code: the engine orders tree nodes of any length, this blocks.
+Matching is by whole blocks, so a simulated hit can be up to block_size - 1 tokens shorter than
+the engine's (page_size 1 by default).
 """
 
 from __future__ import annotations
