@@ -129,6 +129,12 @@ def pick_device(name: str) -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
+    """The CPU computes bf16 natively (AVX-512 BF16 or AMX tiles), and oneDNN may use it."""
+    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
+    if held and held != "ALL" and not ("BF16" in held or "AMX" in held):
+        return (
+            False  # oneDNN held below bf16 (e.g. AVX2): bf16 matmuls would be emulated
+        )
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -136,46 +142,14 @@ def cpu_has_fast_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-_measured_cpu_dtype: tuple[torch.dtype, str] | None = None
-
-
-def measure_cpu_dtype() -> tuple[torch.dtype, str]:
-    """bf16 if this CPU's bf16 matmul is clearly faster than fp32 (native bf16: AVX-512 BF16 / AMX),
-    else fp32 (without native bf16, bf16 matmuls are emulated and several times slower). Timed once
-    per process on a decode-sized and a prefill-sized matmul (~0.1 s); returns (dtype, reason)."""
-    global _measured_cpu_dtype
-    if _measured_cpu_dtype is not None:
-        return _measured_cpu_dtype
-    gen = torch.Generator().manual_seed(0)
-    weight = torch.randn(1024, 1024, generator=gen)
-    times = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        w = weight.to(dtype)
-        xs = [torch.randn(rows, 1024, generator=gen).to(dtype) for rows in (4, 64)]
-        for x in xs:  # warm-up (oneDNN picks and caches its kernels)
-            torch.nn.functional.linear(x, w)
-        best = float("inf")
-        for _ in range(3):
-            start = time.perf_counter()
-            for x in xs:
-                for _ in range(4):
-                    torch.nn.functional.linear(x, w)
-            best = min(best, time.perf_counter() - start)
-        times[dtype] = best
-    ratio = times[torch.float32] / times[torch.bfloat16]
-    native = "native bf16" if cpu_has_fast_bf16() else "no native bf16"
-    if ratio >= 1.2:
-        picked = (
-            torch.bfloat16,
-            f"bf16 matmuls {ratio:.1f}x faster than fp32 here ({native})",
-        )
-    else:
-        picked = (
-            torch.float32,
-            f"bf16 matmuls {1 / ratio:.1f}x slower than fp32 here ({native})",
-        )
-    _measured_cpu_dtype = picked
-    return picked
+def cpu_auto_dtype() -> tuple[torch.dtype, str]:
+    """bf16 where the CPU computes it natively, else fp32 (emulated bf16 matmuls run several
+    times slower than fp32). Decided from the CPU's flags, not by timing: every process on one
+    machine must choose the same, or a PD pair or replicas sharing an L3 tier would hold KV of
+    different dtypes (a timing on a busy machine once picked fp32 beside bf16)."""
+    if cpu_has_fast_bf16():
+        return torch.bfloat16, "the CPU has native bf16 (avx512_bf16 / amx_bf16)"
+    return torch.float32, "the CPU has no native bf16, so bf16 would be emulated"
 
 
 def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
@@ -186,7 +160,7 @@ def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
         if torch.cuda.is_bf16_supported():
             return torch.bfloat16, "auto: the GPU supports bf16"
         return torch.float16, "auto: the GPU has no bf16"
-    dtype, reason = measure_cpu_dtype()
+    dtype, reason = cpu_auto_dtype()
     return dtype, f"auto: {reason}"
 
 
