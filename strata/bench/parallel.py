@@ -152,15 +152,17 @@ def run_eplb(cfg: EPLBBenchConfig, engine_options: dict | None = None) -> dict:
 def format_eplb(result: dict) -> str:
     cfg = result["config"]
     lines = [
-        f"EPLB: {cfg['num_experts']} experts top-{cfg['top_k']} over {cfg['ep_size']} ranks, "
-        f"{cfg['num_redundant']} redundant slots; {cfg['num_prompts']} prompts x {cfg['prompt_len']} tokens "
-        f"+ {cfg['output_len']} generated",
+        (
+            f"EPLB: {cfg['num_experts']} experts top-{cfg['top_k']} over {cfg['ep_size']} ranks, "
+            f"{cfg['num_redundant']} redundant slots; {cfg['num_prompts']} prompts x {cfg['prompt_len']} tokens "
+            f"+ {cfg['output_len']} generated"
+        ),
         f"{'layer':>5}  {'rows per rank before':>24}  {'max/mean':>8}  {'rows per rank after':>24}  {'max/mean':>8}  placement after",
     ]
     for i, b in result["before"]["layers"].items():
         a = result["after"]["layers"][i]
         lines.append(
-            f"{i:>5}  {str(b['rows_per_rank']):>24}  {b['max_over_mean']:8.3f}  {str(a['rows_per_rank']):>24}  "
+            f"{i:>5}  {b['rows_per_rank']!s:>24}  {b['max_over_mean']:8.3f}  {a['rows_per_rank']!s:>24}  "
             f"{a['max_over_mean']:8.3f}  {result['placements'].get(i)}"
         )
     lines.append(

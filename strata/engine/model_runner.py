@@ -82,7 +82,7 @@ class ModelRunner:
         kv_lens: list[int] = []
         spans: list[tuple[Req, int]] = []  # (request, its entries)
         num_decode = batch.num_decode
-        for b, (req, n) in enumerate(zip(batch.reqs, batch.extend_lens)):
+        for req, n in zip(batch.reqs, batch.extend_lens):
             end = req.kv_len + n
             ids.extend(req.seq_slice(req.kv_len, min(end, req.seq_len)))
             ids.extend(req.draft_ids[: max(0, end - req.seq_len)])

@@ -143,8 +143,11 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:
-        logger.exception(
-            "internal error serving %s %s", request.method, request.url.path
+        logger.error(
+            "internal error serving %s %s",
+            request.method,
+            request.url.path,
+            exc_info=exc,
         )
         body = error_body(
             500, scrub(f"internal server error: {type(exc).__name__}: {exc}", secrets)

@@ -106,9 +106,8 @@ class EngineLoop:
                 return
             try:
                 message = io.decode_to_engine(data.buffer)
-            except (
-                Exception
-            ) as exc:  # a malformed message is the frontend's bug; never die of it
+            # a malformed message is the frontend's bug; never die of it
+            except Exception as exc:  # noqa: BLE001
                 self.reject_undecodable(data.buffer, exc)
                 continue
             self.handle(message)
@@ -205,7 +204,7 @@ class EngineLoop:
             )
         except ValueError as exc:
             return io.EmbedResult(req.req_id, [], str(exc))
-        except Exception as exc:  # noqa: BLE001 -- a failed embedding fails that request alone
+        except Exception as exc:  # a failed embedding fails that request alone
             logger.exception("embedding %d inputs failed", len(req.inputs))
             message = f"internal engine error: {type(exc).__name__}: {exc}"
             return io.EmbedResult(
