@@ -148,9 +148,6 @@ class EngineClient:
         # seconds is stopped or hung: /health says so
         self.stall_timeout = stall_timeout
         self.last_heard = time.monotonic()
-        self.step_s: float | None = (
-            None  # the last heartbeat's: how long a step has run
-        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -347,7 +344,7 @@ class EngineClient:
 
     def _dispatch(self, message: io.FromEngine) -> None:
         if isinstance(message, io.Heartbeat):
-            self.step_s = message.step_s
+            pass  # the reader loop noted when the engine was last heard from
         elif isinstance(message, io.OutputBatch):
             self.stats = message.stats
             now = time.perf_counter()

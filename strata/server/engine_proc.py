@@ -25,7 +25,6 @@ import logging
 import os
 import signal
 import sys
-import time
 import traceback
 
 import zmq
@@ -64,7 +63,6 @@ class EngineLoop:
         self.live: set[str] = set()  # engine rids added and not yet reported finished
         self.stopping = False
         self.step_failures = 0
-        self.step_started_at: float | None = None
 
     def send(self, message: io.FromEngine) -> None:
         self.push.send(io.encode(message), copy=False)
@@ -92,11 +90,7 @@ class EngineLoop:
                 self.pull.poll(BACKGROUND_POLL_MS)
             self.drain()
             if not self.stopping and self.engine.has_work():
-                self.step_started_at = time.monotonic()  # read by the heartbeat thread
-                try:
-                    self.step()
-                finally:
-                    self.step_started_at = None
+                self.step()
 
     def drain(self) -> None:
         while True:
@@ -366,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         ctx.term()
         return 1
     loop = EngineLoop(engine, pull, push, args.parent_pid, secrets)
-    heartbeat = Heartbeat(ctx, args.out_addr, lambda: loop.step_started_at)
+    heartbeat = Heartbeat(ctx, args.out_addr)
     heartbeat.start()
     try:
         loop.run()

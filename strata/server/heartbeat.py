@@ -1,5 +1,5 @@
 """The engine process's heartbeat: a thread that tells the frontend every io.HEARTBEAT_S that the
-process runs, and how long the step now running has run, whatever the engine loop is doing.
+process runs, whatever the engine loop is doing.
 
 It has its own PUSH socket (a ZMQ socket belongs to one thread) to the frontend's PULL. A
 stopped or hung process sends none, and the frontend's /health turns 503 (EngineClient.stalled).
@@ -8,8 +8,6 @@ stopped or hung process sends none, and the frontend's /health turns 503 (Engine
 from __future__ import annotations
 
 import threading
-import time
-from collections.abc import Callable
 
 import zmq
 
@@ -17,13 +15,9 @@ from strata.server import io
 
 
 class Heartbeat:
-    def __init__(
-        self, ctx: zmq.Context, out_addr: str, step_started: Callable[[], float | None]
-    ):
-        """`step_started`: the monotonic time the running step began, None between steps."""
+    def __init__(self, ctx: zmq.Context, out_addr: str):
         self._ctx = ctx
         self._out_addr = out_addr
-        self._step_started = step_started
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._run, name="engine-heartbeat", daemon=True
@@ -43,12 +37,8 @@ class Heartbeat:
         sock.connect(self._out_addr)
         try:
             while not self._stop.wait(io.HEARTBEAT_S):
-                started = self._step_started()
-                beat = io.Heartbeat(
-                    None if started is None else time.monotonic() - started
-                )
                 try:
-                    sock.send(io.encode(beat), zmq.NOBLOCK)
+                    sock.send(io.encode(io.Heartbeat()), zmq.NOBLOCK)
                 except zmq.Again:
                     pass
         finally:

@@ -192,8 +192,6 @@ class EmbedResult(msgspec.Struct, tag=True):
 class Heartbeat(msgspec.Struct, tag=True):
     """Sent every HEARTBEAT_S by a thread of the engine process, whatever its loop is doing."""
 
-    step_s: float | None  # how long the step now running has run; None between steps
-
 
 HEARTBEAT_S = 0.5
 
