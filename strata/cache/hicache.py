@@ -1,6 +1,6 @@
 """The KV cache hierarchy: L1 (the engine's KV pool + radix tree) → L2 (host memory) → L3 (storage).
 
-`HiCache` is a `PrefixCache` wrapping the device one; the scheduler sees only that protocol.
+`HiCache` is the scheduler's `CacheTiers` and a listener of the device's `PrefixCache`.
 Pages are named across tiers by a chained hash: the digest of page i covers the layout namespace
 (model identity, dtype, page size, shapes), page i-1's digest and page i's token ids, so a key
 names a whole prefix and never collides across models, dtypes or page sizes.
@@ -43,8 +43,6 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from strata.cache.allocator import PageAllocator
 from strata.cache.host_pool import HostKVPool
 from strata.cache.kv_pool import KVPool
@@ -56,7 +54,7 @@ from strata.cache.pages import (
     encode_page,
 )
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s, fetches_l3_hit
-from strata.cache.radix import MatchResult, NoPrefixCache, RadixCache, TreeNode
+from strata.cache.radix import MatchResult, PrefixCache
 from strata.cache.storage import StorageBackend
 from strata.cache.storage_io import Prefetch, StorageWorker, storage_key
 
@@ -124,16 +122,16 @@ class HiCacheStats:
 
 
 class HiCache:
-    """A `PrefixCache` over three tiers: the device cache it wraps (L1: a radix tree over the KV
-    pool), L2 host pages and L3 storage. Lookup, locking and eviction are the device cache's; this
-    adds demotion (the device cache's eviction listener), promotion (`load_prefix`), L3 writes
-    (`insert`) and L3 prefetch (the request events)."""
+    """The `CacheTiers` behind a device cache (L1: a radix tree over the KV pool): L2 host pages
+    and L3 storage. Lookup, locking and eviction stay the device cache's; this listens to it
+    (`CacheListener`: demotion on eviction, L3 writes on insertion) and adds promotion
+    (`load_prefix`) and L3 prefetch (the request events)."""
 
     def __init__(
         self,
         config: HiCacheConfig,
         l1: KVPool,
-        device: RadixCache | NoPrefixCache,
+        device: PrefixCache,
         namespace: bytes,
         storage: StorageBackend | None = None,
     ):
@@ -160,6 +158,7 @@ class HiCache:
             set()
         )  # L2 entries that came from L3 (for per-tier hit counts)
         self.pinned: set[bytes] = set()  # being promoted: L2 must not drop them
+        self._promoting = False  # inserting promoted pages into the device cache
         self.stats = HiCacheStats(host_bytes=config.host_pages * self.host.page_bytes)
         self._host_touched_pages = 0
         self.storage = storage
@@ -187,59 +186,10 @@ class HiCache:
         )
         if self.worker is not None:
             self.worker.start()
-        if isinstance(device, RadixCache):
-            device.on_evict = self._demote
-
-    # ----------------------------------------------------------------- the device cache's part
-
-    def match_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return self.device.match_prefix(token_ids)
-
-    def inc_lock(self, node: TreeNode) -> None:
-        self.device.inc_lock(node)
-
-    def dec_lock(self, node: TreeNode) -> None:
-        self.device.dec_lock(node)
-
-    def evict(self, num_pages: int) -> int:
-        return self.device.evict(num_pages)  # demotes through the eviction listener
-
-    def keep_resumable(self, node) -> None:
-        self.device.keep_resumable(node)
-
-    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]:
-        return self.device.evict_window(wanted, tails)
-
-    def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool:
-        return self.device.make_room(num_pages, present)
-
-    def window_pages(self) -> list[int]:
-        return self.device.window_pages()
-
-    @property
-    def evictable_pages(self) -> int:
-        return self.device.evictable_pages
-
-    @property
-    def protected_pages(self) -> int:
-        return self.device.protected_pages
-
-    @property
-    def total_pages(self) -> int:
-        return self.device.total_pages
-
-    def pretty(self) -> str:
-        return self.device.pretty()
-
-    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
-        present = self.device.insert(token_ids, pages)
-        if present < len(token_ids):
-            self._on_insert(token_ids, list(pages), present)
-        return present
+        device.add_listener(self)
 
     def reset(self) -> None:
-        """Drop L1 and L2 (L3 is shared and stays)."""
-        self.device.reset()
+        """Drop L2 (the device cache resets itself; L3 is shared and stays)."""
         self.l2.clear()
         self.l2_from_storage.clear()
         self.host_allocator.reset()
@@ -253,10 +203,10 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L2
 
-    def _demote(
+    def on_evict(
         self, prefix: tuple[int, ...], tokens: tuple[int, ...], pages: list[int]
     ) -> None:
-        """Radix eviction hook: back the evicted pages up in L2 before L1 frees them."""
+        """The device cache evicts: back the pages up in L2 before L1 frees them."""
         prev = self.hasher.hashes(prefix)[-1] if prefix else None
         digests = self.hasher.hashes(tokens, prev)
         todo = [(d, p) for d, p in zip(digests, pages) if d not in self.l2]
@@ -301,7 +251,7 @@ class HiCache:
         """The L1 match, extended with the consecutive L2 pages that follow it (promoted into fresh
         L1 pages; making room evicts L1, which demotes into L2). `loaded` counts the promoted tokens
         that were in L2 ("host") and that came from L3 ("storage"). Called at admission, so it also
-        starts the clock on the prefill of the rest (see `_on_insert`)."""
+        starts the clock on the prefill of the rest (see `on_insert`)."""
         tokens = token_ids
         digests = self.hasher.hashes(
             tokens[: len(tokens) // self.page_size * self.page_size]
@@ -349,7 +299,11 @@ class HiCache:
                 return match, 0, 0
             self.host.copy_to_l1(self.l1, host_pages, l1_pages)
             end = match.cached_len + len(hits) * ps
-            present = self.device.insert(tokens[:end], match.pages + l1_pages)
+            self._promoting = True  # pages from L2 are not new KV (`on_insert`)
+            try:
+                present = self.device.insert(tokens[:end], match.pages + l1_pages)
+            finally:
+                self._promoting = False
             # only pages past `present` now belong to the tree; anything before it was already there
             dup = l1_pages[: max(0, (present - match.cached_len) // ps)]
             self.allocator.free(dup)
@@ -397,11 +351,14 @@ class HiCache:
 
     # ----------------------------------------------------------------- L1 -> L3 (write_through)
 
-    def _on_insert(
-        self, tokens: Sequence[int], pages: list[int], new_from: int
+    def on_insert(
+        self, tokens: Sequence[int], pages: Sequence[int], new_from: int
     ) -> None:
-        """Pages tokens[new_from:] just entered the radix tree: a prompt admitted by `load_prefix` is
-        computed when its last page does (a prefill rate sample); write_through backs them up in L3."""
+        """Pages tokens[new_from:] just entered the device cache: a prompt admitted by `load_prefix`
+        is computed when its last page does (a prefill rate sample); write_through backs them up in
+        L3. Pages promoted from L2 (`_promote`) are neither."""
+        if self._promoting:
+            return
         write = self.storage is not None and self.config.write_policy == "write_through"
         if not write and not self.prefilling:
             return

@@ -31,15 +31,13 @@ sliding-window KV takes whole leaves instead: a leaf cut short would end where i
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from strata.cache.allocator import GroupedPageAllocator, PageAllocator
-
-EvictListener = Callable[[tuple[int, ...], tuple[int, ...], list[int]], None]
 
 
 class TreeNode:
@@ -88,16 +86,11 @@ class MatchResult:
 
 @runtime_checkable
 class PrefixCache(Protocol):
-    """The contract between the scheduler and a prefix cache.
-
-    Lookup and ownership:
+    """What the scheduler asks of a prefix cache: lookup, locking, insertion, eviction.
 
     - ``match_prefix(token_ids)``: the longest prefix of token_ids the device pages hold, rounded
       down to whole pages. Refreshes the last-access time of the matched path; may split a node;
       does not lock.
-    - ``load_prefix(token_ids)``: what admission calls. ``match_prefix``, extended by the pages a
-      slower tier holds (copied into fresh device pages and inserted, unlocked; this may evict).
-      ``MatchResult.loaded`` counts the tokens each tier gave. A single-tier cache only matches.
     - ``insert(token_ids, pages)``: ``len(token_ids)`` must be a multiple of page_size and equal
       ``len(pages) * page_size`` (ValueError otherwise). Returns prefix_len, the number of leading
       tokens that were already in the tree. The tree takes ownership of ``pages[prefix_len // ps:]``.
@@ -105,47 +98,28 @@ class PrefixCache(Protocol):
       (i.e. not the tree's own pages that it got from an earlier match).
     - ``inc_lock(node)`` / ``dec_lock(node)``: +1 / -1 lock on node and every ancestor. Locked nodes are
       never evicted. dec_lock raises RuntimeError if a count would go negative.
-
-    Eviction and accounting:
-
     - ``evict(n)``: frees up to n pages of unlocked leaves to the allocator, least recently used
       first; returns the number freed.
-    - ``keep_resumable(node)``: a request's prompt ended at the end of ``node``, so its next turn (or a
-      retry) resumes there even when the text that follows re-tokenizes differently: a window cache
-      keeps what resuming there reads, as it does at leaf ends and branch points (only the latest
-      prompt end on a path: an earlier turn's is passed by the later one).
-    - ``evict_window(wanted, tails=True)``: frees up to wanted[g] pages of each window group of a
-      `GroupedPageAllocator` (`WindowRadixCache`; only KV no match reads unless ``tails``); returns
-      the count per group (zeros elsewhere).
     - ``make_room(n)``: evicts until n pages can be allocated in every KV group (in a shared pool:
       n times its page cost); True if they can.
-    - ``window_pages()``: per window group, the pages the cache holds (walks the tree).
     - ``evictable_pages`` (unlocked), ``protected_pages`` (locked), ``total_pages`` (both).
     - ``reset()``: drop everything, freeing all pages to the allocator (RuntimeError while locked).
+    - ``add_listener(listener)``: a `CacheListener` hears of every insertion and eviction from now on.
 
-    Request events, all on the scheduler thread (a single-tier cache ignores them):
-
-    - ``on_arrival(rid, token_ids)``: a request arrived; the cache may start fetching its pages.
-    - ``ready(rid)``: False while the request should wait for such a fetch before admission.
-    - ``on_admitted(query_len, hits)``: a request's first admission reused ``hits`` tokens per
-      tier ("device", "host", "storage") of the ``query_len`` it could have reused.
-    - ``on_finished(rid)``: the request is gone.
-    - ``poll()``: once per step: apply background work that finished (fetched pages land).
-    - ``fetching()``: True while a fetch a waiting request may wait for is in flight.
+    What else a cache may be told lives in narrower roles: `WindowCache` (the KV of sliding-window
+    layers) and `CacheTiers` (slower tiers behind the device cache, and the request events they
+    act on).
     """
 
     page_size: int
+    allocator: PageAllocator  # where evicted pages go
 
     def match_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
-    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int: ...
     def inc_lock(self, node: TreeNode) -> None: ...
     def dec_lock(self, node: TreeNode) -> None: ...
     def evict(self, num_pages: int) -> int: ...
-    def keep_resumable(self, node: TreeNode) -> None: ...
-    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]: ...
     def make_room(self, num_pages: int, present: np.ndarray | None = None) -> bool: ...
-    def window_pages(self) -> list[int]: ...
     @property
     def evictable_pages(self) -> int: ...
     @property
@@ -153,24 +127,113 @@ class PrefixCache(Protocol):
     @property
     def total_pages(self) -> int: ...
     def reset(self) -> None: ...
-    def pretty(self) -> str: ...
+    def add_listener(self, listener: CacheListener) -> None: ...
+
+
+class CacheListener(Protocol):
+    """Hears what enters and leaves a `PrefixCache` (a slower tier behind it: `HiCache`). Both are
+    called on the scheduler thread, before the cache's own call returns.
+
+    - ``on_insert(tokens, pages, new_from)``: ``tokens[new_from:]`` just entered the tree with
+      ``pages[new_from // page_size:]`` (``tokens[:new_from]`` were there already).
+    - ``on_evict(prefix, tokens, pages)``: ``pages`` (holding ``tokens``, which follow ``prefix`` on
+      their path from the root) are about to be freed.
+    """
+
+    def on_insert(
+        self, tokens: Sequence[int], pages: Sequence[int], new_from: int
+    ) -> None: ...
+    def on_evict(
+        self, prefix: tuple[int, ...], tokens: tuple[int, ...], pages: list[int]
+    ) -> None: ...
+
+
+@runtime_checkable
+class WindowCache(Protocol):
+    """What the scheduler tells a prefix cache over window groups (`GroupedPageAllocator`: the
+    KV of sliding-window layers). A cache over full-attention KV only answers with no-ops.
+
+    - ``keep_resumable(node)``: a request's prompt ended at the end of ``node``, so its next turn (or
+      a retry) resumes there even when the text that follows re-tokenizes differently: a window cache
+      keeps what resuming there reads, as it does at leaf ends and branch points (only the latest
+      prompt end on a path: an earlier turn's is passed by the later one).
+    - ``evict_window(wanted, tails=True)``: frees up to wanted[g] pages of each window group
+      (only KV no match reads unless ``tails``); returns the count per group (zeros elsewhere).
+    - ``window_pages()``: per window group, the pages the cache holds (walks the tree).
+    """
+
+    def keep_resumable(self, node: TreeNode) -> None: ...
+    def evict_window(self, wanted: Sequence[int], tails: bool = True) -> list[int]: ...
+    def window_pages(self) -> list[int]: ...
+
+
+@runtime_checkable
+class CacheTiers(Protocol):
+    """Slower tiers behind the device's `PrefixCache` (`HiCache`: host memory, storage), and the
+    request events they act on, all on the scheduler thread. `DeviceOnly` is the empty one.
+
+    - ``load_prefix(token_ids)``: what admission calls instead of the device cache's
+      ``match_prefix``: that match, extended by the pages a slower tier holds (copied into fresh
+      device pages and inserted, unlocked; this may evict). ``MatchResult.loaded`` counts the
+      tokens each tier gave.
+    - ``on_arrival(rid, token_ids)``: a request arrived; the tiers may start fetching its pages.
+    - ``ready(rid)``: False while the request should wait for such a fetch before admission.
+    - ``on_admitted(query_len, hits)``: a request's first admission reused ``hits`` tokens per
+      tier ("device", "host", "storage") of the ``query_len`` it could have reused.
+    - ``on_finished(rid)``: the request is gone.
+    - ``poll()``: once per step: apply background work that finished (fetched pages land).
+    - ``fetching()``: True while a fetch a waiting request may wait for is in flight.
+    - ``reset()``: drop what the tiers of this engine alone hold (after the device cache's reset).
+    """
+
+    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
     def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None: ...
     def ready(self, rid: str) -> bool: ...
     def on_admitted(self, query_len: int, hits: dict[str, int]) -> None: ...
     def on_finished(self, rid: str) -> None: ...
     def poll(self) -> None: ...
     def fetching(self) -> bool: ...
+    def reset(self) -> None: ...
 
 
-class SingleTier:
-    """What every device-only `PrefixCache` shares: `make_room` over its own eviction, a
-    `load_prefix` that only matches, and request events it has no use for."""
+class DeviceOnly:
+    """The `CacheTiers` of a device cache with nothing behind it: lookups only match."""
+
+    def __init__(self, cache: PrefixCache) -> None:
+        self.cache = cache
+
+    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
+        return self.cache.match_prefix(token_ids)
+
+    def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None:
+        pass
+
+    def ready(self, rid: str) -> bool:
+        return True
+
+    def on_admitted(self, query_len: int, hits: dict[str, int]) -> None:
+        pass
+
+    def on_finished(self, rid: str) -> None:
+        pass
+
+    def poll(self) -> None:
+        pass
+
+    def fetching(self) -> bool:
+        return False
+
+    def reset(self) -> None:
+        pass
+
+
+class RoomMaker:
+    """`make_room` for the device caches, over their own eviction (`evict`, `evict_window`)."""
 
     allocator: PageAllocator
 
     if TYPE_CHECKING:  # the cache this is mixed into provides them
 
-        def match_prefix(self, token_ids: Sequence[int]) -> MatchResult: ...
         def evict(self, num_pages: int) -> int: ...
         def evict_window(
             self, wanted: Sequence[int], tails: bool = True
@@ -212,27 +275,6 @@ class SingleTier:
         ):
             pass
 
-    def load_prefix(self, token_ids: Sequence[int]) -> MatchResult:
-        return self.match_prefix(token_ids)
-
-    def on_arrival(self, rid: str, token_ids: Sequence[int]) -> None:
-        pass
-
-    def ready(self, rid: str) -> bool:
-        return True
-
-    def on_admitted(self, query_len: int, hits: dict[str, int]) -> None:
-        pass
-
-    def on_finished(self, rid: str) -> None:
-        pass
-
-    def poll(self) -> None:
-        pass
-
-    def fetching(self) -> bool:
-        return False
-
 
 def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) -> None:
     n = len(token_ids)
@@ -242,24 +284,19 @@ def _check_insert_args(token_ids: Sequence[int], pages: Sequence[int], ps: int) 
         )
 
 
-class RadixCache(SingleTier):
-    """PrefixCache over a radix tree; evicted pages go back to ``allocator``.
-
-    ``on_evict(prefix_tokens, tokens, pages)``, when given, is called just before evicted pages are
-    freed, prefix_tokens being the tokens before them on their path from the root (a slower tier
-    behind this cache copies them there).
-    """
+class RadixCache(RoomMaker):
+    """PrefixCache (and a full-attention `WindowCache`) over a radix tree; evicted pages go back
+    to ``allocator``. Its listeners hear of every insertion, and of evicted pages just before they
+    are freed (a slower tier behind this cache copies them there)."""
 
     trims_leaves = (
         True  # evict may take a leaf's tail pages alone (False: whole leaves only)
     )
 
-    def __init__(
-        self, allocator: PageAllocator, on_evict: EvictListener | None = None
-    ) -> None:
+    def __init__(self, allocator: PageAllocator) -> None:
         self.allocator = allocator
         self.page_size = allocator.page_size
-        self.on_evict = on_evict
+        self.listeners: list[CacheListener] = []
         self._clock = 0
         self._next_id = 0
         self._new_tree()
@@ -337,7 +374,12 @@ class RadixCache(SingleTier):
             leaf = self._new_node(tokens[pos:], list(pages[pos // ps :]), node)
             node.children[tokens[pos : pos + ps]] = leaf
             self._evictable += len(leaf.value)
+            for listener in self.listeners:
+                listener.on_insert(tokens, pages, pos)
         return pos
+
+    def add_listener(self, listener: CacheListener) -> None:
+        self.listeners.append(listener)
 
     def _on_present(self, cached: list[int], given: Sequence[int]) -> None:
         """An insert found ``given`` already cached as ``cached`` (the caller frees its copies)."""
@@ -454,8 +496,8 @@ class RadixCache(SingleTier):
         return len(node.value)
 
     def _before_free(self, node: TreeNode, keep_pages: int) -> None:
-        """Tell the eviction listener about node.value[keep_pages:] before those pages are freed."""
-        if self.on_evict is None:
+        """Tell the listeners about node.value[keep_pages:] before those pages are freed."""
+        if not self.listeners:
             return
         keys = []
         n = node.parent
@@ -464,7 +506,8 @@ class RadixCache(SingleTier):
             n = n.parent
         cut = keep_pages * self.page_size
         prefix = tuple(t for key in reversed(keys) for t in key) + node.key[:cut]
-        self.on_evict(prefix, node.key[cut:], node.value[keep_pages:])
+        for listener in self.listeners:
+            listener.on_evict(prefix, node.key[cut:], node.value[keep_pages:])
 
     # -------------------------------------------------------------------------------- accounting
 
@@ -503,11 +546,12 @@ class RadixCache(SingleTier):
         return "\n".join(lines)
 
 
-class NoPrefixCache(SingleTier):
-    """PrefixCache that caches nothing (``--disable-radix-cache``).
+class NoPrefixCache(RoomMaker):
+    """PrefixCache (and `WindowCache`) that caches nothing (``--disable-radix-cache``).
 
     match_prefix never matches; insert reports every token as already present, so the caller frees all
-    of its pages; nothing is ever held, so evict frees nothing and every count is 0.
+    of its pages; nothing is ever held, so evict frees nothing, every count is 0 and a listener
+    never hears anything.
     """
 
     def __init__(self, allocator: PageAllocator) -> None:
@@ -521,6 +565,9 @@ class NoPrefixCache(SingleTier):
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> int:
         _check_insert_args(token_ids, pages, self.page_size)
         return len(token_ids)
+
+    def add_listener(self, listener: CacheListener) -> None:
+        pass  # nothing enters or leaves
 
     def inc_lock(self, node: TreeNode) -> None:
         node.lock_ref += 1

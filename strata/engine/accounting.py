@@ -45,7 +45,7 @@ class KVAccounting:
         """Per window group of the KV pool: its window, pages, and how many are free, held by the
         prefix cache and held by requests (walks the cache: for stats on request and tests). In a
         shared pool `num_pages` / `num_free_pages` are the pool's and `num_held_pages` the group's."""
-        cached = self.cache.window_pages()
+        cached = self.windows.window_pages()
         private = self.allocator.group_pages_held(self._private_page_ids())
         private = [n + m for n, m in zip(private, self._replay_pages())]
         usage = [

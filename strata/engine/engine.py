@@ -27,7 +27,7 @@ from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_layouts import KV_LAYOUTS, PoolRequest
 from strata.cache.kv_plan import plan_kv_pool
 from strata.cache.kv_pool import KVPool
-from strata.cache.radix import NoPrefixCache, RadixCache
+from strata.cache.radix import NoPrefixCache, PrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig
 from strata.engine.embed import check_embed_request, embed
@@ -269,8 +269,6 @@ class Engine:
             if cfg.hierarchical_cache
             else None
         )
-        if self.hicache is not None:
-            cache = self.hicache  # the tiers wrap the device cache
         runner = ModelRunner(
             self.model,
             kv_pool,
@@ -316,6 +314,7 @@ class Engine:
             frozenset(eos),
             context_len,
             draft_model=draft,
+            tiers=self.hicache,  # listens to the device cache (demotion, L3 writes)
         )
         self.disagg = (
             self._make_disagg(namespace, page_pool)
@@ -442,7 +441,7 @@ class Engine:
         )
 
     def _make_hicache(
-        self, namespace: bytes, kv_pool: KVPool, device: RadixCache | NoPrefixCache
+        self, namespace: bytes, kv_pool: KVPool, device: PrefixCache
     ) -> HiCache:
         from strata.cache.storage import make_storage_backend
 
@@ -525,6 +524,7 @@ class Engine:
                 f"{len(self.scheduler.waiting)} wait; retry when idle"
             )
         self.scheduler.cache.reset()
+        self.scheduler.tiers.reset()
 
     def close(self) -> None:
         """Stop background threads (the L3 storage worker), sockets and the other parallel ranks."""

@@ -26,7 +26,7 @@ import time
 import torch
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.radix import PrefixCache
+from strata.cache.radix import CacheTiers, DeviceOnly, PrefixCache, WindowCache
 from strata.config import EngineConfig
 from strata.engine.accounting import KVAccounting
 from strata.engine.batch import ScheduleBatch
@@ -74,11 +74,25 @@ class Scheduler(KVAccounting):
         context_len: int,
         draft_model=None,
         policy: SchedulePolicy | None = None,
+        *,
+        tiers: CacheTiers | None = None,
+        windows: WindowCache | None = None,
     ):
+        """`prefix_cache` is the device's; `tiers` the slower ones behind it (`HiCache`; default:
+        none) and `windows` what it is told about window KV (default: the prefix cache itself,
+        which must then be a `WindowCache`)."""
         self.config = config
         self.runner = runner
         self.allocator = allocator
         self.cache = prefix_cache
+        self.tiers = tiers if tiers is not None else DeviceOnly(prefix_cache)
+        if windows is None:
+            if not isinstance(prefix_cache, WindowCache):
+                raise TypeError(
+                    f"{type(prefix_cache).__name__} is no WindowCache: pass windows="
+                )
+            windows = prefix_cache
+        self.windows = windows
         self.cache_enabled = not config.disable_radix_cache
         self.page_size = allocator.page_size
         self.tokenizer = tokenizer
@@ -109,7 +123,7 @@ class Scheduler(KVAccounting):
         )
         runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
         # the parts for window groups (sliding-window layers) and for speculative decoding
-        self.window_kv = WindowKV(allocator, prefix_cache, self._alloc_for)
+        self.window_kv = WindowKV(allocator, prefix_cache, windows, self._alloc_for)
         self.drafts = DraftSteps(allocator, context_len)
 
     # ----------------------------------------------------------------- extension points
@@ -180,7 +194,7 @@ class Scheduler(KVAccounting):
                 continue
             self.waiting.append(req)
         if first is not None and not first.finished:
-            self.cache.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
+            self.tiers.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
         return rids
 
     def validate_request(
@@ -357,7 +371,7 @@ class Scheduler(KVAccounting):
                 o.on_step_end()
 
     def _step(self, observers: list[StepObserver]) -> list[RequestOutput]:
-        self.cache.poll()
+        self.tiers.poll()
         if self.peer is not None:
             self.peer.poll()
         start = (
@@ -368,7 +382,7 @@ class Scheduler(KVAccounting):
         batch = self.schedule()
         for o in observers:
             o.on_scheduled(batch)
-        if batch is None and self.cache.fetching():
+        if batch is None and self.tiers.fetching():
             time.sleep(0.001)  # requests wait for an L3 prefetch; don't spin
         if batch is not None:
             watch = self.spec.watch(batch) if self.spec is not None else None
@@ -550,11 +564,11 @@ class Scheduler(KVAccounting):
                 dep.finished or dep.kv_len >= len(dep.prompt_ids)
             ):
                 continue
-            if not self.cache.ready(req.rid):
+            if not self.tiers.ready(req.rid):
                 continue
             # match at most seq_len - 1 tokens: the last one must be fed to get logits
             reusable = req.seq_slice(0, req.seq_len - 1)
-            match = self.cache.load_prefix(reusable)
+            match = self.tiers.load_prefix(reusable)
             if self._shares_uncached_prefix(reusable, match.cached_len, admitted_now):
                 continue  # next step it reuses what the other request is computing now
             need = self.policy.reserve_tokens(
@@ -596,7 +610,7 @@ class Scheduler(KVAccounting):
                 req.num_cached_tokens = req.kv_len
                 req.cached_tokens_by_tier = {"host": 0, "storage": 0, **hits}
                 req.admitted_once = True
-                self.cache.on_admitted(len(reusable), hits)
+                self.tiers.on_admitted(len(reusable), hits)
             self.waiting.remove(req)
             req.status = ReqStatus.RUNNING
             self.running.append(req)
@@ -668,7 +682,7 @@ class Scheduler(KVAccounting):
             self.running.remove(req)
             self._release_kv(req, cache_it=reason != "error")
         req.status = ReqStatus.FINISHED
-        self.cache.on_finished(req.rid)
+        self.tiers.on_finished(req.rid)
         if self.spec is not None:
             self.spec.finish(req.rid)
         if req.detokenizer is not None and reason != "abort":
@@ -735,7 +749,7 @@ class Scheduler(KVAccounting):
         if req.kv_len >= len(
             req.prompt_ids
         ):  # the prompt is in: its next turn or a retry resumes here
-            self.cache.keep_resumable(match.node)
+            self.windows.keep_resumable(match.node)
         self.cache.inc_lock(match.node)
         self.cache.dec_lock(req.prefix_node)
         req.prefix_node = match.node

@@ -8,22 +8,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.radix import PrefixCache
+from strata.cache.radix import PrefixCache, WindowCache
 from strata.engine.request import Req
 
 
 class WindowKV:
-    """Owned by the `Scheduler`: works on its allocator and prefix cache. `alloc_for(req, end)` is
-    the scheduler's all-or-nothing page allocation for positions [0, end) of a request."""
+    """Owned by the `Scheduler`: works on its allocator and prefix cache (`windows`: the same
+    cache in its `WindowCache` role). `alloc_for(req, end)` is the scheduler's all-or-nothing
+    page allocation for positions [0, end) of a request."""
 
     def __init__(
         self,
         allocator: PageAllocator,
         cache: PrefixCache,
+        windows: WindowCache,
         alloc_for: Callable[[Req, int], bool],
     ):
         self.allocator = allocator
         self.cache = cache
+        self.windows = windows
         self.page_size = allocator.page_size
         self.alloc_for = alloc_for
 
@@ -48,7 +51,7 @@ class WindowKV:
                     - a.num_free_pages
                 )
                 if short > 0:
-                    self.cache.evict_window([short] * len(groups), tails=False)
+                    self.windows.evict_window([short] * len(groups), tails=False)
                 room = a.num_free_pages // a.page_cost
             else:
                 room = min(g.num_free_pages for g in groups)
@@ -94,7 +97,7 @@ class WindowKV:
             if any(n > 0 for n in short):
                 if not alone:
                     return False
-                self.cache.evict_window(short)
+                self.windows.evict_window(short)
                 if any(g.num_free_pages < count for g in a.groups):
                     return False
         req.replay_pages = [g.allocator.alloc(count) for g in self.allocator.groups]

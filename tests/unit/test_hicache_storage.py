@@ -20,7 +20,7 @@ from strata.cache.hicache import HiCache, HiCacheConfig
 from strata.cache.kv_pool import MHAKVPool
 from strata.cache.pages import CorruptPage, decode_page, encode_page
 from strata.cache.prefetch import RateMeter, auto_prefetch_wait_s
-from strata.cache.radix import PrefixCache, RadixCache
+from strata.cache.radix import CacheTiers, PrefixCache, RadixCache
 from strata.cache.storage import make_storage_backend
 from strata.cache.storage.file import FileStorage
 from strata.config import add_engine_args, engine_config_from_args
@@ -357,6 +357,7 @@ def test_prefetch_installs_only_intact_pages_whatever_the_backend_returns():
             assert hc.host.page_payload(host_page) == truth[d]
         installed += len(hc.l2)
         hc.on_finished(f"r{i}")
+        hc.device.reset()
         hc.reset()
     assert hc.worker.is_alive()
     assert installed > 0 and hc.stats.corrupt_pages > 0 and hc.stats.storage_errors > 0
@@ -437,6 +438,7 @@ def test_auto_policy_waits_up_to_the_recompute_time_then_gives_up():
     store.release.set()
     finish(hc, "a")  # the fetch lands late (50 pages in >= 1.5 s); it is measured ...
     assert hc.read_rate.rate < 50 / 1.5 * (hc.payload_bytes + HEADER)
+    hc.device.reset()
     hc.reset()
     hc.on_arrival("b", tokens)  # ... so the next request does not wait at all
     assert hc.prefetches["b"].wait_s == 0 and hc.ready("b")
@@ -469,8 +471,9 @@ def test_a_page_gone_from_storage_is_written_again_when_next_computed():
     tokens = list(range(5, 45))
 
     def compute_and_cache() -> None:
+        hc.device.reset()
         hc.reset()
-        assert hc.insert(tokens, hc.allocator.alloc(10)) == 0  # write_through
+        assert hc.device.insert(tokens, hc.allocator.alloc(10)) == 0  # write_through
         hc.flush()
 
     compute_and_cache()
@@ -478,6 +481,7 @@ def test_a_page_gone_from_storage_is_written_again_when_next_computed():
     store.pages.clear()  # evicted by the backend's size bound (or another replica's)
     compute_and_cache()
     assert len(store.pages) == 0  # this replica still believes they are stored ...
+    hc.device.reset()
     hc.reset()
     hc.on_arrival("r", tokens)
     finish(hc, "r")  # ... until a prefetch finds them missing
@@ -486,29 +490,37 @@ def test_a_page_gone_from_storage_is_written_again_when_next_computed():
     hc.close()
 
 
-# --------------------------------------------------------------------------- the PrefixCache contract
+# --------------------------------------------------------------------------- the CacheTiers contract
 
 
-def test_hicache_is_a_prefix_cache_that_brings_back_what_l1_evicted():
+def test_hicache_is_the_tiers_behind_a_prefix_cache_and_brings_back_what_l1_evicted():
     hc = make_hicache(None)
-    assert isinstance(hc, PrefixCache)
+    assert isinstance(hc, CacheTiers) and not isinstance(hc, PrefixCache)
+    assert hc in hc.device.listeners  # demotes what the device cache evicts
     tokens = list(range(100, 140))  # 10 pages of 4
     pages = hc.allocator.alloc(10)
     for t in hc.l1.k + hc.l1.v:
         t.normal_()
     before, _ = hc.l1.read_pages(pages)
-    assert hc.insert(tokens, pages) == 0
+    assert hc.device.insert(tokens, pages) == 0
     assert (
-        hc.evict(10) == 10 and hc.allocator.num_free_pages == 32
+        hc.device.evict(10) == 10 and hc.allocator.num_free_pages == 32
     )  # demoted into L2, freed in L1
-    assert hc.match_prefix(tokens).cached_len == 0  # L1 alone has nothing
+    assert hc.device.match_prefix(tokens).cached_len == 0  # L1 alone has nothing
     match = hc.load_prefix(tokens + [7])
     assert match.cached_len == 40 and match.loaded == {"host": 40, "storage": 0}
     after, _ = hc.l1.read_pages(match.pages)
     assert torch.equal(before, after)
-    assert hc.total_pages == 10 and hc.evictable_pages == 10
-    hc.inc_lock(match.node)
-    assert hc.make_room(32) is False and hc.protected_pages == 10  # locked pages stay
-    hc.dec_lock(match.node)
+    assert hc.device.total_pages == 10 and hc.device.evictable_pages == 10
+    hc.device.inc_lock(match.node)
+    assert (
+        hc.device.make_room(32) is False and hc.device.protected_pages == 10
+    )  # locked pages stay
+    hc.device.dec_lock(match.node)
+    hc.device.reset()
     hc.reset()
-    assert hc.total_pages == 0 and not hc.l2 and hc.load_prefix(tokens).cached_len == 0
+    assert (
+        hc.device.total_pages == 0
+        and not hc.l2
+        and hc.load_prefix(tokens).cached_len == 0
+    )

@@ -6,7 +6,14 @@ from collections import Counter
 import pytest
 
 from strata.cache.allocator import PageAllocator
-from strata.cache.radix import MatchResult, NoPrefixCache, PrefixCache, RadixCache
+from strata.cache.radix import (
+    CacheTiers,
+    MatchResult,
+    NoPrefixCache,
+    PrefixCache,
+    RadixCache,
+    WindowCache,
+)
 
 PAGE_SIZES = [1, 4]
 
@@ -51,8 +58,53 @@ def check_counts(alloc: PageAllocator, cache) -> None:
 def test_protocol_conformance():
     alloc = PageAllocator(4, 2)
     for c in (RadixCache(alloc), NoPrefixCache(alloc)):
-        assert isinstance(c, PrefixCache)
+        assert isinstance(c, PrefixCache) and isinstance(c, WindowCache)
+        assert not isinstance(c, CacheTiers)  # tiers are another object's role
         assert c.page_size == 2
+
+
+class Recorder:
+    """A `CacheListener` that keeps what it heard."""
+
+    def __init__(self) -> None:
+        self.heard: list[tuple] = []
+
+    def on_insert(self, tokens, pages, new_from):
+        self.heard.append(("insert", tuple(tokens), list(pages), new_from))
+
+    def on_evict(self, prefix, tokens, pages):
+        self.heard.append(("evict", prefix, tokens, list(pages)))
+
+
+def test_listeners_hear_what_enters_and_leaves():
+    alloc, cache = make(2, num_pages=8)
+    rec = Recorder()
+    cache.add_listener(rec)
+    a = alloc.alloc(3)
+    assert cache.insert([1, 2, 3, 4, 5, 6], a) == 0
+    b = alloc.alloc(3)
+    assert cache.insert([1, 2, 3, 4, 7, 8], b) == 4  # only (7, 8) is new
+    alloc.free(b[:2])
+    cache.match_prefix([1, 2, 3, 4])  # a lookup is not news
+    assert cache.insert([1, 2], a[:1]) == 2  # nothing new: not heard
+    assert rec.heard == [
+        ("insert", (1, 2, 3, 4, 5, 6), a, 0),
+        ("insert", (1, 2, 3, 4, 7, 8), b, 4),
+    ]
+    rec.heard.clear()
+    cache.match_prefix([1, 2, 3, 4, 7, 8])  # (5, 6) is now the least recent leaf
+    assert cache.evict(1) == 1
+    assert rec.heard == [("evict", (1, 2, 3, 4), (5, 6), [a[2]])]
+    check_counts(alloc, cache)
+
+
+def test_no_prefix_cache_has_nothing_to_tell():
+    alloc = PageAllocator(8, 2)
+    cache, rec = NoPrefixCache(alloc), Recorder()
+    cache.add_listener(rec)
+    pages = alloc.alloc(2)
+    assert cache.insert([1, 2, 3, 4], pages) == 4 and cache.evict(2) == 0
+    assert rec.heard == []
 
 
 @pytest.mark.parametrize("ps", PAGE_SIZES)
