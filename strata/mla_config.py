@@ -1,7 +1,8 @@
 """The multi-head latent attention part of a model's config (DeepSeek-V2/V3): `MLAConfig`, read from
-HF's config.json by `mla_from_hf`, and the softmax scale transformers gives it (`mla_scale`).
-`strata.model_config.ModelConfig` holds one; its layers then attend through `strata.layers.mla` and keep
-their KV in `strata.cache.kv_pool.LatentKVPool`."""
+HF's config.json by `mla_from_hf` (told what the file does not say by the family's `MLATraits`), and
+the softmax scale transformers gives it (`mla_scale`). `strata.model_config.ModelConfig` holds one;
+its layers then attend through `strata.layers.mla` and keep their KV in
+`strata.cache.kv_pool.LatentKVPool`."""
 
 from __future__ import annotations
 
@@ -9,9 +10,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from strata.rope_config import RopeConfig
-
-# HF model types whose attention is MLA
-_MLA_MODEL_TYPES = ("deepseek_v2", "deepseek_v3")
 
 
 @dataclass(frozen=True)
@@ -43,14 +41,25 @@ class MLAConfig:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
 
-def mla_from_hf(text: dict[str, Any], model_type: str) -> MLAConfig | None:
-    """The MLA part of a config.json, None for a model without latent attention."""
+@dataclass(frozen=True)
+class MLATraits:
+    """How a family with latent attention spells it where config.json does not say: declared in the
+    family's file (`strata.models`), read by `mla_from_hf`."""
+
+    # RoPE pairs are interleaved whatever config.json's `rope_interleave` says (DeepSeek-V2's
+    # complex product); False: as `rope_interleave` says, interleaved when absent (DeepSeek-V3)
+    always_interleaved: bool = False
+
+
+def mla_from_hf(text: dict[str, Any], traits: MLATraits | None) -> MLAConfig | None:
+    """The MLA part of a config.json, None for a model without latent attention; `traits` are the
+    family's (None: it has no latent attention)."""
     if text.get("kv_lora_rank") is None:
         return None
-    if model_type not in _MLA_MODEL_TYPES:
+    if traits is None:
         raise ValueError(
-            f"multi-head latent attention of model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(_MLA_MODEL_TYPES)}"
+            "config.json sets kv_lora_rank (multi-head latent attention), but its model family "
+            "has no latent attention in Strata; check the config's model_type"
         )
     return MLAConfig(
         kv_lora_rank=text["kv_lora_rank"],
@@ -58,8 +67,7 @@ def mla_from_hf(text: dict[str, Any], model_type: str) -> MLAConfig | None:
         qk_rope_head_dim=text["qk_rope_head_dim"],
         v_head_dim=text["v_head_dim"],
         q_lora_rank=text.get("q_lora_rank"),
-        # DeepSeek-V2 always rotates interleaved pairs (a complex product); V3 per `rope_interleave`
-        rope_interleave=model_type == "deepseek_v2"
+        rope_interleave=traits.always_interleaved
         or bool(text.get("rope_interleave", True)),
     )
 

@@ -2,19 +2,22 @@
 embedding as `RopeConfig`, its layers as `LayerSpec`s; the mixture-of-experts, latent-attention and
 DeepSeek-V4 parts in strata/moe_config.py, strata/mla_config.py and strata/dsv4_config.py). A frozen
 dataclass, one place for each default.
+
+What a config.json does not spell out (Gemma's norms, Qwen3's q/k norm, ...) the family's file
+(`strata.models`) declares for each of its model types as `ConfigTraits`, handed to
+`ModelConfig.from_hf_dict`, which never looks at the model_type itself.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
-from strata.dsv4_config import DSV4Config, dsv4_from_hf
-from strata.mla_config import MLAConfig, mla_from_hf, mla_scale
-from strata.moe_config import MoEConfig, moe_from_hf, moe_layers
+from strata.dsv4_config import DSV4Config
+from strata.mla_config import MLAConfig, MLATraits, mla_from_hf, mla_scale
+from strata.moe_config import MoEConfig, MoETraits, moe_from_hf, moe_layers
 from strata.rope_config import RopeConfig
 
 
@@ -46,12 +49,53 @@ QK_NORMS = (
 )  # per-head RMSNorm on q and k (Qwen3, Gemma 3), over all heads (OLMo 2)
 NORM_LAYOUTS = ("pre", "sandwich", "post")
 
+# (config.json's text part, number of layers) -> "full_attention" | "sliding_attention" per layer
+LayerTypes = Callable[[dict[str, Any], int], list[str]]
+
+
+def sliding_everywhere(text: dict[str, Any], num_layers: int) -> list[str]:
+    """Where a config.json has no `layer_types` and a window, every layer slides (Mistral, Phi-3)."""
+    return ["sliding_attention"] * num_layers
+
+
+@dataclass(frozen=True)
+class ConfigTraits:
+    """How one HF model_type's config.json reads where the file does not say: declared in its family's
+    file (`FamilySpec.model_types` in `strata.models`), handed to `ModelConfig.from_hf_dict`. The
+    defaults read a plain Llama config."""
+
+    qk_norm: str = "none"  # one of QK_NORMS
+    # q/k/v biased unless config.json's attention_bias (or qkv_bias) says not, o_proj never (Qwen2)
+    qkv_bias_only: bool = False
+    norm_layout: str = "pre"  # one of NORM_LAYOUTS
+    norm_unit_offset: bool = False  # RMSNorm scales by (1 + weight), in float32 (Gemma)
+    scale_embeddings: bool = False  # embeddings times sqrt(hidden_size) (Gemma)
+    tied_embeddings: bool = (
+        False  # tie_word_embeddings where config.json does not say (Gemma)
+    )
+    # the gate's activation is `hidden_activation`, `hidden_act` where absent (Gemma: its
+    # `hidden_act` is a leftover of Gemma 1)
+    hidden_activation: bool = False
+    sinks: bool = False  # one learned sink logit per head in every layer (GPT-OSS)
+    # which layers slide where config.json has a window but no `layer_types`
+    layer_types: LayerTypes = sliding_everywhere
+    # config.json's RoPE type -> ours (Phi-3 calls longrope "su" or "yarn")
+    rope_aliases: Mapping[str, str] = field(default_factory=dict, hash=False)
+    # sliding layers rotate with `rope_local_base_freq` and no scaling, full ones with the global
+    # theta and `rope_scaling` (Gemma 3; transformers 5 writes `rope_parameters` by layer kind)
+    local_rope: bool = False
+    moe: MoETraits | None = None  # how its experts read; None: no mixture of experts
+    mla: MLATraits | None = None  # how its latent attention reads; None: none
+    # reads the whole config.json instead (DeepSeek-V4, whose layers are not these)
+    parse: Callable[[dict[str, Any]], ModelConfig] | None = None
+
 
 @dataclass(frozen=True)
 class ModelConfig:
     """What the model code needs, read from a Hugging Face config.json by `from_hf_dict` (the one
-    place that knows HF's per-family spellings). Model-wide choices are fields here; what may vary
-    per layer is one `LayerSpec` per layer in `layers`.
+    place that knows HF's spellings; what differs by family it takes from the family's
+    `ConfigTraits`). Model-wide choices are fields here; what may vary per layer is one `LayerSpec`
+    per layer in `layers`.
 
     norm_layout, for each decoder layer (h: the residual stream):
       pre       h += attn(norm(h));             h += mlp(norm(h))              (Llama, Qwen, Phi-3)
@@ -122,25 +166,18 @@ class ModelConfig:
             )
 
     @classmethod
-    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
-        path = Path(model_dir) / "config.json"
-        if not path.is_file():
-            raise FileNotFoundError(
-                f"{model_dir} has no config.json; expected a Hugging Face model directory"
-            )
-        return cls.from_hf_dict(json.loads(path.read_text()))
-
-    @classmethod
-    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+    def from_hf_dict(cls, raw: dict[str, Any], traits: ConfigTraits) -> ModelConfig:
+        """A config.json's dict, read with its family's `traits` for its model_type
+        (`strata.models.config_from_hf` finds them)."""
+        if traits.parse is not None:
+            return traits.parse(raw)
         archs = raw.get("architectures") or []
         architecture = archs[0] if archs else ""
         model_type = raw.get("model_type", "")
         text = raw.get("text_config") or raw
-        if model_type == "deepseek_v4":
-            return cls._from_deepseek_v4(raw, text)
         num_heads = text["num_attention_heads"]
         hidden = text["hidden_size"]
-        mla = mla_from_hf(text, model_type)
+        mla = mla_from_hf(text, traits.mla)
         head_dim = (
             mla.qk_rope_head_dim if mla else text.get("head_dim") or hidden // num_heads
         )
@@ -149,7 +186,6 @@ class ModelConfig:
         eos_ids = (
             tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         )
-        gemma = model_type in ("gemma2", "gemma3_text")
         if text.get("use_bidirectional_attention"):
             raise ValueError(
                 f"{architecture} with use_bidirectional_attention (an encoder) is not supported"
@@ -158,15 +194,15 @@ class ModelConfig:
         window = text.get("sliding_window")
         if "use_sliding_window" in text and not text.get("use_sliding_window"):
             window = None  # Qwen2/Qwen3 write a window they do not use
-        kinds = _layer_types(text, model_type, num_layers, window)
-        full_rope, local_rope = _ropes_from_hf(text, model_type)
+        kinds = _layer_types(text, traits.layer_types, num_layers, window)
+        full_rope, local_rope = _ropes_from_hf(text, traits)
         scalar = text.get("query_pre_attn_scalar")
         scale = (
             mla_scale(mla, full_rope)
             if mla
             else (scalar if scalar is not None else head_dim) ** -0.5
         )
-        moe = moe_from_hf(text, model_type)
+        moe = moe_from_hf(text, traits.moe)
         sparse = moe_layers(text, num_layers) if moe else [False] * num_layers
         specs = tuple(
             LayerSpec(
@@ -174,22 +210,11 @@ class ModelConfig:
                 scale=scale,
                 window=window if kind == "sliding_attention" else None,
                 softcap=text.get("attn_logit_softcapping"),
-                sinks=model_type == "gpt_oss",
+                sinks=traits.sinks,
                 moe=is_moe,
             )
             for kind, is_moe in zip(kinds, sparse)
         )
-        qk_norm = {
-            "qwen3": "head",
-            "qwen3_moe": "head",
-            "gemma3_text": "head",
-            "olmo2": "full",
-        }.get(model_type, "none")
-        qkv_bias_only = model_type in (
-            "qwen2",
-            "qwen2_moe",
-        )  # q/k/v biased, o_proj never
-        layout = "sandwich" if gemma else "post" if model_type == "olmo2" else "pre"
         return cls(
             architecture=architecture,
             model_type=model_type,
@@ -205,20 +230,25 @@ class ModelConfig:
             rope=full_rope,
             layers=specs,
             tie_word_embeddings=bool(
-                raw.get("tie_word_embeddings", text.get("tie_word_embeddings", gemma))
+                raw.get(
+                    "tie_word_embeddings",
+                    text.get("tie_word_embeddings", traits.tied_embeddings),
+                )
             ),
             attention_bias=bool(
-                text.get("attention_bias", text.get("qkv_bias", qkv_bias_only))
+                text.get("attention_bias", text.get("qkv_bias", traits.qkv_bias_only))
             ),
-            o_proj_bias=bool(text.get("attention_bias", False)) and not qkv_bias_only,
+            o_proj_bias=bool(text.get("attention_bias", False))
+            and not traits.qkv_bias_only,
             mlp_bias=bool(text.get("mlp_bias", False)),
-            qk_norm=qk_norm,
-            norm_layout=layout,
-            norm_unit_offset=gemma,
-            scale_embeddings=gemma,
+            qk_norm=traits.qk_norm,
+            norm_layout=traits.norm_layout,
+            norm_unit_offset=traits.norm_unit_offset,
+            scale_embeddings=traits.scale_embeddings,
             final_logit_softcap=text.get("final_logit_softcapping"),
-            # Gemma reads `hidden_activation` (its `hidden_act` is a leftover of Gemma 1)
-            hidden_act=(text.get("hidden_activation") if gemma else None)
+            hidden_act=(
+                text.get("hidden_activation") if traits.hidden_activation else None
+            )
             or text.get("hidden_act", "silu"),
             moe=moe,
             mla=mla,
@@ -230,105 +260,15 @@ class ModelConfig:
             eos_token_ids=eos_ids,
         )
 
-    @classmethod
-    def _from_deepseek_v4(
-        cls, raw: dict[str, Any], text: dict[str, Any]
-    ) -> ModelConfig:
-        """DeepSeek-V4: every layer slides (its CSA/HCA layers also read compressed entries: `DSV4Config`),
-        with sinks and experts in every layer; sliding layers rotate with the main RoPE, CSA/HCA layers
-        with the compressors' (`compress_rope_theta`, YaRN where configured)."""
-        params = text.get("rope_parameters") or {}
-        main = _rope_from_hf(
-            text,
-            "deepseek_v4",
-            {"rope_theta": text.get("rope_theta", 1e4), **(params.get("main") or {})},
-        )
-        compress = _rope_from_hf(
-            text,
-            "deepseek_v4",
-            {
-                "rope_theta": text.get("compress_rope_theta", 1.6e5),
-                **(params.get("compress") or {}),
-            },
-        )
-        v4 = dsv4_from_hf(text, compress)
-        head_dim, expert_size = text["head_dim"], text["moe_intermediate_size"]
-        specs = tuple(
-            LayerSpec(
-                rope=main if kind == "sliding" else compress,
-                scale=head_dim**-0.5,
-                window=v4.sliding_window,
-                sinks=True,
-                moe=True,
-            )
-            for kind in v4.layer_kinds
-        )
-        moe = MoEConfig(
-            num_experts=text["n_routed_experts"],
-            top_k=text["num_experts_per_tok"],
-            intermediate_size=expert_size,
-            routing="deepseek_v4",
-            norm_topk_prob=True,
-            routed_scaling_factor=float(text["routed_scaling_factor"]),
-            correction_bias=True,
-            swiglu_limit=v4.swiglu_limit,
-            shared_intermediate_size=expert_size,
-        )
-        eos = text.get("eos_token_id")
-        return cls(
-            architecture=(raw.get("architectures") or ["DeepseekV4ForCausalLM"])[0],
-            model_type="deepseek_v4",
-            vocab_size=text["vocab_size"],
-            hidden_size=text["hidden_size"],
-            intermediate_size=expert_size,
-            num_layers=text["num_hidden_layers"],
-            num_heads=text["num_attention_heads"],
-            num_kv_heads=1,
-            head_dim=head_dim,
-            rms_norm_eps=text.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=text.get("max_position_embeddings", 2048),
-            rope=main,
-            layers=specs,
-            tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
-            hidden_act=text.get("hidden_act", "silu"),
-            moe=moe,
-            dsv4=v4,
-            torch_dtype=text.get("torch_dtype") or text.get("dtype"),
-            bos_token_id=text.get("bos_token_id"),
-            eos_token_ids=tuple(eos)
-            if isinstance(eos, list)
-            else ((eos,) if eos is not None else ()),
-        )
-
 
 def _layer_types(
-    text: dict[str, Any], model_type: str, num_layers: int, window: int | None
+    text: dict[str, Any], default: LayerTypes, num_layers: int, window: int | None
 ) -> list[str]:
-    """HF's `layer_types` ("full_attention" | "sliding_attention" per layer), or the family's default
-    where an older config.json has none: Gemma 2 alternates (sliding first), Gemma 3 has a full layer
-    every `sliding_window_pattern` (6), Qwen2/3 slide from `max_window_layers` on, Mistral and Phi-3
-    slide everywhere when they have a window."""
+    """HF's `layer_types` ("full_attention" | "sliding_attention" per layer), or the family's
+    `default` where an older config.json has none (`ConfigTraits.layer_types`)."""
     kinds = text.get("layer_types")
     if kinds is None:
-        if model_type == "gemma2":
-            kinds = [
-                "sliding_attention" if (i + 1) % 2 else "full_attention"
-                for i in range(num_layers)
-            ]
-        elif model_type == "gemma3_text":
-            pattern = text.get("sliding_window_pattern", 6)
-            kinds = [
-                "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
-                for i in range(num_layers)
-            ]
-        elif model_type in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
-            first = text.get("max_window_layers", num_layers)
-            kinds = [
-                "sliding_attention" if i >= first else "full_attention"
-                for i in range(num_layers)
-            ]
-        else:
-            kinds = ["sliding_attention"] * num_layers
+        kinds = default(text, num_layers)
     if len(kinds) != num_layers:
         raise ValueError(
             f"layer_types has {len(kinds)} entries for {num_layers} layers"
@@ -345,13 +285,15 @@ def _layer_types(
 
 
 def _ropes_from_hf(
-    text: dict[str, Any], model_type: str
+    text: dict[str, Any], traits: ConfigTraits
 ) -> tuple[RopeConfig, RopeConfig]:
-    """(RoPE of full-attention layers, RoPE of sliding layers). They differ only for Gemma 3: its
-    sliding layers rotate with `rope_local_base_freq` (10k) and no scaling, its full layers with the
-    global theta (1M) and `rope_scaling`; transformers 5 writes both under `rope_parameters` by kind."""
+    """(RoPE of full-attention layers, RoPE of sliding layers). They differ only for a family with a
+    `local_rope` (Gemma 3): its sliding layers rotate with `rope_local_base_freq` (10k) and no
+    scaling, its full layers with the global theta (1M) and `rope_scaling`; transformers 5 writes
+    both under `rope_parameters` by kind."""
     params = text.get("rope_parameters") or {}
-    if "full_attention" in params or model_type == "gemma3_text":
+    aliases = traits.rope_aliases
+    if "full_attention" in params or traits.local_rope:
         full = {
             "rope_theta": text.get("rope_theta", 1_000_000.0),
             **(text.get("rope_scaling") or {}),
@@ -359,24 +301,21 @@ def _ropes_from_hf(
         local = {"rope_theta": text.get("rope_local_base_freq", 10_000.0)}
         full.update(params.get("full_attention") or {})
         local.update(params.get("sliding_attention") or {})
-        return _rope_from_hf(text, model_type, full), _rope_from_hf(
-            text, model_type, local
-        )
-    rope = _rope_from_hf(
-        text, model_type, {**(text.get("rope_scaling") or {}), **params}
-    )
+        return rope_from_hf(text, full, aliases), rope_from_hf(text, local, aliases)
+    rope = rope_from_hf(text, {**(text.get("rope_scaling") or {}), **params}, aliases)
     return rope, rope
 
 
-def _rope_from_hf(
-    text: dict[str, Any], model_type: str, params: dict[str, Any]
+def rope_from_hf(
+    text: dict[str, Any], params: dict[str, Any], aliases: Mapping[str, str]
 ) -> RopeConfig:
+    """One RoPE of a config.json: `params` are its rope_parameters (or rope_scaling), `aliases` the
+    family's names for our RoPE types (`ConfigTraits.rope_aliases`)."""
     # transformers 5 writes `rope_parameters` (theta inside); older configs write
     # `rope_theta` + `rope_scaling`.
     theta = params.get("rope_theta", text.get("rope_theta", 10000.0))
     rope_type = params.get("rope_type", params.get("type", "default")) or "default"
-    if model_type == "phi3" and rope_type in ("su", "yarn"):
-        rope_type = "longrope"  # Phi-3's old names for it
+    rope_type = aliases.get(rope_type, rope_type)
     names = {f.name for f in dataclasses.fields(RopeConfig)}
     kwargs = {k: v for k, v in params.items() if k in names and v is not None}
     kwargs.update(theta=float(theta), rope_type=rope_type)

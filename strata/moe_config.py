@@ -1,5 +1,6 @@
 """The mixture-of-experts part of a model's config: `MoEConfig`, read from each family's HF spelling
-(`moe_from_hf`), and which layers are sparse (`moe_layers`). `strata.model_config.ModelConfig` holds one."""
+(`moe_from_hf`, told what the file does not say by the family's `MoETraits`), and which layers are
+sparse (`moe_layers`). `strata.model_config.ModelConfig` holds one."""
 
 from __future__ import annotations
 
@@ -44,24 +45,44 @@ class MoEConfig:
     )
 
 
-# HF model_type -> the routing function of `strata.layers.moe_routing.ROUTING` (DeepSeek-V2 reads
-# its `topk_method` instead)
-_ROUTING = {
-    "mixtral": "softmax_topk",
-    "qwen2_moe": "softmax_topk",
-    "qwen3_moe": "softmax_topk",
-    "gpt_oss": "topk_softmax",
-    "deepseek_v3": "sigmoid_group_topk",
-}
-_V2_ROUTING = {
+@dataclass(frozen=True)
+class MoETraits:
+    """How a family's config.json spells its experts where the file does not say it: declared in the
+    family's file (`strata.models`), read by `moe_from_hf`. The defaults are Mixtral's and Qwen's."""
+
+    # the function of `strata.layers.moe_routing.ROUTING` that picks the experts; None: config.json's
+    # `topk_method` picks it (DeepSeek-V2, `_TOPK_METHODS`)
+    routing: str | None = "softmax_topk"
+    # renormalise the top-k weights: True or False whatever config.json says (Mixtral always,
+    # DeepSeek-V2 never, as transformers runs them); None: config.json's `norm_topk_prob`
+    norm_topk_prob: bool | None = None
+    routed_scaling: bool = (
+        False  # config.json's `routed_scaling_factor` applies (DeepSeek)
+    )
+    correction_bias: bool = False  # a per-expert score-correction bias (DeepSeek-V3)
+    biases: bool = (
+        False  # the router and the experts' projections have biases (GPT-OSS)
+    )
+    expert_act: str | None = (
+        None  # the experts' activation; None: config.json's hidden_act
+    )
+    # an always-on shared expert of `shared_expert_intermediate_size`, gated (Qwen2-MoE) ...
+    gated_shared_expert: bool = False
+    # ... or `n_shared_experts` of `moe_intermediate_size`, as one MLP (DeepSeek)
+    shared_experts: bool = False
+
+
+# DeepSeek-V2's `topk_method` -> the routing function of `strata.layers.moe_routing.ROUTING`
+_TOPK_METHODS = {
     "greedy": "softmax_greedy",
     "group_limited_greedy": "softmax_group_limited_greedy",
 }
 
 
-def moe_from_hf(text: dict[str, Any], model_type: str) -> MoEConfig | None:
-    """The experts of a mixture-of-experts config.json, None for a dense model. HF spells the expert
-    count num_local_experts (Mixtral, GPT-OSS), num_experts (Qwen) or n_routed_experts (DeepSeek)."""
+def moe_from_hf(text: dict[str, Any], traits: MoETraits | None) -> MoEConfig | None:
+    """The experts of a mixture-of-experts config.json, None for a dense model; `traits` are the
+    family's (None: it has no experts). HF spells the expert count num_local_experts (Mixtral,
+    GPT-OSS), num_experts (Qwen) or n_routed_experts (DeepSeek)."""
     num_experts = (
         text.get("num_local_experts")
         or text.get("num_experts")
@@ -70,28 +91,26 @@ def moe_from_hf(text: dict[str, Any], model_type: str) -> MoEConfig | None:
     )
     if num_experts <= 0:
         return None
-    if model_type == "deepseek_v2":
-        method = text.get("topk_method", "greedy")
-        if method not in _V2_ROUTING:
-            raise ValueError(
-                f"DeepSeek-V2 topk_method {method!r} is not supported; supported: {sorted(_V2_ROUTING)}"
-            )
-        routing = _V2_ROUTING[method]
-    elif model_type in _ROUTING:
-        routing = _ROUTING[model_type]
-    else:
+    if traits is None:
         raise ValueError(
-            f"mixture of experts of model_type {model_type!r} is not supported; supported: "
-            f"{', '.join(sorted([*_ROUTING, 'deepseek_v2']))}"
+            f"config.json has {num_experts} experts, but its model family has no mixture of "
+            "experts in Strata; check the config's model_type"
         )
-    gpt_oss = model_type == "gpt_oss"
-    deepseek = model_type.startswith("deepseek")
-    if model_type == "qwen2_moe":
+    routing = traits.routing
+    if routing is None:
+        method = text.get("topk_method", "greedy")
+        if method not in _TOPK_METHODS:
+            raise ValueError(
+                f"DeepSeek-V2 topk_method {method!r} is not supported; supported: {sorted(_TOPK_METHODS)}"
+            )
+        routing = _TOPK_METHODS[method]
+    if traits.gated_shared_expert:
         shared = text.get("shared_expert_intermediate_size") or 0
-    elif deepseek:
+    elif traits.shared_experts:
         shared = (text.get("n_shared_experts") or 0) * text["moe_intermediate_size"]
     else:
         shared = 0
+    norm_topk_prob = traits.norm_topk_prob
     return MoEConfig(
         num_experts=num_experts,
         top_k=text.get("num_experts_per_tok")
@@ -99,22 +118,22 @@ def moe_from_hf(text: dict[str, Any], model_type: str) -> MoEConfig | None:
         intermediate_size=text.get("moe_intermediate_size")
         or text["intermediate_size"],
         routing=routing,
-        # Mixtral always renormalises; DeepSeek-V2's router (as transformers runs it) never does
-        norm_topk_prob=model_type == "mixtral"
-        or (model_type != "deepseek_v2" and bool(text.get("norm_topk_prob"))),
+        norm_topk_prob=bool(text.get("norm_topk_prob"))
+        if norm_topk_prob is None
+        else norm_topk_prob,
         num_groups=text.get("n_group") or 1,
         topk_groups=text.get("topk_group") or 1,
         routed_scaling_factor=float(text.get("routed_scaling_factor") or 1.0)
-        if deepseek
+        if traits.routed_scaling
         else 1.0,
-        router_bias=gpt_oss,
-        correction_bias=model_type == "deepseek_v3",
-        expert_bias=gpt_oss,
-        expert_act="clamped_swiglu" if gpt_oss else text.get("hidden_act", "silu"),
+        router_bias=traits.biases,
+        correction_bias=traits.correction_bias,
+        expert_bias=traits.biases,
+        expert_act=traits.expert_act or text.get("hidden_act", "silu"),
         swiglu_limit=float(text.get("swiglu_limit", 7.0)),
         swiglu_alpha=float(text.get("swiglu_alpha", 1.702)),
         shared_intermediate_size=shared,
-        shared_expert_gate=model_type == "qwen2_moe" and shared > 0,
+        shared_expert_gate=traits.gated_shared_expert and shared > 0,
     )
 
 

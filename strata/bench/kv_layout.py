@@ -26,6 +26,7 @@ from strata.cache.dsv4_pool import bytes_per_token as dsv4_bytes_per_token
 from strata.cache.dsv4_pool import context_bytes as dsv4_context_bytes
 from strata.cache.kv_plan import kv_layer_bytes_per_token
 from strata.model_config import ModelConfig
+from strata.models import config_from_dir, config_from_hf
 
 CONTEXT_LENS = (8192, 65536)
 
@@ -76,12 +77,12 @@ def read_config(model: str | Path) -> tuple[str, ModelConfig]:
     """(name, config) of a model directory holding config.json, or of a config.json file itself."""
     path = Path(model).expanduser()
     if path.is_dir():
-        return path.name, ModelConfig.from_dir(path)
+        return path.name, config_from_dir(path)
     if path.suffix != ".json" or not path.is_file():
         raise ValueError(
             f"{model}: expected a model directory holding config.json, or a config.json file"
         )
-    return path.parent.name, ModelConfig.from_hf_dict(json.loads(path.read_text()))
+    return path.parent.name, config_from_hf(json.loads(path.read_text()))
 
 
 def kv_layout(

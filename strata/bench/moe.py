@@ -56,7 +56,7 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
 
     from strata.layers.moe import MoE
     from strata.layers.packed import dense_target, pack_linears
-    from strata.model_config import ModelConfig
+    from strata.models import config_from_hf
 
     cls_name, module, block_name, extra = FAMILIES[cfg.family]
     fields = dict(
@@ -94,7 +94,7 @@ def build_blocks(cfg: MoEBenchConfig) -> dict[str, torch.nn.Module]:
                 for t in block.parameters():
                     t.copy_(torch.randn_like(t) * 0.1)
         blocks[impl] = block.to(dtype).eval()
-    moe_cfg = ModelConfig.from_hf_dict({**hf_cfg.to_dict(), "num_hidden_layers": 1}).moe
+    moe_cfg = config_from_hf({**hf_cfg.to_dict(), "num_hidden_layers": 1}).moe
     assert moe_cfg is not None  # every FAMILIES entry is a mixture of experts
     for impl in ("strata", "strata-loop", "strata-native"):
         ours = MoE(cfg.hidden_size, moe_cfg)

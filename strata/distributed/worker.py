@@ -61,8 +61,7 @@ def build_step(step: msg.Step, page_size: int, device: torch.device):
 class Worker:
     def __init__(self, init: msg.WorkerInit):
         from strata.distributed.layers import ShardedLoad
-        from strata.model_config import ModelConfig
-        from strata.models import get_model_class
+        from strata.models import config_from_dir, get_model_class
         from strata.weights.loader import load_model
 
         self.device = torch.device(init.device)
@@ -72,7 +71,7 @@ class Worker:
             f"started/{init.rank}", b"1"
         )  # rank 0 waits for this before the group's rendezvous
         self.comm = Comm(init.rank, world, store, self.device, init.timeout_s)
-        cfg = ModelConfig.from_dir(init.model_dir)
+        cfg = config_from_dir(init.model_dir)
         self.plan = ShardPlan(
             cfg,
             init.rank,

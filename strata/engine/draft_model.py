@@ -26,8 +26,7 @@ from strata.cache.kv_pool import MHAKVPool
 from strata.engine.batch import ScheduleBatch
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req
-from strata.model_config import ModelConfig
-from strata.models import family_spec
+from strata.models import config_from_dir, family_spec
 from strata.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -62,7 +61,7 @@ class DraftModelDrafter:
         from strata.weights.loader import load_model
 
         model_dir = resolve_model_path(str(model_dir))
-        mc = ModelConfig.from_dir(model_dir)
+        mc = config_from_dir(model_dir)
         if not family_spec(mc.architecture).draft_model:
             raise ValueError(
                 f"--speculative-draft-model: {mc.architecture} draft models are not supported "

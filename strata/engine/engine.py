@@ -40,7 +40,7 @@ from strata.layers.expert_load import expert_load_summary
 from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
 from strata.model_config import ModelConfig
-from strata.models import family_spec
+from strata.models import config_from_dir, family_spec
 from strata.models.native_decode import decode_loop_name
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import apply_chat_template, load_tokenizer
@@ -183,7 +183,7 @@ class Engine:
 
         cfg = self.config
         model_dir = resolve_model_path(cfg.model)
-        model_config = ModelConfig.from_dir(model_dir)
+        model_config = config_from_dir(model_dir)
         device = pick_device(cfg.device)
         if device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)

@@ -1,5 +1,6 @@
 """Model families: a registry of their `FamilySpec`s (`strata.models.spec`), one per family file,
-imported on first use; from it, the model class of an HF architecture name.
+imported on first use; from it, the model class of an HF architecture name, and a config.json read
+as a `ModelConfig` with its family's `ConfigTraits` (`config_from_hf`, `config_from_dir`).
 
 Every family is the decoder of `decoder.py` (plain PyTorch over `strata.layers`), configured by
 `ModelConfig` and its per-layer `LayerSpec`s (a layer's MLP is dense or a mixture of experts,
@@ -12,8 +13,12 @@ only on the rows that are sampled.
 from __future__ import annotations
 
 import importlib
+import json
 from functools import cache
+from pathlib import Path
+from typing import Any
 
+from strata.model_config import ModelConfig
 from strata.models.spec import FamilySpec
 
 # One line per family: the module that declares its `SPEC` beside its model classes.
@@ -63,3 +68,39 @@ def family_spec(architecture: str) -> FamilySpec:
 
 def get_model_class(architecture: str) -> type:
     return family_spec(architecture).architectures[architecture]
+
+
+def supported_model_types() -> list[str]:
+    return sorted(name for spec in family_specs() for name in spec.model_types)
+
+
+def config_from_hf(raw: dict[str, Any]) -> ModelConfig:
+    """A config.json's dict as a `ModelConfig`, read with the `ConfigTraits` its family declares for
+    its model_type. The family is the one that runs its architecture (`architectures[0]`) or, for a
+    config naming none, the one that claims its model_type; ValueError if no family serves it."""
+    archs = raw.get("architectures") or []
+    model_type = raw.get("model_type", "")
+    if archs:
+        spec = family_spec(archs[0])
+        if model_type not in spec.model_types:
+            raise ValueError(
+                f"{archs[0]} with model_type {model_type!r} is not supported; its configs have "
+                f"model_type {', '.join(spec.model_types)}"
+            )
+        return ModelConfig.from_hf_dict(raw, spec.model_types[model_type])
+    for spec in family_specs():
+        if model_type in spec.model_types:
+            return ModelConfig.from_hf_dict(raw, spec.model_types[model_type])
+    raise ValueError(
+        f"model_type {model_type!r} is not supported; supported: {', '.join(supported_model_types())}"
+    )
+
+
+def config_from_dir(model_dir: str | Path) -> ModelConfig:
+    """The `ModelConfig` of an HF model directory (its config.json, read by `config_from_hf`)."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{model_dir} has no config.json; expected a Hugging Face model directory"
+        )
+    return config_from_hf(json.loads(path.read_text()))

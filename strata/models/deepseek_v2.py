@@ -22,8 +22,11 @@ from typing import ClassVar
 
 import torch
 
+from strata.mla_config import MLATraits
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec, KVLayout
+from strata.moe_config import MoETraits
 
 _LAYER = re.compile(r"model\.layers\.(\d+)\.")
 Weight = tuple[str, torch.Tensor]  # (checkpoint name, tensor)
@@ -56,13 +59,32 @@ class DeepseekV2ForCausalLM(DecoderForCausalLM):
                 yield name, tensor
 
 
+# V2: routing by `topk_method`, never renormalised (as transformers runs it), RoPE always interleaved;
+# V3: sigmoid scores with a correction bias, renormalised per `norm_topk_prob`, RoPE per
+# `rope_interleave`; both scale by `routed_scaling_factor` and keep shared experts
+DEEPSEEK_V2 = ConfigTraits(
+    mla=MLATraits(always_interleaved=True),
+    moe=MoETraits(
+        routing=None, norm_topk_prob=False, routed_scaling=True, shared_experts=True
+    ),
+)
+DEEPSEEK_V3 = ConfigTraits(
+    mla=MLATraits(),
+    moe=MoETraits(
+        routing="sigmoid_group_topk",
+        routed_scaling=True,
+        correction_bias=True,
+        shared_experts=True,
+    ),
+)
+
 SPEC = FamilySpec(
     name="deepseek_v2",
     architectures={
         "DeepseekV2ForCausalLM": DeepseekV2ForCausalLM,
         "DeepseekV3ForCausalLM": DeepseekV2ForCausalLM,
     },
-    model_types=("deepseek_v2", "deepseek_v3"),
+    model_types={"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3},
     kv_layout=KVLayout.LATENT,
     tensor_parallel=False,
     native_decode=False,

@@ -21,18 +21,21 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from strata.cache.dsv4_pool import DSV4KVPool
+from strata.dsv4_config import dsv4_from_hf
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
 from strata.layers.hyper_connection import HyperConnection, HyperHead
 from strata.layers.moe import grouped_linear, grouped_mm_works
-from strata.model_config import ModelConfig
+from strata.model_config import ConfigTraits, LayerSpec, ModelConfig, rope_from_hf
 from strata.models.spec import FamilySpec, KVLayout
+from strata.moe_config import MoEConfig
 
 
 def clamped_silu_mul(
@@ -350,10 +353,79 @@ def our_name(ckpt_name: str) -> str | None:
     return name
 
 
+def read_config(raw: dict[str, Any]) -> ModelConfig:
+    """A `deepseek_v4` config.json: every layer slides (its CSA/HCA layers also read compressed
+    entries: `DSV4Config`), with sinks and experts in every layer; sliding layers rotate with the
+    main RoPE, CSA/HCA layers with the compressors' (`compress_rope_theta`, YaRN where configured)."""
+    text = raw.get("text_config") or raw
+    params = text.get("rope_parameters") or {}
+    main = rope_from_hf(
+        text,
+        {"rope_theta": text.get("rope_theta", 1e4), **(params.get("main") or {})},
+        {},
+    )
+    compress = rope_from_hf(
+        text,
+        {
+            "rope_theta": text.get("compress_rope_theta", 1.6e5),
+            **(params.get("compress") or {}),
+        },
+        {},
+    )
+    v4 = dsv4_from_hf(text, compress)
+    head_dim, expert_size = text["head_dim"], text["moe_intermediate_size"]
+    specs = tuple(
+        LayerSpec(
+            rope=main if kind == "sliding" else compress,
+            scale=head_dim**-0.5,
+            window=v4.sliding_window,
+            sinks=True,
+            moe=True,
+        )
+        for kind in v4.layer_kinds
+    )
+    moe = MoEConfig(
+        num_experts=text["n_routed_experts"],
+        top_k=text["num_experts_per_tok"],
+        intermediate_size=expert_size,
+        routing="deepseek_v4",
+        norm_topk_prob=True,
+        routed_scaling_factor=float(text["routed_scaling_factor"]),
+        correction_bias=True,
+        swiglu_limit=v4.swiglu_limit,
+        shared_intermediate_size=expert_size,
+    )
+    eos = text.get("eos_token_id")
+    return ModelConfig(
+        architecture=(raw.get("architectures") or ["DeepseekV4ForCausalLM"])[0],
+        model_type="deepseek_v4",
+        vocab_size=text["vocab_size"],
+        hidden_size=text["hidden_size"],
+        intermediate_size=expert_size,
+        num_layers=text["num_hidden_layers"],
+        num_heads=text["num_attention_heads"],
+        num_kv_heads=1,
+        head_dim=head_dim,
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6),
+        max_position_embeddings=text.get("max_position_embeddings", 2048),
+        rope=main,
+        layers=specs,
+        tie_word_embeddings=bool(text.get("tie_word_embeddings", False)),
+        hidden_act=text.get("hidden_act", "silu"),
+        moe=moe,
+        dsv4=v4,
+        torch_dtype=text.get("torch_dtype") or text.get("dtype"),
+        bos_token_id=text.get("bos_token_id"),
+        eos_token_ids=tuple(eos)
+        if isinstance(eos, list)
+        else ((eos,) if eos is not None else ()),
+    )
+
+
 SPEC = FamilySpec(
     name="deepseek_v4",
     architectures={"DeepseekV4ForCausalLM": DeepseekV4ForCausalLM},
-    model_types=("deepseek_v4",),
+    model_types={"deepseek_v4": ConfigTraits(parse=read_config)},
     kv_layout=KVLayout.DSV4,
     tensor_parallel=False,
     native_decode=False,

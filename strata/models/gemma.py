@@ -1,5 +1,5 @@
-"""Gemma 2 and Gemma 3 (text): the decoder of `decoder.py` in its Gemma settings, all read from the
-config by `ModelConfig.from_hf_dict`:
+"""Gemma 2 and Gemma 3 (text): the decoder of `decoder.py` in its Gemma settings, read from the
+config as their traits say (`GEMMA2`, `GEMMA3`, for what the config does not spell out):
 
 - sandwich norms (before and after attention, before and after the MLP), RMSNorm scaling by
   (1 + weight) in float32, embeddings times sqrt(hidden_size);
@@ -16,11 +16,13 @@ to llama.cpp's runtime: `gguf_config`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec, GGUFArch
 
@@ -31,6 +33,39 @@ class Gemma2ForCausalLM(DecoderForCausalLM):
 
 class Gemma3ForCausalLM(DecoderForCausalLM):
     pass
+
+
+def gemma2_layer_types(text: dict[str, Any], num_layers: int) -> list[str]:
+    """An older Gemma 2 config.json (no `layer_types`): sliding and full layers alternate, sliding
+    first."""
+    return [
+        "sliding_attention" if (i + 1) % 2 else "full_attention"
+        for i in range(num_layers)
+    ]
+
+
+def gemma3_layer_types(text: dict[str, Any], num_layers: int) -> list[str]:
+    """An older Gemma 3 config.json: a full layer every `sliding_window_pattern` (6), else sliding."""
+    pattern = text.get("sliding_window_pattern", 6)
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+        for i in range(num_layers)
+    ]
+
+
+# sandwich norms scaling by (1 + weight), embeddings times sqrt(hidden_size), tied LM head unless
+# the config says otherwise, the MLP's activation in `hidden_activation`
+_GEMMA = ConfigTraits(
+    norm_layout="sandwich",
+    norm_unit_offset=True,
+    scale_embeddings=True,
+    tied_embeddings=True,
+    hidden_activation=True,
+)
+GEMMA2 = dataclasses.replace(_GEMMA, layer_types=gemma2_layer_types)
+GEMMA3 = dataclasses.replace(
+    _GEMMA, qk_norm="head", local_rope=True, layer_types=gemma3_layer_types
+)
 
 
 def _f32(value: float) -> float:
@@ -84,7 +119,7 @@ SPEC = FamilySpec(
         "Gemma2ForCausalLM": Gemma2ForCausalLM,
         "Gemma3ForCausalLM": Gemma3ForCausalLM,
     },
-    model_types=("gemma2", "gemma3_text"),
+    model_types={"gemma2": GEMMA2, "gemma3_text": GEMMA3},
     gguf=(
         GGUFArch(
             "gemma3",

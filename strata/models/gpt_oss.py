@@ -15,8 +15,10 @@ from __future__ import annotations
 
 import torch
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec
+from strata.moe_config import MoETraits
 
 
 def _deinterleave(t: torch.Tensor) -> torch.Tensor:
@@ -51,5 +53,12 @@ class GptOssForCausalLM(DecoderForCausalLM):
 SPEC = FamilySpec(
     name="gpt_oss",
     architectures={"GptOssForCausalLM": GptOssForCausalLM},
-    model_types=("gpt_oss",),
+    model_types={
+        "gpt_oss": ConfigTraits(
+            sinks=True,
+            moe=MoETraits(
+                routing="topk_softmax", biases=True, expert_act="clamped_swiglu"
+            ),
+        )
+    },
 )

@@ -5,6 +5,7 @@ layer whether it slides (`layer_types`: sliding-window or full attention over `s
 
 from __future__ import annotations
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec
 
@@ -16,5 +17,5 @@ class MinistralForCausalLM(DecoderForCausalLM):
 SPEC = FamilySpec(
     name="ministral",
     architectures={"MinistralForCausalLM": MinistralForCausalLM},
-    model_types=("ministral",),
+    model_types={"ministral": ConfigTraits()},
 )

@@ -7,8 +7,10 @@ w2 (down); they load into the stacked experts of `strata.layers.moe` under our n
 
 from __future__ import annotations
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec
+from strata.moe_config import MoETraits
 
 
 class MixtralForCausalLM(DecoderForCausalLM):
@@ -23,5 +25,6 @@ class MixtralForCausalLM(DecoderForCausalLM):
 SPEC = FamilySpec(
     name="mixtral",
     architectures={"MixtralForCausalLM": MixtralForCausalLM},
-    model_types=("mixtral",),
+    # transformers' Mixtral always renormalises the top-k weights
+    model_types={"mixtral": ConfigTraits(moe=MoETraits(norm_topk_prob=True))},
 )

@@ -5,6 +5,7 @@ the split into heads and RoPE. Checkpoint names are Llama's.
 
 from __future__ import annotations
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec
 
@@ -16,5 +17,5 @@ class Olmo2ForCausalLM(DecoderForCausalLM):
 SPEC = FamilySpec(
     name="olmo2",
     architectures={"Olmo2ForCausalLM": Olmo2ForCausalLM},
-    model_types=("olmo2",),
+    model_types={"olmo2": ConfigTraits(qk_norm="full", norm_layout="post")},
 )

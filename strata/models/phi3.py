@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import ClassVar
 
+from strata.model_config import ConfigTraits
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.spec import FamilySpec
 
@@ -21,5 +22,8 @@ class Phi3ForCausalLM(DecoderForCausalLM):
 SPEC = FamilySpec(
     name="phi3",
     architectures={"Phi3ForCausalLM": Phi3ForCausalLM},
-    model_types=("phi3",),
+    # older Phi-3 configs name longrope "su" or "yarn"
+    model_types={
+        "phi3": ConfigTraits(rope_aliases={"su": "longrope", "yarn": "longrope"})
+    },
 )

@@ -8,8 +8,12 @@ names are ours: `mlp.gate` (router), `mlp.experts.{e}.{gate,up,down}_proj`, `mlp
 
 from __future__ import annotations
 
+import dataclasses
+
 from strata.models.decoder import DecoderForCausalLM
+from strata.models.llama import QWEN2, QWEN3
 from strata.models.spec import FamilySpec
+from strata.moe_config import MoETraits
 
 
 class Qwen2MoeForCausalLM(DecoderForCausalLM):
@@ -26,5 +30,10 @@ SPEC = FamilySpec(
         "Qwen2MoeForCausalLM": Qwen2MoeForCausalLM,
         "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     },
-    model_types=("qwen2_moe", "qwen3_moe"),
+    model_types={
+        "qwen2_moe": dataclasses.replace(
+            QWEN2, moe=MoETraits(gated_shared_expert=True)
+        ),
+        "qwen3_moe": dataclasses.replace(QWEN3, moe=MoETraits()),
+    },
 )

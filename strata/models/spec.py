@@ -1,7 +1,7 @@
 """`FamilySpec`: what the engine needs to know about a model family, declared once in the family's
 file beside its modules (`SPEC = FamilySpec(...)`) and collected by the registry in
-`strata.models`. The engine, the loader, the tensor-parallel split and the native decode loop ask
-the spec instead of branching on `model_type`.
+`strata.models`. Reading config.json, the engine, the loader, the tensor-parallel split and the
+native decode loop ask the spec instead of branching on `model_type`.
 
 Torch-free: the spec names its model classes, it does not build them.
 """
@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.cache.kv_layout import KVLayout
+from strata.model_config import ConfigTraits
 
 
 @dataclass(frozen=True)
@@ -41,15 +42,17 @@ class GGUFArch:
 
 @dataclass(frozen=True)
 class FamilySpec:
-    """One model family: the HF names it serves and what the engine builds for it.
+    """One model family: the HF names it serves, how their config.json reads and what the engine
+    builds for it.
 
     `architectures` maps each HF architecture name (config.json's `architectures[0]`) to the model
-    class that runs it; `model_types` are the HF `model_type`s those configs carry. No two specs
-    share an architecture or a model_type (the registry checks)."""
+    class that runs it; `model_types` maps each HF `model_type` those configs carry to how its
+    config.json reads where the file does not say (`ConfigTraits`; `ConfigTraits()` reads it as
+    Llama's). No two specs share an architecture or a model_type (the registry checks)."""
 
     name: str
     architectures: dict[str, type] = field(hash=False)
-    model_types: tuple[str, ...]
+    model_types: dict[str, ConfigTraits] = field(hash=False)
     kv_layout: KVLayout = KVLayout.PAGED
     # the model's layers split over ranks (--tp-size / --ep-size); False: refused with a message
     tensor_parallel: bool = True

@@ -18,6 +18,7 @@ from strata.distributed.eplb import (
 )
 from strata.distributed.sharding import ShardPlan, check_supported, head_split
 from strata.model_config import ModelConfig
+from strata.models import config_from_hf
 
 
 @pytest.mark.parametrize(
@@ -56,7 +57,7 @@ def test_heads_that_cannot_split_are_refused_with_the_reason():
 
 
 def small_config(**changes) -> ModelConfig:
-    cfg = ModelConfig.from_hf_dict(
+    cfg = config_from_hf(
         {
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",

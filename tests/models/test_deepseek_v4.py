@@ -26,7 +26,7 @@ from tiny_models import constant_tensors
 from strata import Engine, SamplingParams
 from strata.cache.dsv4_pool import DSV4KVPool
 from strata.engine.request import Req
-from strata.model_config import ModelConfig
+from strata.models import config_from_dir
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 # 150 tokens: 37 CSA entries (top-4 kept per query), 9 HCA entries, the window 16
@@ -63,7 +63,7 @@ def test_tiny_checkpoint_holds_no_constant_tensor(model_dir):
     assert constant_tensors(model_dir) == [
         "model.hc_head.hc_scale"
     ]  # a single value, moved off 1 by make_dsv4
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     assert cfg.dsv4.layer_kinds == ("sliding", "csa", "hca", "csa")
     assert cfg.dsv4.hash_layers == (True, False, False, False)
 
@@ -274,7 +274,7 @@ def test_yarn_on_the_compressed_layers_matches(tmp_path):
         "beta_slow": 1,
     }
     model_dir = make_dsv4(tmp_path / "yarn", rope_parameters=yarn)
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     assert [spec.rope.rope_type for spec in cfg.layers] == [
         "default",
         "yarn",

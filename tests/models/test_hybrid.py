@@ -11,6 +11,7 @@ from tiny_models import make_model
 
 from strata import Engine, SamplingParams
 from strata.model_config import ModelConfig
+from strata.models import config_from_dir, config_from_hf
 
 WINDOWED = [
     "mistral_sw",
@@ -405,7 +406,7 @@ def test_windowed_model_accepts_contexts_longer_than_its_window(tiny_models):
     engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024)
     assert (
         engine.scheduler.context_len
-        == ModelConfig.from_dir(model_dir).max_position_embeddings
+        == config_from_dir(model_dir).max_position_embeddings
         == 512
     )
     prompt = [(5 * i + 1) % 380 + 2 for i in range(120)]
@@ -461,7 +462,7 @@ def _spec(**text) -> ModelConfig:
         "num_hidden_layers": 6,
     }
     base["num_attention_heads"] = 4
-    return ModelConfig.from_hf_dict({**base, **text})
+    return config_from_hf({**base, **text})
 
 
 def test_gemma3_hub_config_layers_and_ropes():
@@ -571,7 +572,7 @@ def test_gpt_oss_attention_equals_transformers(layer_type):
         },
     )
     hf_cfg._attn_implementation = "eager"
-    cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict())
+    cfg = config_from_hf(hf_cfg.to_dict())
     spec = cfg.layers[0]
     assert spec.sinks and spec.window == (
         WINDOW if layer_type == "sliding_attention" else None

@@ -23,7 +23,7 @@ from strata.config import EngineConfig
 from strata.engine.request import Req
 from strata.layers.mla import deinterleave
 from strata.mla_config import MLAConfig
-from strata.model_config import ModelConfig
+from strata.models import config_from_dir, config_from_hf
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SHARED = PROMPTS[2][:32] + [7, 8, 9]  # shares a 32-token prefix with PROMPTS[2]
@@ -94,7 +94,7 @@ def prefill_then_decode_logits(
 
 
 def test_config_reads_the_latent_attention(mla_models):
-    v2 = ModelConfig.from_dir(mla_models["deepseek_v2"])
+    v2 = config_from_dir(mla_models["deepseek_v2"])
     assert v2.mla == MLAConfig(
         kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16
     )
@@ -105,14 +105,14 @@ def test_config_reads_the_latent_attention(mla_models):
         [False, True],
         "softmax_greedy",
     )
-    lora = ModelConfig.from_dir(mla_models["deepseek_v2_lora"])
+    lora = config_from_dir(mla_models["deepseek_v2_lora"])
     assert (lora.mla.q_lora_rank, lora.moe.routing) == (
         24,
         "softmax_group_limited_greedy",
     )
     assert [s.moe for s in lora.layers] == [False, True, True]
     assert lora.layers[0].scale == pytest.approx(24**-0.5)  # default RoPE: no mscale
-    v3 = ModelConfig.from_dir(mla_models["deepseek_v3"])
+    v3 = config_from_dir(mla_models["deepseek_v3"])
     assert (
         v3.moe.routing,
         v3.moe.correction_bias,
@@ -121,9 +121,7 @@ def test_config_reads_the_latent_attention(mla_models):
     ) == ("sigmoid_group_topk", True, 4, 2)
     assert (
         v3.mla.rope_interleave
-        and not ModelConfig.from_dir(
-            mla_models["deepseek_v3_halves"]
-        ).mla.rope_interleave
+        and not config_from_dir(mla_models["deepseek_v3_halves"]).mla.rope_interleave
     )
 
 
@@ -170,7 +168,7 @@ def test_published_deepseek_v3_config_and_its_kv_bytes_per_token():
     """The hub's config.json: RoPE over the 64 rope dims, the YaRN softmax scale, and a KV cache of
     61 x 576 values per token (70,272 bytes in bf16; MHA K/V of the same heads would be ~71x that),
     which is what sizing the pool from memory divides by."""
-    mc = ModelConfig.from_hf_dict(DEEPSEEK_V3)
+    mc = config_from_hf(DEEPSEEK_V3)
     assert (mc.head_dim, mc.layers[0].rope.rope_type, mc.mla.latent_dim) == (
         64,
         "yarn",
@@ -460,7 +458,7 @@ def test_multi_token_prediction_layers_are_skipped_and_fp8_refused(mla_models):
     from strata.weights.loader import iter_safetensors
 
     model_dir = mla_models["deepseek_v3"]
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     weights = list(iter_safetensors(model_dir))
     mtp = [
         (name.replace("layers.1.", f"layers.{cfg.num_layers}."), t)

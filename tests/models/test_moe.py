@@ -12,7 +12,7 @@ from tiny_models import MOE_FAMILIES, constant_tensors, make_model
 
 from strata import Engine, SamplingParams
 from strata.engine.request import Req
-from strata.model_config import ModelConfig
+from strata.models import config_from_dir, config_from_hf
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
 SHARED = PROMPTS[2][:32] + [7, 8, 9]  # shares a 32-token prefix with PROMPTS[2]
@@ -49,8 +49,7 @@ def test_tiny_checkpoints_hold_no_constant_tensor(moe_models):
 
 def test_dense_and_sparse_layers_follow_the_config(moe_models):
     layers = {
-        f: [s.moe for s in ModelConfig.from_dir(d).layers]
-        for f, d in moe_models.items()
+        f: [s.moe for s in config_from_dir(d).layers] for f, d in moe_models.items()
     }
     assert layers == {
         "mixtral": [True, True],
@@ -58,7 +57,7 @@ def test_dense_and_sparse_layers_follow_the_config(moe_models):
         "qwen3_moe": [False, True, False, True],  # decoder_sparse_step=2
         "gpt_oss": [True, True],
     }
-    deepseek = ModelConfig.from_hf_dict(
+    deepseek = config_from_hf(
         {
             "model_type": "deepseek_v3",
             "vocab_size": 32,
@@ -163,7 +162,7 @@ def test_expert_load_counts_transformers_routing(moe_models, family):
         [len(prompt)],
         0,
     )
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     with torch.no_grad():
         out = hf_model(model_dir)(torch.tensor([prompt]), output_router_logits=True)
     sparse = [i for i, spec in enumerate(cfg.layers) if spec.moe]
@@ -222,7 +221,7 @@ def test_a_missing_expert_is_reported(moe_models):
     from strata.weights.loader import iter_safetensors
 
     model_dir = moe_models["mixtral"]
-    cfg = ModelConfig.from_dir(model_dir)
+    cfg = config_from_dir(model_dir)
     model = MixtralForCausalLM(cfg, max_positions=64)
     weights = [
         (n, t)

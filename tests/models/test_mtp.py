@@ -15,7 +15,7 @@ from test_parity import PROMPTS, hf_greedy, hf_model
 from tiny_models import make_model, randomize_constants
 
 from strata import Engine, SamplingParams
-from strata.model_config import ModelConfig
+from strata.models import config_from_dir
 
 NUM_LAYERS = 2  # tiny_models' default
 
@@ -120,7 +120,7 @@ def oracle_chain(main, mtp, seq: list[int], k: int) -> list[int]:
 
 
 def test_config_reads_the_mtp_layers(mtp_model):
-    assert ModelConfig.from_dir(mtp_model[0]).mtp_layers == 1
+    assert config_from_dir(mtp_model[0]).mtp_layers == 1
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -16,9 +16,8 @@ from strata.cache.dsv4_pool import DSV4KVPool
 from strata.cache.kv_pool import LatentKVPool, MHAKVPool
 from strata.distributed.sharding import check_supported
 from strata.engine.engine import Engine
-from strata.model_config import ModelConfig
 from strata.models import FAMILIES as FAMILY_MODULES
-from strata.models import family_spec, family_specs, get_model_class
+from strata.models import config_from_dir, family_spec, family_specs, get_model_class
 from strata.models.spec import KVLayout
 from strata.sampling_params import SamplingParams
 
@@ -160,6 +159,6 @@ def test_the_engine_does_not_branch_on_the_model_type():
 
 def test_ministral_slides_on_the_layers_its_config_says(tiny_dir):
     """Ministral, added as its file and one registry line: its config reads as its family's."""
-    mc = ModelConfig.from_dir(tiny_dir("ministral"))
+    mc = config_from_dir(tiny_dir("ministral"))
     assert family_spec(mc.architecture).name == "ministral"
     assert [spec.window for spec in mc.layers] == [8, None]

@@ -12,7 +12,7 @@ from strata.bench.moe import load_hf_moe_block
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
 from strata.layers.moe_routing import ROUTING
 from strata.layers.packed import dense_target, pack_linears
-from strata.model_config import ModelConfig
+from strata.models import config_from_hf
 
 BASE = dict(
     vocab_size=64,
@@ -144,7 +144,7 @@ def hf_case(name: str):
     hf_cfg._experts_implementation = "eager"
     mod = getattr(transformers.models, module)
     modeling = getattr(mod, f"modeling_{module}")
-    moe_cfg = ModelConfig.from_hf_dict(hf_cfg.to_dict()).moe
+    moe_cfg = config_from_hf(hf_cfg.to_dict()).moe
     return hf_cfg, moe_cfg, getattr(modeling, router_cls), getattr(modeling, block_cls)
 
 
