@@ -331,14 +331,8 @@ def constant_tensors(model_dir: Path) -> list[str]:
     return found
 
 
-def make_model(
-    out_dir: Path,
-    family: str = "llama",
-    *,
-    tokenizer: bool = True,
-    chat_template: str = CHAT_TEMPLATE,
-    **overrides,
-) -> Path:
+def tiny_config(family: str = "llama", **overrides):
+    """The transformers config of the tiny `family` model (what `make_model` saves)."""
     import transformers
 
     config_cls, extra = {**FAMILIES, **MOE_FAMILIES, **MLA_FAMILIES}[family]
@@ -358,7 +352,20 @@ def make_model(
     )
     kwargs.update(extra)
     kwargs.update(overrides)
-    config = getattr(transformers, config_cls)(**kwargs)
+    return getattr(transformers, config_cls)(**kwargs)
+
+
+def make_model(
+    out_dir: Path,
+    family: str = "llama",
+    *,
+    tokenizer: bool = True,
+    chat_template: str = CHAT_TEMPLATE,
+    **overrides,
+) -> Path:
+    import transformers
+
+    config = tiny_config(family, **overrides)
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     if family in RANDOM_NORMS:
