@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import re
 import shutil
 import signal
 import tempfile
@@ -90,6 +91,22 @@ class SoakResult:
                 split["fault_windows" if inside else "quiet"] += 1
         return split
 
+    def quiet_server_errors(self, top: int = 5) -> list[dict[str, Any]]:
+        """The commonest 5xx of quiet time: target, status and message (numbers cut out, so one
+        message from several workers or requests counts once), with how many."""
+        windows = self.windows()
+        seen: Counter = Counter()
+        for r in self.records:
+            if r.status is None or r.status < 500:
+                continue
+            if any(r.started < end and r.ended > start for start, end in windows):
+                continue
+            seen[(r.target, r.status, re.sub(r"\d+", "N", r.detail)[:160])] += 1
+        return [
+            {"target": t, "status": s, "message": m, "count": n}
+            for (t, s, m), n in seen.most_common(top)
+        ]
+
     def leaked_pages(self) -> dict[str, int | None]:
         return {name: (kv or {}).get("leaked_pages") for name, kv in self.kv.items()}
 
@@ -134,6 +151,7 @@ class SoakResult:
             "by_kind": by_kind,
             "by_target": by_target,
             "server_errors_5xx": self.server_errors(),
+            "quiet_5xx_by_message": self.quiet_server_errors(),
             "faults": [dataclasses.asdict(f) for f in self.faults],
             "memory": [dataclasses.asdict(m) for m in self.memory],
             "kv": self.kv,
@@ -379,6 +397,13 @@ def format_text(result: SoakResult) -> str:
         "",
         f"5xx that reached a client: {errs['fault_windows']} in fault windows, {errs['quiet']} in quiet time",
     ]
+    quiet = data["quiet_5xx_by_message"]
+    if quiet:
+        rows = [
+            [q["target"], str(q["status"]), str(q["count"]), q["message"]]
+            for q in quiet
+        ]
+        parts += ["", table(rows, ["target", "status", "count", "quiet-time 5xx"])]
     fault_rows = [
         [
             f.name,

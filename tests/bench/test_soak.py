@@ -181,3 +181,26 @@ def test_fill_writes_until_the_file_system_is_full(tmp_path):
             (mnt / "page").write_bytes(bytes(8192))
     finally:
         subprocess.run(["umount", str(mnt)], check=False)
+
+
+def test_quiet_time_5xx_are_grouped_by_message():
+    records = [
+        Record(
+            "chat", "pd", 40.0, 41.0, "failed", 502, "prefill worker :8001 timed out"
+        ),
+        Record(
+            "chat", "pd", 42.0, 43.0, "failed", 502, "prefill worker :8002 timed out"
+        ),
+        Record("chat", "dp", 44.0, 45.0, "failed", 500, "boom"),
+        Record("chat", "dp", 12.0, 13.0, "failed", 503, "in the fault window"),
+        Record("chat", "dp", 46.0, 47.0, "failed", 400, "a client error"),
+    ]
+    assert result(records, {}).quiet_server_errors() == [
+        {
+            "target": "pd",
+            "status": 502,
+            "message": "prefill worker :N timed out",
+            "count": 2,
+        },
+        {"target": "dp", "status": 500, "message": "boom", "count": 1},
+    ]
