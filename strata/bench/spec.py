@@ -365,12 +365,12 @@ class Arm:
     def active(self):
         """The engine as this side runs it, its prefix cache emptied (each side prefills for itself)."""
         scheduler = self.engine.scheduler
-        saved, scheduler.spec = scheduler.spec, self.speculator
+        saved = scheduler.set_speculator(self.speculator)
         try:
             self.engine.flush_cache()
             yield self.engine
         finally:
-            scheduler.spec = saved
+            scheduler.set_speculator(saved)
 
 
 def _run_arm(

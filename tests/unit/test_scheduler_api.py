@@ -14,9 +14,6 @@ from strata.engine.hooks import ForwardObserver, StepObserver
 
 ROOT = Path(strata.__file__).parent
 SCHEDULER_NAMES = {"scheduler", "sched"}
-# (file under strata/, attribute) assignments still allowed: the speculative bench swaps the
-# speculator between its two arms (`Scheduler.set_speculator` does the same through the API)
-ALLOWED_ASSIGNMENTS = {("bench/spec.py", "spec")}
 
 
 def _is_scheduler(node: ast.AST, aliases: set[str]) -> bool:
@@ -68,11 +65,7 @@ def violations(source: str, rel: str) -> list[str]:
         ):
             found.append(f"{where}: reads the scheduler's private {node.attr!r}")
         for t in _targets(node):
-            if (
-                isinstance(t, ast.Attribute)
-                and _is_scheduler(t.value, aliases)
-                and (rel, t.attr) not in ALLOWED_ASSIGNMENTS
-            ):
+            if isinstance(t, ast.Attribute) and _is_scheduler(t.value, aliases):
                 found.append(f"{where}: sets or deletes the scheduler's {t.attr!r}")
         if (
             isinstance(node, ast.Call)
