@@ -30,6 +30,7 @@ import msgspec
 from fastapi import APIRouter, Request, Response
 
 from strata.engine.outputs import TokenLogprob
+from strata.grammar.spec import GrammarSpec
 from strata.server.chat_output import ChoiceParts, ChoiceSplitter
 from strata.server.engine_client import Generation, Job
 from strata.server.openai_api import new_id, sampling_fields, usage
@@ -92,13 +93,18 @@ PROMPT_TAIL_TOKENS = (
 
 
 def chat_prompt_ids(
-    state: ServerState, req: ChatCompletionRequest, tools: list[dict[str, Any]]
+    state: ServerState,
+    req: ChatCompletionRequest,
+    tools: list[dict[str, Any]],
+    param: str = "messages",
 ) -> list[int]:
+    """The conversation through the chat template, as token ids; `param` is the field a client
+    sent it in (messages; input for /v1/responses)."""
     if not req.messages:
         raise APIError(
             400,
             "messages must be a non-empty list of {role, content} objects",
-            param="messages",
+            param=param,
         )
     messages = template_messages(req)
     if state.tokenizer is None:
@@ -124,7 +130,7 @@ def chat_prompt_ids(
         KeyError,
     ) as exc:  # the template may reject a conversation
         raise APIError(
-            400, f"the chat template rejected these messages: {exc}", param="messages"
+            400, f"the chat template rejected these messages: {exc}", param=param
         ) from None
 
 
@@ -178,24 +184,48 @@ class ChatPlan:
         return ChoiceSplitter(reasoning, tools, self.calls_finish)
 
 
+def chat_plan(
+    state: ServerState,
+    choice: str | NamedToolChoice,
+    tools: list[dict[str, Any]],
+    input_ids: list[int],
+) -> ChatPlan:
+    """How the output of a conversation with these tools and this tool_choice is parsed."""
+    uses_tools = bool(tools) and choice != "none"
+    plan = ChatPlan(
+        state.tool_call_parser if uses_tools else None, state.reasoning_parser
+    )
+    plan.forced = uses_tools and (
+        choice == "required" or isinstance(choice, NamedToolChoice)
+    )
+    if isinstance(choice, NamedToolChoice):
+        plan.calls_finish = "stop"  # as OpenAI answers a named tool_choice
+        plan.forced_name = choice.function.name
+    if plan.reasoning is not None:
+        plan.prompt_tail = state.tokenizer.decode(input_ids[-PROMPT_TAIL_TOKENS:])
+    return plan
+
+
 async def structured_fields(
     state: ServerState,
-    req: ChatCompletionRequest,
     plan: ChatPlan,
     tools: list[dict[str, Any]],
+    choice: str | NamedToolChoice,
+    fmt: tuple[GrammarSpec, str] | None,
+    parallel_tool_calls: bool,
 ) -> dict[str, Any]:
-    """The SamplingParams field for the grammar the request asks for ({} for none), validated (400)."""
-    choice = tool_choice_of(req)
-    fmt = format_spec(req)
+    """The SamplingParams field for the grammar the request asks for ({} for none), validated (400):
+    `fmt` is the output format asked for and the field that asked (structured.format_spec), the
+    forced calls come from `choice`."""
     forced = (
-        tool_spec(choice, tools, plan.tool_parser, req.parallel_tool_calls)
+        tool_spec(choice, tools, plan.tool_parser, parallel_tool_calls)
         if plan.tool_parser
         else None
     )
     if fmt is not None and forced is not None:
         raise APIError(
             400,
-            "response_format / regex / ebnf cannot be combined with a forced tool_choice",
+            f"{fmt[1]} cannot be combined with a forced tool_choice (required or a named function)",
             param="tool_choice",
         )
     spec, param = fmt if fmt is not None else (forced, "tool_choice")
@@ -224,19 +254,8 @@ async def chat_completions(request: Request) -> Response:
     info = state.engine_info()
     tools = check_tools(req)
     choice = tool_choice_of(req)
-    uses_tools = bool(tools) and choice != "none"
     input_ids = await off_loop(len(body), chat_prompt_ids, state, req, tools)
-    plan = ChatPlan(
-        state.tool_call_parser if uses_tools else None, state.reasoning_parser
-    )
-    plan.forced = uses_tools and (
-        choice == "required" or isinstance(choice, NamedToolChoice)
-    )
-    if isinstance(choice, NamedToolChoice):
-        plan.calls_finish = "stop"  # as OpenAI answers a named tool_choice
-        plan.forced_name = choice.function.name
-    if plan.reasoning is not None:
-        plan.prompt_tail = state.tokenizer.decode(input_ids[-PROMPT_TAIL_TOKENS:])
+    plan = chat_plan(state, choice, tools, input_ids)
     requested = (
         req.max_completion_tokens
         if req.max_completion_tokens is not None
@@ -258,7 +277,12 @@ async def chat_completions(request: Request) -> Response:
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     names = {**OPENAI_PARAM_NAMES, "max_new_tokens": param, "logprobs": "top_logprobs"}
     fields = sampling_fields(req, max_tokens, logprobs)
-    fields.update(await structured_fields(state, req, plan, tools))
+    fmt = format_spec(req)
+    fields.update(
+        await structured_fields(
+            state, plan, tools, choice, fmt, req.parallel_tool_calls
+        )
+    )
     params = make_sampling_params(fields, info.vocab_size, names)
     bootstrap = verified_bootstrap(state, request, body, req)
     gen = await start_generation(state, [Job(input_ids, params, *bootstrap)])
