@@ -27,7 +27,9 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
 from strata.server import chat_api, embeddings_api, native_api, openai_api
+from strata.server.api_keys import current_key, load_api_keys
 from strata.server.engine_client import EngineUnavailable, Job
+from strata.server.metrics import ServerMetrics
 from strata.server.openapi import openapi_document
 from strata.server.protocol import APIError, error_body
 from strata.server.serving import (
@@ -49,20 +51,38 @@ HEALTH_GENERATE_TIMEOUT_S = 60.0
 
 
 class Guard:
-    """ASGI middleware: the API key (all paths but /health) and the declared body size, before any parsing."""
+    """ASGI middleware: the API key (all paths but /health) and the declared body size, before any
+    parsing. `api_keys`: key -> the name its usage is counted under (strata.server.api_keys; empty:
+    no authentication)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_request_bytes: int):
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_keys: dict[str, str],
+        max_request_bytes: int,
+        metrics: ServerMetrics | None = None,
+    ):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode() if api_key else None
+        self.expected = [(f"Bearer {k}".encode(), name) for k, name in api_keys.items()]
         self.max_request_bytes = max_request_bytes
+        self.metrics = metrics
+
+    def _key_name(self, given: bytes) -> str | None:
+        """The name of the key `given` carries (every key compared, in constant time each)."""
+        found = None
+        for expected, name in self.expected:
+            if hmac.compare_digest(given, expected):
+                found = name
+        return found
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected is not None and scope["path"] not in PUBLIC_PATHS:
+        if self.expected and scope["path"] not in PUBLIC_PATHS:
             given = headers.get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            name = self._key_name(given)
+            if name is None:
                 message = (
                     "invalid API key"
                     if given
@@ -71,6 +91,9 @@ class Guard:
                 return await _send_error(
                     send, 401, message, code="invalid_api_key", www_authenticate=True
                 )
+            current_key.set(name)
+            if self.metrics is not None:
+                self.metrics.on_key_request(name)
         length = headers.get(b"content-length")
         if (
             length is not None
@@ -109,10 +132,13 @@ def create_app(state: ServerState) -> FastAPI:
     secrets = secret_values(
         state.config, state.engine_config
     )  # scrubbed from any error message
+    api_keys = load_api_keys(state.config.api_key, state.config.api_key_file)
+    secrets = sorted({*secrets, *api_keys}, key=len, reverse=True)
     app.add_middleware(
         Guard,
-        api_key=state.config.api_key,
+        api_keys=api_keys,
         max_request_bytes=state.config.max_request_bytes,
+        metrics=state.metrics,
     )
 
     @app.exception_handler(APIError)
@@ -262,9 +288,7 @@ def create_app(state: ServerState) -> FastAPI:
             raise APIError(409, result.message, code="requests_in_flight")
         return json_response({"message": result.message})
 
-    openapi = openapi_document(
-        "Strata", router=False, secured=state.config.api_key is not None
-    )
+    openapi = openapi_document("Strata", router=False, secured=bool(api_keys))
 
     @app.get("/openapi.json")
     async def openapi_json() -> Response:

@@ -24,6 +24,9 @@ class ServerConfig:
     api_key: str | None = field(
         default=None, metadata=SECRET
     )  # if set, every endpoint but /health needs `Authorization: Bearer <key>`
+    api_key_file: str | None = (
+        None  # several keys, one 'NAME KEY' per line; /metrics counts each NAME's usage (strata.server.api_keys)
+    )
     served_model_name: str | None = (
         None  # the `model` name clients use; default: the model directory's name
     )
@@ -51,6 +54,10 @@ class ServerConfig:
             raise ValueError(
                 "api_key must not be empty; omit --api-key to serve without authentication"
             )
+        if self.api_key_file is not None:
+            from strata.server.api_keys import load_api_keys
+
+            load_api_keys(self.api_key, self.api_key_file)  # ValueError: what to fix
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(
                 f"max_queued_requests must be >= 1, got {self.max_queued_requests}"

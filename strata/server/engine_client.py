@@ -29,6 +29,7 @@ import zmq.asyncio
 from strata.engine.outputs import RequestOutput
 from strata.sampling_params import SamplingParams
 from strata.server import io
+from strata.server.api_keys import current_key
 
 DEFAULT_STALL_TIMEOUT_S = 5.0  # ServerConfig.health_stall_timeout's default
 PROBE_AFTER_S = (
@@ -79,6 +80,7 @@ class Generation:
         self.pending_adds = 0
         self.closed = False
         self.num_finished = 0
+        self.key = current_key.get()  # the API key's name it came with (None: no keys)
 
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iterate()

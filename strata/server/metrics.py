@@ -12,6 +12,8 @@ engine sends with every batch and on request. Each server has its own registry (
     strata:time_to_first_token_seconds      arrival -> first output token
     strata:inter_token_latency_seconds      between output tokens (per token of each update)
     strata:e2e_request_latency_seconds      arrival -> finished
+    strata:api_key_requests_total{key}      HTTP requests accepted with each API key (by its name)
+    strata:api_key_prompt_tokens_total{key} / api_key_generation_tokens_total{key}  of its requests
     strata:num_running_reqs / num_queue_reqs  scheduler running / waiting, as of the last step
     strata:token_usage                      fraction of KV pages held by requests
     strata:cache_hit_rate                   cached_tokens_total / prompt_tokens_total
@@ -110,6 +112,18 @@ class ServerMetrics:
             "Request latency, arrival to finish.",
             E2E_BUCKETS,
         )
+        # usage per API key (strata.server.api_keys), labelled by the key's name, never the key
+        self.key_requests, self.key_prompt_tokens, self.key_generation_tokens = (
+            Counter(f"strata:api_key_{name}", doc, ["key"], registry=r)
+            for name, doc in (
+                ("requests_total", "HTTP requests accepted with each API key."),
+                ("prompt_tokens", "Prompt tokens of each API key's finished requests."),
+                (
+                    "generation_tokens",
+                    "Output tokens of each API key's finished requests.",
+                ),
+            )
+        )
         self.num_running = gauge("num_running_reqs", "Requests in the running batch.")
         self.num_queue = gauge(
             "num_queue_reqs", "Requests waiting in the scheduler queue."
@@ -194,10 +208,19 @@ class ServerMetrics:
             self.cached_tokens.inc(out.cached_tokens)
             if out.finish_reason == "abort":
                 self.num_aborted.inc()
+            if route.gen.key is not None:
+                self.key_prompt_tokens.labels(route.gen.key).inc(out.prompt_tokens)
+                self.key_generation_tokens.labels(route.gen.key).inc(
+                    out.completion_tokens
+                )
             self._prompt_total += out.prompt_tokens
             self._cached_total += out.cached_tokens
             if self._prompt_total:
                 self.cache_hit_rate.set(self._cached_total / self._prompt_total)
+
+    def on_key_request(self, key: str) -> None:
+        """An HTTP request the API key named `key` was accepted with."""
+        self.key_requests.labels(key).inc()
 
     @property
     def hit_rate(self) -> float:
