@@ -40,6 +40,7 @@ from strata.config import (
 )
 from strata.process import settle_heap
 from strata.redact import install_log_redaction, secret_values, with_env_secrets
+from strata.server.api_keys import load_api_keys
 from strata.server.config import ENGINE_WAITS, LOG_LEVELS, ServerConfig
 
 logger = logging.getLogger("strata.serve")
@@ -494,7 +495,9 @@ def serve(args: argparse.Namespace, started: float | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    install_log_redaction(secret_values(server_config, engine_config))
+    file_keys = load_api_keys(None, server_config.api_key_file)  # checked by the config
+    secrets = {*secret_values(server_config, engine_config), *file_keys}
+    install_log_redaction(sorted(secrets, key=len, reverse=True))  # longest first
     model_arg = engine_config.model
     try:
         model_dir = resolve_model(model_arg)
