@@ -7,7 +7,7 @@
     POST /flush_cache       empty the prefix cache; 409 while requests are in flight
     GET  /metrics           Prometheus text format (a MoE model's: fresh per-expert counts from the engine)
     GET  /                  the web page: chat playground and live dashboard (strata/web; no key needed)
-    + /v1/* (openai_api.py, chat_api.py, embeddings_api.py) and /generate (native_api.py)
+    + /v1/* (openai_api.py, chat_api.py, embeddings_api.py, responses_api.py) and /generate (native_api.py)
 
 Every error a client sees has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
 """
@@ -26,7 +26,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
-from strata.server import chat_api, embeddings_api, native_api, openai_api
+from strata.server import (
+    chat_api,
+    embeddings_api,
+    native_api,
+    openai_api,
+    responses_api,
+)
 from strata.server.api_keys import current_key, load_api_keys
 from strata.server.engine_client import EngineUnavailable, Job
 from strata.server.metrics import ServerMetrics
@@ -154,7 +160,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += " (endpoints: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models, /generate, /health, ...)"
+            message += " (endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models, /generate, /health, ...)"
         return Response(
             error_body(exc.status_code, message),
             status_code=exc.status_code,
@@ -183,6 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(openai_api.router)
     app.include_router(chat_api.router)
     app.include_router(embeddings_api.router)
+    app.include_router(responses_api.router)
     app.include_router(native_api.router)
     add_page_routes(app)  # GET /: the playground and dashboard (strata/web)
 

@@ -45,6 +45,7 @@ class ServerConfig:
         None  # split <think> reasoning into reasoning_content (strata.server.reasoning); default: off
     )
     engine_wait: str = "bounded"  # the engine's OpenMP threads: bounded (spin briefly, then sleep), passive, active
+    responses_store_size: int = 4096  # /v1/responses kept for previous_response_id and GET /v1/responses/{id} (the least recently used go first; 0: none)
     health_stall_timeout: float = 3.0  # seconds without a heartbeat from the engine process before /health says 503 (stopped or hung); a long step still sends them
 
     def __post_init__(self) -> None:
@@ -77,6 +78,10 @@ class ServerConfig:
         if not self.health_stall_timeout > 0:
             raise ValueError(
                 f"health_stall_timeout must be > 0 seconds, got {self.health_stall_timeout}"
+            )
+        if self.responses_store_size < 0:
+            raise ValueError(
+                f"responses_store_size must be >= 0, got {self.responses_store_size}"
             )
         if self.engine_wait not in ENGINE_WAITS:
             raise ValueError(

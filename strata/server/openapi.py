@@ -17,6 +17,7 @@ from strata.server.protocol import (
     ErrorResponse,
     GenerateRequest,
 )
+from strata.server.responses_protocol import ResponsesRequest
 
 REF = "#/components/schemas/{name}"
 
@@ -39,6 +40,45 @@ SERVER_POSTS: dict[str, tuple[type, str]] = {
         EmbeddingRequest,
         "OpenAI embeddings: the final hidden state of each input's last token, or their mean",
     ),
+    "/v1/responses": (
+        ResponsesRequest,
+        (
+            "OpenAI Responses API: input items through the chat path (streamed as typed events "
+            "with stream: true); stored for previous_response_id unless store: false"
+        ),
+    ),
+}
+
+# the stored responses of the server alone (path parameter: response_id): path -> method -> summary
+RESPONSE_ID = {
+    "name": "response_id",
+    "in": "path",
+    "required": True,
+    "schema": {"type": "string"},
+}
+STORED_RESPONSE_PATHS: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {
+    "/v1/responses/{response_id}": {
+        "get": (
+            "a stored response (404 when not stored, deleted or evicted)",
+            [RESPONSE_ID],
+        ),
+        "delete": ("forget a stored response", [RESPONSE_ID]),
+    },
+    "/v1/responses/{response_id}/input_items": {
+        "get": (
+            "the items a stored response was given, the conversation before it included",
+            [
+                RESPONSE_ID,
+                {
+                    "name": "limit",
+                    "in": "query",
+                    "schema": {"type": "integer", "minimum": 1, "maximum": 100},
+                },
+                {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
+                {"name": "after", "in": "query", "schema": {"type": "string"}},
+            ],
+        )
+    },
 }
 
 SERVER_GETS = {
@@ -136,8 +176,22 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
                 "post": {
                     "summary": summary,
                     "requestBody": _body(body.__name__),
-                    "responses": _responses("the embeddings (JSON)"),
+                    "responses": _responses(
+                        "the result (JSON, or text/event-stream when streaming)"
+                    ),
                 }
+            }
+        for path, methods in STORED_RESPONSE_PATHS.items():
+            paths[path] = {
+                method: {
+                    "summary": summary,
+                    "parameters": parameters,
+                    "responses": {
+                        **_responses("OK"),
+                        "404": {"description": "no such stored response"},
+                    },
+                }
+                for method, (summary, parameters) in methods.items()
             }
     if router:
         for method, summary in (

@@ -34,6 +34,7 @@ from strata.server.io import EngineInfo
 from strata.server.metrics import ServerMetrics
 from strata.server.protocol import APIError, error_body
 from strata.server.reasoning import REASONING_PARSERS, ReasoningParser
+from strata.server.responses_store import ResponseStore
 from strata.server.tool_calls import (
     TOOL_CALL_PARSERS,
     ToolCallParser,
@@ -78,6 +79,10 @@ class ServerState:
     started_at: float
     _token_texts: dict[int, str] = field(default_factory=dict)
     grammars: Any = None  # strata.grammar.compiler.GrammarCompiler, built by the first structured request
+    responses: ResponseStore = field(init=False)  # stored /v1/responses
+
+    def __post_init__(self) -> None:
+        self.responses = ResponseStore(self.config.responses_store_size)
 
     @property
     def tool_call_parser(self) -> ToolCallParser:
