@@ -14,6 +14,7 @@ from strata.redact import CREDENTIALS, secret, with_env_secrets
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 SCHEDULE_POLICIES = ("fcfs", "lpm")
+SCHEDULE_MIXES = ("mixed", "prefill-first")  # strata.engine.scheduler
 HICACHE_WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 HICACHE_PREFETCH_POLICIES = (
     "auto",
@@ -116,6 +117,9 @@ class EngineConfig:
     )
     max_prefill_tokens: int = 16384  # new prompt tokens admitted per step
     schedule_policy: str = "fcfs"
+    # mixed: decodes and prefill chunks share each forward; prefill-first: while prompts wait to
+    # be admitted or fed, steps run only them and the decodes wait (as SGLang's default does)
+    schedule_mix: str = "mixed"
     disable_radix_cache: bool = False
     context_length: int | None = (
         None  # override the model's max_position_embeddings (only downwards)
@@ -222,6 +226,10 @@ class EngineConfig:
             raise ValueError(
                 f"schedule_policy must be one of {SCHEDULE_POLICIES}, got {self.schedule_policy!r}"
             )
+        if self.schedule_mix not in SCHEDULE_MIXES:
+            raise ValueError(
+                f"schedule_mix must be one of {SCHEDULE_MIXES}, got {self.schedule_mix!r}"
+            )
         if self.kv_cache_tokens is not None and self.kv_cache_tokens < self.page_size:
             raise ValueError(
                 f"kv_cache_tokens (--kv-cache-tokens) must be at least one page ({self.page_size}), "
@@ -305,6 +313,7 @@ _CHOICES = {
     "dtype": DTYPES,
     "kv_cache_dtype": DTYPES,
     "schedule_policy": SCHEDULE_POLICIES,
+    "schedule_mix": SCHEDULE_MIXES,
     "hicache_write_policy": HICACHE_WRITE_POLICIES,
     "hicache_prefetch_policy": HICACHE_PREFETCH_POLICIES,
     "hicache_storage_backend": HICACHE_STORAGE_BACKENDS,

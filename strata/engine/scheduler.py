@@ -429,6 +429,12 @@ class Scheduler(KVAccounting):
         return batch
 
     def _schedule_once(self) -> ScheduleBatch | None:
+        if self.config.schedule_mix == "prefill-first" and (
+            self.waiting or any(r.extend_len > 1 for r in self.running)
+        ):
+            batch = self._prefills_only()
+            if batch is not None:
+                return batch
         decodes = [r for r in self.running if r.extend_len == 1]
         self._reserve_decode_pages(decodes)
         decodes = [
@@ -466,6 +472,35 @@ class Scheduler(KVAccounting):
             + [1 + len(r.draft_ids) for r in verifying]
             + [n for _, n in extends],
             num_decode=len(decodes),
+        )
+
+    def _prefills_only(self) -> ScheduleBatch | None:
+        """--schedule-mix prefill-first: a step of prefill chunks alone (running requests'
+        next chunks, then admissions), or None when none can run (then decodes step as usual)."""
+        budget = self.config.max_batch_tokens
+        extends: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.extend_len > 1]:
+            alone = not extends
+            n = prefill_piece(
+                req.extend_len,
+                self.config.chunked_prefill_size,
+                budget,
+                alone,
+                first_piece=alone,
+            )
+            n = self.window_kv.alloc_chunk(req, n, alone)
+            if n <= 0:
+                continue
+            extends.append((req, n))
+            budget -= n
+        self._admit(extends, budget, batch_empty=not extends)
+        if not extends:
+            return None
+        self.ratio.after_step()
+        return ScheduleBatch(
+            reqs=[r for r, _ in extends],
+            extend_lens=[n for _, n in extends],
+            num_decode=0,
         )
 
     def _reserve_decode_pages(self, decodes: list[Req]) -> None:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from strata import Engine, SamplingParams, kernels
+from strata.engine.hooks import StepObserver
 
 PROMPT = "The quick brown fox jumps over"
 
@@ -182,7 +183,8 @@ def test_chat_template(engine):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_no_page_leaks_under_a_random_workload(llama_dir, page_size):
+@pytest.mark.parametrize("mix", ["mixed", "prefill-first"])
+def test_no_page_leaks_under_a_random_workload(llama_dir, page_size, mix):
     rng = random.Random(page_size)
     eng = Engine(
         str(llama_dir),
@@ -190,6 +192,7 @@ def test_no_page_leaks_under_a_random_workload(llama_dir, page_size):
         kv_cache_tokens=256,
         page_size=page_size,
         chunked_prefill_size=16,
+        schedule_mix=mix,
     )
     system = [rng.randrange(3, 380) for _ in range(24)]
     live: list[str] = []
@@ -364,3 +367,51 @@ def test_prefill_progresses_beside_decodes_when_pieces_exceed_the_step_budget(
         39,
         40,
     ]  # the first's first token came before the loop
+
+
+class Shapes(StepObserver):
+    """(decode rows, prefill rows) of each step."""
+
+    def __init__(self) -> None:
+        self.batches: list[tuple[int, int]] = []
+
+    def on_scheduled(self, batch):
+        if batch is not None:
+            self.batches.append((batch.num_decode, len(batch.reqs) - batch.num_decode))
+
+
+def test_prefill_first_runs_waiting_prompts_alone_with_the_same_outputs(llama_dir):
+    """--schedule-mix prefill-first: while a prompt is being fed, steps hold its chunks alone and
+    the decoding request waits; each request's tokens are those of the mixed schedule."""
+    rng = random.Random(11)
+    prompts = [[rng.randrange(3, 200) for _ in range(n)] for n in (20, 90)]
+    outputs = {}
+    for mix in ("mixed", "prefill-first"):
+        eng = Engine(
+            str(llama_dir),
+            dtype="float32",
+            kv_cache_tokens=4096,
+            page_size=4,
+            chunked_prefill_size=32,
+            schedule_mix=mix,
+        )
+        shapes = Shapes()
+        eng.scheduler.add_observer(shapes)
+        batches = shapes.batches
+        (first,) = eng.add_request(prompts[0], greedy(30))
+        while not eng.step():
+            pass  # the first prompt, then it decodes
+        (second,) = eng.add_request(prompts[1], greedy(30))
+        done: dict[str, list[int]] = {first: [], second: []}
+        while eng.scheduler.has_work():
+            for o in eng.step():
+                done[o.rid].extend(o.new_token_ids)
+        outputs[mix] = [done[first], done[second]]
+        # the second prompt takes 3 chunks of 32 tokens; then both decode together
+        if mix == "mixed":
+            assert batches[1:4] == [(1, 1)] * 3
+        else:
+            assert batches[1:4] == [(0, 1)] * 3
+        assert batches[4] == (2, 0)
+        eng.scheduler.check_no_leaks()
+    assert outputs["mixed"] == outputs["prefill-first"]
