@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | offline | compare | moe | kv-layout | grammar | spec | soak` — flags, and the glue to run and report
+"""`strata bench serving | one-batch | timing | offline | compare | moe | kv-layout | grammar | spec | soak` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
@@ -206,6 +206,33 @@ def add_bench_args(subparsers) -> None:
     _add_dataset_args(off)
     _add_output_args(off)
     off.set_defaults(func=cmd_offline)
+
+    timing = sub.add_parser(
+        "timing",
+        help="one deployment timed two ways: fixed prefill batches and equal decode "
+        "lengths (DeepSeek's method) vs the 20%%-90%% completion window with different "
+        "new tokens per request (SGLang's) (strata/bench/timing.py)",
+    )
+    add_engine_args(timing)
+    g = timing.add_argument_group("timing")
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--input-len", type=int, default=256)
+    g.add_argument("--output-len", type=int, default=128)
+    g.add_argument(
+        "--prefill-batches",
+        type=int,
+        default=9,
+        help="fixed-batch method: prefill batches timed (default: 9)",
+    )
+    g.add_argument(
+        "--range-ratio",
+        type=float,
+        default=0.25,
+        help="window method: output lengths spread over [ratio x, 1 x] --output-len",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    _add_output_args(timing)
+    timing.set_defaults(func=cmd_timing)
 
     grammar = sub.add_parser(
         "grammar",
@@ -623,6 +650,35 @@ def cmd_one_batch(args: argparse.Namespace) -> int:
 
         for path in plot_one_batch(results, args.plot):
             print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def cmd_timing(args: argparse.Namespace) -> int:
+    from strata.bench import report
+    from strata.bench.timing import run_timing_methods, timing_text
+
+    engine = _make_engine(args)
+    _check_one_batch_fits(engine, [args.batch_size], [args.input_len], args.output_len)
+    print(
+        f"timing: {args.prefill_batches} prefill batches, one decode batch, one window run "
+        f"(batch {args.batch_size}) ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    result = run_timing_methods(
+        engine,
+        args.batch_size,
+        args.input_len,
+        args.output_len,
+        args.prefill_batches,
+        args.range_ratio,
+        args.seed,
+    )
+    print(timing_text(result))
+    if args.output_json:
+        report.write_json(
+            args.output_json, "timing", {**vars(result), "summary": result.summary()}
+        )
     return 0
 
 
