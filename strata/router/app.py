@@ -1,6 +1,6 @@
 """The router's FastAPI app: the workers' API proxied, plus the router's own endpoints.
 
-    POST /v1/chat/completions, /v1/completions, /generate    proxied (SSE streamed through)
+    POST /v1/chat/completions, /v1/completions, /generate, /v1/embeddings   proxied (SSE streamed through)
     GET  /v1/models, /health_generate                        proxied to one routable worker
     GET  /health             200 while at least one worker is routable (PD: one prefill and one decode
                              worker), else 503 saying which role has none and why (no key)
@@ -50,7 +50,14 @@ logger = logging.getLogger("strata.router")
 PUBLIC_PATHS = (
     frozenset({"/health"}) | PAGE_PATHS
 )  # the page holds no secret; its API calls need the key
-PROXIED_POST = ("/v1/chat/completions", "/v1/completions", "/generate")
+PROXIED_POST = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/generate",
+    "/v1/embeddings",
+)
+# answered by one worker even behind a prefill/decode pair (no KV to hand over): the decode side's
+ONE_WORKER_POST = frozenset({"/v1/embeddings"})
 PROXIED_GET = ("/v1/models", "/health_generate")
 MAX_CONNECTIONS = 4096
 
@@ -266,7 +273,11 @@ def create_app(gateway: Gateway) -> FastAPI:
             key=routing_key(route, parsed),
             arrived=arrived,
         )
-        if gateway.prefill_pool is not None and request.method == "POST":
+        if (
+            gateway.prefill_pool is not None
+            and request.method == "POST"
+            and route not in ONE_WORKER_POST
+        ):
             return PDProxyResponse(
                 gateway.forwarder,
                 prefill_pool=gateway.prefill_pool,

@@ -34,12 +34,16 @@ GENERATION_ENDPOINTS: dict[str, tuple[type, str]] = {
     ),
 }
 
-# POST endpoints of the server alone (the router does not proxy them): path -> (body schema, summary)
-SERVER_POSTS: dict[str, tuple[type, str]] = {
+# other POST endpoints the router proxies as well: path -> (body schema, summary)
+ROUTED_POSTS: dict[str, tuple[type, str]] = {
     "/v1/embeddings": (
         EmbeddingRequest,
         "OpenAI embeddings: the final hidden state of each input's last token, or their mean",
     ),
+}
+
+# POST endpoints of the server alone (the router does not proxy them): path -> (body schema, summary)
+SERVER_POSTS: dict[str, tuple[type, str]] = {
     "/v1/responses": (
         ResponsesRequest,
         (
@@ -106,7 +110,7 @@ class WorkerURL(msgspec.Struct):
 
 
 def _components() -> dict[str, Any]:
-    bodies = {**GENERATION_ENDPOINTS, **SERVER_POSTS}.values()
+    bodies = {**GENERATION_ENDPOINTS, **ROUTED_POSTS, **SERVER_POSTS}.values()
     types = [body for body, _ in bodies] + [
         SamplingParams,
         ErrorResponse,
@@ -169,6 +173,14 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
             "responses": _responses(
                 "the generation (JSON, or text/event-stream when streaming)"
             ),
+        }
+    for path, (body, summary) in ROUTED_POSTS.items():
+        paths[path] = {
+            "post": {
+                "summary": summary + (" (proxied to a worker)" if router else ""),
+                "requestBody": _body(body.__name__),
+                "responses": _responses("the result (JSON)"),
+            }
         }
     if not router:
         for path, (body, summary) in SERVER_POSTS.items():

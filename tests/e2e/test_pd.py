@@ -115,6 +115,17 @@ def test_pd_answers_equal_a_single_server(cluster):
     assert info["disaggregation"]["mode"] == "decode"
 
 
+def test_embeddings_through_the_pd_router_come_from_one_worker(cluster):
+    single, _, decode, router = cluster
+    model = httpx.get(router + "/v1/models", timeout=30).json()["data"][0]["id"]
+    body = {"model": model, "input": "Radix trees share prefixes"}
+    got = httpx.post(router + "/v1/embeddings", json=body, timeout=60)
+    assert got.status_code == 200, got.text
+    assert got.headers["x-strata-worker"] == decode.url  # no prefill side to pair
+    want = httpx.post(single.url + "/v1/embeddings", json=body, timeout=60).json()
+    assert got.json()["data"][0]["embedding"] == want["data"][0]["embedding"]
+
+
 def test_direct_requests_to_a_disaggregated_worker_are_refused(cluster):
     _, _, decode, _ = cluster
     with decode.client() as c:

@@ -224,6 +224,22 @@ def test_chat_generate_and_streaming_through_the_router(cluster, replica_urls):
     assert native.json()["text"] == direct.json()["text"]
 
 
+def test_embeddings_through_the_router(cluster, replica_urls):
+    body = {"model": "tiny-llama", "input": ["Radix trees", "share prefixes"]}
+    routed = httpx.post(cluster.url + "/v1/embeddings", json=body, timeout=60)
+    assert routed.status_code == 200, routed.text
+    worker = routed.headers["x-strata-worker"]
+    assert worker in replica_urls
+    direct = httpx.post(worker + "/v1/embeddings", json=body, timeout=60).json()
+    assert [d["embedding"] for d in routed.json()["data"]] == [
+        d["embedding"] for d in direct["data"]
+    ]
+    bad = httpx.post(cluster.url + "/v1/embeddings", json={"input": 3}, timeout=30)
+    assert bad.status_code == 400 and "input" in bad.json()["error"]["message"]
+    paths = httpx.get(cluster.url + "/openapi.json", timeout=30).json()["paths"]
+    assert "/v1/embeddings" in paths and "/v1/responses" not in paths
+
+
 def test_worker_errors_pass_through_unchanged(cluster):
     bad_json = httpx.post(
         cluster.url + "/v1/completions", content=b"{not json", timeout=30
