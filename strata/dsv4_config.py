@@ -7,6 +7,8 @@ Per layer (`layer_kinds`):
   csa      also to compressed entries, one per `csa_rate` tokens pooled over two overlapping windows,
            of which the lightning indexer keeps `index_topk` per query
   hca      also to every compressed entry, one per `hca_rate` tokens
+
+V4.1-style configs may add Engram layers (`engram`, `strata.engram_config`).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from strata.engram_config import EngramConfig, engram_from_hf
 from strata.rope_config import RopeConfig
 
 LAYER_KINDS = {
@@ -48,6 +51,8 @@ class DSV4Config:
     hc_eps: float
     scoring_func: str  # router scores: sqrtsoftplus | sigmoid | softmax
     swiglu_limit: float  # experts' (and the shared expert's) gate clamped above, up to [-limit, limit]
+    # V4.1's conditional memory (`engram_*` keys); None: no Engram layers
+    engram: EngramConfig | None = None
 
     def rate(self, kind: str) -> int:
         return self.csa_rate if kind == "csa" else self.hca_rate
@@ -113,4 +118,5 @@ def dsv4_from_hf(text: dict[str, Any], compress_rope: RopeConfig) -> DSV4Config:
         hc_eps=float(text["hc_eps"]),
         scoring_func=scoring,
         swiglu_limit=float(text["swiglu_limit"]),
+        engram=engram_from_hf(text, n),
     )

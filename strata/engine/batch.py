@@ -8,6 +8,7 @@ import torch
 
 from strata.engine.request import Req
 from strata.layers.attention import AttentionMetadata
+from strata.layers.engram import EngramInputs
 from strata.layers.sampler import SamplingBatch
 
 
@@ -41,6 +42,8 @@ class ForwardBatch:
         torch.Tensor
     )  # [S] rows of the flattened tokens whose logits are sampled
     sampling: SamplingBatch | None
+    # models with Engram layers: each token's n-gram rows, hashed (and gathered ahead) at prepare
+    ngrams: EngramInputs | None = None
 
 
 @dataclass

@@ -57,6 +57,8 @@ class ModelRunner:
         self.step_threads: StepThreads | None = None
         self._threads = 0  # the count last set
         self.observers: list[ForwardObserver] = []  # `add_observer`
+        # Engram models: token ids before each request's fed tokens its n-grams read (0: none)
+        self.ngram_context: int = getattr(model, "ngram_context", 0)
 
     def add_observer(self, observer: ForwardObserver) -> None:
         """Tell `observer` where every later forward is (see `ForwardObserver`)."""
@@ -82,10 +84,13 @@ class ModelRunner:
         kv_lens: list[int] = []
         spans: list[tuple[Req, int]] = []  # (request, its entries)
         num_decode = batch.num_decode
+        ngram_rows: list[np.ndarray] = []
         for req, n in zip(batch.reqs, batch.extend_lens):
             end = req.kv_len + n
             ids.extend(req.seq_slice(req.kv_len, min(end, req.seq_len)))
             ids.extend(req.draft_ids[: max(0, end - req.seq_len)])
+            if self.ngram_context:
+                ngram_rows.append(self._ngram_rows(req, ids[len(ids) - n :]))
             verifying = bool(req.draft_ids) and n == 1 + len(req.draft_ids)
             spans.append((req, n if verifying else 1))
             if verifying:
@@ -140,7 +145,24 @@ class ModelRunner:
                 sample_rows, dtype=torch.int64, device=self.device
             ),
             sampling=self.sampling_batch(rows) if rows else None,
+            ngrams=self.model.prepare_ngrams(
+                torch.from_numpy(np.concatenate(ngram_rows))
+            )
+            if ngram_rows
+            else None,
         )
+
+    def _ngram_rows(self, req: Req, fed: list[int]) -> np.ndarray:
+        """[len(fed), K + 1]: for each fed position t, the ids at t - K .. t of its sequence, -1
+        before position 0. The K ids before the first fed position come from the request's own token
+        list, so a chunk, a decode, a radix hit or a recompute after retraction reads the same ones.
+
+            seq:  ... [kv_len - K, kv_len) | fed: [kv_len, kv_len + n)
+                       history                row j = ctx[j : j + K + 1]"""
+        k = self.ngram_context
+        history = req.seq_slice(max(0, req.kv_len - k), req.kv_len)
+        ctx = np.array([-1] * (k - len(history)) + history + fed, dtype=np.int64)
+        return np.lib.stride_tricks.sliding_window_view(ctx, k + 1)
 
     def _map_replayed_pages(
         self, entries: list[Req], rows: list[int], g: int, table: torch.Tensor
@@ -202,7 +224,12 @@ class ModelRunner:
         if self.parallel is not None:
             self.parallel.send_step(fb)
         with self._piece("model"):
-            hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+            if fb.ngrams is None:
+                hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+            else:
+                hidden = self.model(
+                    fb.input_ids, fb.positions, fb.attn, self.kv, ngrams=fb.ngrams
+                )
         self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:
             return None

@@ -13,6 +13,11 @@ the input ids in `forward`), the others the top-k of scores + `e_score_correctio
 are the chosen scores renormalised, times `routed_scaling_factor`. Experts and the shared expert
 clamp their gate above and their up projection to [-swiglu_limit, swiglu_limit] before SiLU(gate) * up.
 
+V4.1-style configs add Engram (`strata.layers.engram`) at `engram_layers`: before the layer's
+attention, each stream gets a gated memory row looked up by hashed n-grams of the token ids. The
+n-grams of a step's first positions reach back before what it feeds, so the model asks the runner
+for `ngram_context` token ids before each request's fed tokens (`prepare_ngrams`).
+
 The state lives in `strata.cache.dsv4_pool.DSV4KVPool`; checkpoint names are transformers' (the
 multi-token-prediction layers, `mtp.*`, are skipped; FP8 checkpoints are refused).
 """
@@ -31,6 +36,8 @@ from strata.cache.dsv4_pool import DSV4KVPool
 from strata.dsv4_config import dsv4_from_hf
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
+from strata.layers.engram import Engram, EngramInputs, hash_ngrams
+from strata.layers.engram_tables import OffloadedTables
 from strata.layers.hyper_connection import HyperConnection, HyperHead
 from strata.layers.moe import grouped_linear, grouped_mm_works
 from strata.model_config import ConfigTraits, LayerSpec, ModelConfig, rope_from_hf
@@ -170,10 +177,22 @@ class DSV4Layer(nn.Module):
         self.ffn_hc = HyperConnection(
             H, v4.hc_mult, v4.hc_sinkhorn_iters, v4.hc_eps, eps
         )
+        self.engram = (
+            Engram(v4.engram, layer_id, H, eps)
+            if v4.engram is not None and layer_id in v4.engram.layers
+            else None
+        )
 
     def forward(
-        self, streams, input_ids, positions, meta, kv, shared
+        self, streams, input_ids, positions, meta, kv, shared, ngrams
     ):  # streams [T, hc_mult, H]
+        if self.engram is not None:
+            if ngrams is None:
+                raise ValueError(
+                    "this model has Engram layers: its forward needs `ngrams` "
+                    "(ModelRunner.prepare builds them)"
+                )
+            streams = self.engram(streams, ngrams)
         h, post, comb = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(h), positions, meta, kv, shared)
         streams = HyperConnection.merge(streams, out, post, comb)
@@ -209,6 +228,15 @@ class DeepseekV4ForCausalLM(nn.Module):
             if cfg.tie_word_embeddings
             else nn.Linear(H, cfg.vocab_size, bias=False)
         )
+        engram = v4.engram
+        # token ids before each request's fed tokens that a forward needs (0: none)
+        self.ngram_context = engram.context_len if engram is not None else 0
+        if engram is not None and engram.vocab_map_size is not None:
+            self.register_buffer(
+                "engram_vocab_map", torch.empty(cfg.vocab_size, dtype=torch.int64)
+            )
+        # --engram-placement host | mmap: the tables outside the model (the loader sets them)
+        self.engram_tables: OffloadedTables | None = None
 
     def forward(
         self,
@@ -216,14 +244,52 @@ class DeepseekV4ForCausalLM(nn.Module):
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv: DSV4KVPool,
+        ngrams: EngramInputs | None = None,
     ) -> torch.Tensor:
-        """input_ids, positions: [T]. Returns final hidden states [T, hidden]."""
+        """input_ids, positions: [T]; ngrams: `prepare_ngrams`' (models with Engram layers).
+        Returns final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.config.dsv4.hc_mult, -1).contiguous()
         shared: dict = {}  # what every layer of this step computes alike (strata.layers.dsv4_attention)
         for layer in self.layers:
-            streams = layer(streams, input_ids, positions, meta, kv, shared)
+            streams = layer(streams, input_ids, positions, meta, kv, shared, ngrams)
         return self.norm(self.hc_head(streams))
+
+    def prepare_ngrams(self, ngram_ids: torch.Tensor) -> EngramInputs:
+        """ngram_ids: [T, ngram_context + 1] CPU int64, row t the ids at t - K .. t of its sequence
+        (-1 before the sequence's first token). Hashes every Engram layer's rows, and starts gathering
+        them where the tables live outside the model."""
+        engram = self.config.dsv4.engram
+        assert engram is not None
+        if engram.vocab_map_size is not None:
+            compressed = self.engram_vocab_map.cpu()[ngram_ids.clamp(min=0)]
+        else:
+            compressed = ngram_ids.clone()
+        compressed[ngram_ids < 0] = engram.pad_id
+        indices = {}
+        for layer in self.layers:
+            if layer.engram is not None:
+                indices[layer.engram.layer_id] = hash_ngrams(
+                    compressed, layer.engram.multipliers, engram.table_size
+                )  # [T, num_tables] on the CPU
+        if self.engram_tables is not None:
+            return EngramInputs(indices, self.engram_tables.start(indices))
+        device = self.embed_tokens.weight.device
+        return EngramInputs({k: v.to(device) for k, v in indices.items()})
+
+    def take_engram_tables(self, checkpoint_names: Iterable[str]) -> dict[str, int]:
+        """Drop the Engram tables from the model (they will live outside it) and name the checkpoint
+        tensors that hold them: {checkpoint name: layer}."""
+        want = {}
+        for layer in self.layers:
+            if layer.engram is not None:
+                layer.engram.embedding = None
+                want[f"layers.{layer.engram.layer_id}.engram.embedding"] = (
+                    layer.engram.layer_id
+                )
+        return {
+            n: want[ours] for n in checkpoint_names if (ours := our_name(n)) in want
+        }
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -252,7 +318,11 @@ class DeepseekV4ForCausalLM(nn.Module):
         down_proj; the token-id tables come back as int64 (the loader hands every tensor over in the
         model's dtype)."""
         targets = dict(self.named_parameters())
-        targets.update((n, b) for n, b in self.named_buffers() if n.endswith("tid2eid"))
+        targets.update(
+            (n, b)
+            for n, b in self.named_buffers()
+            if n.endswith(("tid2eid", "engram_vocab_map"))
+        )
         loaded: set[str] = set()
         pieces: dict[
             str, int
@@ -286,7 +356,10 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(
                     f"unexpected weight {ckpt_name!r} for {self.config.architecture}"
                 )
-            if name.endswith("tid2eid") and tensor.is_floating_point():
+            if (
+                name.endswith(("tid2eid", "engram_vocab_map"))
+                and tensor.is_floating_point()
+            ):
                 tensor = tensor.round()
             _copy(target.data, tensor, ckpt_name)
             loaded.add(name)

@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from strata.config import QUANTIZATION_METHODS
+from strata.layers.engram_tables import TABLE_PLACEMENTS
 from strata.layers.quant import (
     QUANT_METHODS,
     Q4Linear,
@@ -42,6 +43,19 @@ def iter_safetensors(
                     yield name, f.get_tensor(name)
 
 
+def checkpoint_names(model_dir: Path) -> list[str]:
+    names: list[str] = []
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            names.extend(f.keys())
+    return names
+
+
+def _as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float tensors in the model's dtype; integer tables (token-id maps) exact as stored."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def load_model(
     model_dir: Path,
     cfg: ModelConfig,
@@ -50,6 +64,7 @@ def load_model(
     max_positions: int,
     quantization: str = "auto",
     shard=None,
+    engram_placement: str = "memory",
 ) -> torch.nn.Module:
     """Build the model without initialising weights (meta device) and fill it from the checkpoint.
 
@@ -60,7 +75,10 @@ def load_model(
 
     shard (`strata.distributed.layers.ShardedLoad`): one tensor/expert-parallel rank's part, built
     from its local config, each checkpoint tensor sliced as it is read; GGUF blocks are not sliced,
-    so such a rank loads float weights."""
+    so such a rank loads float weights.
+
+    engram_placement (`strata.layers.engram_tables`): `host` / `mmap` keep a model's Engram tables
+    outside it, read into host memory or mapped from the checkpoint; other models ignore it."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
@@ -91,6 +109,12 @@ def load_model(
                 shard.prepare(model)
     finally:
         torch.set_default_dtype(default_dtype)
+    tables: dict[
+        str, int
+    ] = {}  # Engram tables kept outside the model: {checkpoint name: layer}
+    take_tables = getattr(model, "take_engram_tables", None)
+    if engram_placement != "memory" and take_tables is not None:
+        tables = take_tables(checkpoint_names(model_dir))
     model = model.to_empty(
         device=device
     )  # untouched pages: weights replaced by blocks never become resident
@@ -104,16 +128,25 @@ def load_model(
         blocks = block_layers(model, blocks_path)
     covered = frozenset(
         name for module in blocks for name in model.checkpoint_parts(module)
-    )
+    ) | frozenset(tables)
     with torch.no_grad():
         model.load_weights(
             (
-                (name, (shard.shard_tensor(name, t) if shard else t).to(dtype))
+                (name, _as_dtype(shard.shard_tensor(name, t) if shard else t, dtype))
                 for name, t in iter_safetensors(model_dir, covered)
             ),
             absent=frozenset(f"{module}.weight" for module in blocks),
         )
     install_block_layers(model, blocks, dtype)
+    if tables:
+        make_tables = TABLE_PLACEMENTS[engram_placement]
+        assert make_tables is not None
+        model.engram_tables = make_tables(
+            checkpoint_files(model_dir),
+            tables,
+            dtype,
+            torch.device(device).type == "cuda",
+        )
     if quantization in QUANT_METHODS:
         model = quantize_model(model, quantization)
     if on_cpu:

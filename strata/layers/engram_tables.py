@@ -1,0 +1,131 @@
+"""Where Engram's tables live (`--engram-placement`, `strata.layers.engram`):
+
+    memory  parameters of the model, on its device; each Engram layer indexes them in the forward
+    host    a host pool outside the model (pinned where the model runs on a GPU), filled at load
+    mmap    the checkpoint file itself, memory-mapped: only the rows read become resident
+
+host and mmap gather a step's rows ahead: the rows depend on token ids only, so `start` is called
+when the batch is prepared and a worker thread gathers each Engram layer's rows, in layer order,
+while the forward runs the layers before it; the layer waits for its rows. All three give the same
+rows (a table cast to the model's dtype at load, or each gathered row cast the same way).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import safe_open
+
+
+class OffloadedTables:
+    """Engram tables outside the model: {layer: [num_tables, table_size, dim]} in any dtype, rows
+    handed over in `dtype`.
+
+    Contract: `start` is called by the thread that runs the steps, once per step and in step order;
+    it does not block. The futures it returns hold [T, num_tables, dim] rows on the host, and raise
+    what the gather raised (an unreadable mapped file fails that step). The tables are never written."""
+
+    def __init__(self, tables: dict[int, torch.Tensor], dtype: torch.dtype, pin: bool):
+        self.tables = tables
+        self.dtype = dtype
+        self.pin = pin
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="engram-gather")
+
+    def start(self, indices: dict[int, torch.Tensor]) -> dict[int, Future]:
+        """Gather every layer's rows ([T, num_tables] indices on the CPU) on the worker thread."""
+        return {
+            layer: self._worker.submit(self._gather, layer, idx)
+            for layer, idx in sorted(indices.items())
+        }
+
+    def _gather(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
+        table = self.tables[layer]
+        which = torch.arange(indices.shape[1])
+        rows = table[which, indices].to(self.dtype)  # [T, num_tables, dim]
+        return rows.pin_memory() if self.pin else rows
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tables.values())
+
+    def close(self) -> None:
+        self._worker.shutdown(wait=True)
+
+
+def host_tables(
+    files: list[Path], names: dict[str, int], dtype: torch.dtype, pin: bool
+) -> OffloadedTables:
+    """The named checkpoint tensors ({name: layer}) read into host memory in `dtype`."""
+    tables: dict[int, torch.Tensor] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a mapping
+                if name in names:
+                    t = f.get_tensor(name).to(dtype)
+                    tables[names[name]] = t.pin_memory() if pin else t
+    _check_complete(tables, names)
+    return OffloadedTables(tables, dtype, pin)
+
+
+# safetensors dtype -> (numpy dtype of the stored bytes, torch dtype they are viewed as)
+_STORED = {
+    "F32": (np.float32, torch.float32),
+    "F16": (np.float16, torch.float16),
+    "BF16": (np.uint16, torch.bfloat16),
+    "F64": (np.float64, torch.float64),
+}
+
+
+def mmap_tables(
+    files: list[Path], names: dict[str, int], dtype: torch.dtype, pin: bool
+) -> OffloadedTables:
+    """The named checkpoint tensors mapped from their files (copy-on-write, never written): the
+    safetensors header gives each tensor's byte range, which becomes a numpy memmap viewed by torch."""
+    tables: dict[int, torch.Tensor] = {}
+    for path in files:
+        for name, (stored, shape, offset) in _safetensors_layout(path).items():
+            if name not in names:
+                continue
+            if stored not in _STORED:
+                raise ValueError(
+                    f"--engram-placement mmap cannot map {name} ({stored} in {path.name}); "
+                    f"mappable dtypes: {sorted(_STORED)}; use --engram-placement host"
+                )
+            np_dtype, torch_dtype = _STORED[stored]
+            array = np.memmap(
+                path, dtype=np_dtype, mode="c", offset=offset, shape=tuple(shape)
+            )
+            tables[names[name]] = torch.from_numpy(array).view(torch_dtype)
+    _check_complete(tables, names)
+    return OffloadedTables(tables, dtype, pin)
+
+
+def _safetensors_layout(path: Path) -> dict[str, tuple[str, list[int], int]]:
+    """{tensor name: (dtype, shape, byte offset in the file)} from a safetensors header."""
+    with open(path, "rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    base = 8 + header_len
+    return {
+        name: (info["dtype"], info["shape"], base + info["data_offsets"][0])
+        for name, info in header.items()
+        if name != "__metadata__"
+    }
+
+
+def _check_complete(tables: dict[int, torch.Tensor], names: dict[str, int]) -> None:
+    if len(tables) != len(set(names.values())):
+        missing = sorted(n for n, layer in names.items() if layer not in tables)
+        raise ValueError(f"checkpoint is missing Engram tables: {missing[:8]}")
+
+
+# --engram-placement -> how tables kept outside the model are built (memory: none are)
+TABLE_PLACEMENTS: dict[
+    str,
+    Callable[[list[Path], dict[str, int], torch.dtype, bool], OffloadedTables] | None,
+] = {"memory": None, "host": host_tables, "mmap": mmap_tables}
