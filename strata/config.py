@@ -26,6 +26,8 @@ HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "mooncake")  # strata.disagg.transport
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+# where an Engram model's tables live (strata.layers.engram_tables.TABLE_PLACEMENTS implements each)
+ENGRAM_PLACEMENTS = ("memory", "host", "mmap")
 SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
 STEP_THREADS = ("auto", "all")  # strata.engine.step_threads
@@ -132,6 +134,9 @@ class EngineConfig:
     # weights in blocks of 32 (CPU): auto = a GGUF model's own blocks, else float; none = dequantized;
     # gguf = the GGUF's blocks or fail; int8 | int4 = quantize a float checkpoint
     quantization: str = "auto"
+    # Engram tables (DeepSeek-V4.1): memory = parameters of the model; host = a host pool outside
+    # it; mmap = mapped from the checkpoint; host and mmap gather each step's rows ahead on a thread
+    engram_placement: str = "memory"
     # sliding-window layers: "window" = a KV pool per window size that holds about W tokens per
     # request and a prefix cache that keeps what resuming a window reads; "full" = they keep every
     # token's KV, as full-attention layers do (the hierarchical cache and PD use this layout)
@@ -238,6 +243,7 @@ class EngineConfig:
         for name, choices in (
             ("hicache_write_policy", HICACHE_WRITE_POLICIES),
             ("hicache_prefetch_policy", HICACHE_PREFETCH_POLICIES),
+            ("engram_placement", ENGRAM_PLACEMENTS),
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(
@@ -320,6 +326,7 @@ _CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
     "quantization": QUANTIZATION_METHODS,
+    "engram_placement": ENGRAM_PLACEMENTS,
     "sliding_kv": SLIDING_KV_MODES,
     "step_threads": STEP_THREADS,
     "swa_pool": SWA_POOLS,
@@ -334,6 +341,9 @@ _HELP = {
     "disable_radix_cache": "turn off prefix sharing",
     "quantization": "weights in blocks of 32 on the CPU: auto (a GGUF runs on its own blocks), none "
     "(dequantize), gguf (require the blocks), int8 / int4 (quantize a float checkpoint)",
+    "engram_placement": "Engram tables (DeepSeek-V4.1 models): memory (parameters of the model), host (a "
+    "host pool, each step's rows gathered ahead on a thread) or mmap (mapped from the checkpoint, gathered "
+    "ahead the same way; only the rows read become resident)",
     "sliding_kv": "sliding-window layers: window (a KV pool per window size, about W tokens per request; "
     "the prefix cache keeps what resuming a window reads) or full (every token, like full layers)",
     "swa_full_tokens_ratio": "with --sliding-kv window: pages of each window group per full-attention page "

@@ -205,6 +205,7 @@ class Engine:
             max_positions=context_len,
             quantization=cfg.quantization,
             shard=self.parallel.shard if self.parallel else None,
+            engram_placement=cfg.engram_placement,
         )
         weights = describe_weights(self.model)
 
@@ -535,6 +536,9 @@ class Engine:
         if self.hicache is not None:
             self.hicache.flush()
             self.hicache.close()
+        tables = getattr(self.model, "engram_tables", None)
+        if tables is not None:
+            tables.close()
 
     def _context_len(self, mc: ModelConfig) -> int:
         context = mc.max_position_embeddings
