@@ -75,3 +75,52 @@ def prompt(n: int, seed: int) -> list[int]:
     return torch.randint(
         3, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)
     ).tolist()
+
+
+# a V4.1-style Engram: layers 0 and 2, 2- and 3-grams, two hash heads each, 97-row tables of 8
+ENGRAM = dict(
+    engram_layers=[0, 2],
+    engram_orders=[2, 3],
+    engram_heads=2,
+    engram_table_size=97,
+    engram_dim=8,
+    engram_hash_seed=7,
+    engram_vocab_map=200,
+)
+
+
+def add_engram(model_dir: Path, seed: int = 1, **overrides) -> Path:
+    """Turn a tiny V4 checkpoint into a V4.1-style one: the `engram_*` config keys and, in
+    `engram.safetensors`, random tables, projections, norms and a token-id -> compressed-id map.
+    transformers' V4 model ignores all of it (tests add Engram to it with forward hooks)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    config_path = model_dir / "config.json"
+    config = json.loads(config_path.read_text())
+    engram = {k: v for k, v in {**ENGRAM, **overrides}.items() if v is not None}
+    config.update(engram)
+    config_path.write_text(json.dumps(config, indent=2))
+    g = torch.Generator().manual_seed(seed)
+    H, dim = config["hidden_size"], engram["engram_dim"]
+    tables = len(engram["engram_orders"]) * engram["engram_heads"]
+    width = tables * dim
+    tensors = {}
+    if "engram_vocab_map" in engram:
+        tensors["model.engram_vocab_map"] = torch.randint(
+            0, engram["engram_vocab_map"], (config["vocab_size"],), generator=g
+        )
+    for layer in engram["engram_layers"]:
+        p = f"model.layers.{layer}.engram."
+        tensors[p + "embedding"] = torch.randn(
+            tables, engram["engram_table_size"], dim, generator=g
+        )
+        tensors[p + "key_proj.weight"] = torch.randn(H, width, generator=g) / width**0.5
+        tensors[p + "value_proj.weight"] = (
+            torch.randn(H, width, generator=g) * 0.5 / width**0.5
+        )
+        for norm in ("hidden_norm", "key_norm"):
+            tensors[p + f"{norm}.weight"] = 1 + 0.3 * torch.randn(H, generator=g)
+    save_file(tensors, model_dir / "engram.safetensors")
+    return model_dir

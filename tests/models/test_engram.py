@@ -1,0 +1,290 @@
+"""Engram (DeepSeek-V4.1's conditional memory) exact against an oracle: transformers' DeepSeek-V4
+with the Engram equations added by forward pre-hooks at the Engram layers, written here from the
+description (per position, no batching, the hash in Python integers). fp32 logits within 1e-4 and
+the same greedy tokens through batched prefills, chunks ending inside an n-gram, decodes, a radix
+hit, retraction under a small pool, and the three table placements.
+
+The tiny checkpoint is tests/tiny_dsv4.py's V4 plus `add_engram`: Engram at layers 0 and 2, 2- and
+3-grams, two hash heads, 97-row tables, a 384 -> 200 id map.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from test_parity import hf_greedy, hf_model
+from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
+
+from strata import Engine, SamplingParams
+from strata.engine.batch import ScheduleBatch
+from strata.engine.request import Req
+from strata.models import config_from_dir
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=10, ignore_eos=True)
+PROMPTS = [prompt(40, 1), prompt(23, 2), prompt(2, 3)]
+
+M64 = (1 << 64) - 1
+
+
+def splitmix64(state: int) -> tuple[int, int]:
+    state = (state + 0x9E3779B97F4A7C15) & M64
+    z = state
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & M64
+    return state, z ^ (z >> 31)
+
+
+def multipliers(seed: int, layer: int, order: int, head: int) -> list[int]:
+    state = (seed << 32) ^ (layer << 16) ^ (order << 8) ^ head
+    out = []
+    for _ in range(order):
+        state, z = splitmix64(state)
+        out.append((z >> 33) | 1)
+    return out
+
+
+class EngramOracle:
+    """The Engram equations, one position at a time, added to transformers' V4 at the Engram layers.
+    It keeps the sequence it has seen by position, so `generate()` (one new token per call) works."""
+
+    def __init__(self, model_dir, ref):
+        from safetensors.torch import load_file
+
+        cfg = json.loads((model_dir / "config.json").read_text())
+        self.w = load_file(model_dir / "engram.safetensors")
+        self.orders, self.heads = cfg["engram_orders"], cfg["engram_heads"]
+        self.size, self.seed = cfg["engram_table_size"], cfg["engram_hash_seed"]
+        self.vmap = self.w.get("model.engram_vocab_map")
+        self.pad = cfg.get("engram_vocab_map") or cfg["vocab_size"]
+        self.eps, self.H = cfg["rms_norm_eps"], cfg["hidden_size"]
+        self.seq: list[int] = []
+        self.handles = []
+        for layer in cfg["engram_layers"]:
+            hook = self._hook(layer)
+            self.handles.append(
+                ref.model.layers[layer].register_forward_pre_hook(
+                    hook, with_kwargs=True
+                )
+            )
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+    def compressed(self, t: int) -> int:
+        if t < 0:
+            return self.pad
+        tok = self.seq[t]
+        return int(self.vmap[tok]) if self.vmap is not None else tok
+
+    def rms(self, x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean() + self.eps))
+
+    def delta(self, layer: int, t: int, streams: torch.Tensor) -> torch.Tensor:
+        p = f"model.layers.{layer}.engram."
+        table = self.w[p + "embedding"]
+        rows = []
+        for o, n in enumerate(self.orders):
+            for j in range(self.heads):
+                mix = 0
+                for i, a in enumerate(multipliers(self.seed, layer, n, j)):
+                    mix ^= self.compressed(t - i) * a
+                rows.append(table[o * self.heads + j, mix % self.size])
+        e = torch.cat(rows)
+        k = self.w[p + "key_proj.weight"] @ e
+        v = self.w[p + "value_proj.weight"] @ e
+        kn = self.rms(k, self.w[p + "key_norm.weight"])
+        out = streams.clone()
+        for s in range(streams.shape[0]):
+            hn = self.rms(streams[s], self.w[p + "hidden_norm.weight"])
+            gate = torch.sigmoid((hn * kn).sum() / math.sqrt(self.H))
+            out[s] = streams[s] + gate * v
+        return out
+
+    def _hook(self, layer: int):
+        def hook(module, args, kwargs):
+            hidden = args[0]  # [1, S, hc_mult, H]
+            positions = kwargs["position_ids"][0].tolist()
+            ids = kwargs["input_ids"][0].tolist()
+            if layer == min(self.layer_ids):
+                del self.seq[positions[0] :]
+                self.seq.extend(ids)
+            out = hidden.clone()
+            for row, t in enumerate(positions):
+                out[0, row] = self.delta(layer, t, hidden[0, row])
+            return (out, *args[1:]), kwargs
+
+        return hook
+
+    @property
+    def layer_ids(self) -> list[int]:
+        return list(ENGRAM["engram_layers"])
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return add_engram(make_dsv4(tmp_path_factory.mktemp("engram")))
+
+
+@pytest.fixture(scope="module")
+def ref(model_dir):
+    model = hf_model(model_dir)
+    EngramOracle(model_dir, model)
+    return model
+
+
+@pytest.fixture(scope="module")
+def expected(ref):
+    return [hf_greedy(ref, p, GREEDY.max_new_tokens) for p in PROMPTS]
+
+
+def engine(model_dir, **options) -> Engine:
+    return Engine(
+        str(model_dir), **{"dtype": "float32", "kv_cache_tokens": 1024, **options}
+    )
+
+
+@torch.no_grad()
+def ref_logits(ref, seq: list[int]) -> torch.Tensor:
+    return ref(torch.tensor([seq])).logits[0]
+
+
+def engine_logits(
+    eng: Engine, reqs: list[Req], extend_lens: list[int], num_decode: int
+) -> torch.Tensor:
+    """One forward through the engine's runner (n-grams included): logits of every fed token."""
+    runner = eng.scheduler.runner
+    for req, n in zip(reqs, extend_lens):
+        assert eng.scheduler._alloc_for(req, req.kv_len + n)
+    fb = runner.prepare(ScheduleBatch(reqs, extend_lens, num_decode))
+    assert fb.ngrams is not None
+    with torch.inference_mode():
+        hidden = eng.model(fb.input_ids, fb.positions, fb.attn, runner.kv, fb.ngrams)
+        logits = eng.model.compute_logits(hidden)
+    for req, n in zip(reqs, extend_lens):
+        req.kv_len += n
+    return logits
+
+
+def test_config_reads_engram(model_dir):
+    cfg = config_from_dir(model_dir).dsv4.engram
+    assert cfg.layers == (0, 2) and cfg.orders == (2, 3) and cfg.heads == 2
+    assert (cfg.table_size, cfg.dim, cfg.hash_seed) == (97, 8, 7)
+    assert cfg.vocab_map_size == 200 and cfg.pad_id == 200
+    assert cfg.num_tables == 4 and cfg.context_len == 2
+
+
+def test_config_refuses_a_layer_out_of_range(tmp_path):
+    from strata.engram_config import engram_from_hf
+
+    with pytest.raises(
+        ValueError, match="engram_layers must be distinct layer indices below 4"
+    ):
+        engram_from_hf(
+            {
+                "engram_layers": [4],
+                "engram_table_size": 5,
+                "engram_dim": 2,
+                "vocab_size": 9,
+            },
+            4,
+        )
+    assert engram_from_hf({"vocab_size": 9}, 4) is None
+
+
+def test_the_oracle_changes_the_logits(model_dir, ref):
+    """Engram is not a no-op here: without the hooks, transformers' logits differ."""
+    plain = hf_model(model_dir)
+    seq = PROMPTS[0]
+    assert (ref_logits(plain, seq) - ref_logits(ref, seq)).abs().max() > 1e-2
+
+
+def test_batched_prefill_and_decode_logits_match(model_dir, ref):
+    """Three prompts in one prefill (one shorter than an n-gram), then batched decodes."""
+    eng = engine(model_dir, page_size=16)
+    reqs = [
+        Req(rid=str(i), prompt_ids=list(p), params=SamplingParams())
+        for i, p in enumerate(PROMPTS)
+    ]
+    logits = engine_logits(eng, reqs, [len(p) for p in PROMPTS], num_decode=0)
+    start = 0
+    for p in PROMPTS:
+        torch.testing.assert_close(
+            logits[start : start + len(p)], ref_logits(ref, p), atol=1e-4, rtol=0
+        )
+        start += len(p)
+    ends = torch.tensor([len(p) for p in PROMPTS]).cumsum(0) - 1
+    last = logits[ends]
+    seqs = [list(p) for p in PROMPTS]
+    for _ in range(3):
+        for req, s, t in zip(reqs, seqs, last.argmax(-1).tolist()):
+            req.output_ids.append(t)
+            s.append(t)
+        last = engine_logits(eng, reqs, [1] * len(reqs), num_decode=len(reqs))
+        want = torch.stack([ref_logits(ref, s)[-1] for s in seqs])
+        torch.testing.assert_close(last, want, atol=1e-4, rtol=0)
+
+
+def test_chunks_ending_inside_ngrams_match(model_dir, ref):
+    """Chunks of 1, 2 and 5 tokens, each chunk's first n-grams reaching into the previous chunk,
+    beside a decoding request."""
+    eng = engine(model_dir, page_size=1)
+    long, other = PROMPTS[0], PROMPTS[1]
+    a = Req(rid="a", prompt_ids=list(long), params=SamplingParams())
+    b = Req(rid="b", prompt_ids=list(other), params=SamplingParams())
+    engine_logits(eng, [b], [len(other)], num_decode=0)
+    full = ref_logits(ref, long)
+    done = 0
+    for n in (1, 2, 1, 5, 31):
+        b.output_ids.append(7 + n)
+        logits = engine_logits(eng, [b, a], [1, n], num_decode=1)
+        torch.testing.assert_close(logits[1:], full[done : done + n], atol=1e-4, rtol=0)
+        torch.testing.assert_close(
+            logits[0], ref_logits(ref, other + b.output_ids)[-1], atol=1e-4, rtol=0
+        )
+        done += n
+    assert done == len(long)
+
+
+def test_greedy_tokens_equal_the_oracle_with_small_chunks(model_dir, expected):
+    eng = engine(model_dir, page_size=4, chunked_prefill_size=3)
+    assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+    eng.scheduler.check_no_leaks()
+
+
+def test_radix_hit_reads_the_history_from_the_prompt(model_dir, ref, expected):
+    """A second prompt sharing the first 34 tokens hits the cache at a page boundary (32): its
+    first fed n-grams read tokens the cache covered."""
+    eng = engine(model_dir, page_size=16)
+    assert eng.generate([PROMPTS[0]], GREEDY)[0].token_ids == expected[0]
+    shared = PROMPTS[0][:34] + prompt(9, 9)
+    again = eng.generate([shared], GREEDY)[0]
+    assert again.cached_tokens == 32
+    assert again.token_ids == hf_greedy(ref, shared, GREEDY.max_new_tokens)
+    eng.scheduler.check_no_leaks()
+
+
+def test_retraction_under_pressure_stays_exact(model_dir, ref):
+    params = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    prompts = [prompt(n, seed) for seed, n in zip(range(10, 13), (11, 25, 6))]
+    eng = engine(model_dir, kv_cache_tokens=96, page_size=4, chunked_prefill_size=5)
+    got = [r.token_ids for r in eng.generate(prompts * 2, params)]
+    assert eng.scheduler.num_retractions > 0
+    assert got == [hf_greedy(ref, p, params.max_new_tokens) for p in prompts] * 2
+    eng.scheduler.check_no_leaks()
+
+
+@pytest.mark.parametrize("placement", ["host", "mmap"])
+def test_placements_give_the_same_tokens(model_dir, expected, placement):
+    """Tables outside the model (a host pool, or mapped from the checkpoint), their rows gathered
+    ahead on a thread: the tables are not parameters of the model, and the tokens are the same."""
+    eng = engine(
+        model_dir, page_size=4, chunked_prefill_size=7, engram_placement=placement
+    )
+    assert eng.model.engram_tables is not None
+    assert not any("engram.embedding" in n for n, _ in eng.model.named_parameters())
+    assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+    eng.close()
