@@ -237,6 +237,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             )
         # --engram-placement host | mmap: the tables outside the model (the loader sets them)
         self.engram_tables: OffloadedTables | None = None
+        self._vocab_map_cpu: torch.Tensor | None = None
 
     def forward(
         self,
@@ -262,7 +263,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         engram = self.config.dsv4.engram
         assert engram is not None
         if engram.vocab_map_size is not None:
-            compressed = self.engram_vocab_map.cpu()[ngram_ids.clamp(min=0)]
+            if self._vocab_map_cpu is None:  # the map is read on the host, once
+                self._vocab_map_cpu = self.engram_vocab_map.cpu()
+            compressed = self._vocab_map_cpu[ngram_ids.clamp(min=0)]
         else:
             compressed = ngram_ids.clone()
         compressed[ngram_ids < 0] = engram.pad_id
@@ -367,6 +370,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing weights: {sorted(missing)[:8]}")
         self.reset_expert_load()
+        self._vocab_map_cpu = None
 
     def _pieces(self, stacked: str) -> int:
         experts = self.config.moe.num_experts
