@@ -2,7 +2,7 @@
 with the Engram equations added by forward pre-hooks at the Engram layers, written here from the
 description (per position, no batching, the hash in Python integers). fp32 logits within 1e-4 and
 the same greedy tokens through batched prefills, chunks ending inside an n-gram, decodes, a radix
-hit, retraction under a small pool, and the three table placements.
+hit, retraction under a small pool, a prefill/decode pair, and the three table placements.
 
 The tiny checkpoint is tests/tiny_dsv4.py's V4 plus `add_engram`: Engram at layers 0 and 2, 2- and
 3-grams, two hash heads, 97-row tables, a 384 -> 200 id map.
@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from test_disagg import run_pair
 from test_parity import hf_greedy, hf_model
 from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
 
@@ -288,3 +289,42 @@ def test_placements_give_the_same_tokens(model_dir, expected, placement):
     assert not any("engram.embedding" in n for n, _ in eng.model.named_parameters())
     assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
     eng.close()
+
+
+def test_placements_are_the_flags_choices():
+    from strata.config import ENGRAM_PLACEMENTS
+    from strata.layers.engram_tables import TABLE_PLACEMENTS
+
+    assert tuple(TABLE_PLACEMENTS) == ENGRAM_PLACEMENTS
+
+
+def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
+    """The decode side reads the n-gram history from the request's prompt and first token: no
+    transfer of anything but the KV pages."""
+    kw = dict(
+        dtype="float32",
+        kv_cache_tokens=1024,
+        page_size=4,
+        disaggregation_secret="s3cret",
+    )
+    p = Engine(str(model_dir), disaggregation_mode="prefill", **kw)
+    d = Engine(
+        str(model_dir), disaggregation_mode="decode", engram_placement="mmap", **kw
+    )
+    rids = []
+    for i, prompt_ids in enumerate(PROMPTS):
+        d.add_request(
+            prompt_ids,
+            GREEDY,
+            rid=f"r{i}",
+            bootstrap_room=3000 + i,
+            bootstrap_addr=p.disagg_endpoint,
+        )
+        p.add_request(prompt_ids, GREEDY, rid=f"r{i}", bootstrap_room=3000 + i)
+        rids.append(f"r{i}")
+    outs = run_pair(p, d, rids)
+    assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == expected
+    d.scheduler.check_no_leaks()
+    p.scheduler.check_no_leaks()
+    p.close()
+    d.close()
