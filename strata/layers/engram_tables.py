@@ -13,6 +13,7 @@ rows (a table cast to the model's dtype at load, or each gathered row cast the s
 from __future__ import annotations
 
 import json
+import mmap
 import struct
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -66,7 +67,8 @@ def host_tables(
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a mapping
                 if name in names:
-                    t = f.get_tensor(name).to(dtype)
+                    # a copy: safetensors may hand back a view of its file mapping
+                    t = f.get_tensor(name).to(dtype, copy=True)
                     tables[names[name]] = t.pin_memory() if pin else t
     _check_complete(tables, names)
     return OffloadedTables(tables, dtype, pin)
@@ -100,6 +102,8 @@ def mmap_tables(
             array = np.memmap(
                 path, dtype=np_dtype, mode="c", offset=offset, shape=tuple(shape)
             )
+            # rows are read at random: no read-ahead, or each row read faults in its neighbours
+            array._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
             tables[names[name]] = torch.from_numpy(array).view(torch_dtype)
     _check_complete(tables, names)
     return OffloadedTables(tables, dtype, pin)
