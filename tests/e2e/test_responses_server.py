@@ -400,7 +400,7 @@ def wait_idle(server, timeout: float = 15) -> dict:
         time.sleep(0.1)
 
 
-def test_logprobs_are_included_when_asked(oai):
+def test_logprobs_are_included_when_asked_and_are_chats(oai):
     r = oai.responses.create(
         model="tiny",
         input="Hi",
@@ -411,8 +411,21 @@ def test_logprobs_are_included_when_asked(oai):
     )
     lps = r.output[0].content[0].logprobs
     assert len(lps) == r.usage.output_tokens == 5
-    assert all(len(lp.top_logprobs) == 2 for lp in lps)
-    assert "".join(lp.token for lp in lps) == r.output_text
+    chat = oai.chat.completions.create(
+        model="tiny",
+        messages=[{"role": "user", "content": "Hi"}],
+        logprobs=True,
+        top_logprobs=2,
+        max_tokens=5,
+        temperature=0,
+    )
+    expected = chat.choices[0].logprobs.content
+    assert [(lp.token, lp.logprob) for lp in lps] == [
+        (lp.token, lp.logprob) for lp in expected
+    ]
+    assert [[t.token for t in lp.top_logprobs] for lp in lps] == [
+        [t.token for t in lp.top_logprobs] for lp in expected
+    ]
 
 
 # ------------------------------------------------------------------ stored responses
