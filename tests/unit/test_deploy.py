@@ -245,9 +245,19 @@ def test_dockerfile_builds_the_kernels_and_model_and_runs_unprivileged():
 
     user = line_of(r"^USER strata$")
     assert "useradd" in text and not re.search(r"^USER root", text, re.M)
+    # the install takes requirements.lock's versions, in a stage of its own (its wheels and CA bundle
+    # stay out of the image), on the base given as BASE (a registry's image by default)
+    assert re.search(r"^ARG BASE=python:3\.11-slim-bookworm$", text, re.M)
+    install = line_of(r"pip install .*-c requirements\.lock \.")
+    assert (
+        line_of(r"^FROM \$\{BASE\} AS install$")
+        < install
+        < line_of(r"^FROM \$\{BASE\}$")
+    )
+    assert line_of(r"^COPY --from=install /opt/venv /opt/venv$") < user
     # the model conversion and the kernel build run as the user that will load them, after the install
     assert (
-        line_of(r"^RUN pip install \.")
+        install
         < user
         < line_of(r"^RUN .*default_model_dir\(\)")
         < line_of(r"^RUN .*cpu_ops\(\)")
