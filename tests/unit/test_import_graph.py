@@ -28,7 +28,8 @@ LAYERS = {
     **dict.fromkeys(
         ("config", "model_config", "rope_config", "moe_config", "mla_config"), 0
     ),
-    **dict.fromkeys(("dsv4_config", "sampling_params", "grammar", "tokenizer"), 0),
+    **dict.fromkeys(("dsv4_config", "engram_config"), 0),
+    **dict.fromkeys(("sampling_params", "grammar", "tokenizer"), 0),
     **dict.fromkeys(("redact", "process", "kernels", "web"), 0),
     "cache": 1,  # KV pools, page allocators, prefix caches, the L2/L3 tiers
     "layers": 2,  # torch modules (latent and DeepSeek-V4 attention read their KV pools)
