@@ -45,6 +45,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+# how a decode request whose prefill side failed is answered: 503 (retry), not the 500 of a worker
+# that broke, so a router's circuit breaker does not hold it against the decode worker
+PEER_FAILED = 503
+
 MAX_EARLY_HELLOS = (
     4096  # Hellos kept for rooms whose request has not reached the prefill worker yet
 )
@@ -482,15 +486,18 @@ class DecodeManager(_Side):
                     room_id,
                     f"the prefill worker at {room.bootstrap} did not deliver the KV cache within "
                     f"{self.timeout_s:.0f}s (it may have died); retry the request",
+                    PEER_FAILED,
                 )
 
-    def _fail(self, room_id: int, reason: str) -> None:
+    def _fail(self, room_id: int, reason: str, status: int | None = None) -> None:
         room = self.rooms.pop(room_id)
         self.stats["failed"] += 1
         if room.reserved:
-            self.scheduler.fail_prefilled(room.rid, reason)
+            self.scheduler.fail_prefilled(room.rid, reason, status)
         else:  # never reserved: report it through the scheduler anyway
-            self.scheduler.fail_request(room.rid, room.prompt_ids, room.params, reason)
+            self.scheduler.fail_request(
+                room.rid, room.prompt_ids, room.params, reason, status
+            )
 
     def _on_message(self, frames: list[bytes]) -> None:
         msg = self._parse(frames)
@@ -511,7 +518,7 @@ class DecodeManager(_Side):
                 "bad signature: is --disaggregation-secret the same on every worker?"
             )
         if isinstance(msg, protocol.KVFailed):
-            self._fail(msg.room, f"prefill failed: {msg.reason}")
+            self._fail(msg.room, f"prefill failed: {msg.reason}", PEER_FAILED)
             return
         problem = self._kv_problem(msg, room, payload)
         if problem is not None:

@@ -27,6 +27,8 @@ class RequestOutput(msgspec.Struct):
     finish_reason: str | None = None  # stop | length | abort | error
     matched_stop: str | int | None = None
     error: str | None = None
+    # the HTTP status the error is (None: 500); 503 where another worker failed this one's request
+    error_status: int | None = None
     logprobs: list[TokenLogprob] = msgspec.field(default_factory=list)
     prompt_tokens: int = 0
     completion_tokens: int = 0

@@ -88,6 +88,7 @@ class Req:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_status: int | None = None  # RequestOutput.error_status
     pending_logprobs: list[TokenLogprob] = field(default_factory=list)
     sent_tokens: int = 0  # output tokens already reported
     spec_verify_steps: int = 0  # steps that fed drafts
@@ -156,6 +157,7 @@ class Req:
             finish_reason=self.finish_reason,
             matched_stop=self.matched_stop,
             error=self.error,
+            error_status=self.error_status,
             logprobs=logprobs,
             prompt_tokens=len(self.prompt_ids),
             completion_tokens=len(self.output_ids),

@@ -307,24 +307,30 @@ class Scheduler(KVAccounting):
         it still waits for it."""
         return self.prealloc.get(rid)
 
-    def fail_prefilled(self, rid: str, error: str) -> None:
-        """A reserved request's KV will not come: free its pages and finish it with `error`.
-        A no-op if `rid` holds no reservation."""
+    def fail_prefilled(self, rid: str, error: str, status: int | None = None) -> None:
+        """A reserved request's KV will not come: free its pages and finish it with `error`
+        (as HTTP `status`, None: 500). A no-op if `rid` holds no reservation."""
         req = self.prealloc.pop(rid, None)
         if req is None:
             return
         self.allocator.free(req.pages)
         req.pages = []
-        req.error = error
+        req.error, req.error_status = error, status
         self._finish(req, "error")
 
     def fail_request(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams, error: str
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        error: str,
+        status: int | None = None,
     ) -> None:
         """Report request `rid`, which never reached the scheduler's queues, as failed with
-        `error`: its output (finish_reason "error") comes out of the next step."""
+        `error` (as HTTP `status`, None: 500): its output (finish_reason "error") comes out of
+        the next step."""
         req = self._new_req(rid, prompt_ids, params, None, None)
-        req.error = error
+        req.error, req.error_status = error, status
         self._finish(req, "error")
 
     def abort(self, rid: str) -> bool:

@@ -233,6 +233,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    error_status: int | None = None  # RequestOutput.error_status
     prompt_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_details: dict[str, int] = field(
@@ -249,7 +250,7 @@ class ChoiceResult:
         if out.finished:
             self.finish_reason = out.finish_reason
             self.matched_stop = out.matched_stop
-            self.error = out.error
+            self.error, self.error_status = out.error, out.error_status
             self.prompt_tokens = out.prompt_tokens
             self.cached_tokens = out.cached_tokens
             self.cached_tokens_details = out.cached_tokens_details
@@ -306,7 +307,9 @@ async def collect(request: Request, gen: Generation) -> list[ChoiceResult]:
     consumer.result()
     for r in results:
         if r.finish_reason == "error":
-            raise APIError(500, r.error or "the engine failed this request")
+            raise APIError(
+                r.error_status or 500, r.error or "the engine failed this request"
+            )
     return results
 
 
