@@ -169,8 +169,8 @@ def test_dead_prefill_worker_fails_clearly_and_frees_slots(llama_dir):
         last.finished
         and last.finish_reason == "error"
         and "did not deliver" in last.error
-        and last.error_status == 503  # its peer failed, not this worker: retry elsewhere
-    )
+        and last.error_status == 503
+    )  # 503: its peer failed, not this worker (a router retries it, and keeps the worker)
     assert not d.scheduler.prealloc
     d.scheduler.check_no_leaks()
     d.close()
