@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,23 @@ def tiny_model_dir() -> Path:
         atexit.register(shutil.rmtree, root, True)
         _model_dir = make_model(root / "tiny-llama", "llama")
     return _model_dir
+
+
+@contextlib.contextmanager
+def tool_model(prefix: str) -> Iterator[Path]:
+    """A tiny Llama with a chat template that writes tool calls (2,048 positions), removed after."""
+    from tiny_models import TOOL_CHAT_TEMPLATE, make_model
+
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield make_model(
+            root / "tiny-tools",
+            "llama",
+            chat_template=TOOL_CHAT_TEMPLATE,
+            max_position_embeddings=2048,
+        )
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
 
 
 def free_port() -> int:

@@ -7,17 +7,13 @@ finish."""
 from __future__ import annotations
 
 import json
-import shutil
-import tempfile
 import time
-from pathlib import Path
-from typing import Annotated
 
 import httpx
 import openai
-import pydantic
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, tool_model
+from test_structured_output import Person
 
 pytestmark = pytest.mark.e2e
 
@@ -61,28 +57,10 @@ def chat_tools(tools: list[dict]) -> list[dict]:
     ]
 
 
-class Person(pydantic.BaseModel):
-    name: str = pydantic.Field(max_length=10)
-    age: int = pydantic.Field(ge=0, le=120)
-    tags: list[Annotated[str, pydantic.StringConstraints(max_length=8)]] = (
-        pydantic.Field(max_length=3)
-    )
-
-
 @pytest.fixture(scope="module")
 def model_dir():
-    from tiny_models import TOOL_CHAT_TEMPLATE, make_model
-
-    root = Path(tempfile.mkdtemp(prefix="strata-responses-"))
-    try:
-        yield make_model(
-            root / "tiny-tools",
-            "llama",
-            chat_template=TOOL_CHAT_TEMPLATE,
-            max_position_embeddings=2048,
-        )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with tool_model("strata-responses-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")

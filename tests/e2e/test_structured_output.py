@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Annotated
 
 import openai
 import pydantic
 import pytest
-from live_server import LiveServer
+from live_server import LiveServer, tool_model
 
 pytestmark = pytest.mark.e2e
 
@@ -62,18 +60,8 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def tool_model_dir():
-    from tiny_models import TOOL_CHAT_TEMPLATE, make_model
-
-    root = Path(tempfile.mkdtemp(prefix="strata-structured-"))
-    try:
-        yield make_model(
-            root / "tiny-tools",
-            "llama",
-            chat_template=TOOL_CHAT_TEMPLATE,
-            max_position_embeddings=2048,
-        )
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
+    with tool_model("strata-structured-") as path:
+        yield path
 
 
 @pytest.fixture(scope="module")
