@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_disagg import run_pair
+from test_disagg import pd_tokens
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
 from test_hicache import LONG, check_hierarchy_leaks, fill_l1, make_engine, run_one
 from test_parity import forward_logits, hf_greedy, hf_model
@@ -228,19 +228,7 @@ def test_prefill_decode_pair_equals_a_single_engine(model_dir, expected):
     )
     p = Engine(str(model_dir), disaggregation_mode="prefill", **kw)
     d = Engine(str(model_dir), disaggregation_mode="decode", **kw)
-    rids = []
-    for i, prompt_ids in enumerate(PROMPTS):
-        d.add_request(
-            prompt_ids,
-            GREEDY,
-            rid=f"r{i}",
-            bootstrap_room=2000 + i,
-            bootstrap_addr=p.disagg_endpoint,
-        )
-        p.add_request(prompt_ids, GREEDY, rid=f"r{i}", bootstrap_room=2000 + i)
-        rids.append(f"r{i}")
-    outs = run_pair(p, d, rids)
-    assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == expected
+    assert pd_tokens(p, d, PROMPTS, GREEDY, 2000) == expected
     d.scheduler.check_no_leaks()
     p.scheduler.check_no_leaks()
     p.close()

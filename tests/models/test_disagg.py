@@ -54,6 +54,26 @@ def run_pair(
     return outs
 
 
+def pd_tokens(
+    prefill: Engine, decode: Engine, prompts, params, first_room: int
+) -> list[list[int]]:
+    """Each prompt through the pair (its decode side told first; rooms from `first_room`), run to
+    the end: the output tokens of each, in order."""
+    rids = [f"r{i}" for i in range(len(prompts))]
+    for i, (rid, prompt) in enumerate(zip(rids, prompts)):
+        room = first_room + i
+        decode.add_request(
+            prompt,
+            params,
+            rid=rid,
+            bootstrap_room=room,
+            bootstrap_addr=prefill.disagg_endpoint,
+        )
+        prefill.add_request(prompt, params, rid=rid, bootstrap_room=room)
+    outs = run_pair(prefill, decode, rids)
+    return [[t for o in outs[r] for t in o.new_token_ids] for r in rids]
+
+
 @pytest.fixture(scope="module")
 def expected(llama_dir):
     single = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=512)

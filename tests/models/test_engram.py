@@ -15,7 +15,7 @@ import math
 
 import pytest
 import torch
-from test_disagg import run_pair
+from test_disagg import pd_tokens
 from test_parity import hf_greedy, hf_model
 from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
 
@@ -311,19 +311,7 @@ def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
     d = Engine(
         str(model_dir), disaggregation_mode="decode", engram_placement="mmap", **kw
     )
-    rids = []
-    for i, prompt_ids in enumerate(PROMPTS):
-        d.add_request(
-            prompt_ids,
-            GREEDY,
-            rid=f"r{i}",
-            bootstrap_room=3000 + i,
-            bootstrap_addr=p.disagg_endpoint,
-        )
-        p.add_request(prompt_ids, GREEDY, rid=f"r{i}", bootstrap_room=3000 + i)
-        rids.append(f"r{i}")
-    outs = run_pair(p, d, rids)
-    assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == expected
+    assert pd_tokens(p, d, PROMPTS, GREEDY, 3000) == expected
     d.scheduler.check_no_leaks()
     p.scheduler.check_no_leaks()
     p.close()

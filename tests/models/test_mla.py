@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from test_disagg import run_pair
+from test_disagg import pd_tokens
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
 from test_hicache import LONG, check_hierarchy_leaks, fill_l1, make_engine, run_one
 from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
@@ -374,21 +374,10 @@ def test_prefill_then_decode_sends_the_latent(mla_models, expected):
         for mode in ("prefill", "decode")
     ]
     p, d = workers
-    rids = []
-    for i, prompt in enumerate(PROMPTS):
-        d.add_request(
-            prompt,
-            GREEDY,
-            rid=f"r{i}",
-            bootstrap_room=3000 + i,
-            bootstrap_addr=p.disagg_endpoint,
-        )
-        p.add_request(prompt, GREEDY, rid=f"r{i}", bootstrap_room=3000 + i)
-        rids.append(f"r{i}")
-    outs = run_pair(p, d, rids)
-    assert [[t for o in outs[r] for t in o.new_token_ids] for r in rids] == expected[
-        "deepseek_v2"
-    ][: len(PROMPTS)]
+    assert (
+        pd_tokens(p, d, PROMPTS, GREEDY, 3000)
+        == expected["deepseek_v2"][: len(PROMPTS)]
+    )
     assert (
         d.disagg.stats["bytes_received"]
         == sum(len(q) for q in PROMPTS) * 2 * LATENT_DIM * 4
