@@ -51,6 +51,23 @@ def tool_model(prefix: str) -> Iterator[Path]:
         shutil.rmtree(root, ignore_errors=True)
 
 
+# a chat template whose generation prompt opens a <think> block (for --reasoning-parser deepseek_r1)
+REASONING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+@contextlib.contextmanager
+def reasoning_server(root: Path) -> Iterator[LiveServer]:
+    """A live server over a tiny model that reasons first, with `--reasoning-parser deepseek_r1`."""
+    from tiny_models import make_model
+
+    model = make_model(root / "tiny", "llama", chat_template=REASONING_TEMPLATE)
+    with LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model) as srv:
+        yield srv
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

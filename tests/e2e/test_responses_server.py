@@ -10,6 +10,7 @@ import json
 import time
 
 import httpx
+import live_server
 import openai
 import pytest
 from live_server import LiveServer, tool_model
@@ -534,16 +535,7 @@ def test_input_items_pages(oai, server):
 
 @pytest.fixture(scope="module")
 def reasoning_server(tmp_path_factory):
-    from tiny_models import make_model
-
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-    )
-    model = make_model(
-        tmp_path_factory.mktemp("reasoning") / "tiny", "llama", chat_template=template
-    )
-    with LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model) as srv:
+    with live_server.reasoning_server(tmp_path_factory.mktemp("reasoning")) as srv:
         yield srv
 
 

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Annotated
 
+import live_server
 import openai
 import pydantic
 import pytest
@@ -456,16 +457,7 @@ def test_a_forced_call_cut_off_by_max_tokens_is_still_a_call(oai):
 
 @pytest.fixture(scope="module")
 def reasoning_server(tmp_path_factory):
-    from tiny_models import make_model
-
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
-    )
-    model = make_model(
-        tmp_path_factory.mktemp("reasoning") / "tiny", "llama", chat_template=template
-    )
-    with LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model) as srv:
+    with live_server.reasoning_server(tmp_path_factory.mktemp("reasoning")) as srv:
         yield srv
 
 
