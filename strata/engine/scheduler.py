@@ -446,23 +446,9 @@ class Scheduler(KVAccounting):
         decodes = [
             r for r in self.running if r.extend_len == 1
         ]  # retraction may have removed some
-        budget = self.config.max_batch_tokens - len(decodes)
-        extends: list[tuple[Req, int]] = []
-        for req in [r for r in self.running if r.extend_len > 1]:
-            alone = not decodes and not extends
-            n = prefill_piece(
-                req.extend_len,
-                self.config.chunked_prefill_size,
-                budget,
-                alone,
-                first_piece=not extends,
-            )
-            n = self.window_kv.alloc_chunk(req, n, alone)
-            if n <= 0:
-                continue
-            extends.append((req, n))
-            budget -= n
-        self._admit(extends, budget, batch_empty=not decodes and not extends)
+        extends = self._prefill_chunks(
+            self.config.max_batch_tokens - len(decodes), bool(decodes)
+        )
         if not decodes and not extends:
             return None
         verifying: list[Req] = []
@@ -483,23 +469,7 @@ class Scheduler(KVAccounting):
     def _prefills_only(self) -> ScheduleBatch | None:
         """--schedule-mix prefill-first: a step of prefill chunks alone (running requests'
         next chunks, then admissions), or None when none can run (then decodes step as usual)."""
-        budget = self.config.max_batch_tokens
-        extends: list[tuple[Req, int]] = []
-        for req in [r for r in self.running if r.extend_len > 1]:
-            alone = not extends
-            n = prefill_piece(
-                req.extend_len,
-                self.config.chunked_prefill_size,
-                budget,
-                alone,
-                first_piece=alone,
-            )
-            n = self.window_kv.alloc_chunk(req, n, alone)
-            if n <= 0:
-                continue
-            extends.append((req, n))
-            budget -= n
-        self._admit(extends, budget, batch_empty=not extends)
+        extends = self._prefill_chunks(self.config.max_batch_tokens, False)
         if not extends:
             return None
         self.ratio.after_step()
@@ -508,6 +478,27 @@ class Scheduler(KVAccounting):
             extend_lens=[n for _, n in extends],
             num_decode=0,
         )
+
+    def _prefill_chunks(self, budget: int, decoding: bool) -> list[tuple[Req, int]]:
+        """The step's prefill chunks within `budget` tokens: running requests' next chunks, then
+        admissions. `decoding`: the step has decode rows too (a chunk is then never alone)."""
+        extends: list[tuple[Req, int]] = []
+        for req in [r for r in self.running if r.extend_len > 1]:
+            alone = not decoding and not extends
+            n = prefill_piece(
+                req.extend_len,
+                self.config.chunked_prefill_size,
+                budget,
+                alone,
+                first_piece=not extends,
+            )
+            n = self.window_kv.alloc_chunk(req, n, alone)
+            if n <= 0:
+                continue
+            extends.append((req, n))
+            budget -= n
+        self._admit(extends, budget, batch_empty=not decoding and not extends)
+        return extends
 
     def _reserve_decode_pages(self, decodes: list[Req]) -> None:
         """Give every decode whose last page is full a new page, retracting others if needed."""
