@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 from tiny_models import FAMILIES, build_tokenizer, make_model  # noqa: F401  (re-exported for old imports)
 
+from strata.ports import free_port
+
 
 @pytest.fixture(scope="session", autouse=True)
 def cpu_kernels_built():
@@ -44,7 +46,6 @@ def default_dir() -> Path:
 def redis_server(tmp_path):
     """A private redis-server on a free port: (process, redis:// URL); skips where none is installed."""
     import shutil
-    import socket
     import subprocess
     import time
 
@@ -53,9 +54,7 @@ def redis_server(tmp_path):
         pytest.skip(
             "redis-server is not installed (CI installs it: apt-get install redis-server)"
         )
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     argv = [
         exe,
         "--port",

@@ -8,6 +8,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from strata.ports import free_port
+
 
 def skip_reason() -> str | None:
     try:
@@ -19,12 +21,6 @@ def skip_reason() -> str | None:
             "and apt-get install libibverbs1"
         )
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MooncakeMaster:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -17,14 +16,9 @@ from pathlib import Path
 
 import httpx
 
+from strata.ports import free_port
+
 STOP_TIMEOUT_S = 20.0
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port the OS considers free right now (another process could still take it before us)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

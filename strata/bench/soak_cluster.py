@@ -27,15 +27,10 @@ from pathlib import Path
 import httpx
 
 from strata.bench.soak_config import ClusterConfig
+from strata.ports import free_port
 
 LOOPBACK = "127.0.0.1"
 STOP_TIMEOUT_S = 20.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
 
 
 def rss_bytes(pid: int | None) -> int | None:

@@ -15,7 +15,6 @@ import dataclasses
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import time
 import httpx
 
 from strata.config import EngineConfig
+from strata.ports import free_port
 from strata.redact import env_name
 from strata.server.config import ServerConfig
 
@@ -49,12 +49,6 @@ def _die_with_parent() -> None:
     so no replica outlives the router that launched it. Only a foreign call: no locks taken."""
     if _PRCTL is not None:
         _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def engine_flags(args: argparse.Namespace) -> tuple[list[str], dict[str, str]]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 import time
 from dataclasses import dataclass, field
@@ -24,6 +23,8 @@ from fastapi import (
     Request,
 )  # module level: FastAPI resolves the string annotations here
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from strata.ports import free_port
 
 
 @dataclass
@@ -165,9 +166,7 @@ class FakeServer:
         import uvicorn
 
         self.state = FakeState()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(
             make_fake_app(self.state),

@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from strata.bench.soak_cluster import pid_alive
+from strata.ports import free_port
 
 _model_dir: Path | None = None
 
@@ -66,12 +66,6 @@ def reasoning_server(root: Path) -> Iterator[LiveServer]:
     model = make_model(root / "tiny", "llama", chat_template=REASONING_TEMPLATE)
     with LiveServer("--reasoning-parser", "deepseek_r1", model_dir=model) as srv:
         yield srv
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class LiveServer:

@@ -4,13 +4,14 @@ frontend <-> engine sockets are files only the server's user can open."""
 from __future__ import annotations
 
 import os
-import socket
 import stat
 from pathlib import Path
 
 import httpx
 import pytest
 from live_server import LiveServer
+
+from strata.ports import free_port
 
 pytestmark = pytest.mark.e2e
 
@@ -44,9 +45,7 @@ def _ipc_dirs(pid: int) -> set[Path]:
 
 @pytest.fixture(scope="module")
 def server():
-    with socket.socket() as s:  # a port nobody listens on: the L3 tier just misses
-        s.bind(("127.0.0.1", 0))
-        dead_port = s.getsockname()[1]
+    dead_port = free_port()  # a port nobody listens on: the L3 tier just misses
     env = {
         "STRATA_API_KEY": API_KEY,
         "STRATA_DISAGG_SECRET": PD_SECRET,

@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,14 +28,9 @@ import httpx
 from strata.bench import server_info
 from strata.bench.datasets import DatasetConfig, make_dataset
 from strata.bench.serving import ServingConfig, run_serving
+from strata.ports import free_port
 from strata.router.launcher import LocalReplica
 from strata.tokenizer import load_tokenizer
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def model_dir(name: str) -> tuple[Path, list[str]]:

@@ -30,7 +30,7 @@ LAYERS = {
     ),
     **dict.fromkeys(("dsv4_config", "engram_config"), 0),
     **dict.fromkeys(("sampling_params", "grammar", "tokenizer"), 0),
-    **dict.fromkeys(("redact", "process", "kernels", "web"), 0),
+    **dict.fromkeys(("redact", "process", "ports", "kernels", "web"), 0),
     "cache": 1,  # KV pools, page allocators, prefix caches, the L2/L3 tiers
     "layers": 2,  # torch modules (latent and DeepSeek-V4 attention read their KV pools)
     "models": 3,  # the families, built of layers, each with its spec
