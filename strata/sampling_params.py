@@ -83,6 +83,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # OpenAI's logit_bias: token id -> a bias added to its logit before penalties and sampling (greedy
     # too); -100 / 100 all but ban / force the token
     logit_bias: dict[int, float] | None = None
+    # scheduling order, as vLLM's `priority`: lower is admitted first and may preempt running
+    # requests of a higher value; 0 for interactive traffic, batch jobs run at a larger value
+    priority: int = 0
 
     MAX_N = 16
     MAX_TOP_LOGPROBS = 20
@@ -196,6 +199,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 "stop must be a list of non-empty strings",
             ),
             (len(self.stop) <= 16, f"at most 16 stop strings, got {len(self.stop)}"),
+            (
+                -INT32_MAX <= self.priority <= INT32_MAX,
+                f"priority must be in [{-INT32_MAX}, {INT32_MAX}], got {self.priority}",
+            ),
         ]
         for ok, message in checks:
             if not ok:

@@ -673,6 +673,7 @@ class Engine:
             "num_evictable_pages": s.cache.evictable_pages,
             "page_size": s.page_size,
             "num_retractions": s.num_retractions,
+            "num_preemptions": s.num_preemptions,
             "num_steps": s.step_count,
             "hicache": self.hicache.stats.as_dict()
             if self.hicache is not None

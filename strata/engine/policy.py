@@ -13,6 +13,7 @@ same code instead of a copy.
     admission_open    the admission loop's stop rules (running limit, token budget, prefill budget)
     kv_admits         the KV budget rule, with the empty-batch exception
     retraction_victim, stuck_victim   which running request is retracted
+    preemption_victim  which running request makes way for a waiting one that outranks it
     draft_pays        whether one more drafted row raises a step's expected output rate
 
 How much of a prompt a request feeds in one step is `strata.engine.chunking.prefill_piece`.
@@ -108,6 +109,9 @@ class PolicyReq(Protocol):
     @property
     def arrival(self) -> int: ...  # arrival order on this scheduler
 
+    @property
+    def priority(self) -> int: ...  # lower is served first (0 for interactive requests)
+
 
 R = TypeVar("R", bound=PolicyReq)
 
@@ -133,18 +137,33 @@ def kv_admits(need: int, available: int, batch_empty: bool, num_running: int) ->
 
 
 def retraction_victim(running: Sequence[R]) -> R | None:
-    """The request to retract when decodes need KV there is not: the one with the fewest outputs
-    (least work lost), then the longest prompt (most KV freed), then the newest. None when one or
-    no request runs (the last one is never retracted)."""
+    """The request to retract when decodes need KV there is not: of the lowest priority (the
+    largest value), the one with the fewest outputs (least work lost), then the longest prompt
+    (most KV freed), then the newest. None when one or no request runs (the last one is never
+    retracted)."""
     if len(running) <= 1:
         return None
-    return min(running, key=lambda r: (r.num_outputs, -r.prompt_len, -r.arrival))
+    return min(
+        running, key=lambda r: (-r.priority, r.num_outputs, -r.prompt_len, -r.arrival)
+    )
 
 
 def stuck_victim(running: Sequence[R]) -> R:
     """The request to retract when nothing can be scheduled (all running requests stuck
-    mid-prefill without KV): the newest."""
-    return max(running, key=lambda r: r.arrival)
+    mid-prefill without KV): the newest of the lowest priority."""
+    return max(running, key=lambda r: (r.priority, r.arrival))
+
+
+def preemption_victim(running: Sequence[R], priority: int) -> R | None:
+    """The running request to retract so that a waiting request of `priority` can start: one of
+    a strictly lower priority (a larger value), chosen as `retraction_victim` chooses; None when
+    every running request ranks with it or above (equals never preempt each other)."""
+    lower = [r for r in running if r.priority > priority]
+    if not lower:
+        return None
+    return min(
+        lower, key=lambda r: (-r.priority, r.num_outputs, -r.prompt_len, -r.arrival)
+    )
 
 
 def draft_pays(gain: float, expected: float, step_s: float, row_s: float) -> bool:

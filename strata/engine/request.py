@@ -131,6 +131,10 @@ class Req:
         return len(self.output_ids)
 
     @property
+    def priority(self) -> int:
+        return self.params.priority
+
+    @property
     def remaining_new(self) -> int:
         """Output tokens it may still produce (max_new_tokens less those it has)."""
         return self.params.max_new_tokens - len(self.output_ids)

@@ -41,6 +41,7 @@ from strata.engine.policy import (
     admission_open,
     kv_admits,
     kv_pages,
+    preemption_victim,
     retraction_victim,
     stuck_victim,
 )
@@ -108,6 +109,7 @@ class Scheduler(KVAccounting):
         self.policy = policy or SchedulePolicy()
         self.ratio = NewTokenRatio(self.policy)
         self.num_retractions = 0
+        self.num_preemptions = 0  # retractions that made way for a higher priority
         self.step_count = 0
         # PD disaggregation: requests whose prompt KV is being received (decode side), and the
         # peer that moves KV in or out (`attach_peer`)
@@ -435,6 +437,7 @@ class Scheduler(KVAccounting):
         return batch
 
     def _schedule_once(self) -> ScheduleBatch | None:
+        self._preempt_for_priority()
         if self.config.schedule_mix == "prefill-first" and (
             self.waiting or any(r.extend_len > 1 for r in self.running)
         ):
@@ -532,6 +535,45 @@ class Scheduler(KVAccounting):
         req.pages.extend(pages)
         return True
 
+    def _preempt_for_priority(self) -> None:
+        """The first waiting request (by priority, then arrival) retracts running requests of a
+        lower priority until the running limit and the KV budget let it in, as vLLM's priority
+        scheduling does; requests of one priority never preempt each other."""
+        if not self.waiting or not self.running:
+            return
+        head = min(self.waiting, key=lambda r: (r.priority, r.arrival))
+        if not self.tiers.ready(head.rid) or (
+            head.depends_on is not None and not head.depends_on.finished
+        ):
+            return
+        while not self._room_for(head):
+            victim = preemption_victim(self.running, head.priority)
+            if victim is None:
+                return
+            self.retract(victim, preempted=True)
+
+    def _room_for(self, req: Req) -> bool:
+        """Whether admission would take `req` now (its prefix match counted, as `_admit` does)."""
+        if len(self.running) >= self.config.max_running_requests:
+            return False
+        cached = (
+            self.cache.match_prefix(req.seq_slice(0, req.seq_len - 1)).cached_len
+            if self.cache_enabled
+            else 0
+        )
+        held = self.allocator.held_pages
+        need = self.policy.reserve_tokens(
+            req.seq_len - cached, req.remaining_new, self.ratio.value
+        )
+        available = (
+            self.allocator.num_free_pages
+            + self.cache.evictable_pages
+            - held(self._reserved_pages(), len(self.running))
+        )
+        return kv_admits(
+            held(kv_pages(need, self.page_size)), available, False, len(self.running)
+        )
+
     def _waiting_order(self) -> list[Req]:
         if (
             self.config.schedule_policy == "lpm"
@@ -542,8 +584,10 @@ class Scheduler(KVAccounting):
                 id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len
                 for r in self.waiting
             }
-            return sorted(self.waiting, key=lambda r: (-lens[id(r)], r.arrival))
-        return sorted(self.waiting, key=lambda r: r.arrival)
+            return sorted(
+                self.waiting, key=lambda r: (r.priority, -lens[id(r)], r.arrival)
+            )
+        return sorted(self.waiting, key=lambda r: (r.priority, r.arrival))
 
     def _shares_uncached_prefix(
         self, tokens: list[int], cached_len: int, admitted_now: list[Req]
@@ -722,14 +766,20 @@ class Scheduler(KVAccounting):
         self.pending_outputs.append(req.make_output())
         del self.reqs[req.rid]
 
-    def retract(self, req: Req) -> None:
-        """Free a running request's KV (its computed prefix goes to the cache) and re-queue it."""
+    def retract(self, req: Req, *, preempted: bool = False) -> None:
+        """Free a running request's KV (its computed prefix goes to the cache) and re-queue it.
+        `preempted`: it makes way for a request of a higher priority (the KV reservation was not
+        too optimistic, so the new-token ratio stays)."""
         self.running.remove(req)
         self._release_kv(req, cache_it=True)
         req.status = ReqStatus.WAITING
         req.num_retractions += 1
-        self.num_retractions += 1
         self.waiting.append(req)
+        if preempted:
+            self.num_preemptions += 1
+            logger.debug("preempted %s (priority %d)", req.rid, req.priority)
+            return
+        self.num_retractions += 1
         self.ratio.after_retraction()
         logger.info("retracted %s (%d tokens) to free KV", req.rid, req.seq_len)
 

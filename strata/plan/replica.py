@@ -147,6 +147,10 @@ class SimRequest:
     def arrival(self) -> int:
         return self.seq_no
 
+    @property
+    def priority(self) -> int:
+        return 0  # the planner's traffic is all of one priority
+
 
 @dataclass
 class Step:

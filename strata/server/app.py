@@ -7,7 +7,8 @@
     POST /flush_cache       empty the prefix cache; 409 while requests are in flight
     GET  /metrics           Prometheus text format (a MoE model's: fresh per-expert counts from the engine)
     GET  /                  the web page: chat playground and live dashboard (strata/web; no key needed)
-    + /v1/* (openai_api.py, chat_api.py, embeddings_api.py, responses_api.py) and /generate (native_api.py)
+    + /v1/* (openai_api.py, chat_api.py, embeddings_api.py, responses_api.py, batch_api.py: files
+      and batches) and /generate (native_api.py)
 
 Every error a client sees has the OpenAI shape {"error": {"message", "type", "param", "code"}}.
 """
@@ -27,6 +28,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from strata.redact import redacted, scrub, secret_values
 from strata.sampling_params import SamplingParams
 from strata.server import (
+    batch_api,
     chat_api,
     embeddings_api,
     native_api,
@@ -34,6 +36,12 @@ from strata.server import (
     responses_api,
 )
 from strata.server.api_keys import current_key, load_api_keys
+from strata.server.batch_api import (
+    INTERNAL_HEADER,
+    KEY_NAME_HEADER,
+    BatchRunner,
+)
+from strata.server.batch_store import BatchStore
 from strata.server.engine_client import EngineUnavailable, Job
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import openapi_document
@@ -67,8 +75,12 @@ class Guard:
         api_keys: dict[str, str],
         max_request_bytes: int,
         metrics: ServerMetrics | None = None,
+        internal_token: str | None = None,
     ):
         self.app = app
+        # the batch runner's own requests carry this process's token and the name of the key
+        # whose batch they belong to (strata.server.batch_api)
+        self.internal = internal_token.encode() if internal_token else None
         self.expected = [(f"Bearer {k}".encode(), name) for k, name in api_keys.items()]
         self.max_request_bytes = max_request_bytes
         self.metrics = metrics
@@ -85,7 +97,17 @@ class Guard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if self.expected and scope["path"] not in PUBLIC_PATHS:
+        internal = headers.get(INTERNAL_HEADER.encode())
+        if (
+            internal is not None
+            and self.internal is not None
+            and hmac.compare_digest(internal, self.internal)
+        ):
+            name = headers.get(KEY_NAME_HEADER.encode(), b"").decode() or None
+            current_key.set(name)
+            if self.metrics is not None and name is not None:
+                self.metrics.on_key_request(name)
+        elif self.expected and scope["path"] not in PUBLIC_PATHS:
             given = headers.get(b"authorization", b"")
             name = self._key_name(given)
             if name is None:
@@ -140,11 +162,18 @@ def create_app(state: ServerState) -> FastAPI:
     )  # scrubbed from any error message
     api_keys = load_api_keys(state.config.api_key, state.config.api_key_file)
     secrets = sorted({*secrets, *api_keys}, key=len, reverse=True)
+    if state.batches is None:
+        state.batches = BatchRunner(
+            BatchStore(state.config.batch_dir),
+            state.config.batch_concurrency,
+            state.config.batch_priority,
+        )
     app.add_middleware(
         Guard,
         api_keys=api_keys,
         max_request_bytes=state.config.max_request_bytes,
         metrics=state.metrics,
+        internal_token=state.batches.token,
     )
 
     @app.exception_handler(APIError)
@@ -160,7 +189,7 @@ def create_app(state: ServerState) -> FastAPI:
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:
         message = f"{request.method} {request.url.path}: {exc.detail}"
         if exc.status_code == 404:
-            message += " (endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/models, /generate, /health, ...)"
+            message += " (endpoints: /v1/chat/completions, /v1/completions, /v1/responses, /v1/embeddings, /v1/batches, /v1/files, /v1/models, /generate, /health, ...)"
         return Response(
             error_body(exc.status_code, message),
             status_code=exc.status_code,
@@ -191,6 +220,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(embeddings_api.router)
     app.include_router(responses_api.router)
     app.include_router(native_api.router)
+    app.include_router(batch_api.router)
     add_page_routes(app)  # GET /: the playground and dashboard (strata/web)
 
     @app.get("/health")
@@ -274,6 +304,7 @@ def create_app(state: ServerState) -> FastAPI:
                 "num_queue_reqs": stats.num_waiting,
                 "num_waiting_first_token": client.num_queued,
                 "num_retractions": stats.num_retractions,
+                "num_preemptions": stats.num_preemptions,
                 "hicache": stats.hicache,  # per-tier hit tokens and rates, bytes moved (None: off)
                 "speculative": stats.spec,  # drafted / accepted tokens, the policy's choices (None: off)
                 # per MoE layer since start: tokens routed, the busiest expert, max / mean (None: dense)

@@ -46,6 +46,11 @@ class ServerConfig:
     )
     engine_wait: str = "bounded"  # the engine's OpenMP threads: bounded (spin briefly, then sleep), passive, active
     responses_store_size: int = 4096  # /v1/responses kept for previous_response_id and GET /v1/responses/{id} (the least recently used go first; 0: none)
+    batch_dir: str | None = (
+        None  # where /v1/files and /v1/batches keep their state (SQLite + files), so a restart resumes a batch; default: a temporary directory (nothing kept)
+    )
+    batch_concurrency: int = 8  # lines of a batch in flight at once
+    batch_priority: int = 10  # batch lines are scheduled at this priority or lower (interactive requests: 0)
     health_stall_timeout: float = 3.0  # seconds without a heartbeat from the engine process before /health says 503 (stopped or hung); a long step still sends them
 
     def __post_init__(self) -> None:
@@ -82,6 +87,14 @@ class ServerConfig:
         if self.responses_store_size < 0:
             raise ValueError(
                 f"responses_store_size must be >= 0, got {self.responses_store_size}"
+            )
+        if not 1 <= self.batch_concurrency <= 1024:
+            raise ValueError(
+                f"batch_concurrency must be in [1, 1024], got {self.batch_concurrency}"
+            )
+        if self.batch_priority < 1:
+            raise ValueError(
+                f"batch_priority must be >= 1 (interactive requests run at 0), got {self.batch_priority}"
             )
         if self.engine_wait not in ENGINE_WAITS:
             raise ValueError(

@@ -82,6 +82,9 @@ class EngineStats(msgspec.Struct):
     num_evictable_pages: int = 0  # cached and unlocked: reclaimable at once
     page_size: int = 1
     num_retractions: int = 0  # so far
+    num_preemptions: int = (
+        0  # running requests retracted for a waiting one of higher priority
+    )
     num_steps: int = 0
     hicache: dict[str, Any] | None = (
         None  # HiCacheStats.as_dict() when the KV cache hierarchy is on

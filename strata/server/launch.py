@@ -357,8 +357,9 @@ async def _serve(
             model_dir=str(model_dir),
             started_at=time.time(),
         )
+        app = create_app(state)
         server = make_uvicorn_server(
-            create_app(state),
+            app,
             server_config.log_level,
             server_config.grace_period,
             keep_alive=5,
@@ -380,6 +381,7 @@ async def _serve(
             except EngineUnavailable:
                 return  # client.fail() logged why, and the server is exiting
             settle_heap()  # the tokenizer, app and engine info are loaded: keep collections short
+            tasks.append(asyncio.ensure_future(state.batches.run(app)))
             print(
                 f"strata serve: ready at http://{url_host}:{port} (model {name!r}, context {info.context_len}, "
                 f"KV cache {info.num_kv_tokens} tokens; {time.perf_counter() - started:.1f}s after start)",
@@ -405,6 +407,8 @@ async def _serve(
         finally:
             for task in tasks:
                 task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            state.batches.store.close()
             loaded = client.info is not None
             await client.close()
             if loaded:

@@ -18,6 +18,7 @@ engine sends with every batch and on request. Each server has its own registry (
     strata:token_usage                      fraction of KV pages held by requests
     strata:cache_hit_rate                   cached_tokens_total / prompt_tokens_total
     strata:num_retracted_reqs               retractions so far (KV ran out during decode)
+    strata:num_preempted_reqs               running requests retracted so far for a higher priority
     strata:spec_*                           speculative decoding, since start: request-steps that verified
                                             drafts, tokens drafted / accepted, request-steps the policy gave no draft,
                                             mean accept length, request-steps per chosen draft length
@@ -137,6 +138,10 @@ class ServerMetrics:
         self.num_retracted = gauge(
             "num_retracted_reqs", "Requests retracted so far to free KV cache."
         )
+        self.num_preempted = gauge(
+            "num_preempted_reqs",
+            "Running requests retracted so far for a waiting request of higher priority.",
+        )
         # the KV cache hierarchy's own counters are cumulative in the engine, mirrored here as gauges
         self.hicache_hit_tokens = Gauge(
             "strata:hicache_hit_tokens",
@@ -231,6 +236,7 @@ class ServerMetrics:
         self.num_queue.set(stats.num_waiting)
         self.token_usage.set(stats.token_usage)
         self.num_retracted.set(stats.num_retractions)
+        self.num_preempted.set(stats.num_preemptions)
         h = stats.hicache
         if h:
             m = self.model_name

@@ -87,6 +87,7 @@ def sampling_fields(
         "stop": [req.stop] if isinstance(req.stop, str) else list(req.stop or []),
         "stop_token_ids": list(req.stop_token_ids or []),
         "ignore_eos": req.ignore_eos,
+        "priority": req.priority,
         "skip_special_tokens": req.skip_special_tokens,
         "seed": req.seed,
         "logprobs": logprobs,

@@ -208,6 +208,9 @@ class SamplingFields(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    priority: int = (
+        0  # vLLM's extension: lower is scheduled first (batch jobs run above 0)
+    )
     bootstrap_room: int | None = None  # PD disaggregation: injected by the router
     bootstrap_addr: str | None = None
     # structured output: at most one of these (vLLM/SGLang extensions: regex, ebnf = a Lark grammar)

@@ -80,6 +80,7 @@ class ServerState:
     _token_texts: dict[int, str] = field(default_factory=dict)
     grammars: Any = None  # strata.grammar.compiler.GrammarCompiler, built by the first structured request
     responses: ResponseStore = field(init=False)  # stored /v1/responses
+    batches: Any = None  # strata.server.batch_api.BatchRunner, made by create_app
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size)
