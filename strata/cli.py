@@ -1,4 +1,4 @@
-"""`strata generate | chat | serve | router | bench | plan` — one argparse tree."""
+"""`strata generate | chat | serve | router | batch | bench | plan` — one argparse tree."""
 
 from __future__ import annotations
 
@@ -155,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_router_args(router)
     router.set_defaults(func=router_main)
+    from strata.offline_batch import add_batch_args
+
+    add_batch_args(sub)
     return parser
 
 

@@ -193,6 +193,26 @@ def add_bench_args(subparsers) -> None:
     _add_output_args(serving)
     serving.set_defaults(func=cmd_serving)
 
+    batch = sub.add_parser(
+        "batch",
+        help="interactive latency on a running server alone and beside a /v1/batches job",
+    )
+    _add_serving_args(batch, with_target=True)
+    _add_dataset_args(batch)
+    _add_output_args(batch)
+    g = batch.add_argument_group("batch")
+    g.add_argument("--rounds", type=int, default=3, help="alone / with-batch pairs")
+    g.add_argument(
+        "--batch-lines", type=int, default=400, help="chat requests in the batch"
+    )
+    g.add_argument(
+        "--batch-input-words", type=int, default=120, help="words per batch prompt"
+    )
+    g.add_argument(
+        "--batch-output-len", type=int, default=128, help="tokens per batch answer"
+    )
+    batch.set_defaults(func=cmd_batch)
+
     one = sub.add_parser(
         "one-batch", help="fixed batch x input x output on the offline engine"
     )
@@ -537,6 +557,43 @@ def cmd_kv_layout(args: argparse.Namespace) -> int:
     print(format_text(rows))
     if args.output_json:
         report.write_json(args.output_json, "kv-layout", rows)
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from strata.bench import batch_load, report
+
+    quiet_request_logs()
+    if args.rounds < 1 or args.batch_lines < 1:
+        raise ValueError("--rounds and --batch-lines must be >= 1")
+    _, tokenizer = load_bench_tokenizer(args.tokenizer)
+    rate = args.request_rate[0]
+    conc = (args.max_concurrency or [None])[0]
+    config = serving_config_from_args(args, args.base_url, rate, conc, args.model)
+
+    def dataset_for(offset: int):
+        from strata.bench.datasets import make_dataset
+
+        return make_dataset(
+            dataset_config_from_args(args, seed_offset=offset), tokenizer
+        )
+
+    runs = batch_load.run_rounds(
+        config,
+        dataset_for,
+        tokenizer,
+        args.rounds,
+        {
+            "lines": args.batch_lines,
+            "input_words": args.batch_input_words,
+            "output_len": args.batch_output_len,
+        },
+        log=lambda run: print(f"  {run}", flush=True),
+    )
+    totals = batch_load.summary(runs)
+    print(batch_load.text(runs, totals))
+    if args.output_json:
+        report.write_json(args.output_json, "batch", batch_load.as_json(runs, totals))
     return 0
 
 

@@ -312,6 +312,8 @@ def create_app(state: ServerState) -> FastAPI:
                 "parallel": stats.parallel,  # --tp-size/--ep-size: workers, health, rows per rank (None: one rank)
                 "step_threads": stats.step_threads,  # CPU: threads per size of step, as measured (None: off)
                 "num_aborted_requests": client.num_aborted,
+                # /v1/batches not yet ended, and their lines (total, answered)
+                "batches": state.batches.summary() if state.batches else None,
                 "cache_hit_rate": state.metrics.hit_rate,
                 "frontend_pid": os.getpid(),
             }

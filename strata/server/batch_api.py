@@ -32,7 +32,6 @@ import uuid
 from typing import Any
 
 import httpx
-import msgspec
 from fastapi import APIRouter, Request, Response
 from starlette.exceptions import HTTPException
 from starlette.formparsers import MultiPartException
@@ -49,7 +48,7 @@ from strata.server.batch_jobs import (
     succeeded,
 )
 from strata.server.batch_store import BatchStore
-from strata.server.protocol import APIError, decode_body
+from strata.server.protocol import APIError, CreateBatchRequest, decode_body
 from strata.server.serving import get_state, json_response, read_body
 
 logger = logging.getLogger(__name__)
@@ -62,13 +61,6 @@ INTERNAL_HEADER = "x-strata-batch"  # the runner's own requests: this process's 
 KEY_NAME_HEADER = "x-strata-batch-key"  # whose batch it is (counted under that key)
 MAX_LIST = 100  # batches per page
 MAX_FILES = 10_000  # files per page (OpenAI's default and maximum)
-
-
-class CreateBatch(msgspec.Struct, kw_only=True):
-    input_file_id: str
-    endpoint: str
-    completion_window: str
-    metadata: dict[str, str] | None = None
 
 
 def _owner() -> str:
@@ -191,7 +183,7 @@ async def delete_file(request: Request, file_id: str) -> Response:
 async def create_batch(request: Request) -> Response:
     state = get_state(request)
     body = await read_body(request, state.config.max_request_bytes)
-    req = decode_body(body, CreateBatch)
+    req = decode_body(body, CreateBatchRequest)
     if req.endpoint not in ENDPOINTS:
         raise APIError(
             400,
@@ -333,6 +325,15 @@ class BatchRunner:
                 },
             }
         return doc
+
+    def summary(self) -> dict[str, int]:
+        """For /get_server_info and the dashboard: unfinished batches and their lines."""
+        pending = self.store.unfinished()
+        total = done = 0
+        for doc in pending:
+            total += doc["request_counts"]["total"]
+            done += sum(self.store.counts(doc["id"]))
+        return {"unfinished": len(pending), "lines": total, "lines_done": done}
 
     def cancel(self, doc: dict) -> dict:
         doc = {**doc, "status": "cancelling", "cancelling_at": int(time.time())}

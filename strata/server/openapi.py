@@ -13,6 +13,7 @@ from strata.sampling_params import SamplingParams
 from strata.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    CreateBatchRequest,
     EmbeddingRequest,
     ErrorResponse,
     GenerateRequest,
@@ -51,39 +52,83 @@ SERVER_POSTS: dict[str, tuple[type, str]] = {
             "with stream: true); stored for previous_response_id unless store: false"
         ),
     ),
+    "/v1/batches": (
+        CreateBatchRequest,
+        "OpenAI Batch API: run an uploaded JSONL of requests behind interactive traffic",
+    ),
 }
 
-# the stored responses of the server alone (path parameter: response_id): path -> method -> summary
-RESPONSE_ID = {
-    "name": "response_id",
-    "in": "path",
-    "required": True,
-    "schema": {"type": "string"},
-}
-STORED_RESPONSE_PATHS: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {
+
+def _id(name: str) -> dict[str, Any]:
+    return {"name": name, "in": "path", "required": True, "schema": {"type": "string"}}
+
+
+def _query(name: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"name": name, "in": "query", "schema": schema}
+
+
+def _limit(maximum: int) -> dict[str, Any]:
+    return _query("limit", {"type": "integer", "minimum": 1, "maximum": maximum})
+
+
+ORDER = _query("order", {"enum": ["asc", "desc"]})
+AFTER = _query("after", {"type": "string"})
+
+# the server's own stored objects (responses, files, batches): path -> method -> (summary, parameters)
+STORED_OBJECT_PATHS: dict[str, dict[str, tuple[str, list[dict[str, Any]]]]] = {
     "/v1/responses/{response_id}": {
         "get": (
             "a stored response (404 when not stored, deleted or evicted)",
-            [RESPONSE_ID],
+            [_id("response_id")],
         ),
-        "delete": ("forget a stored response", [RESPONSE_ID]),
+        "delete": ("forget a stored response", [_id("response_id")]),
     },
     "/v1/responses/{response_id}/input_items": {
         "get": (
             "the items a stored response was given, the conversation before it included",
-            [
-                RESPONSE_ID,
-                {
-                    "name": "limit",
-                    "in": "query",
-                    "schema": {"type": "integer", "minimum": 1, "maximum": 100},
-                },
-                {"name": "order", "in": "query", "schema": {"enum": ["asc", "desc"]}},
-                {"name": "after", "in": "query", "schema": {"type": "string"}},
-            ],
+            [_id("response_id"), _limit(100), ORDER, AFTER],
         )
     },
+    "/v1/files": {
+        "get": (
+            "this key's files, newest first",
+            [_query("purpose", {"type": "string"}), _limit(10000), ORDER, AFTER],
+        )
+    },
+    "/v1/files/{file_id}": {
+        "get": ("a file's metadata", [_id("file_id")]),
+        "delete": ("delete a file", [_id("file_id")]),
+    },
+    "/v1/files/{file_id}/content": {
+        "get": ("a file's bytes (JSONL)", [_id("file_id")]),
+    },
+    "/v1/batches/{batch_id}": {
+        "get": ("a batch: its status and request counts", [_id("batch_id")]),
+    },
+    "/v1/batches/{batch_id}/cancel": {
+        "post": (
+            "cancel a batch (409 once it has ended); the lines that finished are kept",
+            [_id("batch_id")],
+        ),
+    },
 }
+
+FILE_UPLOAD = {
+    "required": True,
+    "content": {
+        "multipart/form-data": {
+            "schema": {
+                "type": "object",
+                "properties": {
+                    "file": {"type": "string", "format": "binary"},
+                    "purpose": {"enum": ["batch"]},
+                },
+                "required": ["file", "purpose"],
+            }
+        }
+    },
+}
+
 
 SERVER_GETS = {
     "/health": "200 once the engine is ready and answering, 503 while loading, failed, stopped or stuck",
@@ -193,18 +238,30 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
                     ),
                 }
             }
-        for path, methods in STORED_RESPONSE_PATHS.items():
-            paths[path] = {
-                method: {
-                    "summary": summary,
-                    "parameters": parameters,
-                    "responses": {
-                        **_responses("OK"),
-                        "404": {"description": "no such stored response"},
-                    },
+        for path, methods in STORED_OBJECT_PATHS.items():
+            paths.setdefault(path, {}).update(
+                {
+                    method: {
+                        "summary": summary,
+                        "parameters": parameters,
+                        "responses": {
+                            **_responses("OK"),
+                            "404": {"description": "no such object"},
+                        },
+                    }
+                    for method, (summary, parameters) in methods.items()
                 }
-                for method, (summary, parameters) in methods.items()
-            }
+            )
+        paths["/v1/files"]["post"] = {
+            "summary": "upload a batch input file (multipart: file, purpose)",
+            "requestBody": FILE_UPLOAD,
+            "responses": _responses("the File object"),
+        }
+        paths["/v1/batches"]["get"] = {
+            "summary": "this key's batches, newest first",
+            "parameters": [_limit(100), AFTER],
+            "responses": _responses("a page of Batch objects"),
+        }
     if router:
         for method, summary in (
             ("post", "register a worker"),

@@ -255,6 +255,15 @@ class GenerateRequest(msgspec.Struct, kw_only=True):
     bootstrap_addr: str | None = None
 
 
+class CreateBatchRequest(msgspec.Struct, kw_only=True):
+    """OpenAI's POST /v1/batches (strata.server.batch_api)."""
+
+    input_file_id: str  # a file uploaded with purpose "batch"
+    endpoint: str  # /v1/chat/completions, /v1/completions or /v1/embeddings
+    completion_window: str  # "24h"
+    metadata: dict[str, str] | None = None
+
+
 class EmbeddingRequest(msgspec.Struct, kw_only=True):
     """OpenAI's embeddings request; `pooling` and `normalize` are Strata's extensions."""
 

@@ -516,6 +516,9 @@ async function poll() {
       setText("stat-kv", fmtPct(kv.token_usage));
       setText("stat-kv-pages", `of ${fmt(kv.total_pages)} pages; ${fmt(kv.cached_pages)} hold cached prefixes`);
       setText("stat-hit-rate", fmtPct(info.cache_hit_rate));
+      const b = info.batches || { unfinished: 0, lines: 0, lines_done: 0 };
+      setText("stat-batches", fmt(b.unfinished));
+      setText("stat-batch-lines", b.unfinished ? `${fmt(b.lines_done)} of ${fmt(b.lines)} lines answered` : "none running");
     }
     renderLatency(isRouter ? ROUTER_LATENCIES : SERVER_LATENCIES, now);
     renderTiers(samples, info);
