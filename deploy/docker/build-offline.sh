@@ -22,6 +22,9 @@ usage: deploy/docker/build-offline.sh [options]
   --base-tag TAG     the Debian base image (default strata-base:SUITE)
   --suite SUITE      the Debian release of the base (default bookworm, whose python3 is 3.11)
   --mirror URL       the Debian mirror debootstrap and apt use (default: debootstrap's own)
+  --security-mirror URL
+                     Debian's security archive apt takes updates from (default
+                     http://security.debian.org/debian-security; "" leaves it out)
   --wheels DIR       a directory of wheels pip may take, which must hold requirements.lock's torch
                      (default: the find-links directory pip is configured with, if any)
   --cert FILE        the CA bundle pip trusts in the build, for a proxy that re-signs TLS
@@ -38,6 +41,7 @@ redis_tag=
 redis_tag_set=0
 base_tag=
 mirror=
+security_mirror=http://security.debian.org/debian-security
 wheels=
 cert=
 cache_dir=${XDG_CACHE_HOME:-$HOME/.cache}/strata-build
@@ -49,6 +53,7 @@ while [ $# -gt 0 ]; do
         --base-tag) base_tag=$2; shift 2 ;;
         --suite) suite=$2; shift 2 ;;
         --mirror) mirror=$2; shift 2 ;;
+        --security-mirror) security_mirror=$2; shift 2 ;;
         --wheels) wheels=$2; shift 2 ;;
         --cert) cert=$2; shift 2 ;;
         --cache-dir) cache_dir=$2; shift 2 ;;
@@ -100,10 +105,14 @@ if [ "$rebuild_base" = 1 ] || ! docker image inspect "$base_tag" >/dev/null 2>&1
         debootstrap --variant=minbase --include=python3,python3-venv,ca-certificates \
             "$suite" "$rootfs" ${mirror:+"$mirror"} >"$rootfs.log" 2>&1 \
             || { tail -n 30 "$rootfs.log" >&2; die "debootstrap failed (log: $rootfs.log)"; }
-        # apt in the image also sees the release's updates; image layers keep no apt lists or
-        # package files, and later installs leave out documentation (copyright files stay)
+        # apt in the image also sees the release's updates and security fixes (the image's build
+        # upgrades to them); image layers keep no apt lists or package files, and later installs
+        # leave out documentation (copyright files stay)
         sed -n 's/^deb \([^ ]*\) \([^ ]*\) \(.*\)$/deb \1 \2-updates \3/p' "$rootfs/etc/apt/sources.list" \
             >"$rootfs/etc/apt/sources.list.d/updates.list"
+        if [ -n "$security_mirror" ]; then
+            echo "deb $security_mirror $suite-security main" >"$rootfs/etc/apt/sources.list.d/security.list"
+        fi
         cat >"$rootfs/etc/apt/apt.conf.d/docker-clean" <<'EOF'
 DPkg::Post-Invoke { "rm -f /var/cache/apt/archives/*.deb /var/cache/apt/*.bin || true"; };
 APT::Install-Recommends "false";
