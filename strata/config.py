@@ -52,6 +52,8 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "context_length": (2, 1 << 24),
     "random_seed": (-INT64_MAX - 1, INT64_MAX),
     "num_threads": (1, 4096),
+    "max_loras": (1, 1024),
+    "max_lora_rank": (1, 1024),
     "swa_full_tokens_ratio": (TINY, 1.0),
     "hicache_ratio": (TINY, 1e6),
     "hicache_size": (TINY, 1 << 20),
@@ -216,6 +218,15 @@ class EngineConfig:
     dist_timeout: float = (
         60.0  # seconds a collective may wait for a rank before the engine fails
     )
+    # LoRA adapters (strata.engine.lora): served per request by name beside the base model
+    enable_lora: bool = False
+    lora_modules: str | None = (
+        None  # NAME=PATH[,NAME=PATH...]: PEFT directories at start
+    )
+    max_loras: int = (
+        8  # adapters kept in memory (the least recently used unused one goes)
+    )
+    max_lora_rank: int = 64  # adapters of a higher rank are refused
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -289,6 +300,15 @@ class EngineConfig:
             raise ValueError(
                 f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {self.speculative_algorithm!r}"
             )
+        if self.lora_modules is not None:
+            parse_lora_modules(self.lora_modules)  # ValueError: what to fix
+        if self.lora_enabled and (
+            self.tp_size > 1 or self.ep_size > 1 or self.disaggregation_mode != "null"
+        ):
+            raise ValueError(
+                "LoRA adapters are served by one engine alone: not with --tp-size / --ep-size > 1 "
+                "or --disaggregation-mode"
+            )
         if (self.speculative_algorithm == "draft") != (
             self.speculative_draft_model is not None
         ):
@@ -305,6 +325,10 @@ class EngineConfig:
             raise ValueError(
                 "the hierarchical cache sits behind the radix cache; drop --disable-radix-cache"
             )
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules)
 
     @property
     def hierarchical_cache(self) -> bool:
@@ -332,6 +356,24 @@ _CHOICES = {
     "swa_pool": SWA_POOLS,
     "speculative_algorithm": SPECULATIVE_ALGORITHMS,
 }
+
+
+def parse_lora_modules(text: str) -> list[tuple[str, str]]:
+    """--lora-modules NAME=PATH[,NAME=PATH...] -> [(name, path)]; ValueError naming the bad part."""
+    pairs: list[tuple[str, str]] = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(
+                f"lora_modules: {item!r} is not NAME=PATH (a PEFT adapter directory)"
+            )
+        pairs.append((name.strip(), path.strip()))
+    names = [n for n, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules names an adapter twice: {names}")
+    return pairs
+
+
 _HELP = {
     "model": "model directory (config.json + *.safetensors + tokenizer) or .gguf file; default: SmolLM2-135M-Instruct",
     "kv_cache_tokens": "KV pool size in tokens (default: from --mem-fraction-static)",
@@ -367,6 +409,12 @@ _HELP = {
     "hicache_storage_max_gib": "file backend: GiB the L3 directory may hold; the least recently used pages "
     "are deleted beyond it (each replica sharing the directory bounds all of it, learning the others' pages "
     "every few minutes; redis: bound the server with its maxmemory)",
+    "enable_lora": "serve LoRA adapters (PEFT) beside the base model; implied by --lora-modules",
+    "lora_modules": "LoRA adapters to serve from the start: NAME=PATH[,NAME=PATH...] (PEFT directories); "
+    "a request picks one by its model name",
+    "max_loras": "LoRA adapters kept in memory at once (the least recently used one no request uses "
+    "leaves first)",
+    "max_lora_rank": "the highest LoRA rank accepted",
     "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, ngram "
     "(prompt lookup over the request's own text and recent requests'), draft (a smaller model, "
     "--speculative-draft-model) or mtp (the checkpoint's multi-token prediction layer, DeepSeek-V3's); "

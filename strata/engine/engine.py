@@ -29,8 +29,9 @@ from strata.cache.kv_plan import plan_kv_pool
 from strata.cache.kv_pool import KVPool
 from strata.cache.radix import NoPrefixCache, PrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
-from strata.config import EngineConfig
+from strata.config import EngineConfig, parse_lora_modules
 from strata.engine.embed import check_embed_request, embed
+from strata.engine.lora import LoRAError, LoRAManager
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.scheduler import Scheduler
@@ -322,6 +323,18 @@ class Engine:
             if cfg.disaggregation_mode != "null"
             else None
         )
+        self.lora: LoRAManager | None = None
+        if cfg.lora_enabled:
+            scheduler = self.scheduler
+            self.lora = LoRAManager(
+                self.model,
+                cfg.max_loras,
+                cfg.max_lora_rank,
+                in_use=lambda: (r.adapter for r in scheduler.reqs.values()),
+            )
+            runner.lora = self.lora
+            for name, path in parse_lora_modules(cfg.lora_modules or ""):
+                self.lora.register(name, path)
         self.state = RuntimeState(
             model_dir=model_dir,
             model_config=model_config,
@@ -575,8 +588,10 @@ class Engine:
         bootstrap_room: int | None = None,
         bootstrap_addr: str | None = None,
         buffer_outputs: bool = True,
+        lora: str | None = None,
     ) -> list[str]:
-        """Queue one prompt; returns the engine request ids (n of them for n > 1).
+        """Queue one prompt; returns the engine request ids (n of them for n > 1). `lora`: the
+        name of a registered LoRA adapter to run it under (None: the base model).
 
         Disaggregated workers also take the router's `bootstrap_room` (both sides) and, on a decode
         worker, `bootstrap_addr` (host:port of the prefill worker's KV inbox). With
@@ -586,12 +601,18 @@ class Engine:
         params = params or SamplingParams()
         rid = rid or f"req-{next(self._ids)}"
         ids = self.encode(prompt)
+        if lora is not None and self.lora is None:
+            raise LoRAError(
+                f"this engine serves no LoRA adapters (asked for {lora!r}); start it with "
+                "--enable-lora or --lora-modules"
+            )
         if self.disagg is not None:  # the PD side admits it (and checks its bootstrap)
             rids = self.disagg.add_request(
                 rid, ids, params, bootstrap_room, bootstrap_addr
             )
         else:
-            rids = self.scheduler.add_request(rid, ids, params)
+            adapter = self.lora.acquire(lora) if lora is not None else 0
+            rids = self.scheduler.add_request(rid, ids, params, adapter=adapter)
         if buffer_outputs:
             for r in rids:
                 self._outputs[r] = []

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,6 +60,7 @@ class ModelRunner:
         self.observers: list[ForwardObserver] = []  # `add_observer`
         # Engram models: token ids before each request's fed tokens its n-grams read (0: none)
         self.ngram_context: int = getattr(model, "ngram_context", 0)
+        self.lora: Any = None  # strata.engine.lora.LoRAManager when adapters are served
 
     def add_observer(self, observer: ForwardObserver) -> None:
         """Tell `observer` where every later forward is (see `ForwardObserver`)."""
@@ -223,13 +225,21 @@ class ModelRunner:
             fb = self.prepare(batch)
         if self.parallel is not None:
             self.parallel.send_step(fb)
-        with self._piece("model"):
-            if fb.ngrams is None:
-                hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
-            else:
-                hidden = self.model(
-                    fb.input_ids, fb.positions, fb.attn, self.kv, ngrams=fb.ngrams
-                )
+        if self.lora is not None:  # each row's adapter, for the LoRA linears
+            self.lora.set_rows(
+                [r.adapter for r in batch.reqs], batch.extend_lens, self.device
+            )
+        try:
+            with self._piece("model"):
+                if fb.ngrams is None:
+                    hidden = self.model(fb.input_ids, fb.positions, fb.attn, self.kv)
+                else:
+                    hidden = self.model(
+                        fb.input_ids, fb.positions, fb.attn, self.kv, ngrams=fb.ngrams
+                    )
+        finally:
+            if self.lora is not None:
+                self.lora.clear_rows()
         self.hidden = hidden if self.keep_hidden else None
         if fb.sampling is None:
             return None

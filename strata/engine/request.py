@@ -25,6 +25,19 @@ from strata.grammar.state import GrammarState
 from strata.sampling_params import SamplingParams
 from strata.tokenizer import IncrementalDetokenizer
 
+KEY_SHIFT = 32  # prefix-cache keys of an adapter's tokens: -(adapter << 32) - token - 1
+
+
+def adapter_cache_key(tokens: list[int], adapter: int) -> list[int]:
+    """The prefix cache's key for tokens run under LoRA adapter `adapter` (its load id; 0: the
+    base model, whose keys are the tokens): negative ints, a space of their own per adapter, so
+    KV computed under one adapter is never matched by another's request."""
+    if not adapter:
+        return tokens
+    base = adapter << KEY_SHIFT
+    return [-(base + t) - 1 for t in tokens]
+
+
 __all__ = ["Req", "ReqStatus", "RequestOutput", "TokenLogprob", "TopLogprob"]
 
 
@@ -95,6 +108,9 @@ class Req:
     spec_drafted: int = 0
     spec_accepted: int = 0
     aborted: bool = False
+    adapter: int = (
+        0  # the LoRA adapter's load id (strata.engine.lora); 0: the base model
+    )
 
     @property
     def seq_len(self) -> int:
@@ -107,6 +123,10 @@ class Req:
         if start >= p:
             return self.output_ids[start - p : end - p]
         return self.prompt_ids[start:] + self.output_ids[: end - p]
+
+    def cache_key(self, end: int) -> list[int]:
+        """Tokens [0, end) as the prefix cache keys them: an adapter's in a space of its own."""
+        return adapter_cache_key(self.seq_slice(0, end), self.adapter)
 
     def pages_short(self, end: int, page_size: int) -> int:
         """Pages `pages` lacks to cover positions [0, end)."""

@@ -171,9 +171,14 @@ class Scheduler(KVAccounting):
         )
 
     def add_request(
-        self, rid: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        rid: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        adapter: int = 0,
     ) -> list[str]:
         """Queue a request (n > 1 becomes n sibling requests). Returns the engine rids created.
+        `adapter`: the LoRA adapter's load id it runs under (0: the base model).
 
         Raises ValueError (nothing queued) if the request is invalid or can never fit.
         """
@@ -190,13 +195,14 @@ class Scheduler(KVAccounting):
                 seed,
                 depends_on=first if self.cache_enabled else None,
             )
+            req.adapter = adapter
             first = first or req
             if params.max_new_tokens == 0:
                 self._finish(req, "length")
                 continue
             self.waiting.append(req)
         if first is not None and not first.finished:
-            self.tiers.on_arrival(first.rid, first.seq_slice(0, first.seq_len - 1))
+            self.tiers.on_arrival(first.rid, first.cache_key(first.seq_len - 1))
         return rids
 
     def validate_request(
@@ -557,7 +563,7 @@ class Scheduler(KVAccounting):
         if len(self.running) >= self.config.max_running_requests:
             return False
         cached = (
-            self.cache.match_prefix(req.seq_slice(0, req.seq_len - 1)).cached_len
+            self.cache.match_prefix(req.cache_key(req.seq_len - 1)).cached_len
             if self.cache_enabled
             else 0
         )
@@ -581,7 +587,7 @@ class Scheduler(KVAccounting):
             and self.cache_enabled
         ):
             lens = {
-                id(r): self.cache.match_prefix(r.seq_slice(0, r.seq_len - 1)).cached_len
+                id(r): self.cache.match_prefix(r.cache_key(r.seq_len - 1)).cached_len
                 for r in self.waiting
             }
             return sorted(
@@ -604,8 +610,8 @@ class Scheduler(KVAccounting):
         window = tokens[cached_len:end]
         return any(
             r.seq_len > end
-            and r.seq_slice(cached_len, end) == window
-            and r.seq_slice(0, cached_len) == tokens[:cached_len]
+            and r.cache_key(end)[cached_len:] == window
+            and r.cache_key(cached_len) == tokens[:cached_len]
             for r in admitted_now
         )
 
@@ -643,7 +649,7 @@ class Scheduler(KVAccounting):
             if not self.tiers.ready(req.rid):
                 continue
             # match at most seq_len - 1 tokens: the last one must be fed to get logits
-            reusable = req.seq_slice(0, req.seq_len - 1)
+            reusable = req.cache_key(req.seq_len - 1)
             match = self.tiers.load_prefix(reusable)
             if self._shares_uncached_prefix(reusable, match.cached_len, admitted_now):
                 continue  # next step it reuses what the other request is computing now
@@ -813,7 +819,7 @@ class Scheduler(KVAccounting):
         and free its own pages that duplicate ones the cache already held. Returns those tokens."""
         ps = self.page_size
         own_from = req.cached_len // ps
-        tokens = req.seq_slice(0, full)
+        tokens = req.cache_key(full)
         present = self.cache.insert(tokens, req.pages[: full // ps])
         self.allocator.free(req.pages[own_from : max(own_from, present // ps)])
         return tokens

@@ -24,6 +24,7 @@ from torch import nn
 from strata import kernels
 from strata.cache.kv_pool import MHAKVPool
 from strata.layers.attention import AttentionMetadata
+from strata.layers.lora import LoRALinear
 from strata.layers.mlp import MLP
 from strata.layers.packed import DenseLinear
 from strata.layers.quant import Q4Linear, Q8Linear, QuantLinear
@@ -42,7 +43,10 @@ def enabled_by_env() -> bool:
 
 
 def _linear_spec(module: nn.Module) -> tuple | None:
-    """(kind, a, b, c, bias, rows) as DecodeLoop.add_layer takes it, or None if the loop cannot run it."""
+    """(kind, a, b, c, bias, rows) as DecodeLoop.add_layer takes it, or None if the loop cannot run it.
+    A LoRA wrapper's base linear (the loop runs steps without adapter rows only)."""
+    if isinstance(module, LoRALinear):
+        module = module.base
     bias = (
         module._buffers.get("bias")
         if isinstance(module, QuantLinear)

@@ -1,0 +1,303 @@
+"""LoRA adapters (PEFT's format) applied per row on top of the base model's linears.
+
+A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modules, ...) and
+`adapter_model.safetensors` with, for each adapted linear, `lora_A.weight` [r, in] and
+`lora_B.weight` [out, r]; the adapted layer computes base(x) + scale * B(A(x)), scale = alpha / r
+(alpha / sqrt(r) with use_rslora). Our decoder fuses q/k/v and gate/up into one matmul each, so
+an adapter's q_proj, k_proj and v_proj land on row ranges of `qkv_proj`'s output.
+
+`LoRALinear` wraps a base linear (float, packed or block-quantized: whatever it is) and adds,
+for each adapter present in the step, its delta on that adapter's rows only: one matmul with the
+adapter's stacked A matrices of the module, then one per part with B (pre-scaled). The rows of a
+step are grouped by adapter once per step (`LoRAState.set_rows`), so a batch mixes requests of
+different adapters and of the base model; rows of the base model pay nothing. With no adapter
+rows in a step the wrapper is the base linear plus one check, and the native decode loop (which
+knows nothing of adapters) still runs base-only decode steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+UNSUPPORTED = {  # PEFT options that change the computation in ways we do not implement
+    "use_dora": "DoRA adapters",
+    "modules_to_save": "adapters that replace whole modules (modules_to_save)",
+    "layer_replication": "layer replication",
+}
+
+
+@dataclass
+class ModuleDelta:
+    """One adapter's delta on one (possibly fused) linear."""
+
+    a: torch.Tensor  # [sum of the parts' ranks, in]
+    parts: list[
+        tuple[int, int, int, int, torch.Tensor]
+    ]  # (out0, out1, r0, r1, B*scale [out, r])
+
+
+@dataclass
+class LoRAWeights:
+    name: str
+    path: str
+    rank: int
+    modules: dict[str, ModuleDelta]  # "layers.3.self_attn.qkv_proj" -> its delta
+    nbytes: int = 0
+
+
+@dataclass
+class LoRAState:
+    """What every LoRALinear of a model reads: the loaded adapters by id and this step's rows."""
+
+    adapters: dict[int, LoRAWeights] = field(default_factory=dict)
+    # this step: (adapter id, row indices) for each adapter with rows; empty: base model only
+    rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+
+    def set_rows(self, adapter_ids: list[int], counts: list[int], device) -> None:
+        """Each request's adapter id (0: none) and its row count, in the step's row order."""
+        groups: dict[int, list[tuple[int, int]]] = {}
+        start = 0
+        for adapter, n in zip(adapter_ids, counts):
+            if adapter:
+                groups.setdefault(adapter, []).append((start, start + n))
+            start += n
+        self.rows = [
+            (
+                adapter,
+                torch.cat([torch.arange(a, b) for a, b in spans]).to(device),
+            )
+            for adapter, spans in groups.items()
+        ]
+
+    def clear_rows(self) -> None:
+        self.rows = []
+
+
+class LoRALinear(nn.Module):
+    """A base linear plus the deltas of the step's adapters on their rows."""
+
+    def __init__(self, base: nn.Module, name: str, state: LoRAState):
+        super().__init__()
+        self.base = base
+        self.name = name
+        self.state = state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.base(x)
+        rows = self.state.rows
+        if not rows:
+            return y
+        for adapter, idx in rows:
+            delta = self.state.adapters[adapter].modules.get(self.name)
+            if delta is None:
+                continue
+            xs = x.index_select(0, idx)
+            xa = xs.to(delta.a.dtype) @ delta.a.t()
+            for o0, o1, r0, r1, b in delta.parts:
+                add = (xa[:, r0:r1] @ b.t()).to(y.dtype)
+                y[idx, o0:o1] += add
+        return y
+
+    def extra_repr(self) -> str:
+        return self.name
+
+
+def fused_layout(model: nn.Module) -> dict[str, tuple[str, int]]:
+    """PEFT's module name (the last part: q_proj) -> ours and the part it is (qkv_proj, 0)."""
+    return dict(getattr(model, "FUSED", {}))
+
+
+def _base(module: nn.Module) -> nn.Module:
+    return module.base if isinstance(module, LoRALinear) else module
+
+
+def _parts(module_name: str, layer: nn.Module) -> list[int]:
+    """The output sizes of a (fused) linear's parts, in order."""
+    attn = layer.self_attn
+    if module_name == "qkv_proj":
+        return [attn.q_size, attn.kv_size, attn.kv_size]
+    if module_name == "o_proj":
+        return [_base(attn.o_proj).out_features]
+    out = _base(getattr(layer.mlp, module_name)).out_features
+    return [out // 2, out // 2] if module_name == "gate_up_proj" else [out]
+
+
+def targets(model: nn.Module) -> dict[str, nn.Module]:
+    """Our linears an adapter may adapt: 'layers.i.self_attn.qkv_proj' -> the module."""
+    from strata.layers.mlp import MLP
+
+    found: dict[str, nn.Module] = {}
+    for i, layer in enumerate(model.layers):
+        attn = getattr(layer, "self_attn", None)
+        if all(hasattr(attn, a) for a in ("qkv_proj", "o_proj", "q_size", "kv_size")):
+            found[f"layers.{i}.self_attn.qkv_proj"] = attn
+            found[f"layers.{i}.self_attn.o_proj"] = attn
+        mlp = getattr(layer, "mlp", None)
+        if type(mlp) is MLP:
+            found[f"layers.{i}.mlp.gate_up_proj"] = mlp
+            found[f"layers.{i}.mlp.down_proj"] = mlp
+    return found
+
+
+def attach(model: nn.Module, state: LoRAState) -> int:
+    """Wrap every linear an adapter may adapt; returns how many. ValueError when none can be."""
+    owners = targets(model)
+    if not owners:
+        raise ValueError(
+            f"LoRA adapters need a decoder with standard attention or dense MLP layers; "
+            f"{type(model).__name__} has none"
+        )
+    for name, owner in owners.items():
+        attr = name.rsplit(".", 1)[1]
+        base = getattr(owner, attr)
+        if not isinstance(base, LoRALinear):
+            setattr(owner, attr, LoRALinear(base, name, state))
+    model.lora = state
+    return len(owners)
+
+
+def _read_config(path: Path) -> dict:
+    try:
+        config = json.loads((path / "adapter_config.json").read_text())
+    except FileNotFoundError:
+        raise ValueError(
+            f"{path} has no adapter_config.json; a LoRA adapter is a PEFT directory"
+        ) from None
+    except ValueError as exc:
+        raise ValueError(f"{path}/adapter_config.json is not JSON: {exc}") from None
+    peft_type = config.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise ValueError(f"{path}: peft_type {peft_type!r} is not LoRA")
+    for key, what in UNSUPPORTED.items():
+        if config.get(key):
+            raise ValueError(f"{path}: {what} are not supported")
+    if config.get("bias", "none") != "none":
+        raise ValueError(
+            f"{path}: bias {config['bias']!r} is not supported (only 'none')"
+        )
+    if config.get("fan_in_fan_out"):
+        raise ValueError(
+            f"{path}: fan_in_fan_out adapters (Conv1D bases) are not supported"
+        )
+    return config
+
+
+def load_adapter(
+    name: str, path: str | Path, model: nn.Module, max_rank: int
+) -> LoRAWeights:
+    """Read a PEFT LoRA directory for `model`: every tensor checked against the model's shapes."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    config = _read_config(path)
+    weights_file = path / "adapter_model.safetensors"
+    if not weights_file.exists():
+        raise ValueError(
+            f"{path} has no adapter_model.safetensors (.bin adapters are not read; save with "
+            f"safe_serialization=True)"
+        )
+    tensors = load_file(str(weights_file))
+    owners = targets(model)
+    fused = fused_layout(model)
+    dtype = next(
+        (p.dtype for p in model.parameters() if p.dtype.is_floating_point),
+        torch.float32,
+    )
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        dtype = torch.float32
+    alpha = float(config.get("lora_alpha", 8))
+    rank_pattern = config.get("rank_pattern") or {}
+    alpha_pattern = config.get("alpha_pattern") or {}
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        for which in ("lora_A", "lora_B"):
+            marker = f".{which}."
+            if marker in key:
+                module = key.split(marker)[0]
+                pairs.setdefault(module, {})[which] = tensor
+                break
+        else:
+            raise ValueError(
+                f"{path}: tensor {key!r} is neither lora_A nor lora_B "
+                "(adapters that train other weights are not supported)"
+            )
+    pieces: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
+    max_seen = 0
+    for module, ab in pairs.items():
+        if set(ab) != {"lora_A", "lora_B"}:
+            raise ValueError(
+                f"{path}: {module} has {sorted(ab)} but needs lora_A and lora_B"
+            )
+        # base_model.model.model.layers.3.self_attn.q_proj -> layers.3.self_attn, q_proj
+        tail = module.split("layers.", 1)
+        if len(tail) != 2:
+            raise ValueError(f"{path}: {module} is not inside a decoder layer")
+        parent, _, leaf = ("layers." + tail[1]).rpartition(".")
+        ours, part = fused.get(leaf, (leaf, 0))
+        target = f"{parent}.{ours}"
+        if target not in owners:
+            raise ValueError(
+                f"{path}: {module} adapts {target}, which this model does not have as a plain "
+                "linear (adapters of attention q/k/v/o and dense MLP gate/up/down are supported)"
+            )
+        a, b = ab["lora_A"], ab["lora_B"]
+        r = a.shape[0]
+        if r > max_rank:
+            raise ValueError(
+                f"{path}: {module} has rank {r}, above --max-lora-rank {max_rank}"
+            )
+        max_seen = max(max_seen, r)
+        layer = model.layers[int(parent.split(".")[1])]
+        sizes = _parts(ours, layer)
+        base = _base(getattr(owners[target], ours))
+        if a.shape != (r, base.in_features) or b.shape != (sizes[part], r):
+            raise ValueError(
+                f"{path}: {module} has A {tuple(a.shape)} and B {tuple(b.shape)}, but this model "
+                f"needs A ({r}, {base.in_features}) and B ({sizes[part]}, {r})"
+            )
+        leaf_alpha = float(_pattern(alpha_pattern, module, alpha))
+        _pattern(rank_pattern, module, r)  # the rank is the tensors' own
+        scale = leaf_alpha / (math.sqrt(r) if config.get("use_rslora") else r)
+        pieces.setdefault(target, []).append((part, a, b, scale))
+    if not pieces:
+        raise ValueError(f"{path}: the adapter holds no LoRA weights")
+    modules: dict[str, ModuleDelta] = {}
+    nbytes = 0
+    for target, items in pieces.items():
+        items.sort(key=lambda item: item[0])
+        layer = model.layers[int(target.split(".")[1])]
+        sizes = _parts(target.rsplit(".", 1)[1], layer)
+        offsets = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+        a_cat = torch.cat([a for _, a, _, _ in items]).to(dtype).contiguous()
+        parts, r0 = [], 0
+        for part, a, b, scale in items:
+            r1 = r0 + a.shape[0]
+            parts.append(
+                (
+                    offsets[part],
+                    offsets[part + 1],
+                    r0,
+                    r1,
+                    (b.float() * scale).to(dtype).contiguous(),
+                )
+            )
+            r0 = r1
+        modules[target] = ModuleDelta(a_cat, parts)
+        nbytes += a_cat.nbytes + sum(p[4].nbytes for p in parts)
+    return LoRAWeights(name, str(path), max_seen, modules, nbytes)
+
+
+def _pattern(pattern: dict, module: str, default):
+    """PEFT's rank_pattern / alpha_pattern: the value of the first key (a regex) that matches the
+    end of the module's name."""
+    for key, value in pattern.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return value
+    return default

@@ -1,0 +1,197 @@
+"""LoRA adapters against the oracle: PEFT applied to the transformers model. One batch mixes
+requests of three adapters and of the base model; greedy tokens equal PEFT's for each. The prefix
+cache is keyed by adapter, adapters leave memory least recently used first and come back, and bad
+adapters are refused saying why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from peft import LoraConfig, PeftModel, get_peft_model
+from test_parity import PROMPTS, hf_greedy, hf_model
+
+from strata import Engine, SamplingParams
+from strata.engine.lora import LoRAError
+
+GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
+ADAPTERS = {  # name -> (rank, alpha, target modules, rslora)
+    "attn": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
+    "mlp": (8, 16, ["gate_proj", "up_proj", "down_proj"], False),
+    "all": (2, 4, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], True),
+}
+
+
+def make_adapter(model_dir: Path, out: Path, name: str, seed: int) -> Path:
+    rank, alpha, modules, rslora = ADAPTERS[name]
+    torch.manual_seed(seed)
+    base = hf_model(model_dir)
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        target_modules=modules,
+        init_lora_weights=False,  # random A and B: a zero B would change nothing
+        use_rslora=rslora,
+        lora_dropout=0.0,
+    )
+    peft_model = get_peft_model(base, config)
+    with torch.no_grad():  # large enough to change greedy tokens of a random tiny model
+        for pname, p in peft_model.named_parameters():
+            if "lora_B" in pname:
+                p.mul_(20.0)
+    peft_model.save_pretrained(out / name)
+    return out / name
+
+
+@pytest.fixture(scope="module")
+def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("lora")
+    return {
+        name: make_adapter(llama_dir, out, name, seed)
+        for seed, name in enumerate(ADAPTERS)
+    }
+
+
+@pytest.fixture(scope="module")
+def expected(llama_dir, adapters) -> dict[str | None, list[list[int]]]:
+    result = {None: [hf_greedy(hf_model(llama_dir), p, 12) for p in PROMPTS]}
+    for name, path in adapters.items():
+        model = PeftModel.from_pretrained(hf_model(llama_dir), str(path)).eval()
+        result[name] = [hf_greedy(model, p, 12) for p in PROMPTS]
+    assert result["attn"] != result[None] and result["mlp"] != result[None]
+    return result
+
+
+def modules(adapters: dict[str, Path]) -> str:
+    return ",".join(f"{name}={path}" for name, path in adapters.items())
+
+
+def run(engine: Engine, jobs: list[tuple[list[int], str | None]]) -> list[list[int]]:
+    groups = [engine.add_request(p, GREEDY, lora=lora) for p, lora in jobs]
+    pending = {r for g in groups for r in g}
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.rid)
+    return [engine._collect(g).token_ids for g in groups]
+
+
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_a_mixed_batch_of_three_adapters_and_the_base_matches_peft(
+    llama_dir, adapters, expected, page_size
+):
+    engine = Engine(
+        str(llama_dir),
+        dtype="float32",
+        kv_cache_tokens=2048,
+        page_size=page_size,
+        lora_modules=modules(adapters),
+    )
+    names = [None, *ADAPTERS]
+    jobs = [(p, names[(i + j) % 4]) for i, p in enumerate(PROMPTS) for j in range(4)]
+    got = run(engine, jobs)
+    for (prompt, lora), tokens in zip(jobs, got):
+        assert tokens == expected[lora][PROMPTS.index(prompt)], lora
+    engine.scheduler.check_no_leaks()
+
+
+def test_the_prefix_cache_is_keyed_by_adapter(llama_dir, adapters, expected):
+    engine = Engine(
+        str(llama_dir),
+        dtype="float32",
+        kv_cache_tokens=2048,
+        lora_modules=modules(adapters),
+    )
+    prompt = PROMPTS[2]
+    base = _one(engine, prompt, None)
+    a1 = _one(engine, prompt, "attn")
+    a2 = _one(engine, prompt, "attn")
+    m1 = _one(engine, prompt, "mlp")
+    assert base.token_ids == expected[None][2]
+    assert a1.cached_tokens == 0  # the base model's KV of the same prompt is not reused
+    assert a2.cached_tokens > 0  # the adapter's own is
+    assert m1.cached_tokens == 0
+    assert a1.token_ids == a2.token_ids == expected["attn"][2]
+    assert m1.token_ids == expected["mlp"][2]
+    engine.scheduler.check_no_leaks()
+
+
+def _one(engine: Engine, prompt: list[int], lora: str | None):
+    rids = engine.add_request(prompt, GREEDY, lora=lora)
+    pending = set(rids)
+    while pending:
+        for out in engine.step():
+            if out.finished:
+                pending.discard(out.rid)
+    return engine._collect(rids)
+
+
+def test_adapters_leave_memory_least_recently_used_first_and_come_back(
+    llama_dir, adapters, expected
+):
+    engine = Engine(
+        str(llama_dir),
+        dtype="float32",
+        kv_cache_tokens=2048,
+        lora_modules=modules(adapters),
+        max_loras=2,
+    )
+    assert (
+        len(engine.lora.loaded) == 2 and engine.lora.registered["attn"].adapter_id == 0
+    )
+    for name in ["attn", "mlp", "all", "attn"]:
+        assert _one(engine, PROMPTS[0], name).token_ids == expected[name][0]
+        assert len(engine.lora.loaded) <= 2
+    assert engine.lora.registered["mlp"].adapter_id == 0  # the least recently used left
+    # registered later, unregistered when idle; unknown names are 404s
+    engine.lora.unregister("all")
+    with pytest.raises(LoRAError) as err:
+        engine.add_request(PROMPTS[0], GREEDY, lora="all")
+    assert err.value.status == 404 and "all" in str(err.value)
+    engine.lora.register("again", str(adapters["all"]))
+    assert _one(engine, PROMPTS[1], "again").token_ids == expected["all"][1]
+
+
+def test_bad_adapters_are_refused_saying_why(llama_dir, adapters, tmp_path):
+    engine = Engine(
+        str(llama_dir), dtype="float32", kv_cache_tokens=1024, enable_lora=True
+    )
+    with pytest.raises(ValueError, match=r"adapter_config\.json"):
+        engine.lora.register("x", str(tmp_path))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        Engine(
+            str(llama_dir),
+            dtype="float32",
+            kv_cache_tokens=1024,
+            lora_modules=f"big={adapters['mlp']}",
+            max_lora_rank=4,
+        )
+    wrong = tmp_path / "wrong"
+    wrong.mkdir()
+    (wrong / "adapter_config.json").write_text(
+        (adapters["attn"] / "adapter_config.json").read_text()
+    )
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(adapters["attn"] / "adapter_model.safetensors")
+    key = next(k for k in tensors if "q_proj.lora_B" in k)
+    tensors[key] = torch.zeros(3, tensors[key].shape[1])
+    save_file(tensors, wrong / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="needs A"):
+        engine.lora.register("wrong", str(wrong))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    config = json.loads((adapters["attn"] / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    with pytest.raises(ValueError, match="DoRA"):
+        engine.lora.register("dora", str(dora))
+    engine.lora.register("attn", str(adapters["attn"]))
+    with pytest.raises(LoRAError, match="registered already"):
+        engine.lora.register("attn", str(adapters["attn"]))
+    plain = Engine(str(llama_dir), dtype="float32", kv_cache_tokens=1024)
+    with pytest.raises(LoRAError, match="no LoRA adapters"):
+        plain.add_request(PROMPTS[0], GREEDY, lora="attn")
+    with pytest.raises(ValueError, match="NAME=PATH"):
+        Engine(str(llama_dir), dtype="float32", lora_modules="nopath")
