@@ -31,6 +31,7 @@ from strata.server import (
     batch_api,
     chat_api,
     embeddings_api,
+    lora_api,
     native_api,
     openai_api,
     responses_api,
@@ -221,6 +222,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(responses_api.router)
     app.include_router(native_api.router)
     app.include_router(batch_api.router)
+    app.include_router(lora_api.router)
     add_page_routes(app)  # GET /: the playground and dashboard (strata/web)
 
     @app.get("/health")

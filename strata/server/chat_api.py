@@ -248,7 +248,7 @@ async def chat_completions(request: Request) -> Response:
     req: ChatCompletionRequest = await off_loop(
         len(body), decode_body, body, ChatCompletionRequest
     )
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.top_logprobs is not None and not req.logprobs:
         raise APIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
     info = state.engine_info()
@@ -285,14 +285,16 @@ async def chat_completions(request: Request) -> Response:
     )
     params = make_sampling_params(fields, info.vocab_size, names)
     bootstrap = verified_bootstrap(state, request, body, req)
-    gen = await start_generation(state, [Job(input_ids, params, *bootstrap)])
+    gen = await start_generation(state, [Job(input_ids, params, *bootstrap, lora=lora)])
     rid, created = new_id("chatcmpl"), int(time.time())
     if req.stream:
         include_usage = (
             req.stream_options is not None and req.stream_options.include_usage
         )
         return GenerationStream(
-            chat_stream(state, gen, rid, created, req.logprobs, include_usage, plan),
+            chat_stream(
+                state, gen, rid, created, req.logprobs, include_usage, plan, lora
+            ),
             gen,
         )
     results = await collect(request, gen)
@@ -311,7 +313,7 @@ async def chat_completions(request: Request) -> Response:
         )
     return json_response(
         ChatCompletionResponse(
-            rid, created, state.model_name, choices, usage(results, req.n)
+            rid, created, lora or state.model_name, choices, usage(results, req.n)
         )
     )
 
@@ -356,8 +358,9 @@ async def chat_stream(
     logprobs: bool,
     include_usage: bool,
     plan: ChatPlan,
+    lora: str | None = None,
 ) -> AsyncIterator[bytes]:
-    model = state.model_name
+    model = lora or state.model_name  # the name the request asked for
     splitters = [plan.splitter() for _ in range(gen.num_choices)]
     for i in range(gen.num_choices):
         yield sse(

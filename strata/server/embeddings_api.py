@@ -103,7 +103,12 @@ async def embeddings(request: Request) -> Response:
     req: EmbeddingRequest = await off_loop(
         len(body), decode_body, body, EmbeddingRequest
     )
-    state.check_model(req.model)
+    if state.check_model(req.model) is not None:
+        raise APIError(
+            400,
+            f"embeddings are of the base model; {req.model!r} is a LoRA adapter",
+            param="model",
+        )
     info = state.engine_info()
     if req.dimensions is not None and not 1 <= req.dimensions <= info.hidden_size:
         raise APIError(

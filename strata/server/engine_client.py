@@ -38,12 +38,18 @@ PROBE_AFTER_S = (
 CONTROL_TIMEOUT_S = 30.0  # a control message's answer (flush, stats)
 # one EmbedReq's answer: a forward of up to EMBED_BATCH_TOKENS tokens, or of one long input
 EMBED_TIMEOUT_S = 600.0
+LORA_TIMEOUT_S = 300.0  # reading an adapter (a large one from slow storage)
 
 logger = logging.getLogger(__name__)
 
 
 class RequestRejected(Exception):
-    """The engine refused a job (invalid parameters, too long, cannot fit): a 400 for the client."""
+    """The engine refused a job (invalid parameters, too long, cannot fit): a 400 for the client,
+    or `status` (a LoRA adapter unknown: 404, all busy: 503)."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
 
 
 class EngineUnavailable(Exception):
@@ -56,6 +62,7 @@ class Job:
     params: SamplingParams
     bootstrap_room: int | None = None  # PD disaggregation (see io.GenerateReq)
     bootstrap_addr: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 @dataclass
@@ -256,6 +263,7 @@ class EngineClient:
                         job.params,
                         job.bootstrap_room,
                         job.bootstrap_addr,
+                        job.lora,
                     )
                 )
                 for rid, job in zip(rids, jobs)
@@ -273,14 +281,19 @@ class EngineClient:
             gen.pending_adds += 1
             await self.push.send(message)
         errors = []
+        status = 400
         for pending in pendings:
             result = await pending.future
             if result.error is not None:
                 errors.append(result.error)
+                status = result.status or status
         if errors:
             gen.close()
             raise RequestRejected(
-                errors[0] if len(set(errors)) == 1 else "; ".join(dict.fromkeys(errors))
+                errors[0]
+                if len(set(errors)) == 1
+                else "; ".join(dict.fromkeys(errors)),
+                status,
             )
 
     def abort(self, rids: list[str]) -> None:
@@ -291,6 +304,14 @@ class EngineClient:
 
     async def flush_cache(self) -> io.FlushCacheResult:
         return await self._control(io.FlushCacheReq)
+
+    async def lora(self, name: str, path: str | None) -> io.LoRAResult:
+        """Register (path given) or unregister a LoRA adapter in the engine."""
+        result = await self._control(
+            io.LoRAReq, timeout=LORA_TIMEOUT_S, name=name, path=path
+        )
+        assert isinstance(result, io.LoRAResult)
+        return result
 
     async def fetch_stats(self, expert_load: bool = False) -> io.EngineStats:
         """The engine's full stats, now; `expert_load`: with a MoE model's per-expert counts."""
@@ -317,7 +338,7 @@ class EngineClient:
 
     async def _control(
         self, kind, timeout: float = CONTROL_TIMEOUT_S, **fields
-    ) -> io.FlushCacheResult | io.StatsResult | io.EmbedResult:
+    ) -> io.FlushCacheResult | io.StatsResult | io.EmbedResult | io.LoRAResult:
         self.check_available()
         req_id = next(self._control_ids)
         fut = asyncio.get_running_loop().create_future()
@@ -356,7 +377,10 @@ class EngineClient:
                 self.metrics.on_stats(message.stats)
         elif isinstance(message, io.AddResult):
             self._on_add_result(message)
-        elif isinstance(message, (io.FlushCacheResult, io.StatsResult, io.EmbedResult)):
+        elif isinstance(
+            message,
+            (io.FlushCacheResult, io.StatsResult, io.EmbedResult, io.LoRAResult),
+        ):
             if isinstance(message, io.StatsResult):
                 self.stats = message.stats
                 if self.metrics is not None:

@@ -141,6 +141,8 @@ class EngineLoop:
             self.send(self.flush_cache(message.req_id))
         elif isinstance(message, io.EmbedReq):
             self.send(self.embed(message))
+        elif isinstance(message, io.LoRAReq):
+            self.send(self.lora(message))
         elif isinstance(message, io.ShutdownReq):
             self.stopping = True
 
@@ -153,9 +155,11 @@ class EngineLoop:
                 bootstrap_room=req.bootstrap_room,
                 bootstrap_addr=req.bootstrap_addr,
                 buffer_outputs=False,  # the server streams outputs as they come
+                lora=req.lora,
             )
-        except ValueError as exc:
-            self.send(io.AddResult(req.rid, [], str(exc)))
+        except ValueError as exc:  # a LoRAError carries its own status (404, 503)
+            status = getattr(exc, "status", None)
+            self.send(io.AddResult(req.rid, [], str(exc), status=status))
             return
         except (
             Exception
@@ -169,6 +173,31 @@ class EngineLoop:
             return
         self.live.update(rids)
         self.send(io.AddResult(req.rid, rids))
+
+    def lora(self, req: io.LoRAReq) -> io.LoRAResult:
+        """Register (with a path) or unregister an adapter, between two steps."""
+        manager = self.engine.lora
+        if manager is None:
+            return io.LoRAResult(
+                req.req_id,
+                False,
+                "this server serves no LoRA adapters; start it with --enable-lora",
+                400,
+            )
+        try:
+            if req.path is not None:
+                entry = manager.register(req.name, req.path)
+                message = f"LoRA adapter {req.name!r} loaded (rank {entry.rank})"
+            else:
+                manager.unregister(req.name)
+                message = f"LoRA adapter {req.name!r} unloaded"
+        except (
+            ValueError,
+            OSError,
+        ) as exc:  # LoRAError (its status), or the adapter's files
+            status = getattr(exc, "status", 400)
+            return io.LoRAResult(req.req_id, False, str(exc), status, manager.names())
+        return io.LoRAResult(req.req_id, True, message, 200, manager.names())
 
     def flush_cache(self, req_id: int) -> io.FlushCacheResult:
         load = self.engine.stats()
@@ -303,6 +332,8 @@ def engine_info(engine) -> io.EngineInfo:
         if st.model_config.moe is not None
         else 0,
         hidden_size=st.model_config.hidden_size,
+        lora_enabled=engine.lora is not None,
+        lora_adapters=engine.lora.names() if engine.lora is not None else [],
     )
 
 

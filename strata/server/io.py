@@ -3,9 +3,10 @@
 Two ZMQ PUSH/PULL pipes, both bound by the frontend (the engine connects):
 
     frontend ──ToEngine──▶ engine      GenerateReq | AbortReq | FlushCacheReq | StatsReq | EmbedReq
-                                       | ShutdownReq
+                                       | LoRAReq | ShutdownReq
     frontend ◀─FromEngine── engine     EngineReady | EngineFailed | AddResult | OutputBatch
-                                       | FlushCacheResult | StatsResult | EmbedResult | Heartbeat
+                                       | FlushCacheResult | StatsResult | EmbedResult | LoRAResult
+                                       | Heartbeat
 
 Every message is a tagged msgspec Struct encoded as msgpack; decoding checks the types, nothing is
 pickled. Order on one pipe is preserved, so a request's AddResult always arrives before its outputs.
@@ -35,6 +36,7 @@ class GenerateReq(msgspec.Struct, tag=True):
     bootstrap_addr: str | None = (
         None  # PD disaggregation, decode worker: the prefill worker's KV inbox
     )
+    lora: str | None = None  # the LoRA adapter it runs under (None: the base model)
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -62,11 +64,21 @@ class EmbedReq(msgspec.Struct, tag=True):
     dimensions: int | None = None  # keep the first N values (then normalise)
 
 
+class LoRAReq(msgspec.Struct, tag=True):
+    """Register (`path` given) or unregister a LoRA adapter; answered with a LoRAResult."""
+
+    req_id: int
+    name: str
+    path: str | None = None
+
+
 class ShutdownReq(msgspec.Struct, tag=True):
     pass
 
 
-ToEngine = GenerateReq | AbortReq | FlushCacheReq | StatsReq | EmbedReq | ShutdownReq
+ToEngine = (
+    GenerateReq | AbortReq | FlushCacheReq | StatsReq | EmbedReq | LoRAReq | ShutdownReq
+)
 
 # ------------------------------------------------------------------ engine -> frontend
 
@@ -150,6 +162,12 @@ class EngineInfo(msgspec.Struct):
         0  # routed experts of each mixture-of-experts layer; 0: not a MoE model
     )
     hidden_size: int = 0  # the length of an embedding (before `dimensions`)
+    lora_enabled: bool = (
+        False  # LoRA adapters can be served (--enable-lora / --lora-modules)
+    )
+    lora_adapters: list[str] = msgspec.field(
+        default_factory=list
+    )  # registered at start
 
 
 class EngineReady(msgspec.Struct, tag=True):
@@ -164,6 +182,17 @@ class AddResult(msgspec.Struct, tag=True):
     rid: str  # the GenerateReq's rid
     rids: list[str]  # engine request ids created (n of them), empty if rejected
     error: str | None = None  # the validation error a user should see (HTTP 400)
+    status: int | None = (
+        None  # the HTTP status of `error` when not 400 (a LoRA adapter's 404, 503)
+    )
+
+
+class LoRAResult(msgspec.Struct, tag=True):
+    req_id: int
+    ok: bool
+    message: str
+    status: int = 200  # the HTTP status the frontend answers with
+    adapters: list[str] = msgspec.field(default_factory=list)  # registered now
 
 
 class OutputBatch(msgspec.Struct, tag=True):
@@ -207,6 +236,7 @@ FromEngine = (
     | FlushCacheResult
     | StatsResult
     | EmbedResult
+    | LoRAResult
 )
 
 # ------------------------------------------------------------------ codec

@@ -71,7 +71,17 @@ async def list_models(request: Request) -> Response:
         max_model_len=context,
         root=state.model_dir,
     )
-    return json_response(ModelList([card]))
+    adapters = [
+        ModelCard(
+            id=name,
+            created=int(state.started_at),
+            max_model_len=context,
+            root=name,
+            parent=state.model_name,
+        )
+        for name in sorted(state.adapters)
+    ]
+    return json_response(ModelList([card, *adapters]))
 
 
 # ------------------------------------------------------------------ shared conversion
@@ -184,7 +194,7 @@ async def completions(request: Request) -> Response:
     req: CompletionRequest = await off_loop(
         len(body), decode_body, body, CompletionRequest
     )
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     if req.echo:
         raise APIError(400, "echo is not supported by this server", param="echo")
     if req.suffix:
@@ -218,6 +228,7 @@ async def completions(request: Request) -> Response:
                     names,
                 ),
                 *bootstrap,
+                lora=lora,
             )
         )
     check_choices(len(prompts), req.n)
@@ -230,7 +241,7 @@ async def completions(request: Request) -> Response:
         )
         return GenerationStream(
             completion_stream(
-                state, gen, rid, created, req.n, want_logprobs, include_usage
+                state, gen, rid, created, req.n, want_logprobs, include_usage, lora
             ),
             gen,
         )
@@ -249,7 +260,7 @@ async def completions(request: Request) -> Response:
     ]
     return json_response(
         CompletionResponse(
-            rid, created, state.model_name, choices, usage(results, req.n)
+            rid, created, lora or state.model_name, choices, usage(results, req.n)
         )
     )
 
@@ -262,8 +273,9 @@ async def completion_stream(
     n: int,
     logprobs: bool,
     include_usage: bool,
+    lora: str | None = None,
 ) -> AsyncIterator[bytes]:
-    model = state.model_name
+    model = lora or state.model_name  # the name the request asked for
     builders = [CompletionLogprobBuilder(state) for _ in range(gen.num_choices)]
     prompt_tokens = [0] * gen.num_choices
     cached_tokens = [0] * gen.num_choices

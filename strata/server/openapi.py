@@ -17,6 +17,8 @@ from strata.server.protocol import (
     EmbeddingRequest,
     ErrorResponse,
     GenerateRequest,
+    LoadLoRARequest,
+    UnloadLoRARequest,
 )
 from strata.server.responses_protocol import ResponsesRequest
 
@@ -51,6 +53,14 @@ SERVER_POSTS: dict[str, tuple[type, str]] = {
             "OpenAI Responses API: input items through the chat path (streamed as typed events "
             "with stream: true); stored for previous_response_id unless store: false"
         ),
+    ),
+    "/v1/load_lora_adapter": (
+        LoadLoRARequest,
+        "register a LoRA adapter (a PEFT directory the server reads) under a model name",
+    ),
+    "/v1/unload_lora_adapter": (
+        UnloadLoRARequest,
+        "unregister a LoRA adapter (409 while requests run under it)",
     ),
     "/v1/batches": (
         CreateBatchRequest,

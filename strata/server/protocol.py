@@ -432,6 +432,21 @@ class ModelCard(msgspec.Struct):
     root: str
     object: str = "model"
     owned_by: str = "strata"
+    parent: str | None = None  # a LoRA adapter's base model
+
+
+class LoadLoRARequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/load_lora_adapter."""
+
+    lora_name: str
+    lora_path: str  # a PEFT adapter directory the server can read
+
+
+class UnloadLoRARequest(msgspec.Struct, kw_only=True):
+    """vLLM's POST /v1/unload_lora_adapter."""
+
+    lora_name: str
+    lora_int_id: int | None = None  # accepted for vLLM's clients; the name decides
 
 
 class ModelList(msgspec.Struct):

@@ -202,7 +202,7 @@ async def create_response(request: Request) -> Response:
     req: ResponsesRequest = await off_loop(
         len(body), decode_body, body, ResponsesRequest
     )
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     check_supported(req)
     previous = None
     if req.previous_response_id is not None:
@@ -252,7 +252,7 @@ async def create_response(request: Request) -> Response:
     )
     params = make_sampling_params(fields, info.vocab_size, PARAM_NAMES)
     run = ResponseRun(state, base_response(state, req), items, previous, plan, logprobs)
-    gen = await start_generation(state, [Job(input_ids, params)])
+    gen = await start_generation(state, [Job(input_ids, params, lora=lora)])
     if req.stream:
         return GenerationStream(response_events(run, gen), gen)
     (result,) = await collect(request, gen)

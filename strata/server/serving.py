@@ -81,6 +81,9 @@ class ServerState:
     grammars: Any = None  # strata.grammar.compiler.GrammarCompiler, built by the first structured request
     responses: ResponseStore = field(init=False)  # stored /v1/responses
     batches: Any = None  # strata.server.batch_api.BatchRunner, made by create_app
+    _adapters: set[str] | None = (
+        None  # LoRA adapters the engine serves (None: as it started)
+    )
 
     def __post_init__(self) -> None:
         self.responses = ResponseStore(self.config.responses_store_size)
@@ -107,14 +110,32 @@ class ServerState:
         assert self.client.info is not None
         return self.client.info
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model not in self.model_aliases:
-            raise APIError(
-                404,
-                f"the model {model!r} is not served here; this server serves {self.model_name!r} (see GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+    @property
+    def adapters(self) -> set[str]:
+        """The LoRA adapters served now: those the engine started with, then as loaded/unloaded."""
+        if self._adapters is None:
+            info = self.client.info
+            if info is None:
+                return set()
+            self._adapters = set(info.lora_adapters)
+        return self._adapters
+
+    def set_adapters(self, names: list[str]) -> None:
+        self._adapters = set(names)
+
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for neither."""
+        if model is None or model in self.model_aliases:
+            return None
+        if model in self.adapters:
+            return model
+        served = [self.model_name, *sorted(self.adapters)]
+        raise APIError(
+            404,
+            f"the model {model!r} is not served here; this server serves {served} (see GET /v1/models)",
+            param="model",
+            code="model_not_found",
+        )
 
     def encode(self, text: str, param: str = "prompt") -> list[int]:
         if self.tokenizer is None:
@@ -211,7 +232,7 @@ async def start_generation(state: ServerState, jobs: list[Job]) -> Generation:
         await client.submit(gen, jobs)
     except RequestRejected as exc:
         gen.close()
-        raise APIError(400, str(exc)) from None
+        raise APIError(exc.status, str(exc)) from None
     except EngineUnavailable as exc:
         gen.close()
         raise APIError(

@@ -10,39 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig, PeftModel, get_peft_model
-from test_parity import PROMPTS, hf_greedy, hf_model
+from lora_adapters import ADAPTERS, make_adapter, peft_greedy
+from test_parity import PROMPTS
 
 from strata import Engine, SamplingParams
 from strata.engine.lora import LoRAError
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
-ADAPTERS = {  # name -> (rank, alpha, target modules, rslora)
-    "attn": (4, 8, ["q_proj", "k_proj", "v_proj", "o_proj"], False),
-    "mlp": (8, 16, ["gate_proj", "up_proj", "down_proj"], False),
-    "all": (2, 4, ["q_proj", "v_proj", "o_proj", "up_proj", "down_proj"], True),
-}
-
-
-def make_adapter(model_dir: Path, out: Path, name: str, seed: int) -> Path:
-    rank, alpha, modules, rslora = ADAPTERS[name]
-    torch.manual_seed(seed)
-    base = hf_model(model_dir)
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        target_modules=modules,
-        init_lora_weights=False,  # random A and B: a zero B would change nothing
-        use_rslora=rslora,
-        lora_dropout=0.0,
-    )
-    peft_model = get_peft_model(base, config)
-    with torch.no_grad():  # large enough to change greedy tokens of a random tiny model
-        for pname, p in peft_model.named_parameters():
-            if "lora_B" in pname:
-                p.mul_(20.0)
-    peft_model.save_pretrained(out / name)
-    return out / name
 
 
 @pytest.fixture(scope="module")
@@ -56,10 +30,9 @@ def adapters(llama_dir, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def expected(llama_dir, adapters) -> dict[str | None, list[list[int]]]:
-    result = {None: [hf_greedy(hf_model(llama_dir), p, 12) for p in PROMPTS]}
+    result = {None: peft_greedy(llama_dir, None, PROMPTS, 12)}
     for name, path in adapters.items():
-        model = PeftModel.from_pretrained(hf_model(llama_dir), str(path)).eval()
-        result[name] = [hf_greedy(model, p, 12) for p in PROMPTS]
+        result[name] = peft_greedy(llama_dir, path, PROMPTS, 12)
     assert result["attn"] != result[None] and result["mlp"] != result[None]
     return result
 
