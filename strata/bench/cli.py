@@ -213,6 +213,23 @@ def add_bench_args(subparsers) -> None:
     )
     batch.set_defaults(func=cmd_batch)
 
+    lora = sub.add_parser(
+        "lora",
+        help="decode step time with LoRA adapters in the batch vs the base model",
+    )
+    g = lora.add_argument_group("lora")
+    g.add_argument("--model", default=None, help="default: the default model")
+    g.add_argument("--dtype", default="auto")
+    g.add_argument("--batch-size", type=int, default=32)
+    g.add_argument("--num-adapters", type=int, default=8)
+    g.add_argument("--rank", type=int, default=16)
+    g.add_argument("--input-len", type=int, default=64)
+    g.add_argument("--steps", type=int, default=16, help="timed decode steps per mix")
+    g.add_argument("--warmup", type=int, default=3)
+    g.add_argument("--rounds", type=int, default=3)
+    _add_output_args(lora)
+    lora.set_defaults(func=cmd_lora)
+
     one = sub.add_parser(
         "one-batch", help="fixed batch x input x output on the offline engine"
     )
@@ -557,6 +574,28 @@ def cmd_kv_layout(args: argparse.Namespace) -> int:
     print(format_text(rows))
     if args.output_json:
         report.write_json(args.output_json, "kv-layout", rows)
+    return 0
+
+
+def cmd_lora(args: argparse.Namespace) -> int:
+    from strata.bench import report
+    from strata.bench.lora import LoRABenchConfig, run, text
+
+    cfg = LoRABenchConfig(
+        model=args.model,
+        batch_size=args.batch_size,
+        num_adapters=args.num_adapters,
+        rank=args.rank,
+        input_len=args.input_len,
+        steps=args.steps,
+        warmup=args.warmup,
+        rounds=args.rounds,
+        dtype=args.dtype,
+    )
+    result = run(cfg, log=lambda line: print(line, flush=True))
+    print(text(result))
+    if args.output_json:
+        report.write_json(args.output_json, "lora", result)
     return 0
 
 
