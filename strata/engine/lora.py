@@ -4,22 +4,25 @@ An adapter is registered by name with its PEFT directory (`--lora-modules name=p
 time); registering reads and checks it, so a bad adapter is refused at once with what is wrong.
 At most `--max-loras` adapters are kept in memory: registering or using one more drops the
 least recently used adapter that no live request uses (its registration stays; the next request
-for it reads it again). Each load gets a new id, which requests carry (`Req.adapter`) and which
-keys their prefix-cache entries (`strata.engine.request.adapter_cache_key`), so KV computed under one adapter (or an
-earlier load of a name) is never reused under another.
+for it reads it again). An adapter's id is a hash of its files (31 bits, never 0): requests carry it
+(`Req.adapter`) and it keys their prefix-cache entries (`strata.engine.request.adapter_cache_key`),
+so KV computed under one adapter is never reused under another, while replicas sharing an L3 tier
+key the same adapter alike (and a name loaded again with other files gets another id).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from torch import nn
 
-from strata.layers.lora import LoRAState, attach, load_adapter
+from strata.layers.lora import LoRAState, attach, load_adapter, read_config
 
 logger = logging.getLogger(__name__)
 
@@ -60,10 +63,8 @@ class LoRAManager:
         if hasattr(model, "reset_native_decode"):
             model.reset_native_decode()  # it holds the linears it saw; built again on use
         self.registered: dict[str, Registered] = {}
-        self.loaded: OrderedDict[int, str] = (
-            OrderedDict()
-        )  # id -> name, least recent first
-        self._next_id = 1
+        # id -> the names registered with those files, least recently used first
+        self.loaded: OrderedDict[int, list[str]] = OrderedDict()
 
     # ------------------------------------------------------------------ registration
 
@@ -126,21 +127,27 @@ class LoRAManager:
     # ------------------------------------------------------------------ memory
 
     def _load(self, entry: Registered) -> None:
+        read_config(Path(entry.path))  # ValueError: what in its config is not supported
+        adapter_id = adapter_digest(entry.path)
+        if adapter_id in self.loaded:  # the same files under another name: shared
+            self.loaded[adapter_id].append(entry.name)
+            entry.adapter_id = adapter_id
+            entry.rank = self.state.adapters[adapter_id].rank
+            return
         self._make_room()
         weights = load_adapter(entry.name, entry.path, self.model, self.max_rank)
-        adapter_id = self._next_id
-        self._next_id += 1
         self.state.adapters[adapter_id] = weights
-        self.loaded[adapter_id] = entry.name
+        self.loaded[adapter_id] = [entry.name]
         entry.adapter_id, entry.rank = adapter_id, weights.rank
 
     def _make_room(self) -> None:
         if len(self.loaded) < self.max_loras:
             return
         busy = set(self.in_use())
-        for adapter_id, name in self.loaded.items():  # least recently used first
+        for adapter_id, names in self.loaded.items():  # least recently used first
             if adapter_id not in busy:
-                self._drop(self.registered[name])
+                for name in list(names):
+                    self._drop(self.registered[name])
                 return
         raise LoRAError(
             f"all {self.max_loras} adapters in memory (--max-loras) are in use by running "
@@ -149,7 +156,28 @@ class LoRAManager:
         )
 
     def _drop(self, entry: Registered) -> None:
-        if entry.adapter_id:
-            self.state.adapters.pop(entry.adapter_id, None)
-            self.loaded.pop(entry.adapter_id, None)
-            entry.adapter_id = 0
+        names = self.loaded.get(entry.adapter_id)
+        if names is not None:
+            names.remove(entry.name)
+            if not names:  # no other name holds these weights
+                self.state.adapters.pop(entry.adapter_id, None)
+                del self.loaded[entry.adapter_id]
+        entry.adapter_id = 0
+
+
+def adapter_digest(path: str) -> int:
+    """A 31-bit id (never 0) of an adapter's files. ValueError when they cannot be read."""
+    digest = hashlib.sha256()
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        try:
+            with open(f"{path}/{name}", "rb") as f:
+                for block in iter(lambda: f.read(1 << 20), b""):
+                    digest.update(block)
+        except FileNotFoundError:
+            raise ValueError(
+                f"{path} has no {name}; a LoRA adapter is a PEFT directory with "
+                "adapter_config.json and adapter_model.safetensors"
+            ) from None
+        except OSError as exc:
+            raise ValueError(f"cannot read {path}/{name}: {exc.strerror}") from None
+    return int.from_bytes(digest.digest()[:4], "big") & 0x7FFFFFFF or 1

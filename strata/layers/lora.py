@@ -163,7 +163,7 @@ def attach(model: nn.Module, state: LoRAState) -> int:
     return len(owners)
 
 
-def _read_config(path: Path) -> dict:
+def read_config(path: Path) -> dict:
     try:
         config = json.loads((path / "adapter_config.json").read_text())
     except FileNotFoundError:
@@ -196,7 +196,7 @@ def load_adapter(
     from safetensors.torch import load_file
 
     path = Path(path)
-    config = _read_config(path)
+    config = read_config(path)
     weights_file = path / "adapter_model.safetensors"
     if not weights_file.exists():
         raise ValueError(

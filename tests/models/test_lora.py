@@ -168,3 +168,21 @@ def test_bad_adapters_are_refused_saying_why(llama_dir, adapters, tmp_path):
         plain.add_request(PROMPTS[0], GREEDY, lora="attn")
     with pytest.raises(ValueError, match="NAME=PATH"):
         Engine(str(llama_dir), dtype="float32", lora_modules="nopath")
+
+
+def test_an_adapter_id_is_its_files_so_replicas_key_alike(
+    llama_dir, adapters, expected
+):
+    """Two engines (replicas sharing an L3 tier) give one adapter the same id; the same files
+    under two names share one copy, which stays while either name does."""
+    one = Engine(str(llama_dir), dtype="float32", lora_modules=f"x={adapters['attn']}")
+    two = Engine(
+        str(llama_dir),
+        dtype="float32",
+        lora_modules=f"y={adapters['mlp']},z={adapters['attn']},w={adapters['attn']}",
+    )
+    assert one.lora.registered["x"].adapter_id == two.lora.registered["z"].adapter_id
+    assert two.lora.registered["z"].adapter_id == two.lora.registered["w"].adapter_id
+    assert len(two.lora.state.adapters) == 2
+    two.lora.unregister("z")
+    assert _one(two, PROMPTS[1], "w").token_ids == expected["attn"][1]
