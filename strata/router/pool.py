@@ -10,6 +10,13 @@ Each worker has two loops on the router's event loop:
 
 Workers can be added and removed while requests run; a removed worker's requests in flight finish
 normally (they hold the Worker object), it just gets no new ones.
+
+A circuit breaker exists to send traffic elsewhere while a worker fails. When every healthy worker
+of a pool has its circuit open (or half-open with its trial in flight), there is no elsewhere:
+refusing everything would turn a slow spell (requests timing out on an overloaded worker) into a
+total outage for the cool-down, and a half-open trial into a queue of refusals. `routable` then
+returns the healthy workers anyway (Envoy's "panic" routing), so clients get the workers' real
+answers; a worker that fails its health checks is never routed to.
 """
 
 from __future__ import annotations
@@ -105,9 +112,11 @@ class WorkerPool:
     def routable(
         self, exclude: set[str] | frozenset[str] = frozenset()
     ) -> list[Worker]:
-        return [
-            w for w in self.workers.values() if w.url not in exclude and w.routable()
-        ]
+        candidates = [w for w in self.workers.values() if w.url not in exclude]
+        ready = [w for w in candidates if w.routable()]
+        if ready:
+            return ready
+        return [w for w in candidates if w.health is Health.HEALTHY]  # panic routing
 
     def why_none_routable(self) -> str:
         if not self.workers:

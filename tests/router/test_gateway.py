@@ -531,3 +531,24 @@ def test_routing_key_is_total_over_any_json(route, body):
         route,
         {"messages": [{"role": None, "content": [{"type": "", "text": None}, body]}]},
     )
+
+
+def test_a_lone_worker_whose_circuit_opened_still_gets_requests(fakes, router_factory):
+    """No other worker to fail over to: an open circuit must not refuse everything for its
+    cool-down (a slow spell would become an outage); the healthy worker answers for itself."""
+    a = fakes[0]
+    a.state.fail_next = 3
+    router = router_factory(
+        worker_urls=(a.url,),
+        breaker_failure_threshold=3,
+        breaker_cooldown=60,
+        max_retries=0,
+        health_check_interval=30,
+    )
+    with router.client() as c:
+        assert [complete(c, f"p{i}").status_code for i in range(3)] == [500] * 3
+        assert router.workers()[a.url]["status"] == "circuit_open"
+        assert c.get("/health").status_code == 200  # it is up; its circuit is open
+        resp = complete(c, "after")  # routed anyway, and it answers now
+        assert resp.status_code == 200 and resp.json()["worker"] == "a"
+    assert router.workers()[a.url]["status"] == "healthy"
