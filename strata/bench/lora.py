@@ -22,6 +22,7 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -141,7 +142,7 @@ def run(cfg: LoRABenchConfig, log=print) -> dict:
             max_lora_rank=cfg.rank,
         )
         names = [f"a{i}" for i in range(k)]
-        mixes = {
+        mixes: dict[str, tuple[Any, list[str | None]]] = {
             "base": (served, [None] * n),
             "few": (served, names + [None] * (n - k)),
             "all": (served, [names[i % k] for i in range(n)]),

@@ -60,8 +60,9 @@ class LoRAManager:
         self.in_use = in_use  # the adapter ids live requests carry
         self.state = LoRAState()
         attach(model, self.state)
-        if hasattr(model, "reset_native_decode"):
-            model.reset_native_decode()  # it holds the linears it saw; built again on use
+        reset = getattr(model, "reset_native_decode", None)
+        if callable(reset):
+            reset()  # the native loop holds the linears it saw; built again on use
         self.registered: dict[str, Registered] = {}
         # id -> the names registered with those files, least recently used first
         self.loaded: OrderedDict[int, list[str]] = OrderedDict()

@@ -22,6 +22,7 @@ import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,16 +110,16 @@ class LoRALinear(nn.Module):
         return self.name
 
 
-def fused_layout(model: nn.Module) -> dict[str, tuple[str, int]]:
+def fused_layout(model: Any) -> dict[str, tuple[str, int]]:
     """PEFT's module name (the last part: q_proj) -> ours and the part it is (qkv_proj, 0)."""
     return dict(getattr(model, "FUSED", {}))
 
 
-def _base(module: nn.Module) -> nn.Module:
+def _base(module: Any) -> Any:
     return module.base if isinstance(module, LoRALinear) else module
 
 
-def _parts(module_name: str, layer: nn.Module) -> list[int]:
+def _parts(module_name: str, layer: Any) -> list[int]:
     """The output sizes of a (fused) linear's parts, in order."""
     attn = layer.self_attn
     if module_name == "qkv_proj":
@@ -129,11 +130,11 @@ def _parts(module_name: str, layer: nn.Module) -> list[int]:
     return [out // 2, out // 2] if module_name == "gate_up_proj" else [out]
 
 
-def targets(model: nn.Module) -> dict[str, nn.Module]:
+def targets(model: Any) -> dict[str, Any]:
     """Our linears an adapter may adapt: 'layers.i.self_attn.qkv_proj' -> the module."""
     from strata.layers.mlp import MLP
 
-    found: dict[str, nn.Module] = {}
+    found: dict[str, Any] = {}
     for i, layer in enumerate(model.layers):
         attn = getattr(layer, "self_attn", None)
         if all(hasattr(attn, a) for a in ("qkv_proj", "o_proj", "q_size", "kv_size")):
@@ -146,7 +147,7 @@ def targets(model: nn.Module) -> dict[str, nn.Module]:
     return found
 
 
-def attach(model: nn.Module, state: LoRAState) -> int:
+def attach(model: Any, state: LoRAState) -> int:
     """Wrap every linear an adapter may adapt; returns how many. ValueError when none can be."""
     owners = targets(model)
     if not owners:
@@ -189,9 +190,7 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def load_adapter(
-    name: str, path: str | Path, model: nn.Module, max_rank: int
-) -> LoRAWeights:
+def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRAWeights:
     """Read a PEFT LoRA directory for `model`: every tensor checked against the model's shapes."""
     from safetensors.torch import load_file
 

@@ -474,7 +474,9 @@ class BatchRunner:
             for task in self._tasks:
                 task.cancel()
             self._tasks = []
-        if asyncio.current_task().cancelling():  # the server is stopping
+        me = asyncio.current_task()
+        cancelling = getattr(me, "cancelling", None)  # Task.cancelling: Python 3.11
+        if cancelling is not None and cancelling():  # the server is stopping
             raise asyncio.CancelledError
         return expired
 

@@ -249,15 +249,16 @@ def openapi_document(title: str, *, router: bool, secured: bool) -> dict[str, An
                 }
             }
         for path, methods in STORED_OBJECT_PATHS.items():
+            found: dict[str, Any] = {
+                **_responses("OK"),
+                "404": {"description": "no such object"},
+            }
             paths.setdefault(path, {}).update(
                 {
                     method: {
                         "summary": summary,
                         "parameters": parameters,
-                        "responses": {
-                            **_responses("OK"),
-                            "404": {"description": "no such object"},
-                        },
+                        "responses": found,
                     }
                     for method, (summary, parameters) in methods.items()
                 }
