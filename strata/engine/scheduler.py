@@ -548,6 +548,8 @@ class Scheduler(KVAccounting):
         if not self.waiting or not self.running:
             return
         head = min(self.waiting, key=lambda r: (r.priority, r.arrival))
+        if all(r.priority <= head.priority for r in self.running):
+            return  # nothing to preempt (the usual case: every request of one priority)
         if not self.tiers.ready(head.rid) or (
             head.depends_on is not None and not head.depends_on.finished
         ):
