@@ -7,10 +7,11 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modu
 an adapter's q_proj, k_proj and v_proj land on row ranges of `qkv_proj`'s output.
 
 `LoRALinear` wraps a base linear (float, packed or block-quantized: whatever it is) and adds,
-for each adapter present in the step, its delta on that adapter's rows only: one matmul with the
-adapter's stacked A matrices of the module, then one per part with B (pre-scaled). The rows of a
-step are grouped by adapter once per step (`LoRAState.set_rows`), so a batch mixes requests of
-different adapters and of the base model; rows of the base model pay nothing. With no adapter
+for each adapter present in the step, its delta on that adapter's rows only: one matmul with A of the
+step's adapters stacked (`LoRAState.stack`), then one per fused part with their B (pre-scaled),
+as batched matmuls over a padded [adapters, rows] layout of the step's rows grouped by adapter
+(`LoRAState.set_rows`). So a batch mixes requests of different adapters and of the base model;
+rows of the base model pay nothing. With no adapter
 rows in a step the wrapper is the base linear plus one check, and the native decode loop (which
 knows nothing of adapters) still runs base-only decode steps.
 """
@@ -54,31 +55,106 @@ class LoRAWeights:
 
 
 @dataclass
+class Stacked:
+    """One module's deltas of the adapters present in a step, stacked for batched matmuls: part
+    k's ranks sit in A's rows [k0, k1) (zero beyond an adapter's own rank, or where it does not
+    adapt that part)."""
+
+    a: torch.Tensor  # [adapters, R, in]
+    parts: list[
+        tuple[int, int, int, int, torch.Tensor]
+    ]  # (out0, out1, k0, k1, B [adapters, k1-k0, out1-out0])
+
+
+@dataclass
 class LoRAState:
-    """What every LoRALinear of a model reads: the loaded adapters by id and this step's rows."""
+    """What every LoRALinear of a model reads: the loaded adapters by id and this step's rows.
+
+    `set_rows` groups the step's rows by adapter into a padded [adapters, m] layout (`gather`:
+    the row each slot reads, `mask`: 0 for padding), so each adapted linear runs two batched
+    matmuls over all the step's adapters instead of a loop; the stacked weights are kept while
+    the same adapters meet in steps (usually many steps in a row)."""
 
     adapters: dict[int, LoRAWeights] = field(default_factory=dict)
-    # this step: (adapter id, row indices) for each adapter with rows; empty: base model only
-    rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    active: bool = False  # this step has adapter rows
+    combo: tuple[int, ...] = ()  # the adapters of this step, in slot order
+    gather: torch.Tensor | None = (
+        None  # [adapters * m] row of each slot (padding: row 0)
+    )
+    mask: torch.Tensor | None = None  # [adapters, m, 1] 1 for real slots
+    stacks: dict[str, Stacked | None] = field(default_factory=dict)  # for `combo`
 
     def set_rows(self, adapter_ids: list[int], counts: list[int], device) -> None:
         """Each request's adapter id (0: none) and its row count, in the step's row order."""
-        groups: dict[int, list[tuple[int, int]]] = {}
+        groups: dict[int, list[int]] = {}
         start = 0
         for adapter, n in zip(adapter_ids, counts):
             if adapter:
-                groups.setdefault(adapter, []).append((start, start + n))
+                groups.setdefault(adapter, []).extend(range(start, start + n))
             start += n
-        self.rows = [
-            (
-                adapter,
-                torch.cat([torch.arange(a, b) for a, b in spans]).to(device),
-            )
-            for adapter, spans in groups.items()
-        ]
+        if not groups:
+            self.active = False
+            return
+        combo = tuple(groups)
+        if combo != self.combo:
+            self.combo, self.stacks = combo, {}
+        m = max(len(rows) for rows in groups.values())
+        gather: list[int] = []
+        mask: list[float] = []
+        for rows in groups.values():
+            gather += rows + [0] * (m - len(rows))
+            mask += [1.0] * len(rows) + [0.0] * (m - len(rows))
+        dtype = next(iter(self.adapters[combo[0]].modules.values())).a.dtype
+        self.gather = torch.tensor(gather, dtype=torch.int64, device=device)
+        self.mask = torch.tensor(mask, dtype=dtype, device=device).view(
+            len(combo), m, 1
+        )
+        self.active = True
 
     def clear_rows(self) -> None:
-        self.rows = []
+        self.active = False
+
+    def stack(self, name: str) -> Stacked | None:
+        """Module `name`'s deltas of the step's adapters, stacked (None: none adapts it)."""
+        if name in self.stacks:
+            return self.stacks[name]
+        deltas = [self.adapters[i].modules.get(name) for i in self.combo]
+        present = [d for d in deltas if d is not None]
+        if not present:
+            self.stacks[name] = None
+            return None
+        ranks: dict[tuple[int, int], int] = {}
+        for d in present:
+            for o0, o1, r0, r1, _ in d.parts:
+                ranks[(o0, o1)] = max(ranks.get((o0, o1), 0), r1 - r0)
+        slots, total = {}, 0
+        for key in sorted(ranks):
+            slots[key] = total
+            total += ranks[key]
+        ref = present[0].a
+        a = torch.zeros(
+            len(deltas), total, ref.shape[1], dtype=ref.dtype, device=ref.device
+        )
+        bs = {
+            key: torch.zeros(
+                len(deltas), r, key[1] - key[0], dtype=ref.dtype, device=ref.device
+            )
+            for key, r in ranks.items()
+        }
+        for i, d in enumerate(deltas):
+            if d is None:
+                continue
+            for o0, o1, r0, r1, b in d.parts:
+                k0 = slots[(o0, o1)]
+                a[i, k0 : k0 + r1 - r0] = d.a[r0:r1]
+                bs[(o0, o1)][i, : r1 - r0] = b.t()
+        parts = [
+            (o0, o1, slots[(o0, o1)], slots[(o0, o1)] + ranks[(o0, o1)], bs[(o0, o1)])
+            for o0, o1 in sorted(ranks)
+        ]
+        stacked = Stacked(a, parts)
+        self.stacks[name] = stacked
+        return stacked
 
 
 class LoRALinear(nn.Module):
@@ -92,18 +168,20 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        rows = self.state.rows
-        if not rows:
+        st = self.state
+        if not st.active:
             return y
-        for adapter, idx in rows:
-            delta = self.state.adapters[adapter].modules.get(self.name)
-            if delta is None:
-                continue
-            xs = x.index_select(0, idx)
-            xa = xs.to(delta.a.dtype) @ delta.a.t()
-            for o0, o1, r0, r1, b in delta.parts:
-                add = (xa[:, r0:r1] @ b.t()).to(y.dtype)
-                y[idx, o0:o1] += add
+        stacked = st.stack(self.name)
+        if stacked is None:
+            return y
+        assert st.gather is not None and st.mask is not None
+        n, m = st.mask.shape[:2]
+        xs = x.index_select(0, st.gather).to(stacked.a.dtype).view(n, m, -1)
+        xa = torch.bmm(xs, stacked.a.transpose(1, 2)).mul_(st.mask)  # padding slots: 0
+        for o0, o1, k0, k1, b in stacked.parts:
+            delta = torch.bmm(xa[:, :, k0:k1], b).view(n * m, o1 - o0).to(y.dtype)
+            target = y if (o0, o1) == (0, y.shape[-1]) else y[:, o0:o1]
+            target.index_add_(0, st.gather, delta)
         return y
 
     def extra_repr(self) -> str:

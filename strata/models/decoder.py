@@ -235,7 +235,7 @@ class DecoderForCausalLM(nn.Module):
         if (
             native is not None
             and not (
-                lora is not None and lora.rows
+                lora is not None and lora.active
             )  # the native loop knows no adapters
             and isinstance(kv, MHAKVPool)
             and native.accepts(x, meta, kv)
