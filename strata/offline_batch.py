@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 
-from strata.bench.server_process import ServerProcess
+from strata.bench.server_process import ServerProcess, serve_argv
 from strata.config import add_engine_args
 from strata.router.launcher import engine_flags
 from strata.server.batch_jobs import (
@@ -161,22 +161,10 @@ def batch_main(args: argparse.Namespace) -> int:
     if args.base_url is None:
         flags, env = engine_flags(args)
 
-        def argv(port: int) -> list[str]:
-            return [
-                sys.executable,
-                "-m",
-                "strata.server",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--log-level",
-                "warning",
-                *flags,
-            ]
-
         print("strata batch: starting the server ...", file=sys.stderr)
-        server = ServerProcess(argv, "strata", env=env).start()
+        server = ServerProcess(
+            lambda port: serve_argv(port, *flags), "strata", env=env
+        ).start()
     base_url = server.base_url if server is not None else args.base_url
     try:
         answers = asyncio.run(

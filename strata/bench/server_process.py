@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,6 +20,22 @@ import httpx
 from strata.ports import free_port
 
 STOP_TIMEOUT_S = 20.0
+
+
+def serve_argv(port: int, *flags: str) -> list[str]:
+    """`strata serve` on 127.0.0.1:`port`, quiet but for warnings, with `flags`."""
+    return [
+        sys.executable,
+        "-m",
+        "strata.server",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "warning",
+        *flags,
+    ]
 
 
 class ServerProcess:

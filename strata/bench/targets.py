@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from strata.bench.server_process import ServerProcess
+from strata.bench.server_process import ServerProcess, serve_argv
 
 MODES = ("serving", "one-batch", "offline")
 KINDS = (
@@ -200,20 +200,7 @@ class StrataTarget(Target):
                 flags += [flag] if value is True else [flag, str(value)]
 
             def argv(port: int) -> list[str]:
-                return [
-                    sys.executable,
-                    "-m",
-                    "strata.server",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(port),
-                    "--model",
-                    str(self.ctx.model_dir),
-                    "--log-level",
-                    "warning",
-                    *flags,
-                ]
+                return serve_argv(port, "--model", str(self.ctx.model_dir), *flags)
 
             self._server = ServerProcess(argv, "strata").start()
         return self._server.base_url

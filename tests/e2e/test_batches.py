@@ -50,6 +50,24 @@ def wait_done(client: openai.OpenAI, batch_id: str, timeout: float = 180):
     raise TimeoutError(f"batch {batch_id} still {batch.status} after {timeout}s")
 
 
+def start_batch(client: openai.OpenAI, lines: list[dict]):
+    uploaded = client.files.create(
+        file=("in.jsonl", io.BytesIO(as_file(lines))), purpose="batch"
+    )
+    return uploaded, client.batches.create(
+        input_file_id=uploaded.id,
+        endpoint="/v1/chat/completions",
+        completion_window="24h",
+    )
+
+
+def wait_answered(client: openai.OpenAI, batch_id: str, n: int, timeout: float = 120):
+    deadline = time.monotonic() + timeout
+    while client.batches.retrieve(batch_id).request_counts.completed < n:
+        assert time.monotonic() < deadline, f"fewer than {n} lines answered"
+        time.sleep(0.05)
+
+
 def jsonl(data: bytes) -> list[dict]:
     return [json.loads(line) for line in data.decode().splitlines() if line]
 
@@ -121,18 +139,8 @@ def test_a_batch_answers_as_the_same_requests_sent_directly(server):
 def test_batch_lines_are_counted_under_the_key_that_made_the_batch(server):
     before = httpx.get(server.url + "/metrics", headers=server.headers).text
     client = openai_client(server, "bob-key-00000002")
-    uploaded = client.files.create(
-        file=("b.jsonl", io.BytesIO(as_file([chat_line(1), chat_line(2)]))),
-        purpose="batch",
-    )
-    done = wait_done(
-        client,
-        client.batches.create(
-            input_file_id=uploaded.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        ).id,
-    )
+    uploaded, batch = start_batch(client, [chat_line(1), chat_line(2)])
+    done = wait_done(client, batch.id)
     assert done.status == "completed"
     metrics = httpx.get(
         server.url + "/metrics", headers={"Authorization": "Bearer bob-key-00000002"}
@@ -224,18 +232,8 @@ def test_bad_files_and_fields_are_4xx_naming_what_to_fix(server):
 def test_cancel_stops_a_batch_and_keeps_what_finished(server):
     client = openai_client(server)
     lines = [chat_line(i, max_tokens=64, ignore_eos=True) for i in range(40)]
-    uploaded = client.files.create(
-        file=("c.jsonl", io.BytesIO(as_file(lines))), purpose="batch"
-    )
-    batch = client.batches.create(
-        input_file_id=uploaded.id,
-        endpoint="/v1/chat/completions",
-        completion_window="24h",
-    )
-    deadline = time.monotonic() + 60
-    while client.batches.retrieve(batch.id).request_counts.completed < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    _, batch = start_batch(client, lines)
+    wait_answered(client, batch.id, 1)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status in ("cancelling", "cancelled")
     done = wait_done(client, batch.id, 60)
@@ -257,18 +255,8 @@ def test_a_killed_server_resumes_its_batch_without_losing_or_redoing_a_line(tmp_
     srv = LiveServer("--batch-dir", str(batch_dir), "--batch-concurrency", "4")
     with srv:
         client = openai_client(srv, "unused")
-        uploaded = client.files.create(
-            file=("r.jsonl", io.BytesIO(as_file(lines))), purpose="batch"
-        )
-        batch = client.batches.create(
-            input_file_id=uploaded.id,
-            endpoint="/v1/chat/completions",
-            completion_window="24h",
-        )
-        deadline = time.monotonic() + 120
-        while client.batches.retrieve(batch.id).request_counts.completed < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        _, batch = start_batch(client, lines)
+        wait_answered(client, batch.id, 4)
         srv.proc.send_signal(signal.SIGKILL)
         srv.proc.wait()
     before = _stored(batch_dir, batch.id)
