@@ -458,6 +458,7 @@ class Scheduler(KVAccounting):
         extends = self._prefill_chunks(
             self.config.max_batch_tokens - len(decodes), bool(decodes)
         )
+        decodes, extends = _yield_to_priority(decodes, extends)
         if not decodes and not extends:
             return None
         verifying: list[Req] = []
@@ -478,7 +479,9 @@ class Scheduler(KVAccounting):
     def _prefills_only(self) -> ScheduleBatch | None:
         """--schedule-mix prefill-first: a step of prefill chunks alone (running requests'
         next chunks, then admissions), or None when none can run (then decodes step as usual)."""
-        extends = self._prefill_chunks(self.config.max_batch_tokens, False)
+        _, extends = _yield_to_priority(
+            [], self._prefill_chunks(self.config.max_batch_tokens, False)
+        )
         if not extends:
             return None
         self.ratio.after_step()
@@ -492,7 +495,15 @@ class Scheduler(KVAccounting):
         """The step's prefill chunks within `budget` tokens: running requests' next chunks, then
         admissions. `decoding`: the step has decode rows too (a chunk is then never alone)."""
         extends: list[tuple[Req, int]] = []
-        for req in [r for r in self.running if r.extend_len > 1]:
+        # a waiting request of a higher priority goes before running chunks of a lower one
+        urgent = min(
+            (r.priority for r in self.waiting if self.tiers.ready(r.rid)), default=None
+        )
+        for req in sorted(
+            (r for r in self.running if r.extend_len > 1), key=lambda r: r.priority
+        ):
+            if urgent is not None and req.priority > urgent:
+                break
             alone = not decoding and not extends
             n = prefill_piece(
                 req.extend_len,
@@ -636,6 +647,8 @@ class Scheduler(KVAccounting):
         )
         admitted_now: list[Req] = []
         for req in self._waiting_order():
+            if extends and req.priority > min(r.priority for r, _ in extends):
+                break  # it would wait this step anyway (`_yield_to_priority`)
             if not admission_open(
                 len(self.running),
                 self.config.max_running_requests,
@@ -845,6 +858,26 @@ class Scheduler(KVAccounting):
         req.prefix_node = match.node
         req.pages[: full // ps] = match.pages
         req.cached_len = full
+
+
+def _yield_to_priority(
+    decodes: list[Req], extends: list[tuple[Req, int]]
+) -> tuple[list[Req], list[tuple[Req, int]]]:
+    """A step that feeds a prompt chunk of a higher priority carries nothing of a lower one:
+    its decodes and chunks wait a step (they keep their KV), so a batch job's rows never slow
+    the prefill an interactive request waits on for its first token. Requests of one priority:
+    unchanged."""
+    if not extends:
+        return decodes, extends
+    best = min(r.priority for r, _ in extends)
+    if all(r.priority <= best for r in decodes) and all(
+        r.priority <= best for r, _ in extends
+    ):
+        return decodes, extends
+    return (
+        [r for r in decodes if r.priority <= best],
+        [(r, n) for r, n in extends if r.priority <= best],
+    )
 
 
 def _token_logprob(

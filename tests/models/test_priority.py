@@ -7,6 +7,7 @@ from __future__ import annotations
 from test_parity import PROMPTS, hf_greedy, hf_model
 
 from strata import Engine, SamplingParams
+from strata.engine.hooks import StepObserver
 from strata.engine.policy import preemption_victim
 
 BATCH = 10  # the low priority used here (a batch job's)
@@ -114,3 +115,40 @@ def test_preemption_victim_is_the_lowest_priority_with_least_work():
     assert preemption_victim([a, b, c, d], 10) is None
     assert preemption_victim([a, d], 3) is d
     assert preemption_victim([a], 0) is None
+
+
+class Batches(StepObserver):
+    def __init__(self):
+        self.batches: list[list[str]] = []
+
+    def on_scheduled(self, batch) -> None:
+        if batch is not None:
+            self.batches.append([r.rid for r in batch.reqs])
+
+
+def test_a_step_feeding_an_urgent_prompt_carries_no_lower_priority_rows(llama_dir):
+    """Decodes and prompt chunks of a lower priority wait while a higher one's prompt is fed, so
+    its first token is not slowed by them; everything still finishes exactly."""
+    ref = hf_model(llama_dir)
+    engine = Engine(
+        str(llama_dir), dtype="float32", kv_cache_tokens=2048, chunked_prefill_size=8
+    )
+    seen = Batches()
+    engine.scheduler.add_observer(seen)
+    low = [
+        engine.add_request(PROMPTS[2], params(BATCH, 30))[0],  # 41 tokens: 6 chunks
+        engine.add_request(PROMPTS[0], params(BATCH, 30))[0],
+    ]
+    for _ in range(3):
+        engine.step()  # one low request decodes, the other is mid-prompt
+    urgent = engine.add_request(PROMPTS[3], params(0, 10))[0]  # 18 tokens: 3 chunks
+    order: list[str] = []
+    run(engine, {urgent, *low}, order)
+    with_urgent = [b for b in seen.batches if urgent in b]
+    feeding = with_urgent[:3]  # its three prompt chunks
+    assert all(b == [urgent] for b in feeding), feeding
+    assert any(set(low) & set(b) for b in with_urgent[3:])  # then they run beside it
+    assert engine._collect([urgent]).token_ids == hf_greedy(ref, PROMPTS[3], 10)
+    for rid, prompt in zip(low, [PROMPTS[2], PROMPTS[0]]):
+        assert engine._collect([rid]).token_ids == hf_greedy(ref, prompt, 30)
+    engine.scheduler.check_no_leaks()
