@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import json
 import sys
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -103,7 +104,7 @@ async def run_batch(
     """Run the lines not in `done`, appending each answer to `output`; all answers by custom_id."""
     from tqdm import tqdm
 
-    todo = [line for line in lines if line.custom_id not in done]
+    todo = deque(line for line in lines if line.custom_id not in done)
     answers = dict(done)
     bar = tqdm(
         total=len(lines),
@@ -120,7 +121,7 @@ async def run_batch(
 
             async def worker() -> None:
                 while todo:
-                    line = todo.pop(0)
+                    line = todo.popleft()
                     record = await run_line(client, line, priority=0)
                     sink.write(json.dumps(record, ensure_ascii=False) + "\n")
                     sink.flush()

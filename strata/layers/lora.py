@@ -141,12 +141,12 @@ class LoRAState:
             )
             for key, r in ranks.items()
         }
-        for i, d in enumerate(deltas):
-            if d is None:
+        for i, delta in enumerate(deltas):
+            if delta is None:
                 continue
-            for o0, o1, r0, r1, b in d.parts:
+            for o0, o1, r0, r1, b in delta.parts:
                 k0 = slots[(o0, o1)]
-                a[i, k0 : k0 + r1 - r0] = d.a[r0:r1]
+                a[i, k0 : k0 + r1 - r0] = delta.a[r0:r1]
                 bs[(o0, o1)][i, : r1 - r0] = b.t()
         parts = [
             (o0, o1, slots[(o0, o1)], slots[(o0, o1)] + ranks[(o0, o1)], bs[(o0, o1)])

@@ -29,6 +29,7 @@ import logging
 import secrets
 import time
 import uuid
+from collections import deque
 from typing import Any
 
 import httpx
@@ -434,7 +435,7 @@ class BatchRunner:
         """Run the lines without an answer; True if the completion window ran out first."""
         batch_id = doc["id"]
         done = await asyncio.to_thread(self.store.done_lines, batch_id)
-        queue = [line for line in lines if line.index not in done]
+        queue = deque(line for line in lines if line.index not in done)
         owner = self.store.batch_owner(batch_id) or ""
         headers = {INTERNAL_HEADER: self.token, KEY_NAME_HEADER: owner}
         deadline = doc["expires_at"]
@@ -446,7 +447,7 @@ class BatchRunner:
                 if time.time() >= deadline:
                     expired = True
                     return
-                line = queue.pop(0)
+                line = queue.popleft()
                 try:
                     record = await run_line(client, line, self.priority, headers)
                 except httpx.HTTPError as exc:  # in-process: only a bug gets here
