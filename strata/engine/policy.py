@@ -48,6 +48,20 @@ class SchedulePolicy:
     lpm_max_waiting: int = (
         128  # past this many waiting requests, lpm falls back to fcfs
     )
+    # a prompt piece of a request below the best priority live (a batch job's beside interactive
+    # traffic): short, so that a step an interactive request arrives during ends soon
+    background_chunk_tokens: int = 64
+
+    def chunk_for(self, chunk: int, priority: int, top: int) -> int:
+        """The prompt piece size of a request of `priority` when the best priority live is `top`
+        (`chunk`: --chunked-prefill-size; <= 0 means no chunking)."""
+        if priority <= top:
+            return chunk
+        return (
+            min(chunk, self.background_chunk_tokens)
+            if chunk > 0
+            else self.background_chunk_tokens
+        )
 
     def reserve_tokens(
         self, extend_len: int, remaining_new: int, ratio: float

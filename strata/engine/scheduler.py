@@ -19,6 +19,7 @@ running requests == pool pages.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -110,6 +111,7 @@ class Scheduler(KVAccounting):
         self.ratio = NewTokenRatio(self.policy)
         self.num_retractions = 0
         self.num_preemptions = 0  # retractions that made way for a higher priority
+        self._top = 0  # the best priority live in this step (`_prefill_chunks`)
         self.step_count = 0
         # PD disaggregation: requests whose prompt KV is being received (decode side), and the
         # peer that moves KV in or out (`attach_peer`)
@@ -499,6 +501,10 @@ class Scheduler(KVAccounting):
         urgent = min(
             (r.priority for r in self.waiting if self.tiers.ready(r.rid)), default=None
         )
+        self._top = min(
+            (r.priority for r in itertools.chain(self.running, self.waiting)),
+            default=0,
+        )
         for req in sorted(
             (r for r in self.running if r.extend_len > 1), key=lambda r: r.priority
         ):
@@ -507,7 +513,9 @@ class Scheduler(KVAccounting):
             alone = not decoding and not extends
             n = prefill_piece(
                 req.extend_len,
-                self.config.chunked_prefill_size,
+                self.policy.chunk_for(
+                    self.config.chunked_prefill_size, req.priority, self._top
+                ),
                 budget,
                 alone,
                 first_piece=not extends,
@@ -686,7 +694,9 @@ class Scheduler(KVAccounting):
                 break
             n = prefill_piece(
                 req.extend_len,
-                self.config.chunked_prefill_size,
+                self.policy.chunk_for(
+                    self.config.chunked_prefill_size, req.priority, self._top
+                ),
                 min(budget, prefill_budget),
                 batch_empty,
                 first_piece=not extends,

@@ -49,7 +49,7 @@ class ServerConfig:
     batch_dir: str | None = (
         None  # where /v1/files and /v1/batches keep their state (SQLite + files), so a restart resumes a batch; default: a temporary directory (nothing kept)
     )
-    batch_concurrency: int = 8  # lines of a batch in flight at once
+    batch_concurrency: int = 4  # lines of a batch in flight at once (more: faster batches, slower interactive first tokens; docs/BENCHMARKS.md)
     batch_priority: int = 10  # batch lines are scheduled at this priority or lower (interactive requests: 0)
     health_stall_timeout: float = 3.0  # seconds without a heartbeat from the engine process before /health says 503 (stopped or hung); a long step still sends them
 
