@@ -64,6 +64,9 @@ class Stacked:
     parts: list[
         tuple[int, int, int, int, torch.Tensor]
     ]  # (out0, out1, k0, k1, B [adapters, k1-k0, out1-out0])
+    covers: int = (
+        -1
+    )  # the output width the parts tile from 0 without a gap (-1: they do not)
 
 
 @dataclass
@@ -152,7 +155,9 @@ class LoRAState:
             (o0, o1, slots[(o0, o1)], slots[(o0, o1)] + ranks[(o0, o1)], bs[(o0, o1)])
             for o0, o1 in sorted(ranks)
         ]
-        stacked = Stacked(a, parts)
+        ends = [0] + [o1 for _, o1, _, _, _ in parts]
+        tiled = all(o0 == ends[i] for i, (o0, _, _, _, _) in enumerate(parts))
+        stacked = Stacked(a, parts, ends[-1] if tiled else -1)
         self.stacks[name] = stacked
         return stacked
 
@@ -178,10 +183,13 @@ class LoRALinear(nn.Module):
         n, m = st.mask.shape[:2]
         xs = x.index_select(0, st.gather).to(stacked.a.dtype).view(n, m, -1)
         xa = torch.bmm(xs, stacked.a.transpose(1, 2)).mul_(st.mask)  # padding slots: 0
-        for o0, o1, k0, k1, b in stacked.parts:
-            delta = torch.bmm(xa[:, :, k0:k1], b).view(n * m, o1 - o0).to(y.dtype)
-            target = y if (o0, o1) == (0, y.shape[-1]) else y[:, o0:o1]
-            target.index_add_(0, st.gather, delta)
+        deltas = [torch.bmm(xa[:, :, k0:k1], b) for _, _, k0, k1, b in stacked.parts]
+        if stacked.covers == y.shape[-1]:  # the parts tile the output: one scatter
+            delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)
+            y.index_add_(0, st.gather, delta.view(n * m, -1).to(y.dtype))
+            return y
+        for (o0, o1, _, _, _), delta in zip(stacked.parts, deltas):
+            y[:, o0:o1].index_add_(0, st.gather, delta.view(n * m, -1).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
@@ -283,12 +291,16 @@ def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRA
     tensors = load_file(str(weights_file))
     owners = targets(model)
     fused = fused_layout(model)
-    dtype = next(
-        (p.dtype for p in model.parameters() if p.dtype.is_floating_point),
-        torch.float32,
+    first = next((p for p in model.parameters() if p.dtype.is_floating_point), None)
+    # on a CPU the deltas run in float32 (small batched matmuls are faster there than in bf16);
+    # on a GPU in the model's dtype
+    dtype = (
+        first.dtype
+        if first is not None
+        and first.device.type != "cpu"
+        and first.dtype in (torch.bfloat16, torch.float16)
+        else torch.float32
     )
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        dtype = torch.float32
     alpha = float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
