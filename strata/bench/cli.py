@@ -1,4 +1,4 @@
-"""`strata bench serving | one-batch | timing | offline | compare | moe | kv-layout | grammar | spec | soak` — flags, and the glue to run and report
+"""`strata bench serving | batch | lora | one-batch | timing | offline | compare | moe | kv-layout | grammar | spec | soak` — flags, and the glue to run and report
 (`compare` itself is in compare_cli.py).
 
 Wired into the main CLI with one line in strata/cli.py's build_parser:
