@@ -588,17 +588,23 @@ class Scheduler(KVAccounting):
             if self.cache_enabled
             else 0
         )
-        held = self.allocator.held_pages
         need = self.policy.reserve_tokens(
             req.seq_len - cached, req.remaining_new, self.ratio.value
         )
-        available = (
+        return kv_admits(
+            self.allocator.held_pages(kv_pages(need, self.page_size)),
+            self._available_pages(),
+            False,
+            len(self.running),
+        )
+
+    def _available_pages(self) -> int:
+        """Pool pages admission may give out: free and evictable ones, less the running requests'
+        reservations (in pool pages: more than primary pages with a shared window pool)."""
+        return (
             self.allocator.num_free_pages
             + self.cache.evictable_pages
-            - held(self._reserved_pages(), len(self.running))
-        )
-        return kv_admits(
-            held(kv_pages(need, self.page_size)), available, False, len(self.running)
+            - self.allocator.held_pages(self._reserved_pages(), len(self.running))
         )
 
     def _waiting_order(self) -> list[Req]:
@@ -648,15 +654,14 @@ class Scheduler(KVAccounting):
         held = (
             self.allocator.held_pages
         )  # pool pages per primary pages (more with a shared window pool)
-        available = (
-            self.allocator.num_free_pages
-            + self.cache.evictable_pages
-            - held(self._reserved_pages(), len(self.running))
-        )
+        available = self._available_pages()
         admitted_now: list[Req] = []
+        # the best priority fed this step: a request below it would wait anyway
+        # (`_yield_to_priority`)
+        best = min((r.priority for r, _ in extends), default=None)
         for req in self._waiting_order():
-            if extends and req.priority > min(r.priority for r, _ in extends):
-                break  # it would wait this step anyway (`_yield_to_priority`)
+            if best is not None and req.priority > best:
+                break
             if not admission_open(
                 len(self.running),
                 self.config.max_running_requests,
@@ -722,6 +727,7 @@ class Scheduler(KVAccounting):
             req.status = ReqStatus.RUNNING
             self.running.append(req)
             extends.append((req, n))
+            best = req.priority if best is None else min(best, req.priority)
             admitted_now.append(req)
             available -= need_pages
             budget -= n
