@@ -497,6 +497,9 @@ class Scheduler(KVAccounting):
         """The step's prefill chunks within `budget` tokens: running requests' next chunks, then
         admissions. `decoding`: the step has decode rows too (a chunk is then never alone)."""
         extends: list[tuple[Req, int]] = []
+        prefilling = [r for r in self.running if r.extend_len > 1]
+        if not prefilling and not self.waiting:
+            return extends  # a decode-only step: nothing to feed or admit
         # a waiting request of a higher priority goes before running chunks of a lower one
         urgent = min(
             (r.priority for r in self.waiting if self.tiers.ready(r.rid)), default=None
@@ -505,9 +508,7 @@ class Scheduler(KVAccounting):
             (r.priority for r in itertools.chain(self.running, self.waiting)),
             default=0,
         )
-        for req in sorted(
-            (r for r in self.running if r.extend_len > 1), key=lambda r: r.priority
-        ):
+        for req in sorted(prefilling, key=lambda r: r.priority):
             if urgent is not None and req.priority > urgent:
                 break
             alone = not decoding and not extends
