@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
 from tiny_models import FAMILIES, build_tokenizer, make_model  # noqa: F401  (re-exported for old imports)
 
+from strata import kernels
 from strata.ports import free_port
 
 
@@ -16,6 +18,32 @@ def cpu_kernels_built():
     from strata.kernels import cpu_ops
 
     cpu_ops()
+
+
+@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64-v4"])
+def ops(request):
+    """Each build of the native CPU kernels this CPU can run (for the kernel tests): on an AVX-512
+    machine the x86-64-v3 build proves the AVX2 paths, x86-64-v4 the 512-bit paths without VNNI or
+    BF16."""
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        pytest.skip("no C++ compiler: the kernels cannot be built here")
+    if not kernels.target_supported(request.param):
+        pytest.skip(f"this CPU cannot run the {request.param} build")
+    module = kernels.load(request.param)
+    assert module is not None, (
+        "a C++ compiler is present but the CPU kernels failed to build (see the log)"
+    )
+    if request.param == "x86-64-v3":
+        assert (
+            "avx2" in module.compiled_isa() and "avx512f" not in module.compiled_isa()
+        )
+    if request.param == "x86-64-v4":
+        assert (
+            "avx512bw" in module.compiled_isa()
+            and "avx512vnni" not in module.compiled_isa()
+        )
+    with kernels.using(request.param):
+        yield module
 
 
 @pytest.fixture(scope="session")

@@ -136,8 +136,10 @@ class LoRAManager:
             entry.rank = self.state.adapters[adapter_id].rank
             return
         self._make_room()
-        weights = load_adapter(entry.name, entry.path, self.model, self.max_rank)
-        self.state.adapters[adapter_id] = weights
+        weights = load_adapter(
+            entry.name, entry.path, self.model, self.max_rank, self.state.dtype
+        )
+        self.state.add(adapter_id, weights)
         self.loaded[adapter_id] = [entry.name]
         entry.adapter_id, entry.rank = adapter_id, weights.rank
 
@@ -161,7 +163,7 @@ class LoRAManager:
         if names is not None:
             names.remove(entry.name)
             if not names:  # no other name holds these weights
-                self.state.adapters.pop(entry.adapter_id, None)
+                self.state.remove(entry.adapter_id)
                 del self.loaded[entry.adapter_id]
         entry.adapter_id = 0
 

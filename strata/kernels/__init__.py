@@ -51,6 +51,7 @@ SOURCES = (
     _DIR / "quant_ops.cpp",
     _DIR / "decode_loop.cpp",
     _DIR / "dense_ops.cpp",
+    _DIR / "lora_ops.cpp",
 )
 DEFAULT_TARGET = "native"
 WAIT_REPORT_S = (

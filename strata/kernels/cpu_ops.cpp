@@ -340,6 +340,7 @@ void register_extend_attention(pybind11::module_& m);  // extend_attention.cpp
 void register_quant_ops(pybind11::module_& m);  // quant_ops.cpp
 void register_decode_loop(pybind11::module_& m);  // decode_loop.cpp
 void register_dense_ops(pybind11::module_& m);  // dense_ops.cpp
+void register_lora_ops(pybind11::module_& m);  // lora_ops.cpp
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_attention_ops(m);
@@ -347,6 +348,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   register_quant_ops(m);
   register_decode_loop(m);
   register_dense_ops(m);
+  register_lora_ops(m);
   m.def("has_avx512", [] {
 #if defined(__AVX512F__)
     return true;

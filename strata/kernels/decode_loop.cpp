@@ -15,12 +15,15 @@
 //
 // Linears are q4 / q8 blocks (the int8 dot-product kernels), packed bf16 / float32 weights (the dense
 // kernel, strata.layers.packed.DenseLinear) or plain float weights (at::linear, as F.linear computes
-// them), each with an optional bias.
+// them), each with an optional bias. With LoRA adapters served (set_lora), each linear then adds the
+// step's adapters' deltas on their rows (lora_ops.cpp), as strata.layers.lora.LoRALinear does.
 #include <torch/extension.h>
 
+#include <memory>
 #include <tuple>
 #include <vector>
 
+#include "lora.h"
 #include "ops.h"
 
 namespace {
@@ -33,14 +36,27 @@ struct Linear {
                        // dense: the packed weight (strata.layers.packed)
   c10::optional<at::Tensor> bias;  // dense: float32, added before rounding (DenseLinear.forward's)
   int64_t rows;  // output features
+  int64_t lora_module = -1;  // its index in the LoRA table (-1: not adapted)
 
-  at::Tensor operator()(const at::Tensor& x) const {
+  at::Tensor base(const at::Tensor& x) const {
     if (kind == LinearKind::kFloat) return at::linear(x, a, bias);
     if (kind == LinearKind::kDense) return strata_ops::dense_linear(x, a, bias, rows);
     at::Tensor out = kind == LinearKind::kQ4 ? strata_ops::q4_linear(x, a, b, c, rows)
                                              : strata_ops::q8_linear(x, a, b, rows);
     if (bias) out.add_(bias->to(out.scalar_type()));  // QuantLinear.forward's order
     return out;
+  }
+};
+
+// The step's rows under adapters (LoRATable::apply's rows, seg_off, seg_slot); no table: none.
+struct LoRAStep {
+  const strata_ops::LoRATable* table = nullptr;
+  at::Tensor rows, seg_off, seg_slot;
+
+  at::Tensor operator()(const Linear& linear, const at::Tensor& x) const {
+    at::Tensor y = linear.base(x);
+    if (table != nullptr && linear.lora_module >= 0) table->apply(linear.lora_module, y, x, rows, seg_off, seg_slot);
+    return y;
   }
 };
 
@@ -87,13 +103,34 @@ class DecodeLoop {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // The adapters' table and each linear's index in it: [layer][qkv, o, gate_up, down], -1 where an
+  // adapter cannot adapt that linear.
+  void set_lora(std::shared_ptr<strata_ops::LoRATable> table, const std::vector<std::vector<int64_t>>& modules) {
+    TORCH_CHECK(static_cast<int64_t>(modules.size()) == num_layers(), "need the LoRA modules of every layer (",
+                num_layers(), "), got ", modules.size());
+    for (int64_t i = 0; i < num_layers(); ++i) {
+      TORCH_CHECK(modules[i].size() == 4, "a layer has 4 linears (qkv, o, gate_up, down), got ", modules[i].size());
+      Linear* lin[4] = {&layers_[i].qkv, &layers_[i].o, &layers_[i].gate_up, &layers_[i].down};
+      for (int j = 0; j < 4; ++j) {
+        TORCH_CHECK(modules[i][j] >= -1 && modules[i][j] < table->num_modules(), "LoRA module ", modules[i][j],
+                    " is outside [-1, ", table->num_modules(), ")");
+        lin[j]->lora_module = modules[i][j];
+      }
+    }
+    lora_ = std::move(table);
+  }
+
+  bool has_lora() const { return lora_ != nullptr; }
+
   // x [T, hidden] (the embeddings), positions [T]; per layer its caches and its KV group's page table
   // [T, max_pages] (row t: token t's request) and out_slots [T]; owner [T]: page-table row per token.
+  // lora: the step's rows under adapters as (rows, seg_off, seg_slot) (LoRATable::apply), or none.
   // Returns (x, residual) after the last layer: the stream is x + residual (the caller's final norm
   // adds them).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> k_caches,
                                              std::vector<at::Tensor> v_caches, std::vector<at::Tensor> page_tables,
-                                             std::vector<at::Tensor> out_slots, at::Tensor owner, int64_t page_size) {
+                                             std::vector<at::Tensor> out_slots, at::Tensor owner, int64_t page_size,
+                                             c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> lora) {
     const int64_t L = num_layers();
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "need one k and one v cache per layer (", L, "), got ", k_caches.size(), " and ", v_caches.size());
@@ -102,6 +139,11 @@ class DecodeLoop {
                 out_slots.size());
     TORCH_CHECK(x.dim() == 2, "x must be [tokens, hidden], got ", x.sizes());
     const int64_t T = x.size(0);
+    LoRAStep linear;
+    if (lora) {
+      TORCH_CHECK(lora_ != nullptr, "a step with adapter rows needs set_lora first");
+      linear = {lora_.get(), std::get<0>(*lora), std::get<1>(*lora), std::get<2>(*lora)};
+    }
     at::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
@@ -113,7 +155,7 @@ class DecodeLoop {
         std::tie(h, residual) = strata_ops::add_rms_norm(x, residual, l.in_norm, l.eps);
       }
       const int64_t q_size = l.num_heads * l.head_dim, kv_size = l.num_kv_heads * l.head_dim;
-      const at::Tensor qkv = l.qkv(h);  // [T, q_size + 2 kv_size]
+      const at::Tensor qkv = linear(l.qkv, h);  // [T, q_size + 2 kv_size]
       const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, l.num_heads, l.head_dim});
       const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, l.num_kv_heads, l.head_dim});
       const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, l.num_kv_heads, l.head_dim});
@@ -122,14 +164,15 @@ class DecodeLoop {
       at::Tensor attn = at::empty(q.sizes(), q.options());
       strata_ops::paged_attention(attn, q, k_caches[i], v_caches[i], page_tables[i], owner, positions, page_size,
                                   l.scale, l.window, l.softcap, l.sinks);
-      std::tie(h, residual) = strata_ops::add_rms_norm(l.o(attn.view({T, q_size})), residual, l.post_norm, l.eps);
-      x = l.down(strata_ops::silu_and_mul(l.gate_up(h)));
+      std::tie(h, residual) = strata_ops::add_rms_norm(linear(l.o, attn.view({T, q_size})), residual, l.post_norm, l.eps);
+      x = linear(l.down, strata_ops::silu_and_mul(linear(l.gate_up, h)));
     }
     return {x, residual};
   }
 
  private:
   std::vector<Layer> layers_;
+  std::shared_ptr<strata_ops::LoRATable> lora_;
 };
 
 }  // namespace
@@ -139,6 +182,11 @@ void register_decode_loop(pybind11::module_& m) {
       .def(pybind11::init<>())
       .def("add_layer", &DecodeLoop::add_layer)
       .def("num_layers", &DecodeLoop::num_layers)
+      .def("set_lora", &DecodeLoop::set_lora)
+      .def("has_lora", &DecodeLoop::has_lora)
       // the step runs without the GIL: the engine's other threads (storage I/O, transfers) go on meanwhile
-      .def("forward", &DecodeLoop::forward, pybind11::call_guard<pybind11::gil_scoped_release>());
+      .def("forward", &DecodeLoop::forward, pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_caches"),
+           pybind11::arg("v_caches"), pybind11::arg("page_tables"), pybind11::arg("out_slots"), pybind11::arg("owner"),
+           pybind11::arg("page_size"), pybind11::arg("lora") = pybind11::none(),
+           pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -7,13 +7,19 @@ A PEFT adapter directory holds `adapter_config.json` (r, lora_alpha, target_modu
 an adapter's q_proj, k_proj and v_proj land on row ranges of `qkv_proj`'s output.
 
 `LoRALinear` wraps a base linear (float, packed or block-quantized: whatever it is) and adds,
-for each adapter present in the step, its delta on that adapter's rows only: one matmul with A of the
-step's adapters stacked (`LoRAState.stack`), then one per fused part with their B (pre-scaled),
-as batched matmuls over a padded [adapters, rows] layout of the step's rows grouped by adapter
-(`LoRAState.set_rows`). So a batch mixes requests of different adapters and of the base model;
-rows of the base model pay nothing. With no adapter
-rows in a step the wrapper is the base linear plus one check, and the native decode loop (which
-knows nothing of adapters) still runs base-only decode steps.
+for each adapter present in the step, its delta on that adapter's rows only, so a batch mixes
+requests of different adapters and of the base model and rows of the base model pay nothing.
+Two ways, one result:
+
+- on the CPU kernels, a `LoRATable` (strata/kernels/lora_ops.cpp) holds every loaded adapter's
+  weights by slot, written once when the adapter loads; a step passes which of its rows use which
+  slot (`LoRAState.set_rows`), and each adapted linear is one native call that reads each adapter's
+  weights once. The native decode loop (strata.models.native_decode) makes the same call after its
+  linears, so decode steps with adapter rows stay in the loop.
+- elsewhere (a GPU, kernels off) the step's adapters are stacked per linear (`LoRAState.stack`)
+  and applied as batched matmuls over a padded [adapters, rows] layout of the step's rows.
+
+With no adapter rows in a step the wrapper is the base linear plus one check.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from strata import kernels
 
 UNSUPPORTED = {  # PEFT options that change the computation in ways we do not implement
     "use_dora": "DoRA adapters",
@@ -42,7 +50,7 @@ class ModuleDelta:
     a: torch.Tensor  # [sum of the parts' ranks, in]
     parts: list[
         tuple[int, int, int, int, torch.Tensor]
-    ]  # (out0, out1, r0, r1, B*scale [out, r])
+    ]  # (out0, out1, r0, r1, (B*scale)^T [r, out])
 
 
 @dataclass
@@ -73,19 +81,70 @@ class Stacked:
 class LoRAState:
     """What every LoRALinear of a model reads: the loaded adapters by id and this step's rows.
 
-    `set_rows` groups the step's rows by adapter into a padded [adapters, m] layout (`gather`:
-    the row each slot reads, `mask`: 0 for padding), so each adapted linear runs two batched
-    matmuls over all the step's adapters instead of a loop; the stacked weights are kept while
-    the same adapters meet in steps (usually many steps in a row)."""
+    Each loaded adapter has a slot in the kernels' table (`table`, when the model runs on the CPU
+    kernels). `set_rows` groups the step's rows by adapter: for the table as `rows` (grouped),
+    `seg_off` and `seg_slot`; for the PyTorch path as a padded [adapters, m] layout (`gather`: the
+    row each slot reads, `mask`: 0 for padding), so each adapted linear runs two batched matmuls
+    over all the step's adapters, with stacked weights kept while the same adapters meet in steps."""
 
     adapters: dict[int, LoRAWeights] = field(default_factory=dict)
+    slots: dict[int, int] = field(default_factory=dict)  # adapter id -> table slot
+    index: dict[str, int] = field(default_factory=dict)  # adapted linear -> its number
+    table: Any = None  # the kernels' LoRATable (None: the PyTorch path only)
+    dtype: torch.dtype = torch.float32  # of the adapters' weights
     active: bool = False  # this step has adapter rows
     combo: tuple[int, ...] = ()  # the adapters of this step, in slot order
+    rows: torch.Tensor | None = None  # the step's adapter rows, grouped by adapter
+    seg_off: torch.Tensor | None = (
+        None  # [adapters + 1] where each group starts in `rows`
+    )
+    seg_slot: torch.Tensor | None = None  # [adapters] each group's table slot
     gather: torch.Tensor | None = (
         None  # [adapters * m] row of each slot (padding: row 0)
     )
     mask: torch.Tensor | None = None  # [adapters, m, 1] 1 for real slots
     stacks: dict[str, Stacked | None] = field(default_factory=dict)  # for `combo`
+
+    def bind(self, names: list[str], model: Any) -> None:
+        """The adapted linears, in order, and where the model runs: a CPU model with the kernels
+        gets a table; adapters' weights are float32 there unless the model computes in bf16, and
+        in the model's half dtype on a GPU."""
+        self.index = {name: i for i, name in enumerate(names)}
+        first = next((p for p in model.parameters() if p.dtype.is_floating_point), None)
+        ops = kernels.cpu_ops()
+        on_cpu = first is None or first.device.type == "cpu"
+        self.table = (
+            ops.LoRATable(len(names))
+            if on_cpu and ops is not None and hasattr(ops, "LoRATable")
+            else None
+        )
+        model_dtype = torch.float32 if first is None else first.dtype
+        if (
+            on_cpu
+        ):  # the kernel reads bf16 weights; the PyTorch path's bmm wants float32
+            bf16 = self.table is not None and model_dtype == torch.bfloat16
+            self.dtype = torch.bfloat16 if bf16 else torch.float32
+        else:
+            half = model_dtype in (torch.bfloat16, torch.float16)
+            self.dtype = model_dtype if half else torch.float32
+
+    def add(self, adapter_id: int, weights: LoRAWeights) -> None:
+        """An adapter now in memory: into the lowest free slot of the table."""
+        taken = set(self.slots.values())
+        slot = next(i for i in range(len(taken) + 1) if i not in taken)
+        if self.table is not None:
+            for name, delta in weights.modules.items():
+                self.table.set(slot, self.index[name], delta.a, delta.parts)
+        self.adapters[adapter_id] = weights
+        self.slots[adapter_id] = slot
+
+    def remove(self, adapter_id: int) -> None:
+        slot = self.slots.pop(adapter_id, None)
+        self.adapters.pop(adapter_id, None)
+        if slot is not None and self.table is not None:
+            self.table.clear(slot)
+        if adapter_id in self.combo:
+            self.combo, self.stacks = (), {}
 
     def set_rows(self, adapter_ids: list[int], counts: list[int], device) -> None:
         """Each request's adapter id (0: none) and its row count, in the step's row order."""
@@ -101,21 +160,38 @@ class LoRAState:
         combo = tuple(groups)
         if combo != self.combo:
             self.combo, self.stacks = combo, {}
+        flat = [r for rows in groups.values() for r in rows]
+        offsets = [0]
+        for rows in groups.values():
+            offsets.append(offsets[-1] + len(rows))
+        self.rows = torch.tensor(flat, dtype=torch.int64)
+        self.seg_off = torch.tensor(offsets, dtype=torch.int64)
+        self.seg_slot = torch.tensor([self.slots[a] for a in combo], dtype=torch.int64)
         m = max(len(rows) for rows in groups.values())
         gather: list[int] = []
         mask: list[float] = []
         for rows in groups.values():
             gather += rows + [0] * (m - len(rows))
             mask += [1.0] * len(rows) + [0.0] * (m - len(rows))
-        dtype = next(iter(self.adapters[combo[0]].modules.values())).a.dtype
         self.gather = torch.tensor(gather, dtype=torch.int64, device=device)
-        self.mask = torch.tensor(mask, dtype=dtype, device=device).view(
+        self.mask = torch.tensor(mask, dtype=self.dtype, device=device).view(
             len(combo), m, 1
         )
         self.active = True
 
     def clear_rows(self) -> None:
         self.active = False
+
+    def native_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """This step's adapter rows as the kernels take them; None without adapter rows."""
+        if not self.active:
+            return None
+        assert (
+            self.rows is not None
+            and self.seg_off is not None
+            and self.seg_slot is not None
+        )
+        return self.rows, self.seg_off, self.seg_slot
 
     def stack(self, name: str) -> Stacked | None:
         """Module `name`'s deltas of the step's adapters, stacked (None: none adapts it)."""
@@ -150,7 +226,7 @@ class LoRAState:
             for o0, o1, r0, r1, b in delta.parts:
                 k0 = slots[(o0, o1)]
                 a[i, k0 : k0 + r1 - r0] = delta.a[r0:r1]
-                bs[(o0, o1)][i, : r1 - r0] = b.t()
+                bs[(o0, o1)][i, : r1 - r0] = b
         parts = [
             (o0, o1, slots[(o0, o1)], slots[(o0, o1)] + ranks[(o0, o1)], bs[(o0, o1)])
             for o0, o1 in sorted(ranks)
@@ -175,6 +251,16 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         st = self.state
         if not st.active:
+            return y
+        if (
+            st.table is not None
+            and kernels.usable(x) is not None
+            and y.dtype == x.dtype
+            and y.is_contiguous()
+        ):
+            st.table.apply(
+                st.index[self.name], y, x.contiguous(), st.rows, st.seg_off, st.seg_slot
+            )
             return y
         stacked = st.stack(self.name)
         if stacked is None:
@@ -246,6 +332,7 @@ def attach(model: Any, state: LoRAState) -> int:
         base = getattr(owner, attr)
         if not isinstance(base, LoRALinear):
             setattr(owner, attr, LoRALinear(base, name, state))
+    state.bind(list(owners), model)
     model.lora = state
     return len(owners)
 
@@ -276,8 +363,15 @@ def read_config(path: Path) -> dict:
     return config
 
 
-def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRAWeights:
-    """Read a PEFT LoRA directory for `model`: every tensor checked against the model's shapes."""
+def load_adapter(
+    name: str,
+    path: str | Path,
+    model: Any,
+    max_rank: int,
+    dtype: torch.dtype = torch.float32,
+) -> LoRAWeights:
+    """Read a PEFT LoRA directory for `model`: every tensor checked against the model's shapes;
+    the weights in `dtype` (LoRAState.dtype)."""
     from safetensors.torch import load_file
 
     path = Path(path)
@@ -291,16 +385,6 @@ def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRA
     tensors = load_file(str(weights_file))
     owners = targets(model)
     fused = fused_layout(model)
-    first = next((p for p in model.parameters() if p.dtype.is_floating_point), None)
-    # on a CPU the deltas run in float32 (small batched matmuls are faster there than in bf16);
-    # on a GPU in the model's dtype
-    dtype = (
-        first.dtype
-        if first is not None
-        and first.device.type != "cpu"
-        and first.dtype in (torch.bfloat16, torch.float16)
-        else torch.float32
-    )
     alpha = float(config.get("lora_alpha", 8))
     rank_pattern = config.get("rank_pattern") or {}
     alpha_pattern = config.get("alpha_pattern") or {}
@@ -374,7 +458,7 @@ def load_adapter(name: str, path: str | Path, model: Any, max_rank: int) -> LoRA
                     offsets[part + 1],
                     r0,
                     r1,
-                    (b.float() * scale).to(dtype).contiguous(),
+                    (b.float() * scale).t().to(dtype).contiguous(),
                 )
             )
             r0 = r1

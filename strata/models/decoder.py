@@ -229,14 +229,8 @@ class DecoderForCausalLM(nn.Module):
         ):  # Gemma: the factor rounded to the weights' dtype, as trained
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
         native = self.native_decode()
-        lora = getattr(
-            self, "lora", None
-        )  # strata.layers.lora.LoRAState when adapters are on
         if (
             native is not None
-            and not (
-                lora is not None and lora.active
-            )  # the native loop knows no adapters
             and isinstance(kv, MHAKVPool)
             and native.accepts(x, meta, kv)
         ):

@@ -12,6 +12,8 @@ layout without q/k norms or Gemma's (1 + w) norms, multi-head (not latent) atten
 MLP, and linears that are q4/q8 blocks, natively packed bf16/float32 weights or plain float weights
 (oneDNN-prepacked or mixed-format ones keep the Python loop). A step qualifies when every token decodes, nothing replays a window, and
 the tensors are on the CPU in the weights' dtype. `STRATA_DECODE_LOOP=0` switches it off.
+LoRA adapters (strata.layers.lora) run inside the loop: it holds their kernels' table and each
+linear's number in it, and a step's adapter rows are passed with the step.
 """
 
 from __future__ import annotations
@@ -132,9 +134,12 @@ def _plan(
 class NativeDecode:
     """The layer loop of one `DecoderForCausalLM` in native code (see the module docstring)."""
 
-    def __init__(self, loop, dtype: torch.dtype):
+    def __init__(self, loop, dtype: torch.dtype, lora=None):
         self.loop = loop
         self.dtype = dtype
+        self.lora = (
+            lora  # the model's LoRAState (strata.layers.lora), if adapters are served
+        )
         self.steps = 0  # steps run natively (tests and benchmarks read it)
 
     @classmethod
@@ -150,7 +155,10 @@ class NativeDecode:
         loop = ops.DecodeLoop()
         for args in layers:
             loop.add_layer(*args)
-        return cls(loop, dtype)
+        lora = getattr(model, "lora", None)  # strata.layers.lora.LoRAState
+        if lora is not None and isinstance(lora.table, ops.LoRATable):  # this build's
+            loop.set_lora(lora.table, _lora_modules(model, lora))
+        return cls(loop, dtype, lora)
 
     @staticmethod
     def supported(model: nn.Module, attention_cls: type) -> bool:
@@ -168,6 +176,8 @@ class NativeDecode:
             return False
         if type(kv) is not MHAKVPool or meta.key_floor is not None:
             return False
+        if self.lora is not None and self.lora.active and not self.loop.has_lora():
+            return False  # adapter rows, and a loop without their table
         return all(g.key_floor is None for g in meta.groups)
 
     def __call__(
@@ -194,7 +204,23 @@ class NativeDecode:
             [g[1] for g in layer_groups],
             meta.decode_owner,
             meta.page_size,
+            None if self.lora is None else self.lora.native_rows(),
         )
+
+
+def _lora_modules(model: nn.Module, lora) -> list[list[int]]:
+    """Each layer's [qkv, o, gate_up, down] numbers in the adapters' table (-1: not adapted)."""
+    modules = []
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+        modules.append(
+            [
+                lora.index.get(m.name, -1) if isinstance(m, LoRALinear) else -1
+                for m in linears
+            ]
+        )
+    return modules
 
 
 def decode_loop_name(model: nn.Module) -> str:

@@ -13,8 +13,9 @@ import torch
 from lora_adapters import ADAPTERS, make_adapter, peft_greedy
 from test_parity import PROMPTS
 
-from strata import Engine, SamplingParams
+from strata import Engine, SamplingParams, kernels
 from strata.engine.lora import LoRAError
+from strata.models import native_decode
 
 GREEDY = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
 
@@ -51,23 +52,41 @@ def run(engine: Engine, jobs: list[tuple[list[int], str | None]]) -> list[list[i
     return [engine._collect(g).token_ids for g in groups]
 
 
+# how a step's adapter rows run: in the native decode loop (decode steps; the Python loop with the
+# LoRA kernel for prefills), in the Python loop with the kernel, or as PyTorch batched matmuls
+WAYS = {
+    "native-loop": {},
+    "kernel": {native_decode.ENV_VAR: "0"},
+    "pytorch": {native_decode.ENV_VAR: "0", kernels.ENV_VAR: "0"},
+}
+
+
+@pytest.mark.parametrize("way", sorted(WAYS))
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_a_mixed_batch_of_three_adapters_and_the_base_matches_peft(
-    llama_dir, adapters, expected, page_size
+    llama_dir, adapters, expected, page_size, way, monkeypatch
 ):
-    engine = Engine(
-        str(llama_dir),
-        dtype="float32",
-        kv_cache_tokens=2048,
-        page_size=page_size,
-        lora_modules=modules(adapters),
-    )
-    names = [None, *ADAPTERS]
-    jobs = [(p, names[(i + j) % 4]) for i, p in enumerate(PROMPTS) for j in range(4)]
-    got = run(engine, jobs)
+    for var, value in WAYS[way].items():
+        monkeypatch.setenv(var, value)
+    with kernels.using(kernels.selected_target()):
+        engine = Engine(
+            str(llama_dir),
+            dtype="float32",
+            kv_cache_tokens=2048,
+            page_size=page_size,
+            lora_modules=modules(adapters),
+        )
+        names = [None, *ADAPTERS]
+        jobs = [
+            (p, names[(i + j) % 4]) for i, p in enumerate(PROMPTS) for j in range(4)
+        ]
+        got = run(engine, jobs)
     for (prompt, lora), tokens in zip(jobs, got):
         assert tokens == expected[lora][PROMPTS.index(prompt)], lora
     engine.scheduler.check_no_leaks()
+    native = engine.model.native_decode()
+    assert (native is not None and native.steps > 0) == (way == "native-loop")
+    assert (engine.model.lora.table is not None) == (way != "pytorch")
 
 
 def test_the_prefix_cache_is_keyed_by_adapter(llama_dir, adapters, expected):

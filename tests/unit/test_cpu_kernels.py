@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 
 import pytest
 import torch
@@ -25,31 +24,6 @@ from strata.layers.rope import RotaryEmbedding
 from strata.model_config import RopeConfig
 
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-@pytest.fixture(scope="module", params=["native", "x86-64-v3", "x86-64-v4"])
-def ops(request):
-    """Each build this CPU can run: on an AVX-512 machine the x86-64-v3 build proves the AVX2 paths,
-    x86-64-v4 the 512-bit paths without VNNI or BF16."""
-    if shutil.which("c++") is None and shutil.which("g++") is None:
-        pytest.skip("no C++ compiler: the kernels cannot be built here")
-    if not kernels.target_supported(request.param):
-        pytest.skip(f"this CPU cannot run the {request.param} build")
-    module = kernels.load(request.param)
-    assert module is not None, (
-        "a C++ compiler is present but the CPU kernels failed to build (see the log)"
-    )
-    if request.param == "x86-64-v3":
-        assert (
-            "avx2" in module.compiled_isa() and "avx512f" not in module.compiled_isa()
-        )
-    if request.param == "x86-64-v4":
-        assert (
-            "avx512bw" in module.compiled_isa()
-            and "avx512vnni" not in module.compiled_isa()
-        )
-    with kernels.using(request.param):
-        yield module
 
 
 def random_pages(
