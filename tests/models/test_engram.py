@@ -2,7 +2,8 @@
 with the Engram equations added by forward pre-hooks at the Engram layers, written here from the
 description (per position, no batching, the hash in Python integers). fp32 logits within 1e-4 and
 the same greedy tokens through batched prefills, chunks ending inside an n-gram, decodes, a radix
-hit, retraction under a small pool, a prefill/decode pair, and the three table placements.
+hit, retraction under a small pool, a prefill/decode pair, a prefix through the host and storage
+tiers, and the three table placements.
 
 The tiny checkpoint is tests/tiny_dsv4.py's V4 plus `add_engram`: Engram at layers 0 and 2, 2- and
 3-grams, two hash heads, 97-row tables, a 384 -> 200 id map.
@@ -16,6 +17,8 @@ import math
 import pytest
 import torch
 from test_disagg import pd_tokens
+from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
+from test_hicache import check_hierarchy_leaks, fill_l1, make_engine, run_one
 from test_parity import hf_greedy, hf_model
 from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
 
@@ -316,3 +319,34 @@ def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
     p.scheduler.check_no_leaks()
     p.close()
     d.close()
+
+
+def test_a_prefix_through_the_host_and_storage_tiers_stays_exact(
+    model_dir, ref, tmp_path
+):
+    """Engram keeps no per-request state beyond the token ids, so a prefix promoted from L2 or
+    restored from L3 by a restarted engine needs nothing more: its continuation's n-grams read
+    the prompt's ids (the oracle: transformers with the Engram hooks)."""
+    doc = prompt(120, 21)
+    want = hf_greedy(ref, doc, TIER_GREEDY.max_new_tokens)
+    storage = str(tmp_path / "l3")
+    eng = make_engine(
+        model_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
+    assert eng.generate([doc], TIER_GREEDY)[0].token_ids == want
+    fill_l1(eng, 0)
+    assert eng.scheduler.cache.match_prefix(doc).cached_len < 100
+    tokens, last = run_one(eng, doc)
+    assert tokens == want and last.cached_tokens_details["host"] >= 100
+    check_hierarchy_leaks(eng)
+    eng.close()
+    eng2 = make_engine(
+        model_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+    )
+    tokens, last = run_one(eng2, doc)
+    assert tokens == want and last.cached_tokens_details["storage"] >= 100
+    check_hierarchy_leaks(eng2)
+    eng2.close()
