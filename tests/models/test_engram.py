@@ -18,7 +18,7 @@ import pytest
 import torch
 from test_disagg import pd_tokens
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
-from test_hicache import check_hierarchy_leaks, fill_l1, make_engine, run_one
+from test_hicache import through_the_tiers
 from test_parity import hf_greedy, hf_model
 from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
 
@@ -329,24 +329,4 @@ def test_a_prefix_through_the_host_and_storage_tiers_stays_exact(
     the prompt's ids (the oracle: transformers with the Engram hooks)."""
     doc = prompt(120, 21)
     want = hf_greedy(ref, doc, TIER_GREEDY.max_new_tokens)
-    storage = str(tmp_path / "l3")
-    eng = make_engine(
-        model_dir, hicache_storage_backend="file", hicache_storage_path=storage
-    )
-    assert eng.generate([doc], TIER_GREEDY)[0].token_ids == want
-    fill_l1(eng, 0)
-    assert eng.scheduler.cache.match_prefix(doc).cached_len < 100
-    tokens, last = run_one(eng, doc)
-    assert tokens == want and last.cached_tokens_details["host"] >= 100
-    check_hierarchy_leaks(eng)
-    eng.close()
-    eng2 = make_engine(
-        model_dir,
-        hicache_storage_backend="file",
-        hicache_storage_path=storage,
-        hicache_prefetch_policy="wait_complete",
-    )
-    tokens, last = run_one(eng2, doc)
-    assert tokens == want and last.cached_tokens_details["storage"] >= 100
-    check_hierarchy_leaks(eng2)
-    eng2.close()
+    through_the_tiers(model_dir, doc, want, str(tmp_path / "l3"))

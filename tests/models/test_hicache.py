@@ -285,6 +285,33 @@ def run_one(engine: Engine, prompt: list[int]):
     return [t for o in outs for t in o.new_token_ids], outs[-1]
 
 
+def through_the_tiers(
+    model_dir, prompt: list[int], want: list[int], storage: str
+) -> None:
+    """`prompt` answered with `want` cold, then with its prefix promoted from L2 after L1 forgot
+    it, then by a restarted engine that finds it only in the L3 file store under `storage`."""
+    eng = make_engine(
+        model_dir, hicache_storage_backend="file", hicache_storage_path=storage
+    )
+    assert eng.generate([prompt], GREEDY)[0].token_ids == want
+    fill_l1(eng, 0)
+    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
+    tokens, last = run_one(eng, prompt)
+    assert tokens == want and last.cached_tokens_details["host"] >= 100
+    check_hierarchy_leaks(eng)
+    eng.close()
+    eng2 = make_engine(
+        model_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        hicache_prefetch_policy="wait_complete",
+    )
+    tokens, last = run_one(eng2, prompt)
+    assert tokens == want and last.cached_tokens_details["storage"] >= 100
+    check_hierarchy_leaks(eng2)
+    eng2.close()
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
     """Gemma 3 (window 8, a KV pool per layer group): pages demoted, promoted and restored from L3

@@ -12,7 +12,7 @@ import pytest
 import torch
 from test_disagg import pd_tokens
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
-from test_hicache import LONG, check_hierarchy_leaks, fill_l1, make_engine, run_one
+from test_hicache import LONG, through_the_tiers
 from test_parity import PROMPTS, forward_logits, hf_greedy, hf_model
 from tiny_models import MLA_FAMILIES, constant_tensors, make_model
 
@@ -336,27 +336,7 @@ def test_latent_pages_through_every_tier(mla_models, tmp_path):
         disable_radix_cache=True,
     )
     want = plain.generate([prompt], TIER_GREEDY)[0].token_ids
-    storage = str(tmp_path / "l3")
-    eng = make_engine(
-        model, hicache_storage_backend="file", hicache_storage_path=storage
-    )
-    assert eng.generate([prompt], TIER_GREEDY)[0].token_ids == want
-    fill_l1(eng, 0)
-    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
-    tokens, last = run_one(eng, prompt)
-    assert tokens == want and last.cached_tokens_details["host"] >= 100
-    check_hierarchy_leaks(eng)
-    eng.close()
-    eng2 = make_engine(
-        model,
-        hicache_storage_backend="file",
-        hicache_storage_path=storage,
-        hicache_prefetch_policy="wait_complete",
-    )
-    tokens, last = run_one(eng2, prompt)
-    assert tokens == want and last.cached_tokens_details["storage"] >= 100
-    check_hierarchy_leaks(eng2)
-    eng2.close()
+    through_the_tiers(model, prompt, want, str(tmp_path / "l3"))
 
 
 def test_prefill_then_decode_sends_the_latent(mla_models, expected):
