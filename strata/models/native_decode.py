@@ -46,7 +46,7 @@ def enabled_by_env() -> bool:
 
 def _linear_spec(module: nn.Module) -> tuple | None:
     """(kind, a, b, c, bias, rows) as DecodeLoop.add_layer takes it, or None if the loop cannot run it.
-    A LoRA wrapper's base linear (the loop runs steps without adapter rows only)."""
+    A LoRA wrapper's base linear (the loop adds the adapters' deltas itself, see set_lora)."""
     if isinstance(module, LoRALinear):
         module = module.base
     bias = (
