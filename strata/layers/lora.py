@@ -103,6 +103,8 @@ class LoRAState:
         None  # [adapters * m] row of each slot (padding: row 0)
     )
     mask: torch.Tensor | None = None  # [adapters, m, 1] 1 for real slots
+    groups: dict[int, list[int]] = field(default_factory=dict)  # adapter -> its rows
+    device: Any = None  # of this step's tensors
     stacks: dict[str, Stacked | None] = field(default_factory=dict)  # for `combo`
 
     def bind(self, names: list[str], model: Any) -> None:
@@ -119,9 +121,8 @@ class LoRAState:
             else None
         )
         model_dtype = torch.float32 if first is None else first.dtype
-        if (
-            on_cpu
-        ):  # the kernel reads bf16 weights; the PyTorch path's bmm wants float32
+        # the kernel reads bf16 weights; the PyTorch path's bmm wants float32
+        if on_cpu:
             bf16 = self.table is not None and model_dtype == torch.bfloat16
             self.dtype = torch.bfloat16 if bf16 else torch.float32
         else:
@@ -167,20 +168,27 @@ class LoRAState:
         self.rows = torch.tensor(flat, dtype=torch.int64)
         self.seg_off = torch.tensor(offsets, dtype=torch.int64)
         self.seg_slot = torch.tensor([self.slots[a] for a in combo], dtype=torch.int64)
-        m = max(len(rows) for rows in groups.values())
-        gather: list[int] = []
-        mask: list[float] = []
-        for rows in groups.values():
-            gather += rows + [0] * (m - len(rows))
-            mask += [1.0] * len(rows) + [0.0] * (m - len(rows))
-        self.gather = torch.tensor(gather, dtype=torch.int64, device=device)
-        self.mask = torch.tensor(mask, dtype=self.dtype, device=device).view(
-            len(combo), m, 1
-        )
+        self.groups, self.device, self.gather, self.mask = groups, device, None, None
         self.active = True
 
     def clear_rows(self) -> None:
         self.active = False
+
+    def padded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's rows as the PyTorch path takes them (`gather`, `mask`), built on its first
+        use in the step: steps on the kernel's table never need them."""
+        if self.gather is None or self.mask is None:
+            m = max(len(rows) for rows in self.groups.values())
+            gather: list[int] = []
+            mask: list[float] = []
+            for rows in self.groups.values():
+                gather += rows + [0] * (m - len(rows))
+                mask += [1.0] * len(rows) + [0.0] * (m - len(rows))
+            self.gather = torch.tensor(gather, dtype=torch.int64, device=self.device)
+            self.mask = torch.tensor(mask, dtype=self.dtype, device=self.device).view(
+                len(self.groups), m, 1
+            )
+        return self.gather, self.mask
 
     def native_rows(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """This step's adapter rows as the kernels take them; None without adapter rows."""
@@ -265,17 +273,17 @@ class LoRALinear(nn.Module):
         stacked = st.stack(self.name)
         if stacked is None:
             return y
-        assert st.gather is not None and st.mask is not None
-        n, m = st.mask.shape[:2]
-        xs = x.index_select(0, st.gather).to(stacked.a.dtype).view(n, m, -1)
-        xa = torch.bmm(xs, stacked.a.transpose(1, 2)).mul_(st.mask)  # padding slots: 0
+        gather, mask = st.padded()
+        n, m = mask.shape[:2]
+        xs = x.index_select(0, gather).to(stacked.a.dtype).view(n, m, -1)
+        xa = torch.bmm(xs, stacked.a.transpose(1, 2)).mul_(mask)  # padding slots: 0
         deltas = [torch.bmm(xa[:, :, k0:k1], b) for _, _, k0, k1, b in stacked.parts]
         if stacked.covers == y.shape[-1]:  # the parts tile the output: one scatter
             delta = deltas[0] if len(deltas) == 1 else torch.cat(deltas, dim=2)
-            y.index_add_(0, st.gather, delta.view(n * m, -1).to(y.dtype))
+            y.index_add_(0, gather, delta.view(n * m, -1).to(y.dtype))
             return y
         for (o0, o1, _, _, _), delta in zip(stacked.parts, deltas):
-            y[:, o0:o1].index_add_(0, st.gather, delta.view(n * m, -1).to(y.dtype))
+            y[:, o0:o1].index_add_(0, gather, delta.view(n * m, -1).to(y.dtype))
         return y
 
     def extra_repr(self) -> str:
