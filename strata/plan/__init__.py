@@ -12,8 +12,12 @@
     cluster.py     the event loop, router (the real policy classes), PD, co-located replicas
     results.py     RequestRecords -> the benchmark's own summary, hit rates per tier, utilisation
     search.py      `size`: the cheapest deployment meeting the SLO
+    memory.py      `memory`: on paper, from config.json and spec-sheet figures: weights, Engram table
+                   placements (KV gained, prefetch cost), the KV tiers, a MoE draft with redundant experts
+    memory_cli.py  its flags and report
     plots.py       PNGs (matplotlib, imported on --plot only)
     cli.py         add_plan_args and the commands
 
-Nothing here imports torch or the engine at import time; only `calibrate` with the engine source does.
+Nothing here imports torch or the engine at import time; only `calibrate` with the engine source
+and `memory`'s census (the model built on the meta device) do.
 """

@@ -270,6 +270,10 @@ def add_plan_args(subparsers) -> None:
     )
     sz.set_defaults(func=cmd_size)
 
+    from strata.plan.memory_cli import add_memory_args
+
+    add_memory_args(sub)
+
 
 # ----------------------------------------------------------------- building blocks
 
