@@ -59,13 +59,16 @@ class DSV4Config:
 
     @property
     def state_windows(self) -> dict[str, int]:
-        """Tokens back each compressor reads when it closes an entry: CSA 2m (its two series), HCA m'."""
+        """Tokens back each compressor reads when it closes an entry: CSA 2m (its two series), HCA m';
+        and Engram's convolution (`conv`), the positions one of its outputs reads."""
         kinds = set(self.layer_kinds)
         out = {}
         if "csa" in kinds:
             out["csa"] = 2 * self.csa_rate
         if "hca" in kinds:
             out["hca"] = self.hca_rate
+        if self.engram is not None and self.engram.conv_kernel:
+            out["conv"] = self.engram.conv_span
         return out
 
 

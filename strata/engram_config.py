@@ -26,6 +26,13 @@ class EngramConfig:
     # this size; None: token ids are used as they are
     vocab_map_size: int | None
     pad_id: int  # the compressed id of positions before a sequence's first token
+    # the short causal convolution over each stream's gated memory value (`engram_conv_kernel`;
+    # 0: none): depthwise, `conv_kernel` taps `conv_dilation` positions apart
+    conv_kernel: int = 0
+    conv_dilation: int = 1
+    state_width: int = (
+        0  # values one position keeps per Engram layer for it: hc_mult x hidden
+    )
 
     @property
     def num_tables(self) -> int:
@@ -36,6 +43,13 @@ class EngramConfig:
         """Tokens before a position that its n-grams read."""
         return max(self.orders) - 1
 
+    @property
+    def conv_span(self) -> int:
+        """Positions the convolution reads for one output, its own included (0: no convolution)."""
+        return (
+            (self.conv_kernel - 1) * self.conv_dilation + 1 if self.conv_kernel else 0
+        )
+
 
 def engram_from_hf(text: dict[str, Any], num_layers: int) -> EngramConfig | None:
     """The `engram_*` keys of a config.json; None where `engram_layers` is absent or empty."""
@@ -45,6 +59,8 @@ def engram_from_hf(text: dict[str, Any], num_layers: int) -> EngramConfig | None
     orders = tuple(int(n) for n in text.get("engram_orders") or (2, 3))
     vocab_map = text.get("engram_vocab_map")
     ids = int(vocab_map) if vocab_map is not None else int(text["vocab_size"])
+    kernel = int(text.get("engram_conv_kernel") or 0)
+    dilation = text.get("engram_conv_dilation")
     cfg = EngramConfig(
         layers=tuple(sorted(int(i) for i in layers)),
         orders=orders,
@@ -54,6 +70,9 @@ def engram_from_hf(text: dict[str, Any], num_layers: int) -> EngramConfig | None
         hash_seed=int(text.get("engram_hash_seed", 0)),
         vocab_map_size=int(vocab_map) if vocab_map is not None else None,
         pad_id=ids,
+        conv_kernel=kernel,
+        conv_dilation=int(dilation) if dilation is not None else max(orders),
+        state_width=int(text["hc_mult"]) * int(text["hidden_size"]) if kernel else 0,
     )
     if any(not 0 <= i < num_layers for i in cfg.layers) or len(set(cfg.layers)) != len(
         cfg.layers
@@ -69,6 +88,11 @@ def engram_from_hf(text: dict[str, Any], num_layers: int) -> EngramConfig | None
         raise ValueError(
             "engram_table_size and engram_dim must be positive; got "
             f"{cfg.table_size}, {cfg.dim}"
+        )
+    if kernel < 0 or (kernel and cfg.conv_dilation < 1):
+        raise ValueError(
+            "engram_conv_kernel must be >= 0 (0: no convolution) and engram_conv_dilation >= 1; "
+            f"got {kernel}, {cfg.conv_dilation}"
         )
     if ids + 1 > MAX_ID:
         raise ValueError(

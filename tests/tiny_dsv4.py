@@ -78,6 +78,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 # a V4.1-style Engram: layers 0 and 2, 2- and 3-grams, two hash heads each, 97-row tables of 8
+# (`CONV` adds the demo's short convolution: 3 taps, 2 positions apart: each output reads 5 positions)
 ENGRAM = dict(
     engram_layers=[0, 2],
     engram_orders=[2, 3],
@@ -87,6 +88,7 @@ ENGRAM = dict(
     engram_hash_seed=7,
     engram_vocab_map=200,
 )
+CONV = dict(engram_conv_kernel=3, engram_conv_dilation=2)
 
 
 def add_engram(model_dir: Path, seed: int = 1, **overrides) -> Path:
@@ -122,5 +124,15 @@ def add_engram(model_dir: Path, seed: int = 1, **overrides) -> Path:
         )
         for norm in ("hidden_norm", "key_norm"):
             tensors[p + f"{norm}.weight"] = 1 + 0.3 * torch.randn(H, generator=g)
+        kernel = engram.get("engram_conv_kernel")
+        if kernel:  # the short convolution: a norm per mHC stream, depthwise taps
+            streams = config["hc_mult"]
+            for s in range(streams):
+                tensors[p + f"short_conv.norms.{s}.weight"] = 1 + 0.3 * torch.randn(
+                    H, generator=g
+                )
+            tensors[p + "short_conv.conv.weight"] = 0.5 * torch.randn(
+                streams * H, 1, kernel, generator=g
+            )
     save_file(tensors, model_dir / "engram.safetensors")
     return model_dir

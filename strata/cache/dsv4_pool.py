@@ -12,6 +12,9 @@ and PD handle it as they handle any KV (page ids from `GroupedPageAllocator`):
                                   [4 head_dim] and the indexer's [4 index_head_dim]: an entry
                                   closing at e pools tokens e - 2m + 1 .. e
     window group m' (HCA)         kv | gate+bias [2 head_dim]: an entry closing at e pools e - m' + 1 .. e
+    window group of Engram's      per Engram layer, each position's normalised gated memory value
+    convolution (V4.1 configs     [hc_mult x hidden]: the output at t reads t - (kernel - 1) x dilation .. t
+    with engram_conv_kernel)
 
 The compressors' partial windows are thus the last 2m (m') tokens of a window group, not a
 per-request buffer: a request resumes at any page boundary whose groups still hold their windows
@@ -52,7 +55,8 @@ def entry_slots(
 class DSV4KVPool(KVPool):
     """Buffers by layer: `swa[l]` [group slots, head_dim]; `state[l]` (CSA/HCA layers) [group slots,
     width]; `entries[l]`, `index_keys[l]` (CSA only) [primary pages * rows, dim]; None where a layer
-    has none. `group_of[kind]` is the window group (1-based) of "swa", "csa", "hca"."""
+    has none; `conv[l]` (Engram layers with a convolution) [group slots, hc_mult x hidden].
+    `group_of[kind]` is the window group (1-based) of "swa", "csa", "hca", "conv"."""
 
     def __init__(
         self,
@@ -99,6 +103,13 @@ class DSV4KVPool(KVPool):
             else None
             for k in v4.layer_kinds
         ]
+        engram = v4.engram
+        self.conv = [
+            zeros(group_rows("conv"), engram.state_width)
+            if engram is not None and engram.conv_kernel and layer in engram.layers
+            else None
+            for layer in range(len(v4.layer_kinds))
+        ]
         self.page_maps: list[np.ndarray] = []
 
     def attach_page_maps(self, maps: Sequence[np.ndarray]) -> None:
@@ -124,6 +135,8 @@ class DSV4KVPool(KVPool):
             out.append((self.swa[layer], self.group_of["swa"], P))
             if kind != "sliding":
                 out.append((self.state[layer], self.group_of[kind], P))
+            if self.conv[layer] is not None:
+                out.append((self.conv[layer], self.group_of["conv"], P))
         # a sliding layer has no entries, index keys or state, and none was listed
         return [(buf, g, rows) for buf, g, rows in out if buf is not None]
 
@@ -191,11 +204,16 @@ class DSV4KVPool(KVPool):
 
     @property
     def layout(self) -> str:
-        v4 = self.v4
+        v4, engram = self.v4, self.v4.engram
+        conv = (
+            f";engram_conv={engram.layers},{engram.conv_span},{engram.state_width}"
+            if engram is not None and engram.conv_kernel
+            else ""
+        )
         return (
             f"deepseek_v4;kinds={','.join(v4.layer_kinds)};head_dim={self.swa[0].shape[1]};"
             f"index_dim={v4.index_head_dim};rates={v4.csa_rate},{v4.hca_rate};window={v4.sliding_window};"
-            f"dtype={self.dtype};page={self.page_size}"
+            f"dtype={self.dtype};page={self.page_size}{conv}"
         )
 
     def bytes_by_group(self) -> list[int]:
@@ -245,6 +263,9 @@ def bytes_per_token(
     ):
         if kind in v4.layer_kinds:
             window[kind] = v4.layer_kinds.count(kind) * width * itemsize
+    if "conv" in v4.state_windows:
+        assert v4.engram is not None  # a convolution is Engram's
+        window["conv"] = len(v4.engram.layers) * v4.engram.state_width * itemsize
     return primary, window
 
 

@@ -10,7 +10,17 @@ For position t of a sequence, at layer l (K = max order - 1):
                 mod table_size                         exact int64: ids < 2**31, multipliers odd < 2**31
     e = concat_k table_k[idx_k]                                                  # [num_tables * dim]
     key, value = key_proj(e), value_proj(e)                                      # [hidden] each
-    per mHC stream s: gate_s = sigmoid(<RMSNorm(h_s), RMSNorm(key)> / sqrt(hidden));  h_s += gate_s * value
+    per mHC stream s: gate_s = sigmoid(<RMSNorm(h_s), RMSNorm(key)> / sqrt(hidden));  v_s = gate_s * value
+
+and h_s += v_s, or, with a short convolution (`conv_kernel` K taps `conv_dilation` d apart, as in
+the public demo):
+
+    x_s[t] = RMSNorm_s(v_s[t])                                      # a norm per stream
+    h_s += v_s + SiLU(sum_i w[s, :, i] * x_s[t - (K - 1 - i) d])     # depthwise, causal; x = 0 before 0
+
+x depends on the hidden state, so a request keeps the last (K - 1) d + 1 positions' x in a window
+group of its paged state (`DSV4KVPool.conv`): chunks, prefix hits, PD and the tiers carry it as they
+carry the compressors' windows.
 
 The multipliers a come from `engram_multipliers` (splitmix64 of the seed, layer, order and head).
 The indices depend on token ids only, so a step's rows are known when its batch is prepared:
@@ -26,7 +36,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from strata.cache.dsv4_pool import DSV4KVPool
 from strata.engram_config import EngramConfig
+from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import RMSNorm32
 
 _MASK64 = (1 << 64) - 1
@@ -99,9 +111,62 @@ class EngramInputs:
         return future.result().to(device, non_blocking=True)
 
 
+class _Taps(nn.Module):
+    """The convolution's weight, where nn.Conv1d keeps it (`conv.weight`)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel))
+
+
+class ShortConv(nn.Module):
+    """Engram's causal depthwise convolution over each stream's gated value: a norm per stream
+    (`norms`), `conv.weight` [hc_mult x hidden, 1, K] (nn.Conv1d's layout), SiLU."""
+
+    def __init__(self, cfg: EngramConfig, hidden: int, eps: float):
+        super().__init__()
+        streams = cfg.state_width // hidden
+        self.kernel, self.dilation = cfg.conv_kernel, cfg.conv_dilation
+        self.norms = nn.ModuleList(RMSNorm32(hidden, eps) for _ in range(streams))
+        self.conv = _Taps(cfg.state_width, cfg.conv_kernel)
+
+    def forward(
+        self,
+        value: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        state: torch.Tensor,
+        group: AttentionMetadata,
+    ) -> torch.Tensor:
+        """value [T, hc_mult, H] (gated) -> the convolution's output, same shape. Writes the step's
+        normalised values into `state` (the pool's conv rows of this layer) first, then reads each
+        position's taps from it."""
+        T, S, H = value.shape
+        x = torch.stack([norm(value[:, s]) for s, norm in enumerate(self.norms)], 1)
+        state[group.out_slots] = x.reshape(T, S * H).to(state.dtype)
+        back = (
+            torch.arange(self.kernel - 1, -1, -1) * self.dilation
+        )  # tap i reads (K-1-i) d back
+        pos = positions.cpu().view(-1, 1) - back  # [T, K]
+        at = pos.clamp(min=0)
+        ps = meta.page_size
+        slots = (
+            group.page_table[meta.token_owner].gather(1, at // ps) * ps + at % ps
+        ).to(state.device)
+        real = (pos >= 0).to(state.device, torch.float32)  # x is 0 before position 0
+        w = self.conv.weight.float()[:, 0, :]  # [S * H, K]
+        y = torch.zeros(T, S * H, dtype=torch.float32, device=state.device)
+        for i in range(
+            self.kernel
+        ):  # one tap at a time: [T, S * H] live, not [T, K, S * H]
+            y += state[slots[:, i]].float() * real[:, i : i + 1] * w[:, i]
+        return torch.nn.functional.silu(y).view(T, S, H).to(value.dtype)
+
+
 class Engram(nn.Module):
     """One layer's Engram: its tables (`embedding`, [num_tables, table_size, dim], or None when they
-    live outside the model), the key/value projections of the memory vector and the gate's norms."""
+    live outside the model), the key/value projections of the memory vector, the gate's norms and,
+    where the config has one, the short convolution."""
 
     def __init__(self, cfg: EngramConfig, layer_id: int, hidden: int, eps: float):
         super().__init__()
@@ -117,6 +182,7 @@ class Engram(nn.Module):
         self.scale = hidden**-0.5
         # a plain tensor, not a buffer: it survives the meta device and dtype casts
         self.multipliers = multiplier_table(cfg, layer_id)
+        self.short_conv = ShortConv(cfg, hidden, eps) if cfg.conv_kernel else None
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
         """[T, num_tables] -> [T, num_tables, dim] from the model's own tables."""
@@ -124,8 +190,16 @@ class Engram(nn.Module):
         tables = torch.arange(indices.shape[1], device=indices.device)
         return self.embedding[tables, indices]
 
-    def forward(self, streams: torch.Tensor, inputs: EngramInputs) -> torch.Tensor:
-        """streams [T, hc_mult, H] -> the streams plus each one's gated memory value."""
+    def forward(
+        self,
+        streams: torch.Tensor,
+        inputs: EngramInputs,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+        kv: DSV4KVPool,
+    ) -> torch.Tensor:
+        """streams [T, hc_mult, H] -> the streams plus each one's gated memory value (and its
+        convolution's output)."""
         rows = inputs.rows(self.layer_id, streams.device)
         if rows is None:
             rows = self.lookup(inputs.indices[self.layer_id])
@@ -138,4 +212,12 @@ class Engram(nn.Module):
         gate = torch.sigmoid(
             (h.float() * key.float().unsqueeze(1)).sum(-1) * self.scale
         )  # [T, hc_mult]
-        return streams + gate.to(streams.dtype).unsqueeze(-1) * value.unsqueeze(1)
+        gated = gate.to(streams.dtype).unsqueeze(-1) * value.unsqueeze(1)
+        if self.short_conv is None:
+            return streams + gated
+        state = kv.conv[self.layer_id]
+        assert state is not None  # the pool keeps a conv window for every such layer
+        conv = self.short_conv(
+            gated, positions, meta, state, meta.group(kv.group_of["conv"])
+        )
+        return streams + gated + conv

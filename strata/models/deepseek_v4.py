@@ -192,7 +192,7 @@ class DSV4Layer(nn.Module):
                     "this model has Engram layers: its forward needs `ngrams` "
                     "(ModelRunner.prepare builds them)"
                 )
-            streams = self.engram(streams, ngrams)
+            streams = self.engram(streams, ngrams, positions, meta, kv)
         h, post, comb = self.attn_hc(streams)
         out = self.self_attn(self.input_layernorm(h), positions, meta, kv, shared)
         streams = HyperConnection.merge(streams, out, post, comb)

@@ -6,7 +6,9 @@ hit, retraction under a small pool, a prefill/decode pair, a prefix through the 
 tiers, and the three table placements.
 
 The tiny checkpoint is tests/tiny_dsv4.py's V4 plus `add_engram`: Engram at layers 0 and 2, 2- and
-3-grams, two hash heads, 97-row tables, a 384 -> 200 id map.
+3-grams, two hash heads, 97-row tables, a 384 -> 200 id map; every test runs it without and with
+the demo's short convolution (3 taps, 2 apart), whose inputs depend on the hidden state and so
+live in the request's paged state.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from test_disagg import pd_tokens
 from test_hicache import GREEDY as TIER_GREEDY  # what run_one generates
 from test_hicache import through_the_tiers
 from test_parity import hf_greedy, hf_model
-from tiny_dsv4 import ENGRAM, add_engram, make_dsv4, prompt
+from tiny_dsv4 import CONV, ENGRAM, TINY, add_engram, make_dsv4, prompt
 
 from strata import Engine, SamplingParams
 from strata.engine.batch import ScheduleBatch
@@ -64,6 +66,11 @@ class EngramOracle:
         self.vmap = self.w.get("model.engram_vocab_map")
         self.pad = cfg.get("engram_vocab_map") or cfg["vocab_size"]
         self.eps, self.H = cfg["rms_norm_eps"], cfg["hidden_size"]
+        self.kernel = cfg.get("engram_conv_kernel") or 0
+        self.dilation = cfg.get("engram_conv_dilation") or max(self.orders)
+        self.x: dict[int, dict[int, torch.Tensor]] = {
+            layer: {} for layer in cfg["engram_layers"]
+        }  # the convolution's normalised inputs by layer and position
         self.seq: list[int] = []
         self.handles = []
         for layer in cfg["engram_layers"]:
@@ -102,10 +109,28 @@ class EngramOracle:
         v = self.w[p + "value_proj.weight"] @ e
         kn = self.rms(k, self.w[p + "key_norm.weight"])
         out = streams.clone()
+        values = []
         for s in range(streams.shape[0]):
             hn = self.rms(streams[s], self.w[p + "hidden_norm.weight"])
             gate = torch.sigmoid((hn * kn).sum() / math.sqrt(self.H))
+            values.append(gate * v)
             out[s] = streams[s] + gate * v
+        if self.kernel:
+            # x[t] = a norm per stream of the gated value; y = SiLU(causal depthwise taps over x)
+            x = torch.cat(
+                [
+                    self.rms(val, self.w[p + f"short_conv.norms.{s}.weight"])
+                    for s, val in enumerate(values)
+                ]
+            )
+            self.x[layer][t] = x
+            w = self.w[p + "short_conv.conv.weight"][:, 0, :]  # [streams * H, K]
+            y = torch.zeros_like(x)
+            for i in range(self.kernel):
+                back = t - (self.kernel - 1 - i) * self.dilation
+                if back >= 0:
+                    y += w[:, i] * self.x[layer][back]
+            out += torch.nn.functional.silu(y).view_as(out)
         return out
 
     def _hook(self, layer: int):
@@ -128,9 +153,11 @@ class EngramOracle:
         return list(ENGRAM["engram_layers"])
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return add_engram(make_dsv4(tmp_path_factory.mktemp("engram")))
+@pytest.fixture(scope="module", params=["plain", "conv"])
+def model_dir(tmp_path_factory, request):
+    """The tiny V4.1, without and with the short convolution (whose state is paged)."""
+    conv = CONV if request.param == "conv" else {}
+    return add_engram(make_dsv4(tmp_path_factory.mktemp("engram")), **conv)
 
 
 @pytest.fixture(scope="module")
@@ -179,6 +206,43 @@ def test_config_reads_engram(model_dir):
     assert (cfg.table_size, cfg.dim, cfg.hash_seed) == (97, 8, 7)
     assert cfg.vocab_map_size == 200 and cfg.pad_id == 200
     assert cfg.num_tables == 4 and cfg.context_len == 2
+    if (
+        cfg.conv_kernel
+    ):  # 3 taps 2 apart: positions t - 4 .. t, a window group of its own
+        assert (cfg.conv_kernel, cfg.conv_dilation, cfg.conv_span) == (3, 2, 5)
+        assert cfg.state_width == TINY["hc_mult"] * TINY["hidden_size"]
+        v4 = config_from_dir(model_dir).dsv4
+        assert v4.state_windows["conv"] == 5
+    else:
+        assert cfg.conv_span == 0
+
+
+def test_the_convolution_state_is_paged_with_the_request(model_dir):
+    """With the convolution the pool keeps a window group of each Engram layer's inputs, and a
+    page read out carries them (what PD and the tiers move)."""
+    eng = engine(model_dir)
+    kv = eng.scheduler.runner.kv
+    cfg = config_from_dir(model_dir).dsv4.engram
+    if not cfg.conv_kernel:
+        assert "conv" not in kv.group_of and all(c is None for c in kv.conv)
+        return
+    assert [layer for layer, c in enumerate(kv.conv) if c is not None] == [0, 2]
+    assert kv.conv[0].shape[1] == cfg.state_width
+    assert kv.windows[kv.group_of["conv"] - 1] == cfg.conv_span
+    # the group holds nothing else (its window differs from the others'): two layers' rows per token
+    per_page = kv.bytes_by_group()[kv.group_of["conv"]]
+    assert per_page == kv.page_size * 2 * cfg.state_width * kv.conv[0].element_size()
+
+
+def test_config_refuses_a_bad_convolution():
+    from strata.engram_config import engram_from_hf
+
+    base = {"engram_layers": [0], "engram_table_size": 5, "engram_dim": 2}
+    base.update(vocab_size=9, hidden_size=4, hc_mult=2)
+    with pytest.raises(ValueError, match="engram_conv_kernel must be >= 0"):
+        engram_from_hf({**base, "engram_conv_kernel": -1}, 4)
+    with pytest.raises(ValueError, match="engram_conv_dilation >= 1"):
+        engram_from_hf({**base, "engram_conv_kernel": 2, "engram_conv_dilation": 0}, 4)
 
 
 def test_config_refuses_a_layer_out_of_range(tmp_path):
