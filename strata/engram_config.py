@@ -30,9 +30,11 @@ class EngramConfig:
     # 0: none): depthwise, `conv_kernel` taps `conv_dilation` positions apart
     conv_kernel: int = 0
     conv_dilation: int = 1
-    state_width: int = (
-        0  # values one position keeps per Engram layer for it: hc_mult x hidden
-    )
+    # values one position keeps per Engram layer for it: hc_mult x hidden
+    state_width: int = 0
+    # split over ranks (strata.distributed.sharding): this rank's rows [start, end) of every table;
+    # None: all of them
+    shard_rows: tuple[int, int] | None = None
 
     @property
     def num_tables(self) -> int:
@@ -42,6 +44,11 @@ class EngramConfig:
     def context_len(self) -> int:
         """Tokens before a position that its n-grams read."""
         return max(self.orders) - 1
+
+    @property
+    def rows_here(self) -> tuple[int, int]:
+        """[start, end) of each table's rows this process holds."""
+        return self.shard_rows or (0, self.table_size)
 
     @property
     def conv_span(self) -> int:

@@ -1,5 +1,11 @@
-"""Whole KV pages of a tensor-parallel replica, every KV head, for what moves pages between the pool
-and elsewhere (HiCache's L2/L3 copies, PD transfers): `ShardedKVPool`, a `KVPool` on rank 0.
+"""Whole KV pages of a split replica, for what moves pages between the pool and elsewhere (HiCache's
+L2/L3 copies, PD transfers): a `KVPool` on rank 0 that the page movers use.
+
+`ReplicatedKVPool` (attention replicated: --ep-size without --tp-size): every rank holds the same
+pages whole, so a read is rank 0's own and a write is broadcast for every rank to store (any pool:
+window groups and DeepSeek-V4's state too).
+
+`ShardedKVPool` (tensor parallel), every KV head:
 
 Each rank's pool holds its KV heads of the same pages. Reading pages gathers every rank's heads to
 rank 0 (a `ReadPages` broadcast, then a gather on the control group, shards padded to the widest);
@@ -28,6 +34,48 @@ def pad_heads(pages: torch.Tensor, width: int) -> torch.Tensor:
     out = pages.new_zeros(*pages.shape[:4], width, pages.shape[5])
     out[:, :, :, :, : pages.shape[4]] = pages
     return out
+
+
+class ReplicatedKVPool(KVPool):
+    """Rank 0's pool, whose writes every worker repeats (see the module docstring)."""
+
+    def __init__(self, local: KVPool, runtime):
+        self.local, self.runtime = local, runtime
+        self.page_size, self.num_pages = local.page_size, local.num_pages
+        self.dtype, self.device = local.dtype, local.device
+        self.windows = list(getattr(local, "windows", []))
+
+    @property
+    def page_shape(self) -> tuple[int, int, int, int, int]:
+        return self.local.page_shape
+
+    @property
+    def nbytes(self) -> int:
+        return self.local.nbytes
+
+    @property
+    def layout(self) -> str:
+        return self.local.layout
+
+    def bytes_by_group(self) -> list[int]:
+        return self.local.bytes_by_group()
+
+    def read_pages(self, pages: Sequence[int]) -> tuple[torch.Tensor, np.ndarray]:
+        return self.local.read_pages(pages)
+
+    def write_pages(self, pages: Sequence[int], data: torch.Tensor) -> None:
+        from strata.distributed.messages import WritePages
+
+        idx = np.asarray(pages, dtype=np.int64)
+        maps = getattr(self.local, "page_maps", [])
+        self.runtime.send(
+            WritePages(list(pages), [m[idx].tolist() for m in maps] or None)
+        )
+        full = data.reshape(len(pages), *self.page_shape).to(self.dtype).contiguous()
+        self.runtime.comm.run(
+            "page broadcast", dist.broadcast, full, 0, group=self.runtime.comm.control
+        )
+        self.local.write_pages(pages, full)
 
 
 class ShardedKVPool(KVPool):

@@ -15,7 +15,12 @@ from torch import nn
 
 from strata.distributed.comm import Comm
 from strata.distributed.sharding import ShardPlan
-from strata.layers.activation import act_and_mul, check_activation, clamped_swiglu
+from strata.layers.activation import (
+    act_and_mul,
+    check_activation,
+    clamped_silu_mul,
+    clamped_swiglu,
+)
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
 from strata.moe_config import MoEConfig
 
@@ -73,6 +78,11 @@ def install(model: nn.Module, plan: ShardPlan, comm: Comm) -> None:
             layer.self_attn.register_forward_hook(_all_reduce_hook(comm))
         if (spec.moe and plan.world_size > 1) or (not spec.moe and plan.tp_size > 1):
             layer.mlp.register_forward_hook(_all_reduce_hook(comm))
+        engram = getattr(layer, "engram", None)
+        if engram is not None and plan.world_size > 1:
+            engram.all_reduce = (
+                comm.all_reduce
+            )  # each rank looked up its rows of the tables
     if plan.tp_size > 1:
         embed = VocabParallelEmbedding(
             model.embed_tokens.weight.data, plan.rank * plan.vocab_shard, comm
@@ -124,7 +134,7 @@ class EPExperts(nn.Module):
         self.rank, self.world_size = rank, world_size
         self.act = (
             cfg.expert_act
-            if cfg.expert_act == "clamped_swiglu"
+            if cfg.expert_act in ("clamped_swiglu", "clamped_silu")
             else check_activation(cfg.expert_act, "MoE")
         )
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
@@ -199,11 +209,12 @@ class EPExperts(nn.Module):
         )  # [R, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[local]
-        h = (
-            clamped_swiglu(h, self.limit, self.alpha)
-            if self.act == "clamped_swiglu"
-            else act_and_mul(h.contiguous(), self.act)
-        )
+        if self.act == "clamped_swiglu":
+            h = clamped_swiglu(h, self.limit, self.alpha)
+        elif self.act == "clamped_silu":
+            h = clamped_silu_mul(*h.chunk(2, dim=-1), self.limit)
+        else:
+            h = act_and_mul(h.contiguous(), self.act)
         y = grouped_linear(h, self.down_proj, group_ends, backend)  # [R, H]
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[local]
@@ -248,9 +259,12 @@ class EPExperts(nn.Module):
 
 
 def use_expert_parallel(model: nn.Module, plan: ShardPlan) -> None:
-    """On the meta-device model, before loading: every MoE layer's experts become this rank's slots."""
+    """On the meta-device model, before loading: every MoE layer's experts (`strata.layers.moe`'s,
+    or a family's own with their interface, as DeepSeek-V4's) become this rank's slots."""
     for layer in model.layers:
-        if isinstance(layer.mlp, MoE):
+        if isinstance(layer.mlp, MoE) or hasattr(
+            getattr(layer.mlp, "experts", None), "num_pieces"
+        ):
             layer.mlp.experts = EPExperts(
                 plan.cfg.hidden_size,
                 plan.cfg.moe,

@@ -59,6 +59,8 @@ class Step(msgspec.Struct, tag="step"):
     sample_rows: (
         bytes | None
     )  # int64 [S]: rows whose logits are computed (the gather joins); None: none
+    # Engram models: int64 [T, K + 1], each token's ids at t - K .. t (`prepare_ngrams`' input)
+    ngram_ids: bytes | None = None
 
 
 class Placement(msgspec.Struct, tag="placement"):
@@ -78,6 +80,9 @@ class WritePages(msgspec.Struct, tag="write_pages"):
     """Rank 0 broadcasts every head of these pages next; each rank writes its own."""
 
     pages: list[int]
+    # a pool with window groups, attention replicated: each group's page of each of `pages` (-1:
+    # the group holds none), which rank 0's allocator knows and the workers do not
+    group_pages: list[list[int]] | None = None
 
 
 class Stop(msgspec.Struct, tag="stop"):

@@ -171,9 +171,12 @@ class ParallelRuntime:
 
     def page_pool(self, local):
         """The pool as HiCache and PD see it: whole pages of every KV head, gathered from and
-        scattered to the ranks (`strata.distributed.kv.ShardedKVPool`)."""
-        from strata.distributed.kv import ShardedKVPool
+        scattered to the ranks (`strata.distributed.kv.ShardedKVPool`); with the attention
+        replicated, rank 0's pages, written on every rank (`ReplicatedKVPool`)."""
+        from strata.distributed.kv import ReplicatedKVPool, ShardedKVPool
 
+        if self.cfg.tp_size == 1:
+            return ReplicatedKVPool(local, self)
         cfg, plan = self.plan.cfg, self.plan
         splits = [
             ShardPlan(cfg, r, plan.tp_size, plan.ep_size).heads
@@ -190,7 +193,9 @@ class ParallelRuntime:
         self._wait_loaded()
         self.send(
             msg.KVLayout(
-                plan.layer_windows,
+                getattr(
+                    plan, "layer_windows", []
+                ),  # DeepSeek-V4's plan has window groups only
                 plan.num_pages,
                 page_size,
                 dict(plan.group_pages),
@@ -280,6 +285,9 @@ class ParallelRuntime:
                 for g in attn.groups
             ],
             sample_rows=None if fb.sampling is None else msg.to_bytes(fb.sample_rows),
+            ngram_ids=None
+            if fb.ngrams is None or fb.ngrams.ids is None
+            else msg.to_bytes(fb.ngrams.ids),
         )
         self.send(step)
 

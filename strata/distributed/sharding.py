@@ -11,6 +11,10 @@ and the query heads that read them (uneven splits allowed: 9 heads over 2 ranks 
 query heads 3 + 6); with fewer KV heads than ranks, each rank holds one KV head (replicated, N / KV
 ranks share it) and num_heads / N query heads of its group.
 
+Engram tables (DeepSeek-V4.1) are split by rows over every rank: rank r holds rows [r * R // N,
+(r + 1) * R // N) of each table, looks up the rows of the step's n-grams that fall there (zeros
+elsewhere), and one all-reduce of [T, tables, dim] gives every rank every row.
+
 Mixture-of-experts layers are split over every rank (`world_size` = max(tp, ep)) even when the
 attention is replicated: with ep_size 1 each expert's intermediate is sliced like a dense MLP's;
 with ep_size N each rank holds whole experts (`strata.distributed.layers.EPExperts`). The shared
@@ -83,7 +87,14 @@ def check_supported(cfg: ModelConfig, tp_size: int, ep_size: int) -> None:
             f"--tp-size {tp_size} and --ep-size {ep_size}: each must be 1 or the other's value"
         )
     spec = family_spec(cfg.architecture)
-    if not spec.tensor_parallel:
+    experts_only = spec.expert_parallel and not spec.tensor_parallel
+    if experts_only and tp_size > 1:
+        raise ValueError(
+            f"--tp-size: {cfg.architecture}'s attention does not split over ranks yet; "
+            "--ep-size N runs it over N ranks with the attention replicated and the experts "
+            "(and any Engram tables) split"
+        )
+    if not (spec.tensor_parallel or experts_only):
         raise ValueError(
             f"tensor/expert parallel does not cover {cfg.architecture} ({spec.name}) yet; run it with one rank"
         )
@@ -148,7 +159,17 @@ class ShardPlan:
                 lo, hi = split_range(moe.intermediate_size, self.rank, self.world_size)
                 moe_changes["intermediate_size"] = hi - lo
             changes["moe"] = dataclasses.replace(moe, **moe_changes)
+        v4 = cfg.dsv4
+        if v4 is not None and v4.engram is not None and self.world_size > 1:
+            engram = dataclasses.replace(v4.engram, shard_rows=self.engram_rows)
+            changes["dsv4"] = dataclasses.replace(v4, engram=engram)
         return dataclasses.replace(cfg, **changes)
+
+    @property
+    def engram_rows(self) -> tuple[int, int]:
+        """Rows [start, end) of every Engram table this rank holds (they split over all ranks)."""
+        assert self.cfg.dsv4 is not None and self.cfg.dsv4.engram is not None
+        return split_range(self.cfg.dsv4.engram.table_size, self.rank, self.world_size)
 
     # ------------------------------------------------------------------ checkpoint tensors
 
@@ -168,6 +189,11 @@ class ShardPlan:
         match = _LAYER.search(name)
         if match is None:
             return tensor
+        if name.endswith(".engram.embedding") and world > 1:
+            lo, hi = (
+                self.engram_rows
+            )  # [num_tables, table_size, dim]: rows split over the ranks
+            return tensor[:, lo:hi]
         moe_layer = self.cfg.layers[int(match[1])].moe
         if tp > 1 and leaf in ("qkv_proj", "gate_up_proj") and ".experts." not in name:
             raise ValueError(

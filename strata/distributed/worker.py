@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -95,10 +96,24 @@ class Worker:
         self.comm.mark("loaded")
 
     def make_kv(self, layout: msg.KVLayout) -> None:
+        from strata.cache.dsv4_pool import DSV4KVPool
         from strata.cache.kv_pool import MHAKVPool
 
         local = self.plan.local_config()
         self.page_size = layout.page_size
+        if (
+            local.dsv4 is not None
+        ):  # attention replicated: every rank holds the whole state
+            self.kv = DSV4KVPool(
+                local.dsv4,
+                local.head_dim,
+                layout.num_pages,
+                layout.page_size,
+                layout.group_pages,
+                getattr(torch, layout.kv_dtype),
+                self.device,
+            )
+            return
         self.kv = MHAKVPool(
             layout.layer_windows,
             local.num_kv_heads,
@@ -115,7 +130,11 @@ class Worker:
         ids, positions, attn, sample_rows = build_step(
             step, self.page_size, self.device
         )
-        hidden = self.model(ids, positions, attn, self.kv)
+        if step.ngram_ids is None:
+            hidden = self.model(ids, positions, attn, self.kv)
+        else:  # an Engram model: hash (and gather) this rank's rows as rank 0 did
+            ngrams = self.model.prepare_ngrams(msg.from_bytes(step.ngram_ids, len(ids)))
+            hidden = self.model(ids, positions, attn, self.kv, ngrams)
         if sample_rows is not None:
             self.model.compute_logits(hidden[sample_rows])
 
@@ -138,9 +157,27 @@ class Worker:
             group=self.comm.control,
         )
 
-    def write_pages(self, pages: list[int]) -> None:
+    def write_pages(
+        self, pages: list[int], group_pages: list[list[int]] | None = None
+    ) -> None:
         from strata.distributed.kv import own_heads
 
+        if (
+            self.plan.tp_size == 1
+        ):  # attention replicated: the pages whole, as rank 0 stores them
+            full = torch.empty(len(pages), *self.kv.page_shape, dtype=self.kv.dtype)
+            self.comm.run(
+                "page broadcast", dist.broadcast, full, 0, group=self.comm.control
+            )
+            if group_pages is not None:  # where each window group keeps these pages
+                maps = [
+                    np.full(self.kv.num_pages, -1, dtype=np.int64) for _ in group_pages
+                ]
+                for m, ids in zip(maps, group_pages):
+                    m[pages] = ids
+                self.kv.attach_page_maps(maps)
+            self.kv.write_pages(pages, full)
+            return
         layers, parts, ps, _, dim = self.kv.page_shape
         full = torch.empty(
             len(pages),
@@ -175,7 +212,7 @@ class Worker:
             elif isinstance(message, msg.ReadPages):
                 self.read_pages(message.pages)
             elif isinstance(message, msg.WritePages):
-                self.write_pages(message.pages)
+                self.write_pages(message.pages, message.group_pages)
             elif isinstance(message, msg.Stop):
                 return
 

@@ -1,6 +1,6 @@
 """The gated MLP's activation: act(gate) * up over a fused [.., 2 * intermediate] projection
 (gate first, as Llama's gate/up and Phi-3's gate_up_proj checkpoints order them), and GPT-OSS's
-experts' clamped SwiGLU over the same layout."""
+experts' clamped SwiGLU and DeepSeek-V4's clamped SiLU over the same layout."""
 
 from __future__ import annotations
 
@@ -47,3 +47,11 @@ def clamped_swiglu(gate_up: torch.Tensor, limit: float, alpha: float) -> torch.T
     gate = gate.clamp(max=limit)
     up = up.clamp(min=-limit, max=limit)
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+
+def clamped_silu_mul(
+    gate: torch.Tensor, up: torch.Tensor, limit: float
+) -> torch.Tensor:
+    """DeepSeek-V4's experts and shared expert: SiLU(gate clamped to at most `limit`) * up clamped to
+    [-limit, limit]."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)

@@ -30,6 +30,7 @@ The indices depend on token ids only, so a step's rows are known when its batch 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ from strata.cache.dsv4_pool import DSV4KVPool
 from strata.engram_config import EngramConfig
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import RMSNorm32
+from strata.layers.engram_tables import local_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -101,6 +103,9 @@ class EngramInputs:
     fetched: dict[int, Future] = field(
         default_factory=dict
     )  # layer -> rows being gathered
+    ids: torch.Tensor | None = (
+        None  # the [T, K + 1] token ids they were hashed from (CPU)
+    )
 
     def rows(self, layer: int, device: torch.device) -> torch.Tensor | None:
         """The gathered rows of `layer` ([T, num_tables, dim] on `device`); None where the tables are
@@ -172,9 +177,14 @@ class Engram(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         width = cfg.num_tables * cfg.dim
+        # rows [start, end) of each table (all of them unless split over ranks)
+        self.row_start, row_end = cfg.rows_here
+        self.sharded = cfg.shard_rows is not None
         self.embedding: nn.Parameter | None = nn.Parameter(
-            torch.empty(cfg.num_tables, cfg.table_size, cfg.dim)
+            torch.empty(cfg.num_tables, row_end - self.row_start, cfg.dim)
         )
+        # split over ranks: sums the ranks' rows (each holds its own, zeros elsewhere)
+        self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.key_proj = nn.Linear(width, hidden, bias=False)
         self.value_proj = nn.Linear(width, hidden, bias=False)
         self.hidden_norm = RMSNorm32(hidden, eps)
@@ -185,10 +195,13 @@ class Engram(nn.Module):
         self.short_conv = ShortConv(cfg, hidden, eps) if cfg.conv_kernel else None
 
     def lookup(self, indices: torch.Tensor) -> torch.Tensor:
-        """[T, num_tables] -> [T, num_tables, dim] from the model's own tables."""
+        """[T, num_tables] -> [T, num_tables, dim] from the model's own tables (zeros for rows
+        another rank holds)."""
         assert self.embedding is not None
         tables = torch.arange(indices.shape[1], device=indices.device)
-        return self.embedding[tables, indices]
+        if not self.sharded:
+            return self.embedding[tables, indices]
+        return local_rows(self.embedding, tables, indices, self.row_start)
 
     def forward(
         self,
@@ -203,6 +216,8 @@ class Engram(nn.Module):
         rows = inputs.rows(self.layer_id, streams.device)
         if rows is None:
             rows = self.lookup(inputs.indices[self.layer_id])
+        if self.all_reduce is not None:
+            rows = self.all_reduce(rows)
         memory = rows.reshape(rows.shape[0], -1).to(
             streams.dtype
         )  # [T, num_tables * dim]

@@ -24,18 +24,37 @@ import torch
 from safetensors import safe_open
 
 
+def local_rows(
+    table: torch.Tensor, tables: torch.Tensor, indices: torch.Tensor, start: int
+) -> torch.Tensor:
+    """table [num_tables, rows here, dim] holding rows [start, start + rows here) of each table:
+    the rows at `indices` [T, num_tables], zeros where another rank holds them."""
+    local = indices - start
+    inside = (local >= 0) & (local < table.shape[1])
+    rows = table[tables, local.clamp(0, table.shape[1] - 1)]
+    return rows * inside.unsqueeze(-1).to(rows.dtype)
+
+
 class OffloadedTables:
-    """Engram tables outside the model: {layer: [num_tables, table_size, dim]} in any dtype, rows
-    handed over in `dtype`.
+    """Engram tables outside the model: {layer: [num_tables, rows, dim]} in any dtype, rows handed
+    over in `dtype`; `rows`: the [start, end) of each table they hold where the tables are split over
+    ranks (rows elsewhere come back as zeros), None: every row.
 
     Contract: `start` is called by the thread that runs the steps, once per step and in step order;
     it does not block. The futures it returns hold [T, num_tables, dim] rows on the host, and raise
     what the gather raised (an unreadable mapped file fails that step). The tables are never written."""
 
-    def __init__(self, tables: dict[int, torch.Tensor], dtype: torch.dtype, pin: bool):
+    def __init__(
+        self,
+        tables: dict[int, torch.Tensor],
+        dtype: torch.dtype,
+        pin: bool,
+        rows: tuple[int, int] | None = None,
+    ):
         self.tables = tables
         self.dtype = dtype
         self.pin = pin
+        self.rows = rows
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="engram-gather")
 
     def start(self, indices: dict[int, torch.Tensor]) -> dict[int, Future]:
@@ -48,7 +67,10 @@ class OffloadedTables:
     def _gather(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
         table = self.tables[layer]
         which = torch.arange(indices.shape[1])
-        rows = table[which, indices].to(self.dtype)  # [T, num_tables, dim]
+        if self.rows is None:
+            rows = table[which, indices].to(self.dtype)  # [T, num_tables, dim]
+        else:
+            rows = local_rows(table, which, indices, self.rows[0]).to(self.dtype)
         return rows.pin_memory() if self.pin else rows
 
     def nbytes(self) -> int:
@@ -59,19 +81,28 @@ class OffloadedTables:
 
 
 def host_tables(
-    files: list[Path], names: dict[str, int], dtype: torch.dtype, pin: bool
+    files: list[Path],
+    names: dict[str, int],
+    dtype: torch.dtype,
+    pin: bool,
+    rows: tuple[int, int] | None = None,
 ) -> OffloadedTables:
-    """The named checkpoint tensors ({name: layer}) read into host memory in `dtype`."""
+    """The named checkpoint tensors ({name: layer}) read into host memory in `dtype` (only rows
+    [start, end) of each table where `rows` says)."""
     tables: dict[int, torch.Tensor] = {}
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a mapping
                 if name in names:
                     # a copy: safetensors may hand back a view of its file mapping
-                    t = f.get_tensor(name).to(dtype, copy=True)
+                    t = (
+                        f.get_tensor(name)
+                        if rows is None
+                        else f.get_slice(name)[:, rows[0] : rows[1]]
+                    ).to(dtype, copy=True)
                     tables[names[name]] = t.pin_memory() if pin else t
     _check_complete(tables, names)
-    return OffloadedTables(tables, dtype, pin)
+    return OffloadedTables(tables, dtype, pin, rows)
 
 
 # safetensors dtype -> (numpy dtype of the stored bytes, torch dtype they are viewed as)
@@ -84,7 +115,11 @@ _STORED = {
 
 
 def mmap_tables(
-    files: list[Path], names: dict[str, int], dtype: torch.dtype, pin: bool
+    files: list[Path],
+    names: dict[str, int],
+    dtype: torch.dtype,
+    pin: bool,
+    rows: tuple[int, int] | None = None,
 ) -> OffloadedTables:
     """The named checkpoint tensors mapped from their files (copy-on-write, never written): the
     safetensors header gives each tensor's byte range, which becomes a numpy memmap viewed by torch."""
@@ -104,9 +139,11 @@ def mmap_tables(
             )
             # rows are read at random: no read-ahead, or each row read faults in its neighbours
             array._mmap.madvise(mmap.MADV_RANDOM)  # type: ignore[attr-defined]
-            tables[names[name]] = torch.from_numpy(array).view(torch_dtype)
+            table = torch.from_numpy(array).view(torch_dtype)
+            # split over ranks: a view of this rank's rows; the others' are never touched
+            tables[names[name]] = table if rows is None else table[:, rows[0] : rows[1]]
     _check_complete(tables, names)
-    return OffloadedTables(tables, dtype, pin)
+    return OffloadedTables(tables, dtype, pin, rows)
 
 
 def _safetensors_layout(path: Path) -> dict[str, tuple[str, list[int], int]]:
@@ -129,7 +166,8 @@ def _check_complete(tables: dict[int, torch.Tensor], names: dict[str, int]) -> N
 
 
 # --engram-placement -> how tables kept outside the model are built (memory: none are)
-TABLE_PLACEMENTS: dict[
-    str,
-    Callable[[list[Path], dict[str, int], torch.dtype, bool], OffloadedTables] | None,
-] = {"memory": None, "host": host_tables, "mmap": mmap_tables}
+TABLE_PLACEMENTS: dict[str, Callable[..., OffloadedTables] | None] = {
+    "memory": None,
+    "host": host_tables,
+    "mmap": mmap_tables,
+}

@@ -34,6 +34,7 @@ from torch import nn
 
 from strata.cache.dsv4_pool import DSV4KVPool
 from strata.dsv4_config import dsv4_from_hf
+from strata.layers.activation import clamped_silu_mul
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
 from strata.layers.engram import Engram, EngramInputs, hash_ngrams
@@ -43,12 +44,6 @@ from strata.layers.moe import grouped_linear, grouped_mm_works
 from strata.model_config import ConfigTraits, LayerSpec, ModelConfig, rope_from_hf
 from strata.models.spec import FamilySpec, KVLayout
 from strata.moe_config import MoEConfig
-
-
-def clamped_silu_mul(
-    gate: torch.Tensor, up: torch.Tensor, limit: float
-) -> torch.Tensor:
-    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
 def router_scores(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -73,24 +68,79 @@ class SharedExpert(nn.Module):
         )
 
 
+class DSV4Experts(nn.Module):
+    """The routed experts, stacked (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]),
+    with the interface of `strata.layers.moe.Experts` (forward, load, num_pieces), so that expert
+    parallel puts its `EPExperts` in their place."""
+
+    def __init__(self, hidden: int, moe: MoEConfig):
+        super().__init__()
+        E, size = moe.num_experts, moe.intermediate_size
+        self.num_experts, self.intermediate_size = E, size
+        self.limit = moe.swiglu_limit
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * size, hidden))
+        self.down_proj = nn.Parameter(torch.empty(E, hidden, size))
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, H]
+        weights: torch.Tensor,  # [T, k] float32
+        experts: torch.Tensor,  # [T, k] int64
+        counts: torch.Tensor,  # [E]
+    ) -> torch.Tensor:
+        """The T * k (token, expert) rows sorted by expert, one grouped GEMM per projection."""
+        T, k = experts.shape
+        backend = "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
+        order = experts.reshape(-1).argsort(stable=True)
+        group_ends = counts.cumsum(0).to(torch.int32)
+        h = grouped_linear(
+            x[order // k], self.gate_up_proj, group_ends, backend
+        )  # [T * k, 2I]
+        gate, up = h.chunk(2, dim=-1)
+        y = grouped_linear(
+            clamped_silu_mul(gate, up, self.limit),
+            self.down_proj,
+            group_ends,
+            backend,
+        )
+        out = torch.empty_like(y, dtype=torch.float32)
+        out[order] = y.float() * weights.reshape(-1)[order, None]
+        return out.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+    def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]:
+        """A stacked tensor under our name, or one expert's `{e}.{gate,up,down}_proj.weight`; returns
+        the parameter filled and how many of its `num_pieces` that was."""
+        match = _EXPERT_PIECE.fullmatch(name)
+        if match is None:
+            param = getattr(self, name, None)
+            if not isinstance(param, nn.Parameter):
+                raise ValueError(f"unexpected expert weight {name!r}")
+            _copy(param.data, tensor, name)
+            return name, self.num_pieces(name)
+        e, proj = int(match[1]), match[2]
+        if e >= self.num_experts:
+            raise ValueError(f"unexpected expert weight {name!r}")
+        target = "down_proj" if proj == "down_proj" else "gate_up_proj"
+        dst = getattr(self, target).data[e]
+        if proj != "down_proj":
+            half = self.intermediate_size
+            dst = dst[:half] if proj == "gate_proj" else dst[half:]
+        _copy(dst, tensor, name)
+        return target, 1
+
+    def num_pieces(self, name: str) -> int:
+        return self.num_experts * (2 if name.startswith("gate_up_proj") else 1)
+
+
 class DSV4MoE(nn.Module):
-    """Router (`gate`: weight, and tid2eid or e_score_correction_bias), stacked experts
-    (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]) and the shared expert."""
+    """Router (`gate`: weight, and tid2eid or e_score_correction_bias), the routed experts
+    (`DSV4Experts`, or expert parallel's slots) and the shared expert."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
         moe, v4 = cfg.moe, cfg.dsv4
-        E, k, size, H = (
-            moe.num_experts,
-            moe.top_k,
-            moe.intermediate_size,
-            cfg.hidden_size,
-        )
-        self.top_k, self.scale, self.limit = (
-            k,
-            moe.routed_scaling_factor,
-            moe.swiglu_limit,
-        )
+        E, k, H = moe.num_experts, moe.top_k, cfg.hidden_size
+        self.top_k, self.scale = k, moe.routed_scaling_factor
         self.scoring_func = v4.scoring_func
         self.is_hash = v4.hash_layers[layer_id]
         self.gate = nn.Module()
@@ -103,9 +153,7 @@ class DSV4MoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(
                 torch.empty(E, dtype=torch.float32)
             )
-        self.experts = nn.Module()
-        self.experts.gate_up_proj = nn.Parameter(torch.empty(E, 2 * size, H))
-        self.experts.down_proj = nn.Parameter(torch.empty(E, H, size))
+        self.experts: nn.Module = DSV4Experts(H, moe)
         self.shared_experts = SharedExpert(
             H, moe.shared_intermediate_size, moe.swiglu_limit
         )
@@ -132,33 +180,7 @@ class DSV4MoE(nn.Module):
             experts.reshape(-1), minlength=self.gate.weight.shape[0]
         )
         self.expert_load += counts
-        return self._experts(x, weights, experts, counts) + self.shared_experts(x)
-
-    def _experts(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        experts: torch.Tensor,
-        counts: torch.Tensor,
-    ):
-        """The T * k (token, expert) rows sorted by expert, one grouped GEMM per projection."""
-        T, k = experts.shape
-        backend = "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
-        order = experts.reshape(-1).argsort(stable=True)
-        group_ends = counts.cumsum(0).to(torch.int32)
-        h = grouped_linear(
-            x[order // k], self.experts.gate_up_proj, group_ends, backend
-        )  # [T * k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = grouped_linear(
-            clamped_silu_mul(gate, up, self.limit),
-            self.experts.down_proj,
-            group_ends,
-            backend,
-        )
-        out = torch.empty_like(y, dtype=torch.float32)
-        out[order] = y.float() * weights.reshape(-1)[order, None]
-        return out.view(T, k, -1).sum(dim=1).to(x.dtype)
+        return self.experts(x, weights, experts, counts) + self.shared_experts(x)
 
 
 class DSV4Layer(nn.Module):
@@ -202,9 +224,15 @@ class DSV4Layer(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module):
-    RENAMES: tuple[
-        tuple[str, str], ...
-    ] = ()  # the decoder families' plain renames; V4's are `our_name`
+    # plain renames that give DeepSeek's own expert names (`ffn.experts.E.w1`, `ffn.shared_experts.w3`)
+    # the shape a parallel rank's slicing and EPLB's reload read (`strata.distributed`); loading itself
+    # goes through `our_name`
+    RENAMES: tuple[tuple[str, str], ...] = (
+        (".ffn.", ".mlp."),
+        (".w1.", ".gate_proj."),
+        (".w3.", ".up_proj."),
+        (".w2.", ".down_proj."),
+    )
 
     def __init__(
         self,
@@ -276,9 +304,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                     compressed, layer.engram.multipliers, engram.table_size
                 )  # [T, num_tables] on the CPU
         if self.engram_tables is not None:
-            return EngramInputs(indices, self.engram_tables.start(indices))
+            return EngramInputs(indices, self.engram_tables.start(indices), ngram_ids)
         device = self.embed_tokens.weight.device
-        return EngramInputs({k: v.to(device) for k, v in indices.items()})
+        return EngramInputs(
+            {k: v.to(device) for k, v in indices.items()}, ids=ngram_ids
+        )
 
     def take_engram_tables(self, checkpoint_names: Iterable[str]) -> dict[str, int]:
         """Drop the Engram tables from the model (they will live outside it) and name the checkpoint
@@ -293,6 +323,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return {
             n: want[ours] for n in checkpoint_names if (ours := our_name(n)) in want
         }
+
+    def expert_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor of the experts in our layout (EPLB's reload): already is."""
+        return tensor
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
@@ -339,17 +373,18 @@ class DeepseekV4ForCausalLM(nn.Module):
             name = our_name(ckpt_name)
             if name is None:
                 continue
-            expert = _PER_EXPERT.fullmatch(name)
-            if expert is not None:  # one expert's w1 (gate) / w3 (up) / w2 (down)
-                layer, e, w = expert[1], int(expert[2]), expert[3]
-                stacked = f"layers.{layer}.mlp.experts.{'down_proj' if w == 'w2' else 'gate_up_proj'}"
-                dst = targets[stacked].data[e]
-                if w != "w2":
-                    half = dst.shape[0] // 2
-                    dst = dst[:half] if w == "w1" else dst[half:]
-                _copy(dst, tensor, ckpt_name)
-                pieces[stacked] = pieces.get(stacked, 0) + 1
-                if pieces[stacked] == self._pieces(stacked):
+            expert = _EXPERTS.fullmatch(name)
+            if (
+                expert is not None
+            ):  # to the experts module: ours, or expert parallel's slots
+                layer, rest = int(expert[1]), expert[2]
+                for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                    rest = re.sub(rf"^(\d+)\.{theirs}\.", rf"\1.{ours}_proj.", rest)
+                experts = self.layers[layer].mlp.experts
+                target, count = experts.load(rest, tensor)
+                stacked = f"layers.{layer}.mlp.experts.{target}"
+                pieces[stacked] = pieces.get(stacked, 0) + count
+                if pieces[stacked] >= experts.num_pieces(target):
                     loaded.add(stacked)
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
@@ -372,10 +407,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.reset_expert_load()
         self._vocab_map_cpu = None
 
-    def _pieces(self, stacked: str) -> int:
-        experts = self.config.moe.num_experts
-        return experts if stacked.endswith("down_proj") else 2 * experts
-
 
 def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     if dst.shape != tensor.shape:
@@ -385,7 +416,10 @@ def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
     dst.copy_(tensor)
 
 
-_PER_EXPERT = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.(w1|w2|w3)\.weight")
+_EXPERTS = re.compile(
+    r"layers\.(\d+)\.mlp\.experts\.(.+)"
+)  # -> the experts module's name
+_EXPERT_PIECE = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 # DeepSeek's checkpoint names -> ours (transformers' in-memory names), applied in order
 _RENAMES = [
     (re.compile(a), b)
@@ -469,6 +503,7 @@ def read_config(raw: dict[str, Any]) -> ModelConfig:
         norm_topk_prob=True,
         routed_scaling_factor=float(text["routed_scaling_factor"]),
         correction_bias=True,
+        expert_act="clamped_silu",
         swiglu_limit=v4.swiglu_limit,
         shared_intermediate_size=expert_size,
     )
@@ -505,6 +540,7 @@ SPEC = FamilySpec(
     model_types={"deepseek_v4": ConfigTraits(parse=read_config)},
     kv_layout=KVLayout.DSV4,
     tensor_parallel=False,
+    expert_parallel=True,
     native_decode=False,
     draft_model=False,
 )

@@ -56,6 +56,9 @@ class FamilySpec:
     kv_layout: KVLayout = KVLayout.PAGED
     # the model's layers split over ranks (--tp-size / --ep-size); False: refused with a message
     tensor_parallel: bool = True
+    # the experts (and Engram tables) split over ranks by --ep-size with the attention replicated,
+    # also where tensor_parallel is False; None: as tensor_parallel
+    expert_parallel: bool | None = None
     # a decode step's layers may run from C++ (`strata.models.native_decode`), when the model's
     # config and weights also qualify (pre-norm, no q/k norm, SiLU MLP, packed linears)
     native_decode: bool = True

@@ -141,11 +141,13 @@ def load_model(
     if tables:
         make_tables = TABLE_PLACEMENTS[engram_placement]
         assert make_tables is not None
+        engram = model.config.dsv4.engram  # only Engram models hand tables over
         model.engram_tables = make_tables(
             checkpoint_files(model_dir),
             tables,
             dtype,
             torch.device(device).type == "cuda",
+            rows=engram.shard_rows,
         )
     if quantization in QUANT_METHODS:
         model = quantize_model(model, quantization)

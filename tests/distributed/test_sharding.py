@@ -162,3 +162,41 @@ def test_fewer_copies_of_hot_experts_when_they_pack_better():
     placement = plan_placement(load, 20, 4)
     assert placement.count(2) == 2 and placement.count(3) == 2
     assert imbalance(rank_loads(load, placement, 4)) < 1.05
+
+
+def test_engram_tables_split_by_rows_and_deepseek_names_slice_the_shared_expert():
+    """DeepSeek-V4.1 over two ranks (attention replicated): each rank's config holds its rows of
+    every Engram table and half the shared expert; the checkpoint's tables and shared-expert
+    weights (DeepSeek's own names too) are cut to match; routed experts pass whole to the slots."""
+    import transformers
+    from tiny_dsv4 import ENGRAM, TINY
+
+    from strata.models.deepseek_v4 import DeepseekV4ForCausalLM
+
+    raw = transformers.DeepseekV4Config(**TINY).to_dict()
+    raw.update(ENGRAM, architectures=["DeepseekV4ForCausalLM"])
+    cfg = config_from_hf(raw)
+    plans = [
+        ShardPlan(cfg, r, 1, 2, DeepseekV4ForCausalLM.RENAMES, tuple(range(8)))
+        for r in range(2)
+    ]
+    size, shared = ENGRAM["engram_table_size"], cfg.moe.shared_intermediate_size
+    assert [p.local_config().dsv4.engram.shard_rows for p in plans] == [
+        (0, size // 2),
+        (size // 2, size),
+    ]
+    assert sum(p.local_config().moe.shared_intermediate_size for p in plans) == shared
+    table = torch.randn(4, size, 8)
+    parts = [p.shard_tensor("model.layers.2.engram.embedding", table) for p in plans]
+    assert torch.equal(torch.cat(parts, dim=1), table)
+    w1 = torch.randn(shared, TINY["hidden_size"])
+    for name in (
+        "layers.1.ffn.shared_experts.w1.weight",
+        "model.layers.1.mlp.shared_experts.gate_proj.weight",
+    ):
+        cut = [p.shard_tensor(name, w1) for p in plans]
+        assert torch.equal(torch.cat(cut), w1)
+    expert = torch.randn(TINY["moe_intermediate_size"], TINY["hidden_size"])
+    assert plans[1].shard_tensor("layers.1.ffn.experts.5.w1.weight", expert) is expert
+    # one rank: nothing is cut
+    assert ShardPlan(cfg, 0, 1, 1).local_config().dsv4.engram.shard_rows is None

@@ -365,9 +365,11 @@ def test_placements_are_the_flags_choices():
     assert tuple(TABLE_PLACEMENTS) == ENGRAM_PLACEMENTS
 
 
-def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
-    """The decode side reads the n-gram history from the request's prompt and first token: no
-    transfer of anything but the KV pages."""
+@pytest.mark.parametrize("decode_ranks", [1, 2])
+def test_prefill_decode_pair_equals_the_oracle(model_dir, expected, decode_ranks):
+    """The decode side reads the n-gram history from the request's prompt and first token: nothing
+    moves but the KV pages (the convolution's window among them); a decode side over two ranks
+    (--ep-size 2) stores them on both."""
     kw = dict(
         dtype="float32",
         kv_cache_tokens=1024,
@@ -376,7 +378,11 @@ def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
     )
     p = Engine(str(model_dir), disaggregation_mode="prefill", **kw)
     d = Engine(
-        str(model_dir), disaggregation_mode="decode", engram_placement="mmap", **kw
+        str(model_dir),
+        disaggregation_mode="decode",
+        engram_placement="mmap",
+        ep_size=decode_ranks,
+        **kw,
     )
     assert pd_tokens(p, d, PROMPTS, GREEDY, 3000) == expected
     d.scheduler.check_no_leaks()
@@ -385,12 +391,106 @@ def test_prefill_decode_pair_equals_the_oracle(model_dir, expected):
     d.close()
 
 
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_a_prefix_through_the_host_and_storage_tiers_stays_exact(
-    model_dir, ref, tmp_path
+    model_dir, ref, tmp_path, ranks
 ):
-    """Engram keeps no per-request state beyond the token ids, so a prefix promoted from L2 or
-    restored from L3 by a restarted engine needs nothing more: its continuation's n-grams read
-    the prompt's ids (the oracle: transformers with the Engram hooks)."""
+    """A prefix promoted from L2 or restored from L3 by a restarted engine: its continuation's
+    n-grams read the prompt's ids, and the convolution's window comes back with the pages (the
+    oracle: transformers with the Engram hooks); over two ranks (--ep-size 2) every rank stores
+    the pages it gets back."""
     doc = prompt(120, 21)
     want = hf_greedy(ref, doc, TIER_GREEDY.max_new_tokens)
-    through_the_tiers(model_dir, doc, want, str(tmp_path / "l3"))
+    through_the_tiers(model_dir, doc, want, str(tmp_path / "l3"), ep_size=ranks)
+
+
+# ---------------------------------------------------------------------------- over two ranks
+
+
+@pytest.mark.parametrize(
+    "placement, redundant", [("memory", 0), ("host", 2), ("mmap", 0)]
+)
+def test_two_ranks_split_the_tables_by_rows_and_give_the_oracle_tokens(
+    model_dir, ref, expected, placement, redundant
+):
+    """--ep-size 2: each rank holds half of every table's rows (and half the experts' slots, with or
+    without redundant ones) and sums its rows with the other's; the attention (and the convolution's
+    window) is replicated. Chunked prefill, decode and a radix hit give the oracle's tokens."""
+    eng = engine(
+        model_dir,
+        page_size=16,
+        chunked_prefill_size=7,
+        engram_placement=placement,
+        ep_size=2,
+        ep_num_redundant_experts=redundant,
+    )
+    try:
+        size = ENGRAM["engram_table_size"]
+        rank0 = eng.model.layers[0].engram
+        assert rank0.all_reduce is not None and rank0.row_start == 0
+        if placement == "memory":
+            assert rank0.embedding.shape[1] == size // 2  # rows 0 .. 47 of 97 here
+        else:
+            assert eng.model.engram_tables.rows == (0, size // 2)
+            assert eng.model.engram_tables.tables[0].shape[1] == size // 2
+        assert type(eng.model.layers[1].mlp.experts).__name__ == "EPExperts"
+        assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+        shared = PROMPTS[0][:34] + prompt(9, 9)
+        again = eng.generate([shared], GREEDY)[0]
+        assert again.cached_tokens == 32
+        assert again.token_ids == hf_greedy(ref, shared, GREEDY.max_new_tokens)
+        eng.scheduler.check_no_leaks()
+    finally:
+        eng.close()
+
+
+def test_deepseek_checkpoint_names_load_on_one_rank_and_two(
+    model_dir, expected, tmp_path
+):
+    """DeepSeek's own names (`ffn.experts.E.w1/w3/w2`, `ffn.shared_experts.w1/w3/w2`, `attn.`) in
+    place of transformers': the same tokens, and expert parallel slices the shared expert right."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    renamed = tmp_path / "deepseek_names"
+    shutil.copytree(model_dir, renamed)
+    path = renamed / "model.safetensors"
+    tensors, out = load_file(path), {}
+    for name, t in tensors.items():
+        new = name.removeprefix("model.").replace(".mlp.", ".ffn.")
+        new = new.replace(".self_attn.", ".attn.")
+        if ".ffn.experts.gate_up_proj" in new:  # [E, 2I, H], gate rows first
+            half = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                stem = new.replace("gate_up_proj", str(e))
+                out[f"{stem}.w1.weight"], out[f"{stem}.w3.weight"] = (
+                    t[e, :half],
+                    t[e, half:],
+                )
+            continue
+        if ".ffn.experts.down_proj" in new:
+            for e in range(t.shape[0]):
+                out[new.replace("down_proj", f"{e}.w2.weight")] = t[e]
+            continue
+        for ours, theirs in (
+            ("gate_proj", "w1"),
+            ("up_proj", "w3"),
+            ("down_proj", "w2"),
+        ):
+            new = new.replace(f".shared_experts.{ours}.", f".shared_experts.{theirs}.")
+        out[new] = t
+    assert any(".ffn.experts.3.w3.weight" in n for n in out)
+    path.unlink()
+    save_file(out, path)
+    for options in ({}, {"ep_size": 2}):
+        eng = engine(renamed, page_size=4, **options)
+        try:
+            assert [r.token_ids for r in eng.generate(PROMPTS, GREEDY)] == expected
+        finally:
+            eng.close()
+
+
+def test_tensor_parallel_is_refused_with_what_to_use(model_dir):
+    with pytest.raises(ValueError, match="--ep-size N runs it over N ranks"):
+        engine(model_dir, tp_size=2)

@@ -286,12 +286,16 @@ def run_one(engine: Engine, prompt: list[int]):
 
 
 def through_the_tiers(
-    model_dir, prompt: list[int], want: list[int], storage: str
+    model_dir, prompt: list[int], want: list[int], storage: str, **options
 ) -> None:
     """`prompt` answered with `want` cold, then with its prefix promoted from L2 after L1 forgot
-    it, then by a restarted engine that finds it only in the L3 file store under `storage`."""
+    it, then by a restarted engine that finds it only in the L3 file store under `storage`
+    (`options`: more engine flags for both)."""
     eng = make_engine(
-        model_dir, hicache_storage_backend="file", hicache_storage_path=storage
+        model_dir,
+        hicache_storage_backend="file",
+        hicache_storage_path=storage,
+        **options,
     )
     assert eng.generate([prompt], GREEDY)[0].token_ids == want
     fill_l1(eng, 0)
@@ -305,6 +309,7 @@ def through_the_tiers(
         hicache_storage_backend="file",
         hicache_storage_path=storage,
         hicache_prefetch_policy="wait_complete",
+        **options,
     )
     tokens, last = run_one(eng2, prompt)
     assert tokens == want and last.cached_tokens_details["storage"] >= 100

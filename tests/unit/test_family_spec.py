@@ -101,9 +101,18 @@ def test_what_a_spec_declares_is_what_the_engine_builds(tiny_dir, family):
         assert type(engine.scheduler.runner.kv) is POOLS[spec.kv_layout]
         if not spec.native_decode:
             assert engine.state.decode_loop == "python"
-        if not spec.tensor_parallel:
-            with pytest.raises(ValueError, match="run it with one rank"):
+        if (
+            not spec.tensor_parallel
+        ):  # refused, or pointed at expert parallel where it runs
+            refusal = (
+                "runs it over N ranks"
+                if spec.expert_parallel
+                else "run it with one rank"
+            )
+            with pytest.raises(ValueError, match=refusal):
                 check_supported(mc, 2, 1)
+            if spec.expert_parallel:
+                check_supported(mc, 1, 2)
         out = engine.generate(
             [[5, 6, 7, 8]], SamplingParams(temperature=0, max_new_tokens=3)
         )
