@@ -11,13 +11,11 @@ Here:
   * `NgramDrafter` — prompt lookup: the longest recent n-gram of the request's own text that occurred
     before in it (or, failing that, in recent requests' texts, `SharedNgramIndex`) proposes what
     followed it.
-  * `StepCost` — an online fit of step time, a + b * rows + c * prefill tokens, per batch size,
-    with a fixed cost a of its own for plain steps and for verifications (they may run other code).
+  * `StepCost` — an online fit of step time, a + b * rows + c * prefill tokens, per batch size.
   * `DraftPolicy` — how many drafts each request feeds this step: a token is added while its
     expected acceptance (learned per request and per n-gram match length) buys more output per
-    second than it costs (b, weighed against the step's a + b T), and the whole draft is fed only if
-    the verification outruns the plain step it replaces (whose fixed cost may be lower). As the batch
-    grows, the cost of a token grows relative to what it gains, and drafting stops on its own.
+    second than it costs (b, weighed against the step's a + b T). As the batch grows, the cost of a
+    token grows relative to what it gains, and drafting stops on its own.
   * `DraftGuard` — what drafting actually bought, measured: per batch size, the output rate of
     steps that fed drafts against steps that did not (their prefill chunks' cost taken out). Where the model's choices measure slower, the
     policy stands down (so that turning speculation on does not make a busy server slower).
@@ -53,9 +51,6 @@ EXPLORE_FIRST = (
 )
 MIN_FIT_STEPS = (
     8.0  # (decayed) steps a batch size needs before its own cost fit is used
-)
-MIN_KIND_STEPS = (
-    4.0  # (decayed) steps of a kind (plain or verify) before it has its own fixed cost
 )
 
 
@@ -174,41 +169,29 @@ class NgramDrafter:
 
 
 class StepCost:
-    """Step time by step kind: t = a_kind + b * rows + c * prefill_tokens, kind plain (no drafts) or
-    verify (drafts fed). rows: decoding requests' tokens and drafted ones; prefill_tokens: the
-    step's prefill chunks. The two kinds may run different code (a plain decode the native loop, a
-    verification the Python forward with its extend attention), so each has its own fixed cost,
-    learned from its own steps, and a faster plain step (new kernels, the native loop) re-prices
-    drafting by itself, with no constant to retune; b and c are shared. Fitted by least squares
-    with forgetting, per batch size (decoding requests, by powers of two: the kernels a step runs
-    change with its rows, so one line over every size would misprice a row) and over all steps for
-    sizes seen too rarely.
+    """Step time t = a + b * rows + c * prefill_tokens (rows: decoding requests' tokens and drafted
+    ones; prefill_tokens: the step's prefill chunks), fitted by least squares with forgetting, per
+    batch size (decoding requests, by powers of two: the kernels a step runs change with its rows,
+    so one line over every size would misprice a row) and over all steps for sizes seen too rarely.
 
-    It runs every step on the scheduler's thread, so it is plain float arithmetic on small sums, and
+    It runs every step on the scheduler's thread, so it is plain float arithmetic on 3 x 3 sums, and
     a bucket's solution is kept until the next observation (numpy's per-call overhead on arrays this
     small, twice a step, cost a one-row CPU step ~1%)."""
 
     def __init__(self, decay: float = 0.99):
         self.decay = decay
-        # (bucket (None: all), verify) -> decayed [X^T X (3 x 3), X^T t (3)], X = (1, rows, prefill)
-        self.fits: dict[
-            tuple[int | None, bool], tuple[list[list[float]], list[float]]
-        ] = {}
+        # bucket (None: all) -> decayed [X^T X rows (3 x 3), X^T t (3)]
+        self.fits: dict[int | None, tuple[list[list[float]], list[float]]] = {}
         self._solved: dict[
-            int, tuple[float, float, float, float]
-        ] = {}  # bucket -> (a_plain, a_verify, b, c) since the last observe
+            int, tuple[float, float, float]
+        ] = {}  # bucket -> coefficients since the last observe
 
     def observe(
-        self,
-        num_decodes: int,
-        rows: int,
-        prefill_tokens: int,
-        seconds: float,
-        verify: bool = False,
+        self, num_decodes: int, rows: int, prefill_tokens: int, seconds: float
     ) -> None:
         x = (1.0, float(rows), float(prefill_tokens))
         d = self.decay
-        for key in ((None, verify), (batch_bucket(num_decodes), verify)):
+        for key in (None, batch_bucket(num_decodes)):
             fit = self.fits.get(key)
             if fit is None:
                 fit = self.fits[key] = ([[0.0] * 3 for _ in range(3)], [0.0] * 3)
@@ -220,93 +203,44 @@ class StepCost:
                 xty[i] = xty[i] * d + x[i] * seconds
         self._solved.clear()
 
-    def coefficients(
-        self, num_decodes: int, verify: bool = False
-    ) -> tuple[float, float, float]:
-        """(a, b, c): seconds, seconds per row, seconds per prefill token of a step of this kind at
-        this batch size. Until MIN_KIND_STEPS verifications have been timed, one costs what a plain
-        step of its rows would. Until the steps seen vary in rows enough to tell b, it is guessed as
-        a / MAX_SLOPE_GUESS."""
+    def coefficients(self, num_decodes: int) -> tuple[float, float, float]:
+        """(a, b, c): seconds, seconds per row, seconds per prefill token at this batch size. Until
+        the steps seen vary in rows enough to tell b, it is guessed as a / MAX_SLOPE_GUESS."""
         bucket = batch_bucket(num_decodes)
         solved = self._solved.get(bucket)
         if solved is None:
             solved = self._solved[bucket] = self._solve(bucket)
-        a_plain, a_verify, b, c = solved
-        return (a_verify if verify else a_plain), b, c
+        return solved
 
-    def _sums(self, bucket: int) -> list[tuple[list[list[float]], list[float]] | None]:
-        """[plain, verify] sums of this bucket, or over all sizes where the bucket has too few steps;
-        a kind with too few steps of its own is None (priced as the other); with too few of either,
-        both count as one (in the first place)."""
-        own = [self.fits.get((bucket, v)) for v in (False, True)]
-        if sum(f[0][0][0] for f in own if f) < MIN_FIT_STEPS:
-            own = [self.fits.get((None, v)) for v in (False, True)]
-        solo = [
-            f if f is not None and f[0][0][0] >= MIN_KIND_STEPS else None for f in own
-        ]
-        if any(solo):
-            return solo
-        present = [f for f in own if f is not None]
-        if not present:
-            return [None, None]
-        return [present[0] if len(present) == 1 else _added(*present), None]
-
-    def _solve(self, bucket: int) -> tuple[float, float, float, float]:
-        sums = self._sums(bucket)
-        present = [f for f in sums if f is not None]
-        if not present:
-            return 0.0, 0.0, 0.0, 0.0
-        k = len(present)
-        # normal equations of (one intercept per kind present, rows, prefill)
-        size = k + 2
-        m = [[0.0] * size for _ in range(size)]
-        y = [0.0] * size
-        for i, (xtx, xty) in enumerate(present):
-            m[i][i] = xtx[0][0]
-            for f in (1, 2):
-                m[i][k + f - 1] = m[k + f - 1][i] = xtx[0][f]
-                y[k + f - 1] += xty[f]
-                for g in (1, 2):
-                    m[k + f - 1][k + g - 1] += xtx[f][g]
-            y[i] = xty[0]
-        w = sum(xtx[0][0] for xtx, _ in present)
-        m[k][k] += (
-            1e-6 * w
-        )  # a ridge keeps the system solvable where a feature never varies
-        m[k + 1][k + 1] += 1e-6 * w
-        spread = sum(
-            xtx[1][1] - xtx[0][1] ** 2 / xtx[0][0] for xtx, _ in present
-        )  # rows' variation within the kinds, summed
-        sol = None
-        if spread > w:  # rows vary by more than one on average: b can be told
-            sol = _solve_linear(m, y)
-            if min(sol[:k]) <= 0 or sol[k] < 0:
-                sol = None
-        if sol is None:
-            # rows barely vary: each kind's a' at its mean rows (with c), then a' = a + b * rows
-            # split by the guess, from the kind with the fewest rows
-            keep = [i for i in range(size) if i != k]
-            sub = _solve_linear(
-                [[m[i][j] for j in keep] for i in keep], [y[i] for i in keep]
-            )
-            means = [xtx[0][1] / xtx[0][0] for xtx, _ in present]
-            low = min(range(k), key=means.__getitem__)
-            b = max(sub[low], 0.0) / (MAX_SLOPE_GUESS + means[low])
-            sol = [max(sub[i] - b * means[i], 0.0) for i in range(k)] + [b, sub[k]]
-        a = dict(zip([i for i, f in enumerate(sums) if f is not None], sol[:k]))
-        a_plain = a.get(0, a.get(1, 0.0))
-        a_verify = a.get(1, a_plain)
-        return a_plain, a_verify, sol[k], max(0.0, sol[k + 1])
-
-
-def _added(
-    p: tuple[list[list[float]], list[float]], q: tuple[list[list[float]], list[float]]
-) -> tuple[list[list[float]], list[float]]:
-    """Two kinds' sums as one."""
-    return (
-        [[p[0][i][j] + q[0][i][j] for j in range(3)] for i in range(3)],
-        [p[1][i] + q[1][i] for i in range(3)],
-    )
+    def _solve(self, bucket: int) -> tuple[float, float, float]:
+        fit = self.fits.get(bucket)
+        if fit is None or fit[0][0][0] < MIN_FIT_STEPS:
+            fit = self.fits.get(None)
+        if fit is None:
+            return 0.0, 0.0, 0.0
+        xtx, xty = fit
+        w = xtx[0][0]
+        mean_rows = xtx[0][1] / w
+        ridge = (
+            0.0,
+            1e-6 * w,
+            1e-6 * w,
+        )  # keeps the system solvable where a feature never varies
+        if xtx[1][1] / w - mean_rows * mean_rows > 1.0:
+            ridged = [
+                [xtx[i][j] + (ridge[i] if i == j else 0.0) for j in range(3)]
+                for i in range(3)
+            ]
+            a, b, c = _solve_linear(ridged, xty)
+            if a > 0 and b >= 0:
+                return a, b, max(0.0, c)
+        # rows barely vary: fit t = a' + c * prefill, then split a' = a + b * mean_rows by the guess
+        a1, c = _solve_linear(
+            [[xtx[0][0], xtx[0][2]], [xtx[2][0], xtx[2][2] + ridge[2]]],
+            [xty[0], xty[2]],
+        )
+        a = max(a1, 0.0) / (1.0 + mean_rows / MAX_SLOPE_GUESS)
+        return a, a / MAX_SLOPE_GUESS, max(0.0, c)
 
 
 def _solve_linear(m: list[list[float]], y: list[float]) -> list[float]:
@@ -429,32 +363,17 @@ class DraftPolicy:
     ) -> bool:
         """Whether `choose` could give any of these requests (their acceptance histories) a draft this
         step: the best rate any proposal of theirs could be estimated at (`accept_rate` with the best
-        prior of any match length, a length not seen yet included) passes its first test, and a full
-        draft at that rate would outrun a plain step. Where it cannot, the step's rows cost more than
-        any draft could gain (a large batch), and nothing need be looked up."""
+        prior of any match length, a length not seen yet included) passes its first test. Where it
+        cannot, the step's rows cost more than any draft could gain (a large batch), and nothing need
+        be looked up."""
         if not self.adaptive:
             return True
-        a_plain, b, _ = self.cost.coefficients(num_decodes)
-        a, _, _ = self.cost.coefficients(num_decodes, verify=True)
+        a, b, _ = self.cost.coefficients(num_decodes)
         prior = max(
             self._prior(m) for m in [*self.by_match, None]
         )  # None: a length not seen yet
         best = max(max(min(0.99, prior), _blend(h, prior)) for h in histories)
-        # what `choose` would feed if every request proposed a full draft at that best rate: the
-        # depth-j tokens all gain best^j, and where the first of them pays, every one does (the
-        # test g (a + b T) > E b keeps its truth as T and E grow by one token and g each)
-        base = float(max(num_decodes, 1))
-        expected, tokens = base, base_tokens
-        for depth in range(1, self.max_draft + 1):
-            gain = best**depth
-            if not _pays(gain, a, b, tokens, expected):
-                break
-            expected += gain * len(histories)
-            tokens += len(histories)
-        drafted = tokens - base_tokens
-        return drafted > 0 and _beats_plain(
-            expected - base, drafted, base, a, a_plain, b, base_tokens
-        )
+        return _pays(best, a, b, base_tokens, float(max(num_decodes, 1)))
 
     def allows(self, num_decodes: int) -> bool:
         """Whether this step of num_decodes decoding requests may draft at all: the guard's say, asked
@@ -484,12 +403,10 @@ class DraftPolicy:
             return lengths
         if not candidates:
             return lengths
-        a_plain, b, _ = self.cost.coefficients(num_decodes)
-        a, _, _ = self.cost.coefficients(num_decodes, verify=True)
+        a, b, _ = self.cost.coefficients(num_decodes)
         heap = [(-c.accept_rate, i, 1) for i, c in enumerate(candidates) if c.draft]
         heapq.heapify(heap)
-        base = float(max(num_decodes, 1))
-        expected, tokens = base, base_tokens
+        expected, tokens = float(max(num_decodes, 1)), base_tokens
         while heap and budget > 0:
             neg_gain, i, depth = heapq.heappop(heap)
             gain = -neg_gain
@@ -502,13 +419,6 @@ class DraftPolicy:
             c = candidates[i]
             if depth < min(len(c.draft), self.max_draft):
                 heapq.heappush(heap, (-(gain * c.accept_rate), i, depth + 1))
-        # the tokens taken maximise a verification's output rate; it must also beat a plain step,
-        # which may run cheaper code (a lower fixed cost)
-        drafted = tokens - base_tokens
-        if drafted and not _beats_plain(
-            expected - base, drafted, base, a, a_plain, b, base_tokens
-        ):
-            return [0] * len(candidates)
         return lengths
 
     def record(self, match_len: int, drafted: int, accepted: int) -> None:
@@ -523,22 +433,6 @@ def _blend(history: tuple[float, float], prior: float) -> float:
     """A request's own acceptance (accepted, tried) pulled towards `prior` by PRIOR_WEIGHT pseudo-trials."""
     own_acc, own_tried = history
     return min(0.99, (own_acc + PRIOR_WEIGHT * prior) / (own_tried + PRIOR_WEIGHT))
-
-
-def _beats_plain(
-    gain: float,
-    drafted: int,
-    expected: float,
-    a_verify: float,
-    a_plain: float,
-    b: float,
-    tokens: int,
-) -> bool:
-    """Whether a verification yielding `expected` + `gain` tokens from `tokens` + `drafted` rows
-    outruns the plain step of `tokens` rows yielding `expected`."""
-    return (expected + gain) * (a_plain + b * tokens) > expected * (
-        a_verify + b * (tokens + drafted)
-    )
 
 
 def _pays(gain: float, a: float, b: float, tokens: int, expected: float) -> bool:
@@ -711,7 +605,7 @@ class Speculator:
         decodes, prefill = batch.num_decode + w.verifying, batch.num_tokens - rows
         if decodes:
             cost = self.policy.cost
-            cost.observe(decodes, rows, prefill, seconds, verify=w.drafted > 0)
+            cost.observe(decodes, rows, prefill, seconds)
             # the guard compares decoding time: the step's, less what its prefill chunks cost
             decoding = max(
                 seconds - cost.coefficients(decodes)[2] * prefill, 0.1 * seconds

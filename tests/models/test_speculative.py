@@ -563,40 +563,6 @@ def test_step_cost_fit_and_policy_decisions():
     assert sum(policy.choose([sure, sure], 1, 2, budget=5)) == 5
 
 
-def test_plain_steps_and_verifications_each_have_their_fixed_cost():
-    """A plain decode may run cheaper code than a verification (the native loop against the Python
-    forward): each kind's fixed cost is fitted from its own steps, the per-row cost from both."""
-    cost = StepCost()
-    for rows in (1, 1, 2, 1, 3, 1, 2, 1):
-        cost.observe(1, rows, 0, 0.005 + 0.001 * rows)
-    for rows in (2, 3):  # too few verifications yet: priced as plain steps
-        cost.observe(1, rows, 0, 0.012 + 0.001 * rows, verify=True)
-    assert cost.coefficients(1, verify=True) == cost.coefficients(1)
-    for rows in (5, 9, 4, 7, 9, 2):
-        cost.observe(1, rows, 0, 0.012 + 0.001 * rows, verify=True)
-    assert cost.coefficients(1)[:2] == pytest.approx((0.005, 0.001), rel=0.02)
-    assert cost.coefficients(1, verify=True)[:2] == pytest.approx(
-        (0.012, 0.001), rel=0.02
-    )
-    # the policy prices the switch: a likely draft still pays, a middling one no longer does
-    from strata.engine.speculative import Candidate
-
-    policy = DraftPolicy(max_draft=8)
-    policy.cost = cost
-    middling = Candidate("m", [1] * 8, 4, accept_rate=0.6)
-    likely = Candidate("l", [1] * 8, 4, accept_rate=0.9)
-    assert policy.choose([middling], base_tokens=1, num_decodes=1, budget=100) == [0]
-    assert policy.choose([likely], base_tokens=1, num_decodes=1, budget=100)[0] > 0
-    # with verifications as cheap as plain steps, the middling draft pays
-    same = StepCost()
-    for rows in (1, 1, 2, 1, 3, 1, 2, 1):
-        same.observe(1, rows, 0, 0.005 + 0.001 * rows)
-    for rows in (5, 9, 4, 7, 9, 2):
-        same.observe(1, rows, 0, 0.005 + 0.001 * rows, verify=True)
-    policy.cost = same
-    assert policy.choose([middling], base_tokens=1, num_decodes=1, budget=100)[0] > 0
-
-
 def test_a_step_where_no_draft_could_pay_looks_nothing_up():
     """could_draft bounds choose: where it says no, no candidate these requests could propose (any
     match length, own text or others') would be fed, so the speculator skips the lookups."""
@@ -609,10 +575,6 @@ def test_a_step_where_no_draft_could_pay_looks_nothing_up():
         a, b = rng.uniform(0.002, 0.05), rng.uniform(0.0002, 0.004)
         for rows in (1, 2, 4, 9, 16, 33, 64, 5, 12):
             policy.cost.observe(1, rows, 0, a + b * rows)
-        if trial % 2:  # verifications timed too, at a fixed cost of their own
-            a_verify = a * rng.uniform(0.5, 3.0)
-            for rows in (2, 5, 9, 3, 7, 9):
-                policy.cost.observe(1, rows, 0, a_verify + b * rows, verify=True)
         for n in rng.sample([-5, -3, -2, 2, 3, 4, 5], rng.randrange(0, 5)):
             tried = rng.uniform(0, 40)
             policy.by_match[n] = [rng.uniform(0, tried), tried]
