@@ -408,14 +408,15 @@ def test_a_prefix_through_the_host_and_storage_tiers_stays_exact(
 
 
 @pytest.mark.parametrize(
-    "placement, redundant", [("memory", 0), ("host", 2), ("mmap", 0)]
+    "placement, redundant, eplb", [("memory", 0, 0), ("host", 2, 3), ("mmap", 0, 0)]
 )
 def test_two_ranks_split_the_tables_by_rows_and_give_the_oracle_tokens(
-    model_dir, ref, expected, placement, redundant
+    model_dir, ref, expected, placement, redundant, eplb
 ):
     """--ep-size 2: each rank holds half of every table's rows (and half the experts' slots, with or
-    without redundant ones) and sums its rows with the other's; the attention (and the convolution's
-    window) is replicated. Chunked prefill, decode and a radix hit give the oracle's tokens."""
+    without redundant ones, re-placed by EPLB every few steps) and sums its rows with the other's;
+    the attention (and the convolution's window) is replicated. Chunked prefill, decode and a radix
+    hit give the oracle's tokens."""
     eng = engine(
         model_dir,
         page_size=16,
@@ -423,6 +424,7 @@ def test_two_ranks_split_the_tables_by_rows_and_give_the_oracle_tokens(
         engram_placement=placement,
         ep_size=2,
         ep_num_redundant_experts=redundant,
+        eplb_interval=eplb,
     )
     try:
         size = ENGRAM["engram_table_size"]
@@ -440,6 +442,8 @@ def test_two_ranks_split_the_tables_by_rows_and_give_the_oracle_tokens(
         assert again.cached_tokens == 32
         assert again.token_ids == hf_greedy(ref, shared, GREEDY.max_new_tokens)
         eng.scheduler.check_no_leaks()
+        if eplb:
+            assert eng.parallel.rebalances > 0
     finally:
         eng.close()
 
