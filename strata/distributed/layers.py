@@ -212,7 +212,9 @@ class EPExperts(nn.Module):
         if self.act == "clamped_swiglu":
             h = clamped_swiglu(h, self.limit, self.alpha)
         elif self.act == "clamped_silu":
-            h = clamped_silu_mul(*h.chunk(2, dim=-1), self.limit)
+            h = clamped_silu_mul(
+                h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :], self.limit
+            )
         else:
             h = act_and_mul(h.contiguous(), self.act)
         y = grouped_linear(h, self.down_proj, group_ends, backend)  # [R, H]

@@ -27,7 +27,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata import kernels
-from strata.layers.activation import act_and_mul, check_activation, clamped_swiglu
+from strata.layers.activation import (
+    act_and_mul,
+    check_activation,
+    clamped_silu_mul,
+    clamped_swiglu,
+)
 from strata.layers.mlp import MLP
 from strata.layers.moe_routing import get_routing, row_sum, sigmoid32
 from strata.layers.packed import DenseLinear, NativePackable, pack_groups, unpack_dense
@@ -133,7 +138,7 @@ class Experts(NativePackable, nn.Module):
         self.num_experts, self.intermediate_size = E, I
         self.act = (
             cfg.expert_act
-            if cfg.expert_act == "clamped_swiglu"
+            if cfg.expert_act in ("clamped_swiglu", "clamped_silu")
             else check_activation(cfg.expert_act, "MoE")
         )
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
@@ -234,6 +239,10 @@ class Experts(NativePackable, nn.Module):
         )  # [T * k, 2I]
         if self.act == "clamped_swiglu":
             h = clamped_swiglu(h, self.limit, self.alpha)
+        elif self.act == "clamped_silu":  # DeepSeek-V4's
+            h = clamped_silu_mul(
+                h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :], self.limit
+            )
         else:
             h = act_and_mul(h.contiguous(), self.act)
         y = self._project(h, "down_proj", group_ends, backend, row_expert)  # [T * k, H]

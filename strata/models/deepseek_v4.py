@@ -40,7 +40,7 @@ from strata.layers.dsv4_attention import DSV4Attention, RMSNorm32
 from strata.layers.engram import Engram, EngramInputs, hash_ngrams
 from strata.layers.engram_tables import OffloadedTables
 from strata.layers.hyper_connection import HyperConnection, HyperHead
-from strata.layers.moe import grouped_linear, grouped_mm_works
+from strata.layers.moe import Experts
 from strata.model_config import ConfigTraits, LayerSpec, ModelConfig, rope_from_hf
 from strata.models.spec import FamilySpec, KVLayout
 from strata.moe_config import MoEConfig
@@ -68,73 +68,10 @@ class SharedExpert(nn.Module):
         )
 
 
-class DSV4Experts(nn.Module):
-    """The routed experts, stacked (gate_up_proj [E, 2I, H], gate rows first; down_proj [E, H, I]),
-    with the interface of `strata.layers.moe.Experts` (forward, load, num_pieces), so that expert
-    parallel puts its `EPExperts` in their place."""
-
-    def __init__(self, hidden: int, moe: MoEConfig):
-        super().__init__()
-        E, size = moe.num_experts, moe.intermediate_size
-        self.num_experts, self.intermediate_size = E, size
-        self.limit = moe.swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * size, hidden))
-        self.down_proj = nn.Parameter(torch.empty(E, hidden, size))
-
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, H]
-        weights: torch.Tensor,  # [T, k] float32
-        experts: torch.Tensor,  # [T, k] int64
-        counts: torch.Tensor,  # [E]
-    ) -> torch.Tensor:
-        """The T * k (token, expert) rows sorted by expert, one grouped GEMM per projection."""
-        T, k = experts.shape
-        backend = "grouped_mm" if grouped_mm_works(x.device.type, x.dtype) else "loop"
-        order = experts.reshape(-1).argsort(stable=True)
-        group_ends = counts.cumsum(0).to(torch.int32)
-        h = grouped_linear(
-            x[order // k], self.gate_up_proj, group_ends, backend
-        )  # [T * k, 2I]
-        gate, up = h.chunk(2, dim=-1)
-        y = grouped_linear(
-            clamped_silu_mul(gate, up, self.limit),
-            self.down_proj,
-            group_ends,
-            backend,
-        )
-        out = torch.empty_like(y, dtype=torch.float32)
-        out[order] = y.float() * weights.reshape(-1)[order, None]
-        return out.view(T, k, -1).sum(dim=1).to(x.dtype)
-
-    def load(self, name: str, tensor: torch.Tensor) -> tuple[str, int]:
-        """A stacked tensor under our name, or one expert's `{e}.{gate,up,down}_proj.weight`; returns
-        the parameter filled and how many of its `num_pieces` that was."""
-        match = _EXPERT_PIECE.fullmatch(name)
-        if match is None:
-            param = getattr(self, name, None)
-            if not isinstance(param, nn.Parameter):
-                raise ValueError(f"unexpected expert weight {name!r}")
-            _copy(param.data, tensor, name)
-            return name, self.num_pieces(name)
-        e, proj = int(match[1]), match[2]
-        if e >= self.num_experts:
-            raise ValueError(f"unexpected expert weight {name!r}")
-        target = "down_proj" if proj == "down_proj" else "gate_up_proj"
-        dst = getattr(self, target).data[e]
-        if proj != "down_proj":
-            half = self.intermediate_size
-            dst = dst[:half] if proj == "gate_proj" else dst[half:]
-        _copy(dst, tensor, name)
-        return target, 1
-
-    def num_pieces(self, name: str) -> int:
-        return self.num_experts * (2 if name.startswith("gate_up_proj") else 1)
-
-
 class DSV4MoE(nn.Module):
     """Router (`gate`: weight, and tid2eid or e_score_correction_bias), the routed experts
-    (`DSV4Experts`, or expert parallel's slots) and the shared expert."""
+    (`strata.layers.moe.Experts` with V4's clamped SiLU, or expert parallel's slots) and the shared
+    expert."""
 
     def __init__(self, cfg: ModelConfig, layer_id: int):
         super().__init__()
@@ -153,7 +90,7 @@ class DSV4MoE(nn.Module):
             self.gate.e_score_correction_bias = nn.Parameter(
                 torch.empty(E, dtype=torch.float32)
             )
-        self.experts: nn.Module = DSV4Experts(H, moe)
+        self.experts: nn.Module = Experts(H, moe)
         self.shared_experts = SharedExpert(
             H, moe.shared_intermediate_size, moe.swiglu_limit
         )
@@ -419,7 +356,6 @@ def _copy(dst: torch.Tensor, tensor: torch.Tensor, name: str) -> None:
 _EXPERTS = re.compile(
     r"layers\.(\d+)\.mlp\.experts\.(.+)"
 )  # -> the experts module's name
-_EXPERT_PIECE = re.compile(r"(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 # DeepSeek's checkpoint names -> ours (transformers' in-memory names), applied in order
 _RENAMES = [
     (re.compile(a), b)
