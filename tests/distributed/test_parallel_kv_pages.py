@@ -1,6 +1,7 @@
 """KV pages leave and enter a tensor-parallel replica with every KV head (gathered from and scattered
-to the ranks): the hierarchical cache promotes them back exactly, L3 pages written at tp 2 serve a
-tp 1 engine, and a tp 2 prefill worker feeds a tp 1 decode worker (PD)."""
+to the ranks), or an expert-parallel one whose ranks each hold them whole: the hierarchical cache
+promotes them back exactly, L3 pages written by the split replica serve a one-rank engine, and a tp
+2 prefill worker feeds a tp 1 decode worker (PD)."""
 
 from __future__ import annotations
 
@@ -26,15 +27,29 @@ def llama(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def expected(llama):
+def qwen3_moe(tmp_path_factory):
+    return make_model(
+        tmp_path_factory.mktemp("kv_pages") / "qwen3_moe", "qwen3_moe", tokenizer=False
+    )
+
+
+def plain_tokens(model_dir) -> list[int]:
     plain = Engine(
-        str(llama),
+        str(model_dir),
         dtype="float32",
         kv_cache_tokens=256,
         page_size=4,
         disable_radix_cache=True,
     )
-    return plain.generate([PROMPT], GREEDY)[0].token_ids
+    try:
+        return plain.generate([PROMPT], GREEDY)[0].token_ids
+    finally:
+        plain.close()
+
+
+@pytest.fixture(scope="module")
+def expected(llama):
+    return plain_tokens(llama)
 
 
 def run_one(engine: Engine, prompt: list[int]):
@@ -45,9 +60,17 @@ def run_one(engine: Engine, prompt: list[int]):
     return [t for o in outs for t in o.new_token_ids], outs[-1].cached_tokens_details
 
 
+@pytest.mark.parametrize("split", ["tp2", "ep2"])
 def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(
-    llama, expected, tmp_path
+    llama, qwen3_moe, expected, tmp_path, split
 ):
+    """tp2: every KV head gathered from and scattered to the ranks; ep2 (attention replicated): rank
+    0's pages read as they are, each write stored by both ranks."""
+    model, split_options = (
+        (llama, {"tp_size": 2}) if split == "tp2" else (qwen3_moe, {"ep_size": 2})
+    )
+    if split == "ep2":
+        expected = plain_tokens(qwen3_moe)
     storage = str(tmp_path / "l3")
     opts = dict(
         dtype="float32",
@@ -57,7 +80,7 @@ def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(
         hicache_storage_backend="file",
         hicache_storage_path=storage,
     )
-    engine = Engine(str(llama), **opts, tp_size=2)
+    engine = Engine(str(model), **opts, **split_options)
     try:
         assert (
             engine.generate([PROMPT], GREEDY)[0].token_ids == expected
@@ -74,14 +97,14 @@ def test_hierarchical_cache_round_trip_and_l3_shared_with_one_rank(
         engine.hicache.flush()
     finally:
         engine.close()
-    single = Engine(str(llama), **opts, hicache_prefetch_policy="wait_complete")
+    single = Engine(str(model), **opts, hicache_prefetch_policy="wait_complete")
     try:
         tokens, details = run_one(single, PROMPT)
     finally:
         single.close()
     assert (
         tokens == expected and details["storage"] >= 100
-    )  # tp 2's pages, read by one rank
+    )  # the split replica's pages, read by one rank
 
 
 def test_tp2_prefill_worker_feeds_a_tp1_decode_worker(llama):
