@@ -283,8 +283,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--host-kv-fraction is a share in [0, 1]; got {args.host_kv_fraction}"
         )
+    if args.context_len < 1:
+        raise ValueError(f"--context-len must be positive; got {args.context_len}")
     if any(n < 1 for n in args.step_tokens):
         raise ValueError("--step-tokens must be positive")
+    if args.decode_step_ms is not None and args.decode_step_ms <= 0:
+        raise ValueError(
+            f"--decode-step-ms must be positive; got {args.decode_step_ms}"
+        )
     c = census(args.model, args.context_len)
     placements = plan_memory(
         c,

@@ -261,6 +261,8 @@ def test_the_command_prints_and_writes_json(v41, tmp_path, capsys):
         (["--mmap-hit-rate", "2"], "--mmap-hit-rate"),
         (["--expert-format", "fp5"], "unknown weight format 'fp5'"),
         (["--devices", "0"], "--devices must be at least 1"),
+        (["--decode-step-ms", "-1"], "--decode-step-ms must be positive"),
+        (["--context-len", "0"], "--context-len must be positive"),
         (["--draft-redundant-experts", "3"], "multiple of 2"),
     ],
 )
