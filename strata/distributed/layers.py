@@ -15,12 +15,7 @@ from torch import nn
 
 from strata.distributed.comm import Comm
 from strata.distributed.sharding import ShardPlan
-from strata.layers.activation import (
-    act_and_mul,
-    check_activation,
-    clamped_silu_mul,
-    clamped_swiglu,
-)
+from strata.layers.activation import check_expert_activation, expert_act_and_mul
 from strata.layers.moe import MoE, grouped_linear, grouped_mm_works
 from strata.moe_config import MoEConfig
 
@@ -132,11 +127,7 @@ class EPExperts(nn.Module):
         S = len(placement) // world_size
         self.num_experts, self.intermediate_size, self.num_slots = E, I, S
         self.rank, self.world_size = rank, world_size
-        self.act = (
-            cfg.expert_act
-            if cfg.expert_act in ("clamped_swiglu", "clamped_silu")
-            else check_activation(cfg.expert_act, "MoE")
-        )
+        self.act = check_expert_activation(cfg.expert_act)
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(S, 2 * I, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(S, hidden_size, I))
@@ -209,14 +200,7 @@ class EPExperts(nn.Module):
         )  # [R, 2I]
         if self.gate_up_proj_bias is not None:
             h = h + self.gate_up_proj_bias[local]
-        if self.act == "clamped_swiglu":
-            h = clamped_swiglu(h, self.limit, self.alpha)
-        elif self.act == "clamped_silu":
-            h = clamped_silu_mul(
-                h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :], self.limit
-            )
-        else:
-            h = act_and_mul(h.contiguous(), self.act)
+        h = expert_act_and_mul(h, self.act, self.limit, self.alpha)
         y = grouped_linear(h, self.down_proj, group_ends, backend)  # [R, H]
         if self.down_proj_bias is not None:
             y = y + self.down_proj_bias[local]

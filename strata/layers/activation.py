@@ -55,3 +55,25 @@ def clamped_silu_mul(
     """DeepSeek-V4's experts and shared expert: SiLU(gate clamped to at most `limit`) * up clamped to
     [-limit, limit]."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+# the experts' activations over the fused layout beside the plain ones (`MoEConfig.expert_act`)
+EXPERT_ACTIVATIONS = ("clamped_swiglu", "clamped_silu")
+
+
+def check_expert_activation(name: str) -> str:
+    """An experts' activation: GPT-OSS's or DeepSeek-V4's clamped one, or a plain one."""
+    return name if name in EXPERT_ACTIVATIONS else check_activation(name, "MoE")
+
+
+def expert_act_and_mul(
+    gate_up: torch.Tensor, act: str, limit: float, alpha: float
+) -> torch.Tensor:
+    """gate_up [R, 2 * I] (gate first) -> [R, I] under an experts' activation
+    (`check_expert_activation`'s name)."""
+    if act == "clamped_swiglu":
+        return clamped_swiglu(gate_up, limit, alpha)
+    if act == "clamped_silu":
+        gate, up = gate_up.chunk(2, dim=-1)
+        return clamped_silu_mul(gate, up, limit)
+    return act_and_mul(gate_up.contiguous(), act)

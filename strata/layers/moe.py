@@ -28,10 +28,9 @@ from torch import nn
 
 from strata import kernels
 from strata.layers.activation import (
-    act_and_mul,
     check_activation,
-    clamped_silu_mul,
-    clamped_swiglu,
+    check_expert_activation,
+    expert_act_and_mul,
 )
 from strata.layers.mlp import MLP
 from strata.layers.moe_routing import get_routing, row_sum, sigmoid32
@@ -136,11 +135,7 @@ class Experts(NativePackable, nn.Module):
         super().__init__()
         E, I = cfg.num_experts, cfg.intermediate_size  # noqa: E741
         self.num_experts, self.intermediate_size = E, I
-        self.act = (
-            cfg.expert_act
-            if cfg.expert_act in ("clamped_swiglu", "clamped_silu")
-            else check_activation(cfg.expert_act, "MoE")
-        )
+        self.act = check_expert_activation(cfg.expert_act)
         self.limit, self.alpha = cfg.swiglu_limit, cfg.swiglu_alpha
         self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(E, hidden_size, I))
@@ -237,14 +232,7 @@ class Experts(NativePackable, nn.Module):
         h = self._project(
             rows, "gate_up_proj", group_ends, backend, row_expert
         )  # [T * k, 2I]
-        if self.act == "clamped_swiglu":
-            h = clamped_swiglu(h, self.limit, self.alpha)
-        elif self.act == "clamped_silu":  # DeepSeek-V4's
-            h = clamped_silu_mul(
-                h[..., : h.shape[-1] // 2], h[..., h.shape[-1] // 2 :], self.limit
-            )
-        else:
-            h = act_and_mul(h.contiguous(), self.act)
+        h = expert_act_and_mul(h, self.act, self.limit, self.alpha)
         y = self._project(h, "down_proj", group_ends, backend, row_expert)  # [T * k, H]
         out = torch.empty_like(y, dtype=torch.float32)
         out[order] = (
