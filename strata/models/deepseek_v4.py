@@ -160,16 +160,18 @@ class DSV4Layer(nn.Module):
         return HyperConnection.merge(streams, out, post, comb)
 
 
+# DeepSeek's MLP names (`ffn.experts.E.w1`, `ffn.shared_experts.w3`) -> ours: plain replacements,
+# part of `our_name` and, alone, what a parallel rank's slicing and EPLB's reload read
+_MLP_RENAMES: tuple[tuple[str, str], ...] = (
+    (".ffn.", ".mlp."),
+    (".w1.", ".gate_proj."),
+    (".w3.", ".up_proj."),
+    (".w2.", ".down_proj."),
+)
+
+
 class DeepseekV4ForCausalLM(nn.Module):
-    # plain renames that give DeepSeek's own expert names (`ffn.experts.E.w1`, `ffn.shared_experts.w3`)
-    # the shape a parallel rank's slicing and EPLB's reload read (`strata.distributed`); loading itself
-    # goes through `our_name`
-    RENAMES: tuple[tuple[str, str], ...] = (
-        (".ffn.", ".mlp."),
-        (".w1.", ".gate_proj."),
-        (".w3.", ".up_proj."),
-        (".w2.", ".down_proj."),
-    )
+    RENAMES = _MLP_RENAMES  # what `strata.distributed` applies; loading goes through `our_name`
 
     def __init__(
         self,
@@ -315,8 +317,6 @@ class DeepseekV4ForCausalLM(nn.Module):
                 expert is not None
             ):  # to the experts module: ours, or expert parallel's slots
                 layer, rest = int(expert[1]), expert[2]
-                for ours, theirs in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
-                    rest = re.sub(rf"^(\d+)\.{theirs}\.", rf"\1.{ours}_proj.", rest)
                 experts = self.layers[layer].mlp.experts
                 target, count = experts.load(rest, tensor)
                 stacked = f"layers.{layer}.mlp.experts.{target}"
@@ -361,7 +361,7 @@ _RENAMES = [
     (re.compile(a), b)
     for a, b in (
         (r"\.attn\.", ".self_attn."),
-        (r"\.ffn\.", ".mlp."),
+        *((re.escape(a), b) for a, b in _MLP_RENAMES),
         (r"\.indexer\.compressor\.", ".compressor.indexer."),
         (r"^embed\.weight", "embed_tokens.weight"),
         (r"^head\.weight", "lm_head.weight"),
@@ -383,9 +383,6 @@ _RENAMES = [
         (r"\.wo_b\.", ".o_b_proj."),
         (r"\.q_norm\.", ".q_a_norm."),
         (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-        (r"\.shared_experts\.w1\.", ".shared_experts.gate_proj."),
-        (r"\.shared_experts\.w2\.", ".shared_experts.down_proj."),
-        (r"\.shared_experts\.w3\.", ".shared_experts.up_proj."),
     )
 ]
 
