@@ -161,6 +161,12 @@ class AttentionMetadata:
             token_owner=self.token_owner,
         )
 
+    def slots_at(self, owner: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Slots of `positions` [N, M] (>= 0, CPU) of the requests at page-table rows `owner` [N],
+        in this metadata's pages (a window group's, for a group's metadata)."""
+        ps = self.page_size
+        return self.page_table[owner].gather(1, positions // ps) * ps + positions % ps
+
     def group(self, g: int) -> AttentionMetadata:
         """The metadata of KV group g (0: the primary pages, this one)."""
         return self if g == 0 else self.groups[g - 1]

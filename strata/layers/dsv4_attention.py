@@ -407,7 +407,7 @@ class DSV4Attention(nn.Module):
         )  # [C, span] the positions pooled
         at = window.clamp(min=0)
         ps = meta.page_size
-        slots = group.page_table[owner].gather(1, at // ps) * ps + at % ps
+        slots = group.slots_at(owner, at)
         where = entry_slots(meta.page_table[owner], end.view(-1, 1), ps, m).view(-1)
         cos, sin = self.rope.tables((end + 1 - m).to(positions.device), dtype)
         return slots.to(device), (window >= 0).to(device), where.to(device), cos, sin

@@ -41,7 +41,7 @@ from strata.cache.dsv4_pool import DSV4KVPool
 from strata.engram_config import EngramConfig
 from strata.layers.attention import AttentionMetadata
 from strata.layers.dsv4_attention import RMSNorm32
-from strata.layers.engram_tables import local_rows
+from strata.layers.engram_tables import table_rows
 
 _MASK64 = (1 << 64) - 1
 
@@ -139,13 +139,12 @@ class ShortConv(nn.Module):
         self,
         value: torch.Tensor,
         positions: torch.Tensor,
-        meta: AttentionMetadata,
         state: torch.Tensor,
         group: AttentionMetadata,
     ) -> torch.Tensor:
         """value [T, hc_mult, H] (gated) -> the convolution's output, same shape. Writes the step's
-        normalised values into `state` (the pool's conv rows of this layer) first, then reads each
-        position's taps from it."""
+        normalised values into `state` (the pool's conv rows of this layer, in the pages of the
+        step's metadata `group`) first, then reads each position's taps from it."""
         T, S, H = value.shape
         x = torch.stack([norm(value[:, s]) for s, norm in enumerate(self.norms)], 1)
         state[group.out_slots] = x.reshape(T, S * H).to(state.dtype)
@@ -153,11 +152,7 @@ class ShortConv(nn.Module):
             torch.arange(self.kernel - 1, -1, -1) * self.dilation
         )  # tap i reads (K-1-i) d back
         pos = positions.cpu().view(-1, 1) - back  # [T, K]
-        at = pos.clamp(min=0)
-        ps = meta.page_size
-        slots = (
-            group.page_table[meta.token_owner].gather(1, at // ps) * ps + at % ps
-        ).to(state.device)
+        slots = group.slots_at(group.token_owner, pos.clamp(min=0)).to(state.device)
         real = (pos >= 0).to(state.device, torch.float32)  # x is 0 before position 0
         w = self.conv.weight.float()[:, 0, :]  # [S * H, K]
         y = torch.zeros(T, S * H, dtype=torch.float32, device=state.device)
@@ -177,11 +172,11 @@ class Engram(nn.Module):
         super().__init__()
         self.layer_id = layer_id
         width = cfg.num_tables * cfg.dim
-        # rows [start, end) of each table (all of them unless split over ranks)
-        self.row_start, row_end = cfg.rows_here
-        self.sharded = cfg.shard_rows is not None
+        # split over ranks: the first of the rows [start, end) of each table held here; None: all
+        self.row_start = cfg.shard_rows[0] if cfg.shard_rows else None
+        start, end = cfg.rows_here
         self.embedding: nn.Parameter | None = nn.Parameter(
-            torch.empty(cfg.num_tables, row_end - self.row_start, cfg.dim)
+            torch.empty(cfg.num_tables, end - start, cfg.dim)
         )
         # split over ranks: sums the ranks' rows (each holds its own, zeros elsewhere)
         self.all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -198,10 +193,7 @@ class Engram(nn.Module):
         """[T, num_tables] -> [T, num_tables, dim] from the model's own tables (zeros for rows
         another rank holds)."""
         assert self.embedding is not None
-        tables = torch.arange(indices.shape[1], device=indices.device)
-        if not self.sharded:
-            return self.embedding[tables, indices]
-        return local_rows(self.embedding, tables, indices, self.row_start)
+        return table_rows(self.embedding, indices, self.row_start)
 
     def forward(
         self,
@@ -232,7 +224,5 @@ class Engram(nn.Module):
             return streams + gated
         state = kv.conv[self.layer_id]
         assert state is not None  # the pool keeps a conv window for every such layer
-        conv = self.short_conv(
-            gated, positions, meta, state, meta.group(kv.group_of["conv"])
-        )
+        conv = self.short_conv(gated, positions, state, meta.group(kv.group_of["conv"]))
         return streams + gated + conv

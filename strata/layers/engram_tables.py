@@ -24,11 +24,15 @@ import torch
 from safetensors import safe_open
 
 
-def local_rows(
-    table: torch.Tensor, tables: torch.Tensor, indices: torch.Tensor, start: int
+def table_rows(
+    table: torch.Tensor, indices: torch.Tensor, start: int | None = None
 ) -> torch.Tensor:
-    """table [num_tables, rows here, dim] holding rows [start, start + rows here) of each table:
-    the rows at `indices` [T, num_tables], zeros where another rank holds them."""
+    """table [num_tables, rows, dim]: the rows at `indices` [T, num_tables] -> [T, num_tables, dim].
+    `start`: the table holds only rows [start, start + rows) of each (split over ranks); rows another
+    rank holds come back as zeros. None: it holds every row."""
+    tables = torch.arange(indices.shape[1], device=indices.device)
+    if start is None:
+        return table[tables, indices]
     local = indices - start
     inside = (local >= 0) & (local < table.shape[1])
     rows = table[tables, local.clamp(0, table.shape[1] - 1)]
@@ -65,12 +69,8 @@ class OffloadedTables:
         }
 
     def _gather(self, layer: int, indices: torch.Tensor) -> torch.Tensor:
-        table = self.tables[layer]
-        which = torch.arange(indices.shape[1])
-        if self.rows is None:
-            rows = table[which, indices].to(self.dtype)  # [T, num_tables, dim]
-        else:
-            rows = local_rows(table, which, indices, self.rows[0]).to(self.dtype)
+        start = None if self.rows is None else self.rows[0]
+        rows = table_rows(self.tables[layer], indices, start).to(self.dtype)
         return rows.pin_memory() if self.pin else rows
 
     def nbytes(self) -> int:
