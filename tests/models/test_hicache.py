@@ -286,17 +286,19 @@ def run_one(engine: Engine, prompt: list[int]):
 
 
 def through_the_tiers(
-    model_dir, prompt: list[int], want: list[int], storage: str, **options
+    model_dir, prompt: list[int], want: list[int], storage: str, check=None, **options
 ) -> None:
     """`prompt` answered with `want` cold, then with its prefix promoted from L2 after L1 forgot
     it, then by a restarted engine that finds it only in the L3 file store under `storage`
-    (`options`: more engine flags for both)."""
+    (`options`: more engine flags for both; `check`: called with the first engine once built)."""
     eng = make_engine(
         model_dir,
         hicache_storage_backend="file",
         hicache_storage_path=storage,
         **options,
     )
+    if check is not None:
+        check(eng)
     assert eng.generate([prompt], GREEDY)[0].token_ids == want
     fill_l1(eng, 0)
     assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
@@ -334,36 +336,21 @@ def test_windowed_model_through_every_tier(tiny_models, tmp_path, page_size):
         disable_radix_cache=True,
     )
     expected = plain.generate([prompt], GREEDY)[0].token_ids
-    storage = str(tmp_path / "l3")
-    eng = make_engine(
+
+    def windowed(
+        eng: Engine,
+    ) -> None:  # the windowed layout, not every layer in one pool
+        assert eng.scheduler.allocator.groups
+
+    through_the_tiers(
         model,
+        prompt,
+        expected,
+        str(tmp_path / "l3"),
+        check=windowed,
         page_size=page_size,
-        hicache_storage_backend="file",
-        hicache_storage_path=storage,
         swa_pool="split",
     )
-    assert (
-        eng.scheduler.allocator.groups
-    )  # the windowed layout, not every layer in one pool
-    assert eng.generate([prompt], GREEDY)[0].token_ids == expected
-    fill_l1(eng, 0)
-    assert eng.scheduler.cache.match_prefix(prompt).cached_len < 100
-    tokens, last = run_one(eng, prompt)
-    assert tokens == expected and last.cached_tokens_details["host"] >= 100
-    check_hierarchy_leaks(eng)
-    eng.close()
-    eng2 = make_engine(
-        model,
-        page_size=page_size,
-        hicache_storage_backend="file",
-        hicache_storage_path=storage,
-        hicache_prefetch_policy="wait_complete",
-        swa_pool="split",
-    )
-    tokens, last = run_one(eng2, prompt)
-    assert tokens == expected and last.cached_tokens_details["storage"] >= 100
-    check_hierarchy_leaks(eng2)
-    eng2.close()
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
