@@ -28,7 +28,15 @@ DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "mooncake")  # strata.disagg.transpor
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
 # where an Engram model's tables live (strata.layers.engram_tables.TABLE_PLACEMENTS implements each)
 ENGRAM_PLACEMENTS = ("memory", "host", "mmap")
-SPECULATIVE_ALGORITHMS = ("none", "ngram", "draft", "mtp")  # strata.engine.speculative
+SPECULATIVE_ALGORITHMS = (
+    "none",
+    "ngram",
+    "draft",
+    "mtp",
+    "dspark",
+)  # strata.engine.speculative
+# the algorithms that read --speculative-draft-model
+DRAFT_MODEL_ALGORITHMS = ("draft", "dspark")
 SWA_POOLS = ("shared", "split")  # strata.cache.kv_pool
 STEP_THREADS = ("auto", "all")  # strata.engine.step_threads
 SLIDING_KV_MODES = (
@@ -67,6 +75,7 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "speculative_ngram_min": (1, 64),
     "speculative_ngram_max": (1, 64),
     "speculative_shared_tokens": (0, 1 << 26),
+    "speculative_confidence_threshold": (0.0, 1.0),
     "tp_size": (1, 1024),
     "ep_size": (1, 1024),
     "ep_num_redundant_experts": (0, 1 << 16),
@@ -195,7 +204,7 @@ class EngineConfig:
     # none | ngram (prompt lookup over the request and recent requests) | draft | mtp (the checkpoint's MTP layer)
     speculative_algorithm: str = "none"
     speculative_draft_model: str | None = (
-        None  # --speculative-algorithm draft: a smaller model with the same tokenizer
+        None  # draft: a smaller model with the same tokenizer; dspark: a DSpark drafter
     )
     speculative_num_draft_tokens: int = 8  # most tokens a request drafts per step
     speculative_ngram_min: int = 2  # shortest n-gram a draft is looked up by
@@ -206,6 +215,8 @@ class EngineConfig:
     speculative_fixed_length: bool = (
         False  # draft every token found, up to the maximum, whatever the load
     )
+    # dspark: drafts stop before the first whose confidence (the drafter's head) is below this
+    speculative_confidence_threshold: float = 0.0
     # tensor / expert parallel (strata.distributed): ranks are processes the engine starts, one thread each
     tp_size: int = 1  # ranks splitting attention heads, dense MLPs and the vocabulary (one replica)
     ep_size: int = 1  # ranks holding a mixture-of-experts model's experts (1, or the same ranks as --tp-size)
@@ -309,12 +320,13 @@ class EngineConfig:
                 "LoRA adapters are served by one engine alone: not with --tp-size / --ep-size > 1 "
                 "or --disaggregation-mode"
             )
-        if (self.speculative_algorithm == "draft") != (
+        if (self.speculative_algorithm in DRAFT_MODEL_ALGORITHMS) != (
             self.speculative_draft_model is not None
         ):
             raise ValueError(
-                "--speculative-algorithm draft and --speculative-draft-model go together: the draft model is "
-                "a directory (or .gguf) of a smaller model sharing the target's tokenizer"
+                "--speculative-draft-model goes with --speculative-algorithm draft (a directory or .gguf "
+                "of a smaller model sharing the target's tokenizer) or dspark (a DSpark drafter "
+                "directory, DeepSpec's layout, as `strata spec train` writes it)"
             )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(
@@ -417,11 +429,16 @@ _HELP = {
     "max_lora_rank": "the highest LoRA rank accepted",
     "speculative_algorithm": "draft tokens and verify them in one forward (output unchanged): none, ngram "
     "(prompt lookup over the request's own text and recent requests'), draft (a smaller model, "
-    "--speculative-draft-model) or mtp (the checkpoint's multi-token prediction layer, DeepSeek-V3's); "
+    "--speculative-draft-model), mtp (the checkpoint's multi-token prediction layer, DeepSeek-V3's) or "
+    "dspark (a block of drafts per forward from a DSpark drafter reading the target's hidden states, "
+    "--speculative-draft-model); "
     "how many each request drafts adapts to its acceptance and to the load "
     "(--speculative-fixed-length turns that off)",
     "speculative_fixed_length": "with --speculative-algorithm: always draft up to --speculative-num-draft-tokens "
     "(no adaptive policy; for measuring)",
+    "speculative_confidence_threshold": "with --speculative-algorithm dspark: verify a block's drafts only up "
+    "to the first whose acceptance, as the drafter's confidence head predicts it, is below this (0: the "
+    "adaptive policy alone decides from those predictions)",
     "tp_size": "split one replica over this many processes: attention heads, dense MLPs and the vocabulary "
     "(gloo on the CPU, NCCL on GPUs; one thread per rank by default)",
     "ep_size": "mixture-of-experts models: spread the experts over this many ranks (1, or the --tp-size ranks)",

@@ -30,10 +30,12 @@ from strata.cache.kv_pool import KVPool
 from strata.cache.radix import NoPrefixCache, PrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig, parse_lora_modules
+from strata.engine.batch import ScheduleBatch
 from strata.engine.embed import check_embed_request, embed
 from strata.engine.lora import LoRAError, LoRAManager
 from strata.engine.model_runner import ModelRunner
 from strata.engine.outputs import RequestOutput, TokenLogprob
+from strata.engine.request import Req
 from strata.engine.scheduler import Scheduler
 from strata.engine.step_threads import StepThreads
 from strata.kernels import describe_kernels, kernel_info
@@ -293,7 +295,7 @@ class Engine:
                 num_pages,
                 context_len,
             )
-            if cfg.speculative_algorithm in ("draft", "mtp")
+            if cfg.speculative_algorithm in ("draft", "mtp", "dspark")
             else None
         )
         if (
@@ -501,15 +503,14 @@ class Engine:
         context_len: int,
     ):
         """--speculative-algorithm draft: the draft model; mtp: the checkpoint's multi-token
-        prediction layer. Either with as many KV tokens as the target."""
+        prediction layer; dspark: the DSpark drafter. Each with as many KV tokens as the target."""
         from strata.engine.draft_model import DraftModelDrafter
+        from strata.engine.dspark import DSparkDrafter
         from strata.engine.mtp import MTPDrafter
 
         cfg = self.config
-        if cfg.speculative_algorithm == "mtp":
-            return MTPDrafter(
-                self.model,
-                model_dir,
+        if cfg.speculative_algorithm in ("mtp", "dspark"):
+            options = dict(
                 dtype=dtype,
                 device=device,
                 num_tokens=num_pages * cfg.page_size,
@@ -517,6 +518,14 @@ class Engine:
                 quantization=cfg.quantization,
                 context_len=context_len,
                 vocab_size=vocab,
+            )
+            if cfg.speculative_algorithm == "mtp":
+                return MTPDrafter(self.model, model_dir, **options)
+            return DSparkDrafter(
+                self.model,
+                cfg.speculative_draft_model,
+                threshold=cfg.speculative_confidence_threshold,
+                **options,
             )
         return DraftModelDrafter(
             cfg.speculative_draft_model,
@@ -803,6 +812,46 @@ class Engine:
             if not finished:
                 self.abort(rid)
                 self.step()
+
+    @torch.inference_mode()
+    def layer_streams(
+        self, seqs: Sequence[Sequence[int]], layers: tuple[int, ...]
+    ) -> list[torch.Tensor]:
+        """The residual stream after each of `layers` (-1: the embeddings) at every position of
+        each sequence, [len, len(layers) * hidden] on the CPU: one prefill of them all together,
+        through no cache (what a DSpark drafter is trained on). Only while no request runs."""
+        sched = self.scheduler
+        if sched.running or sched.waiting:
+            raise RuntimeError("layer_streams runs only while the engine is idle")
+        capture = getattr(self.model, "capture_layers", None)
+        if capture is None or self.parallel is not None:
+            raise ValueError(
+                f"{type(self.model).__name__} does not expose its layers' streams here "
+                "(a DecoderForCausalLM family on one rank does)"
+            )
+        reqs = [
+            Req(rid=f"streams-{i}", prompt_ids=list(s), params=SamplingParams())
+            for i, s in enumerate(seqs)
+        ]
+        previous = self.model.capture_after
+        try:
+            for req in reqs:
+                if not sched._alloc_for(req, len(req.prompt_ids)):
+                    raise ValueError(
+                        f"{sum(len(s) for s in seqs)} tokens do not fit the KV pool at once; "
+                        "pass fewer or shorter sequences"
+                    )
+            capture(layers)
+            fb = sched.runner.prepare(
+                ScheduleBatch(reqs, [len(r.prompt_ids) for r in reqs], 0)
+            )
+            self.model(fb.input_ids, fb.positions, fb.attn, sched.runner.kv)
+            captured = self.model.captured.cpu()
+        finally:
+            capture(previous)
+            for req in reqs:
+                sched.allocator.free(req.pages)
+        return list(captured.split([len(s) for s in seqs]))
 
     def chat(
         self, messages: list[dict[str, Any]], params: SamplingParams | None = None

@@ -51,7 +51,8 @@ class ModelRunner:
         )  # for requests without a seed
         # tensor/expert parallel (strata.distributed.runtime.ParallelRuntime): the other ranks run each step too
         self.parallel = None
-        # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's)
+        # --speculative-algorithm mtp reads the last step's final hidden states (every fed token's),
+        # dspark the residual stream after the layers it captures (`DecoderForCausalLM.captured`)
         self.keep_hidden = False
         self.hidden: torch.Tensor | None = None
         # CPU: how many threads each forward runs on, chosen by measurement (None: torch's setting)
@@ -240,7 +241,10 @@ class ModelRunner:
         finally:
             if self.lora is not None:
                 self.lora.clear_rows()
-        self.hidden = hidden if self.keep_hidden else None
+        self.hidden = None
+        if self.keep_hidden:  # a DSpark drafter reads the target's layers it asked for
+            captured = getattr(self.model, "captured", None)
+            self.hidden = hidden if captured is None else captured
         if fb.sampling is None:
             return None
         # grammar masks are computed on the CPU while an accelerator runs the forward

@@ -118,14 +118,15 @@ class Scheduler(KVAccounting):
         self.prealloc: dict[str, Req] = {}
         self.peer: KVTransferPeer | None = None
         self.observers: list[StepObserver] = []  # `add_observer`
-        # speculative decoding; draft_model: a DraftModelDrafter (--speculative-algorithm draft) or
-        # an MTPDrafter (mtp, which reads the target's hidden states after every step)
+        # speculative decoding; draft_model: a DraftModelDrafter (--speculative-algorithm draft), an
+        # MTPDrafter (mtp) or a DSparkDrafter (dspark): the last two read the target's hidden states
+        # after every step
         self.spec = (
             Speculator(config, draft_model)
             if config.speculative_algorithm != "none"
             else None
         )
-        runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
+        self._read_hidden_for(draft_model)
         # the parts for window groups (sliding-window layers) and for speculative decoding
         self.window_kv = WindowKV(allocator, prefix_cache, windows, self._alloc_for)
         self.drafts = DraftSteps(allocator, context_len)
@@ -153,7 +154,16 @@ class Scheduler(KVAccounting):
         """Use `spec` for speculative decoding from the next step on (None: none); returns the
         one used so far. Only between requests: a request's drafts belong to its speculator."""
         previous, self.spec = self.spec, spec
+        self._read_hidden_for(None if spec is None else spec.draft_model)
         return previous
+
+    def _read_hidden_for(self, draft_model) -> None:
+        """Keep the target's hidden states after each step where `draft_model` reads them (MTP: the
+        final ones; DSpark: the streams after the layers it names), and nothing where it does not."""
+        self.runner.keep_hidden = getattr(draft_model, "needs_hidden", False)
+        capture = getattr(self.runner.model, "capture_layers", None)
+        if capture is not None:
+            capture(getattr(draft_model, "capture_after", ()))
 
     # ----------------------------------------------------------------- requests in and out
 

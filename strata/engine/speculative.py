@@ -13,7 +13,8 @@ Here:
     followed it.
   * `StepCost` — an online fit of step time, a + b * rows + c * prefill tokens, per batch size.
   * `DraftPolicy` — how many drafts each request feeds this step: a token is added while its
-    expected acceptance (learned per request and per n-gram match length) buys more output per
+    expected acceptance (learned per request and per n-gram match length, or a DSpark drafter's
+    confidence in each draft) buys more output per
     second than it costs (b, weighed against the step's a + b T). As the batch grows, the cost of a
     token grows relative to what it gains, and drafting stops on its own.
   * `DraftGuard` — what drafting actually bought, measured: per batch size, the output rate of
@@ -332,6 +333,13 @@ class Candidate:
     draft: list[int]
     match_len: int  # n-gram length that found it, < 0 in other requests' texts (0: the drafter has no notion of it)
     accept_rate: float  # estimated probability that each drafted token is accepted
+    # the drafter's own estimate for each drafted token, given the ones before it were accepted (a
+    # DSpark confidence head); None: accept_rate for every one
+    confidences: list[float] | None = None
+
+    def rate(self, j: int) -> float:
+        """The probability that draft j is accepted once drafts 0 .. j - 1 were."""
+        return self.accept_rate if self.confidences is None else self.confidences[j]
 
 
 class DraftPolicy:
@@ -393,7 +401,8 @@ class DraftPolicy:
         step makes it longer, which only makes a drafted row relatively cheaper, so leaving it out
         errs towards drafting less); num_decodes: requests that yield a token (the step's output
         without drafts). A drafted token at depth j of a request with acceptance p is expected to
-        add p^j tokens of output; tokens are taken best first while (E + gain) / t(T + 1) > E / t(T),
+        add p^j tokens of output (with the drafter's confidences c_i, the product of c_0 .. c_(j-1));
+        tokens are taken best first while (E + gain) / t(T + 1) > E / t(T),
         (the guard's veto comes before, in `allows`)."""
         lengths = [0] * len(candidates)
         if not self.adaptive:
@@ -404,7 +413,7 @@ class DraftPolicy:
         if not candidates:
             return lengths
         a, b, _ = self.cost.coefficients(num_decodes)
-        heap = [(-c.accept_rate, i, 1) for i, c in enumerate(candidates) if c.draft]
+        heap = [(-c.rate(0), i, 1) for i, c in enumerate(candidates) if c.draft]
         heapq.heapify(heap)
         expected, tokens = float(max(num_decodes, 1)), base_tokens
         while heap and budget > 0:
@@ -418,7 +427,7 @@ class DraftPolicy:
             budget -= 1
             c = candidates[i]
             if depth < min(len(c.draft), self.max_draft):
-                heapq.heappush(heap, (-(gain * c.accept_rate), i, depth + 1))
+                heapq.heappush(heap, (-(gain * c.rate(depth)), i, depth + 1))
         return lengths
 
     def record(self, match_len: int, drafted: int, accepted: int) -> None:
@@ -490,7 +499,9 @@ class Speculator:
 
     n-gram drafts cost nothing to look up, so each request proposes what it finds and the policy
     picks lengths from those. A draft model costs a forward per drafted position, so the policy picks
-    lengths first (from acceptance learned so far) and only that much is drafted."""
+    lengths first (from acceptance learned so far) and only that much is drafted. A block drafter
+    (DSpark) drafts a whole block in one forward, so it proposes first, with its confidence in each
+    draft, and the policy picks lengths from those."""
 
     def __init__(self, config, draft_model=None):
         self.drafter = NgramDrafter(
@@ -523,6 +534,8 @@ class Speculator:
                 decodes
             )  # no proposal could pay for its row: none looked up
             return []
+        if getattr(self.draft_model, "block", False):
+            return self._plan_block(decodes, base_tokens, num_decodes, budget)
         candidates = []
         for req, limit in decodes:
             limit = min(limit, self.max_draft)
@@ -562,6 +575,28 @@ class Speculator:
                 if (d := _grammar_prefix(c.key, draft))
             ]
         return [(c.key, c.draft[:k], c.match_len) for c, k in chosen]
+
+    def _plan_block(
+        self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
+    ) -> list[tuple]:
+        """A block drafter (DSpark): one forward drafts every request's block, so all are drafted
+        first and the policy then picks lengths from the drafter's confidences."""
+        proposals = self.draft_model.propose(
+            [
+                (req.rid, req.prompt_ids + req.output_ids, min(limit, self.max_draft))
+                for req, limit in decodes
+            ]
+        )
+        candidates = []
+        for (req, _), p in zip(decodes, proposals):
+            draft = _grammar_prefix(req, p.tokens)
+            if draft:
+                rate = self.policy.accept_rate(req.spec_history, 0)
+                conf = None if p.confidence is None else p.confidence[: len(draft)]
+                candidates.append(Candidate(req, draft, 0, rate, conf))
+        lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
+        self.stats.declined += sum(1 for k in lengths if k == 0)
+        return [(c.key, c.draft[:k], 0) for c, k in zip(candidates, lengths) if k > 0]
 
     def verified(self, req, drafted: int, accepted: int) -> None:
         self.policy.record(req.draft_match, drafted, accepted)

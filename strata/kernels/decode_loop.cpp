@@ -125,12 +125,15 @@ class DecodeLoop {
   // x [T, hidden] (the embeddings), positions [T]; per layer its caches and its KV group's page table
   // [T, max_pages] (row t: token t's request) and out_slots [T]; owner [T]: page-table row per token.
   // lora: the step's rows under adapters as (rows, seg_off, seg_slot) (LoRATable::apply), or none.
+  // capture_after: layers after which the stream is copied into `captured` [T, n * hidden], the j-th
+  // into columns [j * hidden, (j + 1) * hidden) (-1: the embeddings, before the first layer).
   // Returns (x, residual) after the last layer: the stream is x + residual (the caller's final norm
   // adds them).
   std::tuple<at::Tensor, at::Tensor> forward(at::Tensor x, at::Tensor positions, std::vector<at::Tensor> k_caches,
                                              std::vector<at::Tensor> v_caches, std::vector<at::Tensor> page_tables,
                                              std::vector<at::Tensor> out_slots, at::Tensor owner, int64_t page_size,
-                                             c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> lora) {
+                                             c10::optional<std::tuple<at::Tensor, at::Tensor, at::Tensor>> lora,
+                                             std::vector<int64_t> capture_after, c10::optional<at::Tensor> captured) {
     const int64_t L = num_layers();
     TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == L && static_cast<int64_t>(v_caches.size()) == L,
                 "need one k and one v cache per layer (", L, "), got ", k_caches.size(), " and ", v_caches.size());
@@ -144,6 +147,20 @@ class DecodeLoop {
       TORCH_CHECK(lora_ != nullptr, "a step with adapter rows needs set_lora first");
       linear = {lora_.get(), std::get<0>(*lora), std::get<1>(*lora), std::get<2>(*lora)};
     }
+    const int64_t H = x.size(1);
+    TORCH_CHECK(capture_after.empty() || (captured && captured->dim() == 2 && captured->size(0) == T &&
+                                          captured->size(1) == H * static_cast<int64_t>(capture_after.size())),
+                "captured must be [tokens, ", capture_after.size(), " * hidden] for the layers it captures");
+    // the stream after layer `layer` (-1: the embeddings) into its columns of `captured`, if captured
+    auto capture = [&](int64_t layer, const at::Tensor& stream, const at::Tensor* residual) {
+      for (size_t j = 0; j < capture_after.size(); ++j) {
+        if (capture_after[j] != layer) continue;
+        at::Tensor out = captured->narrow(1, static_cast<int64_t>(j) * H, H);
+        if (residual == nullptr) out.copy_(stream);
+        else at::add_out(out, stream, *residual);
+      }
+    };
+    capture(-1, x, nullptr);
     at::Tensor residual;
     for (int64_t i = 0; i < L; ++i) {
       const Layer& l = layers_[i];
@@ -166,6 +183,7 @@ class DecodeLoop {
                                   l.scale, l.window, l.softcap, l.sinks);
       std::tie(h, residual) = strata_ops::add_rms_norm(linear(l.o, attn.view({T, q_size})), residual, l.post_norm, l.eps);
       x = linear(l.down, strata_ops::silu_and_mul(linear(l.gate_up, h)));
+      capture(i, x, &residual);
     }
     return {x, residual};
   }
@@ -188,5 +206,6 @@ void register_decode_loop(pybind11::module_& m) {
       .def("forward", &DecodeLoop::forward, pybind11::arg("x"), pybind11::arg("positions"), pybind11::arg("k_caches"),
            pybind11::arg("v_caches"), pybind11::arg("page_tables"), pybind11::arg("out_slots"), pybind11::arg("owner"),
            pybind11::arg("page_size"), pybind11::arg("lora") = pybind11::none(),
+           pybind11::arg("capture_after") = std::vector<int64_t>{}, pybind11::arg("captured") = pybind11::none(),
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

@@ -310,7 +310,21 @@ def paged_attention(
         raise ValueError(
             f"softcap is {softcap}; it must be positive (None: no softcap)"
         )
-    ops = usable(q)
+    store_kv(k, v, k_cache, v_cache, meta.out_slots)
+    return attend_paged(
+        q, k_cache, v_cache, meta, scale, window=window, sinks=sinks, softcap=softcap
+    )
+
+
+def store_kv(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    """Write rows of K/V ([T, Hkv, D]) to `slots` ([T]) of the caches."""
+    ops = usable(k)
     if (
         ops
         and token_rows(k)
@@ -318,10 +332,26 @@ def paged_attention(
         and k_cache.is_contiguous()
         and v_cache.is_contiguous()
     ):
-        ops.store_kv(k, v, k_cache, v_cache, meta.out_slots)
+        ops.store_kv(k, v, k_cache, v_cache, slots)
     else:
-        k_cache[meta.out_slots] = k.to(k_cache.dtype)
-        v_cache[meta.out_slots] = v.to(v_cache.dtype)
+        k_cache[slots] = k.to(k_cache.dtype)
+        v_cache[slots] = v.to(v_cache.dtype)
+
+
+def attend_paged(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """`paged_attention` over keys already in the caches: nothing is stored (a query's keys are
+    those up to its position in `meta`, whoever wrote them)."""
+    ops = usable(q)
     view = meta.view(window)
     if (
         meta.key_floor is not None

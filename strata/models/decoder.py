@@ -214,6 +214,10 @@ class DecoderForCausalLM(nn.Module):
         self._native: NativeDecode | Literal[False] | None = (
             False  # False: not built yet
         )
+        # the residual stream after these layers (-1: the embeddings) is kept by each forward in
+        # `captured` [T, len * hidden], in this order (a DSpark drafter reads the target's layers)
+        self.capture_after: tuple[int, ...] = ()
+        self.captured: torch.Tensor | None = None
 
     def forward(
         self,
@@ -228,19 +232,39 @@ class DecoderForCausalLM(nn.Module):
             self.config.scale_embeddings
         ):  # Gemma: the factor rounded to the weights' dtype, as trained
             x = x * torch.tensor(self.config.hidden_size**0.5, dtype=x.dtype)
+        capture = self.capture_after
         native = self.native_decode()
         if (
             native is not None
             and isinstance(kv, MHAKVPool)
             and native.accepts(x, meta, kv)
         ):
-            x, residual = native(
-                x, positions, meta, kv
-            )  # the same kernels as the loop below, from C++
+            self.captured = (
+                x.new_empty(x.shape[0], len(capture) * x.shape[1]) if capture else None
+            )
+            # the same kernels as the loop below, from C++
+            x, residual = native(x, positions, meta, kv, capture, self.captured)
         else:
-            for layer, rope in zip(self.layers, self.layer_ropes):
+            streams = {-1: x} if -1 in capture else {}
+            for i, (layer, rope) in enumerate(zip(self.layers, self.layer_ropes)):
                 x, residual = layer(x, residual, positions, rope, meta, kv)
+                if i in capture:
+                    streams[i] = x + residual
+            self.captured = (
+                torch.cat([streams[i] for i in capture], dim=-1) if capture else None
+            )
         return self.norm(x, residual)[0]
+
+    def capture_layers(self, layers: tuple[int, ...]) -> None:
+        """Keep the residual stream after `layers` (-1: the embeddings) from every later forward in
+        `captured`; () stops."""
+        bad = [i for i in layers if not -1 <= i < self.config.num_layers]
+        if bad:
+            raise ValueError(
+                f"layers {bad} are out of range for a model of {self.config.num_layers} layers "
+                "(-1 is the embeddings)"
+            )
+        self.capture_after = tuple(layers)
 
     def native_decode(self) -> NativeDecode | None:
         """The native layer loop for decode steps (strata.models.native_decode), built on first use,

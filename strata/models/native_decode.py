@@ -186,8 +186,12 @@ class NativeDecode:
         positions: torch.Tensor,
         meta: AttentionMetadata,
         kv: MHAKVPool,
+        capture_after: tuple[int, ...] = (),
+        captured: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] embeddings -> (x, residual) after the last layer (the stream is their sum)."""
+        """x [T, hidden] embeddings -> (x, residual) after the last layer (the stream is their sum).
+        The stream after each layer of `capture_after` (-1: the embeddings) is written into
+        `captured` [T, len(capture_after) * hidden], in that order."""
         rows = meta.num_decode
         groups = [
             (g.page_table[:rows], g.out_slots)
@@ -205,6 +209,8 @@ class NativeDecode:
             meta.decode_owner,
             meta.page_size,
             None if self.lora is None else self.lora.native_rows(),
+            list(capture_after),
+            captured,
         )
 
 

@@ -808,7 +808,7 @@ def test_a_draft_model_with_another_tokenizer_is_refused(llama_dir, tmp_path):
     (other / "tokenizer.json").write_text(json.dumps(vocab))
     with pytest.raises(ValueError, match="tokenizer differs"):
         draft_engine(llama_dir, other)
-    with pytest.raises(ValueError, match="go together"):
+    with pytest.raises(ValueError, match="goes with"):
         Engine(str(llama_dir), speculative_algorithm="draft")
 
 

@@ -1,0 +1,303 @@
+"""`--speculative-algorithm dspark`: a block of drafts per forward from a DSpark drafter
+(`strata.models.dspark`), fed with the target's own hidden states.
+
+The drafter keeps paged KV of its own (its layers: a pool and allocator of its own, sized like the
+target's): per request, one context row per position the target has computed (`extend`, after every
+step: a prefill chunk's positions, a decode's one, a verification's accepted run plus the target's
+own token). A context row costs no attention: only fc, the norm and each layer's key and value
+projections of the target's captured streams.
+
+To draft (`propose`), each request's block — its last token and block_size - 1 mask tokens, at the
+positions after its context rows — goes through the layers in one batched forward. The block's K/V
+are written to the slots after the context rows (overwritten by the next `extend`: nothing needs
+undoing when drafts are rejected), and each block row attends as a decode row whose position is its
+block's last: every context row and every row of its block, no causal mask inside the block. One
+forward drafts the whole block for every request that drafts this step, with the confidence head's
+chance that each draft is accepted (given the ones before it); the speculator chooses how many to
+verify from those (`strata.engine.speculative`).
+
+Where the target computed no hidden states — a prompt prefix that came from the radix cache, a
+prefill done by a PD peer — a request's context rows start at the first position the target
+computed here (the drafter does not see the prefix: drafts may be weaker, output never changes). A
+request retracted and recomputed starts over the same way. Drafts are argmax: deterministic, so the
+target's rejection test keeps its distribution for sampled requests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strata.cache.allocator import PageAllocator
+from strata.cache.kv_pool import MHAKVPool
+from strata.layers.attention import AttentionMetadata
+from strata.models.dspark import DSparkDraft, read_dspark_dir
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DSparkSeq:
+    """One request's context rows: positions [first, first + length) of the target, in `pages`
+    (page i holds rows [i * page_size, (i + 1) * page_size) counted from `first`)."""
+
+    first: int
+    length: int = 0
+    pages: list[int] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.first + self.length
+
+
+@dataclass
+class Proposal:
+    """A request's drafts, and the chance of each being accepted given the ones before it (None:
+    the drafter has no confidence head)."""
+
+    tokens: list[int]
+    confidence: list[float] | None = None
+
+
+class DSparkDrafter:
+    needs_hidden = True  # the model runner keeps each step's captured streams for `extend`
+    block = True  # one forward proposes a whole block, with confidences (`propose`)
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        model_dir: str | Path,
+        *,
+        dtype: torch.dtype,
+        device: torch.device,
+        num_tokens: int,
+        page_size: int,
+        quantization: str,
+        context_len: int,
+        vocab_size: int,
+        threshold: float = 0.0,
+    ):
+        from strata.weights.default_model import resolve_model_path
+
+        model_dir = resolve_model_path(str(model_dir))
+        self.model = load_dspark(
+            model_dir, target, dtype, device, context_len, quantization
+        )
+        cfg = self.model.cfg
+        # the target's layers whose streams the scheduler keeps while this drafter is attached
+        self.capture_after = cfg.target_layer_ids
+        self.target = target
+        self.block_size = cfg.block_size
+        self.mask_token_id = cfg.mask_token_id
+        self.threshold = threshold
+        layers_cfg = self.model.decoder.config
+        num_pages = max(1, num_tokens // page_size)
+        self.kv = MHAKVPool(
+            layers_cfg.num_layers,
+            layers_cfg.num_kv_heads,
+            layers_cfg.head_dim,
+            num_pages,
+            page_size,
+            dtype,
+            device,
+        )
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.page_size = page_size
+        self.device = device
+        self.vocab_size = vocab_size
+        self.seqs: dict[str, DSparkSeq] = {}
+        logger.info(
+            "DSpark drafter %s: %d layers, blocks of %d, reading the target's layers %s; %d KV tokens",
+            model_dir.name,
+            layers_cfg.num_layers,
+            cfg.block_size,
+            list(cfg.target_layer_ids),
+            num_pages * page_size,
+        )
+
+    # ------------------------------------------------------------------ after each step
+
+    @torch.inference_mode()
+    def extend(self, items: list[tuple[str, int, torch.Tensor, list[int]]]) -> None:
+        """items: (rid, first position p0, the target's captured streams [m, n * hidden] at p0..,
+        the tokens after them). Stores the context rows of positions p0 .. p0 + m - 1."""
+        slots, positions, features = [], [], []
+        for rid, p0, hidden, _ in items:
+            m = hidden.shape[0]
+            seq = self._seq_at(rid, p0)
+            if not self.allocator.grow(seq.pages, seq.length + m):
+                self._drop(rid)  # the pool is full: the request starts over after these rows
+                self.seqs[rid] = DSparkSeq(first=p0 + m)
+                continue
+            rows = np.arange(seq.length, seq.length + m)
+            pages = np.asarray(seq.pages, dtype=np.int64)
+            slots.append(pages[rows // self.page_size] * self.page_size + rows % self.page_size)
+            positions.append(np.arange(p0, p0 + m))
+            features.append(hidden)
+            seq.length += m
+        if not features:
+            return
+        c = self.model.context(torch.cat(features).to(self.kv.dtype))
+        self.model.store_context(
+            c,
+            torch.from_numpy(np.concatenate(positions)).to(self.device),
+            self.kv,
+            torch.from_numpy(np.concatenate(slots)).to(self.device),
+        )
+
+    def _seq_at(self, rid: str, p0: int) -> DSparkSeq:
+        """The request's rows, cut back to end at p0 (or started afresh at p0 if it has none there)."""
+        seq = self.seqs.get(rid)
+        if seq is not None and seq.first <= p0 <= seq.end:
+            seq.length = p0 - seq.first
+            return seq
+        self._drop(rid)
+        seq = self.seqs[rid] = DSparkSeq(first=p0)
+        return seq
+
+    # ------------------------------------------------------------------ drafting
+
+    def draft(self, wants: list[tuple[str, list[int], int]]) -> list[list[int]]:
+        """wants: (rid, the target's sequence, tokens to draft) -> each one's drafts."""
+        return [p.tokens for p in self.propose(wants)]
+
+    @torch.inference_mode()
+    def propose(self, wants: list[tuple[str, list[int], int]]) -> list[Proposal]:
+        """wants: (rid, the target's sequence, most tokens to draft). Returns each one's block of
+        drafts (cut to that many, and before the first whose confidence is under the threshold):
+        none for a request whose context rows do not reach its last token, or where the pool is
+        short of pages for the block."""
+        out = [Proposal([]) for _ in wants]
+        live = []
+        B = self.block_size
+        for i, (rid, seq_ids, k) in enumerate(wants):
+            seq = self.seqs.get(rid)
+            # the context rows end just before the last token, which the target feeds next
+            if (
+                k > 0
+                and seq is not None
+                and seq.length > 0
+                and seq.end == len(seq_ids) - 1
+                and self.allocator.grow(seq.pages, seq.length + B)
+            ):
+                live.append((i, seq, seq_ids[-1]))
+        if not live:
+            return out
+        n = len(live)
+        page_table = np.zeros((n, max(len(s.pages) for _, s, _ in live)), dtype=np.int64)
+        for b, (_, s, _) in enumerate(live):
+            page_table[b, : len(s.pages)] = s.pages
+        # each block row: a decode whose position (row index) is the block's last, so that it sees
+        # every context row and its whole block; its own K/V go to its own slot (out_slots)
+        ends = [s.length + B for _, s, _ in live]
+        meta = AttentionMetadata.build(
+            [1] * (n * B),
+            [e for e in ends for _ in range(B)],
+            torch.from_numpy(np.repeat(page_table, B, axis=0)),
+            self.page_size,
+            n * B,
+            self.device,
+        )
+        rows = np.concatenate([np.arange(s.length, s.length + B) for _, s, _ in live])
+        owner = np.repeat(np.arange(n), B)
+        slots = page_table[owner, rows // self.page_size] * self.page_size + rows % self.page_size
+        meta = dataclasses.replace(meta, out_slots=torch.from_numpy(slots).to(self.device))
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(s.end, s.end + B) for _, s, _ in live])
+        ).to(self.device)
+        anchors = torch.tensor([a for _, _, a in live], dtype=torch.int64, device=self.device)
+        ids = torch.full((n, B), self.mask_token_id, dtype=torch.int64, device=self.device)
+        ids[:, 0] = anchors
+        embeds = self.target.embed_tokens(ids.view(-1))
+        hidden = self.model.block(embeds, positions, meta, self.kv)
+        logits = self.target.compute_logits(hidden)[:, : self.vocab_size]
+        tokens, confidence = self.model.pick(
+            logits.view(n, B, -1), hidden.view(n, B, -1), anchors
+        )
+        tokens_l = tokens.tolist()
+        conf_l = None if confidence is None else confidence.tolist()
+        for b, (i, _, _) in enumerate(live):
+            k = min(wants[i][2], B)
+            if conf_l is None:
+                out[i] = Proposal(tokens_l[b][:k])
+                continue
+            conf = conf_l[b][:k]
+            cut = next((j for j, p in enumerate(conf) if p < self.threshold), len(conf))
+            out[i] = Proposal(tokens_l[b][:cut], conf[:cut])
+        return out
+
+    # ------------------------------------------------------------------ pages
+
+    def _drop(self, rid: str) -> None:
+        seq = self.seqs.pop(rid, None)
+        if seq is not None:
+            self.allocator.free(seq.pages)
+
+    def finish(self, rid: str) -> None:
+        self._drop(rid)
+
+
+def load_dspark(
+    model_dir: Path,
+    target: torch.nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_positions: int,
+    quantization: str,
+) -> DSparkDraft:
+    """The drafter of `model_dir` for `target`, in the target's dtype and weight quantization."""
+    from strata.layers.quant import QUANT_METHODS, quantize_model
+    from strata.models.decoder import DecoderForCausalLM
+    from strata.weights.loader import iter_safetensors
+
+    where = f"--speculative-draft-model {model_dir.name}"
+    cfg, layers_cfg = read_dspark_dir(model_dir)
+    if not isinstance(target, DecoderForCausalLM):
+        raise ValueError(
+            f"{where}: DSpark drafting reads the target's residual stream, which "
+            f"{type(target).__name__} does not expose"
+        )
+    tc = target.config
+    last = tc.num_layers - 1
+    if cfg.target_layer_ids[-1] >= last:
+        raise ValueError(
+            f"{where}: target_layer_ids {list(cfg.target_layer_ids)} reach the target's last layer "
+            f"({last}); DeepSpec's drafters read layers before it"
+        )
+    if cfg.num_target_layers is not None and cfg.num_target_layers != tc.num_layers:
+        raise ValueError(
+            f"{where}: trained on a target of {cfg.num_target_layers} layers; this one has "
+            f"{tc.num_layers}"
+        )
+    if (layers_cfg.hidden_size, layers_cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
+        raise ValueError(
+            f"{where}: hidden size {layers_cfg.hidden_size} and vocabulary {layers_cfg.vocab_size}; "
+            f"the target's are {tc.hidden_size} and {tc.vocab_size}"
+        )
+    if not 0 <= cfg.mask_token_id < tc.vocab_size:
+        raise ValueError(
+            f"{where}: mask_token_id {cfg.mask_token_id} is outside the target's vocabulary "
+            f"({tc.vocab_size})"
+        )
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device("meta"):
+            model = DSparkDraft(cfg, layers_cfg, max_positions, device)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    model = model.to_empty(device=device)
+    with torch.no_grad():
+        model.load_weights(((n, t.to(dtype)) for n, t in iter_safetensors(model_dir)), where)
+    if quantization in QUANT_METHODS:
+        quantize_model(model.decoder, quantization)
+    if device.type == "cpu":
+        from strata.layers.packed import pack_linears
+
+        pack_linears(model)
+    return model.eval()
