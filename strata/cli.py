@@ -1,4 +1,4 @@
-"""`strata generate | chat | serve | router | batch | bench | plan` — one argparse tree."""
+"""`strata generate | chat | serve | router | batch | bench | plan | spec` — one argparse tree."""
 
 from __future__ import annotations
 
@@ -139,6 +139,9 @@ def build_parser() -> argparse.ArgumentParser:
     from strata.plan.cli import add_plan_args
 
     add_plan_args(sub)
+    from strata.drafting.cli import add_spec_args
+
+    add_spec_args(sub)
 
     try:
         from strata.server.launch import add_serve_args, serve_main

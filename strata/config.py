@@ -217,6 +217,9 @@ class EngineConfig:
     )
     # dspark: drafts stop before the first whose confidence (the drafter's head) is below this
     speculative_confidence_threshold: float = 0.0
+    # dspark: draft from the DSpark drafter alone (by default a request's n-gram match is drafted
+    # instead where it is expected to yield more tokens)
+    speculative_dspark_only: bool = False
     # tensor / expert parallel (strata.distributed): ranks are processes the engine starts, one thread each
     tp_size: int = 1  # ranks splitting attention heads, dense MLPs and the vocabulary (one replica)
     ep_size: int = 1  # ranks holding a mixture-of-experts model's experts (1, or the same ranks as --tp-size)
@@ -439,6 +442,8 @@ _HELP = {
     "speculative_confidence_threshold": "with --speculative-algorithm dspark: verify a block's drafts only up "
     "to the first whose acceptance, as the drafter's confidence head predicts it, is below this (0: the "
     "adaptive policy alone decides from those predictions)",
+    "speculative_dspark_only": "with --speculative-algorithm dspark: draft from the DSpark drafter alone "
+    "(by default each request also looks up its n-grams and drafts them where they are expected to yield more)",
     "tp_size": "split one replica over this many processes: attention heads, dense MLPs and the vocabulary "
     "(gloo on the CPU, NCCL on GPUs; one thread per rank by default)",
     "ep_size": "mixture-of-experts models: spread the experts over this many ranks (1, or the --tp-size ranks)",

@@ -823,20 +823,27 @@ def _add_spec_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_spec(args: argparse.Namespace) -> int:
-    from strata.bench.spec import config_from_args, format_text, run
+    from strata.bench.spec import (
+        config_from_args,
+        drafter_training,
+        format_text,
+        run,
+    )
 
     cfg = config_from_args(args)
     options = dataclasses.asdict(engine_config_from_args(args))
     results = run(
         cfg, options, progress=lambda line: print(line, file=sys.stderr, flush=True)
     )
-    print(format_text(results))
+    training = drafter_training(options)
+    print(format_text(results, training))
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump(
                 {
                     "config": dataclasses.asdict(cfg),
                     "results": [r.summary() for r in results],
+                    "drafter_training": training,
                 },
                 f,
                 indent=2,

@@ -243,10 +243,32 @@ class ScenarioResult:
         }
 
 
-def doc_passages(tokenizer, tokens: int) -> list[str]:
-    """Passages of about `tokens` tokens from the standard library's documentation, in a fixed order."""
+def doc_passages(
+    tokenizer,
+    tokens: int,
+    modules: tuple[str, ...] = DOC_MODULES,
+    exclude: frozenset[str] = frozenset(),
+) -> list[str]:
+    """Passages of about `tokens` tokens from the documentation of these standard library modules,
+    in a fixed order, leaving out the paragraphs in `exclude`."""
+    seen, passages, current, size = set(exclude), [], [], 0
+    for p in doc_paragraphs(modules):
+        if p in seen:
+            continue
+        seen.add(p)
+        current.append(p)
+        size += len(tokenizer.encode(p, add_special_tokens=False))
+        if size >= tokens:
+            passages.append("\n\n".join(current))
+            current, size = [], 0
+    return passages
+
+
+def doc_paragraphs(modules: tuple[str, ...]) -> list[str]:
+    """The paragraphs (12 words or more) of these modules' docstrings and their public classes' and
+    functions', in a fixed order (a docstring inherited by several may repeat)."""
     paragraphs: list[str] = []
-    for name in DOC_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ImportError:
@@ -260,17 +282,7 @@ def doc_passages(tokenizer, tokens: int) -> list[str]:
                 docs.append(inspect.getdoc(obj) or "")
         for doc in docs:
             paragraphs += [p.strip() for p in doc.split("\n\n") if len(p.split()) >= 12]
-    seen, passages, current, size = set(), [], [], 0
-    for p in paragraphs:
-        if p in seen:
-            continue
-        seen.add(p)
-        current.append(p)
-        size += len(tokenizer.encode(p, add_special_tokens=False))
-        if size >= tokens:
-            passages.append("\n\n".join(current))
-            current, size = [], 0
-    return passages
+    return paragraphs
 
 
 def chat_questions() -> list[str]:
@@ -559,7 +571,26 @@ def _llamacpp(engine_options: dict) -> _LlamaCpp:
     )
 
 
-def format_text(results: list[ScenarioResult]) -> str:
+def drafter_training(engine_options: dict) -> dict | None:
+    """What the drafter served cost to train (`strata spec train`'s training.json: the budget per
+    phase, steps, held-out accept length), when the run serves one that records it."""
+    import json
+    from pathlib import Path
+
+    draft = engine_options.get("speculative_draft_model")
+    if engine_options.get("speculative_algorithm") != "dspark" or not draft:
+        return None
+    path = Path(draft) / "training.json"
+    if not path.is_file():
+        return None
+    record = json.loads(path.read_text())
+    return {
+        k: record.get(k)
+        for k in ("budget_s", "steps", "held_out", "validation", "threads")
+    }
+
+
+def format_text(results: list[ScenarioResult], training: dict | None = None) -> str:
     lines = [
         (
             f"{'scenario':<22}{'off tok/s':>10}{'on tok/s':>12}{'ratio':>7}{'accept len':>11}{'draft len':>10}"
@@ -603,6 +634,20 @@ def format_text(results: list[ScenarioResult]) -> str:
                 f"{r.scenario}: decode step off {costs['off_decode_ms']:.2f} ms; on, by rows "
                 f"(ms, x the off step, steps): {rows}"
             )
+    if training is not None:
+        budget = training.get("budget_s") or {}
+        held = training.get("held_out") or {}
+        accept = ", ".join(
+            f"{k} {v['accept_length']:.2f}"
+            for k, v in held.items()
+            if v.get("accept_length") is not None
+        )
+        lines.append(
+            f"drafter: trained here in {budget.get('total', 0.0) / 60:.1f} min "
+            f"(answers {budget.get('answers', 0.0) / 60:.1f}, streams {budget.get('streams', 0.0) / 60:.1f}, "
+            f"training {budget.get('training', 0.0) / 60:.1f}, evaluation {budget.get('evaluation', 0.0) / 60:.1f}), "
+            f"{training.get('steps')} steps; held-out accept length at fixed blocks: {accept or '-'}"
+        )
     return "\n".join(lines)
 
 

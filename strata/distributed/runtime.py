@@ -54,8 +54,11 @@ EXIT_WAIT_S = 1.0  # after a failed collective, how long to wait for the rank th
 
 def check_engine_options(cfg: EngineConfig) -> None:
     """What a split replica does not do yet, refused with what to change."""
-    if cfg.speculative_algorithm == "mtp":
-        raise ValueError("--speculative-algorithm mtp runs on one rank only")
+    if cfg.speculative_algorithm in ("mtp", "dspark"):
+        raise ValueError(
+            f"--speculative-algorithm {cfg.speculative_algorithm} runs on one rank only "
+            "(it reads the target's hidden states)"
+        )
     if cfg.eplb_interval and cfg.ep_size == 1:
         raise ValueError(
             "--eplb-interval places experts over ranks; it needs --ep-size > 1"

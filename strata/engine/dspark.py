@@ -36,7 +36,8 @@ import torch
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
 from strata.layers.attention import AttentionMetadata
-from strata.models.dspark import DSparkDraft, read_dspark_dir
+from strata.models.decoder import DecoderForCausalLM
+from strata.models.dspark import DRAFT_VOCAB_FILE, DSparkDraft, read_dspark_dir
 
 logger = logging.getLogger(__name__)
 
@@ -65,12 +66,14 @@ class Proposal:
 
 
 class DSparkDrafter:
-    needs_hidden = True  # the model runner keeps each step's captured streams for `extend`
+    needs_hidden = (
+        True  # the model runner keeps each step's captured streams for `extend`
+    )
     block = True  # one forward proposes a whole block, with confidences (`propose`)
 
     def __init__(
         self,
-        target: torch.nn.Module,
+        target: DecoderForCausalLM,
         model_dir: str | Path,
         *,
         dtype: torch.dtype,
@@ -84,7 +87,9 @@ class DSparkDrafter:
     ):
         from strata.weights.default_model import resolve_model_path
 
-        model_dir = resolve_model_path(str(model_dir))
+        resolved = resolve_model_path(str(model_dir))
+        assert resolved is not None  # a path given is a path resolved
+        model_dir = resolved
         self.model = load_dspark(
             model_dir, target, dtype, device, context_len, quantization
         )
@@ -131,12 +136,16 @@ class DSparkDrafter:
             m = hidden.shape[0]
             seq = self._seq_at(rid, p0)
             if not self.allocator.grow(seq.pages, seq.length + m):
-                self._drop(rid)  # the pool is full: the request starts over after these rows
+                self._drop(
+                    rid
+                )  # the pool is full: the request starts over after these rows
                 self.seqs[rid] = DSparkSeq(first=p0 + m)
                 continue
             rows = np.arange(seq.length, seq.length + m)
             pages = np.asarray(seq.pages, dtype=np.int64)
-            slots.append(pages[rows // self.page_size] * self.page_size + rows % self.page_size)
+            slots.append(
+                pages[rows // self.page_size] * self.page_size + rows % self.page_size
+            )
             positions.append(np.arange(p0, p0 + m))
             features.append(hidden)
             seq.length += m
@@ -162,10 +171,6 @@ class DSparkDrafter:
 
     # ------------------------------------------------------------------ drafting
 
-    def draft(self, wants: list[tuple[str, list[int], int]]) -> list[list[int]]:
-        """wants: (rid, the target's sequence, tokens to draft) -> each one's drafts."""
-        return [p.tokens for p in self.propose(wants)]
-
     @torch.inference_mode()
     def propose(self, wants: list[tuple[str, list[int], int]]) -> list[Proposal]:
         """wants: (rid, the target's sequence, most tokens to draft). Returns each one's block of
@@ -189,7 +194,9 @@ class DSparkDrafter:
         if not live:
             return out
         n = len(live)
-        page_table = np.zeros((n, max(len(s.pages) for _, s, _ in live)), dtype=np.int64)
+        page_table = np.zeros(
+            (n, max(len(s.pages) for _, s, _ in live)), dtype=np.int64
+        )
         for b, (_, s, _) in enumerate(live):
             page_table[b, : len(s.pages)] = s.pages
         # each block row: a decode whose position (row index) is the block's last, so that it sees
@@ -205,17 +212,29 @@ class DSparkDrafter:
         )
         rows = np.concatenate([np.arange(s.length, s.length + B) for _, s, _ in live])
         owner = np.repeat(np.arange(n), B)
-        slots = page_table[owner, rows // self.page_size] * self.page_size + rows % self.page_size
-        meta = dataclasses.replace(meta, out_slots=torch.from_numpy(slots).to(self.device))
+        slots = (
+            page_table[owner, rows // self.page_size] * self.page_size
+            + rows % self.page_size
+        )
+        meta = dataclasses.replace(
+            meta, out_slots=torch.from_numpy(slots).to(self.device)
+        )
         positions = torch.from_numpy(
             np.concatenate([np.arange(s.end, s.end + B) for _, s, _ in live])
         ).to(self.device)
-        anchors = torch.tensor([a for _, _, a in live], dtype=torch.int64, device=self.device)
-        ids = torch.full((n, B), self.mask_token_id, dtype=torch.int64, device=self.device)
+        anchors = torch.tensor(
+            [a for _, _, a in live], dtype=torch.int64, device=self.device
+        )
+        ids = torch.full(
+            (n, B), self.mask_token_id, dtype=torch.int64, device=self.device
+        )
         ids[:, 0] = anchors
         embeds = self.target.embed_tokens(ids.view(-1))
         hidden = self.model.block(embeds, positions, meta, self.kv)
-        logits = self.target.compute_logits(hidden)[:, : self.vocab_size]
+        if self.model.head is not None:  # the draft vocabulary's rows of the head
+            logits = self.model.head(hidden).float()
+        else:
+            logits = self.target.compute_logits(hidden)[:, : self.vocab_size]
         tokens, confidence = self.model.pick(
             logits.view(n, B, -1), hidden.view(n, B, -1), anchors
         )
@@ -244,7 +263,7 @@ class DSparkDrafter:
 
 def load_dspark(
     model_dir: Path,
-    target: torch.nn.Module,
+    target: DecoderForCausalLM,
     dtype: torch.dtype,
     device: torch.device,
     max_positions: int,
@@ -252,7 +271,6 @@ def load_dspark(
 ) -> DSparkDraft:
     """The drafter of `model_dir` for `target`, in the target's dtype and weight quantization."""
     from strata.layers.quant import QUANT_METHODS, quantize_model
-    from strata.models.decoder import DecoderForCausalLM
     from strata.weights.loader import iter_safetensors
 
     where = f"--speculative-draft-model {model_dir.name}"
@@ -274,7 +292,10 @@ def load_dspark(
             f"{where}: trained on a target of {cfg.num_target_layers} layers; this one has "
             f"{tc.num_layers}"
         )
-    if (layers_cfg.hidden_size, layers_cfg.vocab_size) != (tc.hidden_size, tc.vocab_size):
+    if (layers_cfg.hidden_size, layers_cfg.vocab_size) != (
+        tc.hidden_size,
+        tc.vocab_size,
+    ):
         raise ValueError(
             f"{where}: hidden size {layers_cfg.hidden_size} and vocabulary {layers_cfg.vocab_size}; "
             f"the target's are {tc.hidden_size} and {tc.vocab_size}"
@@ -293,7 +314,15 @@ def load_dspark(
         torch.set_default_dtype(default_dtype)
     model = model.to_empty(device=device)
     with torch.no_grad():
-        model.load_weights(((n, t.to(dtype)) for n, t in iter_safetensors(model_dir)), where)
+        model.load_weights(
+            ((n, t.to(dtype)) for n, t in iter_safetensors(model_dir)), where
+        )
+        vocab_path = model_dir / DRAFT_VOCAB_FILE
+        if vocab_path.is_file():
+            ids = draft_vocab(vocab_path, tc.vocab_size, where)
+            model.restrict_vocab(
+                ids.to(device), output_rows(target, ids).to(device, dtype)
+            )
     if quantization in QUANT_METHODS:
         quantize_model(model.decoder, quantization)
     if device.type == "cpu":
@@ -301,3 +330,40 @@ def load_dspark(
 
         pack_linears(model)
     return model.eval()
+
+
+def draft_vocab(path: Path, vocab_size: int, where: str) -> torch.Tensor:
+    """The draft vocabulary's token ids (distinct, inside the target's vocabulary)."""
+    import json
+
+    try:
+        ids = [int(i) for i in json.loads(path.read_text())["ids"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ValueError(
+            f'{where}: {path.name} must be {{"ids": [token ids]}} ({exc})'
+        ) from exc
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if not ids or bad or len(set(ids)) != len(ids):
+        raise ValueError(
+            f"{where}: {path.name} must list distinct token ids below {vocab_size}"
+            + (f" (got {bad[:4]})" if bad else "")
+        )
+    return torch.tensor(ids, dtype=torch.int64)
+
+
+@torch.no_grad()
+def output_rows(target: DecoderForCausalLM, ids: torch.Tensor) -> torch.Tensor:
+    """The target output head's rows for `ids` as float32 (dequantized where the head is not)."""
+    head = target.lm_head
+    if head is None:  # tied: the embedding's rows
+        return target.embed_tokens(ids).float()
+    weight = getattr(head, "weight", None)
+    if (
+        isinstance(weight, torch.Tensor)
+        and weight.dim() == 2
+        and weight.is_floating_point()
+    ):
+        return weight[ids].float()
+    dtype = target.embed_tokens(ids[:1]).dtype
+    eye = torch.eye(target.config.hidden_size, dtype=dtype)
+    return head(eye).float().t()[ids].contiguous()

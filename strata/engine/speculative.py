@@ -517,6 +517,9 @@ class Speculator:
             adaptive=not config.speculative_fixed_length,
         )
         self.max_draft = config.speculative_num_draft_tokens
+        # a block drafter's requests also look their n-grams up, and draft whichever is expected
+        # to yield more (--speculative-dspark-only: the block drafter alone)
+        self.ngram_beside = not getattr(config, "speculative_dspark_only", False)
         self.stats = SpecStats()
 
     def plan(
@@ -579,24 +582,55 @@ class Speculator:
     def _plan_block(
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
     ) -> list[tuple]:
-        """A block drafter (DSpark): one forward drafts every request's block, so all are drafted
-        first and the policy then picks lengths from the drafter's confidences."""
+        """A block drafter (DSpark): one forward drafts a whole block per request, so the blocks
+        are drafted first and the policy then picks lengths from the drafter's confidences. Only
+        requests the policy would give a draft at their measured acceptance are proposed for (a
+        block costs its rows whether or not they are verified: a large batch does not pay for
+        blocks it would not verify)."""
+        rates = [self.policy.accept_rate(req.spec_history, 0) for req, _ in decodes]
+        guess = self.policy.choose(
+            [
+                Candidate(req, [0] * min(limit, self.max_draft), 0, rate)
+                for (req, limit), rate in zip(decodes, rates)
+            ],
+            base_tokens,
+            num_decodes,
+            budget,
+        )
+        wanted = [(d, r) for d, r, k in zip(decodes, rates, guess) if k > 0]
+        self.stats.declined += len(decodes) - len(wanted)
         proposals = self.draft_model.propose(
             [
                 (req.rid, req.prompt_ids + req.output_ids, min(limit, self.max_draft))
-                for req, limit in decodes
+                for (req, limit), _ in wanted
             ]
         )
         candidates = []
-        for (req, _), p in zip(decodes, proposals):
+        for ((req, limit), rate), p in zip(wanted, proposals):
+            options = []
             draft = _grammar_prefix(req, p.tokens)
             if draft:
-                rate = self.policy.accept_rate(req.spec_history, 0)
                 conf = None if p.confidence is None else p.confidence[: len(draft)]
-                candidates.append(Candidate(req, draft, 0, rate, conf))
+                options.append(Candidate(req, draft, 0, rate, conf))
+            if (
+                self.ngram_beside
+            ):  # the request's own text may say more (copying, quoting)
+                found, n = self.drafter.propose(
+                    req.rid, req.prompt_ids, req.output_ids, min(limit, self.max_draft)
+                )
+                found = _grammar_prefix(req, found)
+                if found:
+                    rate_n = self.policy.accept_rate(req.spec_history, n)
+                    options.append(Candidate(req, found, n, rate_n))
+            if options:
+                candidates.append(max(options, key=expected_tokens))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
         self.stats.declined += sum(1 for k in lengths if k == 0)
-        return [(c.key, c.draft[:k], 0) for c, k in zip(candidates, lengths) if k > 0]
+        return [
+            (c.key, c.draft[:k], c.match_len)
+            for c, k in zip(candidates, lengths)
+            if k > 0
+        ]
 
     def verified(self, req, drafted: int, accepted: int) -> None:
         self.policy.record(req.draft_match, drafted, accepted)
@@ -668,6 +702,16 @@ class Speculator:
         self.drafter.finish(rid)
         if self.draft_model is not None:
             self.draft_model.finish(rid)
+
+
+def expected_tokens(c: Candidate) -> float:
+    """The tokens a candidate's whole draft is expected to add: the sum over its depths of the
+    chance that every draft up to there is accepted."""
+    total, p = 0.0, 1.0
+    for j in range(len(c.draft)):
+        p *= c.rate(j)
+        total += p
+    return total
 
 
 def _grammar_prefix(req, draft: list[int]) -> list[int]:

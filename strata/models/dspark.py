@@ -30,10 +30,11 @@ config plus the DSpark fields, and model.safetensors with `layers.*`, `norm`, `f
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -43,7 +44,13 @@ from strata.layers.attention import AttentionMetadata, store_kv
 from strata.layers.norm import RMSNorm
 from strata.model_config import ModelConfig
 
+if TYPE_CHECKING:
+    from strata.models.decoder import Attention, DecoderLayer
+
 ARCHITECTURE = "Qwen3DSparkModel"
+# Strata's addition beside DeepSpec's files: the token ids a drafter drafts from (EAGLE-3's draft
+# vocabulary), {"ids": [...]}: its logits are the target head's rows for them alone
+DRAFT_VOCAB_FILE = "draft_vocab.json"
 MARKOV_HEADS = ("vanilla", "gated", "rnn")
 
 
@@ -76,7 +83,11 @@ class DSparkConfig:
         if missing:
             raise ValueError(f"{where}: config.json lacks {', '.join(missing)}")
         layers = tuple(int(i) for i in raw["target_layer_ids"])
-        if not layers or any(b <= a for a, b in zip(layers, layers[1:])) or layers[0] < -1:
+        if (
+            not layers
+            or any(b <= a for a, b in itertools.pairwise(layers))
+            or layers[0] < -1
+        ):
             raise ValueError(
                 f"{where}: target_layer_ids {list(layers)} must be strictly increasing layer "
                 "numbers (-1: the embeddings)"
@@ -145,27 +156,45 @@ class MarkovHead(nn.Module):
     def prev_embeddings(self, prev: torch.Tensor) -> torch.Tensor:
         return self.markov_w1(prev)
 
-    def step(
+    @property
+    def recurrent(self) -> bool:
+        """Whether a row's bias depends on the rows before it (beyond its previous token)."""
+        return self.kind == "rnn"
+
+    def latent(
         self,
         prev: torch.Tensor,
         hidden: torch.Tensor,
-        state: torch.Tensor | None,
+        state: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """prev [n] token ids, hidden [n, H] the rows' final hidden states, state the recurrent one
-        (rnn; None before the block's first row) -> (bias [n, vocab], the next state)."""
+        (rnn; None before the block's first row) -> (the rank-r latent whose markov_w2 is the
+        bias, the next state)."""
         e = self.markov_w1(prev)
         if self.kind == "vanilla":
-            return self.markov_w2(e), None
+            return e, None
         if self.kind == "gated":
-            gate = torch.sigmoid(self.gate_proj(torch.cat([hidden, e.to(hidden.dtype)], -1)))
-            return self.markov_w2(gate.to(e.dtype) * e), None
+            gate = torch.sigmoid(
+                self.gate_proj(torch.cat([hidden, e.to(hidden.dtype)], -1))
+            )
+            return gate.to(e.dtype) * e, None
         if state is None:
             state = e.new_zeros(e.shape)
         z = torch.cat([state, e, hidden.to(e.dtype)], dim=-1)
         gate, candidate, out = self.joint_proj(z).chunk(3, dim=-1)
         gate = torch.sigmoid(gate)
         state = gate * state + (1.0 - gate) * torch.tanh(candidate)
-        return self.markov_w2(torch.tanh(out)), state
+        return torch.tanh(out), state
+
+    def step(
+        self,
+        prev: torch.Tensor,
+        hidden: torch.Tensor,
+        state: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `latent`, with the bias [n, vocab] in place of the latent."""
+        z, state = self.latent(prev, hidden, state)
+        return self.markov_w2(z), state
 
 
 class DSparkDraft(nn.Module):
@@ -200,6 +229,22 @@ class DSparkDraft(nn.Module):
         if cfg.confidence_head:
             width = hidden + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
             self.confidence_head = nn.Linear(width, 1)
+        # a draft vocabulary (`restrict_vocab`): its head rows, and the token id of each
+        self.head: nn.Linear | None = None
+        self.vocab_ids: torch.Tensor | None = None
+
+    def restrict_vocab(self, ids: torch.Tensor, head_rows: torch.Tensor) -> None:
+        """Draft from the tokens `ids` alone: logits from `head_rows` [N, hidden] (the target head's
+        rows for them), the Markov bias from the same rows of markov_w2."""
+        self.head = nn.Linear(head_rows.shape[1], len(ids), bias=False)
+        self.head.weight = nn.Parameter(head_rows, requires_grad=False)
+        if self.markov_head is not None:
+            w2 = self.markov_head.markov_w2.weight
+            self.markov_head.markov_w2 = nn.Linear(w2.shape[1], len(ids), bias=False)
+            self.markov_head.markov_w2.weight = nn.Parameter(
+                w2[ids].clone(), requires_grad=False
+            )
+        self.vocab_ids = ids
 
     def context(self, features: torch.Tensor) -> torch.Tensor:
         """The target's captured streams [m, n * hidden] -> context rows c [m, hidden]."""
@@ -216,15 +261,15 @@ class DSparkDraft(nn.Module):
         for i, (layer, rope) in enumerate(
             zip(self.decoder.layers, self.decoder.layer_ropes)
         ):
-            attn = layer.self_attn
+            attn = cast("Attention", cast("DecoderLayer", layer).self_attn)
             q, k, v = attn.qkv_proj(c).split(
                 [attn.q_size, attn.kv_size, attn.kv_size], dim=-1
             )
-            if attn.qk_norm == "full":
+            if attn.k_norm is not None and attn.qk_norm == "full":
                 k = attn.k_norm(k)
             q = q.view(-1, attn.num_heads, attn.head_dim)
             k = k.view(-1, attn.num_kv_heads, attn.head_dim)
-            if attn.qk_norm == "head":
+            if attn.k_norm is not None and attn.qk_norm == "head":
                 k = attn.k_norm(k)
             _, k = rope(positions, q, k)
             store_kv(k, v.reshape(k.shape), kv.k[i], kv.v[i], slots)
@@ -246,7 +291,8 @@ class DSparkDraft(nn.Module):
     def pick(
         self, logits: torch.Tensor, hidden: torch.Tensor, anchors: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Greedy drafts from a block's base logits [n, B, V] and final hidden states [n, B, H], the
+        """Greedy drafts from a block's base logits [n, B, V] (V: the draft vocabulary's columns
+        where there is one) and final hidden states [n, B, H], the
         Markov head chained on each drafted token (the first row's previous token: the anchor [n]).
         Returns (tokens [n, B], the confidence head's probabilities [n, B] or None)."""
         prev, state = anchors, None
@@ -264,6 +310,10 @@ class DSparkDraft(nn.Module):
                     features = torch.cat([features, e], dim=-1)
                 confidence.append(torch.sigmoid(self.confidence_head(features).float()))
             prev = row.argmax(dim=-1)
+            if (
+                self.vocab_ids is not None
+            ):  # a column of the draft vocabulary -> its token
+                prev = self.vocab_ids[prev]
             tokens.append(prev)
         probs = torch.cat(confidence, dim=-1) if confidence else None
         return torch.stack(tokens, dim=1), probs

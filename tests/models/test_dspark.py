@@ -173,7 +173,7 @@ class RefDSpark(nn.Module):
         return m.markov_w2(torch.tanh(out)), state
 
     @torch.no_grad()
-    def draft(self, features, first: int, anchor: int):
+    def draft(self, features, first: int, anchor: int, vocab=None):
         """features [C, n * H]: the target's streams at positions first .. first + C - 1; the
         anchor is the token at first + C. Returns (block tokens, confidences or None)."""
         c = self.hidden_norm(self.fc(features))
@@ -194,6 +194,10 @@ class RefDSpark(nn.Module):
             if self.markov_head is not None:
                 bias, state = self.markov_bias(prev[None], hidden[i][None], state)
                 row = row + bias[0]
+            if vocab is not None:  # a draft vocabulary: its tokens alone
+                allowed = torch.zeros_like(row, dtype=torch.bool)
+                allowed[vocab] = True
+                row = row.masked_fill(~allowed, float("-inf"))
             if self.confidence_head is not None:
                 f = hidden[i]
                 if self.cfg.confidence_head_with_markov:
@@ -270,21 +274,20 @@ def dspark_engine(model_dir, drafter_dir, **kw) -> Engine:
         speculative_draft_model=str(drafter_dir),
         speculative_fixed_length=True,
         speculative_num_draft_tokens=BLOCK,
+        speculative_dspark_only=True,
     )
     options.update(kw)
     return Engine(str(model_dir), **options)
 
 
 @torch.no_grad()
-def oracle_block(main, ref, seq: list[int], first: int = 0):
+def oracle_block(main, ref, seq: list[int], first: int = 0, vocab=None):
     """The oracle's block after seq, its context from position `first` on (transformers' hidden
     states: index l + 1 is the stream after layer l, 0 the embeddings)."""
     states = main.model(torch.tensor([seq[:-1]]), output_hidden_states=True)
     streams = states.hidden_states
-    features = torch.cat(
-        [streams[i + 1][0] for i in ref.cfg.target_layer_ids], dim=-1
-    )
-    return ref.draft(features[first:], first, seq[-1])
+    features = torch.cat([streams[i + 1][0] for i in ref.cfg.target_layer_ids], dim=-1)
+    return ref.draft(features[first:], first, seq[-1], vocab)
 
 
 def check_block(drafter, rid, seq, main, ref, first=0):
@@ -380,14 +383,20 @@ def test_policy_takes_drafts_by_the_product_of_their_confidences():
     assert policy.choose([Candidate("c", [1, 2, 3, 4], 0, 0.5)], 1, 1, 64) == [1]
 
 
-@pytest.mark.parametrize("page_size,chunk", [(1, 0), (16, 8)])
-def test_greedy_output_is_unchanged(target, drafters, expected, page_size, chunk):
+@pytest.mark.parametrize(
+    "page_size,chunk,only", [(1, 0, True), (16, 8, True), (4, 0, False)]
+)
+def test_greedy_output_is_unchanged(target, drafters, expected, page_size, chunk, only):
+    """With the drafter alone, and with each request's n-gram drafts beside it (the one expected to
+    yield more is verified)."""
     model_dir, _ = target
     engine = dspark_engine(
         model_dir,
         drafters["vanilla"][0],
         page_size=page_size,
         chunked_prefill_size=chunk,
+        speculative_dspark_only=only,
+        speculative_fixed_length=only,
     )
     params = SamplingParams(temperature=0, max_new_tokens=12, ignore_eos=True)
     out = engine.generate(PROMPTS, params)
@@ -539,3 +548,102 @@ def test_bad_drafters_are_refused_with_what_to_fix(target, tmp_path):
         dspark_engine(model_dir, d)
     with pytest.raises(ValueError, match="--speculative-draft-model goes with"):
         Engine(str(model_dir), speculative_algorithm="dspark")
+
+
+def test_detaching_the_drafter_stops_keeping_the_streams(target, drafters):
+    model_dir, _ = target
+    engine = dspark_engine(model_dir, drafters["vanilla"][0])
+    drafter = engine.scheduler.spec.draft_model
+    assert engine.model.capture_after == drafter.capture_after == (-1, 1, 2)
+    spec = engine.scheduler.set_speculator(None)
+    assert engine.model.capture_after == () and not engine.scheduler.runner.keep_hidden
+    engine.generate(PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=3))
+    assert engine.model.captured is None and engine.scheduler.runner.hidden is None
+    engine.scheduler.set_speculator(spec)
+    assert (
+        engine.model.capture_after == (-1, 1, 2) and engine.scheduler.runner.keep_hidden
+    )
+
+
+@torch.no_grad()
+def test_layer_streams_are_transformers_hidden_states(target):
+    model_dir, main = target
+    engine = Engine(str(model_dir), dtype="float32", kv_cache_tokens=1024, page_size=4)
+    seqs = [PROMPTS[0], PROMPTS[2]]
+    got = engine.layer_streams(seqs, (-1, 0, 2))
+    for seq, streams in zip(seqs, got):
+        states = main.model(
+            torch.tensor([seq]), output_hidden_states=True
+        ).hidden_states
+        expected = torch.cat([states[i + 1][0] for i in (-1, 0, 2)], dim=-1)
+        torch.testing.assert_close(streams, expected, atol=1e-4, rtol=1e-4)
+    assert engine.model.capture_after == ()
+    engine.scheduler.check_no_leaks()
+    with pytest.raises(ValueError, match="out of range"):
+        engine.layer_streams(seqs, (0, TARGET_LAYERS))
+
+
+@pytest.mark.parametrize("confidence,wins", [(0.99, "block"), (0.1, "ngram")])
+def test_a_request_drafts_whichever_of_block_and_ngram_should_yield_more(
+    confidence, wins
+):
+    from strata.config import EngineConfig
+    from strata.engine.dspark import Proposal
+    from strata.engine.request import Req
+    from strata.engine.speculative import Speculator
+
+    class Block:
+        block, needs_hidden, capture_after = True, False, ()
+
+        def propose(self, wants):
+            return [Proposal([7, 7, 7, 7], [confidence] * 4) for _ in wants]
+
+        def finish(self, rid):
+            pass
+
+    config = EngineConfig(
+        speculative_algorithm="dspark",
+        speculative_draft_model="unused",
+        speculative_fixed_length=True,
+        speculative_num_draft_tokens=4,
+    )
+    spec = Speculator(config, Block())
+    req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
+    ((got, draft, match),) = spec.plan([(req, 8)], 1, 1, 64)
+    assert got is req
+    if wins == "block":
+        assert (draft, match) == ([7, 7, 7, 7], 0)
+    else:
+        assert (draft, match) == ([4, 5, 1, 2], 3)
+
+
+@pytest.mark.parametrize("kind", ["vanilla", "rnn"])
+def test_a_draft_vocabulary_drafts_from_its_tokens_alone(
+    target, drafters, tmp_path, kind
+):
+    import shutil
+
+    model_dir, main = target
+    src, ref = drafters[kind]
+    drafter_dir = tmp_path / "vocab"
+    shutil.copytree(src, drafter_dir)
+    vocab = sorted(set(range(0, 384, 3)) | set(range(100, 160)))
+    (drafter_dir / "draft_vocab.json").write_text(json.dumps({"ids": vocab}))
+    engine = dspark_engine(model_dir, drafter_dir, chunked_prefill_size=8)
+    drafter = engine.scheduler.spec.draft_model
+    assert drafter.model.head.out_features == len(vocab)
+    (rid,) = engine.add_request(
+        PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=40, ignore_eos=True)
+    )
+    for _ in range(8):
+        engine.step()
+    req = engine.scheduler.running[0]
+    seq = req.prompt_ids + req.output_ids
+    (proposal,) = drafter.propose([(rid, seq, BLOCK)])
+    tokens, conf = oracle_block(main, ref, seq, vocab=vocab)
+    assert proposal.tokens == tokens and all(t in vocab for t in tokens)
+    assert proposal.confidence == pytest.approx(conf, abs=1e-4)
+    for bad in ({"ids": [1, 1]}, {"ids": [999]}, {"tokens": [1]}, {"ids": []}):
+        (drafter_dir / "draft_vocab.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=r"draft_vocab\.json"):
+            dspark_engine(model_dir, drafter_dir)
