@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -35,25 +35,16 @@ import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
+from strata.engine.draft_rows import Rows, RowsByRequest
 from strata.layers.attention import AttentionMetadata
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.dspark import DRAFT_VOCAB_FILE, DSparkDraft, read_dspark_dir
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass
-class DSparkSeq:
-    """One request's context rows: positions [first, first + length) of the target, in `pages`
-    (page i holds rows [i * page_size, (i + 1) * page_size) counted from `first`)."""
-
-    first: int
-    length: int = 0
-    pages: list[int] = field(default_factory=list)
-
-    @property
-    def end(self) -> int:
-        return self.first + self.length
+PENDING_ROWS = (
+    4096  # captured rows kept waiting, all requests together, before they are stored
+)
 
 
 @dataclass
@@ -115,7 +106,12 @@ class DSparkDrafter:
         self.page_size = page_size
         self.device = device
         self.vocab_size = vocab_size
-        self.seqs: dict[str, DSparkSeq] = {}
+        # each request's context rows: positions [first, end) of the target
+        self.rows = RowsByRequest(Rows, self.allocator)
+        self.seqs = self.rows.seqs
+        # per request, the captured streams of steps whose context rows are not made yet: (p0, [m, ...])
+        self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}
+        self.pending_rows = 0
         logger.info(
             "DSpark drafter %s: %d layers, blocks of %d, reading the target's layers %s; %d KV tokens",
             model_dir.name,
@@ -130,25 +126,34 @@ class DSparkDrafter:
     @torch.inference_mode()
     def extend(self, items: list[tuple[str, int, torch.Tensor, list[int]]]) -> None:
         """items: (rid, first position p0, the target's captured streams [m, n * hidden] at p0..,
-        the tokens after them). Stores the context rows of positions p0 .. p0 + m - 1."""
-        slots, positions, features = [], [], []
+        the tokens after them). The context rows of positions p0 .. p0 + m - 1 are made when the
+        request next drafts (`_flush`: one batched call for many steps' rows, and none at all for
+        the steps of a request the policy does not draft for), or once PENDING_ROWS wait."""
         for rid, p0, hidden, _ in items:
-            m = hidden.shape[0]
-            seq = self._seq_at(rid, p0)
-            if not self.allocator.grow(seq.pages, seq.length + m):
-                self._drop(
-                    rid
-                )  # the pool is full: the request starts over after these rows
-                self.seqs[rid] = DSparkSeq(first=p0 + m)
-                continue
-            rows = np.arange(seq.length, seq.length + m)
-            pages = np.asarray(seq.pages, dtype=np.int64)
-            slots.append(
-                pages[rows // self.page_size] * self.page_size + rows % self.page_size
-            )
-            positions.append(np.arange(p0, p0 + m))
-            features.append(hidden)
-            seq.length += m
+            waiting = self.pending.setdefault(rid, [])
+            # a request cut back (retracted, recomputed) replaces what it had pending from p0 on
+            while waiting and waiting[-1][0] >= p0:
+                self.pending_rows -= waiting.pop()[1].shape[0]
+            if waiting and waiting[-1][0] + waiting[-1][1].shape[0] > p0:
+                q0, h = waiting[-1]
+                waiting[-1] = (q0, h[: p0 - q0])
+                self.pending_rows -= h.shape[0] - (p0 - q0)
+            waiting.append((p0, hidden))
+            self.pending_rows += hidden.shape[0]
+        if self.pending_rows > PENDING_ROWS:
+            self._flush(list(self.pending))
+
+    @torch.inference_mode()
+    def _flush(self, rids: list[str]) -> None:
+        """Store the pending context rows of these requests."""
+        slots: list[np.ndarray] = []
+        positions: list[np.ndarray] = []
+        features: list[torch.Tensor] = []
+        for rid in rids:
+            waiting = self.pending.pop(rid, [])
+            self.pending_rows -= sum(h.shape[0] for _, h in waiting)
+            for p0, hidden in waiting:
+                self._place(rid, p0, hidden, slots, positions, features)
         if not features:
             return
         c = self.model.context(torch.cat(features).to(self.kv.dtype))
@@ -159,15 +164,32 @@ class DSparkDrafter:
             torch.from_numpy(np.concatenate(slots)).to(self.device),
         )
 
-    def _seq_at(self, rid: str, p0: int) -> DSparkSeq:
-        """The request's rows, cut back to end at p0 (or started afresh at p0 if it has none there)."""
-        seq = self.seqs.get(rid)
-        if seq is not None and seq.first <= p0 <= seq.end:
-            seq.length = p0 - seq.first
-            return seq
-        self._drop(rid)
-        seq = self.seqs[rid] = DSparkSeq(first=p0)
-        return seq
+    def _place(
+        self,
+        rid: str,
+        p0: int,
+        hidden: torch.Tensor,
+        slots: list[np.ndarray],
+        positions: list[np.ndarray],
+        features: list[torch.Tensor],
+    ) -> None:
+        """Rows for positions p0 .. p0 + m - 1 of a request: their slots, positions and streams
+        appended to the lists (nothing where the pool is full: the request starts over after them)."""
+        m = hidden.shape[0]
+        seq = self.rows.seq_at(rid, p0)
+        if not self.allocator.grow(seq.pages, seq.length + m):
+            self.rows.restart(
+                rid, p0 + m
+            )  # the pool is full: it starts over after these
+            return
+        rows = np.arange(seq.length, seq.length + m)
+        pages = np.asarray(seq.pages, dtype=np.int64)
+        slots.append(
+            pages[rows // self.page_size] * self.page_size + rows % self.page_size
+        )
+        positions.append(np.arange(p0, p0 + m))
+        features.append(hidden)
+        seq.length += m
 
     # ------------------------------------------------------------------ drafting
 
@@ -177,6 +199,7 @@ class DSparkDrafter:
         drafts (cut to that many, and before the first whose confidence is under the threshold):
         none for a request whose context rows do not reach its last token, or where the pool is
         short of pages for the block."""
+        self._flush([rid for rid, _, k in wants if k > 0])
         out = [Proposal([]) for _ in wants]
         live = []
         B = self.block_size
@@ -252,13 +275,9 @@ class DSparkDrafter:
 
     # ------------------------------------------------------------------ pages
 
-    def _drop(self, rid: str) -> None:
-        seq = self.seqs.pop(rid, None)
-        if seq is not None:
-            self.allocator.free(seq.pages)
-
     def finish(self, rid: str) -> None:
-        self._drop(rid)
+        self.pending_rows -= sum(h.shape[0] for _, h in self.pending.pop(rid, []))
+        self.rows.drop(rid)
 
 
 def load_dspark(

@@ -22,7 +22,7 @@ target's rejection test keeps its distribution for sampled requests.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +30,7 @@ import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_layouts import KV_LAYOUTS
+from strata.engine.draft_rows import Rows, RowsByRequest
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import argmax_rows
 from strata.models import family_spec
@@ -39,19 +40,10 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class MTPSeq:
-    """One request's rows in the MTP layer: positions [first, first + length), their pages (page i
-    holds rows [i * page_size, (i + 1) * page_size) counted from `first`), and the layer's state at
-    the last row (None before any)."""
+class MTPSeq(Rows):
+    """One request's rows in the MTP layer, and the layer's state at the last row (None before any)."""
 
-    first: int
-    length: int = 0
-    pages: list[int] = field(default_factory=list)
     state: torch.Tensor | None = None
-
-    @property
-    def end(self) -> int:
-        return self.first + self.length
 
 
 class MTPDrafter:
@@ -94,7 +86,8 @@ class MTPDrafter:
         self.page_size = page_size
         self.device = device
         self.vocab_size = vocab_size
-        self.seqs: dict[str, MTPSeq] = {}
+        self.rows = RowsByRequest(MTPSeq, self.allocator)
+        self.seqs = self.rows.seqs  # rid -> MTPSeq
 
     # ------------------------------------------------------------------ after each step
 
@@ -104,12 +97,10 @@ class MTPDrafter:
         at p0 + 1..). Adds those rows to each request's MTP KV and keeps the layer's last state."""
         work = []
         for rid, p0, hidden, tokens in items:
-            seq = self._seq_at(rid, p0)
+            seq = self.rows.seq_at(rid, p0)
             if not self.allocator.grow(seq.pages, seq.length + len(tokens)):
-                self._drop(
-                    rid
-                )  # the pool is full: this request starts over after these rows
-                self.seqs[rid] = MTPSeq(first=p0 + len(tokens))
+                # the pool is full: this request starts over after these rows
+                self.rows.restart(rid, p0 + len(tokens))
                 continue
             work.append((seq, hidden, tokens))
         if not work:
@@ -127,16 +118,6 @@ class MTPDrafter:
             end += len(tokens)
             seq.length += len(tokens)
             seq.state = states[end - 1].clone()
-
-    def _seq_at(self, rid: str, p0: int) -> MTPSeq:
-        """The request's rows, cut back to end at p0 (or started afresh at p0 if it has none there)."""
-        seq = self.seqs.get(rid)
-        if seq is not None and seq.first <= p0 <= seq.end:
-            seq.length = p0 - seq.first
-            return seq
-        self._drop(rid)
-        seq = self.seqs[rid] = MTPSeq(first=p0)
-        return seq
 
     # ------------------------------------------------------------------ drafting
 
@@ -229,10 +210,5 @@ class MTPDrafter:
 
     # ------------------------------------------------------------------ pages
 
-    def _drop(self, rid: str) -> None:
-        seq = self.seqs.pop(rid, None)
-        if seq is not None:
-            self.allocator.free(seq.pages)
-
     def finish(self, rid: str) -> None:
-        self._drop(rid)
+        self.rows.drop(rid)

@@ -586,7 +586,8 @@ class Speculator:
         are drafted first and the policy then picks lengths from the drafter's confidences. Only
         requests the policy would give a draft at their measured acceptance are proposed for (a
         block costs its rows whether or not they are verified: a large batch does not pay for
-        blocks it would not verify)."""
+        blocks it would not verify), and not those whose own n-gram match is expected to yield as
+        much (it costs nothing)."""
         rates = [self.policy.accept_rate(req.spec_history, 0) for req, _ in decodes]
         guess = self.policy.choose(
             [
@@ -599,29 +600,39 @@ class Speculator:
         )
         wanted = [(d, r) for d, r, k in zip(decodes, rates, guess) if k > 0]
         self.stats.declined += len(decodes) - len(wanted)
+        # each request's own n-grams first (free): where one is expected to yield as much as a
+        # block would at the request's measured acceptance, the block drafter is not run for it
+        found: dict[str, Candidate] = {}
+        blocks = []
+        for (req, limit), rate in wanted:
+            k = min(limit, self.max_draft)
+            if self.ngram_beside:
+                draft, n = self.drafter.propose(
+                    req.rid, req.prompt_ids, req.output_ids, k
+                )
+                draft = _grammar_prefix(req, draft)
+                if draft:
+                    c = Candidate(
+                        req, draft, n, self.policy.accept_rate(req.spec_history, n)
+                    )
+                    found[req.rid] = c
+                    if expected_tokens(c) >= expected_tokens(
+                        Candidate(req, [0] * k, 0, rate)
+                    ):
+                        continue
+            blocks.append(((req, k), rate))
         proposals = self.draft_model.propose(
-            [
-                (req.rid, req.prompt_ids + req.output_ids, min(limit, self.max_draft))
-                for (req, limit), _ in wanted
-            ]
+            [(req.rid, req.prompt_ids + req.output_ids, k) for (req, k), _ in blocks]
         )
-        candidates = []
-        for ((req, limit), rate), p in zip(wanted, proposals):
-            options = []
+        proposed = {}
+        for ((req, _), rate), p in zip(blocks, proposals):
             draft = _grammar_prefix(req, p.tokens)
             if draft:
                 conf = None if p.confidence is None else p.confidence[: len(draft)]
-                options.append(Candidate(req, draft, 0, rate, conf))
-            if (
-                self.ngram_beside
-            ):  # the request's own text may say more (copying, quoting)
-                found, n = self.drafter.propose(
-                    req.rid, req.prompt_ids, req.output_ids, min(limit, self.max_draft)
-                )
-                found = _grammar_prefix(req, found)
-                if found:
-                    rate_n = self.policy.accept_rate(req.spec_history, n)
-                    options.append(Candidate(req, found, n, rate_n))
+                proposed[req.rid] = Candidate(req, draft, 0, rate, conf)
+        candidates = []
+        for (req, _), _ in wanted:
+            options = [c for c in (found.get(req.rid), proposed.get(req.rid)) if c]
             if options:
                 candidates.append(max(options, key=expected_tokens))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)

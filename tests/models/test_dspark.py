@@ -318,13 +318,15 @@ def test_blocks_match_the_oracle_after_prefill_and_verification(
         engine.step()
     req = engine.scheduler.running[0]
     seq = req.prompt_ids + req.output_ids
-    assert len(req.output_ids) == 1 and drafter.seqs[rid].end == len(seq) - 1
+    assert len(req.output_ids) == 1
     check_block(drafter, rid, seq, main, ref)
+    assert drafter.seqs[rid].end == len(seq) - 1
     for _ in range(4):  # verification steps
         engine.step()
     seq = req.prompt_ids + req.output_ids
-    assert req.spec_verify_steps > 0 and drafter.seqs[rid].end == len(seq) - 1
+    assert req.spec_verify_steps > 0
     check_block(drafter, rid, seq, main, ref)
+    assert drafter.seqs[rid].end == len(seq) - 1
 
 
 def test_context_from_native_decode_steps_matches(target, drafters):
@@ -407,7 +409,7 @@ def test_greedy_output_is_unchanged(target, drafters, expected, page_size, chunk
     again = engine.generate(PROMPTS[2], params)
     assert again[0].cached_tokens > 0 and again[0].choices[0].token_ids == expected[2]
     drafter = engine.scheduler.spec.draft_model
-    assert drafter.seqs == {}
+    assert drafter.seqs == {} and drafter.pending == {} and drafter.pending_rows == 0
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
 
@@ -424,9 +426,10 @@ def test_drafts_after_a_radix_hit_read_the_computed_positions(target, drafters):
     engine.step()
     req = engine.scheduler.running[0]
     drafter = engine.scheduler.spec.draft_model
-    first = drafter.seqs[rid].first
-    assert req.num_cached_tokens == first > 0
+    first = req.num_cached_tokens
+    assert first > 0
     check_block(drafter, rid, req.prompt_ids + req.output_ids, main, ref, first)
+    assert drafter.seqs[rid].first == first
 
 
 def test_parallel_samples_aborts_and_retraction_release_the_drafter(
@@ -448,7 +451,7 @@ def test_parallel_samples_aborts_and_retraction_release_the_drafter(
     assert drafter.seqs
     engine.abort(rids[0])
     engine.step()
-    assert drafter.seqs == {}
+    assert drafter.seqs == {} and drafter.pending == {} and drafter.pending_rows == 0
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
     # a pool too small for every request at once: some are retracted, recomputed and draft again
@@ -583,19 +586,27 @@ def test_layer_streams_are_transformers_hidden_states(target):
         engine.layer_streams(seqs, (0, TARGET_LAYERS))
 
 
-@pytest.mark.parametrize("confidence,wins", [(0.99, "block"), (0.1, "ngram")])
+@pytest.mark.parametrize(
+    "ngram_rate,confidence,wins",
+    [(0.1, 0.99, "block"), (0.1, 0.05, "ngram"), (0.95, 0.99, "ngram unblocked")],
+)
 def test_a_request_drafts_whichever_of_block_and_ngram_should_yield_more(
-    confidence, wins
+    ngram_rate, confidence, wins
 ):
+    """The block drafter runs for a request unless its n-gram match is expected to yield as much
+    as a block at the request's measured acceptance; then the draft expected to yield more wins."""
     from strata.config import EngineConfig
     from strata.engine.dspark import Proposal
     from strata.engine.request import Req
     from strata.engine.speculative import Speculator
 
+    asked = []
+
     class Block:
         block, needs_hidden, capture_after = True, False, ()
 
         def propose(self, wants):
+            asked.extend(wants)
             return [Proposal([7, 7, 7, 7], [confidence] * 4) for _ in wants]
 
         def finish(self, rid):
@@ -608,6 +619,8 @@ def test_a_request_drafts_whichever_of_block_and_ngram_should_yield_more(
         speculative_num_draft_tokens=4,
     )
     spec = Speculator(config, Block())
+    for _ in range(200):  # what 3-gram drafts achieved so far
+        spec.policy.record(3, 1, 1 if spec.policy._prior(3) < ngram_rate else 0)
     req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
     ((got, draft, match),) = spec.plan([(req, 8)], 1, 1, 64)
     assert got is req
@@ -615,6 +628,7 @@ def test_a_request_drafts_whichever_of_block_and_ngram_should_yield_more(
         assert (draft, match) == ([7, 7, 7, 7], 0)
     else:
         assert (draft, match) == ([4, 5, 1, 2], 3)
+    assert bool(asked) == (wins != "ngram unblocked")
 
 
 @pytest.mark.parametrize("kind", ["vanilla", "rnn"])
@@ -647,3 +661,25 @@ def test_a_draft_vocabulary_drafts_from_its_tokens_alone(
         (drafter_dir / "draft_vocab.json").write_text(json.dumps(bad))
         with pytest.raises(ValueError, match=r"draft_vocab\.json"):
             dspark_engine(model_dir, drafter_dir)
+
+
+def test_rows_wait_until_the_request_drafts_and_a_cut_back_replaces_them(
+    target, drafters
+):
+    model_dir, main = target
+    drafter_dir, ref = drafters["vanilla"]
+    engine = dspark_engine(model_dir, drafter_dir)
+    drafter = engine.scheduler.spec.draft_model
+    seq = PROMPTS[2][:12]
+    streams = engine.layer_streams([seq[:-1]], drafter.capture_after)[0]
+    noise = torch.randn_like(streams)
+    drafter.extend([("x", 0, streams[:5], [])])
+    drafter.extend([("x", 5, noise[5:8], [])])  # rows later cut back
+    drafter.extend([("x", 3, streams[3:11], [])])  # positions 3.. again (a recompute)
+    assert [(p0, h.shape[0]) for p0, h in drafter.pending["x"]] == [(0, 3), (3, 8)]
+    assert drafter.pending_rows == 11 and "x" not in drafter.seqs
+    check_block(drafter, "x", seq, main, ref)  # drafting stores them first
+    assert drafter.pending == {} and drafter.pending_rows == 0
+    assert drafter.seqs["x"].end == len(seq) - 1
+    drafter.finish("x")
+    assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
