@@ -10,7 +10,7 @@ import argparse
 import dataclasses
 import json
 
-from strata.drafting.train import TrainConfig
+from strata.drafting.config import TrainConfig
 
 
 def add_spec_args(sub) -> None:

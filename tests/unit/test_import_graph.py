@@ -44,6 +44,7 @@ LAYERS = {
     "server": 9,  # the frontend and the engine process
     "bench": 9,
     "router": 10,  # serves the server's OpenAPI schema, launches its replicas
+    "drafting": 10,  # `strata spec train`: engines, the bench's prompt makers, its held-out check
     "plan": 11,
     "offline_batch": 11,  # `strata batch`: a server of its own (bench's process helper, router's flags)  # the router's own policies in simulation, bench's datasets
     "cli": 12,
