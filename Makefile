@@ -27,7 +27,7 @@ run: setup
 # tiles on a Xeon and asks ATen for a VNNI packing it no longer has (it raises).
 AVX2_TESTS := tests/unit/test_cpu_kernels.py tests/unit/test_quant.py tests/unit/test_attention.py tests/models/test_parity.py \
 	tests/models/test_native_decode.py tests/unit/test_moe_routing.py tests/models/test_speculative.py \
-	tests/unit/test_lora_kernel.py tests/models/test_lora.py
+	tests/unit/test_lora_kernel.py tests/models/test_lora.py tests/models/test_dspark.py
 
 lint: setup
 	$(VENV)/bin/ruff check strata tests scripts
