@@ -562,7 +562,11 @@ class Trainer:
                 progress = Progress(**state["progress"])
                 if cfg.steps is not None:
                     progress.total_steps = cfg.steps
-                self.budget = Budget(**state["budget"])
+                # the time spent before the kill, and this run's own on the data phases
+                saved = Budget(**state["budget"])
+                saved.answers += self.budget.answers
+                saved.streams += self.budget.streams
+                self.budget = saved
                 rng.setstate(state["rng"])
                 torch.set_rng_state(state["torch_rng"])
                 self.progress(f"resuming at step {progress.step}")
@@ -715,9 +719,6 @@ class Trainer:
                 f"--target-layers {list(self.target_layers)}: strictly increasing layers in "
                 f"-1 .. {num_layers - 2} (the target has {num_layers}; -1: its embeddings)"
             )
-        state_path = self.out / STATE_FILE
-        if state_path.is_file():
-            self.budget = Budget(**torch.load(state_path, weights_only=False)["budget"])
         template = set(engine.chat_ids([{"role": "user", "content": "x"}]))
         mask = cfg.mask_token_id
         if mask is None:
