@@ -788,32 +788,24 @@ class Trainer:
         hist = progress.history
         if not hist:
             return
-        fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4))
+        fig, axes = plt.subplots(1, 2, figsize=(11, 4))
         steps = [h["step"] for h in hist]
-        a.plot(steps, _smooth([h["loss"] for h in hist]), label="training loss")
-        if progress.validation:
-            a.plot(
-                [v["step"] for v in progress.validation],
-                [v["loss"] for v in progress.validation],
-                "o-",
-                label="held-out loss",
-            )
-        a.set_xlabel("step")
-        a.set_ylabel("loss")
-        a.legend()
-        b.plot(
-            steps, _smooth([h["accept_length"] for h in hist]), label="training blocks"
+        panels = (
+            ("loss", "loss", "loss"),
+            ("accept_length", "greedy accept length", "blocks"),
         )
-        if progress.validation:
-            b.plot(
-                [v["step"] for v in progress.validation],
-                [v["accept_length"] for v in progress.validation],
-                "o-",
-                label="held-out blocks",
-            )
-        b.set_xlabel("step")
-        b.set_ylabel("greedy accept length")
-        b.legend()
+        for ax, (key, ylabel, what) in zip(axes, panels):
+            ax.plot(steps, _smooth([h[key] for h in hist]), label=f"training {what}")
+            if progress.validation:
+                ax.plot(
+                    [v["step"] for v in progress.validation],
+                    [v[key] for v in progress.validation],
+                    "o-",
+                    label=f"held-out {what}",
+                )
+            ax.set_xlabel("step")
+            ax.set_ylabel(ylabel)
+            ax.legend()
         fig.tight_layout()
         fig.savefig(self.out / PLOT_FILE, dpi=120)
         plt.close(fig)
@@ -894,24 +886,13 @@ def write_draft_vocab(out: Path, samples: list[Sample], size: int) -> dict | Non
 
 def target_tables(model) -> tuple[torch.Tensor, torch.Tensor]:
     """The target's embedding and output head as float tables (dequantized where they are not)."""
-    vocab = model.config.vocab_size
+    from strata.engine.dspark import output_rows
+
+    ids = torch.arange(model.config.vocab_size)
     with torch.no_grad():  # not inference mode: the tables go into autograd (frozen)
-        embed = model.embed_tokens(torch.arange(vocab)).float().clone()
-        if model.lm_head is None:
-            head = embed
-        else:
-            eye = torch.eye(model.config.hidden_size)
-            head = (
-                model.lm_head(eye.to(_dtype_of(model))).float().t().contiguous().clone()
-            )
+        embed = model.embed_tokens(ids).float().clone()
+        head = output_rows(model, ids).clone()
     return embed, head
-
-
-def _dtype_of(model) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
 
 
 def rope_for(raw: dict[str, Any]):
