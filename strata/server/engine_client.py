@@ -364,6 +364,10 @@ class EngineClient:
                 self._dispatch(message)
             except Exception:
                 logger.exception("failed to dispatch %s", type(message).__name__)
+            # pyzmq returns a message that already arrived without suspending: while the engine runs
+            # ahead, a reader that never yields holds the loop (no client's disconnect seen, no
+            # streamed write, no /health) until the queue is empty
+            await asyncio.sleep(0)
 
     def _dispatch(self, message: io.FromEngine) -> None:
         if isinstance(message, io.Heartbeat):
