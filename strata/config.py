@@ -79,6 +79,7 @@ NUMERIC_RANGES: dict[str, tuple[float | None, float | None]] = {
     "tp_size": (1, 1024),
     "ep_size": (1, 1024),
     "ep_num_redundant_experts": (0, 1 << 16),
+    "speculative_draft_ep_num_redundant_experts": (0, 1 << 16),
     "eplb_interval": (0, 1 << 40),
     "dist_timeout": (TINY, 86400),
 }
@@ -229,6 +230,9 @@ class EngineConfig:
     eplb_interval: int = (
         0  # steps between expert rebalances from the measured load; 0: never on its own
     )
+    # a mixture-of-experts draft model (--speculative-algorithm draft) with --ep-size > 1 is split
+    # over the same ranks; this many extra expert slots of its own, filled by the same EPLB
+    speculative_draft_ep_num_redundant_experts: int = 0
     dist_timeout: float = (
         60.0  # seconds a collective may wait for a rank before the engine fails
     )
@@ -330,6 +334,14 @@ class EngineConfig:
                 "--speculative-draft-model goes with --speculative-algorithm draft (a directory or .gguf "
                 "of a smaller model sharing the target's tokenizer) or dspark (a DSpark drafter "
                 "directory, DeepSpec's layout, as `strata spec train` writes it)"
+            )
+        if self.speculative_draft_ep_num_redundant_experts and (
+            self.speculative_algorithm != "draft" or self.ep_size == 1
+        ):
+            raise ValueError(
+                "--speculative-draft-ep-num-redundant-experts places a mixture-of-experts draft "
+                "model's expert replicas over the ranks: it needs --speculative-algorithm draft "
+                "and --ep-size > 1"
             )
         if self.speculative_ngram_min > self.speculative_ngram_max:
             raise ValueError(
@@ -448,6 +460,8 @@ _HELP = {
     "(gloo on the CPU, NCCL on GPUs; one thread per rank by default)",
     "ep_size": "mixture-of-experts models: spread the experts over this many ranks (1, or the --tp-size ranks)",
     "ep_num_redundant_experts": "with --ep-size: extra expert slots, which EPLB fills with copies of busy experts",
+    "speculative_draft_ep_num_redundant_experts": "with --ep-size and a mixture-of-experts draft model "
+    "(split over the same ranks): its extra expert slots, which EPLB fills with copies of its busy experts",
     "eplb_interval": "with --ep-size: re-place the experts from the measured load every this many steps (0: never)",
     "dist_timeout": "seconds a collective may wait for another rank; then the engine fails its requests and stops",
     "hicache_storage_ttl": "seconds an L3 page may go unused before it is deleted (file) or expires (redis); "

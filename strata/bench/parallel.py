@@ -6,6 +6,10 @@
                mean over ranks) on one workload with the initial placement, then, after one EPLB
                rebalance from the measured load, on the same workload again; greedy tokens of both
                runs compared (a placement never changes an answer)
+    draft-eplb the same with a mixture-of-experts draft model split over the ranks beside the target
+               (--speculative-algorithm draft): for each --speculative-draft-ep-num-redundant-experts
+               count, the draft's rows per rank and one batched draft forward's time, before and
+               after one rebalance (median of rounds; answers compared with speculation off)
     step-time  decode and prefill step time of one model at --tp-size 1 and N, same run, same
                weights (float: GGUF blocks are not split), median of rounds
 
@@ -14,6 +18,7 @@ Both drive the offline engine (rank 0 in this process, the other ranks its child
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -38,6 +43,8 @@ class EPLBBenchConfig:
     prompt_len: int = 64
     output_len: int = 16
     seed: int = 0
+    hidden_size: int = 64  # of the tiny model
+    intermediate_size: int = 128
 
 
 def make_skewed_moe(out_dir: Path, cfg: EPLBBenchConfig) -> Path:
@@ -49,8 +56,8 @@ def make_skewed_moe(out_dir: Path, cfg: EPLBBenchConfig) -> Path:
 
     config = transformers.MixtralConfig(
         vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
@@ -173,6 +180,137 @@ def format_eplb(result: dict) -> str:
     return "\n".join(lines)
 
 
+# ---------------------------------------------------------------------------- a split draft model
+
+
+@dataclass(frozen=True)
+class DraftEPLBConfig:
+    eplb: EPLBBenchConfig = EPLBBenchConfig()  # the target (and the tiny models' shape)
+    draft_model: str | None = None  # None: a second skewed tiny Mixtral (another seed)
+    redundant: tuple[int, ...] = (0, 2)  # the draft's redundant slots, one engine each
+    draft_tokens: int = (
+        4  # drafted per request per step (fixed length: drafting always runs)
+    )
+    rounds: int = 5  # timed batched drafts per measure
+
+
+def _draft_forward_seconds(
+    drafter, prompts: list[list[int]], cfg: DraftEPLBConfig
+) -> float:
+    """Median seconds of one batched draft forward (every prompt a decode row): each round drafts
+    `draft_tokens` after the prompts' last token, from the KV the first call wrote."""
+    wants = [(f"draft-bench-{i}", p, cfg.draft_tokens) for i, p in enumerate(prompts)]
+    drafter.draft(wants)  # the prompts into the draft's KV
+    times = []
+    for _ in range(cfg.rounds):
+        start = time.perf_counter()
+        drafter.draft(wants)
+        times.append((time.perf_counter() - start) / cfg.draft_tokens)
+    for rid, _, _ in wants:
+        drafter.finish(rid)
+    return statistics.median(times)
+
+
+def run_draft_eplb(cfg: DraftEPLBConfig, engine_options: dict | None = None) -> dict:
+    from strata import Engine
+
+    e = cfg.eplb
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="strata-draft-eplb-") as tmp:
+        model = e.model or str(make_skewed_moe(Path(tmp) / "target", e))
+        draft = cfg.draft_model or str(
+            make_skewed_moe(
+                Path(tmp) / "draft", dataclasses.replace(e, seed=e.seed + 1)
+            )
+        )
+        options = {
+            "dtype": "float32",
+            "kv_cache_tokens": 8192,
+            **(engine_options or {}),
+        }
+        params = SamplingParams(
+            temperature=0, max_new_tokens=e.output_len, ignore_eos=True
+        )
+        plain = Engine(model, **options)
+        try:
+            prompts = _workload(e, plain.state.model_config.vocab_size)
+            want = [r.token_ids for r in plain.generate(prompts, params)]
+        finally:
+            plain.close()
+        for redundant in cfg.redundant:
+            engine = Engine(
+                model,
+                ep_size=e.ep_size,
+                ep_num_redundant_experts=e.num_redundant,
+                speculative_algorithm="draft",
+                speculative_draft_model=draft,
+                speculative_draft_ep_num_redundant_experts=redundant,
+                speculative_num_draft_tokens=cfg.draft_tokens,
+                speculative_fixed_length=True,
+                **options,
+            )
+            try:
+                runtime, drafter = engine.parallel, engine.scheduler.spec.draft_model
+                runtime.reset_rank_load()
+                outs = engine.generate(prompts, params)
+                before = _summary(runtime.rank_load(runtime.draft))
+                step_before = _draft_forward_seconds(drafter, prompts, cfg)
+                runtime.rebalance()
+                runtime.reset_rank_load()
+                engine.flush_cache()
+                outs += engine.generate(prompts, params)
+                after = _summary(runtime.rank_load(runtime.draft))
+                step_after = _draft_forward_seconds(drafter, prompts, cfg)
+                placements = runtime.draft_placements()
+                stats = engine.scheduler.spec.stats
+                engine.scheduler.check_no_leaks()
+            finally:
+                engine.close()
+            rows.append(
+                {
+                    "redundant": redundant,
+                    "before": before,
+                    "after": after,
+                    "draft_forward_s_before": step_before,
+                    "draft_forward_s_after": step_after,
+                    "placements": {i: list(p) for i, p in placements.items()},
+                    "drafted": stats.drafted_tokens,
+                    "accepted": stats.accepted_tokens,
+                    "same_tokens": [o.token_ids for o in outs] == want + want,
+                }
+            )
+    return {
+        "config": {
+            **cfg.eplb.__dict__,
+            "draft_tokens": cfg.draft_tokens,
+            "rounds": cfg.rounds,
+        },
+        "rows": rows,
+    }
+
+
+def format_draft_eplb(result: dict) -> str:
+    c = result["config"]
+    lines = [
+        (
+            f"split draft: {c['num_experts']} experts top-{c['top_k']} over {c['ep_size']} ranks (hidden "
+            f"{c['hidden_size']}, expert intermediate {c['intermediate_size']}); "
+            f"{c['num_prompts']} prompts x {c['prompt_len']} tokens, {c['draft_tokens']} drafts per step"
+        ),
+        (
+            f"{'redundant':>9}  {'draft max/mean before':>21}  {'after':>6}  "
+            f"{'draft forward ms before':>23}  {'after':>6}  {'accepted/drafted':>16}  same tokens"
+        ),
+    ]
+    for r in result["rows"]:
+        lines.append(
+            f"{r['redundant']:>9}  {r['before']['worst_max_over_mean']:21.3f}  "
+            f"{r['after']['worst_max_over_mean']:6.3f}  {r['draft_forward_s_before'] * 1e3:23.2f}  "
+            f"{r['draft_forward_s_after'] * 1e3:6.2f}  {r['accepted']:>7}/{r['drafted']:<8}  {r['same_tokens']}"
+        )
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------------------- step time
 
 
@@ -267,15 +405,9 @@ def format_step_time(rows: list[dict]) -> str:
 # ---------------------------------------------------------------------------- CLI
 
 
-def add_args(parser) -> None:
-    """`strata bench parallel eplb | step-time` and their flags."""
-    sub = parser.add_subparsers(dest="parallel_command", required=True)
-    e, d = (
-        sub.add_parser(
-            "eplb", help="per-rank expert load before/after one EPLB rebalance"
-        ),
-        EPLBBenchConfig(),
-    )
+def _eplb_args(e) -> None:
+    """The target's and the tiny models' flags of `eplb` and `draft-eplb`."""
+    d = EPLBBenchConfig()
     e.add_argument(
         "--model",
         default=None,
@@ -291,12 +423,78 @@ def add_args(parser) -> None:
         "--skew",
         type=float,
         default=d.skew,
-        help="how strongly the tiny model's router favours experts 2, 3",
+        help="how strongly the tiny model's router favours its --hot-experts",
+    )
+    e.add_argument(
+        "--hot-experts",
+        type=int,
+        nargs="+",
+        default=list(d.hot_experts),
+        help="the experts the tiny model's router favours",
+    )
+    e.add_argument(
+        "--hidden-size", type=int, default=d.hidden_size, help="of the tiny model"
+    )
+    e.add_argument(
+        "--intermediate-size",
+        type=int,
+        default=d.intermediate_size,
+        help="of the tiny model's experts",
     )
     e.add_argument("--num-prompts", type=int, default=d.num_prompts)
     e.add_argument("--prompt-len", type=int, default=d.prompt_len)
     e.add_argument("--output-len", type=int, default=d.output_len)
+
+
+def _eplb_config(args) -> EPLBBenchConfig:
+    return EPLBBenchConfig(
+        model=args.model,
+        ep_size=args.ep_size,
+        num_redundant=args.ep_num_redundant_experts,
+        num_experts=args.num_experts,
+        top_k=args.top_k,
+        skew=args.skew,
+        hot_experts=tuple(args.hot_experts),
+        num_prompts=args.num_prompts,
+        prompt_len=args.prompt_len,
+        output_len=args.output_len,
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+    )
+
+
+def add_args(parser) -> None:
+    """`strata bench parallel eplb | draft-eplb | step-time` and their flags."""
+    sub = parser.add_subparsers(dest="parallel_command", required=True)
+    e = sub.add_parser(
+        "eplb", help="per-rank expert load before/after one EPLB rebalance"
+    )
+    _eplb_args(e)
     e.add_argument("--output-json", default=None, metavar="FILE")
+    r, dr = (
+        sub.add_parser(
+            "draft-eplb",
+            help="a MoE draft model split over the ranks: its per-rank load and forward time "
+            "with each count of redundant experts, before/after one rebalance",
+        ),
+        DraftEPLBConfig(),
+    )
+    _eplb_args(r)
+    r.add_argument(
+        "--draft-model",
+        default=None,
+        help="a MoE draft directory (default: a second skewed tiny Mixtral)",
+    )
+    r.add_argument(
+        "--speculative-draft-ep-num-redundant-experts",
+        type=int,
+        nargs="+",
+        default=list(dr.redundant),
+        help="the draft's redundant expert slots: one engine per count",
+    )
+    r.add_argument("--draft-tokens", type=int, default=dr.draft_tokens)
+    r.add_argument("--rounds", type=int, default=dr.rounds)
+    r.add_argument("--output-json", default=None, metavar="FILE")
     s, t = (
         sub.add_parser("step-time", help="prefill and decode step time at --tp-sizes"),
         StepTimeConfig(),
@@ -325,19 +523,19 @@ def cmd(args) -> int:
     import json
 
     if args.parallel_command == "eplb":
-        cfg = EPLBBenchConfig(
-            model=args.model,
-            ep_size=args.ep_size,
-            num_redundant=args.ep_num_redundant_experts,
-            num_experts=args.num_experts,
-            top_k=args.top_k,
-            skew=args.skew,
-            num_prompts=args.num_prompts,
-            prompt_len=args.prompt_len,
-            output_len=args.output_len,
-        )
-        result = run_eplb(cfg)
+        result = run_eplb(_eplb_config(args))
         print(format_eplb(result))
+    elif args.parallel_command == "draft-eplb":
+        result = run_draft_eplb(
+            DraftEPLBConfig(
+                eplb=_eplb_config(args),
+                draft_model=args.draft_model,
+                redundant=tuple(args.speculative_draft_ep_num_redundant_experts),
+                draft_tokens=args.draft_tokens,
+                rounds=args.rounds,
+            )
+        )
+        print(format_draft_eplb(result))
     else:
         cfg = StepTimeConfig(
             model=args.model,

@@ -25,14 +25,18 @@ from pathlib import Path
 
 
 def initial_placement(
-    num_experts: int, num_redundant: int, world_size: int
+    num_experts: int,
+    num_redundant: int,
+    world_size: int,
+    flag: str = "--ep-num-redundant-experts",
 ) -> tuple[int, ...]:
-    """Before any load is measured: experts in order, the redundant slots holding experts 0, 1, ..."""
+    """Before any load is measured: experts in order, the redundant slots holding experts 0, 1, ...
+    (`flag`: the option that set num_redundant, named in the error)."""
     slots = num_experts + num_redundant
     if slots % world_size:
         raise ValueError(
             f"{num_experts} experts + {num_redundant} redundant slots do not split over {world_size} ranks; "
-            f"choose --ep-num-redundant-experts so that the sum is a multiple of --ep-size"
+            f"choose {flag} so that the sum is a multiple of --ep-size"
         )
     return tuple(range(num_experts)) + tuple(
         e % num_experts for e in range(num_redundant)

@@ -12,6 +12,17 @@ import msgspec
 import numpy as np
 import torch
 
+TARGET, DRAFT = 0, 1  # the model a KVLayout, Step or Placement is for
+
+
+class DraftInit(msgspec.Struct):
+    """A mixture-of-experts draft model split over the same ranks as the target."""
+
+    model_dir: str
+    placement: list[
+        int
+    ]  # logical expert of each physical slot (its redundant slots included)
+
 
 class WorkerInit(msgspec.Struct):
     model_dir: str
@@ -29,6 +40,7 @@ class WorkerInit(msgspec.Struct):
     timeout_s: float
     parent_pid: int
     log_level: str = "INFO"  # rank 0's
+    draft: DraftInit | None = None
 
 
 class KVLayout(msgspec.Struct, tag="kv"):
@@ -39,6 +51,7 @@ class KVLayout(msgspec.Struct, tag="kv"):
     page_size: int
     group_pages: dict[int, int]
     kv_dtype: str
+    model: int = TARGET
 
 
 class GroupMeta(msgspec.Struct):
@@ -61,6 +74,7 @@ class Step(msgspec.Struct, tag="step"):
     )  # int64 [S]: rows whose logits are computed (the gather joins); None: none
     # Engram models: int64 [T, K + 1], each token's ids at t - K .. t (`prepare_ngrams`' input)
     ngram_ids: bytes | None = None
+    model: int = TARGET
 
 
 class Placement(msgspec.Struct, tag="placement"):
@@ -68,6 +82,7 @@ class Placement(msgspec.Struct, tag="placement"):
     by every rank between two steps."""
 
     placements: dict[int, list[int]]
+    model: int = TARGET
 
 
 class ReadPages(msgspec.Struct, tag="read_pages"):

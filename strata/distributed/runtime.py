@@ -8,7 +8,8 @@ machine's cores split over the ranks), killed by the kernel if rank 0 dies.
 
     Engine ──► ParallelRuntime.start_kv(plan, ...)  once: workers allocate their KV shards
     ModelRunner.forward ──► send_step(fb)           every step, before rank 0's own forward
-    Engine.step ──► before_step()                   EPLB every --eplb-interval steps
+    DraftModelDrafter ──► start_draft_kv, draft_link  a split MoE draft's KV shards and steps
+    Engine.step ──► before_step()                   EPLB every --eplb-interval steps (draft too)
     HiCache / PD ──► page_pool(local).read_pages    whole pages of every KV head (strata.distributed.kv)
     Engine.close ──► shutdown()                     Stop, wait, kill what is left, leave the groups
 """
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,6 +67,43 @@ def check_engine_options(cfg: EngineConfig) -> None:
         )
 
 
+@dataclass
+class Split:
+    """One model split over the ranks: the target, or a mixture-of-experts draft model."""
+
+    plan: ShardPlan
+    shard: ShardedLoad
+    model_dir: Path
+    kind: int  # msg.TARGET or msg.DRAFT: what its messages say
+    model: torch.nn.Module | None = None  # rank 0's shard, once loaded (attach)
+    load_mark: dict[int, list[int]] = field(default_factory=dict)
+
+
+def split_draft(cfg: EngineConfig) -> tuple[Path, ModelConfig] | None:
+    """The draft model to split over the ranks with the target, or None (it runs on rank 0 alone).
+
+    A mixture-of-experts draft of an expert-parallel target is split like it (its experts over the
+    ranks, with --speculative-draft-ep-num-redundant-experts spare slots): its expert forwards are
+    what splitting spreads. Other drafts are small enough to run whole on rank 0."""
+    from strata.models import config_from_dir
+    from strata.weights.default_model import resolve_model_path
+
+    redundant = cfg.speculative_draft_ep_num_redundant_experts
+    if cfg.speculative_algorithm != "draft" or cfg.ep_size == 1:
+        return None
+    model_dir = resolve_model_path(cfg.speculative_draft_model)
+    draft = config_from_dir(model_dir)
+    if draft.moe is None:
+        if redundant:
+            raise ValueError(
+                f"--speculative-draft-ep-num-redundant-experts: the draft model {model_dir.name} "
+                "has no mixture-of-experts layers (its experts are what the slots replicate)"
+            )
+        return None
+    check_supported(draft, cfg.tp_size, cfg.ep_size)
+    return model_dir, draft
+
+
 class ParallelRuntime:
     def __init__(
         self,
@@ -84,6 +123,15 @@ class ParallelRuntime:
         if cfg.ep_size > 1:
             placement = initial_placement(
                 model_config.moe.num_experts, cfg.ep_num_redundant_experts, world
+            )
+        draft = split_draft(cfg)
+        draft_placement = ()
+        if draft is not None:
+            draft_placement = initial_placement(
+                draft[1].moe.num_experts,
+                cfg.speculative_draft_ep_num_redundant_experts,
+                world,
+                flag="--speculative-draft-ep-num-redundant-experts",
             )
         threads = cfg.num_threads or max(1, (os.cpu_count() or 1) // world)
         if device.type == "cpu":
@@ -112,6 +160,9 @@ class ParallelRuntime:
                 timeout_s=cfg.dist_timeout,
                 parent_pid=os.getpid(),
                 log_level=logging.getLevelName(logging.getLogger().getEffectiveLevel()),
+                draft=None
+                if draft is None
+                else msg.DraftInit(str(draft[0]), list(draft_placement)),
             )
             proc = subprocess.Popen(
                 [sys.executable, "-m", "strata.distributed.worker"],
@@ -130,15 +181,20 @@ class ParallelRuntime:
             self._release()
             raise
         joined.append(self.comm)
-        self.plan = ShardPlan(
-            model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement
-        )
-        self.shard = ShardedLoad(self.plan, self.comm)
+        plan = ShardPlan(model_config, 0, cfg.tp_size, cfg.ep_size, renames, placement)
+        self.target = Split(plan, ShardedLoad(plan, self.comm), model_dir, msg.TARGET)
+        self.draft: Split | None = None  # a split draft model (`split_draft`)
+        if draft is not None:
+            from strata.models import get_model_class
+
+            draft_renames = get_model_class(draft[1].architecture).RENAMES
+            plan = ShardPlan(
+                draft[1], 0, cfg.tp_size, cfg.ep_size, draft_renames, draft_placement
+            )
+            self.draft = Split(plan, ShardedLoad(plan, self.comm), draft[0], msg.DRAFT)
         self.failed: str | None = None
-        self.model = None  # rank 0's model, once loaded (attach)
         self.steps = 0
         self.rebalances = 0
-        self._load_mark: dict[int, list[int]] = {}
         logger.info(
             "parallel: %d ranks (tp %d, ep %d), worker pids %s, %d threads each",
             world,
@@ -148,6 +204,22 @@ class ParallelRuntime:
             threads,
         )
 
+    @property
+    def plan(self) -> ShardPlan:
+        return self.target.plan
+
+    @property
+    def shard(self) -> ShardedLoad:
+        return self.target.shard
+
+    @property
+    def model(self):
+        """Rank 0's shard of the target, once loaded."""
+        return self.target.model
+
+    def splits(self) -> list[Split]:
+        return [self.target] + ([self.draft] if self.draft is not None else [])
+
     def describe(self) -> dict:
         """For /get_server_info: the split, the workers, and per MoE layer the rows each rank computed
         since the last placement (expert parallel)."""
@@ -155,6 +227,11 @@ class ParallelRuntime:
 
         rank_load = (
             self.rank_load() if self.model is not None and self.cfg.ep_size > 1 else {}
+        )
+        draft_load = (
+            self.rank_load(self.draft)
+            if self.draft is not None and self.draft.model is not None
+            else {}
         )
         return {
             "tp_size": self.cfg.tp_size,
@@ -165,6 +242,11 @@ class ParallelRuntime:
             "rank_load": {
                 i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
                 for i, rows in rank_load.items()
+            }
+            or None,
+            "draft_rank_load": {
+                i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
+                for i, rows in draft_load.items()
             }
             or None,
         }
@@ -192,7 +274,7 @@ class ParallelRuntime:
     ) -> None:
         """Workers allocate their KV shards of the pool `plan` sized; returns once every rank is
         ready to step."""
-        self.model = model
+        self.target.model = model
         self._wait_loaded()
         self.send(
             msg.KVLayout(
@@ -206,7 +288,36 @@ class ParallelRuntime:
             )
         )
         self.comm.barrier()
-        self._load_mark = model.expert_load()
+        self.target.load_mark = model.expert_load()
+
+    def start_draft_kv(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        kv_dtype: torch.dtype,
+        model,
+    ) -> None:
+        """The split draft model's KV: each worker allocates its shard of the draft's own pool (the
+        same page ids as rank 0's draft allocator). After `start_kv`."""
+        assert self.draft is not None
+        self.draft.model = model
+        self.send(
+            msg.KVLayout(
+                [None] * num_layers,
+                num_pages,
+                page_size,
+                {},
+                str(kv_dtype).removeprefix("torch."),
+                model=msg.DRAFT,
+            )
+        )
+        self.comm.barrier()
+        self.draft.load_mark = model.expert_load()
+
+    def draft_link(self) -> DraftLink:
+        """What the draft's ModelRunner broadcasts its steps through."""
+        return DraftLink(self)
 
     def _wait_started(self, store) -> None:
         """Until every worker has reached the store (one that dies first, e.g. at import, fails the
@@ -270,8 +381,8 @@ class ParallelRuntime:
             return False
         return True
 
-    def send_step(self, fb) -> None:
-        """Broadcast one `ForwardBatch` (before rank 0 runs it)."""
+    def send_step(self, fb, model: int = msg.TARGET) -> None:
+        """Broadcast one `ForwardBatch` of the target or the split draft (before rank 0 runs it)."""
         attn = fb.attn
         step = msg.Step(
             input_ids=msg.to_bytes(fb.input_ids),
@@ -291,6 +402,7 @@ class ParallelRuntime:
             ngram_ids=None
             if fb.ngrams is None or fb.ngrams.ids is None
             else msg.to_bytes(fb.ngrams.ids),
+            model=model,
         )
         self.send(step)
 
@@ -310,24 +422,44 @@ class ParallelRuntime:
 
     # ------------------------------------------------------------------ EPLB
 
-    def rank_load(self) -> dict[int, list[int]]:
-        """Rows each rank computed per MoE layer since the last reset ({layer: [rows per rank]})."""
-        return {i: e.rank_load.tolist() for i, e in expert_layers(self.model).items()}
+    def rank_load(self, split: Split | None = None) -> dict[int, list[int]]:
+        """Rows each rank computed per MoE layer since the last reset ({layer: [rows per rank]}), of
+        the target or the split draft."""
+        model = (split or self.target).model
+        return {i: e.rank_load.tolist() for i, e in expert_layers(model).items()}
 
     def reset_rank_load(self) -> None:
-        for e in expert_layers(self.model).values():
-            e.rank_load.zero_()
+        for split in self.splits():
+            if split.model is not None:
+                for e in expert_layers(split.model).values():
+                    e.rank_load.zero_()
 
     def rebalance(self) -> dict[int, tuple[int, ...]]:
         """Place each MoE layer's experts for the load measured since the last rebalance, on every
-        rank, between two steps (running requests keep their KV and continue). Returns the placements."""
+        rank, between two steps (running requests keep their KV and continue); a split draft's
+        experts too, from its own load. Returns the target's placements."""
         if self.cfg.ep_size == 1:
             raise ValueError(
                 "rebalancing places experts over ranks; it needs --ep-size > 1"
             )
-        now = self.model.expert_load()
-        load = expert_load_delta(now, self._load_mark) if self._load_mark else now
-        layers = expert_layers(self.model)
+        placed = [
+            self._rebalance(split) for split in self.splits() if split.model is not None
+        ]
+        if any(placed):
+            self.rebalances += 1
+            self.reset_rank_load()  # the rows per rank under the new placement
+        return placed[0] if placed else {}
+
+    def draft_placements(self) -> dict[int, tuple[int, ...]]:
+        """The split draft's placement per MoE layer ({} without one)."""
+        if self.draft is None or self.draft.model is None:
+            return {}
+        return {i: e.placement for i, e in expert_layers(self.draft.model).items()}
+
+    def _rebalance(self, split: Split) -> dict[int, tuple[int, ...]]:
+        now = split.model.expert_load()
+        load = expert_load_delta(now, split.load_mark) if split.load_mark else now
+        layers = expert_layers(split.model)
         placements, before, after = {}, [], []
         for i, counts in load.items():
             if sum(counts) == 0:
@@ -338,14 +470,15 @@ class ParallelRuntime:
             after.append(imbalance(rank_loads(counts, placements[i], self.world_size)))
         if not placements:
             return {}
-        self.send(msg.Placement({i: list(p) for i, p in placements.items()}))
-        load_placements(self.model, self.model_dir, placements, self.dtype)
+        self.send(
+            msg.Placement({i: list(p) for i, p in placements.items()}, model=split.kind)
+        )
+        load_placements(split.model, split.model_dir, placements, self.dtype)
         self.comm.barrier()
-        self._load_mark = now
-        self.rebalances += 1
-        self.reset_rank_load()  # the rows per rank under the new placement
+        split.load_mark = now
         logger.info(
-            "EPLB: %d MoE layers placed anew; per-rank max/mean of the measured load %.2f -> %.2f (worst layer)",
+            "EPLB (%s): %d MoE layers placed anew; per-rank max/mean of the measured load %.2f -> %.2f (worst layer)",
+            "draft" if split.kind == msg.DRAFT else "target",
             len(placements),
             max(before),
             max(after),
@@ -371,6 +504,16 @@ class ParallelRuntime:
             except (RankFailure, subprocess.TimeoutExpired):
                 pass
         self._release()  # kills what did not stop (a broken group: all of it)
+
+
+class DraftLink:
+    """The split draft's ModelRunner sends its steps through this (`ModelRunner.parallel`)."""
+
+    def __init__(self, runtime: ParallelRuntime):
+        self.runtime = runtime
+
+    def send_step(self, fb) -> None:
+        self.runtime.send_step(fb, msg.DRAFT)
 
 
 def _release(procs: list[subprocess.Popen], joined: list[Comm]) -> None:

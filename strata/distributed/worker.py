@@ -8,6 +8,9 @@ rank 0 sized, then runs what rank 0 broadcasts, step by step, until a `Stop`:
                rank 0's), compute the logits rows when rank 0 samples (the gather needs every rank)
     Placement  load the experts of a new expert placement into this rank's slots
 
+A split draft model (`WorkerInit.draft`) is a second `Part`: loaded after the target, its own KV
+pool, and the `Step`, `KVLayout` and `Placement` messages that name it (`model == DRAFT`).
+
 It schedules nothing and samples nothing. It dies with rank 0 (PR_SET_PDEATHSIG), and exits when a
 collective fails, so no worker outlives its replica.
 """
@@ -17,7 +20,9 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -59,12 +64,19 @@ def build_step(step: msg.Step, page_size: int, device: torch.device):
     return msg.from_bytes(step.input_ids).to(device), attn.positions, attn, sample_rows
 
 
+@dataclass
+class Part:
+    """One model this rank holds a shard of (the target, or a split draft model) and its KV."""
+
+    plan: ShardPlan
+    model: torch.nn.Module
+    model_dir: str
+    kv: Any = None
+    page_size: int = 0
+
+
 class Worker:
     def __init__(self, init: msg.WorkerInit):
-        from strata.distributed.layers import ShardedLoad
-        from strata.models import config_from_dir, get_model_class
-        from strata.weights.loader import load_model
-
         self.device = torch.device(init.device)
         world = max(init.tp_size, init.ep_size)
         store = Comm.make_store(init.host, init.port, world, False, init.timeout_s)
@@ -72,39 +84,58 @@ class Worker:
             f"started/{init.rank}", b"1"
         )  # rank 0 waits for this before the group's rendezvous
         self.comm = Comm(init.rank, world, store, self.device, init.timeout_s)
-        cfg = config_from_dir(init.model_dir)
-        self.plan = ShardPlan(
+        self.dtype = getattr(torch, init.dtype)
+        self.parts = [self._load(init, init.model_dir, init.placement)]
+        if init.draft is not None:  # loaded in the order rank 0 loads them
+            self.parts.append(
+                self._load(init, init.draft.model_dir, init.draft.placement)
+            )
+        self.comm.mark("loaded")
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self.parts[msg.TARGET].plan
+
+    @property
+    def kv(self):
+        return self.parts[msg.TARGET].kv
+
+    def _load(self, init: msg.WorkerInit, model_dir: str, placement: list[int]) -> Part:
+        from strata.distributed.layers import ShardedLoad
+        from strata.models import config_from_dir, get_model_class
+        from strata.weights.loader import load_model
+
+        cfg = config_from_dir(model_dir)
+        plan = ShardPlan(
             cfg,
             init.rank,
             init.tp_size,
             init.ep_size,
             get_model_class(cfg.architecture).RENAMES,
-            tuple(init.placement),
+            tuple(placement),
         )
-        self.model_dir = init.model_dir
-        self.dtype = getattr(torch, init.dtype)
-        self.model = load_model(
-            Path(init.model_dir),
+        model = load_model(
+            Path(model_dir),
             cfg,
             self.dtype,
             self.device,
             max_positions=init.context_len,
             quantization=init.quantization,
-            shard=ShardedLoad(self.plan, self.comm),
+            shard=ShardedLoad(plan, self.comm),
         )
-        self.kv = None
-        self.comm.mark("loaded")
+        return Part(plan, model, model_dir)
 
     def make_kv(self, layout: msg.KVLayout) -> None:
         from strata.cache.dsv4_pool import DSV4KVPool
         from strata.cache.kv_pool import MHAKVPool
 
-        local = self.plan.local_config()
-        self.page_size = layout.page_size
+        part = self.parts[layout.model]
+        local = part.plan.local_config()
+        part.page_size = layout.page_size
         if (
             local.dsv4 is not None
         ):  # attention replicated: every rank holds the whole state
-            self.kv = DSV4KVPool(
+            part.kv = DSV4KVPool(
                 local.dsv4,
                 local.head_dim,
                 layout.num_pages,
@@ -114,7 +145,7 @@ class Worker:
                 self.device,
             )
             return
-        self.kv = MHAKVPool(
+        part.kv = MHAKVPool(
             layout.layer_windows,
             local.num_kv_heads,
             local.head_dim,
@@ -127,16 +158,17 @@ class Worker:
 
     @torch.inference_mode()
     def run_step(self, step: msg.Step) -> None:
+        part = self.parts[step.model]
         ids, positions, attn, sample_rows = build_step(
-            step, self.page_size, self.device
+            step, part.page_size, self.device
         )
         if step.ngram_ids is None:
-            hidden = self.model(ids, positions, attn, self.kv)
+            hidden = part.model(ids, positions, attn, part.kv)
         else:  # an Engram model: hash (and gather) this rank's rows as rank 0 did
-            ngrams = self.model.prepare_ngrams(msg.from_bytes(step.ngram_ids, len(ids)))
-            hidden = self.model(ids, positions, attn, self.kv, ngrams)
+            ngrams = part.model.prepare_ngrams(msg.from_bytes(step.ngram_ids, len(ids)))
+            hidden = part.model(ids, positions, attn, part.kv, ngrams)
         if sample_rows is not None:
-            self.model.compute_logits(hidden[sample_rows])
+            part.model.compute_logits(hidden[sample_rows])
 
     def read_pages(self, pages: list[int]) -> None:
         from strata.distributed.kv import pad_heads
@@ -193,10 +225,11 @@ class Worker:
         )
         self.kv.write_pages(pages, own_heads(full, self.plan.heads))
 
-    def apply_placement(self, placements: dict[int, list[int]]) -> None:
+    def apply_placement(self, message: msg.Placement) -> None:
         from strata.distributed.eplb import load_placements
 
-        load_placements(self.model, self.model_dir, placements, self.dtype)
+        part = self.parts[message.model]
+        load_placements(part.model, part.model_dir, message.placements, self.dtype)
 
     def loop(self) -> None:
         while True:
@@ -207,7 +240,7 @@ class Worker:
                 self.make_kv(message)
                 self.comm.barrier()  # ready
             elif isinstance(message, msg.Placement):
-                self.apply_placement(message.placements)
+                self.apply_placement(message)
                 self.comm.barrier()
             elif isinstance(message, msg.ReadPages):
                 self.read_pages(message.pages)

@@ -55,7 +55,10 @@ class DraftModelDrafter:
         page_size: int,
         quantization: str,
         context_len: int,
+        parallel=None,
     ):
+        """parallel: the replica's ParallelRuntime; with a split draft (a mixture-of-experts draft of
+        an expert-parallel target) this rank loads its shard and each forward runs on every rank."""
         from strata.tokenizer import load_tokenizer
         from strata.weights.default_model import resolve_model_path
         from strata.weights.loader import load_model
@@ -69,6 +72,7 @@ class DraftModelDrafter:
             )
         check_same_tokenizer(load_tokenizer(model_dir), target_tokenizer, model_dir)
         self.vocab_size = min(mc.vocab_size, target_vocab)
+        split = None if parallel is None else parallel.draft
         self.model = load_model(
             model_dir,
             mc,
@@ -76,12 +80,16 @@ class DraftModelDrafter:
             device,
             max_positions=context_len,
             quantization=quantization,
+            shard=None if split is None else split.shard,
         )
+        local = (
+            mc if split is None else split.plan.local_config()
+        )  # this rank's KV heads
         num_pages = max(1, num_tokens // page_size)
         pool = MHAKVPool(
             len(mc.layers),
-            mc.num_kv_heads,
-            mc.head_dim,
+            local.num_kv_heads,
+            local.head_dim,
             num_pages,
             page_size,
             dtype,
@@ -89,6 +97,11 @@ class DraftModelDrafter:
         )
         self.allocator = PageAllocator(num_pages, page_size)
         self.runner = ModelRunner(self.model, pool, device, mc.vocab_size, seed=0)
+        if split is not None:
+            parallel.start_draft_kv(
+                len(mc.layers), num_pages, page_size, dtype, self.model
+            )
+            self.runner.parallel = parallel.draft_link()
         self.page_size = page_size
         self.seqs: dict[str, DraftSeq] = {}
         logger.info(

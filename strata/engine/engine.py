@@ -537,6 +537,7 @@ class Engine:
             page_size=cfg.page_size,
             quantization=cfg.quantization,
             context_len=context_len,
+            parallel=self.parallel,
         )
 
     def flush_cache(self) -> None:
