@@ -180,6 +180,10 @@ class ScenarioResult:
     on_seconds: list[float] = field(default_factory=list)
     accept_length: list[float] = field(default_factory=list)
     draft_length: list[float] = field(default_factory=list)
+    # per round: calls of a draft model or block drafter, and the ms each took (what `strata plan`
+    # charges a drafting step beside its verified rows)
+    drafter_calls: list[int] = field(default_factory=list)
+    drafter_ms: list[float] = field(default_factory=list)
     identical: bool = True
     llamacpp_off_tok_s: list[float] = field(default_factory=list)
     llamacpp_lookup_tok_s: list[float] = field(default_factory=list)
@@ -226,6 +230,8 @@ class ScenarioResult:
             "decode_ratio": med(self.decode_ratios),
             "accept_length": med(self.accept_length),
             "draft_length": med(self.draft_length),
+            "drafter_calls": med(self.drafter_calls),
+            "drafter_ms_per_call": med(self.drafter_ms),
             "output_tokens_per_round": med(self.output_tokens),
             "identical_outputs": self.identical,
             "step_costs": self.step_costs(),
@@ -507,6 +513,12 @@ def run(
                 (accepted + verify_steps) / verify_steps if verify_steps else 0.0
             )
             result.draft_length.append(drafted / verify_steps if verify_steps else 0.0)
+            calls = after["draft_calls"] - before["draft_calls"]
+            if calls:
+                result.drafter_calls.append(calls)
+                result.drafter_ms.append(
+                    (after["draft_seconds"] - before["draft_seconds"]) * 1e3 / calls
+                )
             if llama is not None and batch1:
                 for lookup, sink in (
                     (False, result.llamacpp_off_tok_s),
@@ -622,6 +634,13 @@ def format_text(results: list[ScenarioResult], training: dict | None = None) -> 
             lines.append(
                 f"{r.scenario}: decode phase (after each first token) off {s['off_decode_tok_s']:.1f} tok/s, "
                 f"on {s['on_decode_tok_s']:.1f} tok/s, ratio {s['decode_ratio']:.2f}"
+            )
+    for r in results:
+        s = r.summary()
+        if s["drafter_calls"]:
+            lines.append(
+                f"{r.scenario}: drafter calls per round {s['drafter_calls']:.0f}, "
+                f"{s['drafter_ms_per_call']:.2f} ms each (medians)"
             )
     for r in results:
         costs = r.step_costs()

@@ -26,6 +26,7 @@ Here:
 from __future__ import annotations
 
 import heapq
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +53,10 @@ EXPLORE_FIRST = (
 )
 MIN_FIT_STEPS = (
     8.0  # (decayed) steps a batch size needs before its own cost fit is used
+)
+DRAFTER_DECAY = 0.95  # the drafter's call-time fit forgets at this rate per call
+EXPLORE_DECLINED = (
+    16  # steps a block forward may go declined before it is run once anyway
 )
 
 
@@ -268,6 +273,31 @@ def batch_bucket(num_decodes: int) -> int:
     return (max(1, num_decodes) - 1).bit_length()
 
 
+class DrafterCost:
+    """A drafter's call time t = c0 + c1 * n for n requests, fitted by least squares with
+    forgetting (`StepCost`'s method on one feature). A block drafter's forward is paid whether or not
+    its drafts are verified, so the policy weighs it against what its blocks should add."""
+
+    def __init__(self, decay: float = DRAFTER_DECAY):
+        self.decay = decay
+        self.sums = [0.0] * 5  # decayed weight, sum n, sum n^2, sum t, sum n t
+
+    def observe(self, n: int, seconds: float) -> None:
+        d = self.decay
+        for i, x in enumerate((1.0, n, n * n, seconds, n * seconds)):
+            self.sums[i] = self.sums[i] * d + x
+
+    def seconds(self, n: int) -> float | None:
+        """The expected time of a call for n requests (None: never measured)."""
+        w, sn, snn, st, snt = self.sums
+        if w <= 0:
+            return None
+        mean_n, mean_t = sn / w, st / w
+        var = snn / w - mean_n * mean_n
+        slope = max(0.0, (snt / w - mean_n * mean_t) / var) if var > 1e-6 else 0.0
+        return max(0.0, mean_t + slope * (n - mean_n))
+
+
 class DraftGuard:
     """Per batch size (decoding requests, by powers of two): the output rate — tokens the decoding
     requests yielded per second of decoding (a step's time less its prefill chunks' estimated cost)
@@ -459,6 +489,11 @@ class SpecStats:
     accepted_tokens: int = 0
     declined: int = 0  # request-steps the policy fed no draft: a proposal not worth its row, or none could be
     vetoed: int = 0  # request-steps the guard stood down, before any lookup (drafting measured slower there)
+    draft_calls: int = (
+        0  # calls of a draft model or block drafter (a forward each, or k of them)
+    )
+    draft_requests: int = 0  # requests drafted for over those calls
+    draft_seconds: float = 0.0  # time in them
     draft_lengths: dict[int, int] = field(
         default_factory=dict
     )  # chosen length -> request-steps
@@ -479,6 +514,9 @@ class SpecStats:
             "accepted_tokens": self.accepted_tokens,
             "declined": self.declined,
             "vetoed": self.vetoed,
+            "draft_calls": self.draft_calls,
+            "draft_requests": self.draft_requests,
+            "draft_seconds": self.draft_seconds,
             "mean_accept_len": self.mean_accept_len,
             "draft_lengths": {str(k): v for k, v in sorted(self.draft_lengths.items())},
         }
@@ -492,6 +530,7 @@ class StepWatch:
     outputs: int  # their output tokens before it
     drafted: int  # drafted tokens it feeds
     verifying: int  # requests feeding drafts
+    draft_s: float = 0.0  # seconds its drafter calls took (in the scheduling before it)
 
 
 class Speculator:
@@ -521,6 +560,9 @@ class Speculator:
         # to yield more (--speculative-dspark-only: the block drafter alone)
         self.ngram_beside = not getattr(config, "speculative_dspark_only", False)
         self.stats = SpecStats()
+        self.draft_cost = DrafterCost()  # a block drafter's forward, as measured
+        self._declined_blocks = 0  # steps in a row whose block forward did not pay
+        self._draft_s = 0.0  # drafter seconds of the step being scheduled
 
     def plan(
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
@@ -569,9 +611,11 @@ class Speculator:
         self.stats.declined += sum(1 for k in lengths if k == 0)
         chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
         if self.draft_model is not None:
+            start = time.perf_counter()
             drafts = self.draft_model.draft(
                 [(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen]
             )
+            self._drafted(len(chosen), time.perf_counter() - start)
             return [
                 (c.key, d, 0)
                 for (c, _), draft in zip(chosen, drafts)
@@ -599,6 +643,9 @@ class Speculator:
             budget,
         )
         wanted = [(d, r) for d, r, k in zip(decodes, rates, guess) if k > 0]
+        picked = [
+            k for k in guess if k > 0
+        ]  # the lengths the policy would verify of each
         self.stats.declined += len(decodes) - len(wanted)
         # each request's own n-grams first (free): where one is expected to yield as much as a
         # block would at the request's measured acceptance, the block drafter is not run for it
@@ -621,9 +668,26 @@ class Speculator:
                     ):
                         continue
             blocks.append(((req, k), rate))
-        proposals = self.draft_model.propose(
-            [(req.rid, req.prompt_ids + req.output_ids, k) for (req, k), _ in blocks]
-        )
+        if self.policy.adaptive and blocks:
+            blocks = self._blocks_worth_a_forward(
+                blocks,
+                found,
+                dict(zip((d[0].rid for d, _ in wanted), picked)),
+                base_tokens,
+                num_decodes,
+            )
+        proposals = []
+        if blocks:
+            start = time.perf_counter()
+            proposals = self.draft_model.propose(
+                [
+                    (req.rid, req.prompt_ids + req.output_ids, k)
+                    for (req, k), _ in blocks
+                ]
+            )
+            seconds = time.perf_counter() - start
+            self.draft_cost.observe(len(blocks), seconds)
+            self._drafted(len(blocks), seconds)
         proposed = {}
         for ((req, _), rate), p in zip(blocks, proposals):
             draft = _grammar_prefix(req, p.tokens)
@@ -642,6 +706,58 @@ class Speculator:
             for c, k in zip(candidates, lengths)
             if k > 0
         ]
+
+    def _blocks_worth_a_forward(
+        self,
+        blocks: list,
+        found: dict,
+        picked: dict[str, int],
+        base_tokens: int,
+        num_decodes: int,
+    ) -> list:
+        """The blocks worth the block drafter's forward: of the requests' blocks, best gain first,
+        the prefix whose step is expected to yield the most tokens per second, the forward's
+        measured time included (none: the step drafts n-grams alone). A block's gain is what its
+        drafts, at the lengths the policy picked at the request's measured acceptance, should add
+        over its n-gram match. An unmeasured forward runs, and a declined one runs again after
+        EXPLORE_DECLINED steps, so that its cost and acceptance stay measured."""
+        if self.draft_cost.seconds(len(blocks)) is None:
+            return blocks
+        a, b, _ = self.policy.cost.coefficients(num_decodes)
+        rows0, tokens0 = base_tokens, float(max(num_decodes, 1))
+        options = []
+        for block in blocks:
+            (req, _), rate = block
+            alt = found.get(req.rid)
+            alt_len = len(alt.draft) if alt is not None else 0
+            alt_tokens = expected_tokens(alt) if alt is not None else 0.0
+            rows0 += alt_len
+            tokens0 += alt_tokens
+            k = picked.get(req.rid, 0)
+            gain = expected_tokens(Candidate(req, [0] * k, 0, rate)) - alt_tokens
+            options.append((gain, k - alt_len, block))
+        options.sort(key=lambda o: -o[0])
+        best, best_rate = 0, tokens0 / (a + b * rows0)
+        tokens, rows = tokens0, float(rows0)
+        for n, (gain, extra_rows, _) in enumerate(options, start=1):
+            tokens += gain
+            rows += extra_rows
+            cost = self.draft_cost.seconds(n) or 0.0
+            rate = tokens / (a + b * rows + cost)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        if best == 0:
+            self._declined_blocks += 1
+            if self._declined_blocks < EXPLORE_DECLINED:
+                return []
+        self._declined_blocks = 0
+        return [o[2] for o in options[: best or len(options)]]
+
+    def _drafted(self, requests: int, seconds: float) -> None:
+        self._draft_s += seconds
+        self.stats.draft_calls += 1
+        self.stats.draft_requests += requests
+        self.stats.draft_seconds += seconds
 
     def verified(self, req, drafted: int, accepted: int) -> None:
         self.policy.record(req.draft_match, drafted, accepted)
@@ -674,7 +790,12 @@ class Speculator:
             outputs=sum(len(r.output_ids) for r in decoding),
             drafted=sum(len(r.draft_ids) for r in batch.reqs),
             verifying=len(decoding) - batch.num_decode,
+            draft_s=self._take_draft_s(),
         )
+
+    def _take_draft_s(self) -> float:
+        seconds, self._draft_s = self._draft_s, 0.0
+        return seconds
 
     def observe(self, w: StepWatch, seconds: float, hidden) -> None:
         """After a step: its cost and what its decoding requests yielded (for the cost fit and the
@@ -685,7 +806,11 @@ class Speculator:
         decodes, prefill = batch.num_decode + w.verifying, batch.num_tokens - rows
         if decodes:
             cost = self.policy.cost
-            cost.observe(decodes, rows, prefill, seconds)
+            # the step's rows alone: its drafter calls are measured apart (`draft_cost`); the
+            # guard below weighs the whole step, drafting included
+            cost.observe(
+                decodes, rows, prefill, max(seconds - w.draft_s, 0.1 * seconds)
+            )
             # the guard compares decoding time: the step's, less what its prefill chunks cost
             decoding = max(
                 seconds - cost.coefficients(decodes)[2] * prefill, 0.1 * seconds

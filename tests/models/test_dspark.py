@@ -683,3 +683,61 @@ def test_rows_wait_until_the_request_drafts_and_a_cut_back_replaces_them(
     assert drafter.seqs["x"].end == len(seq) - 1
     drafter.finish("x")
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
+
+
+def _block_speculator(confidence: float, asked: list):
+    from strata.config import EngineConfig
+    from strata.engine.dspark import Proposal
+    from strata.engine.speculative import Speculator
+
+    class Block:
+        block, needs_hidden, capture_after = True, False, ()
+
+        def propose(self, wants):
+            asked.append(len(wants))
+            return [Proposal([7, 7, 7, 7], [confidence] * 4) for _ in wants]
+
+        def finish(self, rid):
+            pass
+
+    config = EngineConfig(
+        speculative_algorithm="dspark",
+        speculative_draft_model="unused",
+        speculative_num_draft_tokens=4,
+    )
+    spec = Speculator(config, Block())
+    for _ in range(40):  # a step of 1 + n rows costs 5 + 0.2 n ms
+        for rows in (1, 3, 5):
+            spec.policy.cost.observe(1, rows, 0, 0.005 + 0.0002 * rows)
+    return spec
+
+
+@pytest.mark.parametrize(
+    "rate,forward_ms,runs",
+    [(0.8, 1.0, True), (0.8, 30.0, False), (0.3, 4.0, False), (0.3, 0.2, True)],
+)
+def test_the_block_forward_runs_only_where_its_drafts_should_pay_for_it(
+    rate, forward_ms, runs
+):
+    """A block costs its forward whether or not its drafts are verified: the drafter runs only
+    where the tokens the blocks are expected to add (at the requests' measured acceptance) raise
+    the step's output rate after the forward's measured time; a declined forward is still tried
+    now and then, so that its cost and acceptance stay measured."""
+    from strata.engine.request import Req
+
+    asked: list[int] = []
+    spec = _block_speculator(0.99, asked)
+    for _ in range(20):
+        spec.draft_cost.observe(1, forward_ms / 1e3)
+    req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+    req.spec_history = (100 * rate, 100.0)  # measured acceptance of its drafts
+    for _ in range(8):
+        spec.plan([(req, 8)], 1, 1, 64)
+    if runs:  # every step the guard let draft (it measures plain steps too at first)
+        assert asked == [1] * (8 - spec.stats.vetoed) and len(asked) >= 5
+    else:  # declined, but tried once in a while
+        assert len(asked) <= 1
+    fresh = _block_speculator(0.99, asked := [])
+    fresh.plan([(req, 8)], 1, 1, 64)
+    assert asked == [1]  # an unmeasured forward is run, to measure it
+    assert fresh.draft_cost.seconds(1) is not None
