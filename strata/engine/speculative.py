@@ -563,6 +563,8 @@ class Speculator:
         self.draft_cost = DrafterCost()  # a block drafter's forward, as measured
         self._declined_blocks = 0  # steps in a row whose block forward did not pay
         self._draft_s = 0.0  # drafter seconds of the step being scheduled
+        # a block drafter's requests: (accepted, tried) of their blocks' drafts, decayed
+        self.block_history: dict[str, tuple[float, float]] = {}
 
     def plan(
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
@@ -632,20 +634,24 @@ class Speculator:
         block costs its rows whether or not they are verified: a large batch does not pay for
         blocks it would not verify), and not those whose own n-gram match is expected to yield as
         much (it costs nothing)."""
-        rates = [self.policy.accept_rate(req.spec_history, 0) for req, _ in decodes]
-        guess = self.policy.choose(
-            [
-                Candidate(req, [0] * min(limit, self.max_draft), 0, rate)
-                for (req, limit), rate in zip(decodes, rates)
-            ],
-            base_tokens,
-            num_decodes,
-            budget,
-        )
+        # a block's acceptance: what this request's blocks achieved (its n-gram drafts' history
+        # tells how its text repeats, not how well the drafter predicts it), pulled towards every
+        # request's blocks
+        rates = [
+            self.policy.accept_rate(self.block_history.get(req.rid, (0.0, 0.0)), 0)
+            for req, _ in decodes
+        ]
+        # the lengths the policy would verify of each request's block at that acceptance; with the
+        # n-gram lookup beside, a request is also wanted where its own n-gram drafts would pay
+        picked = self._lengths(decodes, rates, base_tokens, num_decodes, budget)
+        guess = picked
+        if self.ngram_beside:
+            own = [self.policy.accept_rate(req.spec_history, 0) for req, _ in decodes]
+            guess = self._lengths(
+                decodes, list(map(max, rates, own)), base_tokens, num_decodes, budget
+            )
         wanted = [(d, r) for d, r, k in zip(decodes, rates, guess) if k > 0]
-        picked = [
-            k for k in guess if k > 0
-        ]  # the lengths the policy would verify of each
+        block_lengths = {req.rid: k for (req, _), k in zip(decodes, picked)}
         self.stats.declined += len(decodes) - len(wanted)
         # each request's own n-grams first (free): where one is expected to yield as much as a
         # block would at the request's measured acceptance, the block drafter is not run for it
@@ -670,11 +676,7 @@ class Speculator:
             blocks.append(((req, k), rate))
         if self.policy.adaptive and blocks:
             blocks = self._blocks_worth_a_forward(
-                blocks,
-                found,
-                dict(zip((d[0].rid for d, _ in wanted), picked)),
-                base_tokens,
-                num_decodes,
+                blocks, found, block_lengths, base_tokens, num_decodes
             )
         proposals = []
         if blocks:
@@ -706,6 +708,25 @@ class Speculator:
             for c, k in zip(candidates, lengths)
             if k > 0
         ]
+
+    def _lengths(
+        self,
+        decodes: list[tuple],
+        rates: list[float],
+        base_tokens: int,
+        num_decodes: int,
+        budget: int,
+    ) -> list[int]:
+        """The draft length the policy would give each request at these acceptance rates."""
+        return self.policy.choose(
+            [
+                Candidate(req, [0] * min(limit, self.max_draft), 0, rate)
+                for (req, limit), rate in zip(decodes, rates)
+            ],
+            base_tokens,
+            num_decodes,
+            budget,
+        )
 
     def _blocks_worth_a_forward(
         self,
@@ -764,10 +785,10 @@ class Speculator:
         if (
             req.draft_match >= 0
         ):  # the history is of the request's own text (see accept_rate)
-            acc, tried = req.spec_history
-            req.spec_history = (
-                acc * REQUEST_DECAY + accepted,
-                tried * REQUEST_DECAY + accepted + (accepted < drafted),
+            req.spec_history = _decayed(req.spec_history, drafted, accepted)
+        if req.draft_match == 0 and getattr(self.draft_model, "block", False):
+            self.block_history[req.rid] = _decayed(
+                self.block_history.get(req.rid, (0.0, 0.0)), drafted, accepted
             )
         req.spec_verify_steps += 1
         req.spec_drafted += drafted
@@ -836,8 +857,20 @@ class Speculator:
 
     def finish(self, rid: str) -> None:
         self.drafter.finish(rid)
+        self.block_history.pop(rid, None)
         if self.draft_model is not None:
             self.draft_model.finish(rid)
+
+
+def _decayed(
+    history: tuple[float, float], drafted: int, accepted: int
+) -> tuple[float, float]:
+    """An (accepted, tried) history after one verification (a rejection was tried too)."""
+    acc, tried = history
+    return (
+        acc * REQUEST_DECAY + accepted,
+        tried * REQUEST_DECAY + accepted + (accepted < drafted),
+    )
 
 
 def expected_tokens(c: Candidate) -> float:

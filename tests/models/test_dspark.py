@@ -730,7 +730,8 @@ def test_the_block_forward_runs_only_where_its_drafts_should_pay_for_it(
     for _ in range(20):
         spec.draft_cost.observe(1, forward_ms / 1e3)
     req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
-    req.spec_history = (100 * rate, 100.0)  # measured acceptance of its drafts
+    req.spec_history = (99.0, 100.0)  # its n-gram drafts: not what its blocks achieve
+    spec.block_history["r"] = (100 * rate, 100.0)  # what its blocks achieved
     for _ in range(8):
         spec.plan([(req, 8)], 1, 1, 64)
     if runs:  # every step the guard let draft (it measures plain steps too at first)
@@ -741,3 +742,20 @@ def test_the_block_forward_runs_only_where_its_drafts_should_pay_for_it(
     fresh.plan([(req, 8)], 1, 1, 64)
     assert asked == [1]  # an unmeasured forward is run, to measure it
     assert fresh.draft_cost.seconds(1) is not None
+
+
+def test_a_request_whose_blocks_miss_still_drafts_its_n_grams():
+    from strata.engine.request import Req
+
+    asked: list[int] = []
+    spec = _block_speculator(0.99, asked)
+    for _ in range(20):
+        spec.draft_cost.observe(1, 0.004)
+    req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
+    req.spec_history = (95.0, 100.0)  # its n-gram drafts are accepted
+    spec.block_history["r"] = (5.0, 100.0)  # its blocks are not
+    got = [spec.plan([(req, 8)], 1, 1, 64) for _ in range(8)]
+    drafted = [g[0][1] for g in got if g]
+    assert drafted and all(d == [4, 5, 1, 2] for d in drafted)
+    assert len(drafted) == 8 - spec.stats.vetoed
+    assert len(asked) <= 1  # the block drafter is not run for it (bar a rare re-try)
