@@ -184,6 +184,7 @@ class ScenarioResult:
     # charges a drafting step beside its verified rows)
     drafter_calls: list[int] = field(default_factory=list)
     drafter_ms: list[float] = field(default_factory=list)
+    drafter_share: list[float] = field(default_factory=list)  # calls per verifying step
     identical: bool = True
     llamacpp_off_tok_s: list[float] = field(default_factory=list)
     llamacpp_lookup_tok_s: list[float] = field(default_factory=list)
@@ -232,6 +233,7 @@ class ScenarioResult:
             "draft_length": med(self.draft_length),
             "drafter_calls": med(self.drafter_calls),
             "drafter_ms_per_call": med(self.drafter_ms),
+            "drafter_calls_per_verify_step": med(self.drafter_share),
             "output_tokens_per_round": med(self.output_tokens),
             "identical_outputs": self.identical,
             "step_costs": self.step_costs(),
@@ -519,6 +521,7 @@ def run(
                 result.drafter_ms.append(
                     (after["draft_seconds"] - before["draft_seconds"]) * 1e3 / calls
                 )
+                result.drafter_share.append(calls / max(verify_steps, 1))
             if llama is not None and batch1:
                 for lookup, sink in (
                     (False, result.llamacpp_off_tok_s),

@@ -141,6 +141,13 @@ def _add_deployment_args(p: argparse.ArgumentParser) -> None:
         help="per drafted token (overrides the calibration)",
     )
     e.add_argument(
+        "--spec-draft-ms",
+        type=float,
+        default=None,
+        help="what a drafting step pays its drafter beside the verified rows (a draft model's "
+        "forwards, a block drafter's one; default: the --spec-json figure, else 0, n-gram lookup)",
+    )
+    e.add_argument(
         "--spec-json",
         default=None,
         metavar="FILE",
@@ -284,8 +291,13 @@ def cost_model_from_args(args: argparse.Namespace):
 
     cost = load_cost_model(args.calibration)
     if args.spec_json:
-        rate = calibrate_json([args.calibration, args.spec_json])[0].spec_accept_rate
-        cost = cost.with_(spec_accept_rate=rate)
+        figures = calibrate_json([args.calibration, args.spec_json])[0]
+        cost = cost.with_(
+            spec_accept_rate=figures.spec_accept_rate,
+            spec_draft_s=figures.spec_draft_s,
+        )
+    if args.spec_draft_ms is not None:
+        cost = cost.with_(spec_draft_s=args.spec_draft_ms / 1e3)
     if args.spec_accept_rate is not None:
         cost = cost.with_(spec_accept_rate=args.spec_accept_rate)
     if args.speculative and cost.spec_accept_rate is None:
@@ -482,6 +494,10 @@ def calibration_text(model) -> str:
             "n/a"
             if model.spec_accept_rate is None
             else f"{model.spec_accept_rate:.3f}",
+        ],
+        [
+            "spec drafter per drafting step (ms)",
+            f"{model.spec_draft_s * 1e3:.2f}",
         ],
         [
             "co-located replicas' contention: decode / prefill",

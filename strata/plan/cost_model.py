@@ -151,6 +151,9 @@ class CostModel:
         None  # per drafted token; None: no speculative decoding
     )
     spec_max_draft: int = 8
+    # what a step that drafts pays its drafter beside the verified rows: a draft model's forwards,
+    # a block drafter's one (0: n-gram lookup, free); `strata bench spec`'s drafter ms per call
+    spec_draft_s: float = 0.0
     # replicas sharing one machine: each busy one more slows a decode step / a step with prefill
     # chunks by this fraction (measured on two co-located workers; None: not measured, the
     # simulator's --contention applies)
@@ -175,6 +178,10 @@ class CostModel:
         if self.spec_accept_rate is not None and not 0 <= self.spec_accept_rate < 1:
             raise ValueError(
                 f"spec_accept_rate must be in [0, 1), got {self.spec_accept_rate}"
+            )
+        if not (math.isfinite(self.spec_draft_s) and self.spec_draft_s >= 0):
+            raise ValueError(
+                f"spec_draft_s must be finite and >= 0, got {self.spec_draft_s}"
             )
         for name in ("contention", "contention_prefill"):
             value = getattr(self, name)

@@ -127,7 +127,7 @@ def calibrate_json(
     rates = {
         k: start[k]
         for k in RATE_FIELDS
-        + ("kv_bytes_per_token", "spec_accept_rate", "spec_max_draft")
+        + ("kv_bytes_per_token", "spec_accept_rate", "spec_max_draft", "spec_draft_s")
         if k in start
     }
     rates.update(extra)
@@ -179,8 +179,14 @@ def _spec_rate(data: dict, scenario: str | None, path: Path) -> dict[str, float]
             + (f" named {scenario!r}" if scenario else "")
         )
     r = rows[0]
-    return {
+    out = {
         "spec_accept_rate": accept_rate_from_length(
             float(r["accept_length"]), float(r.get("draft_length") or 4)
         )
     }
+    if r.get(
+        "drafter_ms_per_call"
+    ):  # a draft model or block drafter: its forward per step
+        share = min(1.0, float(r.get("drafter_calls_per_verify_step") or 1.0))
+        out["spec_draft_s"] = float(r["drafter_ms_per_call"]) / 1e3 * share
+    return out

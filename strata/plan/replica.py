@@ -442,7 +442,10 @@ class Replica:
         segments = [
             Segment(n, r.kv_len, decode=(r.extend_len == 1)) for r, n, _ in items
         ]
-        return Step(items, self.cost.step_s(segments) + copy_s, prefill=bool(extends))
+        draft_s = self.cost.spec_draft_s if drafts else 0.0  # the drafter's forward
+        return Step(
+            items, self.cost.step_s(segments) + copy_s + draft_s, prefill=bool(extends)
+        )
 
     def _admit(
         self, extends: list[tuple[SimRequest, int]], budget: int, batch_empty: bool
@@ -586,12 +589,27 @@ class Replica:
                     continue
                 extra = per_row + coef.get("per_decode_ctx", 0.0) * (r.kv_len + depth)
                 if not draft_pays(gain, expected, step_s, extra):
-                    return drafts
+                    return self._worth_the_drafter(drafts, decodes, expected, step_s)
                 drafts[id(r)] = depth
                 expected += gain
                 step_s += extra
                 cap -= 1
-        return drafts
+        return self._worth_the_drafter(drafts, decodes, expected, step_s)
+
+    def _worth_the_drafter(
+        self,
+        drafts: dict[int, int],
+        decodes: list[SimRequest],
+        expected: float,
+        step_s: float,
+    ) -> dict[int, int]:
+        """The drafts, if the step's expected tokens per second with them and the drafter's
+        forward (`spec_draft_s`) beat the plain step's; else none."""
+        if not drafts or self.cost.spec_draft_s <= 0:
+            return drafts
+        plain_s = self.cost.step_s([Segment(1, r.kv_len, True) for r in decodes])
+        with_s = step_s + self.cost.spec_draft_s
+        return drafts if expected / with_s > len(decodes) / plain_s else {}
 
     def _retract(self, r: SimRequest) -> None:
         self._release(r)

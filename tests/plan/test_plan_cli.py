@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from strata.cli import main
 from strata.plan.cost_model import CostModel, load_cost_model
 
@@ -212,3 +214,40 @@ def test_errors_say_what_to_do(tmp_path, cost, capsys):
     assert "strata plan calibrate" in capsys.readouterr().err
     assert main(["plan", "simulate", "--calibration", cal, "--speculative"]) == 2
     assert "accept rate" in capsys.readouterr().err
+
+
+def test_a_spec_json_with_a_drafter_charges_its_forward(tmp_path, cost, capsys):
+    """`strata bench spec --output-json` of a draft model or block drafter: the drafter's ms per
+    call, times its calls per verifying step, is what each drafting step pays beside its rows."""
+    cal = _calibration(tmp_path, cost)
+    bench = tmp_path / "spec.json"
+    result = {"scenario": "chat-batch1", "accept_length": 2.0, "draft_length": 4.0}
+    bench.write_text(
+        json.dumps(
+            {
+                "config": {"scenarios": ["chat-batch1"]},
+                "results": [
+                    {
+                        **result,
+                        "drafter_ms_per_call": 6.0,
+                        "drafter_calls_per_verify_step": 0.5,
+                    }
+                ],
+            }
+        )
+    )
+    common = ["plan", "simulate", "--calibration", cal, "--speculative"]
+    common += ["--dataset", "random", "--num-prompts", "2", "--output-len", "8"]
+    from strata.cli import build_parser
+    from strata.plan.cli import cost_model_from_args
+
+    args = build_parser().parse_args(common + ["--spec-json", str(bench)])
+    assert cost_model_from_args(args).spec_draft_s == pytest.approx(0.003)
+    args = build_parser().parse_args(
+        common + ["--spec-json", str(bench), "--spec-draft-ms", "1"]
+    )
+    assert cost_model_from_args(args).spec_draft_s == pytest.approx(0.001)
+    assert main(common + ["--spec-json", str(bench)]) == 0
+    capsys.readouterr()
+    assert main(common + ["--spec-json", str(bench), "--spec-draft-ms", "-1"]) == 2
+    assert "spec_draft_s" in capsys.readouterr().err

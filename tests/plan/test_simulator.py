@@ -227,3 +227,28 @@ def test_co_located_steps_slow_each_other_by_their_own_kind():
     assert ends["decode"] == pytest.approx(1.0) and ends["prefill"] == pytest.approx(
         1.5
     )
+
+
+def test_the_drafters_forward_is_charged_and_declines_drafting_where_it_costs_more():
+    """A draft model or block drafter costs a forward on every step that drafts (`spec_draft_s`),
+    beside its verified rows: one request, steps of 10 ms + 1 ms per row, accept rate 0.7."""
+    from strata.plan.cost_model import CostModel
+
+    base = CostModel(coef={"overhead": 0.010, "per_row": 0.001})
+    single = Workload([one(tuple(range(64)), 64)], [0.0])
+    on = Deployment(1, replica=ReplicaConfig(speculative=True))
+    spec = base.with_(spec_accept_rate=0.7, spec_max_draft=4)
+    free = run_checked(single, on, spec)
+    cheap = run_checked(single, on, spec.with_(spec_draft_s=0.004))
+    dear = run_checked(single, on, spec.with_(spec_draft_s=0.050))
+    plain = run_checked(single, Deployment(1), spec)
+    # 4 drafts: 1 + 0.7 + 0.49 + 0.34 + 0.24 = 2.77 tokens for 15 ms (+4: 19 ms) vs 1 for 11 ms
+    assert (
+        free.summary.e2e.mean_ms < cheap.summary.e2e.mean_ms < plain.summary.e2e.mean_ms
+    )
+    steps = cheap.workers[0].steps
+    assert cheap.summary.e2e.mean_ms == pytest.approx(
+        free.summary.e2e.mean_ms + 4 * (steps - 1), rel=0.02
+    )
+    # a 50 ms forward for 1.77 more tokens: drafting declined, the plain steps' times
+    assert dear.summary.e2e.mean_ms == pytest.approx(plain.summary.e2e.mean_ms)
