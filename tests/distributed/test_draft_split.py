@@ -103,22 +103,19 @@ def test_the_flag_is_refused_where_it_means_nothing(skewed, tmp_path):
         )
     dense = make_model(tmp_path / "dense", "llama", tokenizer=False)
     with pytest.raises(ValueError, match="has no mixture-of-experts layers"):
-        Engine(
-            str(skewed),
-            dtype="float32",
-            kv_cache_tokens=256,
-            ep_size=2,
-            speculative_algorithm="draft",
-            speculative_draft_model=str(dense),
-            speculative_draft_ep_num_redundant_experts=2,
-        )
+        _split_draft_engine(skewed, dense, redundant=2)
     with pytest.raises(ValueError, match="speculative-draft-ep-num-redundant-experts"):
-        Engine(  # 8 experts + 1 slot do not split over 2 ranks: the draft's flag is named
-            str(skewed),
-            dtype="float32",
-            kv_cache_tokens=256,
-            ep_size=2,
-            speculative_algorithm="draft",
-            speculative_draft_model=str(skewed),
-            speculative_draft_ep_num_redundant_experts=1,
-        )
+        # 8 experts + 1 slot do not split over 2 ranks: the draft's flag is named
+        _split_draft_engine(skewed, skewed, redundant=1)
+
+
+def _split_draft_engine(target, draft, redundant: int) -> Engine:
+    return Engine(
+        str(target),
+        dtype="float32",
+        kv_cache_tokens=256,
+        ep_size=2,
+        speculative_algorithm="draft",
+        speculative_draft_model=str(draft),
+        speculative_draft_ep_num_redundant_experts=redundant,
+    )

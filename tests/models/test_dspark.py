@@ -595,30 +595,10 @@ def test_a_request_drafts_whichever_of_block_and_ngram_should_yield_more(
 ):
     """The block drafter runs for a request unless its n-gram match is expected to yield as much
     as a block at the request's measured acceptance; then the draft expected to yield more wins."""
-    from strata.config import EngineConfig
-    from strata.engine.dspark import Proposal
     from strata.engine.request import Req
-    from strata.engine.speculative import Speculator
 
-    asked = []
-
-    class Block:
-        block, needs_hidden, capture_after = True, False, ()
-
-        def propose(self, wants):
-            asked.extend(wants)
-            return [Proposal([7, 7, 7, 7], [confidence] * 4) for _ in wants]
-
-        def finish(self, rid):
-            pass
-
-    config = EngineConfig(
-        speculative_algorithm="dspark",
-        speculative_draft_model="unused",
-        speculative_fixed_length=True,
-        speculative_num_draft_tokens=4,
-    )
-    spec = Speculator(config, Block())
+    asked: list[int] = []
+    spec = _block_speculator(confidence, asked, fixed_length=True)
     for _ in range(200):  # what 3-gram drafts achieved so far
         spec.policy.record(3, 1, 1 if spec.policy._prior(3) < ngram_rate else 0)
     req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
@@ -685,7 +665,7 @@ def test_rows_wait_until_the_request_drafts_and_a_cut_back_replaces_them(
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
 
-def _block_speculator(confidence: float, asked: list):
+def _block_speculator(confidence: float, asked: list, fixed_length: bool = False):
     from strata.config import EngineConfig
     from strata.engine.dspark import Proposal
     from strata.engine.speculative import Speculator
@@ -704,6 +684,7 @@ def _block_speculator(confidence: float, asked: list):
         speculative_algorithm="dspark",
         speculative_draft_model="unused",
         speculative_num_draft_tokens=4,
+        speculative_fixed_length=fixed_length,
     )
     spec = Speculator(config, Block())
     for _ in range(40):  # a step of 1 + n rows costs 5 + 0.2 n ms
