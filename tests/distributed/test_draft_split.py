@@ -119,3 +119,27 @@ def _split_draft_engine(target, draft, redundant: int) -> Engine:
         speculative_draft_model=str(draft),
         speculative_draft_ep_num_redundant_experts=redundant,
     )
+
+
+def test_the_bench_command_reports_each_count(tmp_path, capsys):
+    import json
+
+    from strata.cli import main
+
+    out = tmp_path / "draft.json"
+    argv = [
+        "bench",
+        "parallel",
+        "draft-eplb",
+        "--num-prompts",
+        "2",
+        "--prompt-len",
+        "8",
+    ]
+    argv += ["--output-len", "4", "--rounds", "1", "--hot-experts", "5"]
+    argv += ["--speculative-draft-ep-num-redundant-experts", "0", "2"]
+    assert main(argv + ["--output-json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["redundant"] for r in rows] == [0, 2]
+    assert all(r["same_tokens"] and r["draft_forward_s_after"] > 0 for r in rows)
+    assert "draft forward ms" in capsys.readouterr().out
