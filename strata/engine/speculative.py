@@ -17,6 +17,9 @@ Here:
     confidence in each draft) buys more output per
     second than it costs (b, weighed against the step's a + b T). As the batch grows, the cost of a
     token grows relative to what it gains, and drafting stops on its own.
+  * `DrafterCost` — one drafter forward's measured time (a draft model's per drafted depth, a
+    block drafter's): a draft model's depth and a block drafter's blocks are cut where the step's
+    tokens per second, those forwards included, is highest.
   * `DraftGuard` — what drafting actually bought, measured: per batch size, the output rate of
     steps that fed drafts against steps that did not (their prefill chunks' cost taken out). Where the model's choices measure slower, the
     policy stands down (so that turning speculation on does not make a busy server slower).
@@ -274,9 +277,10 @@ def batch_bucket(num_decodes: int) -> int:
 
 
 class DrafterCost:
-    """A drafter's call time t = c0 + c1 * n for n requests, fitted by least squares with
-    forgetting (`StepCost`'s method on one feature). A block drafter's forward is paid whether or not
-    its drafts are verified, so the policy weighs it against what its blocks should add."""
+    """The time of one drafter forward, t = c0 + c1 * n for n requests, fitted by least squares
+    with forgetting (`StepCost`'s method on one feature): a block drafter's forward, a draft model's
+    forward per drafted depth. It is paid whether or not its drafts are verified, so the policy
+    weighs it against what the drafts should add."""
 
     def __init__(self, decay: float = DRAFTER_DECAY):
         self.decay = decay
@@ -560,8 +564,12 @@ class Speculator:
         # to yield more (--speculative-dspark-only: the block drafter alone)
         self.ngram_beside = not getattr(config, "speculative_dspark_only", False)
         self.stats = SpecStats()
-        self.draft_cost = DrafterCost()  # a block drafter's forward, as measured
-        self._declined_blocks = 0  # steps in a row whose block forward did not pay
+        # one forward of the drafter (a draft model's, per drafted depth; a block drafter's), as
+        # measured
+        self.draft_cost = DrafterCost()
+        self._declined_forwards = (
+            0  # steps in a row whose drafter's forward did not pay
+        )
         self._draft_s = 0.0  # drafter seconds of the step being scheduled
         # a block drafter's requests: (accepted, tried) of their blocks' drafts, decayed
         self.block_history: dict[str, tuple[float, float]] = {}
@@ -610,14 +618,20 @@ class Speculator:
                     )
                 )
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
+        if self.draft_model is not None and self.policy.adaptive:
+            lengths = self._priced_depth(candidates, lengths, base_tokens, num_decodes)
         self.stats.declined += sum(1 for k in lengths if k == 0)
         chosen = [(c, k) for c, k in zip(candidates, lengths) if k > 0]
-        if self.draft_model is not None:
+        if self.draft_model is not None and chosen:
             start = time.perf_counter()
             drafts = self.draft_model.draft(
                 [(c.key.rid, c.key.prompt_ids + c.key.output_ids, k) for c, k in chosen]
             )
-            self._drafted(len(chosen), time.perf_counter() - start)
+            seconds = time.perf_counter() - start
+            depth = max(k for _, k in chosen)  # forwards it ran, the last ones narrower
+            mean_rows = sum(k for _, k in chosen) / depth
+            self.draft_cost.observe(round(mean_rows), seconds / depth)
+            self._drafted(len(chosen), seconds)
             return [
                 (c.key, d, 0)
                 for (c, _), draft in zip(chosen, drafts)
@@ -728,6 +742,42 @@ class Speculator:
             budget,
         )
 
+    def _priced_depth(
+        self,
+        candidates: list[Candidate],
+        lengths: list[int],
+        base_tokens: int,
+        num_decodes: int,
+    ) -> list[int]:
+        """A draft model's lengths cut at the depth K whose step yields the most tokens per second,
+        counting its K forwards (depth d: one forward over the requests drafting that deep, at the
+        measured `draft_cost`) beside the verified rows; 0: no draft, the model not run. An
+        unmeasured model runs, and one declined EXPLORE_DECLINED steps in a row runs again."""
+        deepest = max(lengths, default=0)
+        if deepest == 0 or self.draft_cost.seconds(1) is None:
+            return lengths
+        a, b, _ = self.policy.cost.coefficients(num_decodes)
+        tokens, rows, forwards = float(max(num_decodes, 1)), float(base_tokens), 0.0
+        best, best_rate = 0, tokens / (a + b * rows)
+        gains = [1.0] * len(candidates)
+        for depth in range(1, deepest + 1):
+            deep = [i for i, k in enumerate(lengths) if k >= depth]
+            for i in deep:
+                gains[i] *= candidates[i].rate(depth - 1)
+                tokens += gains[i]
+            rows += len(deep)
+            forwards += self.draft_cost.seconds(len(deep)) or 0.0
+            rate = tokens / (a + b * rows + forwards)
+            if rate > best_rate:
+                best, best_rate = depth, rate
+        if best == 0:
+            self._declined_forwards += 1
+            if self._declined_forwards < EXPLORE_DECLINED:
+                return [0] * len(lengths)
+            best = deepest
+        self._declined_forwards = 0
+        return [min(k, best) for k in lengths]
+
     def _blocks_worth_a_forward(
         self,
         blocks: list,
@@ -768,10 +818,10 @@ class Speculator:
             if rate > best_rate:
                 best, best_rate = n, rate
         if best == 0:
-            self._declined_blocks += 1
-            if self._declined_blocks < EXPLORE_DECLINED:
+            self._declined_forwards += 1
+            if self._declined_forwards < EXPLORE_DECLINED:
                 return []
-        self._declined_blocks = 0
+        self._declined_forwards = 0
         return [o[2] for o in options[: best or len(options)]]
 
     def _drafted(self, requests: int, seconds: float) -> None:

@@ -879,3 +879,40 @@ def test_speculation_over_blas_matmuls_warns_that_rows_can_round_apart(
         "Linear"
     ]
     assert caplog.text.count("speculative decoding over float weights") == 1
+
+
+@pytest.mark.parametrize("forward_ms,depth", [(0.5, 4), (3.0, 1), (30.0, 0)])
+def test_a_draft_models_forwards_are_priced_into_the_draft_length(forward_ms, depth):
+    """A draft model pays one forward per drafted depth: the depth is cut where the step's
+    expected tokens per second, those forwards' measured time included, is highest (0: no draft,
+    the model not run). Steps of 5 ms + 0.2 ms per row; drafts accepted at 0.8."""
+    from strata.config import EngineConfig
+    from strata.engine.request import Req
+    from strata.engine.speculative import Speculator
+
+    asked: list[int] = []
+
+    class DraftModel:
+        def draft(self, wants):
+            asked.extend(k for _, _, k in wants)
+            return [[7] * k for _, _, k in wants]
+
+        def finish(self, rid):
+            pass
+
+    config = EngineConfig(
+        speculative_algorithm="draft",
+        speculative_draft_model="unused",
+        speculative_num_draft_tokens=4,
+    )
+    spec = Speculator(config, DraftModel())
+    for _ in range(40):
+        for rows in (1, 3, 5):
+            spec.policy.cost.observe(1, rows, 0, 0.005 + 0.0002 * rows)
+        spec.draft_cost.observe(1, forward_ms / 1e3)
+    spec.policy.guard.allows = lambda n: True
+    req = Req(rid="r", prompt_ids=[1, 2, 3], params=SamplingParams())
+    req.spec_history = (80.0, 100.0)
+    got = spec.plan([(req, 8)], 1, 1, 64)
+    assert [len(d) for _, d, _ in got] == ([depth] if depth else [])
+    assert asked == ([depth] if depth else [])
