@@ -19,11 +19,10 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
 from strata.engine.batch import ScheduleBatch
+from strata.engine.draft_rows import DraftOptions
 from strata.engine.model_runner import ModelRunner
 from strata.engine.request import Req
 from strata.models import config_from_dir, family_spec
@@ -48,13 +47,7 @@ class DraftModelDrafter:
         model_dir: str | Path,
         target_tokenizer,
         target_vocab: int,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        num_tokens: int,
-        page_size: int,
-        quantization: str,
-        context_len: int,
+        options: DraftOptions,
         parallel=None,
     ):
         """parallel: the replica's ParallelRuntime; with a split draft (a mixture-of-experts draft of
@@ -72,20 +65,21 @@ class DraftModelDrafter:
             )
         check_same_tokenizer(load_tokenizer(model_dir), target_tokenizer, model_dir)
         self.vocab_size = min(mc.vocab_size, target_vocab)
+        dtype, device, page_size = options.dtype, options.device, options.page_size
         split = None if parallel is None else parallel.draft
         self.model = load_model(
             model_dir,
             mc,
             dtype,
             device,
-            max_positions=context_len,
-            quantization=quantization,
+            max_positions=options.context_len,
+            quantization=options.quantization,
             shard=None if split is None else split.shard,
         )
         local = (
             mc if split is None else split.plan.local_config()
         )  # this rank's KV heads
-        num_pages = max(1, num_tokens // page_size)
+        num_pages = options.num_pages
         pool = MHAKVPool(
             len(mc.layers),
             local.num_kv_heads,

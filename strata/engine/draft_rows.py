@@ -1,12 +1,34 @@
-"""Rows of a drafter's own paged KV, per request, for a run of the target's positions (the MTP
-layer's and a DSpark drafter's: both keep one row per position the target computed)."""
+"""What the drafters with weights share: how they are built (`DraftOptions`: a draft model's, the
+MTP layer's, a DSpark drafter's), and the rows of their own paged KV per request for a run of the
+target's positions (`Rows`, `RowsByRequest`: the MTP layer and a DSpark drafter keep one row per
+position the target computed)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from strata.cache.allocator import PageAllocator
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class DraftOptions:
+    """The target's compute dtype, device, weight quantization and context length, which a drafter
+    loads its weights with, and the size of the drafter's own KV pool."""
+
+    dtype: torch.dtype
+    device: torch.device
+    num_tokens: int  # KV tokens of the drafter's pool (as many as the target's)
+    page_size: int
+    quantization: str
+    context_len: int
+
+    @property
+    def num_pages(self) -> int:
+        return max(1, self.num_tokens // self.page_size)
 
 
 @dataclass

@@ -35,7 +35,7 @@ import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
-from strata.engine.draft_rows import Rows, RowsByRequest
+from strata.engine.draft_rows import DraftOptions, Rows, RowsByRequest
 from strata.layers.attention import AttentionMetadata
 from strata.models.decoder import DecoderForCausalLM
 from strata.models.dspark import DRAFT_VOCAB_FILE, DSparkDraft, read_dspark_dir
@@ -66,13 +66,7 @@ class DSparkDrafter:
         self,
         target: DecoderForCausalLM,
         model_dir: str | Path,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        num_tokens: int,
-        page_size: int,
-        quantization: str,
-        context_len: int,
+        options: DraftOptions,
         vocab_size: int,
         threshold: float = 0.0,
     ):
@@ -81,8 +75,14 @@ class DSparkDrafter:
         resolved = resolve_model_path(str(model_dir))
         assert resolved is not None  # a path given is a path resolved
         model_dir = resolved
+        dtype, device, page_size = options.dtype, options.device, options.page_size
         self.model = load_dspark(
-            model_dir, target, dtype, device, context_len, quantization
+            model_dir,
+            target,
+            dtype,
+            device,
+            options.context_len,
+            options.quantization,
         )
         cfg = self.model.cfg
         # the target's layers whose streams the scheduler keeps while this drafter is attached
@@ -92,7 +92,7 @@ class DSparkDrafter:
         self.mask_token_id = cfg.mask_token_id
         self.threshold = threshold
         layers_cfg = self.model.decoder.config
-        num_pages = max(1, num_tokens // page_size)
+        num_pages = options.num_pages
         self.kv = MHAKVPool(
             layers_cfg.num_layers,
             layers_cfg.num_kv_heads,

@@ -505,38 +505,34 @@ class Engine:
         """--speculative-algorithm draft: the draft model; mtp: the checkpoint's multi-token
         prediction layer; dspark: the DSpark drafter. Each with as many KV tokens as the target."""
         from strata.engine.draft_model import DraftModelDrafter
+        from strata.engine.draft_rows import DraftOptions
         from strata.engine.dspark import DSparkDrafter
         from strata.engine.mtp import MTPDrafter
 
         cfg = self.config
-        if cfg.speculative_algorithm in ("mtp", "dspark"):
-            options = dict(
-                dtype=dtype,
-                device=device,
-                num_tokens=num_pages * cfg.page_size,
-                page_size=cfg.page_size,
-                quantization=cfg.quantization,
-                context_len=context_len,
-                vocab_size=vocab,
-            )
-            if cfg.speculative_algorithm == "mtp":
-                return MTPDrafter(self.model, model_dir, **options)
-            return DSparkDrafter(
-                self.model,
-                cfg.speculative_draft_model,
-                threshold=cfg.speculative_confidence_threshold,
-                **options,
-            )
-        return DraftModelDrafter(
-            cfg.speculative_draft_model,
-            self.tokenizer,
-            vocab,
+        options = DraftOptions(
             dtype=dtype,
             device=device,
             num_tokens=num_pages * cfg.page_size,
             page_size=cfg.page_size,
             quantization=cfg.quantization,
             context_len=context_len,
+        )
+        if cfg.speculative_algorithm == "mtp":
+            return MTPDrafter(self.model, model_dir, options, vocab)
+        if cfg.speculative_algorithm == "dspark":
+            return DSparkDrafter(
+                self.model,
+                cfg.speculative_draft_model,
+                options,
+                vocab,
+                threshold=cfg.speculative_confidence_threshold,
+            )
+        return DraftModelDrafter(
+            cfg.speculative_draft_model,
+            self.tokenizer,
+            vocab,
+            options,
             parallel=self.parallel,
         )
 

@@ -30,7 +30,7 @@ import torch
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_layouts import KV_LAYOUTS
-from strata.engine.draft_rows import Rows, RowsByRequest
+from strata.engine.draft_rows import DraftOptions, Rows, RowsByRequest
 from strata.layers.attention import AttentionMetadata
 from strata.layers.sampler import argmax_rows
 from strata.models import family_spec
@@ -55,26 +55,26 @@ class MTPDrafter:
         self,
         target: torch.nn.Module,
         model_dir: str | Path,
-        *,
-        dtype: torch.dtype,
-        device: torch.device,
-        num_tokens: int,
-        page_size: int,
-        quantization: str,
-        context_len: int,
+        options: DraftOptions,
         vocab_size: int,
     ):
         cfg = target.config
         self.target = target
+        dtype, device, page_size = options.dtype, options.device, options.page_size
         self.layer = load_mtp_layer(
-            Path(model_dir), target, dtype, device, context_len, quantization
+            Path(model_dir),
+            target,
+            dtype,
+            device,
+            options.context_len,
+            options.quantization,
         )
         if cfg.mtp_layers > 1:
             logger.info(
                 "multi-token prediction: %d layers; the first is chained",
                 cfg.mtp_layers,
             )
-        num_pages = max(1, num_tokens // page_size)
+        num_pages = options.num_pages
         # one layer of the target's KV layout
         flat = KV_LAYOUTS[family_spec(cfg.architecture).kv_layout].flat
         if flat is None:
