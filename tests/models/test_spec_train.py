@@ -15,13 +15,13 @@ from strata import Engine, SamplingParams
 from strata.bench import spec as bench_spec
 from strata.drafting import prompts as train_prompts
 from strata.drafting.cli import add_spec_args, config_from_args
+from strata.drafting.model import block_metrics
 from strata.drafting.train import (
     ANSWERS_FILE,
     STATE_FILE,
     STREAMS_FILE,
     TrainConfig,
     Trainer,
-    block_metrics,
     default_target_layers,
 )
 from strata.models.dspark import read_dspark_dir
