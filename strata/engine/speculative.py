@@ -770,13 +770,9 @@ class Speculator:
             rate = tokens / (a + b * rows + forwards)
             if rate > best_rate:
                 best, best_rate = depth, rate
-        if best == 0:
-            self._declined_forwards += 1
-            if self._declined_forwards < EXPLORE_DECLINED:
-                return [0] * len(lengths)
-            best = deepest
-        self._declined_forwards = 0
-        return [min(k, best) for k in lengths]
+        if self._declines(best):
+            return [0] * len(lengths)
+        return [min(k, best or deepest) for k in lengths]
 
     def _blocks_worth_a_forward(
         self,
@@ -817,12 +813,19 @@ class Speculator:
             rate = tokens / (a + b * rows + cost)
             if rate > best_rate:
                 best, best_rate = n, rate
+        if self._declines(best):
+            return []
+        return [o[2] for o in options[: best or len(options)]]
+
+    def _declines(self, best: int) -> bool:
+        """Whether the drafter's forward is skipped this step: its best cut is none (`best` 0),
+        bar one run every EXPLORE_DECLINED steps in a row, which keeps its cost measured."""
         if best == 0:
             self._declined_forwards += 1
             if self._declined_forwards < EXPLORE_DECLINED:
-                return []
+                return True
         self._declined_forwards = 0
-        return [o[2] for o in options[: best or len(options)]]
+        return False
 
     def _drafted(self, requests: int, seconds: float) -> None:
         self._draft_s += seconds
