@@ -571,7 +571,9 @@ class Replica:
                 cap, thr - 1 - base_rows
             )  # drafts never push a step across the kernel switch
         per_row = coef.get("per_row_large" if large else "per_row", 0.0)
-        step_s = self.cost.step_s([Segment(1, r.kv_len, True) for r in decodes])
+        step_s = plain_s = self.cost.step_s(
+            [Segment(1, r.kv_len, True) for r in decodes]
+        )
         expected = float(len(decodes))
         drafts: dict[int, int] = {}
         limits = {
@@ -589,27 +591,29 @@ class Replica:
                     continue
                 extra = per_row + coef.get("per_decode_ctx", 0.0) * (r.kv_len + depth)
                 if not draft_pays(gain, expected, step_s, extra):
-                    return self._worth_the_drafter(drafts, decodes, expected, step_s)
+                    return self._worth_the_drafter(
+                        drafts, len(decodes), expected, step_s, plain_s
+                    )
                 drafts[id(r)] = depth
                 expected += gain
                 step_s += extra
                 cap -= 1
-        return self._worth_the_drafter(drafts, decodes, expected, step_s)
+        return self._worth_the_drafter(drafts, len(decodes), expected, step_s, plain_s)
 
     def _worth_the_drafter(
         self,
         drafts: dict[int, int],
-        decodes: list[SimRequest],
+        num_decodes: int,
         expected: float,
         step_s: float,
+        plain_s: float,
     ) -> dict[int, int]:
         """The drafts, if the step's expected tokens per second with them and the drafter's
-        forward (`spec_draft_s`) beat the plain step's; else none."""
+        forward (`spec_draft_s`) beat the plain step's (`plain_s` for `num_decodes`); else none."""
         if not drafts or self.cost.spec_draft_s <= 0:
             return drafts
-        plain_s = self.cost.step_s([Segment(1, r.kv_len, True) for r in decodes])
         with_s = step_s + self.cost.spec_draft_s
-        return drafts if expected / with_s > len(decodes) / plain_s else {}
+        return drafts if expected / with_s > num_decodes / plain_s else {}
 
     def _retract(self, r: SimRequest) -> None:
         self._release(r)
