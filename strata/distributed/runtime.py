@@ -117,7 +117,7 @@ class ParallelRuntime:
     ):
         check_engine_options(cfg)
         check_supported(model_config, cfg.tp_size, cfg.ep_size)
-        self.cfg, self.model_dir, self.dtype = cfg, model_dir, dtype
+        self.cfg, self.dtype = cfg, dtype
         self.world_size = world = max(cfg.tp_size, cfg.ep_size)
         placement = ()
         if cfg.ep_size > 1:
@@ -223,8 +223,6 @@ class ParallelRuntime:
     def describe(self) -> dict:
         """For /get_server_info: the split, the workers, and per MoE layer the rows each rank computed
         since the last placement (expert parallel)."""
-        from strata.distributed.eplb import imbalance
-
         rank_load = (
             self.rank_load() if self.model is not None and self.cfg.ep_size > 1 else {}
         )
@@ -239,16 +237,8 @@ class ParallelRuntime:
             "worker_pids": [p.pid for p in self.procs],
             "healthy": self.healthy,
             "rebalances": self.rebalances,
-            "rank_load": {
-                i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
-                for i, rows in rank_load.items()
-            }
-            or None,
-            "draft_rank_load": {
-                i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
-                for i, rows in draft_load.items()
-            }
-            or None,
+            "rank_load": _load_summary(rank_load),
+            "draft_rank_load": _load_summary(draft_load),
         }
 
     def local_config(self) -> ModelConfig:
@@ -504,6 +494,14 @@ class ParallelRuntime:
             except (RankFailure, subprocess.TimeoutExpired):
                 pass
         self._release()  # kills what did not stop (a broken group: all of it)
+
+
+def _load_summary(rank_load: dict[int, list[int]]) -> dict | None:
+    """Per MoE layer, the rows each rank computed and their max / mean (None: no MoE layer)."""
+    return {
+        i: {"rows_per_rank": rows, "max_over_mean": imbalance(rows)}
+        for i, rows in rank_load.items()
+    } or None
 
 
 class DraftLink:
