@@ -89,6 +89,8 @@ class Req:
     draft_ids: list[int] = field(default_factory=list)
     draft_match: int = 0
     spec_history: tuple[float, float] = (0.0, 0.0)
+    # a block drafter's (DSpark) blocks alone: their decayed (accepted, tried) drafted tokens
+    block_history: tuple[float, float] = (0.0, 0.0)
     # reporting
     num_cached_tokens: int = (
         0  # prompt tokens served from the prefix cache at first admission

@@ -571,8 +571,6 @@ class Speculator:
             0  # steps in a row whose drafter's forward did not pay
         )
         self._draft_s = 0.0  # drafter seconds of the step being scheduled
-        # a block drafter's requests: (accepted, tried) of their blocks' drafts, decayed
-        self.block_history: dict[str, tuple[float, float]] = {}
 
     def plan(
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
@@ -651,10 +649,7 @@ class Speculator:
         # a block's acceptance: what this request's blocks achieved (its n-gram drafts' history
         # tells how its text repeats, not how well the drafter predicts it), pulled towards every
         # request's blocks
-        rates = [
-            self.policy.accept_rate(self.block_history.get(req.rid, (0.0, 0.0)), 0)
-            for req, _ in decodes
-        ]
+        rates = [self.policy.accept_rate(req.block_history, 0) for req, _ in decodes]
         # the lengths the policy would verify of each request's block at that acceptance; with the
         # n-gram lookup beside, a request is also wanted where its own n-gram drafts would pay
         picked = self._lengths(decodes, rates, base_tokens, num_decodes, budget)
@@ -756,9 +751,9 @@ class Speculator:
         deepest = max(lengths, default=0)
         if deepest == 0 or self.draft_cost.seconds(1) is None:
             return lengths
-        a, b, _ = self.policy.cost.coefficients(num_decodes)
         tokens, rows, forwards = float(max(num_decodes, 1)), float(base_tokens), 0.0
-        best, best_rate = 0, tokens / (a + b * rows)
+        plain = (tokens, rows)
+        cuts = []  # (tokens, rows, drafter seconds) of the step drafting 1, 2, ... deep
         gains = [1.0] * len(candidates)
         for depth in range(1, deepest + 1):
             deep = [i for i, k in enumerate(lengths) if k >= depth]
@@ -767,9 +762,8 @@ class Speculator:
                 tokens += gains[i]
             rows += len(deep)
             forwards += self.draft_cost.seconds(len(deep)) or 0.0
-            rate = tokens / (a + b * rows + forwards)
-            if rate > best_rate:
-                best, best_rate = depth, rate
+            cuts.append((tokens, rows, forwards))
+        best = self._best_cut(num_decodes, plain, cuts)
         if self._declines(best):
             return [0] * len(lengths)
         return [min(k, best or deepest) for k in lengths]
@@ -790,7 +784,6 @@ class Speculator:
         EXPLORE_DECLINED steps, so that its cost and acceptance stay measured."""
         if self.draft_cost.seconds(len(blocks)) is None:
             return blocks
-        a, b, _ = self.policy.cost.coefficients(num_decodes)
         rows0, tokens0 = base_tokens, float(max(num_decodes, 1))
         options = []
         for block in blocks:
@@ -804,18 +797,33 @@ class Speculator:
             gain = expected_tokens(Candidate(req, [0] * k, 0, rate)) - alt_tokens
             options.append((gain, k - alt_len, block))
         options.sort(key=lambda o: -o[0])
-        best, best_rate = 0, tokens0 / (a + b * rows0)
         tokens, rows = tokens0, float(rows0)
+        cuts = []  # (tokens, rows, drafter seconds) of the step with the best n blocks
         for n, (gain, extra_rows, _) in enumerate(options, start=1):
             tokens += gain
             rows += extra_rows
-            cost = self.draft_cost.seconds(n) or 0.0
-            rate = tokens / (a + b * rows + cost)
-            if rate > best_rate:
-                best, best_rate = n, rate
+            cuts.append((tokens, rows, self.draft_cost.seconds(n) or 0.0))
+        best = self._best_cut(num_decodes, (tokens0, float(rows0)), cuts)
         if self._declines(best):
             return []
         return [o[2] for o in options[: best or len(options)]]
+
+    def _best_cut(
+        self,
+        num_decodes: int,
+        plain: tuple[float, float],
+        cuts: list[tuple[float, float, float]],
+    ) -> int:
+        """Which of the drafting options `cuts` (expected tokens, rows, drafter seconds; option n
+        is cuts[n - 1]) gives the step the most tokens per second at the fitted step cost; 0: none
+        beats the step without the drafter (`plain`: its tokens and rows)."""
+        a, b, _ = self.policy.cost.coefficients(num_decodes)
+        best, best_rate = 0, plain[0] / (a + b * plain[1])
+        for n, (tokens, rows, seconds) in enumerate(cuts, start=1):
+            rate = tokens / (a + b * rows + seconds)
+            if rate > best_rate:
+                best, best_rate = n, rate
+        return best
 
     def _declines(self, best: int) -> bool:
         """Whether the drafter's forward is skipped this step: its best cut is none (`best` 0),
@@ -840,9 +848,7 @@ class Speculator:
         ):  # the history is of the request's own text (see accept_rate)
             req.spec_history = _decayed(req.spec_history, drafted, accepted)
         if req.draft_match == 0 and getattr(self.draft_model, "block", False):
-            self.block_history[req.rid] = _decayed(
-                self.block_history.get(req.rid, (0.0, 0.0)), drafted, accepted
-            )
+            req.block_history = _decayed(req.block_history, drafted, accepted)
         req.spec_verify_steps += 1
         req.spec_drafted += drafted
         req.spec_accepted += accepted
@@ -910,7 +916,6 @@ class Speculator:
 
     def finish(self, rid: str) -> None:
         self.drafter.finish(rid)
-        self.block_history.pop(rid, None)
         if self.draft_model is not None:
             self.draft_model.finish(rid)
 

@@ -712,7 +712,7 @@ def test_the_block_forward_runs_only_where_its_drafts_should_pay_for_it(
         spec.draft_cost.observe(1, forward_ms / 1e3)
     req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
     req.spec_history = (99.0, 100.0)  # its n-gram drafts: not what its blocks achieve
-    spec.block_history["r"] = (100 * rate, 100.0)  # what its blocks achieved
+    req.block_history = (100 * rate, 100.0)  # what its blocks achieved
     for _ in range(8):
         spec.plan([(req, 8)], 1, 1, 64)
     if runs:  # every step the guard let draft (it measures plain steps too at first)
@@ -734,7 +734,7 @@ def test_a_request_whose_blocks_miss_still_drafts_its_n_grams():
         spec.draft_cost.observe(1, 0.004)
     req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
     req.spec_history = (95.0, 100.0)  # its n-gram drafts are accepted
-    spec.block_history["r"] = (5.0, 100.0)  # its blocks are not
+    req.block_history = (5.0, 100.0)  # its blocks are not
     got = [spec.plan([(req, 8)], 1, 1, 64) for _ in range(8)]
     drafted = [g[0][1] for g in got if g]
     assert drafted and all(d == [4, 5, 1, 2] for d in drafted)
