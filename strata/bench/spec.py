@@ -638,8 +638,6 @@ def format_text(results: list[ScenarioResult], training: dict | None = None) -> 
                 f"{r.scenario}: decode phase (after each first token) off {s['off_decode_tok_s']:.1f} tok/s, "
                 f"on {s['on_decode_tok_s']:.1f} tok/s, ratio {s['decode_ratio']:.2f}"
             )
-    for r in results:
-        s = r.summary()
         if s["drafter_calls"]:
             lines.append(
                 f"{r.scenario}: drafter calls per round {s['drafter_calls']:.0f}, "
