@@ -13,13 +13,11 @@ import torch
 from oracle_drafter import OracleDrafter
 
 from strata import Engine, SamplingParams, kernels
+from strata.engine.ngram import NgramDrafter, NgramIndex, SharedNgramIndex
 from strata.engine.speculative import (
     EXPLORE_EVERY,
     DraftGuard,
     DraftPolicy,
-    NgramDrafter,
-    NgramIndex,
-    SharedNgramIndex,
     StepCost,
     batch_bucket,
 )
