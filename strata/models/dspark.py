@@ -229,6 +229,8 @@ class DSparkDraft(nn.Module):
         if cfg.confidence_head:
             width = hidden + (cfg.markov_rank if cfg.confidence_head_with_markov else 0)
             self.confidence_head = nn.Linear(width, 1)
+        # each layer's key and value rows of qkv_proj, for context rows (made by `load_weights`)
+        self.context_kv = nn.ModuleList()
         # a draft vocabulary (`restrict_vocab`): its head rows, and the token id of each
         self.head: nn.Linear | None = None
         self.vocab_ids: torch.Tensor | None = None
@@ -262,16 +264,15 @@ class DSparkDraft(nn.Module):
             zip(self.decoder.layers, self.decoder.layer_ropes)
         ):
             attn = cast("Attention", cast("DecoderLayer", layer).self_attn)
-            q, k, v = attn.qkv_proj(c).split(
-                [attn.q_size, attn.kv_size, attn.kv_size], dim=-1
-            )
+            k, v = self.context_kv[i](c).split([attn.kv_size, attn.kv_size], dim=-1)
             if attn.k_norm is not None and attn.qk_norm == "full":
                 k = attn.k_norm(k)
-            q = q.view(-1, attn.num_heads, attn.head_dim)
             k = k.view(-1, attn.num_kv_heads, attn.head_dim)
             if attn.k_norm is not None and attn.qk_norm == "head":
                 k = attn.k_norm(k)
-            _, k = rope(positions, q, k)
+            _, k = rope(
+                positions, k[:, :0], k
+            )  # no queries: a context row attends to nothing
             store_kv(k, v.reshape(k.shape), kv.k[i], kv.v[i], slots)
 
     def block(
@@ -294,29 +295,35 @@ class DSparkDraft(nn.Module):
         """Greedy drafts from a block's base logits [n, B, V] (V: the draft vocabulary's columns
         where there is one) and final hidden states [n, B, H], the
         Markov head chained on each drafted token (the first row's previous token: the anchor [n]).
-        Returns (tokens [n, B], the confidence head's probabilities [n, B] or None)."""
+        Returns (tokens [n, B], the confidence head's probabilities [n, B] or None).
+
+        Only the chain is row by row (each row's bias needs the token drafted before it); the
+        confidence head, which reads each row's previous token but decides no token, runs once
+        over the whole block afterwards."""
         prev, state = anchors, None
-        tokens, confidence = [], []
+        tokens, prevs = [], []
         for i in range(logits.shape[1]):
+            prevs.append(prev)
             row = logits[:, i]
             if self.markov_head is not None:
                 bias, state = self.markov_head.step(prev, hidden[:, i], state)
                 row = row + bias[:, : row.shape[-1]].float()
-            if self.confidence_head is not None:
-                features = hidden[:, i]
-                if self.cfg.confidence_head_with_markov:
-                    assert self.markov_head is not None
-                    e = self.markov_head.prev_embeddings(prev).to(features.dtype)
-                    features = torch.cat([features, e], dim=-1)
-                confidence.append(torch.sigmoid(self.confidence_head(features).float()))
             prev = row.argmax(dim=-1)
             if (
                 self.vocab_ids is not None
             ):  # a column of the draft vocabulary -> its token
                 prev = self.vocab_ids[prev]
             tokens.append(prev)
-        probs = torch.cat(confidence, dim=-1) if confidence else None
-        return torch.stack(tokens, dim=1), probs
+        drafted = torch.stack(tokens, dim=1)
+        if self.confidence_head is None:
+            return drafted, None
+        features = hidden
+        if self.cfg.confidence_head_with_markov:
+            assert self.markov_head is not None
+            e = self.markov_head.prev_embeddings(torch.stack(prevs, dim=1))
+            features = torch.cat([features, e.to(features.dtype)], dim=-1)
+        probs = torch.sigmoid(self.confidence_head(features).float()).squeeze(-1)
+        return drafted, probs
 
     def load_weights(self, weights, where: str) -> None:
         """DeepSpec's tensors: the layers and norm into the decoder (its q/k/v and gate/up fusions),
@@ -342,6 +349,31 @@ class DSparkDraft(nn.Module):
             own[name].data.copy_(tensor)
             loaded.add(name)
         self.decoder.load_weights(layers)
-        missing = {n for n in own if not n.startswith("decoder.")} - loaded
+        self.context_kv = nn.ModuleList(
+            _kv_rows(cast("Attention", cast("DecoderLayer", layer).self_attn))
+            for layer in self.decoder.layers
+        )
+        missing = {
+            n for n in own if not n.startswith(("decoder.", "context_kv."))
+        } - loaded
         if missing:
             raise ValueError(f"{where}: the checkpoint lacks {sorted(missing)}")
+
+
+def _kv_rows(attn: Attention) -> nn.Linear:
+    """A copy of the key and value rows of an attention's fused projection: a context row needs no
+    query, and its rows are most of what storing context costs."""
+    qkv = attn.qkv_proj
+    w = qkv.weight
+    kv = nn.Linear(
+        w.shape[1],
+        2 * attn.kv_size,
+        bias=qkv.bias is not None,
+        device=w.device,
+        dtype=w.dtype,
+    )
+    with torch.no_grad():
+        kv.weight.copy_(w[attn.q_size :])
+        if qkv.bias is not None:
+            kv.bias.copy_(qkv.bias[attn.q_size :])
+    return kv
