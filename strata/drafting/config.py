@@ -18,7 +18,7 @@ class TrainConfig:
         None  # None: an added token the chat template does not use
     )
     draft_vocab: int = 8192  # the answers' most frequent tokens the served drafter drafts from (0: all)
-    chat_prompts: int = 640
+    chat_prompts: int = 1904  # every template x topic
     grounded_prompts: int = 300
     passage_tokens: int = 320
     answer_len: int = 256
