@@ -209,8 +209,24 @@ class Trainer:
                 cfg.passage_tokens,
                 cfg.seed,
             )
-            ids = [engine.chat_ids([{"role": "user", "content": t}]) for t in texts]
-            stored = {"key": key, "texts": texts, "ids": ids}
+            from strata.sampling_params import SamplingParams
+
+            params = SamplingParams(temperature=0, max_new_tokens=cfg.answer_len)
+            kept, ids = [], []
+            for t in texts:
+                p = engine.chat_ids([{"role": "user", "content": t}])
+                try:  # a passage of one long paragraph can outgrow a small model's context
+                    engine.scheduler.check_fits(len(p), params)
+                except ValueError:
+                    continue
+                kept.append(t)
+                ids.append(p)
+            if len(kept) < len(texts):
+                self.progress(
+                    f"{len(texts) - len(kept)} of {len(texts)} prompts left out: with "
+                    f"{cfg.answer_len} answer tokens they do not fit the model's context"
+                )
+            stored = {"key": key, "texts": kept, "ids": ids}
             prompts_path.write_text(json.dumps(stored))
         prompts: list[list[int]] = stored["ids"]
         answers = self._answers(engine, prompts)

@@ -210,3 +210,26 @@ def test_target_layers_outside_the_target_are_refused(target, tmp_path):
     cfg = TrainConfig(output=str(tmp_path / "d"), target_layers=(1, 3), **TINY)
     with pytest.raises(ValueError, match=r"strictly increasing layers in -1 \.\. 2"):
         Trainer(cfg, engine_options(target)).run()
+
+
+def test_prompts_that_cannot_fit_the_context_are_left_out(
+    target, tmp_path, monkeypatch
+):
+    """A documentation passage of one long paragraph can outgrow a small model's context: the run
+    leaves that prompt out instead of failing."""
+    import strata.drafting.prompts as prompts_module
+
+    fits, too_long = "Tell me about kites.", "word " * 2000
+    monkeypatch.setattr(
+        prompts_module, "training_prompts", lambda *a, **k: [too_long, fits]
+    )
+    cfg = TrainConfig(output=str(tmp_path / "d"), **TINY)
+    trainer = Trainer(cfg, engine_options(target))
+    trainer.target_layers = default_target_layers(4)  # what run() sets before the data
+    engine = Engine(**engine_options(target))
+    try:
+        samples = trainer.data(engine)
+    finally:
+        engine.close()
+    stored = json.loads((tmp_path / "d" / "prompts.json").read_text())
+    assert stored["texts"] == [fits] and len(samples) == 1
