@@ -45,6 +45,9 @@ logger = logging.getLogger(__name__)
 PENDING_ROWS = (
     4096  # captured rows kept waiting, all requests together, before they are stored
 )
+# steps a request may go without a block drafted for it before, once PENDING_ROWS wait, its rows
+# are given up rather than stored (a large batch, where the speculator prices blocks out)
+IDLE_STEPS = 64
 
 
 @dataclass
@@ -112,6 +115,11 @@ class DSparkDrafter:
         # per request, the captured streams of steps whose context rows are not made yet: (p0, [m, ...])
         self.pending: dict[str, list[tuple[int, torch.Tensor]]] = {}
         self.pending_rows = 0
+        self.idle: dict[
+            str, int
+        ] = {}  # per request: steps since a block was drafted for it
+        # requests whose rows were given up while idle: none kept until a block is asked for them
+        self.dormant: set[str] = set()
         logger.info(
             "DSpark drafter %s: %d layers, blocks of %d, reading the target's layers %s; %d KV tokens",
             model_dir.name,
@@ -128,8 +136,14 @@ class DSparkDrafter:
         """items: (rid, first position p0, the target's captured streams [m, n * hidden] at p0..,
         the tokens after them). The context rows of positions p0 .. p0 + m - 1 are made when the
         request next drafts (`_flush`: one batched call for many steps' rows, and none at all for
-        the steps of a request the policy does not draft for), or once PENDING_ROWS wait."""
+        the steps of a request the policy does not draft for), or once PENDING_ROWS wait. Then the
+        requests idle for IDLE_STEPS steps give theirs up instead (`keeps`: no more are kept for
+        them until a block is asked for them, which starts their rows afresh): where blocks are
+        priced out, storing every request's rows would cost every step for drafts never made."""
         for rid, p0, hidden, _ in items:
+            if rid in self.dormant:
+                continue
+            self.idle[rid] = self.idle.get(rid, 0) + 1
             waiting = self.pending.setdefault(rid, [])
             # a request cut back (retracted, recomputed) replaces what it had pending from p0 on
             while waiting and waiting[-1][0] >= p0:
@@ -141,7 +155,20 @@ class DSparkDrafter:
             waiting.append((p0, hidden))
             self.pending_rows += hidden.shape[0]
         if self.pending_rows > PENDING_ROWS:
+            for rid in [r for r in self.pending if self.idle[r] >= IDLE_STEPS]:
+                self._give_up(rid)
+                self.dormant.add(rid)
+        if self.pending_rows > PENDING_ROWS:
             self._flush(list(self.pending))
+
+    def keeps(self, rid: str) -> bool:
+        """Whether `extend` keeps this request's rows (not while it is dormant)."""
+        return rid not in self.dormant
+
+    def _give_up(self, rid: str) -> None:
+        """The request's waiting and stored rows dropped (its pages freed)."""
+        self.pending_rows -= sum(h.shape[0] for _, h in self.pending.pop(rid, []))
+        self.rows.drop(rid)
 
     @torch.inference_mode()
     def _flush(self, rids: list[str]) -> None:
@@ -199,7 +226,11 @@ class DSparkDrafter:
         drafts (cut to that many, and before the first whose confidence is under the threshold):
         none for a request whose context rows do not reach its last token, or where the pool is
         short of pages for the block."""
-        self._flush([rid for rid, _, k in wants if k > 0])
+        asked = [rid for rid, _, k in wants if k > 0]
+        for rid in asked:
+            self.idle[rid] = 0
+            self.dormant.discard(rid)  # its rows start afresh with the next step's
+        self._flush(asked)
         out = [Proposal([]) for _ in wants]
         live = []
         B = self.block_size
@@ -276,8 +307,9 @@ class DSparkDrafter:
     # ------------------------------------------------------------------ pages
 
     def finish(self, rid: str) -> None:
-        self.pending_rows -= sum(h.shape[0] for _, h in self.pending.pop(rid, []))
-        self.rows.drop(rid)
+        self._give_up(rid)
+        self.idle.pop(rid, None)
+        self.dormant.discard(rid)
 
 
 def load_dspark(

@@ -788,9 +788,10 @@ class Speculator:
         if hidden is None or not getattr(self.draft_model, "needs_hidden", False):
             return
         items, row = [], 0
+        keeps = getattr(self.draft_model, "keeps", None)
         for req, n, p0 in zip(batch.reqs, batch.extend_lens, w.fed_from):
             m = req.kv_len - p0
-            if not req.finished and m > 0:
+            if not req.finished and m > 0 and (keeps is None or keeps(req.rid)):
                 items.append(
                     (
                         req.rid,

@@ -410,6 +410,7 @@ def test_greedy_output_is_unchanged(target, drafters, expected, page_size, chunk
     assert again[0].cached_tokens > 0 and again[0].choices[0].token_ids == expected[2]
     drafter = engine.scheduler.spec.draft_model
     assert drafter.seqs == {} and drafter.pending == {} and drafter.pending_rows == 0
+    assert drafter.idle == {} and not drafter.dormant
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
 
@@ -452,6 +453,7 @@ def test_parallel_samples_aborts_and_retraction_release_the_drafter(
     engine.abort(rids[0])
     engine.step()
     assert drafter.seqs == {} and drafter.pending == {} and drafter.pending_rows == 0
+    assert drafter.idle == {} and not drafter.dormant
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
     # a pool too small for every request at once: some are retracted, recomputed and draft again
@@ -662,6 +664,43 @@ def test_rows_wait_until_the_request_drafts_and_a_cut_back_replaces_them(
     assert drafter.pending == {} and drafter.pending_rows == 0
     assert drafter.seqs["x"].end == len(seq) - 1
     drafter.finish("x")
+    assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
+
+
+def test_idle_requests_give_their_rows_up_once_too_many_wait(
+    target, drafters, monkeypatch
+):
+    """Once more than PENDING_ROWS rows wait, a request no block was drafted for in IDLE_STEPS
+    steps drops its rows instead of storing them, and none are kept for it until a block is asked
+    for it; its rows then start afresh, and its blocks are the oracle's from there."""
+    from strata.engine import dspark as dspark_module
+
+    model_dir, main = target
+    drafter_dir, ref = drafters["vanilla"]
+    engine = dspark_engine(model_dir, drafter_dir)
+    drafter = engine.scheduler.spec.draft_model
+    monkeypatch.setattr(dspark_module, "PENDING_ROWS", 8)
+    monkeypatch.setattr(dspark_module, "IDLE_STEPS", 3)
+    seq = PROMPTS[2][:14]
+    streams = engine.layer_streams([seq[:-1]], drafter.capture_after)[0]
+    for p0, p1 in ((0, 6), (6, 7), (7, 8)):  # three steps: 8 rows wait, none stored
+        drafter.extend([("idle", p0, streams[p0:p1], [])])
+    drafter.extend(
+        [("busy", 0, streams[:3], [])]
+    )  # 11 wait: "idle" has been idle 3 steps
+    assert drafter.dormant == {"idle"} and list(drafter.pending) == ["busy"]
+    assert drafter.pending_rows == 3 and "idle" not in drafter.seqs
+    drafter.extend([("idle", 8, streams[8:9], [])])  # not kept
+    assert "idle" not in drafter.pending and drafter.pending_rows == 3
+    (nothing,) = drafter.propose(
+        [("idle", seq[:10], BLOCK)]
+    )  # asked: it wakes, no rows yet
+    assert nothing.tokens == [] and not drafter.dormant
+    drafter.extend([("idle", 9, streams[9:13], [])])
+    check_block(drafter, "idle", seq, main, ref, first=9)
+    for rid in ("idle", "busy"):
+        drafter.finish(rid)
+    assert drafter.pending == {} and drafter.idle == {} and drafter.seqs == {}
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
 
