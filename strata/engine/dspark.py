@@ -29,9 +29,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
+from torch import nn
 
 from strata.cache.allocator import PageAllocator
 from strata.cache.kv_pool import MHAKVPool
@@ -376,6 +378,12 @@ def load_dspark(
             )
     if quantization in QUANT_METHODS:
         quantize_model(model.decoder, quantization)
+        # the context rows' key and value projections, as the layers' own
+        quantized = QUANT_METHODS[quantization]
+        model.context_kv = nn.ModuleList(
+            quantized.from_weight(m.weight, m.bias)
+            for m in cast(list[nn.Linear], list(model.context_kv))
+        )
     if device.type == "cpu":
         from strata.layers.packed import pack_linears
 

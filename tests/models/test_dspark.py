@@ -667,6 +667,23 @@ def test_rows_wait_until_the_request_drafts_and_a_cut_back_replaces_them(
     assert drafter.allocator.num_free_pages == drafter.allocator.num_pages
 
 
+@pytest.mark.parametrize("quantization", ["none", "int8", "int4"])
+def test_context_rows_project_the_layers_own_keys_and_values(
+    target, drafters, quantization
+):
+    """A context row's keys and values come from copies of the key and value rows of each layer's
+    fused projection, in the same format: exactly what the layer's own projection gives."""
+    model_dir, _ = target
+    drafter_dir, _ = drafters["vanilla"]
+    engine = dspark_engine(model_dir, drafter_dir, quantization=quantization)
+    model = engine.scheduler.spec.draft_model.model
+    c = torch.randn(5, model.decoder.config.hidden_size)
+    for kv, layer in zip(model.context_kv, model.decoder.layers, strict=True):
+        attn = layer.self_attn
+        assert type(kv) is type(attn.qkv_proj)
+        assert torch.equal(kv(c), attn.qkv_proj(c)[:, attn.q_size :])
+
+
 def test_idle_requests_give_their_rows_up_once_too_many_wait(
     target, drafters, monkeypatch
 ):
