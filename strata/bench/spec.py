@@ -185,6 +185,10 @@ class ScenarioResult:
     drafter_calls: list[int] = field(default_factory=list)
     drafter_ms: list[float] = field(default_factory=list)
     drafter_share: list[float] = field(default_factory=list)  # calls per verifying step
+    # per round: request-steps fed no draft, the guard's stand-down (vetoed) and the policy's
+    # (declined: no proposal worth its row, or none found)
+    vetoed: list[int] = field(default_factory=list)
+    declined: list[int] = field(default_factory=list)
     identical: bool = True
     llamacpp_off_tok_s: list[float] = field(default_factory=list)
     llamacpp_lookup_tok_s: list[float] = field(default_factory=list)
@@ -515,6 +519,8 @@ def run(
                 (accepted + verify_steps) / verify_steps if verify_steps else 0.0
             )
             result.draft_length.append(drafted / verify_steps if verify_steps else 0.0)
+            result.vetoed.append(after["vetoed"] - before["vetoed"])
+            result.declined.append(after["declined"] - before["declined"])
             calls = after["draft_calls"] - before["draft_calls"]
             if calls:
                 result.drafter_calls.append(calls)
@@ -530,7 +536,8 @@ def run(
                     sink.append(llama.run(prompts, cfg.output_len, lookup))
             progress(
                 f"{scenario} round {r + 1}: off {result.off_tok_s[-1]:.1f} tok/s, on {result.on_tok_s[-1]:.1f} "
-                f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}"
+                f"tok/s (x{result.ratios[-1]:.2f}), accept length {result.accept_length[-1]:.2f}{decode}; "
+                f"request-steps vetoed {result.vetoed[-1]}, declined {result.declined[-1]}"
             )
         results.append(result)
     return results

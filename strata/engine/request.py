@@ -91,6 +91,9 @@ class Req:
     spec_history: tuple[float, float] = (0.0, 0.0)
     # a block drafter's (DSpark) blocks alone: their decayed (accepted, tried) drafted tokens
     block_history: tuple[float, float] = (0.0, 0.0)
+    # what the block drafter's forwards bought it: decayed (forwards, tokens accepted, rows drafted)
+    # of its blocks as verified, a forward whose block was cut to nothing counting as one of 0, 0
+    block_yield: tuple[float, float, float] = (0.0, 0.0, 0.0)
     # reporting
     num_cached_tokens: int = (
         0  # prompt tokens served from the prefix cache at first admission

@@ -60,6 +60,9 @@ DRAFTER_DECAY = 0.95  # the drafter's call-time fit forgets at this rate per cal
 EXPLORE_DECLINED = (
     16  # steps a block forward may go declined before it is run once anyway
 )
+BLOCK_YIELD_DECAY = (
+    0.99  # every request's block forwards (the prior) forget at this rate per forward
+)
 
 
 # ---------------------------------------------------------------------------- the policy
@@ -459,6 +462,8 @@ class Speculator:
             0  # steps in a row whose drafter's forward did not pay
         )
         self._draft_s = 0.0  # drafter seconds of the step being scheduled
+        # every request's block forwards, as `Req.block_yield`: the prior of a request's own
+        self.block_yield = (0.0, 0.0, 0.0)
 
     def plan(
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
@@ -529,48 +534,52 @@ class Speculator:
         self, decodes: list[tuple], base_tokens: int, num_decodes: int, budget: int
     ) -> list[tuple]:
         """A block drafter (DSpark): one forward drafts a whole block per request, so the blocks
-        are drafted first and the policy then picks lengths from the drafter's confidences. Only
-        requests the policy would give a draft at their measured acceptance are proposed for (a
-        block costs its rows whether or not they are verified: a large batch does not pay for
-        blocks it would not verify), and not those whose own n-gram match is expected to yield as
-        much (it costs nothing)."""
+        are drafted first and the policy then picks lengths from the drafter's confidences. Each
+        request's own n-grams are looked up first (free); blocks are proposed only for requests
+        the policy would give a draft at their blocks' measured acceptance (a block costs its rows
+        whether or not they are verified: a large batch does not pay for blocks it would not
+        verify), and not where the request's n-gram match is expected to yield as much."""
         # a block's acceptance: what this request's blocks achieved (its n-gram drafts' history
         # tells how its text repeats, not how well the drafter predicts it), pulled towards every
         # request's blocks
         rates = [self.policy.accept_rate(req.block_history, 0) for req, _ in decodes]
-        # the lengths the policy would verify of each request's block at that acceptance; with the
-        # n-gram lookup beside, a request is also wanted where its own n-gram drafts would pay
+        # the lengths the policy would verify of each request's block at that acceptance
         picked = self._lengths(decodes, rates, base_tokens, num_decodes, budget)
-        guess = picked
-        if self.ngram_beside:
-            own = [self.policy.accept_rate(req.spec_history, 0) for req, _ in decodes]
-            guess = self._lengths(
-                decodes, list(map(max, rates, own)), base_tokens, num_decodes, budget
-            )
-        wanted = [(d, r) for d, r, k in zip(decodes, rates, guess) if k > 0]
         block_lengths = {req.rid: k for (req, _), k in zip(decodes, picked)}
-        self.stats.declined += len(decodes) - len(wanted)
-        # each request's own n-grams first (free): where one is expected to yield as much as a
-        # block would at the request's measured acceptance, the block drafter is not run for it
         found: dict[str, Candidate] = {}
         blocks = []
-        for (req, limit), rate in wanted:
+        # when no block has been wanted for EXPLORE_DECLINED steps, the request whose blocks are
+        # best accepted is drafted for anyway: a drafter whose blocks fell out of favour (another
+        # kind of traffic) is measured again, as a declined forward is (`_declines`)
+        explore = self.policy.adaptive and (
+            self._declined_forwards + 1 >= EXPLORE_DECLINED
+        )
+        spare = None
+        for (req, limit), rate, wanted in zip(decodes, rates, picked):
             k = min(limit, self.max_draft)
+            c = None
             if self.ngram_beside:
                 draft, n = self.drafter.propose(
                     req.rid, req.prompt_ids, req.output_ids, k
                 )
                 draft = _grammar_prefix(req, draft)
                 if draft:
-                    c = Candidate(
+                    c = found[req.rid] = Candidate(
                         req, draft, n, self.policy.accept_rate(req.spec_history, n)
                     )
-                    found[req.rid] = c
-                    if expected_tokens(c) >= expected_tokens(
-                        Candidate(req, [0] * k, 0, rate)
-                    ):
-                        continue
-            blocks.append(((req, k), rate))
+            if (
+                c is not None
+                and expected_tokens(c) >= self._forward_yield(req, k, rate)[0]
+            ):
+                continue
+            if wanted:
+                blocks.append(((req, k), rate))
+            elif explore and (spare is None or rate > spare[1]):
+                spare = ((req, k), rate)
+        if not blocks and spare is not None:
+            blocks = [spare]
+        if not blocks:
+            self._declined_forwards += 1
         if self.policy.adaptive and blocks:
             blocks = self._blocks_worth_a_forward(
                 blocks, found, block_lengths, base_tokens, num_decodes
@@ -594,17 +603,45 @@ class Speculator:
                 conf = None if p.confidence is None else p.confidence[: len(draft)]
                 proposed[req.rid] = Candidate(req, draft, 0, rate, conf)
         candidates = []
-        for (req, _), _ in wanted:
+        for req, _ in decodes:
             options = [c for c in (found.get(req.rid), proposed.get(req.rid)) if c]
             if options:
                 candidates.append(max(options, key=expected_tokens))
         lengths = self.policy.choose(candidates, base_tokens, num_decodes, budget)
-        self.stats.declined += sum(1 for k in lengths if k == 0)
+        drafting = {c.key.rid for c, k in zip(candidates, lengths) if k > 0}
+        self.stats.declined += len(decodes) - len(drafting)
+        for (req, _), _ in blocks:
+            if req.rid not in drafting:  # the forward bought it nothing (a block's are
+                self._yielded(req, 0, 0)  # counted once verified, in `verified`)
         return [
             (c.key, c.draft[:k], c.match_len)
             for c, k in zip(candidates, lengths)
             if k > 0
         ]
+
+    def _forward_yield(self, req, k: int, rate: float) -> tuple[float, float]:
+        """What a block forward is expected to add for this request: (tokens accepted, rows
+        drafted), as its earlier forwards bought them (their blocks cut by the drafter's
+        confidence, or to nothing), pulled towards every request's by PRIOR_WEIGHT forwards.
+        Before any forward was measured: a block of k at the request's block acceptance."""
+        n, acc, rows = self.block_yield
+        if n <= 0:
+            return expected_tokens(Candidate(req, [0] * k, 0, rate)), float(k)
+        own_n, own_acc, own_rows = req.block_yield
+        w = own_n + PRIOR_WEIGHT
+        return (
+            (own_acc + PRIOR_WEIGHT * acc / n) / w,
+            (own_rows + PRIOR_WEIGHT * rows / n) / w,
+        )
+
+    def _yielded(self, req, accepted: int, drafted: int) -> None:
+        """One block forward's outcome for a request (see `Req.block_yield`)."""
+        n, acc, rows = req.block_yield
+        d = REQUEST_DECAY
+        req.block_yield = (n * d + 1, acc * d + accepted, rows * d + drafted)
+        n, acc, rows = self.block_yield
+        d = BLOCK_YIELD_DECAY
+        self.block_yield = (n * d + 1, acc * d + accepted, rows * d + drafted)
 
     def _lengths(
         self,
@@ -666,9 +703,9 @@ class Speculator:
     ) -> list:
         """The blocks worth the block drafter's forward: of the requests' blocks, best gain first,
         the prefix whose step is expected to yield the most tokens per second, the forward's
-        measured time included (none: the step drafts n-grams alone). A block's gain is what its
-        drafts, at the lengths the policy picked at the request's measured acceptance, should add
-        over its n-gram match. An unmeasured forward runs, and a declined one runs again after
+        measured time included (none: the step drafts n-grams alone). A block's gain is what the
+        request's earlier forwards bought (`_forward_yield`: their blocks as the drafter's
+        confidence cut them), over its n-gram match. An unmeasured forward runs, and a declined one runs again after
         EXPLORE_DECLINED steps, so that its cost and acceptance stay measured."""
         if self.draft_cost.seconds(len(blocks)) is None:
             return blocks
@@ -681,9 +718,8 @@ class Speculator:
             alt_tokens = expected_tokens(alt) if alt is not None else 0.0
             rows0 += alt_len
             tokens0 += alt_tokens
-            k = picked.get(req.rid, 0)
-            gain = expected_tokens(Candidate(req, [0] * k, 0, rate)) - alt_tokens
-            options.append((gain, k - alt_len, block))
+            tokens, drafted = self._forward_yield(req, picked.get(req.rid, 0), rate)
+            options.append((tokens - alt_tokens, drafted - alt_len, block))
         options.sort(key=lambda o: -o[0])
         tokens, rows = tokens0, float(rows0)
         cuts = []  # (tokens, rows, drafter seconds) of the step with the best n blocks
@@ -737,6 +773,7 @@ class Speculator:
             req.spec_history = _decayed(req.spec_history, drafted, accepted)
         if req.draft_match == 0 and getattr(self.draft_model, "block", False):
             req.block_history = _decayed(req.block_history, drafted, accepted)
+            self._yielded(req, accepted, drafted)
         req.spec_verify_steps += 1
         req.spec_drafted += drafted
         req.spec_accepted += accepted

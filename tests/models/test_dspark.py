@@ -796,3 +796,73 @@ def test_a_request_whose_blocks_miss_still_drafts_its_n_grams():
     assert drafted and all(d == [4, 5, 1, 2] for d in drafted)
     assert len(drafted) == 8 - spec.stats.vetoed
     assert len(asked) <= 1  # the block drafter is not run for it (bar a rare re-try)
+
+
+@pytest.mark.parametrize(
+    "forwards_bought,runs", [((20.0, 6.0, 8.0), False), ((20.0, 60.0, 70.0), True)]
+)
+def test_the_block_forward_is_priced_at_what_the_requests_forwards_bought(
+    forwards_bought, runs
+):
+    """The drafter's confidence cuts its blocks short: a request whose verified drafts were
+    mostly accepted, but whose forwards bought few tokens (blocks cut to one draft or none), is
+    priced at what its forwards bought, not at a block of the policy's length at that acceptance."""
+    from strata.engine.request import Req
+
+    asked: list[int] = []
+    spec = _block_speculator(0.99, asked)
+    for _ in range(20):
+        spec.draft_cost.observe(1, 0.003)  # 3 ms, against a 5.2 ms step
+    req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+    req.block_history = (90.0, 100.0)  # what it verified of its blocks was accepted
+    req.block_yield = spec.block_yield = forwards_bought  # (forwards, accepted, rows)
+    for _ in range(8):
+        spec.plan([(req, 8)], 1, 1, 64)
+    if runs:
+        assert len(asked) >= 5
+    else:  # 0.3 tokens a forward: declined, bar a rare re-try
+        assert len(asked) <= 1
+
+
+def test_after_every_requests_blocks_fell_out_of_favour_n_grams_still_draft_and_blocks_are_retried():
+    """Blocks measured poor across requests (another kind of traffic) must neither keep a fresh
+    request from its n-gram drafts nor stop the drafter for good: a block is tried once in
+    EXPLORE_DECLINED steps, so that its acceptance is measured again."""
+    from strata.engine.request import Req
+    from strata.engine.speculative import EXPLORE_DECLINED
+
+    asked: list[int] = []
+    spec = _block_speculator(0.99, asked)
+    for _ in range(20):
+        spec.draft_cost.observe(1, 0.004)
+    spec.policy.by_match[0] = [1.0, 100.0]  # every request's blocks: 1% accepted
+    repeats = Req(rid="a", prompt_ids=[1, 2, 3, 4, 5, 1, 2, 3], params=SamplingParams())
+    got = [spec.plan([(repeats, 8)], 1, 1, 64) for _ in range(8)]
+    drafted = [g[0][1] for g in got if g]
+    assert len(drafted) == 8 - spec.stats.vetoed
+    assert all(d == [4, 5, 1, 2][: len(d)] for d in drafted)
+    assert asked == []
+    plain = Req(rid="b", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+    steps = 3 * EXPLORE_DECLINED
+    vetoed = spec.stats.vetoed
+    for _ in range(steps):
+        spec.plan([(plain, 8)], 1, 1, 64)
+    planned = steps - (spec.stats.vetoed - vetoed)
+    assert 1 <= len(asked) <= planned // EXPLORE_DECLINED + 1
+
+
+def test_what_a_block_forward_bought_is_recorded_once_verified_or_cut_to_nothing():
+    from strata.engine.request import Req
+
+    spec = _block_speculator(0.01, asked := [])  # the confidence head cuts every block
+    req = Req(rid="r", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+    assert (
+        spec.plan([(req, 8)], 1, 1, 64) == []
+    )  # an unmeasured forward runs: nothing drafted
+    assert asked == [1] and req.block_yield == (1.0, 0.0, 0.0)
+    sure = _block_speculator(0.99, asked := [])
+    (planned,) = sure.plan([(req, 8)], 1, 1, 64)
+    assert planned[1] == [7, 7, 7, 7] and req.block_yield == (1.0, 0.0, 0.0)
+    req.draft_match = planned[2]
+    sure.verified(req, 4, 3)  # counted when verified
+    assert req.block_yield == (1.9, 3.0, 4.0) and sure.block_yield == (1.0, 3.0, 4.0)
