@@ -59,6 +59,9 @@ class Proposal:
 
     tokens: list[int]
     confidence: list[float] | None = None
+    # False: no block was drafted (the request's context rows do not reach its last token, or the
+    # pool is short of pages), so this says nothing of what the drafter's blocks buy
+    drafted: bool = True
 
 
 class DSparkDrafter:
@@ -233,7 +236,7 @@ class DSparkDrafter:
             self.idle[rid] = 0
             self.dormant.discard(rid)  # its rows start afresh with the next step's
         self._flush(asked)
-        out = [Proposal([]) for _ in wants]
+        out = [Proposal([], drafted=False) for _ in wants]
         live = []
         B = self.block_size
         for i, (rid, seq_ids, k) in enumerate(wants):

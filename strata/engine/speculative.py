@@ -597,6 +597,11 @@ class Speculator:
             self.draft_cost.observe(len(blocks), seconds)
             self._drafted(len(blocks), seconds)
         proposed = {}
+        unmade = {  # no block drafted for these: not a forward that bought nothing
+            req.rid
+            for ((req, _), _), p in zip(blocks, proposals)
+            if not getattr(p, "drafted", True)
+        }
         for ((req, _), rate), p in zip(blocks, proposals):
             draft = _grammar_prefix(req, p.tokens)
             if draft:
@@ -611,8 +616,9 @@ class Speculator:
         drafting = {c.key.rid for c, k in zip(candidates, lengths) if k > 0}
         self.stats.declined += len(decodes) - len(drafting)
         for (req, _), _ in blocks:
-            if req.rid not in drafting:  # the forward bought it nothing (a block's are
-                self._yielded(req, 0, 0)  # counted once verified, in `verified`)
+            if req.rid not in drafting and req.rid not in unmade:
+                # the forward bought it nothing (a verified block's is counted in `verified`)
+                self._yielded(req, 0, 0)
         return [
             (c.key, c.draft[:k], c.match_len)
             for c, k in zip(candidates, lengths)

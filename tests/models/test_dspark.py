@@ -866,3 +866,13 @@ def test_what_a_block_forward_bought_is_recorded_once_verified_or_cut_to_nothing
     req.draft_match = planned[2]
     sure.verified(req, 4, 3)  # counted when verified
     assert req.block_yield == (1.9, 3.0, 4.0) and sure.block_yield == (1.0, 3.0, 4.0)
+    # no block drafted (its context rows not made yet): not a forward that bought nothing
+    from strata.engine.dspark import Proposal
+
+    unmade = _block_speculator(0.99, [])
+    unmade.draft_model.propose = lambda wants: (
+        [Proposal([], drafted=False)] * len(wants)
+    )
+    fresh = Req(rid="f", prompt_ids=[1, 2, 3, 4, 5, 6], params=SamplingParams())
+    assert unmade.plan([(fresh, 8)], 1, 1, 64) == []
+    assert fresh.block_yield == (0.0, 0.0, 0.0) and unmade.stats.draft_calls == 1
