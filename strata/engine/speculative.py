@@ -597,12 +597,10 @@ class Speculator:
             self.draft_cost.observe(len(blocks), seconds)
             self._drafted(len(blocks), seconds)
         proposed = {}
-        unmade = {  # no block drafted for these: not a forward that bought nothing
-            req.rid
-            for ((req, _), _), p in zip(blocks, proposals)
-            if not getattr(p, "drafted", True)
-        }
+        unmade = set()  # no block drafted for these: not a forward that bought nothing
         for ((req, _), rate), p in zip(blocks, proposals):
+            if not p.drafted:
+                unmade.add(req.rid)
             draft = _grammar_prefix(req, p.tokens)
             if draft:
                 conf = None if p.confidence is None else p.confidence[: len(draft)]
@@ -642,12 +640,10 @@ class Speculator:
 
     def _yielded(self, req, accepted: int, drafted: int) -> None:
         """One block forward's outcome for a request (see `Req.block_yield`)."""
-        n, acc, rows = req.block_yield
-        d = REQUEST_DECAY
-        req.block_yield = (n * d + 1, acc * d + accepted, rows * d + drafted)
-        n, acc, rows = self.block_yield
-        d = BLOCK_YIELD_DECAY
-        self.block_yield = (n * d + 1, acc * d + accepted, rows * d + drafted)
+        req.block_yield = _forwarded(req.block_yield, REQUEST_DECAY, accepted, drafted)
+        self.block_yield = _forwarded(
+            self.block_yield, BLOCK_YIELD_DECAY, accepted, drafted
+        )
 
     def _lengths(
         self,
@@ -711,8 +707,9 @@ class Speculator:
         the prefix whose step is expected to yield the most tokens per second, the forward's
         measured time included (none: the step drafts n-grams alone). A block's gain is what the
         request's earlier forwards bought (`_forward_yield`: their blocks as the drafter's
-        confidence cut them), over its n-gram match. An unmeasured forward runs, and a declined one runs again after
-        EXPLORE_DECLINED steps, so that its cost and acceptance stay measured."""
+        confidence cut them), over its n-gram match. An unmeasured forward runs, and a declined
+        one runs again after EXPLORE_DECLINED steps, so that its cost and acceptance stay
+        measured."""
         if self.draft_cost.seconds(len(blocks)) is None:
             return blocks
         rows0, tokens0 = base_tokens, float(max(num_decodes, 1))
@@ -861,6 +858,14 @@ def _decayed(
         acc * REQUEST_DECAY + accepted,
         tried * REQUEST_DECAY + accepted + (accepted < drafted),
     )
+
+
+def _forwarded(
+    history: tuple[float, float, float], decay: float, accepted: int, drafted: int
+) -> tuple[float, float, float]:
+    """A (forwards, tokens accepted, rows drafted) history after one more forward."""
+    n, acc, rows = history
+    return (n * decay + 1, acc * decay + accepted, rows * decay + drafted)
 
 
 def expected_tokens(c: Candidate) -> float:
