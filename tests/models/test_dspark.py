@@ -25,7 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from strata import Engine, SamplingParams
-from strata.engine.speculative import Candidate, DraftPolicy
+from strata.engine.draft_policy import Candidate, DraftPolicy
 
 TARGET_LAYERS = 4
 BLOCK = 4

@@ -13,14 +13,14 @@ import torch
 from oracle_drafter import OracleDrafter
 
 from strata import Engine, SamplingParams, kernels
-from strata.engine.ngram import NgramDrafter, NgramIndex, SharedNgramIndex
-from strata.engine.speculative import (
+from strata.engine.draft_policy import (
     EXPLORE_EVERY,
     DraftGuard,
     DraftPolicy,
     StepCost,
     batch_bucket,
 )
+from strata.engine.ngram import NgramDrafter, NgramIndex, SharedNgramIndex
 from strata.layers.packed import blas_matmuls
 
 REPETITIVE = [
@@ -547,7 +547,7 @@ def test_step_cost_fit_and_policy_decisions():
     assert cost.coefficients(1) == pytest.approx((a, b, c), rel=0.2)
     policy = DraftPolicy(max_draft=8)
     policy.cost = cost
-    from strata.engine.speculative import Candidate
+    from strata.engine.draft_policy import Candidate
 
     sure = Candidate("x", [1] * 8, 4, accept_rate=0.9)
     # one request: tokens are cheap next to the step (b / a = 1/30), so a likely draft is fed whole
@@ -564,7 +564,8 @@ def test_step_cost_fit_and_policy_decisions():
 def test_a_step_where_no_draft_could_pay_looks_nothing_up():
     """could_draft bounds choose: where it says no, no candidate these requests could propose (any
     match length, own text or others') would be fed, so the speculator skips the lookups."""
-    from strata.engine.speculative import Candidate, Speculator
+    from strata.engine.draft_policy import Candidate
+    from strata.engine.speculative import Speculator
 
     rng = random.Random(3)
     skipped = 0
@@ -700,7 +701,7 @@ def test_guard_explores_only_an_arm_not_seen_lately():
 
 
 def test_policy_stands_down_where_the_guard_says_drafts_are_slower():
-    from strata.engine.speculative import Candidate
+    from strata.engine.draft_policy import Candidate
 
     policy = DraftPolicy(max_draft=4)
     for rows in [8, 16, 24, 32, 8, 20, 12, 28, 9]:
