@@ -96,6 +96,9 @@ ISA_FLAGS = {
     "avx512bf16": "avx512_bf16",
     "avx512vnni": "avx512_vnni",
     "avxvnni": "avx_vnni",
+    "amx_tile": "amx_tile",
+    "amx_int8": "amx_int8",
+    "amx_bf16": "amx_bf16",
 }
 
 _lock = threading.Lock()
@@ -326,6 +329,28 @@ def _acquire(fd: int, path: Path) -> None:
         )
 
 
+# the last choice of AMX int8 tiles for block-quantized linears (strata.layers.quant.choose_int8_tiles)
+_int8_tiles: dict[str, Any] = {}
+
+
+def record_int8_tiles(choice: Mapping[str, Any]) -> None:
+    """Keep `choice` ({} forgets it, so the next model loaded chooses again)."""
+    _int8_tiles.clear()
+    _int8_tiles.update(choice)
+
+
+def int8_tiles_choice() -> dict[str, Any]:
+    return dict(_int8_tiles)
+
+
+def describe_int8_tiles(choice: Mapping[str, Any]) -> str:
+    """e.g. "q4 never, q8 from 16 rows" (the choice's "rows" per format; 0: never)."""
+    return ", ".join(
+        f"{fmt} " + (f"from {c['rows']} rows" if c["rows"] else "never")
+        for fmt, c in sorted(choice.items())
+    )
+
+
 def kernel_info() -> dict[str, object]:
     """Which kernels a forward step runs here, for start-up logs and benchmark records."""
     module = cpu_ops()
@@ -335,6 +360,13 @@ def kernel_info() -> dict[str, object]:
         "kernel_isa": [] if module is None else compiled_isa(module),
         "cpu_isa": sorted(f for f in cpu_flags() if f in ISA_FLAGS.values()),
         "aten_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # block-quantized linears on AMX int8 tiles: per format, the rows from which they run there
+        # (0: never) and the timings that chose it; absent where the tiles cannot run
+        **(
+            {"int8_tiles": dict(_int8_tiles)}
+            if module is not None and _int8_tiles
+            else {}
+        ),
     }
 
 
@@ -342,7 +374,9 @@ def describe_kernels(info: Mapping[str, Any]) -> str:
     """One line for logs: the build and its ISA, e.g. "native (avx2 fma f16c)", or "off"."""
     if not info or info.get("cpu_kernels") is None:
         return "off"
-    return f"{info['cpu_kernels']} ({' '.join(info['kernel_isa']) or 'scalar'})"
+    line = f"{info['cpu_kernels']} ({' '.join(info['kernel_isa']) or 'scalar'})"
+    tiles = info.get("int8_tiles")
+    return f"{line}, AMX int8 tiles: {describe_int8_tiles(tiles)}" if tiles else line
 
 
 @contextmanager

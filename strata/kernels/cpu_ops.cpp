@@ -403,6 +403,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(__AVXVNNI__)
     isa.push_back("avxvnni");
 #endif
+#if defined(__AMX_TILE__)
+    isa.push_back("amx_tile");
+#endif
+#if defined(__AMX_INT8__)
+    isa.push_back("amx_int8");
+#endif
+#if defined(__AMX_BF16__)
+    isa.push_back("amx_bf16");
+#endif
     return isa;
   });
   m.def("rms_norm", &rms_norm);

@@ -33,6 +33,12 @@
 // lanes) and AVX2 (the same two instructions, the 16 rows as two halves of 8). Without VNNI, a q4
 // block adds its vpmaddubsw pair sums as int16 (they cannot overflow: see Q4Packed::dot) and widens
 // them to int32 once per block instead of once per instruction.
+//
+// On CPUs with AMX (Sapphire Rapids and later), calls of many rows can take the tile path instead
+// (`int8_tile_rows`): per 32-channel block one tile product (tdpbsud for q4's unsigned nibbles,
+// tdpbssd for q8) gives the integer sums of 16 activation rows x 16 weight rows, and the same float
+// steps as the dot-product path turn them into outputs, in the same order, so a row comes out with
+// the same bits on either path and whatever else shares the call (the tests check it per path).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -47,10 +53,16 @@
 #define STRATA_QUANT_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define STRATA_QUANT_AVX512 1
+#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#define STRATA_QUANT_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -404,6 +416,8 @@ struct Q4Packed {
   const S* m;
   int64_t nb;
   static constexpr bool kFlipX = false;
+  static constexpr bool kTileUnsigned = true;  // nibbles 0..15: the tiles take them as unsigned bytes
+  static constexpr int kTileSubs = 1;           // tile products per block
 
   // lanes [h * V::kLanes, ...) of group g for the RT activation rows of one tile (xq, xd, xs, xc: the
   // tile's, interleaved as QuantRows says): out[r][lane] += its dot products. d * (xd * isum + xc) +
@@ -475,6 +489,8 @@ struct Q8Packed {
   int64_t nb;
   static constexpr int kSubs = kBlock / G;
   static constexpr bool kFlipX = kQ8UnsignedX;  // dot() takes the activation bytes as x + 128
+  static constexpr bool kTileUnsigned = false;
+  static constexpr int kTileSubs = kSubs;
 
   template <typename V, int RT>
   void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*,
@@ -528,6 +544,250 @@ struct Q8Packed {
     return sum;
   }
 };
+
+#if defined(STRATA_QUANT_AMX)
+// ----------------------------------------------------------------------------------------------
+// AMX tiles. Linux hands a process the tile state only on request (arch_prctl); a refusal, an old
+// kernel or a CPU without the tiles leaves the dot-product path.
+//
+// Tiles as configured: C0, C1 the int32 sums of 16 activation rows x 16 weight rows; A0, A1 16
+// activation rows x 32 channels (one block); B0, B1 one block of a group's 16 weight rows, 8 rows of
+// 4 channels x 16 weight rows (the q8 packing is that layout already; q4's nibbles are unpacked
+// into it); AH, BH the halves for 16-channel sub-blocks (q8 with S = 16).
+constexpr int kTileC0 = 0, kTileC1 = 1, kTileA0 = 2, kTileA1 = 3, kTileB0 = 4, kTileB1 = 5, kTileAH = 6,
+              kTileBH = 7;
+constexpr int64_t kTileRows = 16;    // activation rows a tile product takes
+constexpr int64_t kTileChunk = 64;   // activation rows whose outputs stay in cache while a thread walks its groups
+constexpr int64_t kTileAhead = 4;    // tile products stored ahead of the step whose sums are scaled (even)
+constexpr int64_t kTileRing = kTileAhead + 2;  // stored sums in flight
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+inline void configure_tiles() {
+  TileConfig cfg;
+  const auto set = [&](int tile, int rows, int colsb) {
+    cfg.rows[tile] = static_cast<uint8_t>(rows);
+    cfg.colsb[tile] = static_cast<uint16_t>(colsb);
+  };
+  set(kTileC0, kTileRows, 64);
+  set(kTileC1, kTileRows, 64);
+  set(kTileA0, kTileRows, kBlock);
+  set(kTileA1, kTileRows, kBlock);
+  set(kTileB0, kBlock / 4, 64);
+  set(kTileB1, kBlock / 4, 64);
+  set(kTileAH, kTileRows, kBlock / 2);
+  set(kTileBH, kBlock / 8, 64);
+  // asm with the whole config as its operand: GCC 12 drops the rows and widths stored before its
+  // _tile_loadconfig builtin, which then loads a config of empty tiles
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
+bool tiles_permitted() {
+  static const bool ok = [] {
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return ok;
+}
+#endif
+
+// Per format (kQ4, kQ8): calls of at least this many rows take the tiles (0: never). Set from a
+// timing at load (strata.layers.quant.choose_int8_tiles); the result is the same either way.
+enum Format { kQ4 = 0, kQ8 = 1 };
+std::atomic<int64_t> g_tile_min_rows[2] = {0, 0};
+
+bool tiles_available() {
+#if defined(STRATA_QUANT_AMX)
+  return tiles_permitted();
+#else
+  return false;
+#endif
+}
+
+#if defined(STRATA_QUANT_AMX)
+// Activation rows for the tiles: row-major codes q [Mp, K] (Mp = M rounded up to kTileRows, the
+// padding rows zero) and d, s, c block-major [K / 32, Mp], so a block's values for a tile's rows
+// sit at fixed offsets from one pointer.
+struct TileRows {
+  std::vector<int8_t> q;
+  std::vector<float> d, s, c;
+  int64_t rows = 0;
+};
+
+TileRows quantize_tile_rows(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1), nb = K / kBlock;
+  TileRows r;
+  r.rows = (M + kTileRows - 1) / kTileRows * kTileRows;
+  r.q.assign(r.rows * K, 0);
+  r.d.assign(r.rows * nb, 0.f);
+  r.s.assign(r.rows * nb, 0.f);
+  r.c.assign(r.rows * nb, 0.f);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quantize_tile_rows", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      std::vector<float> d(nb), s(nb), c(nb);
+      for (int64_t m = m0; m < m1; ++m) {
+        quantize_row(xp + m * K, K, r.q.data() + m * K, d.data(), s.data(), c.data());
+        for (int64_t b = 0; b < nb; ++b) {
+          const int64_t o = b * r.rows + m;
+          r.d[o] = d[b], r.s[o] = s[b], r.c[o] = c[b];
+        }
+      }
+    });
+  });
+  return r;
+}
+
+// The tile instructions with the tile as a template argument (GCC's intrinsics take only literal
+// numbers): %c prints the number bare, so "%%tmm%c0" names the register.
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+// No memory clobbers: they would make the compiler keep the accumulators in memory. A tile load
+// reads what was written before the kernel's loop (tile_linear_groups fences the unpacked weights);
+// a tile store says which 16 x 16 sums it writes.
+template <int T>
+inline void tile_load(const void* p, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T));
+}
+template <int T>
+inline void tile_store(int32_t* sums) {
+  asm volatile("tilestored %%tmm%c2, (%1,%3,1)"
+               : "=m"(*reinterpret_cast<int32_t(*)[kTileRows * kGroup]>(sums))
+               : "r"(sums), "i"(T), "r"(int64_t{64}));
+}
+
+// One tile product into C from A (rows of the activations from a, `stride` bytes apart) and B (at
+// b, rows 64 bytes apart): q4 multiplies signed activations by unsigned weights, q8 both signed.
+template <bool kUnsignedW, int C, int A, int B>
+inline void tile_product(const int8_t* a, int64_t stride, const void* b) {
+  tile_zero<C>();
+  tile_load<A>(a, stride);
+  tile_load<B>(b, 64);
+  if constexpr (kUnsignedW) {  // AT&T order: B, A, C
+    asm volatile("tdpbsud %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  } else {
+    asm volatile("tdpbssd %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+  }
+}
+
+// q4: block b of group g's weights as tile B rows (unsigned bytes), into out[512].
+template <typename S>
+inline void unpack_q4_tile(const Q4Packed<S>& w, int64_t g, int64_t b, uint8_t* out) {
+  const uint8_t* qb = w.q + (g * w.nb + b) * 256;
+  for (int j = 0; j < 4; ++j) {
+    const __m512i v = _mm512_loadu_si512(qb + j * 64);
+    _mm512_store_si512(out + j * 64, Lanes16::low_nibbles(v));         // channels 4j..4j+3
+    _mm512_store_si512(out + (4 + j) * 64, Lanes16::high_nibbles(v));  // channels 16+4j..
+  }
+}
+
+// acc[r] (16 weight rows) += block b's part for activation rows r of the tile at m0: the float steps
+// of Q4Packed::dot and Q8Packed::dot for the integer sums isum (a stored C tile), in their order.
+template <typename S>
+inline void tile_block(const Q4Packed<S>& w, int64_t g, int64_t b, int, const TileRows& x, int64_t m0,
+                          const int32_t* isum, __m512* acc) {
+  const int64_t nb = w.nb;
+  const __m512 dv = Lanes16::scales(w.d + (g * nb + b) * kGroup);
+  const __m512 mv = Lanes16::scales(w.m + (g * nb + b) * kGroup);
+  const int64_t o = b * x.rows + m0;
+  const float *xd = x.d.data() + o, *xs = x.s.data() + o, *xc = x.c.data() + o;
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    const __m512 i = Lanes16::to_float(_mm512_load_si512(isum + r * kGroup));
+    const __m512 t = Lanes16::fmadd(i, Lanes16::set1(xd[r]), Lanes16::set1(xc[r]));
+    acc[r] = Lanes16::fmadd(mv, Lanes16::set1(xs[r]), Lanes16::fmadd(dv, t, acc[r]));
+  }
+}
+
+template <int G, typename S>
+inline void tile_block(const Q8Packed<G, S>& w, int64_t g, int64_t b, int sub, const TileRows& x, int64_t m0,
+                          const int32_t* isum, __m512* acc) {
+  constexpr int kSubs = Q8Packed<G, S>::kSubs;
+  const __m512 dv = Lanes16::scales(w.d + ((g * w.nb + b) * kSubs + sub) * kGroup);
+  const float* xd = x.d.data() + b * x.rows + m0;
+#pragma GCC unroll 16
+  for (int r = 0; r < kTileRows; ++r) {
+    const __m512 i = Lanes16::to_float(_mm512_load_si512(isum + r * kGroup));
+    acc[r] = Lanes16::fmadd(dv, Lanes16::mul(i, Lanes16::set1(xd[r])), acc[r]);
+  }
+}
+
+// Outputs of groups [g0, g1) for all M rows through the tiles (the thread's own tile state).
+template <typename OT, typename W>
+void tile_linear_groups(const W& w, const TileRows& x, int64_t M, int64_t K, int64_t g0, int64_t g1, OT* out,
+                        int64_t N) {
+  configure_tiles();
+  const int64_t nb = K / kBlock;
+  alignas(64) int32_t isum[kTileRing][kTileRows * kGroup];
+  alignas(64) float result[kTileRows][kGroup];
+  std::vector<uint8_t> unpacked;
+  for (int64_t mc = 0; mc < x.rows; mc += kTileChunk) {
+    const int64_t mc_end = std::min(x.rows, mc + kTileChunk);
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t cols = std::min(kGroup, N - g * kGroup);
+      // each block's B tile: q8's packing as it is; q4's nibbles unpacked once for the chunk's rows
+      const uint8_t* wb;
+      if constexpr (W::kTileUnsigned) {
+        unpacked.resize(nb * 512 + 64);
+        uint8_t* u = unpacked.data() + (64 - reinterpret_cast<uintptr_t>(unpacked.data()) % 64) % 64;
+        for (int64_t b = 0; b < nb; ++b) unpack_q4_tile(w, g, b, u + b * 512);
+        wb = u;
+        asm volatile("" ::: "memory");  // the unpacked blocks are in memory before the tiles load them
+      } else {
+        wb = reinterpret_cast<const uint8_t*>(w.q) + g * nb * 512;
+      }
+      for (int64_t m0 = mc; m0 < mc_end; m0 += kTileRows) {
+        __m512 acc[kTileRows];  // in registers: indexed by constants only
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) acc[r] = _mm512_setzero_ps();
+        const int8_t* xa = x.q.data() + m0 * K;
+        // Steps: one tile product each (a block, or a 16-channel sub-block of q8 with S = 16). A
+        // step's sums are stored kTileAhead steps before they are scaled: a load straight after the
+        // tile store that feeds it waits for the store to retire, which stalls the whole window.
+        constexpr int kSubs = W::kTileSubs;
+        const int64_t steps = nb * kSubs;
+        const auto product = [&]<int C>(int64_t step) {
+          if (step >= steps) return;
+          const int64_t b = step / kSubs, sub = step % kSubs;
+          constexpr int A = kSubs == 1 ? (C == kTileC0 ? kTileA0 : kTileA1) : kTileAH;
+          constexpr int B = kSubs == 1 ? (C == kTileC0 ? kTileB0 : kTileB1) : kTileBH;
+          tile_product<W::kTileUnsigned, C, A, B>(xa + b * kBlock + sub * (kBlock / kSubs), K,
+                                                  wb + b * 512 + sub * (512 / kSubs));
+          tile_store<C>(isum[step % kTileRing]);
+        };
+        for (int64_t step = 0; step < kTileAhead; step += 2) {
+          product.template operator()<kTileC0>(step);
+          product.template operator()<kTileC1>(step + 1);
+        }
+        for (int64_t step = 0; step < steps; step += 2) {
+          product.template operator()<kTileC0>(step + kTileAhead);
+          product.template operator()<kTileC1>(step + kTileAhead + 1);
+          tile_block(w, g, step / kSubs, step % kSubs, x, m0, isum[step % kTileRing], acc);
+          if (step + 1 < steps) {
+            tile_block(w, g, (step + 1) / kSubs, (step + 1) % kSubs, x, m0, isum[(step + 1) % kTileRing], acc);
+          }
+        }
+#pragma GCC unroll 16
+        for (int r = 0; r < kTileRows; ++r) _mm512_store_ps(result[r], acc[r]);
+        const int64_t rows = std::min(kTileRows, M - m0);
+        for (int64_t r = 0; r < rows; ++r) {
+          OT* o = out + (m0 + r) * N + g * kGroup;
+          for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+#endif
 
 // One group's 16 outputs for RT activation rows from r0: result[r][lane].
 template <int RT, typename W>
@@ -659,10 +919,28 @@ int64_t grain(int64_t G, int64_t M) {
 
 // x [M, K] float/bf16/fp16/fp64 @ weight^T -> [M, N] in x's dtype, groups split over the threads.
 template <typename MakeWeights>
-at::Tensor packed_linear(const at::Tensor& x, int64_t N, int64_t G, at::ScalarType scale_dtype, MakeWeights make) {
+at::Tensor packed_linear(const at::Tensor& x, int64_t N, int64_t G, at::ScalarType scale_dtype, Format format,
+                         MakeWeights make) {
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+#if defined(STRATA_QUANT_AMX)
+  const int64_t tile_min = g_tile_min_rows[format].load(std::memory_order_relaxed);
+  if (tile_min > 0 && M >= tile_min && tiles_permitted()) {
+    const TileRows xt = quantize_tile_rows(x);
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_tiles", [&] {
+      scalar_t* op = out.data_ptr<scalar_t>();
+      with_scale_type(scale_dtype, [&](auto tag) {
+        make(tag, [&](const auto& w) {
+          at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { tile_linear_groups(w, xt, M, K, g0, g1, op, N); });
+        });
+      });
+    });
+    return out;
+  }
+#else
+  (void)format;
+#endif
   QuantRows xq = quantize_rows(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
@@ -682,7 +960,7 @@ at::Tensor q4_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, at::Tensor mp, 
   check_x(x);
   const int64_t K = x.size(1);
   check_q4(qp, dp, mp, K, N);
-  return packed_linear(x, N, qp.size(0), dp.scalar_type(), [&](auto tag, auto&& run) {
+  return packed_linear(x, N, qp.size(0), dp.scalar_type(), kQ4, [&](auto tag, auto&& run) {
     using S = decltype(tag);
     run(Q4Packed<S>{qp.data_ptr<uint8_t>(), static_cast<const S*>(dp.data_ptr()), static_cast<const S*>(mp.data_ptr()),
                     K / kBlock});
@@ -693,7 +971,7 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) {
   check_x(x);
   const int64_t K = x.size(1);
   const int64_t S = check_q8(qp, dp, K, N);
-  return packed_linear(x, N, qp.size(0), dp.scalar_type(), [&](auto tag, auto&& run) {
+  return packed_linear(x, N, qp.size(0), dp.scalar_type(), kQ8, [&](auto tag, auto&& run) {
     using ST = decltype(tag);
     const int8_t* q = qp.data_ptr<int8_t>();
     const ST* d = static_cast<const ST*>(dp.data_ptr());
@@ -715,6 +993,23 @@ at::Tensor q8_linear(at::Tensor x, at::Tensor qp, at::Tensor dp, int64_t N) { re
 }  // namespace strata_ops
 
 void register_quant_ops(pybind11::module_& m) {
+  m.def("int8_tiles_available", &tiles_available,
+        "whether q4_linear/q8_linear can use AMX int8 tiles here (built with them, the CPU has them, the OS grants them)");
+  m.def(
+      "set_int8_tile_rows",
+      [](int64_t q4_rows, int64_t q8_rows) {
+        TORCH_CHECK(q4_rows >= 0 && q8_rows >= 0, "rows must be >= 0 (0: never use the tiles), got ", q4_rows, " and ",
+                    q8_rows);
+        TORCH_CHECK((q4_rows == 0 && q8_rows == 0) || tiles_available(),
+                    "AMX int8 tiles are not available in this build or on this CPU");
+        g_tile_min_rows[kQ4].store(q4_rows);
+        g_tile_min_rows[kQ8].store(q8_rows);
+      },
+      "calls of at least this many rows take the AMX int8 tiles, for q4 and q8 weights (0: never); the results "
+      "are the same either way");
+  m.def(
+      "int8_tile_rows", [] { return std::make_pair(g_tile_min_rows[kQ4].load(), g_tile_min_rows[kQ8].load()); },
+      "(q4, q8): the rows from which calls take the tiles (0: never)");
   m.def("q4_linear", &q4_linear, "x [M, K] @ packed q4 weight of N rows^T -> [M, N] (int8 dot products)");
   m.def("q8_linear", &q8_linear, "x [M, K] @ packed q8 weight of N rows^T -> [M, N] (int8 dot products)");
 }

@@ -35,6 +35,9 @@ checkpoints bring their own blocks (strata.weights.gguf). Nothing here knows abo
 from __future__ import annotations
 
 import logging
+import os
+import statistics
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import cast
@@ -465,6 +468,107 @@ class QuantEmbedding(nn.Module):
 
 
 QUANT_METHODS: dict[str, type[QuantLinear]] = {"int8": Q8Linear, "int4": Q4Linear}
+
+
+# AMX int8 tiles (quant_ops.cpp): rows per call timed at load, and the speed-up they must show
+TILE_TRIAL_ROWS = (16, 64, 256)
+TILE_GAIN = 1.25
+TILE_REPEATS = 5
+# "off": never take the tiles; a number N: both formats from N rows, untimed; else ("auto") timed
+TILES_ENV = "STRATA_INT8_TILES"
+
+
+def _median_ms(layer: QuantLinear, ops, x: torch.Tensor, repeats: int) -> float:
+    """Median ms of `layer.kernel_mm(ops, x)` over `repeats` calls, after one to warm up."""
+    layer.kernel_mm(ops, x)  # warm: caches, the thread pool, the tile state
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        layer.kernel_mm(ops, x)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object] | None:
+    """Time the model's largest q4 and q8 linear at TILE_TRIAL_ROWS rows with and without the AMX int8
+    tiles, and let each format take the tiles from the fewest rows at which they win by TILE_GAIN at
+    that count and every larger one (never, if at none). The tiles give the same bits as the dot
+    products (the tests check it), so the choice moves only time; the setting is the process's, made
+    by the first model loaded (a draft model loaded after its target keeps it). Returns what was chosen and timed
+    ({format: {"rows", "timed": {rows: [dot ms, tile ms]}}}), also kept for strata.kernels.kernel_info;
+    None where the tiles cannot run (no AMX, the OS refuses them, no native build, other devices)."""
+    ops = kernels.cpu_ops()
+    if (
+        ops is None
+        or not hasattr(ops, "int8_tiles_available")
+        or not ops.int8_tiles_available()
+    ):
+        return None
+    setting = os.environ.get(TILES_ENV, "auto").strip().lower()
+    if setting in ("0", "off", "false", "no"):
+        logger.info("AMX int8 tiles: off (%s)", TILES_ENV)
+        return None
+    if setting.isdigit():  # forced, for measurements: both formats from that many rows
+        rows = int(setting)
+        ops.set_int8_tile_rows(rows, rows)
+        forced: dict[str, object] = {
+            fmt: {"rows": rows, "set_by": TILES_ENV} for fmt in ("q4", "q8")
+        }
+        kernels.record_int8_tiles(forced)
+        logger.info(
+            "AMX int8 tiles: %s (%s)", kernels.describe_int8_tiles(forced), TILES_ENV
+        )
+        return forced
+    if (
+        kernels.int8_tiles_choice()
+    ):  # the process's first model chose (a draft keeps it)
+        return kernels.int8_tiles_choice()
+    largest: dict[str, QuantLinear] = {}
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            size = module.in_features * module.out_features
+            best = largest.get(module.format)
+            if best is None or size > best.in_features * best.out_features:
+                largest[module.format] = module
+    if not largest:
+        return None
+    saved = ops.int8_tile_rows()
+    choice: dict[str, object] = {}
+    rows_by_format = {"q4": 0, "q8": 0}
+    generator = torch.Generator().manual_seed(0)
+    try:
+        for fmt, layer in sorted(largest.items()):
+            timed: dict[int, list[float]] = {}
+            for rows in TILE_TRIAL_ROWS:
+                x = torch.randn(rows, layer.in_features, generator=generator).to(dtype)
+                pair = []
+                for tiles in (False, True):
+                    ops.set_int8_tile_rows(
+                        *(rows if tiles and f == fmt else 0 for f in ("q4", "q8"))
+                    )
+                    pair.append(round(_median_ms(layer, ops, x, TILE_REPEATS), 4))
+                timed[rows] = pair
+            chosen = 0
+            for rows in reversed(TILE_TRIAL_ROWS):
+                dot_ms, tile_ms = timed[rows]
+                if dot_ms < TILE_GAIN * tile_ms:
+                    break
+                chosen = rows
+            rows_by_format[fmt] = chosen
+            choice[fmt] = {
+                "rows": chosen,
+                "layer": [layer.out_features, layer.in_features],
+                "timed": timed,
+            }
+    finally:
+        ops.set_int8_tile_rows(*saved)
+    ops.set_int8_tile_rows(rows_by_format["q4"], rows_by_format["q8"])
+    kernels.record_int8_tiles(choice)
+    logger.info(
+        "AMX int8 tiles: %s",
+        kernels.describe_int8_tiles(choice),
+    )
+    return choice
 
 
 def describe_weights(model: nn.Module) -> str:

@@ -153,8 +153,10 @@ def load_model(
         model = quantize_model(model, quantization)
     if on_cpu:
         from strata.layers.packed import pack_linears
+        from strata.layers.quant import choose_int8_tiles
 
         pack_linears(model)
+        choose_int8_tiles(model, dtype)
     if shard is not None:
         shard.install(model)
     release_freed_memory()
