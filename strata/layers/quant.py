@@ -493,10 +493,11 @@ def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object]
     """Time the model's largest q4 and q8 linear at TILE_TRIAL_ROWS rows with and without the AMX int8
     tiles, and let each format take the tiles from the fewest rows at which they win by TILE_GAIN at
     that count and every larger one (never, if at none). The tiles give the same bits as the dot
-    products (the tests check it), so the choice moves only time; the setting is the process's, made
-    by the first model loaded (a draft model loaded after its target keeps it). Returns what was chosen and timed
-    ({format: {"rows", "timed": {rows: [dot ms, tile ms]}}}), also kept for strata.kernels.kernel_info;
-    None where the tiles cannot run (no AMX, the OS refuses them, no native build, other devices)."""
+    products (the tests check it), so the choice moves only time. The setting is the process's, made
+    by the first model loaded (a draft model loaded after its target keeps it). Returns what was
+    chosen and timed ({format: {"rows", "layer", "timed": {rows: [dot ms, tile ms]}}}), also kept for
+    strata.kernels.kernel_info; None where the tiles cannot run (no AMX, the OS refuses them, no
+    native build) or TILES_ENV switches them off."""
     ops = kernels.cpu_ops()
     if (
         ops is None
@@ -506,6 +507,8 @@ def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object]
         return None
     setting = os.environ.get(TILES_ENV, "auto").strip().lower()
     if setting in ("0", "off", "false", "no"):
+        ops.set_int8_tile_rows(0, 0)
+        kernels.record_int8_tiles({})
         logger.info("AMX int8 tiles: off (%s)", TILES_ENV)
         return None
     if setting.isdigit():  # forced, for measurements: both formats from that many rows
@@ -519,10 +522,9 @@ def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object]
             "AMX int8 tiles: %s (%s)", kernels.describe_int8_tiles(forced), TILES_ENV
         )
         return forced
-    if (
-        kernels.int8_tiles_choice()
-    ):  # the process's first model chose (a draft keeps it)
-        return kernels.int8_tiles_choice()
+    chosen_before = kernels.int8_tiles_choice()
+    if chosen_before:  # the process's first model chose (a draft model keeps it)
+        return chosen_before
     largest: dict[str, QuantLinear] = {}
     for module in model.modules():
         if isinstance(module, QuantLinear):

@@ -103,6 +103,7 @@ def test_choice_at_load_times_both_formats_and_is_reported(ops, monkeypatch):
     kernels.record_int8_tiles({})
     monkeypatch.setenv("STRATA_INT8_TILES", "off")
     assert choose_int8_tiles(_Blocks(), torch.bfloat16) is None
+    assert tuple(ops.int8_tile_rows()) == (0, 0) and not kernels.int8_tiles_choice()
 
 
 def test_without_tiles_nothing_is_chosen_or_reported():
