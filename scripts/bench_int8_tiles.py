@@ -14,24 +14,13 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from functools import partial
 
 import torch
 import torch.nn.functional as F
 
 from strata import Engine, kernels
-from strata.layers.quant import QuantLinear
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+from strata.layers.quant import QuantLinear, median_call_ms
 
 
 def main() -> None:
@@ -68,9 +57,11 @@ def main() -> None:
                 for path, tile_rows in (("dot", 0), ("tiles", 1)):
                     ops.set_int8_tile_rows(tile_rows, tile_rows)
                     times[path].append(
-                        median_ms(partial(layer.kernel_mm, ops, x), repeats)
+                        median_call_ms(partial(layer.kernel_mm, ops, x), repeats)
                     )
-                times["onednn"].append(median_ms(partial(F.linear, x, weight), repeats))
+                times["onednn"].append(
+                    median_call_ms(partial(F.linear, x, weight), repeats)
+                )
             dot, tiles, onednn = (
                 statistics.median(times[p]) for p in ("dot", "tiles", "onednn")
             )

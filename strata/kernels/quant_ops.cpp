@@ -419,6 +419,15 @@ struct Q4Packed {
   static constexpr bool kTileUnsigned = true;  // nibbles 0..15: the tiles take them as unsigned bytes
   static constexpr int kTileSubs = 1;           // tile products per block
 
+  // acc + one block's part from its integer sum (as float) for one activation row: d * (xd * isum + xc)
+  // + m * xs, in this order on every path (the dot products and the tiles), so a row's bits agree
+  template <typename V>
+  static typename V::F scale_sum(typename V::F acc, typename V::F isum, typename V::F dv, typename V::F mv, float xd,
+                                 float xc, float xs) {
+    const typename V::F t = V::fmadd(isum, V::set1(xd), V::set1(xc));
+    return V::fmadd(mv, V::set1(xs), V::fmadd(dv, t, acc));
+  }
+
   // lanes [h * V::kLanes, ...) of group g for the RT activation rows of one tile (xq, xd, xs, xc: the
   // tile's, interleaved as QuantRows says): out[r][lane] += its dot products. d * (xd * isum + xc) +
   // m * xs per block (see the top).
@@ -457,8 +466,7 @@ struct Q4Packed {
       const typename V::F mv = V::scales(m + (g * nb + b) * kGroup + lane0);
       for (int r = 0; r < RT; ++r) {
         const int64_t o = b * RT + r;
-        const typename V::F t = V::fmadd(V::to_float(isum[r]), V::set1(xd[o]), V::set1(xc[o]));
-        acc[r] = V::fmadd(mv, V::set1(xs[o]), V::fmadd(dv, t, acc[r]));
+        acc[r] = scale_sum<V>(acc[r], V::to_float(isum[r]), dv, mv, xd[o], xc[o], xs[o]);
       }
     }
   }
@@ -492,6 +500,12 @@ struct Q8Packed {
   static constexpr bool kTileUnsigned = false;
   static constexpr int kTileSubs = kSubs;
 
+  // acc + one sub-block's part from its integer sum (as float) for one activation row, on every path
+  template <typename V>
+  static typename V::F scale_sum(typename V::F acc, typename V::F isum, typename V::F dv, float xd) {
+    return V::fmadd(dv, V::mul(isum, V::set1(xd)), acc);
+  }
+
   template <typename V, int RT>
   void dot(int64_t g, int h, const int8_t* xq, const float* xd, const float*, const float*,
            typename V::F* acc) const {
@@ -524,7 +538,7 @@ struct Q8Packed {
           }
         }
         const typename V::F dv = V::scales(d + ((g * nb + b) * kSubs + sub) * kGroup + lane0);
-        for (int r = 0; r < RT; ++r) acc[r] = V::fmadd(dv, V::mul(V::to_float(isum[r]), V::set1(xd[b * RT + r])), acc[r]);
+        for (int r = 0; r < RT; ++r) acc[r] = scale_sum<V>(acc[r], V::to_float(isum[r]), dv, xd[b * RT + r]);
       }
     }
   }
@@ -544,6 +558,16 @@ struct Q8Packed {
     return sum;
   }
 };
+
+// Rows [r0, r0 + rows) of group g's outputs (result[r][lane], the first `cols` lanes) into out [M, N].
+template <typename OT>
+inline void store_group_rows(OT* out, int64_t N, int64_t g, int64_t r0, int64_t rows, int64_t cols,
+                             const float (*result)[kGroup]) {
+  for (int64_t r = 0; r < rows; ++r) {
+    OT* o = out + (r0 + r) * N + g * kGroup;
+    for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
+  }
+}
 
 #if defined(STRATA_QUANT_AMX)
 // ----------------------------------------------------------------------------------------------
@@ -689,8 +713,8 @@ inline void unpack_q4_tile(const Q4Packed<S>& w, int64_t g, int64_t b, uint8_t* 
   }
 }
 
-// acc[r] (16 weight rows) += block b's part for activation rows r of the tile at m0: the float steps
-// of Q4Packed::dot and Q8Packed::dot for the integer sums isum (a stored C tile), in their order.
+// acc[r] (16 weight rows) += block b's part for activation rows r of the tile at m0, from the integer
+// sums isum (a stored C tile): each format's scale_sum, as its dot() takes it.
 template <typename S>
 inline void tile_block(const Q4Packed<S>& w, int64_t g, int64_t b, int, const TileRows& x, int64_t m0,
                           const int32_t* isum, __m512* acc) {
@@ -702,8 +726,7 @@ inline void tile_block(const Q4Packed<S>& w, int64_t g, int64_t b, int, const Ti
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const __m512 i = Lanes16::to_float(_mm512_load_si512(isum + r * kGroup));
-    const __m512 t = Lanes16::fmadd(i, Lanes16::set1(xd[r]), Lanes16::set1(xc[r]));
-    acc[r] = Lanes16::fmadd(mv, Lanes16::set1(xs[r]), Lanes16::fmadd(dv, t, acc[r]));
+    acc[r] = Q4Packed<S>::template scale_sum<Lanes16>(acc[r], i, dv, mv, xd[r], xc[r], xs[r]);
   }
 }
 
@@ -716,7 +739,7 @@ inline void tile_block(const Q8Packed<G, S>& w, int64_t g, int64_t b, int sub, c
 #pragma GCC unroll 16
   for (int r = 0; r < kTileRows; ++r) {
     const __m512 i = Lanes16::to_float(_mm512_load_si512(isum + r * kGroup));
-    acc[r] = Lanes16::fmadd(dv, Lanes16::mul(i, Lanes16::set1(xd[r])), acc[r]);
+    acc[r] = Q8Packed<G, S>::template scale_sum<Lanes16>(acc[r], i, dv, xd[r]);
   }
 }
 
@@ -777,11 +800,7 @@ void tile_linear_groups(const W& w, const TileRows& x, int64_t M, int64_t K, int
         }
 #pragma GCC unroll 16
         for (int r = 0; r < kTileRows; ++r) _mm512_store_ps(result[r], acc[r]);
-        const int64_t rows = std::min(kTileRows, M - m0);
-        for (int64_t r = 0; r < rows; ++r) {
-          OT* o = out + (m0 + r) * N + g * kGroup;
-          for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
-        }
+        store_group_rows(out, N, g, m0, std::min(kTileRows, M - m0), cols, result);
       }
     }
   }
@@ -835,10 +854,7 @@ void linear_groups(const W& w, const QuantRows& x, int64_t M, int64_t K, int64_t
       const int64_t cols = std::min(kGroup, N - g * kGroup);
       for (const auto& [r0, rn] : tiles) {
         tile_rows(w, x, g, r0, rn, K, nb, result);
-        for (int64_t r = 0; r < rn; ++r) {
-          OT* o = out + (r0 + r) * N + g * kGroup;
-          for (int64_t l = 0; l < cols; ++l) o[l] = static_cast<OT>(result[r][l]);
-        }
+        store_group_rows(out, N, g, r0, rn, cols, result);
       }
     }
     tiles.clear();
@@ -924,28 +940,26 @@ at::Tensor packed_linear(const at::Tensor& x, int64_t N, int64_t G, at::ScalarTy
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
+  // the tiles for calls of at least the format's rows (int8_tile_rows), else the dot products
 #if defined(STRATA_QUANT_AMX)
   const int64_t tile_min = g_tile_min_rows[format].load(std::memory_order_relaxed);
-  if (tile_min > 0 && M >= tile_min && tiles_permitted()) {
-    const TileRows xt = quantize_tile_rows(x);
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear_tiles", [&] {
-      scalar_t* op = out.data_ptr<scalar_t>();
-      with_scale_type(scale_dtype, [&](auto tag) {
-        make(tag, [&](const auto& w) {
-          at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { tile_linear_groups(w, xt, M, K, g0, g1, op, N); });
-        });
-      });
-    });
-    return out;
-  }
+  const bool tiles = tile_min > 0 && M >= tile_min && tiles_permitted();
+  const TileRows xt = tiles ? quantize_tile_rows(x) : TileRows{};
 #else
   (void)format;
+  constexpr bool tiles = false;
 #endif
-  QuantRows xq = quantize_rows(x);
+  QuantRows xq = tiles ? QuantRows{} : quantize_rows(x);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "quant_linear", [&] {
     scalar_t* op = out.data_ptr<scalar_t>();
     with_scale_type(scale_dtype, [&](auto tag) {
       make(tag, [&](const auto& w) {
+#if defined(STRATA_QUANT_AMX)
+        if (tiles) {
+          at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) { tile_linear_groups(w, xt, M, K, g0, g1, op, N); });
+          return;
+        }
+#endif
         if constexpr (std::decay_t<decltype(w)>::kFlipX) {
           for (int8_t& v : xq.q) v = static_cast<int8_t>(v ^ 0x80);  // x + 128 as unsigned bytes
         }

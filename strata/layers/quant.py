@@ -39,7 +39,8 @@ import os
 import statistics
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from typing import cast
 
 import torch
@@ -478,13 +479,13 @@ TILE_REPEATS = 5
 TILES_ENV = "STRATA_INT8_TILES"
 
 
-def _median_ms(layer: QuantLinear, ops, x: torch.Tensor, repeats: int) -> float:
-    """Median ms of `layer.kernel_mm(ops, x)` over `repeats` calls, after one to warm up."""
-    layer.kernel_mm(ops, x)  # warm: caches, the thread pool, the tile state
+def median_call_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median ms of `fn()` over `repeats` calls, after one to warm up (caches, threads, tile state)."""
+    fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        layer.kernel_mm(ops, x)
+        fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
 
@@ -548,7 +549,14 @@ def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object]
                     ops.set_int8_tile_rows(
                         *(rows if tiles and f == fmt else 0 for f in ("q4", "q8"))
                     )
-                    pair.append(round(_median_ms(layer, ops, x, TILE_REPEATS), 4))
+                    pair.append(
+                        round(
+                            median_call_ms(
+                                partial(layer.kernel_mm, ops, x), TILE_REPEATS
+                            ),
+                            4,
+                        )
+                    )
                 timed[rows] = pair
             chosen = 0
             for rows in reversed(TILE_TRIAL_ROWS):
