@@ -46,6 +46,28 @@ def ops(request):
         yield module
 
 
+@pytest.fixture(params=["tiles", "dot"])
+def extend_path(request):
+    """bf16 extend attention on each path the kernels in use have here: the AMX bf16 tiles (skipped
+    where the build, the CPU or the OS lacks them) and the dot products."""
+    module = kernels.cpu_ops()
+    available = module is not None and (
+        hasattr(module, "attention_tiles_available")
+        and module.attention_tiles_available()
+    )
+    if not available:
+        if request.param == "tiles":
+            pytest.skip("no AMX bf16 tiles here (build, CPU or OS)")
+        yield request.param
+        return
+    saved = module.attention_tiles()
+    module.set_attention_tiles(request.param == "tiles")
+    try:
+        yield request.param
+    finally:
+        module.set_attention_tiles(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory) -> dict[str, Path]:
     """One tiny model directory per family, built once per session."""

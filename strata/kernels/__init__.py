@@ -204,6 +204,29 @@ def loaded(target: str) -> ModuleType:
     return module
 
 
+# "off": bf16 prefill attention never takes the AMX bf16 tiles (the default: wherever they run)
+ATTENTION_TILES_ENV = "STRATA_ATTENTION_TILES"
+
+
+def attention_tiles_on(module: ModuleType | None) -> bool:
+    """Whether `module`'s bf16 extend attention runs on the AMX bf16 tiles."""
+    return bool(
+        module is not None
+        and hasattr(module, "attention_tiles")
+        and module.attention_tiles()
+    )
+
+
+def _apply_attention_tiles_env(module: ModuleType) -> None:
+    """The tiles are the default wherever they run (2.6-3x the dot products on a Xeon's 2048-token
+    prefill, docs/BENCHMARKS.md); ATTENTION_TILES_ENV=off keeps the dot products. A fixed rule rather
+    than a timing: the two paths round differently, and a run's bits should not depend on the noise
+    of a measurement at start-up."""
+    setting = os.environ.get(ATTENTION_TILES_ENV, "").strip().lower()
+    if setting in ("0", "off", "false", "no") and hasattr(module, "set_attention_tiles"):
+        module.set_attention_tiles(False)
+
+
 def _checked(module: ModuleType | None, target: str) -> ModuleType | None:
     if module is None:
         return None
@@ -220,6 +243,7 @@ def _checked(module: ModuleType | None, target: str) -> ModuleType | None:
             missing,
         )
         return None
+    _apply_attention_tiles_env(module)
     return module
 
 
@@ -367,6 +391,8 @@ def kernel_info() -> dict[str, object]:
             if module is not None and _int8_tiles
             else {}
         ),
+        # bf16 prefill (extend) attention on AMX bf16 tiles
+        "attention_tiles": attention_tiles_on(module),
     }
 
 
@@ -376,7 +402,11 @@ def describe_kernels(info: Mapping[str, Any]) -> str:
         return "off"
     line = f"{info['cpu_kernels']} ({' '.join(info['kernel_isa']) or 'scalar'})"
     tiles = info.get("int8_tiles")
-    return f"{line}, AMX int8 tiles: {describe_int8_tiles(tiles)}" if tiles else line
+    if tiles:
+        line += f", AMX int8 tiles: {describe_int8_tiles(tiles)}"
+    if info.get("attention_tiles"):
+        line += ", AMX bf16 tiles: prefill attention"
+    return line
 
 
 @contextmanager

@@ -244,6 +244,21 @@ inline void lane_scores_bf16(const int32_t* qpairs, const int32_t* const* keys, 
   for (int k = 0; k < 16; ++k) s[k] = _mm512_mul_ps(a[k], sc);
 }
 
+// The values of npairs key pairs (rows[2 kp], rows[2 kp + 1]) unpacked for P @ V: vectors
+// (kp C + c) 2 and (kp C + c) 2 + 1 of out hold chunk c's dimension pairs (values_dim order).
+template <typename CT>
+inline void unpack_value_pairs(const CT* const* rows, int64_t npairs, int64_t chunks, int32_t* out) {
+  for (int64_t kp = 0; kp < npairs; ++kp) {
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512i a = _mm512_loadu_si512(rows[2 * kp] + 32 * c);
+      const __m512i b = _mm512_loadu_si512(rows[2 * kp + 1] + 32 * c);
+      int32_t* dst = out + (kp * chunks + c) * 32;
+      _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
+      _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi16(a, b));
+    }
+  }
+}
+
 // pairs[16 kp + r] = row r's probabilities of keys 2 kp and 2 kp + 1 as a bf16 pair (p: the 16 keys'
 // probabilities, one vector per key, the rows in lanes).
 inline void probability_pairs(const V16* p, int32_t* pairs) {

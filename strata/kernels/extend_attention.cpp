@@ -16,12 +16,19 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "amx.h"
 #include "attention_bf16.h"
 #include "attention_common.h"
 #include "common.h"
 #include "simd.h"
 
+#if defined(STRATA_AMX) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define STRATA_ATTENTION_AMX 1
+#endif
+
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <type_traits>
@@ -89,12 +96,80 @@ inline void pv_four(float* acc, const float* pt, const float* corr, const float*
 // What one thread keeps for the item it works on (sized for the largest item).
 struct ItemBuffers {
   std::vector<float> qt, acc, m, l, pos, first, kt, vf, pt, corr;
-  // the bf16 path's: queries as pairs, probability pairs, unpacked value pairs, a zero key or value
-  std::vector<int32_t> qpairs, ppairs, vpairs, zeros;
+  // the bf16 paths': queries as pairs, probability pairs, unpacked value pairs, a zero key or value;
+  // the tiles' (kTileKeys keys): the keys gathered, their scores, the probabilities row by row
+  std::vector<int32_t> qpairs, ppairs, vpairs, zeros, keys, prows;
+  std::vector<float> scores;
   ItemBuffers(int64_t lanes, int64_t D)
       : qt(lanes * D), acc(lanes * D), m(lanes), l(lanes), pos(lanes), first(lanes), kt(D * 16), vf(16 * D),
-        pt(256), corr(16), qpairs(lanes * D / 2), ppairs(128), vpairs(8 * D), zeros(D / 2) {}
+        pt(256), corr(16), qpairs(lanes * D / 2), ppairs(256), vpairs(16 * D), zeros(D / 2), keys(16 * D),
+        prows(256), scores(512) {}
 };
+
+// An item's rows r = (token r / G, query head r % G of KV head kvh), 16 to a vector, the lanes past
+// the last row repeating it (never written out): positions, window starts, softmax state (a sink
+// joins the softmax as a score with no value) and zero accumulators.
+inline void start_rows(int64_t rows, int64_t nvec, int64_t G, int64_t kvh, int64_t pos0, int64_t D, int64_t window,
+                       const float* sinks, ItemBuffers& w) {
+  for (int64_t r = 0; r < nvec * 16; ++r) {
+    const int64_t row = std::min(r, rows - 1), i = row / G, g = row % G;
+    w.pos[r] = static_cast<float>(pos0 + i);
+    w.first[r] = static_cast<float>(window_start(pos0 + i, window));
+    w.m[r] = sinks ? sinks[kvh * G + g] : kNoMax;
+    w.l[r] = sinks ? 1.f : 0.f;
+  }
+  std::fill(w.acc.begin(), w.acc.begin() + nvec * 16 * D, 0.f);
+}
+
+// The online softmax over NK keys j0 .. j0 + NK - 1 for one vector of rows (s: their scores, one
+// vector per key, the rows in lanes; keys a row does not see are masked out unless `whole`): the
+// running max m and sum l move on, corr gets each row's rescale of its accumulator and s the
+// probabilities. A row that sees none of the keys keeps its state (p = 0, rescaled by exp(0) = 1).
+template <int NK>
+inline void online_softmax(V16* s, const float* pos, const float* first, int64_t j0, bool whole, float* m, float* l,
+                           float* corr) {
+  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
+  Mask16 seen[NK];
+  if (!whole) {
+    const V16 pos_v = load16(pos), first_v = load16(first);
+    for (int k = 0; k < NK; ++k) {
+      const V16 j = vset1(static_cast<float>(j0 + k));
+      seen[k] = mask_and(vle(first_v, j), vle(j, pos_v));
+      s[k] = vselect(seen[k], s[k], minus_inf);
+    }
+  }
+  V16 top = s[0];
+  for (int k = 1; k < NK; ++k) top = vmax(top, s[k]);
+  const V16 m_old = load16(m), m_new = vmax(m_old, top);
+  const V16 c = exp16(vsub(m_old, m_new));
+  V16 sum = vzero();
+  for (int k = 0; k < NK; ++k) {
+    V16 p = exp16(vsub(s[k], m_new));
+    if (!whole) p = vselect(seen[k], p, vzero());
+    s[k] = p;
+    sum = vadd(sum, p);
+  }
+  store16(m, m_new);
+  store16(l, vadd(vmul(load16(l), c), sum));
+  store16(corr, c);
+}
+
+// Writes an item's rows of out: each accumulator over its softmax sum (`paired`: the accumulators
+// hold the bf16 P @ V's order, values_dim).
+template <typename QT>
+inline void finish_rows(QT* op, int64_t rows, int64_t G, int64_t Hkv, int64_t kvh, int64_t D, int64_t tok0,
+                        bool paired, ItemBuffers& w) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r / G, g = r % G;
+    QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
+    float* acc = w.acc.data() + r * D;
+    const float inv = 1.f / w.l[r];
+#if defined(__AVX512BF16__)
+    if (paired) values_unpermute(acc, D);
+#endif
+    for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[d] * inv);
+  }
+}
 
 // One work item: tokens tok0 .. tok0 + ntok - 1 of a request, at positions pos0 .., with the G query
 // heads of KV head kvh; writes their rows of out.
@@ -112,10 +187,10 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
   const int32_t* key_pairs[16];  // the tile's keys as bf16 pairs (a zero row where masked)
   const CT* value_rows[16];
 #endif
+  start_rows(rows, nvec, G, kvh, pos0, D, window, sinks, w);
   for (int64_t r = 0; r < nvec * 16; ++r) {
-    const int64_t row = std::min(r, rows - 1);  // lanes past the last row repeat it (never written out)
-    const int64_t i = row / G, g = row % G;
-    const QT* src = qp + (tok0 + i) * q_stride + (kvh * G + g) * D;
+    const int64_t row = std::min(r, rows - 1);
+    const QT* src = qp + (tok0 + row / G) * q_stride + (kvh * G + row % G) * D;
 #if defined(__AVX512BF16__)
     if (bf16) {
       int32_t* column = w.qpairs.data() + (r / 16) * half_d * 16 + r % 16;
@@ -125,13 +200,7 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 #endif
     float* column = qt + (r / 16) * D * 16 + r % 16;
     for (int64_t d = 0; d < D && !bf16; ++d) column[d * 16] = to_f(src[d]) * scale;
-    w.pos[r] = static_cast<float>(pos0 + i);
-    w.first[r] = static_cast<float>(window_start(pos0 + i, window));
-    m[r] = sinks ? sinks[kvh * G + g] : kNoMax;  // a sink joins the softmax as a score with no value
-    l[r] = sinks ? 1.f : 0.f;
   }
-  std::fill(acc, acc + nvec * 16 * D, 0.f);
-  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
   // keys [first_key, n_keys): from the first token's window start to the last token's position
   const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
   for (int64_t j0 = first_key / 16 * 16; j0 < n_keys; j0 += 16) {
@@ -167,17 +236,7 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
     }
 #if defined(__AVX512BF16__)
     const int64_t npairs = (jn + 1) / 2;  // key pairs P @ V reads (a pair past jn weighs zero)
-    if (bf16) {
-      for (int64_t kp = 0; kp < npairs; ++kp) {
-        for (int64_t c = 0; c < chunks; ++c) {
-          const __m512i a = _mm512_loadu_si512(value_rows[2 * kp] + 32 * c);
-          const __m512i b = _mm512_loadu_si512(value_rows[2 * kp + 1] + 32 * c);
-          int32_t* dst = w.vpairs.data() + (kp * chunks + c) * 32;
-          _mm512_storeu_si512(dst, _mm512_unpacklo_epi16(a, b));
-          _mm512_storeu_si512(dst + 16, _mm512_unpackhi_epi16(a, b));
-        }
-      }
-    }
+    if (bf16) unpack_value_pairs(value_rows, npairs, chunks, w.vpairs.data());
 #endif
     for (int64_t v = 0; v < nvec; ++v) {
       // lanes are in token order: lane 0 holds the vector's least position and window start
@@ -193,29 +252,7 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
       if (softcap > 0) {
         for (int k = 0; k < 16; ++k) s[k] = softcap16(s[k], softcap);
       }
-      Mask16 seen[16];
-      if (!whole) {
-        const V16 pos_v = load16(pos), first_v = load16(first);
-        for (int k = 0; k < 16; ++k) {
-          const V16 j = vset1(static_cast<float>(j0 + k));
-          seen[k] = mask_and(vle(first_v, j), vle(j, pos_v));
-          s[k] = vselect(seen[k], s[k], minus_inf);
-        }
-      }
-      V16 top = s[0];
-      for (int k = 1; k < 16; ++k) top = vmax(top, s[k]);
-      const V16 m_old = load16(m + v * 16), m_new = vmax(m_old, top);
-      const V16 c = exp16(vsub(m_old, m_new));
-      V16 sum = vzero();
-      for (int k = 0; k < 16; ++k) {
-        V16 p = exp16(vsub(s[k], m_new));
-        if (!whole) p = vselect(seen[k], p, vzero());
-        s[k] = p;
-        sum = vadd(sum, p);
-      }
-      store16(m + v * 16, m_new);
-      store16(l + v * 16, vadd(vmul(load16(l + v * 16), c), sum));
-      store16(corr, c);
+      online_softmax<16>(s, pos, first, j0, whole, m + v * 16, l + v * 16, corr);
 #if defined(__AVX512BF16__)
       if (bf16) {
         probability_pairs(s, w.ppairs.data());
@@ -231,15 +268,173 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
       }
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t i = r / G, g = r % G;
-    QT* dst = op + ((tok0 + i) * Hkv * G + kvh * G + g) * D;
-    const float inv = 1.f / l[r];
-    if (bf16) values_unpermute(acc + r * D, D);  // from values_dim order
-    for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(acc[r * D + d] * inv);
+  finish_rows(op, rows, G, Hkv, kvh, D, tok0, bf16, w);
+}
+
+#if defined(STRATA_ATTENTION_AMX)
+// ---------------------------------------------------------------------------------------------
+// AMX bf16 tiles (tdpbf16ps), for bf16 queries and cache with D % 32 == 0, where the OS grants them.
+// Keys go kTileKeys at a time (tiles start at multiples of 32 positions). For each vector of 16 rows:
+//   scores  S^T [32 keys][16 rows] = K [keys][32 dims] x Q^T [16 dim pairs][16 rows], per 32-dim
+//           chunk, two tiles of 16 keys; stored, they are the lane-wise layout above (one vector per
+//           key, the rows in lanes), scaled, capped and masked as on the other paths;
+//   P @ V   O [16 rows][16 dims] += P [16 rows][32 keys] x V [16 key pairs][16 dims], per 16 of the
+//           accumulators' dims (values_dim order), after they are rescaled by corr in memory.
+// A tile product sums its products in its own order (not the dot-product instruction's: measured,
+// a third of the sums differ in the last bits), so this is its own arithmetic; each output of a tile
+// product depends only on its own row and column, and the key tiles start at fixed positions, so a
+// row's bits still do not depend on the rows beside it or on how its prompt is chunked. The choice
+// is the process's (set_attention_tiles), never the call's.
+constexpr int64_t kTileKeys = 32;
+constexpr int kTileS0 = 0, kTileS1 = 1, kTileK = 2, kTileQ = 3, kTileO = 4, kTileP = 5, kTileV = 6;
+
+inline bool attention_tiles_available() { return tiles_permitted(); }
+
+inline void configure_attention_tiles() {
+  TileConfig cfg;
+  for (int t : {kTileS0, kTileS1, kTileK, kTileQ, kTileO, kTileP, kTileV}) cfg.set(t, 16, 64);
+  cfg.load();
+}
+
+// The tile instructions with the tile as a template argument ("%c": the number bare, so
+// "%%tmm%c0" names the register). Loads and stores clobber memory: what a load reads was written
+// by vector code just before, and what a store writes is read right after.
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+template <int T>
+inline void tile_load(const void* p, int64_t stride) {
+  asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
+}
+template <int T>
+inline void tile_store(void* p, int64_t stride) {
+  asm volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
+}
+template <int C, int A, int B>  // C += A x B (AT&T order: B, A, C)
+inline void tile_bf16_product() {
+  asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
+}
+
+// One work item (as extend_item) on the tiles.
+void extend_item_tiles(const c10::BFloat16* qp, int64_t q_stride, c10::BFloat16* op, const c10::BFloat16* kc,
+                       const c10::BFloat16* vc, const int64_t* pages, int64_t page_size, int64_t Hkv, int64_t kvh,
+                       int64_t G, int64_t D, int64_t tok0, int64_t ntok, int64_t pos0, float scale, int64_t window,
+                       float softcap, const float* sinks, ItemBuffers& w) {
+  const int64_t rows = ntok * G, nvec = (rows + 15) / 16, half_d = D / 2, chunks = D / 32;
+  float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *corr = w.corr.data();
+  start_rows(rows, nvec, G, kvh, pos0, D, window, sinks, w);
+  for (int64_t r = 0; r < nvec * 16; ++r) {  // Q^T as pairs: per vector, [D / 2][16 rows]
+    const int64_t row = std::min(r, rows - 1);
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(qp + (tok0 + row / G) * q_stride + (kvh * G + row % G) * D);
+    int32_t* column = w.qpairs.data() + (r / 16) * half_d * 16 + r % 16;
+    for (int64_t d = 0; d < half_d; ++d) column[d * 16] = pairs[d];
   }
+  const c10::BFloat16* value_rows[kTileKeys];
+  const int64_t row_bytes = D * 2;
+  const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
+  for (int64_t j0 = first_key / kTileKeys * kTileKeys; j0 < n_keys; j0 += kTileKeys) {
+    const int64_t jn = std::min(kTileKeys, n_keys - j0);
+    // the keys gathered row by row (zeros outside [first_key, n_keys): those pages may be freed)
+    char* keys = reinterpret_cast<char*>(w.keys.data());
+    for (int64_t k = 0; k < kTileKeys; ++k) {
+      const int64_t j = j0 + k;
+      if (j < first_key || k >= jn) {
+        std::memset(keys + k * row_bytes, 0, row_bytes);
+        value_rows[k] = reinterpret_cast<const c10::BFloat16*>(w.zeros.data());
+        continue;
+      }
+      const int64_t slot = (pages[j / page_size] * page_size + j % page_size) * Hkv + kvh;
+      std::memcpy(keys + k * row_bytes, kc + slot * D, row_bytes);
+      value_rows[k] = vc + slot * D;
+    }
+    unpack_value_pairs(value_rows, kTileKeys / 2, chunks, w.vpairs.data());
+    for (int64_t v = 0; v < nvec; ++v) {
+      const float* pos = w.pos.data() + v * 16;
+      const float* first = w.first.data() + v * 16;
+      if (j0 > pos[15] || j0 + jn - 1 < first[0]) continue;
+      const bool whole = jn == kTileKeys && j0 + kTileKeys - 1 <= pos[0] && j0 >= first[15];
+      const int32_t* qv = w.qpairs.data() + v * half_d * 16;
+      tile_zero<kTileS0>();
+      tile_zero<kTileS1>();
+      for (int64_t c = 0; c < chunks; ++c) {
+        tile_load<kTileQ>(qv + c * 256, 64);
+        tile_load<kTileK>(keys + 64 * c, row_bytes);
+        tile_bf16_product<kTileS0, kTileK, kTileQ>();
+        tile_load<kTileK>(keys + 16 * row_bytes + 64 * c, row_bytes);
+        tile_bf16_product<kTileS1, kTileK, kTileQ>();
+      }
+      float* scores = w.scores.data();
+      tile_store<kTileS0>(scores, 64);
+      tile_store<kTileS1>(scores + 256, 64);
+      V16 s[kTileKeys];
+      const V16 sc = vset1(scale);
+      for (int k = 0; k < kTileKeys; ++k) {
+        s[k] = vmul(load16(scores + 16 * k), sc);
+        if (softcap > 0) s[k] = softcap16(s[k], softcap);
+      }
+      online_softmax<kTileKeys>(s, pos, first, j0, whole, m + v * 16, l + v * 16, corr);
+      // P row by row: the 16 key pairs' probability pairs per row, transposed from per key pair
+      probability_pairs(s, w.ppairs.data());
+      probability_pairs(s + 16, w.ppairs.data() + 128);
+      __m512i pairs_by_key[16], pairs_by_row[16];
+      for (int kp = 0; kp < 16; ++kp) pairs_by_key[kp] = _mm512_loadu_si512(w.ppairs.data() + 16 * kp);
+      transpose16_epi32(pairs_by_key, pairs_by_row);
+      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(w.prows.data() + 16 * r, pairs_by_row[r]);
+      float* acc_v = acc + v * 16 * D;
+      for (int r = 0; r < 16; ++r) {
+        if (corr[r] == 1.f) continue;
+        const V16 c = vset1(corr[r]);
+        for (int64_t d = 0; d < D; d += 16) store16(acc_v + r * D + d, vmul(load16(acc_v + r * D + d), c));
+      }
+      tile_load<kTileP>(w.prows.data(), 64);
+      for (int64_t c = 0; c < chunks; ++c) {
+        for (int64_t h = 0; h < 2; ++h) {
+          tile_load<kTileO>(acc_v + 32 * c + 16 * h, D * 4);
+          tile_load<kTileV>(w.vpairs.data() + 32 * c + 16 * h, chunks * 128);
+          tile_bf16_product<kTileO, kTileP, kTileV>();
+          tile_store<kTileO>(acc_v + 32 * c + 16 * h, D * 4);
+        }
+      }
+    }
+  }
+  finish_rows(op, rows, G, Hkv, kvh, D, tok0, true, w);
 }
 #endif
+#endif
+
+#if defined(STRATA_SIMD16)
+// One work item on the tiles (bf16 only) or on extend_item.
+template <typename QT, typename CT>
+inline void run_item(bool tiles, const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT* vc,
+                     const int64_t* pages, int64_t page_size, int64_t Hkv, int64_t kvh, int64_t G, int64_t D,
+                     int64_t tok0, int64_t ntok, int64_t pos0, float scale, int64_t window, float softcap,
+                     const float* sinks, ItemBuffers& w) {
+#if defined(STRATA_ATTENTION_AMX)
+  if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
+    if (tiles) {
+      extend_item_tiles(qp, q_stride, op, kc, vc, pages, page_size, Hkv, kvh, G, D, tok0, ntok, pos0, scale, window,
+                        softcap, sinks, w);
+      return;
+    }
+  }
+#endif
+  (void)tiles;
+  extend_item<QT, CT>(qp, q_stride, op, kc, vc, pages, page_size, Hkv, kvh, G, D, tok0, ntok, pos0, scale, window,
+                      softcap, sinks, w);
+}
+#endif
+
+// Whether bf16 extends take the AMX tiles: built with them, granted by the OS, and switched on (the
+// default; set_attention_tiles). Either path keeps a row's bits independent of its batch and chunk,
+// but the two round differently, so the switch is the process's, set before its first prefill.
+#if !defined(STRATA_ATTENTION_AMX)
+inline bool attention_tiles_available() { return false; }
+#endif
+std::atomic<bool> g_attention_tiles_wanted{true};
+inline bool attention_tiles_on() {
+  return g_attention_tiles_wanted.load(std::memory_order_relaxed) && attention_tiles_available();
+}
 
 // out[q_start[b] + i] = attention of request b's token i (see above); window, softcap and sinks as
 // in check_layer_options. Needs a SIMD build (AVX2 or AVX-512: has_simd()) and head_dim % 16 == 0
@@ -302,16 +497,24 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
         QT* op = out.data_ptr<QT>();
         const CT* kc = k_cache.data_ptr<CT>();
         const CT* vc = v_cache.data_ptr<CT>();
+        constexpr bool bf16 = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
+        const bool tiles = bf16 && D % 32 == 0 && attention_tiles_on();
         at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
           ItemBuffers buf((block * G + 15) / 16 * 16, D);
+#if defined(STRATA_ATTENTION_AMX)
+          if (tiles) configure_attention_tiles();
+#endif
           for (int64_t tid = begin; tid < end; ++tid) {
             for (size_t it = tid; it < items.size(); it += nthreads) {
               const Item& w = items[it];
-              extend_item<QT, CT>(qp, q.stride(0), op, kc, vc, pt + w.b * pages_per_row, page_size, Hkv, w.kvh, G, D,
-                                  w.tok0, w.ntok, w.pos0, fscale, window, static_cast<float>(softcap), sink_logits,
-                                  buf);
+              run_item<QT, CT>(tiles, qp, q.stride(0), op, kc, vc, pt + w.b * pages_per_row, page_size, Hkv, w.kvh, G,
+                               D, w.tok0, w.ntok, w.pos0, fscale, window, static_cast<float>(softcap), sink_logits,
+                               buf);
             }
           }
+#if defined(STRATA_ATTENTION_AMX)
+          if (tiles) release_tiles();
+#endif
         });
       }
     });
@@ -326,4 +529,16 @@ void register_extend_attention(pybind11::module_& m) {
         pybind11::arg("v_cache"), pybind11::arg("page_table"), pybind11::arg("q_start"), pybind11::arg("q_len"),
         pybind11::arg("kv_len"), pybind11::arg("page_size"), pybind11::arg("scale"), pybind11::arg("window") = 0,
         pybind11::arg("softcap") = 0.0, pybind11::arg("sinks") = pybind11::none());
+  m.def("attention_tiles_available", &attention_tiles_available,
+        "whether bf16 extend attention can use AMX bf16 tiles here (built with them, the CPU has them, the OS "
+        "grants them)");
+  m.def(
+      "set_attention_tiles",
+      [](bool on) {
+        TORCH_CHECK(!on || attention_tiles_available(), "AMX bf16 tiles are not available in this build or on this CPU");
+        g_attention_tiles_wanted.store(on);
+      },
+      "bf16 extend attention on the AMX tiles (True, the default where available) or the dot-product path; a "
+      "process's prefills should all take one (the two round differently)");
+  m.def("attention_tiles", &attention_tiles_on, "whether bf16 extend attention takes the AMX tiles now");
 }

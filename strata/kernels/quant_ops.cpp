@@ -53,10 +53,9 @@
 #define STRATA_QUANT_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define STRATA_QUANT_AVX512 1
-#if defined(__AVX512VNNI__) && defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__linux__)
+#include "amx.h"
+#if defined(__AVX512VNNI__) && defined(STRATA_AMX) && defined(__AMX_INT8__)
 #define STRATA_QUANT_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
 #endif
 #endif
 #endif
@@ -571,8 +570,7 @@ inline void store_group_rows(OT* out, int64_t N, int64_t g, int64_t r0, int64_t 
 
 #if defined(STRATA_QUANT_AMX)
 // ----------------------------------------------------------------------------------------------
-// AMX tiles. Linux hands a process the tile state only on request (arch_prctl); a refusal, an old
-// kernel or a CPU without the tiles leaves the dot-product path.
+// AMX int8 tiles (amx.h: where the OS refuses them, the dot-product path runs).
 //
 // Tiles as configured: C0, C1 the int32 sums of 16 activation rows x 16 weight rows; A0, A1 16
 // activation rows x 32 channels (one block); B0, B1 one block of a group's 16 weight rows, 8 rows of
@@ -585,39 +583,17 @@ constexpr int64_t kTileChunk = 64;   // activation rows whose outputs stay in ca
 constexpr int64_t kTileAhead = 4;    // tile products stored ahead of the step whose sums are scaled (even)
 constexpr int64_t kTileRing = kTileAhead + 2;  // stored sums in flight
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
 inline void configure_tiles() {
   TileConfig cfg;
-  const auto set = [&](int tile, int rows, int colsb) {
-    cfg.rows[tile] = static_cast<uint8_t>(rows);
-    cfg.colsb[tile] = static_cast<uint16_t>(colsb);
-  };
-  set(kTileC0, kTileRows, 64);
-  set(kTileC1, kTileRows, 64);
-  set(kTileA0, kTileRows, kBlock);
-  set(kTileA1, kTileRows, kBlock);
-  set(kTileB0, kBlock / 4, 64);
-  set(kTileB1, kBlock / 4, 64);
-  set(kTileAH, kTileRows, kBlock / 2);
-  set(kTileBH, kBlock / 8, 64);
-  // asm with the whole config as its operand: GCC 12 drops the rows and widths stored before its
-  // _tile_loadconfig builtin, which then loads a config of empty tiles
-  asm volatile("ldtilecfg %0" ::"m"(cfg));
-}
-
-bool tiles_permitted() {
-  static const bool ok = [] {
-    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-  }();
-  return ok;
+  cfg.set(kTileC0, kTileRows, 64);
+  cfg.set(kTileC1, kTileRows, 64);
+  cfg.set(kTileA0, kTileRows, kBlock);
+  cfg.set(kTileA1, kTileRows, kBlock);
+  cfg.set(kTileB0, kBlock / 4, 64);
+  cfg.set(kTileB1, kBlock / 4, 64);
+  cfg.set(kTileAH, kTileRows, kBlock / 2);
+  cfg.set(kTileBH, kBlock / 8, 64);
+  cfg.load();
 }
 #endif
 
@@ -804,7 +780,7 @@ void tile_linear_groups(const W& w, const TileRows& x, int64_t M, int64_t K, int
       }
     }
   }
-  _tile_release();
+  release_tiles();
 }
 #endif
 

@@ -88,9 +88,12 @@ def test_head_dim_the_kernels_do_not_vectorise(batch, feature):
 @pytest.mark.parametrize("shape", [(9, 3), (8, 1)], ids=lambda s: f"H{s[0]}-Hkv{s[1]}")
 @pytest.mark.parametrize("batch", ["mixed-long", "extend-only"])
 @pytest.mark.parametrize("feature", [None, "all"])
-def test_bf16_head_dims_of_the_dot_product_paths(head_dim, shape, batch, feature):
+def test_bf16_head_dims_of_the_dot_product_paths(
+    extend_path, head_dim, shape, batch, feature
+):
     """bf16 with head_dim a multiple of 32: with AVX512-BF16 the decode and extend kernels multiply
-    by the bf16 dot-product instruction (one, two, three and four 32-dimension chunks here)."""
+    by the bf16 dot-product instruction (one, two, three and four 32-dimension chunks here), and with
+    AMX extends may take the bf16 tiles instead."""
     check_against_reference(
         torch.bfloat16,
         2e-2,
@@ -267,12 +270,17 @@ def test_bad_layer_settings_are_refused(kwargs, message):
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("window", [None, 200])
-def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_attends_the_same_whatever_shares_its_step(
+    extend_path, native, window, dtype
+):
     """A request's prefill attention is computed by its own path and shapes (the kernel, or SDPA one
     request at a time), so its output bits are the same alone and beside any other prefills: short,
-    long, with a cached prefix or without."""
+    long, with a cached prefix or without (bf16 with head_dim 32: the kernel's bf16 paths)."""
+    if not native and extend_path == "tiles":
+        pytest.skip("the torch path has no tiles")
     gen = torch.Generator().manual_seed(11)
-    heads, kv_heads, dim = 4, 2, 16
+    heads, kv_heads, dim = 4, 2, 16 if dtype == torch.float32 else 32
     # (new tokens, tokens in KV after the step): a short one, a long one, a long chunk after a prefix
     requests = {
         "short": (40, 40),
@@ -286,13 +294,14 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
     }
     tensors = {
         name: [
-            torch.randn(q, h, dim, generator=gen) for h in (heads, kv_heads, kv_heads)
+            torch.randn(q, h, dim, generator=gen).to(dtype)
+            for h in (heads, kv_heads, kv_heads)
         ]
         for name, (q, _) in requests.items()
     }
     cache = (
-        torch.randn(5000, kv_heads, dim, generator=gen),
-        torch.randn(5000, kv_heads, dim, generator=gen),
+        torch.randn(5000, kv_heads, dim, generator=gen).to(dtype),
+        torch.randn(5000, kv_heads, dim, generator=gen).to(dtype),
     )
 
     def step(names: list[str]) -> dict[str, torch.Tensor]:
@@ -333,7 +342,7 @@ def test_a_prefill_attends_the_same_whatever_shares_its_step(native, window):
 @pytest.mark.parametrize("page_size", [1, 16])
 @pytest.mark.parametrize("feature", [None, "window", "all"])
 def test_a_prefill_attends_the_same_however_its_prompt_is_chunked(
-    dtype, shape, page_size, feature
+    extend_path, dtype, shape, page_size, feature
 ):
     """The extend kernel computes a query row the same whichever rows share its work item and
     wherever its chunk starts: a prompt prefilled at once, in chunks of any size, or after a cached

@@ -908,7 +908,7 @@ def test_onednn_packing_is_the_fallback_without_native_kernels(monkeypatch):
     ],
 )
 def test_extend_attention_matches_oracle(
-    ops, dtype, head_dim, heads, kv_heads, page_size
+    ops, extend_path, dtype, head_dim, heads, kv_heads, page_size
 ):
     if not ops.has_simd():
         pytest.skip("the extend kernel needs AVX2 or AVX-512")
@@ -1085,7 +1085,7 @@ def test_paged_attention_window_softcap_sinks_match_oracle(
 @pytest.mark.parametrize("softcap", [None, 2.0])
 @pytest.mark.parametrize("sinks", [False, True], ids=["", "sinks"])
 def test_extend_attention_window_softcap_sinks_match_oracle(
-    ops, dtype, page_size, window, softcap, sinks
+    ops, extend_path, dtype, page_size, window, softcap, sinks
 ):
     """Fresh prompts, cached prefixes and chunks across a window's edge: (q 12, kv 20) has 8 cached
     keys, all behind its last token's 5-key window; (q 40, kv 200) spans many 16-key tiles."""
