@@ -223,7 +223,9 @@ def _apply_attention_tiles_env(module: ModuleType) -> None:
     than a timing: the two paths round differently, and a run's bits should not depend on the noise
     of a measurement at start-up."""
     setting = os.environ.get(ATTENTION_TILES_ENV, "").strip().lower()
-    if setting in ("0", "off", "false", "no") and hasattr(module, "set_attention_tiles"):
+    if setting in ("0", "off", "false", "no") and hasattr(
+        module, "set_attention_tiles"
+    ):
         module.set_attention_tiles(False)
 
 

@@ -102,7 +102,9 @@ def test_the_environment_switches_them_off(ops, monkeypatch):
 
 
 def test_switching_on_where_they_cannot_run_is_an_error():
-    module = kernels.load("x86-64-v3") if kernels.target_supported("x86-64-v3") else None
+    module = (
+        kernels.load("x86-64-v3") if kernels.target_supported("x86-64-v3") else None
+    )
     if module is None:
         pytest.skip("no AVX2 build here")
     assert not module.attention_tiles_available()
