@@ -26,6 +26,9 @@ HICACHE_STORAGE_BACKENDS = ("file", "redis", "mooncake")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "mooncake")  # strata.disagg.transport
 QUANTIZATION_METHODS = ("auto", "none", "gguf", "int8", "int4")
+# block linears: exact = the int8 kernel for every call (a row never depends on its call); fast = large
+# calls on oneDNN bf16 where timed faster (strata.layers.fast_matmul)
+MATMUL_MODES = ("exact", "fast")
 # where an Engram model's tables live (strata.layers.engram_tables.TABLE_PLACEMENTS implements each)
 ENGRAM_PLACEMENTS = ("memory", "host", "mmap")
 SPECULATIVE_ALGORITHMS = (
@@ -146,6 +149,9 @@ class EngineConfig:
     # weights in blocks of 32 (CPU): auto = a GGUF model's own blocks, else float; none = dequantized;
     # gguf = the GGUF's blocks or fail; int8 | int4 = quantize a float checkpoint
     quantization: str = "auto"
+    # block linears of large calls: exact = the int8 kernel always; fast = oneDNN bf16 from the rows
+    # a timing at load picks (strata.layers.fast_matmul)
+    matmul: str = "exact"
     # Engram tables (DeepSeek-V4.1): memory = parameters of the model; host = a host pool outside
     # it; mmap = mapped from the checkpoint; host and mmap gather each step's rows ahead on a thread
     engram_placement: str = "memory"
@@ -301,6 +307,14 @@ class EngineConfig:
             raise ValueError(
                 "--swa-replay recomputes the window groups' KV; it needs --sliding-kv window"
             )
+        if self.matmul not in MATMUL_MODES:
+            raise ValueError(
+                f"matmul must be one of {MATMUL_MODES}, got {self.matmul!r}"
+            )
+        if self.matmul == "fast" and (self.tp_size > 1 or self.ep_size > 1):
+            raise ValueError(
+                "--matmul fast is for one engine alone: not with --tp-size / --ep-size > 1"
+            )
         if self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(
                 f"quantization must be one of {QUANTIZATION_METHODS}, got {self.quantization!r}"
@@ -377,6 +391,7 @@ _CHOICES = {
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
     "quantization": QUANTIZATION_METHODS,
+    "matmul": MATMUL_MODES,
     "engram_placement": ENGRAM_PLACEMENTS,
     "sliding_kv": SLIDING_KV_MODES,
     "step_threads": STEP_THREADS,
@@ -410,6 +425,11 @@ _HELP = {
     "disable_radix_cache": "turn off prefix sharing",
     "quantization": "weights in blocks of 32 on the CPU: auto (a GGUF runs on its own blocks), none "
     "(dequantize), gguf (require the blocks), int8 / int4 (quantize a float checkpoint)",
+    "matmul": "block-quantized linears: exact (the int8 kernel for every call: a row's bits never depend on "
+    "its batch or its prompt's chunking; greedy output is the same with speculation on and off) or fast (calls "
+    "of many rows, long prefills and big batches, multiply a bf16 copy of the weights through oneDNN, AMX "
+    "tiles where the CPU has them, from the rows a timing at load finds 1.25x faster; more memory, and those "
+    "rows round differently)",
     "engram_placement": "Engram tables (DeepSeek-V4.1 models): memory (parameters of the model), host (a "
     "host pool, each step's rows gathered ahead on a thread) or mmap (mapped from the checkpoint, gathered "
     "ahead the same way; only the rows read become resident)",

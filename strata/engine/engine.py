@@ -38,7 +38,7 @@ from strata.engine.outputs import RequestOutput, TokenLogprob
 from strata.engine.request import Req
 from strata.engine.scheduler import Scheduler
 from strata.engine.step_threads import StepThreads
-from strata.kernels import describe_kernels, kernel_info
+from strata.kernels import describe_kernels, kernel_info, record_fast_matmul
 from strata.layers.expert_load import expert_load_summary
 from strata.layers.packed import blas_matmuls
 from strata.layers.quant import describe_weights
@@ -200,6 +200,7 @@ class Engine:
         self.parallel = self._make_parallel(
             model_dir, model_config, dtype, device, context_len
         )
+        record_fast_matmul({})  # --matmul fast records its choice as the model loads
         self.model = load_model(
             model_dir,
             model_config,
@@ -209,6 +210,7 @@ class Engine:
             quantization=cfg.quantization,
             shard=self.parallel.shard if self.parallel else None,
             engram_placement=cfg.engram_placement,
+            matmul=cfg.matmul,
         )
         weights = describe_weights(self.model)
 

@@ -377,6 +377,25 @@ def describe_int8_tiles(choice: Mapping[str, Any]) -> str:
     )
 
 
+# --matmul fast: the rows from which block linears take oneDNN bf16 (strata.layers.fast_matmul)
+_fast_matmul: dict[str, Any] = {}
+
+
+def record_fast_matmul(choice: Mapping[str, Any]) -> None:
+    """Keep `choice` ({}: --matmul exact)."""
+    _fast_matmul.clear()
+    _fast_matmul.update(choice)
+
+
+def describe_fast_matmul(choice: Mapping[str, Any]) -> str:
+    """e.g. "block linears on oneDNN bf16 from 64 rows" (or why never)."""
+    if choice.get("rows"):
+        return f"block linears on oneDNN bf16 from {choice['rows']} rows"
+    return (
+        f"block linears exact ({choice.get('reason') or 'oneDNN never 1.25x faster'})"
+    )
+
+
 def kernel_info() -> dict[str, object]:
     """Which kernels a forward step runs here, for start-up logs and benchmark records."""
     module = cpu_ops()
@@ -395,6 +414,8 @@ def kernel_info() -> dict[str, object]:
         ),
         # bf16 prefill (extend) attention on AMX bf16 tiles
         "attention_tiles": attention_tiles_on(module),
+        # --matmul fast: what it chose (absent with --matmul exact)
+        **({"fast_matmul": dict(_fast_matmul)} if _fast_matmul else {}),
     }
 
 
@@ -408,6 +429,8 @@ def describe_kernels(info: Mapping[str, Any]) -> str:
         line += f", AMX int8 tiles: {describe_int8_tiles(tiles)}"
     if info.get("attention_tiles"):
         line += ", AMX bf16 tiles: prefill attention"
+    if info.get("fast_matmul"):
+        line += f", --matmul fast: {describe_fast_matmul(info['fast_matmul'])}"
     return line
 
 

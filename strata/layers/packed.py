@@ -189,7 +189,7 @@ BLAS_MATMUL_MODULES = frozenset(
 def blas_matmuls(model: torch.nn.Module) -> list[str]:
     """The kinds of the model's modules that multiply float weights through BLAS rather than the native
     kernels (block-quantized, or DenseLinear's packed bf16/float32), which compute a row the same in
-    any call."""
+    any call; block linears count where --matmul fast sends their large calls to oneDNN."""
     return sorted(
         {
             type(m).__name__
@@ -199,17 +199,18 @@ def blas_matmuls(model: torch.nn.Module) -> list[str]:
                 type(m).__name__ in BLAS_MATMUL_MODULES
                 and not getattr(m, "native_kernel", False)
             )
+            or getattr(m, "fast_rows", 0)  # --matmul fast: block linears' large calls
         }
     )
 
 
-def _onednn_linear(
+def onednn_linear(
     x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise.default(x, packed, bias, "none", [], "")
 
 
-def _onednn_pack(weight: torch.Tensor) -> torch.Tensor:
+def onednn_pack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), 1)
 
 
@@ -220,7 +221,7 @@ class PackedLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.packed = _onednn_pack(
+        self.packed = onednn_pack(
             weight
         )  # an opaque oneDNN tensor: a plain attribute, not a parameter
         self.bias = (
@@ -229,7 +230,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]
-        out = _onednn_linear(
+        out = onednn_linear(
             x.reshape(-1, self.in_features).contiguous(), self.packed, self.bias
         )
         return out.view(*lead, self.out_features)
@@ -287,7 +288,7 @@ def packing_works() -> bool:
         w = torch.randn(48, 32, generator=gen).to(torch.bfloat16)
         b = torch.randn(48, generator=gen).to(torch.bfloat16)
         x = torch.randn(5, 32, generator=gen).to(torch.bfloat16)
-        return _close(_onednn_linear(x, _onednn_pack(w), b), F.linear(x, w, b))
+        return _close(onednn_linear(x, onednn_pack(w), b), F.linear(x, w, b))
     except Exception as exc:  # noqa: BLE001 - an op missing from this torch build, an unsupported CPU, ...
         logger.info("oneDNN weight packing unavailable (%s)", exc)
         return False

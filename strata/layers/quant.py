@@ -48,7 +48,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata import kernels
-from strata.layers.packed import DenseLinear
+from strata.layers.packed import DenseLinear, onednn_linear
 
 logger = logging.getLogger(__name__)
 
@@ -103,6 +103,10 @@ class QuantLinear(nn.Module, ABC):
             )
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        # --matmul fast (strata.layers.fast_matmul): calls of at least fast_rows rows multiply
+        # fast_weight, a bf16 copy of the weight prepacked for oneDNN (0: never)
+        self.fast_rows = 0
+        self.fast_weight: torch.Tensor | None = None
 
     @classmethod
     @abstractmethod
@@ -170,8 +174,12 @@ class QuantLinear(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        ops = kernels.usable(x2d)
-        out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
+        if self.fast_rows and x2d.shape[0] >= self.fast_rows:
+            out = onednn_linear(x2d.to(torch.bfloat16), self.fast_weight, None)
+            out = out.to(x.dtype)
+        else:
+            ops = kernels.usable(x2d)
+            out = self.kernel_mm(ops, x2d) if ops is not None else self.dequant_mm(x2d)
         bias = self._buffers[
             "bias"
         ]  # direct: Module.__getattr__ costs ~1 us, and decode calls this 121x a step

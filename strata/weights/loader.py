@@ -65,6 +65,7 @@ def load_model(
     quantization: str = "auto",
     shard=None,
     engram_placement: str = "memory",
+    matmul: str = "exact",
 ) -> torch.nn.Module:
     """Build the model without initialising weights (meta device) and fill it from the checkpoint.
 
@@ -78,7 +79,10 @@ def load_model(
     so such a rank loads float weights.
 
     engram_placement (`strata.layers.engram_tables`): `host` / `mmap` keep a model's Engram tables
-    outside it, read into host memory or mapped from the checkpoint; other models ignore it."""
+    outside it, read into host memory or mapped from the checkpoint; other models ignore it.
+
+    matmul (`strata.layers.fast_matmul`): `fast` lets the block linears' large calls take oneDNN bf16
+    where a timing here finds it faster; `exact` keeps every call on the int8 kernel."""
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(
             f"quantization must be one of {QUANTIZATION_METHODS}, got {quantization!r}"
@@ -157,6 +161,10 @@ def load_model(
 
         pack_linears(model)
         choose_int8_tiles(model, dtype)
+        if matmul == "fast":
+            from strata.layers.fast_matmul import choose_fast_matmul
+
+            choose_fast_matmul(model, dtype, matmul)
     if shard is not None:
         shard.install(model)
     release_freed_memory()
