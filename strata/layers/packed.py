@@ -199,7 +199,8 @@ def blas_matmuls(model: torch.nn.Module) -> list[str]:
                 type(m).__name__ in BLAS_MATMUL_MODULES
                 and not getattr(m, "native_kernel", False)
             )
-            or getattr(m, "fast_rows", 0)  # --matmul fast: block linears' large calls
+            or getattr(m, "fast_rows", 0)
+            > 0  # --matmul fast: block linears' large calls
         }
     )
 

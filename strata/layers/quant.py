@@ -174,8 +174,9 @@ class QuantLinear(nn.Module, ABC):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.in_features).contiguous()  # [rows, in_features]
-        if self.fast_rows and x2d.shape[0] >= self.fast_rows:
-            out = onednn_linear(x2d.to(torch.bfloat16), self.fast_weight, None)
+        fast = self.fast_weight
+        if fast is not None and x2d.shape[0] >= self.fast_rows:
+            out = onednn_linear(x2d.to(torch.bfloat16), fast, None)
             out = out.to(x.dtype)
         else:
             ops = kernels.usable(x2d)
