@@ -72,18 +72,26 @@ def choose_fast_matmul(
         reason = f"needs bf16 activations, the model runs in {str(dtype).removeprefix('torch.')}"
     elif ops is None or not torch.backends.mkldnn.is_available():
         reason = "needs the native kernels and oneDNN"
-    if reason:
+    layer = max(layers, key=lambda m: m.in_features * m.out_features)
+    packed = None
+    if not reason:
+        try:
+            packed = onednn_pack(layer.dequantize().to(torch.bfloat16))
+        except (
+            RuntimeError
+        ) as err:  # e.g. an AVX2-only CPU: oneDNN has no bf16 path there
+            reason = f"oneDNN cannot multiply bf16 here ({str(err).splitlines()[0]})"
+    if reason or packed is None:
         choice: dict[str, object] = {"rows": 0, "reason": reason}
         kernels.record_fast_matmul(choice)
         logger.warning("--matmul fast: %s; every linear stays exact", reason)
         return choice
-    layer = max(layers, key=lambda m: m.in_features * m.out_features)
     forced = os.environ.get(FAST_ROWS_ENV, "").strip()
     if forced.isdigit():
         chosen = int(forced)
         choice = {"rows": chosen, "set_by": FAST_ROWS_ENV}
     else:
-        timed = time_both(layer, ops, dtype)
+        timed = time_both(layer, packed, ops, dtype)
         chosen = 0
         for rows in reversed(FAST_TRIAL_ROWS):
             kernel_ms, onednn_ms = timed[rows]
@@ -104,9 +112,11 @@ def choose_fast_matmul(
     return choice
 
 
-def time_both(layer: QuantLinear, ops, dtype: torch.dtype) -> dict[int, list[float]]:
-    """{rows: [int8 kernel ms, oneDNN bf16 ms]} for `layer` at FAST_TRIAL_ROWS rows."""
-    packed = onednn_pack(layer.dequantize().to(torch.bfloat16))
+def time_both(
+    layer: QuantLinear, packed: torch.Tensor, ops, dtype: torch.dtype
+) -> dict[int, list[float]]:
+    """{rows: [int8 kernel ms, oneDNN bf16 ms]} for `layer` (`packed`: its oneDNN bf16 copy) at
+    FAST_TRIAL_ROWS rows."""
     generator = torch.Generator().manual_seed(0)
     timed: dict[int, list[float]] = {}
     for rows in FAST_TRIAL_ROWS:

@@ -11,6 +11,7 @@ from torch import nn
 from strata import kernels
 from strata.config import EngineConfig
 from strata.layers.fast_matmul import FAST_ROWS_ENV, block_linears, choose_fast_matmul
+from strata.layers.packed import onednn_pack
 from strata.layers.quant import QuantEmbedding
 from tests.unit.test_quant import random_layer
 
@@ -21,12 +22,41 @@ def clean_record():
     kernels.record_fast_matmul({})
 
 
+def onednn_bf16() -> bool:
+    try:
+        onednn_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
+    except RuntimeError:
+        return False
+    return True
+
+
 @pytest.fixture
 def ops():
     module = kernels.cpu_ops()
     if module is None or not torch.backends.mkldnn.is_available():
         pytest.skip("needs the native kernels and oneDNN")
+    if not onednn_bf16():
+        pytest.skip("oneDNN has no bf16 path on this CPU (or is held below it)")
     return module
+
+
+def test_without_onednn_bf16_it_stays_exact_and_says_why(monkeypatch):
+    """On a CPU where oneDNN cannot multiply bf16 (AVX2 only, or held to AVX2), fast is exact."""
+    from strata.layers import fast_matmul
+
+    def refuse(weight):
+        raise RuntimeError("bf16 path needs the cpu support avx512bw\nmore")
+
+    if kernels.cpu_ops() is None:
+        pytest.skip("needs the native kernels")
+    monkeypatch.setattr(fast_matmul, "onednn_pack", refuse)
+    model = _Model()
+    choice = choose_fast_matmul(model, torch.bfloat16, "fast")
+    assert choice == {
+        "rows": 0,
+        "reason": "oneDNN cannot multiply bf16 here (bf16 path needs the cpu support avx512bw)",
+    }
+    assert model.up.fast_rows == 0 and model.up.fast_weight is None
 
 
 class _Model(nn.Module):
