@@ -29,7 +29,12 @@ from torch import nn
 from strata import kernels
 from strata.config import MATMUL_MODES
 from strata.layers.packed import onednn_linear, onednn_pack
-from strata.layers.quant import QuantEmbedding, QuantLinear, median_call_ms
+from strata.layers.quant import (
+    QuantEmbedding,
+    QuantLinear,
+    fewest_winning_rows,
+    median_call_ms,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -92,12 +97,7 @@ def choose_fast_matmul(
         choice = {"rows": chosen, "set_by": FAST_ROWS_ENV}
     else:
         timed = time_both(layer, packed, ops, dtype)
-        chosen = 0
-        for rows in reversed(FAST_TRIAL_ROWS):
-            kernel_ms, onednn_ms = timed[rows]
-            if kernel_ms < FAST_GAIN * onednn_ms:
-                break
-            chosen = rows
+        chosen = fewest_winning_rows(timed, FAST_GAIN)
         choice = {
             "rows": chosen,
             "layer": [layer.out_features, layer.in_features],

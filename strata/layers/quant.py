@@ -499,6 +499,18 @@ def median_call_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def fewest_winning_rows(timed: dict[int, list[float]], gain: float) -> int:
+    """The fewest rows at which the second path (timed[rows] = [first ms, second ms]) is `gain`
+    times faster, there and at every larger count timed; 0 if at none."""
+    chosen = 0
+    for rows in sorted(timed, reverse=True):
+        first_ms, second_ms = timed[rows]
+        if first_ms < gain * second_ms:
+            break
+        chosen = rows
+    return chosen
+
+
 def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object] | None:
     """Time the model's largest q4 and q8 linear at TILE_TRIAL_ROWS rows with and without the AMX int8
     tiles, and let each format take the tiles from the fewest rows at which they win by TILE_GAIN at
@@ -567,12 +579,7 @@ def choose_int8_tiles(model: nn.Module, dtype: torch.dtype) -> dict[str, object]
                         )
                     )
                 timed[rows] = pair
-            chosen = 0
-            for rows in reversed(TILE_TRIAL_ROWS):
-                dot_ms, tile_ms = timed[rows]
-                if dot_ms < TILE_GAIN * tile_ms:
-                    break
-                chosen = rows
+            chosen = fewest_winning_rows(timed, TILE_GAIN)
             rows_by_format[fmt] = chosen
             choice[fmt] = {
                 "rows": chosen,
