@@ -35,6 +35,14 @@ struct alignas(64) TileConfig {
 
 inline void release_tiles() { asm volatile("tilerelease" ::: "memory"); }
 
+// The tile instructions take the tile as a template argument (GCC's intrinsics take only literal
+// numbers): "%c" prints the number bare, so "%%tmm%c0" names the register. Each kernel writes its
+// own loads and stores in this form, with the memory effects its loop needs.
+template <int T>
+inline void tile_zero() {
+  asm volatile("tilezero %%tmm%c0" ::"i"(T));
+}
+
 // Whether the OS grants this process the tile state (asked once per process).
 inline bool tiles_permitted() {
   static const bool ok = [] {

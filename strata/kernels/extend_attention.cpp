@@ -121,6 +121,20 @@ inline void start_rows(int64_t rows, int64_t nvec, int64_t G, int64_t kvh, int64
   std::fill(w.acc.begin(), w.acc.begin() + nvec * 16 * D, 0.f);
 }
 
+// The item's queries as bf16 pairs for the bf16 paths (extend_item's and the tiles'): per vector of
+// 16 rows, [D / 2][16] dwords, a row's pairs down its column (Q^T in pairs).
+template <typename QT>
+inline void query_pairs(const QT* qp, int64_t q_stride, int64_t tok0, int64_t G, int64_t kvh, int64_t D,
+                        int64_t rows, int64_t nvec, int32_t* out) {
+  const int64_t half_d = D / 2;
+  for (int64_t r = 0; r < nvec * 16; ++r) {
+    const int64_t row = std::min(r, rows - 1);
+    const int32_t* pairs = reinterpret_cast<const int32_t*>(qp + (tok0 + row / G) * q_stride + (kvh * G + row % G) * D);
+    int32_t* column = out + (r / 16) * half_d * 16 + r % 16;
+    for (int64_t d = 0; d < half_d; ++d) column[d * 16] = pairs[d];
+  }
+}
+
 // The online softmax over NK keys j0 .. j0 + NK - 1 for one vector of rows (s: their scores, one
 // vector per key, the rows in lanes; keys a row does not see are masked out unless `whole`): the
 // running max m and sum l move on, corr gets each row's rescale of its accumulator and s the
@@ -188,18 +202,14 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
   const CT* value_rows[16];
 #endif
   start_rows(rows, nvec, G, kvh, pos0, D, window, sinks, w);
-  for (int64_t r = 0; r < nvec * 16; ++r) {
+#if defined(__AVX512BF16__)
+  if (bf16) query_pairs(qp, q_stride, tok0, G, kvh, D, rows, nvec, w.qpairs.data());
+#endif
+  for (int64_t r = 0; r < nvec * 16 && !bf16; ++r) {  // the float path: scaled queries transposed
     const int64_t row = std::min(r, rows - 1);
     const QT* src = qp + (tok0 + row / G) * q_stride + (kvh * G + row % G) * D;
-#if defined(__AVX512BF16__)
-    if (bf16) {
-      int32_t* column = w.qpairs.data() + (r / 16) * half_d * 16 + r % 16;
-      const int32_t* pairs = reinterpret_cast<const int32_t*>(src);
-      for (int64_t d = 0; d < half_d; ++d) column[d * 16] = pairs[d];
-    }
-#endif
     float* column = qt + (r / 16) * D * 16 + r % 16;
-    for (int64_t d = 0; d < D && !bf16; ++d) column[d * 16] = to_f(src[d]) * scale;
+    for (int64_t d = 0; d < D; ++d) column[d * 16] = to_f(src[d]) * scale;
   }
   // keys [first_key, n_keys): from the first token's window start to the last token's position
   const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
@@ -296,13 +306,8 @@ inline void configure_attention_tiles() {
   cfg.load();
 }
 
-// The tile instructions with the tile as a template argument ("%c": the number bare, so
-// "%%tmm%c0" names the register). Loads and stores clobber memory: what a load reads was written
-// by vector code just before, and what a store writes is read right after.
-template <int T>
-inline void tile_zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
+// Tile loads and stores (amx.h's form), here clobbering memory: what a load reads was written by
+// vector code just before, and what a store writes is read right after.
 template <int T>
 inline void tile_load(const void* p, int64_t stride) {
   asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
@@ -324,12 +329,7 @@ void extend_item_tiles(const c10::BFloat16* qp, int64_t q_stride, c10::BFloat16*
   const int64_t rows = ntok * G, nvec = (rows + 15) / 16, half_d = D / 2, chunks = D / 32;
   float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *corr = w.corr.data();
   start_rows(rows, nvec, G, kvh, pos0, D, window, sinks, w);
-  for (int64_t r = 0; r < nvec * 16; ++r) {  // Q^T as pairs: per vector, [D / 2][16 rows]
-    const int64_t row = std::min(r, rows - 1);
-    const int32_t* pairs = reinterpret_cast<const int32_t*>(qp + (tok0 + row / G) * q_stride + (kvh * G + row % G) * D);
-    int32_t* column = w.qpairs.data() + (r / 16) * half_d * 16 + r % 16;
-    for (int64_t d = 0; d < half_d; ++d) column[d * 16] = pairs[d];
-  }
+  query_pairs(qp, q_stride, tok0, G, kvh, D, rows, nvec, w.qpairs.data());
   const c10::BFloat16* value_rows[kTileKeys];
   const int64_t row_bytes = D * 2;
   const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;

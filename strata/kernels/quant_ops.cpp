@@ -644,13 +644,7 @@ TileRows quantize_tile_rows(const at::Tensor& x) {
   return r;
 }
 
-// The tile instructions with the tile as a template argument (GCC's intrinsics take only literal
-// numbers): %c prints the number bare, so "%%tmm%c0" names the register.
-template <int T>
-inline void tile_zero() {
-  asm volatile("tilezero %%tmm%c0" ::"i"(T));
-}
-// No memory clobbers: they would make the compiler keep the accumulators in memory. A tile load
+// Tile loads and stores (amx.h's form). No memory clobbers: they would make the compiler keep the accumulators in memory. A tile load
 // reads what was written before the kernel's loop (tile_linear_groups fences the unpacked weights);
 // a tile store says which 16 x 16 sums it writes.
 template <int T>

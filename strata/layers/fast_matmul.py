@@ -28,7 +28,7 @@ from torch import nn
 
 from strata import kernels
 from strata.config import MATMUL_MODES
-from strata.layers.packed import onednn_linear, onednn_pack
+from strata.layers.packed import onednn_linear, onednn_pack, packing_works
 from strata.layers.quant import (
     QuantEmbedding,
     QuantLinear,
@@ -75,28 +75,22 @@ def choose_fast_matmul(
     reason = None
     if dtype != torch.bfloat16:
         reason = f"needs bf16 activations, the model runs in {str(dtype).removeprefix('torch.')}"
-    elif ops is None or not torch.backends.mkldnn.is_available():
-        reason = "needs the native kernels and oneDNN"
-    layer = max(layers, key=lambda m: m.in_features * m.out_features)
-    packed = None
-    if not reason:
-        try:
-            packed = onednn_pack(layer.dequantize().to(torch.bfloat16))
-        except (
-            RuntimeError
-        ) as err:  # e.g. an AVX2-only CPU: oneDNN has no bf16 path there
-            reason = f"oneDNN cannot multiply bf16 here ({str(err).splitlines()[0]})"
-    if reason or packed is None:
+    elif ops is None:
+        reason = "needs the native kernels"
+    elif not packing_works():  # e.g. an AVX2-only CPU: oneDNN has no bf16 path there
+        reason = "oneDNN cannot multiply bf16 here"
+    if reason:
         choice: dict[str, object] = {"rows": 0, "reason": reason}
         kernels.record_fast_matmul(choice)
         logger.warning("--matmul fast: %s; every linear stays exact", reason)
         return choice
+    layer = max(layers, key=lambda m: m.in_features * m.out_features)
     forced = os.environ.get(FAST_ROWS_ENV, "").strip()
     if forced.isdigit():
         chosen = int(forced)
         choice = {"rows": chosen, "set_by": FAST_ROWS_ENV}
     else:
-        timed = time_both(layer, packed, ops, dtype)
+        timed = time_both(layer, ops, dtype)
         chosen = fewest_winning_rows(timed, FAST_GAIN)
         choice = {
             "rows": chosen,
@@ -112,11 +106,9 @@ def choose_fast_matmul(
     return choice
 
 
-def time_both(
-    layer: QuantLinear, packed: torch.Tensor, ops, dtype: torch.dtype
-) -> dict[int, list[float]]:
-    """{rows: [int8 kernel ms, oneDNN bf16 ms]} for `layer` (`packed`: its oneDNN bf16 copy) at
-    FAST_TRIAL_ROWS rows."""
+def time_both(layer: QuantLinear, ops, dtype: torch.dtype) -> dict[int, list[float]]:
+    """{rows: [int8 kernel ms, oneDNN bf16 ms]} for `layer` at FAST_TRIAL_ROWS rows."""
+    packed = onednn_pack(layer.dequantize().to(torch.bfloat16))
     generator = torch.Generator().manual_seed(0)
     timed: dict[int, list[float]] = {}
     for rows in FAST_TRIAL_ROWS:

@@ -11,7 +11,7 @@ from torch import nn
 from strata import kernels
 from strata.config import EngineConfig
 from strata.layers.fast_matmul import FAST_ROWS_ENV, block_linears, choose_fast_matmul
-from strata.layers.packed import onednn_pack
+from strata.layers.packed import packing_works
 from strata.layers.quant import QuantEmbedding
 from tests.unit.test_quant import random_layer
 
@@ -22,20 +22,12 @@ def clean_record():
     kernels.record_fast_matmul({})
 
 
-def onednn_bf16() -> bool:
-    try:
-        onednn_pack(torch.zeros(16, 32, dtype=torch.bfloat16))
-    except RuntimeError:
-        return False
-    return True
-
-
 @pytest.fixture
 def ops():
     module = kernels.cpu_ops()
     if module is None or not torch.backends.mkldnn.is_available():
         pytest.skip("needs the native kernels and oneDNN")
-    if not onednn_bf16():
+    if not packing_works():
         pytest.skip("oneDNN has no bf16 path on this CPU (or is held below it)")
     return module
 
@@ -44,18 +36,12 @@ def test_without_onednn_bf16_it_stays_exact_and_says_why(monkeypatch):
     """On a CPU where oneDNN cannot multiply bf16 (AVX2 only, or held to AVX2), fast is exact."""
     from strata.layers import fast_matmul
 
-    def refuse(weight):
-        raise RuntimeError("bf16 path needs the cpu support avx512bw\nmore")
-
     if kernels.cpu_ops() is None:
         pytest.skip("needs the native kernels")
-    monkeypatch.setattr(fast_matmul, "onednn_pack", refuse)
+    monkeypatch.setattr(fast_matmul, "packing_works", lambda: False)
     model = _Model()
     choice = choose_fast_matmul(model, torch.bfloat16, "fast")
-    assert choice == {
-        "rows": 0,
-        "reason": "oneDNN cannot multiply bf16 here (bf16 path needs the cpu support avx512bw)",
-    }
+    assert choice == {"rows": 0, "reason": "oneDNN cannot multiply bf16 here"}
     assert model.up.fast_rows == 0 and model.up.fast_weight is None
 
 
