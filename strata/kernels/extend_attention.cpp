@@ -38,6 +38,7 @@ namespace {
 
 #if defined(STRATA_SIMD16)
 constexpr int64_t kItemRows = 64;  // rows (tokens x query heads) per work item, at least one token
+constexpr int64_t kTileItemRows = 256, kMinItemsPerThread = 4;  // the same on the AMX tiles (see extend_attention)
 // keys scored per pass over a vector's queries: all 16 in zmm registers (AVX-512's 32), 4 with AVX2
 // (8 of its 16 ymm)
 constexpr int kKeyGroup = kRegsPerV16 == 1 ? 16 : 4;
@@ -97,13 +98,14 @@ inline void pv_four(float* acc, const float* pt, const float* corr, const float*
 struct ItemBuffers {
   std::vector<float> qt, acc, m, l, pos, first, kt, vf, pt, corr;
   // the bf16 paths': queries as pairs, probability pairs, unpacked value pairs, a zero key or value;
-  // the tiles' (kTileKeys keys): the keys gathered, their scores, the probabilities row by row
+  // the tiles' (a span of key tiles, sized by reserve_span): the keys gathered, their scores, the
+  // probabilities row by row, each tile's rescales and whether any row's max moved
   std::vector<int32_t> qpairs, ppairs, vpairs, zeros, keys, prows;
-  std::vector<float> scores;
+  std::vector<float> scores, tile_corr;
+  std::vector<char> moved;
   ItemBuffers(int64_t lanes, int64_t D)
       : qt(lanes * D), acc(lanes * D), m(lanes), l(lanes), pos(lanes), first(lanes), kt(D * 16), vf(16 * D),
-        pt(256), corr(16), qpairs(lanes * D / 2), ppairs(256), vpairs(16 * D), zeros(D / 2), keys(16 * D),
-        prows(256), scores(512) {}
+        pt(256), corr(16), qpairs(lanes * D / 2), ppairs(256), vpairs(16 * D), zeros(D / 2), scores(1024) {}
 };
 
 // An item's rows r = (token r / G, query head r % G of KV head kvh), 16 to a vector, the lanes past
@@ -284,25 +286,39 @@ void extend_item(const QT* qp, int64_t q_stride, QT* op, const CT* kc, const CT*
 #if defined(STRATA_ATTENTION_AMX)
 // ---------------------------------------------------------------------------------------------
 // AMX bf16 tiles (tdpbf16ps), for bf16 queries and cache with D % 32 == 0, where the OS grants them.
-// Keys go kTileKeys at a time (tiles start at multiples of 32 positions). For each vector of 16 rows:
+// Keys go kTileKeys at a time (tiles start at multiples of 32 positions), gathered kSpanTiles tiles
+// at a time; within a span each vector of 16 rows runs through the span's key tiles with its output
+// held in tile registers (up to 64 dims at a time, tmm0-3) from the span's first tile to its last:
 //   scores  S^T [32 keys][16 rows] = K [keys][32 dims] x Q^T [16 dim pairs][16 rows], per 32-dim
-//           chunk, two tiles of 16 keys; stored, they are the lane-wise layout above (one vector per
-//           key, the rows in lanes), scaled, capped and masked as on the other paths;
-//   P @ V   O [16 rows][16 dims] += P [16 rows][32 keys] x V [16 key pairs][16 dims], per 16 of the
-//           accumulators' dims (values_dim order), after they are rescaled by corr in memory.
+//           chunk, two tiles of 16 keys (tmm4-7); stored, they are the lane-wise layout above (one
+//           vector per key, the rows in lanes), scaled, capped and masked as on the other paths;
+//   P @ V   O [16 rows][16 dims] += P [16 rows][32 keys] x V [16 key pairs][16 dims].
+// The softmax runs in log2 units (scores times log2(e), probabilities 2^(s - m)) and rescales
+// lazily: a row's reference max moves only when a tile's scores pass it by more than kRescaleSlack
+// (its probabilities stay below 2^slack meanwhile, exact enough in float and bf16), so most tiles
+// leave the output in its registers; where one row moves, the vector's output
+// goes to memory, those rows are rescaled there, and it comes back. Heads wider than 64 dims run the
+// span once per 64 dims, the first pass keeping each tile's probabilities and rescales for the rest.
 // A tile product sums its products in its own order (not the dot-product instruction's: measured,
 // a third of the sums differ in the last bits), so this is its own arithmetic; each output of a tile
-// product depends only on its own row and column, and the key tiles start at fixed positions, so a
-// row's bits still do not depend on the rows beside it or on how its prompt is chunked. The choice
-// is the process's (set_attention_tiles), never the call's.
+// product depends only on its own row and column, the key tiles start at fixed positions, and a row's
+// reference max moves on its own scores alone, so a row's bits still do not depend on the rows beside
+// it or on how its prompt is chunked. The choice is the process's (set_attention_tiles), never the
+// call's.
 constexpr int64_t kTileKeys = 32;
-constexpr int kTileS0 = 0, kTileS1 = 1, kTileK = 2, kTileQ = 3, kTileO = 4, kTileP = 5, kTileV = 6;
+constexpr int64_t kSpanTiles = 16;  // key tiles gathered at a time (512 keys)
+constexpr int64_t kGroupTiles = 4;  // output tiles held in registers (64 dims)
+constexpr float kRescaleSlack = 12.f;  // in log2 units (e^8.3)
+constexpr float kLog2e = 1.44269504f;
+// tmm0-3: the output; scores: tmm4-5 (two tiles of 16 keys), keys tmm6, queries tmm7; P @ V: P tmm4,
+// values tmm5 and tmm6 in turn
+constexpr int kTileS0 = 4, kTileS1 = 5, kTileK = 6, kTileQ = 7, kTileP = 4, kTileV0 = 5, kTileV1 = 6;
 
 inline bool attention_tiles_available() { return tiles_permitted(); }
 
 inline void configure_attention_tiles() {
   TileConfig cfg;
-  for (int t : {kTileS0, kTileS1, kTileK, kTileQ, kTileO, kTileP, kTileV}) cfg.set(t, 16, 64);
+  for (int t = 0; t < 8; ++t) cfg.set(t, 16, 64);
   cfg.load();
 }
 
@@ -321,79 +337,262 @@ inline void tile_bf16_product() {
   asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
 }
 
+// The output tiles 0 .. NO - 1 loaded from or stored to 16 rows of acc (row stride D floats), 16
+// floats apart.
+template <int NO>
+inline void load_output(const float* acc, int64_t D) {
+  tile_load<0>(acc, D * 4);
+  tile_load<1>(acc + 16, D * 4);
+  if constexpr (NO > 2) {
+    tile_load<2>(acc + 32, D * 4);
+    tile_load<3>(acc + 48, D * 4);
+  }
+}
+template <int NO>
+inline void store_output(float* acc, int64_t D) {
+  tile_store<0>(acc, D * 4);
+  tile_store<1>(acc + 16, D * 4);
+  if constexpr (NO > 2) {
+    tile_store<2>(acc + 32, D * 4);
+    tile_store<3>(acc + 48, D * 4);
+  }
+}
+
+// Output tiles 0 .. NO - 1 += P (16 rows x 32 keys as bf16 pairs, row by row) x the tile's values
+// (vp: the 16 key pairs' unpacked values from the group's first dims, rows stride apart).
+template <int NO>
+inline void pv_tiles(const int32_t* prows, const int32_t* vp, int64_t stride) {
+  tile_load<kTileP>(prows, 64);
+  tile_load<kTileV0>(vp, stride);
+  tile_bf16_product<0, kTileP, kTileV0>();
+  tile_load<kTileV1>(vp + 16, stride);
+  tile_bf16_product<1, kTileP, kTileV1>();
+  if constexpr (NO > 2) {
+    tile_load<kTileV0>(vp + 32, stride);
+    tile_bf16_product<2, kTileP, kTileV0>();
+    tile_load<kTileV1>(vp + 48, stride);
+    tile_bf16_product<3, kTileP, kTileV1>();
+  }
+}
+
+// scores [32 keys][16 rows] of one vector (qv: its queries as pairs, [D / 2][16]) against a key tile
+// (keys: 32 rows of D bf16).
+inline void tile_scores(const int32_t* qv, const char* keys, int64_t chunks, int64_t row_bytes, float* scores) {
+  tile_zero<kTileS0>();
+  tile_zero<kTileS1>();
+  for (int64_t c = 0; c < chunks; ++c) {
+    tile_load<kTileQ>(qv + c * 256, 64);
+    tile_load<kTileK>(keys + 64 * c, row_bytes);
+    tile_bf16_product<kTileS0, kTileK, kTileQ>();
+    tile_load<kTileK>(keys + 16 * row_bytes + 64 * c, row_bytes);
+    tile_bf16_product<kTileS1, kTileK, kTileQ>();
+  }
+  tile_store<kTileS0>(scores, 64);
+  tile_store<kTileS1>(scores + 256, 64);
+}
+
+// 2^x for 16 floats: 2^n p(r) with x = n + r, |r| <= 1/2, p the degree-5 Taylor polynomial of
+// e^(r ln 2) (relative error below 3e-6, well inside the bf16 rounding of the probabilities). -inf
+// gives NaN (the callers mask those lanes out) and very negative x 0.
+inline __m512 exp2_16(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_sub_ps(x, n);
+  __m512 p = _mm512_set1_ps(1.3333558e-3f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(9.6181291e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.5504109e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.24022651f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.69314718f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// The softmax of one vector's rows over a key tile (s: one vector per key, the rows in lanes; keys a
+// row does not see are masked out unless `whole`), rescaling lazily: a row's reference max m moves
+// only to a tile max above m + kRescaleSlack. corr gets each row's rescale (1 where m stayed), l the
+// sum, s the probabilities; returns whether any row's m moved.
+inline bool lazy_softmax(__m512* s, const float* pos, const float* first, int64_t j0, bool whole, float* m,
+                         float* l, float* corr) {
+  constexpr int NK = kTileKeys;
+  __mmask16 seen[NK];
+  if (!whole) {
+    const __m512 pos_v = _mm512_loadu_ps(pos), first_v = _mm512_loadu_ps(first);
+    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+    for (int k = 0; k < NK; ++k) {
+      const __m512 j = _mm512_set1_ps(static_cast<float>(j0 + k));
+      seen[k] = _mm512_cmp_ps_mask(first_v, j, _CMP_LE_OQ) & _mm512_cmp_ps_mask(j, pos_v, _CMP_LE_OQ);
+      s[k] = _mm512_mask_mov_ps(minus_inf, seen[k], s[k]);
+    }
+  }
+  __m512 top[8];
+  for (int k = 0; k < 8; ++k) top[k] = s[k];
+  for (int k = 8; k < NK; ++k) top[k % 8] = _mm512_max_ps(top[k % 8], s[k]);
+  for (int w = 4; w >= 1; w /= 2) {
+    for (int k = 0; k < w; ++k) top[k] = _mm512_max_ps(top[k], top[k + w]);
+  }
+  const __m512 m_old = _mm512_loadu_ps(m);
+  const __mmask16 grow = _mm512_cmp_ps_mask(_mm512_add_ps(m_old, _mm512_set1_ps(kRescaleSlack)), top[0], _CMP_LT_OQ);
+  const __m512 m_ref = _mm512_mask_mov_ps(m_old, grow, top[0]);
+  const __m512 one = _mm512_set1_ps(1.f);
+  const __m512 c = grow ? _mm512_mask_mov_ps(one, grow, exp2_16(_mm512_sub_ps(m_old, m_ref))) : one;
+  __m512 sum = _mm512_setzero_ps();
+  for (int k = 0; k < NK; ++k) {
+    __m512 p = exp2_16(_mm512_sub_ps(s[k], m_ref));
+    if (!whole) p = _mm512_maskz_mov_ps(seen[k], p);
+    s[k] = p;
+    sum = _mm512_add_ps(sum, p);
+  }
+  _mm512_storeu_ps(m, m_ref);
+  _mm512_storeu_ps(l, _mm512_add_ps(_mm512_mul_ps(_mm512_loadu_ps(l), c), sum));
+  _mm512_storeu_ps(corr, c);
+  return grow != 0;
+}
+
+inline void reserve_span(int64_t D, ItemBuffers& w) {
+  if (w.moved.size() == kSpanTiles) return;
+  w.keys.resize(kSpanTiles * 16 * D);
+  w.vpairs.resize(kSpanTiles * 16 * D);
+  w.prows.resize(kSpanTiles * 256);
+  w.tile_corr.resize(kSpanTiles * 16);
+  w.moved.resize(kSpanTiles);
+}
+
+// The tiles of one span an item's vectors read: keys row by row (zeros outside [first_key, n_keys):
+// those pages may be freed) and their values unpacked in pairs, tile t's at keys + t 32 D bf16 and
+// vpairs + t 16 D.
+inline void gather_span(const c10::BFloat16* kc, const c10::BFloat16* vc, const int64_t* pages, int64_t page_size,
+                        int64_t Hkv, int64_t kvh, int64_t D, int64_t s0, int64_t ntiles, int64_t first_key,
+                        int64_t n_keys, ItemBuffers& w) {
+  const c10::BFloat16* value_rows[kTileKeys];
+  const int64_t row_bytes = D * 2, chunks = D / 32;
+  for (int64_t t = 0; t < ntiles; ++t) {
+    char* keys = reinterpret_cast<char*>(w.keys.data()) + t * kTileKeys * row_bytes;
+    for (int64_t k = 0; k < kTileKeys; ++k) {
+      const int64_t j = s0 + t * kTileKeys + k;
+      __m512i* dst = reinterpret_cast<__m512i*>(keys + k * row_bytes);
+      if (j < first_key || j >= n_keys) {
+        for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_si512(dst + c, _mm512_setzero_si512());
+        value_rows[k] = reinterpret_cast<const c10::BFloat16*>(w.zeros.data());
+        continue;
+      }
+      const int64_t slot = (pages[j / page_size] * page_size + j % page_size) * Hkv + kvh;
+      const __m512i* src = reinterpret_cast<const __m512i*>(kc + slot * D);
+      for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_si512(dst + c, _mm512_loadu_si512(src + c));
+      value_rows[k] = vc + slot * D;
+    }
+    unpack_value_pairs(value_rows, kTileKeys / 2, chunks, w.vpairs.data() + t * 16 * D);
+  }
+}
+
+// The output's rows (the group's dims of 16 rows) rescaled where a tile moved their max: out of the
+// tile registers, rescaled in memory, back.
+template <int NO>
+inline void rescale_output(float* acc, const float* corr, int64_t D) {
+  store_output<NO>(acc, D);
+  for (int r = 0; r < 16; ++r) {
+    if (corr[r] == 1.f) continue;
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    for (int64_t d = 0; d < NO * 16; d += 16) {
+      _mm512_storeu_ps(acc + r * D + d, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d), c));
+    }
+  }
+  load_output<NO>(acc, D);
+}
+
+// Vector v's probabilities for key tile t of the span at s0 (scores: its stored scores): the
+// softmax moves on, the tile's P (row by row), rescales and whether a row's max moved are kept.
+inline void tile_probabilities(int64_t v, int64_t t, int64_t s0, int64_t n_keys, const float* scores, float scale,
+                               float softcap, ItemBuffers& w) {
+  const float* pos = w.pos.data() + v * 16;
+  const float* first = w.first.data() + v * 16;
+  const int64_t j0 = s0 + t * kTileKeys, jn = std::min(kTileKeys, n_keys - j0);
+  const bool whole = jn == kTileKeys && j0 + kTileKeys - 1 <= pos[0] && j0 >= first[15];
+  __m512 s[kTileKeys];
+  if (softcap > 0) {
+    const __m512 sc = _mm512_set1_ps(scale), log2e = _mm512_set1_ps(kLog2e);
+    for (int k = 0; k < kTileKeys; ++k) {
+      s[k] = _mm512_mul_ps(softcap16(_mm512_mul_ps(_mm512_loadu_ps(scores + 16 * k), sc), softcap), log2e);
+    }
+  } else {
+    const __m512 sc = _mm512_set1_ps(scale * kLog2e);
+    for (int k = 0; k < kTileKeys; ++k) s[k] = _mm512_mul_ps(_mm512_loadu_ps(scores + 16 * k), sc);
+  }
+  w.moved[t] = lazy_softmax(s, pos, first, j0, whole, w.m.data() + v * 16, w.l.data() + v * 16,
+                            w.tile_corr.data() + t * 16);
+  // P row by row: the 16 key pairs' probability pairs per row, transposed from per key pair
+  probability_pairs(s, w.ppairs.data());
+  probability_pairs(s + 16, w.ppairs.data() + 128);
+  __m512i pairs_by_key[16], pairs_by_row[16];
+  for (int kp = 0; kp < 16; ++kp) pairs_by_key[kp] = _mm512_loadu_si512(w.ppairs.data() + 16 * kp);
+  transpose16_epi32(pairs_by_key, pairs_by_row);
+  int32_t* prows = w.prows.data() + t * 256;
+  for (int r = 0; r < 16; ++r) _mm512_storeu_si512(prows + 16 * r, pairs_by_row[r]);
+}
+
+// One vector's pass over key tiles t_a .. t_b - 1 of the span at s0 for output tiles 4 g .. 4 g + NO - 1
+// (dims 64 g ..). The first pass (g = 0) scores the keys and keeps each tile's probabilities and
+// rescales in the span's buffers, the others replay them. The first pass runs as a pipeline, the
+// scores of tile t + 1 and the P @ V of tile t - 1 around tile t's softmax, so that no tile load
+// waits on vector stores just made or vector loads on a tile store just made; the output sees the
+// same operations in the same order (rescale for t, P @ V of t) either way.
+template <int NO>
+void vector_span(int64_t g, int64_t v, int64_t t_a, int64_t t_b, int64_t s0, int64_t n_keys, int64_t D,
+                 float scale, float softcap, ItemBuffers& w) {
+  const int64_t chunks = D / 32, row_bytes = D * 2;
+  float* acc = w.acc.data() + v * 16 * D + 64 * g;
+  const int32_t* vpairs = w.vpairs.data() + 64 * g;
+  const auto pv = [&](int64_t t) { pv_tiles<NO>(w.prows.data() + t * 256, vpairs + t * 16 * D, chunks * 128); };
+  load_output<NO>(acc, D);
+  if (g > 0) {
+    for (int64_t t = t_a; t < t_b; ++t) {
+      if (w.moved[t]) rescale_output<NO>(acc, w.tile_corr.data() + t * 16, D);
+      pv(t);
+    }
+  } else {
+    const int32_t* qv = w.qpairs.data() + v * (D / 2) * 16;
+    const char* keys = reinterpret_cast<const char*>(w.keys.data());
+    float* scores = w.scores.data();  // two tiles' scores, [t % 2][32][16]
+    const auto score = [&](int64_t t) {
+      tile_scores(qv, keys + t * kTileKeys * row_bytes, chunks, row_bytes, scores + (t % 2) * 512);
+    };
+    score(t_a);
+    for (int64_t t = t_a; t <= t_b; ++t) {
+      if (t + 1 < t_b) score(t + 1);
+      if (t < t_b) tile_probabilities(v, t, s0, n_keys, scores + (t % 2) * 512, scale, softcap, w);
+      if (t > t_a) pv(t - 1);
+      if (t < t_b && w.moved[t]) rescale_output<NO>(acc, w.tile_corr.data() + t * 16, D);
+    }
+  }
+  store_output<NO>(acc, D);
+}
+
 // One work item (as extend_item) on the tiles.
 void extend_item_tiles(const c10::BFloat16* qp, int64_t q_stride, c10::BFloat16* op, const c10::BFloat16* kc,
                        const c10::BFloat16* vc, const int64_t* pages, int64_t page_size, int64_t Hkv, int64_t kvh,
                        int64_t G, int64_t D, int64_t tok0, int64_t ntok, int64_t pos0, float scale, int64_t window,
                        float softcap, const float* sinks, ItemBuffers& w) {
-  const int64_t rows = ntok * G, nvec = (rows + 15) / 16, half_d = D / 2, chunks = D / 32;
-  float *acc = w.acc.data(), *m = w.m.data(), *l = w.l.data(), *corr = w.corr.data();
+  const int64_t rows = ntok * G, nvec = (rows + 15) / 16, out_tiles = D / 16;
   start_rows(rows, nvec, G, kvh, pos0, D, window, sinks, w);
+  if (sinks) {  // the softmax runs in log2 units here
+    for (int64_t r = 0; r < nvec * 16; ++r) w.m[r] *= kLog2e;
+  }
   query_pairs(qp, q_stride, tok0, G, kvh, D, rows, nvec, w.qpairs.data());
-  const c10::BFloat16* value_rows[kTileKeys];
-  const int64_t row_bytes = D * 2;
+  reserve_span(D, w);
   const int64_t first_key = window_start(pos0, window), n_keys = pos0 + ntok;
-  for (int64_t j0 = first_key / kTileKeys * kTileKeys; j0 < n_keys; j0 += kTileKeys) {
-    const int64_t jn = std::min(kTileKeys, n_keys - j0);
-    // the keys gathered row by row (zeros outside [first_key, n_keys): those pages may be freed)
-    char* keys = reinterpret_cast<char*>(w.keys.data());
-    for (int64_t k = 0; k < kTileKeys; ++k) {
-      const int64_t j = j0 + k;
-      if (j < first_key || k >= jn) {
-        std::memset(keys + k * row_bytes, 0, row_bytes);
-        value_rows[k] = reinterpret_cast<const c10::BFloat16*>(w.zeros.data());
-        continue;
-      }
-      const int64_t slot = (pages[j / page_size] * page_size + j % page_size) * Hkv + kvh;
-      std::memcpy(keys + k * row_bytes, kc + slot * D, row_bytes);
-      value_rows[k] = vc + slot * D;
-    }
-    unpack_value_pairs(value_rows, kTileKeys / 2, chunks, w.vpairs.data());
+  constexpr int64_t span_keys = kSpanTiles * kTileKeys;
+  for (int64_t s0 = first_key / kTileKeys * kTileKeys; s0 < n_keys; s0 += span_keys) {
+    const int64_t ntiles = std::min(kSpanTiles, (n_keys - s0 + kTileKeys - 1) / kTileKeys);
+    gather_span(kc, vc, pages, page_size, Hkv, kvh, D, s0, ntiles, first_key, n_keys, w);
     for (int64_t v = 0; v < nvec; ++v) {
-      const float* pos = w.pos.data() + v * 16;
-      const float* first = w.first.data() + v * 16;
-      if (j0 > pos[15] || j0 + jn - 1 < first[0]) continue;
-      const bool whole = jn == kTileKeys && j0 + kTileKeys - 1 <= pos[0] && j0 >= first[15];
-      const int32_t* qv = w.qpairs.data() + v * half_d * 16;
-      tile_zero<kTileS0>();
-      tile_zero<kTileS1>();
-      for (int64_t c = 0; c < chunks; ++c) {
-        tile_load<kTileQ>(qv + c * 256, 64);
-        tile_load<kTileK>(keys + 64 * c, row_bytes);
-        tile_bf16_product<kTileS0, kTileK, kTileQ>();
-        tile_load<kTileK>(keys + 16 * row_bytes + 64 * c, row_bytes);
-        tile_bf16_product<kTileS1, kTileK, kTileQ>();
-      }
-      float* scores = w.scores.data();
-      tile_store<kTileS0>(scores, 64);
-      tile_store<kTileS1>(scores + 256, 64);
-      V16 s[kTileKeys];
-      const V16 sc = vset1(scale);
-      for (int k = 0; k < kTileKeys; ++k) {
-        s[k] = vmul(load16(scores + 16 * k), sc);
-        if (softcap > 0) s[k] = softcap16(s[k], softcap);
-      }
-      online_softmax<kTileKeys>(s, pos, first, j0, whole, m + v * 16, l + v * 16, corr);
-      // P row by row: the 16 key pairs' probability pairs per row, transposed from per key pair
-      probability_pairs(s, w.ppairs.data());
-      probability_pairs(s + 16, w.ppairs.data() + 128);
-      __m512i pairs_by_key[16], pairs_by_row[16];
-      for (int kp = 0; kp < 16; ++kp) pairs_by_key[kp] = _mm512_loadu_si512(w.ppairs.data() + 16 * kp);
-      transpose16_epi32(pairs_by_key, pairs_by_row);
-      for (int r = 0; r < 16; ++r) _mm512_storeu_si512(w.prows.data() + 16 * r, pairs_by_row[r]);
-      float* acc_v = acc + v * 16 * D;
-      for (int r = 0; r < 16; ++r) {
-        if (corr[r] == 1.f) continue;
-        const V16 c = vset1(corr[r]);
-        for (int64_t d = 0; d < D; d += 16) store16(acc_v + r * D + d, vmul(load16(acc_v + r * D + d), c));
-      }
-      tile_load<kTileP>(w.prows.data(), 64);
-      for (int64_t c = 0; c < chunks; ++c) {
-        for (int64_t h = 0; h < 2; ++h) {
-          tile_load<kTileO>(acc_v + 32 * c + 16 * h, D * 4);
-          tile_load<kTileV>(w.vpairs.data() + 32 * c + 16 * h, chunks * 128);
-          tile_bf16_product<kTileO, kTileP, kTileV>();
-          tile_store<kTileO>(acc_v + 32 * c + 16 * h, D * 4);
+      // the span's tiles holding keys the vector's rows see: from the one with its first row's first
+      // key to the one with its last row's last
+      const int64_t lo = static_cast<int64_t>(w.first[v * 16]), hi = static_cast<int64_t>(w.pos[v * 16 + 15]);
+      const int64_t t_a = std::max<int64_t>(0, (lo - s0) / kTileKeys);
+      const int64_t t_b = hi < s0 ? 0 : std::min(ntiles, (hi - s0) / kTileKeys + 1);
+      for (int64_t g = 0; g * kGroupTiles < out_tiles && t_a < t_b; ++g) {
+        if (out_tiles - g * kGroupTiles >= 4) {
+          vector_span<4>(g, v, t_a, t_b, s0, n_keys, D, scale, softcap, w);
+        } else {
+          vector_span<2>(g, v, t_a, t_b, s0, n_keys, D, scale, softcap, w);
         }
       }
     }
@@ -473,7 +672,17 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   TORCH_CHECK(false, "extend_attention needs AVX2 (with FMA and F16C) or AVX-512");
 #else
   const int64_t Hkv = k_cache.size(1), G = q.size(1) / Hkv;
-  const int64_t block = std::max<int64_t>(1, kItemRows / G);  // tokens per work item
+  const bool bf16_io = q.scalar_type() == at::kBFloat16 && k_cache.scalar_type() == at::kBFloat16;
+  const bool tiles = bf16_io && D % 32 == 0 && attention_tiles_on();
+  // Tokens per work item: kItemRows rows, or on the tiles (which gather each key tile once per item)
+  // kTileItemRows where that still leaves every thread kMinItemsPerThread items.
+  int64_t total_tokens = 0;
+  for (int64_t b = 0; b < B; ++b) total_tokens += ql[b];
+  int64_t block = std::max<int64_t>(1, kItemRows / G);
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  if (tiles && total_tokens * Hkv >= kMinItemsPerThread * threads * std::max<int64_t>(1, kTileItemRows / G)) {
+    block = std::max<int64_t>(1, kTileItemRows / G);
+  }
   struct Item { int64_t b, kvh, tok0, ntok, pos0, cost; };
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {
@@ -486,7 +695,7 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   }
   // costliest first (rows x keys read), dealt round-robin so each thread gets a fair share
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), items.size()));
+  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(threads, items.size()));
   const float fscale = static_cast<float>(scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "extend_attention_q", [&] {
     using QT = scalar_t;
@@ -497,8 +706,6 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
         QT* op = out.data_ptr<QT>();
         const CT* kc = k_cache.data_ptr<CT>();
         const CT* vc = v_cache.data_ptr<CT>();
-        constexpr bool bf16 = std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>;
-        const bool tiles = bf16 && D % 32 == 0 && attention_tiles_on();
         at::parallel_for(0, nthreads, 1, [&](int64_t begin, int64_t end) {
           ItemBuffers buf((block * G + 15) / 16 * 16, D);
 #if defined(STRATA_ATTENTION_AMX)

@@ -112,3 +112,89 @@ def test_switching_on_where_they_cannot_run_is_an_error():
         module.set_attention_tiles(True)
     module.set_attention_tiles(False)  # off is always fine
     assert not module.attention_tiles()
+
+
+def climbing_prompt(n: int, heads: int, kv_heads: int, dim: int, seed: int):
+    """A prompt whose scores climb along it (the keys lean further along one direction the later they
+    come, the queries along it too): every row's max moves past the kernel's rescale slack several
+    times, in every 512-key span of the tiles."""
+    q, k, v = prompt(n, heads, kv_heads, dim, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    u = torch.randn(dim, generator=gen)
+    u = u / u.norm()
+    ramp = torch.linspace(0.0, 6.0, n)[:, None, None]
+    k = (k.float() + ramp * u).bfloat16()
+    q = (q.float() + 8 * dim**0.5 * u).bfloat16()  # scores climb by ~48 over the prompt
+    return q, k, v
+
+
+def tile_call(ops, q, k, v, q_len: int, kv_len: int, **options):
+    out = torch.full_like(q, float("nan"))
+    ops.extend_attention(
+        out,
+        q,
+        k,
+        v,
+        torch.arange(k.shape[0]).view(1, -1),
+        torch.tensor([0]),
+        torch.tensor([q_len]),
+        torch.tensor([kv_len]),
+        1,
+        q.shape[-1] ** -0.5,
+        **options,
+    )
+    return out
+
+
+@pytest.mark.parametrize("dim", [64, 128, 256])
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"window": 700, "softcap": 30.0}, {"sinks": True}],
+    ids=["plain", "window-softcap", "sinks"],
+)
+def test_long_prompts_with_climbing_scores_match_the_oracle(ops, dim, options):
+    """Three spans of key tiles, heads wider than the 64 dims the output tiles hold (the later
+    passes replay the first's probabilities and rescales), and maxima that move: within bf16
+    rounding of the float32 oracle."""
+    ops.set_attention_tiles(True)
+    n = 1100
+    q, k, v = climbing_prompt(n, 4, 2, dim, seed=dim)
+    kernel_options = dict(options)
+    oracle_options = {
+        "window": options.get("window"),
+        "softcap": options.get("softcap"),
+    }
+    if options.get("sinks"):
+        sinks = torch.tensor([0.5, 30.0, -2.0, 60.0])  # one above every score of its rows
+        kernel_options["sinks"] = oracle_options["sinks"] = sinks
+    out = tile_call(ops, q, k, v, n, n, **kernel_options)
+    # the attention leans on few keys here, so outputs reach a value's size (~4): rtol for the bf16
+    # rounding of the probabilities and of the output
+    ref = reference_attention(
+        q.float(),
+        k.float(),
+        v.float(),
+        [n],
+        [torch.arange(n)],
+        dim**-0.5,
+        **oracle_options,
+    )
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_rows_bits_do_not_depend_on_chunking_or_item_size(ops, dim):
+    """The same rows as one 1,100-token prefill (items of 256 rows), as a 700-token prefill and a
+    400-token chunk after it, and as single tokens (items of 64 rows) give the same bits: a row's
+    reference max moves on its own scores, and span and tile edges sit at fixed positions."""
+    ops.set_attention_tiles(True)
+    n = 1100
+    q, k, v = climbing_prompt(n, 4, 2, dim, seed=7)
+    whole = tile_call(ops, q, k, v, n, n)
+    head = tile_call(ops, q[:700].contiguous(), k, v, 700, 700)
+    tail = tile_call(ops, q[700:].contiguous(), k, v, 400, n)
+    assert torch.equal(head, whole[:700])
+    assert torch.equal(tail, whole[700:])
+    for i in (0, 511, 512, 545, 1099):
+        alone = tile_call(ops, q[i : i + 1].contiguous(), k, v, 1, i + 1)
+        assert torch.equal(alone, whole[i : i + 1]), i
