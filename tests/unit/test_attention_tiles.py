@@ -165,7 +165,9 @@ def test_long_prompts_with_climbing_scores_match_the_oracle(ops, dim, options):
         "softcap": options.get("softcap"),
     }
     if options.get("sinks"):
-        sinks = torch.tensor([0.5, 30.0, -2.0, 60.0])  # one above every score of its rows
+        sinks = torch.tensor(
+            [0.5, 30.0, -2.0, 60.0]
+        )  # one above every score of its rows
         kernel_options["sinks"] = oracle_options["sinks"] = sinks
     out = tile_call(ops, q, k, v, n, n, **kernel_options)
     # the attention leans on few keys here, so outputs reach a value's size (~4): rtol for the bf16
