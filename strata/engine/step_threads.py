@@ -12,9 +12,10 @@ Which wins depends on the step's size and on what else the machine runs, so it i
                    (an exponential moving average for the choice's steps, the last trial for the
                    other's, so both follow the machine's load)
     trials       = one thread is timed in a class only while the next smaller class that has
-                   chosen runs on one thread (a larger step parallelises at least as well), or,
-                   before any has chosen, for steps of at most 8 tokens: a burst of prefills
-                   or a 64-stream decode never pays for a one-thread trial
+                   chosen runs on one thread (a larger step parallelises at least as well) and
+                   lies at most TRIAL_REACH classes below, or, before any has chosen, for steps
+                   of at most 8 tokens: a burst of prefills or a 64-stream decode never pays for
+                   a one-thread trial, nor does a server's first long prompt after its decodes
     choice       = the faster; the other is tried again after `interval` steps of the class,
                    an interval that doubles each time the choice holds (up to max_interval) and
                    falls back to min_interval when it flips; the choice flips at once when its
@@ -32,6 +33,10 @@ from dataclasses import dataclass, field
 # and a verification of a few drafts; a burst of prefills and a 64-stream decode run on every core
 # until smaller steps say otherwise
 FIRST_TRIAL_MAX_TOKENS = 8
+# a one-thread trial reaches at most this many size classes (a factor of 2 each) past the largest
+# size that chose one thread: one-token decodes that run faster on one thread say nothing about a
+# 2048-token prefill
+TRIAL_REACH = 2
 # the choice's own steps must be this much slower than the other's last measure to switch at once
 # (one slow step, a collection or a page fault, is not a neighbour)
 SWITCH_MARGIN = 1.25
@@ -90,11 +95,13 @@ class StepThreads:
         chosen runs on all threads: a larger step parallelises at least as well as a smaller one.
         So trials happen only up to the size where one thread stops winning."""
         smaller = [j for j, c in self.classes.items() if j < k and c.choice]
-        if (
-            not smaller
-        ):  # nothing measured below: only a step small enough to be a decode's
-            return k <= self.size_class(FIRST_TRIAL_MAX_TOKENS)
-        return self.classes[max(smaller)].choice == self.options[0]
+        decode_sized = k <= self.size_class(FIRST_TRIAL_MAX_TOKENS)
+        if not smaller:  # nothing measured below: only a step small enough to be a decode's
+            return decode_sized
+        nearest = max(smaller)
+        return self.classes[nearest].choice == self.options[0] and (
+            decode_sized or k - nearest <= TRIAL_REACH
+        )
 
     def record(self, num_tokens: int, threads: int, seconds: float) -> None:
         if len(self.options) == 1 or threads not in self.options:

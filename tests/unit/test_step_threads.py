@@ -60,6 +60,16 @@ def test_larger_steps_skip_one_thread_trials_once_a_smaller_size_runs_on_all():
     )  # so the next size tries it too
 
 
+def test_a_long_prompt_after_one_thread_decodes_runs_on_every_core():
+    """One-token decodes that won on one thread let steps up to 4x larger try it, not a server's
+    first 2048-token prompt."""
+    st = StepThreads(2)
+    run(st, 1, {1: 4e-3, 2: 5e-3}, 50)
+    assert run(st, 2048, {1: 2.0, 2: 1.0}, 50) == [2] * 50
+    assert run(st, 4, {1: 5e-3, 2: 6e-3}, 50).count(1) > 0  # two classes up: tried
+    assert run(st, 64, {1: 0.1, 2: 0.06}, 50) == [2] * 50  # four classes past the 4: not
+
+
 def test_follows_a_change_of_load():
     """One thread wins on a busy machine (spinning threads lose their core); once the machine is
     quiet again, the periodic trial finds that all threads win and switches back."""
