@@ -96,10 +96,8 @@ class StepThreads:
         So trials happen only up to the size where one thread stops winning."""
         smaller = [j for j, c in self.classes.items() if j < k and c.choice]
         decode_sized = k <= self.size_class(FIRST_TRIAL_MAX_TOKENS)
-        if (
-            not smaller
-        ):  # nothing measured below: only a step small enough to be a decode's
-            return decode_sized
+        if not smaller:
+            return decode_sized  # nothing measured below: only a step small enough to be a decode's
         nearest = max(smaller)
         return self.classes[nearest].choice == self.options[0] and (
             decode_sized or k - nearest <= TRIAL_REACH
