@@ -337,26 +337,29 @@ inline void tile_bf16_product() {
   asm volatile("tdpbf16ps %%tmm%c0, %%tmm%c1, %%tmm%c2" ::"i"(B), "i"(A), "i"(C));
 }
 
-// The output tiles 0 .. NO - 1 loaded from or stored to 16 rows of acc (row stride D floats), 16
-// floats apart.
-template <int NO>
-inline void load_output(const float* acc, int64_t D) {
-  tile_load<0>(acc, D * 4);
-  tile_load<1>(acc + 16, D * 4);
+// The output tiles 0 .. NO - 1 loaded from (kStore false) or stored to 16 rows of acc (row stride
+// D floats), 16 floats apart.
+template <bool kStore, int T>
+inline void move_output_tile(float* acc, int64_t D) {
+  if constexpr (kStore) {
+    tile_store<T>(acc + 16 * T, D * 4);
+  } else {
+    tile_load<T>(acc + 16 * T, D * 4);
+  }
+}
+template <bool kStore, int NO>
+inline void move_output(float* acc, int64_t D) {
+  move_output_tile<kStore, 0>(acc, D);
+  move_output_tile<kStore, 1>(acc, D);
   if constexpr (NO > 2) {
-    tile_load<2>(acc + 32, D * 4);
-    tile_load<3>(acc + 48, D * 4);
+    move_output_tile<kStore, 2>(acc, D);
+    move_output_tile<kStore, 3>(acc, D);
   }
 }
 template <int NO>
-inline void store_output(float* acc, int64_t D) {
-  tile_store<0>(acc, D * 4);
-  tile_store<1>(acc + 16, D * 4);
-  if constexpr (NO > 2) {
-    tile_store<2>(acc + 32, D * 4);
-    tile_store<3>(acc + 48, D * 4);
-  }
-}
+inline void load_output(float* acc, int64_t D) { move_output<false, NO>(acc, D); }
+template <int NO>
+inline void store_output(float* acc, int64_t D) { move_output<true, NO>(acc, D); }
 
 // Output tiles 0 .. NO - 1 += P (16 rows x 32 keys as bf16 pairs, row by row) x the tile's values
 // (vp: the 16 key pairs' unpacked values from the group's first dims, rows stride apart).
