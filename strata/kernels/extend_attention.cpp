@@ -141,19 +141,24 @@ inline void query_pairs(const QT* qp, int64_t q_stride, int64_t tok0, int64_t G,
 // vector per key, the rows in lanes; keys a row does not see are masked out unless `whole`): the
 // running max m and sum l move on, corr gets each row's rescale of its accumulator and s the
 // probabilities. A row that sees none of the keys keeps its state (p = 0, rescaled by exp(0) = 1).
+// seen[k]: the rows (lanes) that see key j0 + k (from their window start `first` to their position
+// `pos`); s[k] (its scores) -inf in the other lanes.
+template <int NK>
+inline void mask_unseen(V16* s, const float* pos, const float* first, int64_t j0, Mask16* seen) {
+  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
+  const V16 pos_v = load16(pos), first_v = load16(first);
+  for (int k = 0; k < NK; ++k) {
+    const V16 j = vset1(static_cast<float>(j0 + k));
+    seen[k] = mask_and(vle(first_v, j), vle(j, pos_v));
+    s[k] = vselect(seen[k], s[k], minus_inf);
+  }
+}
+
 template <int NK>
 inline void online_softmax(V16* s, const float* pos, const float* first, int64_t j0, bool whole, float* m, float* l,
                            float* corr) {
-  const V16 minus_inf = vset1(-std::numeric_limits<float>::infinity());
   Mask16 seen[NK];
-  if (!whole) {
-    const V16 pos_v = load16(pos), first_v = load16(first);
-    for (int k = 0; k < NK; ++k) {
-      const V16 j = vset1(static_cast<float>(j0 + k));
-      seen[k] = mask_and(vle(first_v, j), vle(j, pos_v));
-      s[k] = vselect(seen[k], s[k], minus_inf);
-    }
-  }
+  if (!whole) mask_unseen<NK>(s, pos, first, j0, seen);
   V16 top = s[0];
   for (int k = 1; k < NK; ++k) top = vmax(top, s[k]);
   const V16 m_old = load16(m), m_new = vmax(m_old, top);
@@ -417,15 +422,7 @@ inline bool lazy_softmax(__m512* s, const float* pos, const float* first, int64_
                          float* l, float* corr) {
   constexpr int NK = kTileKeys;
   __mmask16 seen[NK];
-  if (!whole) {
-    const __m512 pos_v = _mm512_loadu_ps(pos), first_v = _mm512_loadu_ps(first);
-    const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int k = 0; k < NK; ++k) {
-      const __m512 j = _mm512_set1_ps(static_cast<float>(j0 + k));
-      seen[k] = _mm512_cmp_ps_mask(first_v, j, _CMP_LE_OQ) & _mm512_cmp_ps_mask(j, pos_v, _CMP_LE_OQ);
-      s[k] = _mm512_mask_mov_ps(minus_inf, seen[k], s[k]);
-    }
-  }
+  if (!whole) mask_unseen<NK>(s, pos, first, j0, seen);
   __m512 top[8];
   for (int k = 0; k < 8; ++k) top[k] = s[k];
   for (int k = 8; k < NK; ++k) top[k % 8] = _mm512_max_ps(top[k % 8], s[k]);
@@ -592,7 +589,7 @@ void extend_item_tiles(const c10::BFloat16* qp, int64_t q_stride, c10::BFloat16*
       const int64_t t_a = std::max<int64_t>(0, (lo - s0) / kTileKeys);
       const int64_t t_b = hi < s0 ? 0 : std::min(ntiles, (hi - s0) / kTileKeys + 1);
       for (int64_t g = 0; g * kGroupTiles < out_tiles && t_a < t_b; ++g) {
-        if (out_tiles - g * kGroupTiles >= 4) {
+        if (out_tiles - g * kGroupTiles >= kGroupTiles) {
           vector_span<4>(g, v, t_a, t_b, s0, n_keys, D, scale, softcap, w);
         } else {
           vector_span<2>(g, v, t_a, t_b, s0, n_keys, D, scale, softcap, w);
@@ -681,11 +678,10 @@ void extend_attention(at::Tensor out, at::Tensor q, at::Tensor k_cache, at::Tens
   // kTileItemRows where that still leaves every thread kMinItemsPerThread items.
   int64_t total_tokens = 0;
   for (int64_t b = 0; b < B; ++b) total_tokens += ql[b];
-  int64_t block = std::max<int64_t>(1, kItemRows / G);
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
-  if (tiles && total_tokens * Hkv >= kMinItemsPerThread * threads * std::max<int64_t>(1, kTileItemRows / G)) {
-    block = std::max<int64_t>(1, kTileItemRows / G);
-  }
+  const int64_t tile_block = std::max<int64_t>(1, kTileItemRows / G);
+  const bool tile_items = tiles && total_tokens * Hkv >= kMinItemsPerThread * threads * tile_block;
+  const int64_t block = tile_items ? tile_block : std::max<int64_t>(1, kItemRows / G);
   struct Item { int64_t b, kvh, tok0, ntok, pos0, cost; };
   std::vector<Item> items;
   for (int64_t b = 0; b < B; ++b) {

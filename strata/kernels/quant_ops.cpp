@@ -644,9 +644,9 @@ TileRows quantize_tile_rows(const at::Tensor& x) {
   return r;
 }
 
-// Tile loads and stores (amx.h's form). No memory clobbers: they would make the compiler keep the accumulators in memory. A tile load
-// reads what was written before the kernel's loop (tile_linear_groups fences the unpacked weights);
-// a tile store says which 16 x 16 sums it writes.
+// Tile loads and stores (amx.h's form). No memory clobbers: they would make the compiler keep the
+// accumulators in memory. A tile load reads what was written before the kernel's loop
+// (tile_linear_groups fences the unpacked weights); a tile store says which 16 x 16 sums it writes.
 template <int T>
 inline void tile_load(const void* p, int64_t stride) {
   asm volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T));
