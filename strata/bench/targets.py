@@ -227,7 +227,7 @@ class StrataTarget(Target):
 
 def strata_dtype(ctx: BenchContext):
     """The torch dtype Strata picks for these options on this machine (the peers use it too)."""
-    from strata.engine.engine import pick_device, pick_dtype
+    from strata.engine.device import pick_device, pick_dtype
 
     dtype, _ = pick_dtype(
         ctx.engine_options.get("dtype", "auto"),

@@ -31,6 +31,7 @@ from strata.cache.radix import NoPrefixCache, PrefixCache, RadixCache
 from strata.cache.window_radix import WindowRadixCache
 from strata.config import EngineConfig, parse_lora_modules
 from strata.engine.batch import ScheduleBatch
+from strata.engine.device import DTYPES, pick_device, pick_dtype
 from strata.engine.embed import check_embed_request, embed
 from strata.engine.lora import LoRAError, LoRAManager
 from strata.engine.model_runner import ModelRunner
@@ -50,12 +51,6 @@ from strata.tokenizer import apply_chat_template, load_tokenizer
 from strata.weights.loader import load_model
 
 logger = logging.getLogger(__name__)
-
-_DTYPES = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
 
 
 @dataclass(frozen=True)
@@ -125,48 +120,6 @@ class GenerateResult:
         return sum(len(c.token_ids) for c in self.choices)
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
-def cpu_has_fast_bf16() -> bool:
-    """The CPU computes bf16 natively (AVX-512 BF16 or AMX tiles), and oneDNN may use it."""
-    held = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    if held and held != "ALL" and not ("BF16" in held or "AMX" in held):
-        return (
-            False  # oneDNN held below bf16 (e.g. AVX2): bf16 matmuls would be emulated
-        )
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cpu_auto_dtype() -> tuple[torch.dtype, str]:
-    """bf16 where the CPU computes it natively, else fp32 (emulated bf16 matmuls run several
-    times slower than fp32). Decided from the CPU's flags, not by timing: every process on one
-    machine must choose the same, or a PD pair or replicas sharing an L3 tier would hold KV of
-    different dtypes (a timing on a busy machine once picked fp32 beside bf16)."""
-    if cpu_has_fast_bf16():
-        return torch.bfloat16, "the CPU has native bf16 (avx512_bf16 / amx_bf16)"
-    return torch.float32, "the CPU has no native bf16, so bf16 would be emulated"
-
-
-def pick_dtype(name: str, device: torch.device) -> tuple[torch.dtype, str]:
-    """The compute dtype and why it was chosen."""
-    if name != "auto":
-        return _DTYPES[name], f"--dtype {name}"
-    if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
-            return torch.bfloat16, "auto: the GPU supports bf16"
-        return torch.float16, "auto: the GPU has no bf16"
-    dtype, reason = cpu_auto_dtype()
-    return dtype, f"auto: {reason}"
-
-
 class Engine:
     def __init__(self, model: str | None = None, **options: Any):
         self.parallel = None
@@ -191,9 +144,7 @@ class Engine:
         if device.type == "cpu":
             torch.set_num_threads(cfg.num_threads or os.cpu_count() or 1)
         dtype, dtype_reason = pick_dtype(cfg.dtype, device)
-        kv_dtype = (
-            dtype if cfg.kv_cache_dtype == "auto" else _DTYPES[cfg.kv_cache_dtype]
-        )
+        kv_dtype = dtype if cfg.kv_cache_dtype == "auto" else DTYPES[cfg.kv_cache_dtype]
         context_len = self._context_len(model_config)
         self.tokenizer = load_tokenizer(model_dir)
         # --tp-size/--ep-size > 1: this process is rank 0; it starts the other ranks and loads its shard

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.engine.engine import cpu_has_fast_bf16, pick_dtype
+from strata.engine.device import cpu_has_fast_bf16, pick_dtype
 
 
 def _native_bf16_flags() -> bool:
