@@ -1258,30 +1258,33 @@ def test_kernel_info_names_the_build_and_the_cpu(ops):
     assert kernels.describe_kernels(info).startswith(info["cpu_kernels"])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,sinks", [(0, False), (300, True)])
 def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(
-    ops, window, sinks
+    ops, window, sinks, dtype
 ):
     """Long key ranges are split by the token's own keys, not by the batch: a token alone and the
     same token among others (as a speculative verification's k + 1 entries) give identical bits,
-    for contexts below, at and past the split size; the result still matches the reference."""
+    for contexts below, at and past the split size. Alone, a short token's few key ranges are dealt
+    to the threads head by head; together, each range with all its heads: the same bits either way."""
     gen = torch.Generator().manual_seed(3)
     heads, kv_heads, dim, page_size = 6, 3, 64, 16
     lengths = [100, 256, 257, 700, 1500]
     pages_per = [-(-n // page_size) for n in lengths]
     k_cache = torch.randn(sum(pages_per) * page_size, kv_heads, dim, generator=gen)
+    k_cache = k_cache.to(dtype)
     v_cache = torch.randn_like(k_cache)
     table = torch.zeros(len(lengths), max(pages_per), dtype=torch.int64)
     start = 0
     for b, n in enumerate(pages_per):
         table[b, :n] = torch.arange(start, start + n)
         start += n
-    q = torch.randn(len(lengths), heads, dim, generator=gen)
+    q = torch.randn(len(lengths), heads, dim, generator=gen).to(dtype)
     sink = torch.randn(heads, generator=gen) if sinks else None
     positions = torch.tensor(lengths) - 1
 
     def run(rows):
-        out = torch.empty(len(rows), heads, dim)
+        out = torch.empty(len(rows), heads, dim, dtype=dtype)
         ops.paged_attention(
             out,
             q[rows].contiguous(),
