@@ -39,7 +39,7 @@ namespace {
 // at out_slots. Query head h reads KV head h / (H / Hkv). Softmax is online, in float.
 // ---------------------------------------------------------------------------------------------
 constexpr int64_t kSplitKeys = 256;  // decode attention: keys per range a long sequence is split into
-// decode attention: key ranges per thread from which a range's KV heads are dealt together
+// decode attention: key ranges per thread from which a work item takes all of a range's KV heads
 constexpr int64_t kRangesPerThread = 4;
 
 template <typename QT, typename CT>
@@ -252,11 +252,12 @@ std::vector<int64_t> attention_runs(int64_t T, const int64_t* own, const int64_t
   return starts;
 }
 
-// Decode attention. A work item is (run of tokens, KV head, key range): its R tokens x G query heads
-// read each tile of keys and values once. Every query row's arithmetic is what it would be alone
-// (a run of one): its scores over its own keys (those a shorter row scored 16 at a time that it
-// would score one by one are scored again one by one), its own online softmax, and zero
-// probabilities for the keys past its own, so a token's result does not depend on its neighbours.
+// Decode attention. A work item is (run of tokens, KV head or all of them, key range): for each of
+// its KV heads, its R tokens x G query heads read each tile of keys and values once. Every query
+// row's arithmetic is what it would be alone (a run of one): its scores over its own keys (those a
+// shorter row scored 16 at a time that it would score one by one are scored again one by one), its
+// own online softmax, and zero probabilities for the keys past its own, so a token's result does not
+// depend on its neighbours.
 template <typename QT, typename CT>
 void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                     const at::Tensor& v_cache, const at::Tensor& page_table, const at::Tensor& owner,
@@ -302,11 +303,11 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
 #endif
   // The work items, dealt to the threads costliest first, each to the least loaded so far: a
   // sequence's last key range is often short, and contiguous chunks of items could leave one thread
-  // the long ranges (550 keys, 3 KV heads, 2 threads: 1062 against 588 keys). Where there are
-  // enough key ranges to balance the threads (kRangesPerThread each), a range's KV heads go to one
-  // thread one after another: they read the same slots' rows (the cache holds a slot's heads side
-  // by side), so the heads after the first find them in cache (64 requests of 320 keys: ~5% off
-  // the call). Which thread attends an item does not change its arithmetic.
+  // the long ranges (550 keys, 3 KV heads, 2 threads: 1062 against 588 keys). An item is a run's key
+  // range for one KV head, or for all of them where there are enough ranges to balance the threads
+  // (kRangesPerThread each): then a tile's keys are read as the cache holds them, a slot's heads side
+  // by side, instead of one head's rows out of every slot's. Which thread attends an item, and with
+  // which heads, does not change its arithmetic.
   // A run's first key (its tokens share it) and keys [jbeg, jend) of its range `split`: a token
   // attends them up to its own position (the run's last token, all of them).
   struct KeyRange { int64_t first, jbeg, jend; };
@@ -315,28 +316,27 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     const int64_t jbeg = std::min(end, first + split * kSplitKeys);
     return KeyRange{first, jbeg, std::max(jbeg, std::min(end, first + (split + 1) * kSplitKeys))};
   };
-  const int64_t num_items = num_runs * Hkv * splits;  // (run, KV head, split) is item (run Hkv + kvh) splits + split
-  const int64_t nthreads = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), num_items));
-  const int64_t heads_dealt = num_runs * splits >= kRangesPerThread * nthreads ? Hkv : 1;  // per deal
+  const int64_t most_threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t item_heads = num_runs * splits >= kRangesPerThread * most_threads ? Hkv : 1;
+  const int64_t head_groups = Hkv / item_heads;
+  // item (run, head group, split) is (run head_groups + group) splits + split; group k: KV heads from k item_heads
+  const int64_t num_items = num_runs * head_groups * splits;
+  const int64_t nthreads = std::min(most_threads, num_items);
   std::vector<int64_t> order, bounds{0};  // thread b's items: order[bounds[b] .. bounds[b + 1])
   {
-    std::vector<std::pair<int64_t, int64_t>> costs;  // (rows x keys, plus a range's fixed work; first item)
-    for (int64_t run = 0; run < num_runs; ++run) {
-      for (int64_t kvh = 0; kvh < Hkv; kvh += heads_dealt) {
-        for (int64_t split = 0; split < splits; ++split) {
-          const KeyRange kr = key_range(run, split);
-          costs.emplace_back(heads_dealt * (runs[run + 1] - runs[run]) * (kr.jend - kr.jbeg + 16),
-                             (run * Hkv + kvh) * splits + split);
-        }
-      }
+    std::vector<std::pair<int64_t, int64_t>> costs;  // (rows x keys, plus a range's fixed work; item)
+    for (int64_t item = 0; item < num_items; ++item) {
+      const int64_t split = item % splits, run = item / splits / head_groups;
+      const KeyRange kr = key_range(run, split);
+      costs.emplace_back(item_heads * (runs[run + 1] - runs[run]) * (kr.jend - kr.jbeg + 16), item);
     }
     std::stable_sort(costs.begin(), costs.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
     std::vector<std::vector<int64_t>> dealt(nthreads);
     std::vector<int64_t> load(nthreads, 0);
-    for (const auto& [cost, first] : costs) {
+    for (const auto& [cost, item] : costs) {
       const int64_t b = std::min_element(load.begin(), load.end()) - load.begin();
       load[b] += cost;
-      for (int64_t h = 0; h < heads_dealt; ++h) dealt[b].push_back(first + h * splits);
+      dealt[b].push_back(item);
     }
     for (const auto& items : dealt) {
       order.insert(order.end(), items.begin(), items.end());
@@ -347,162 +347,177 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
   auto slot_in = [&](const int64_t* pages, int64_t j) {
     return page_size == 1 ? pages[j] : pages[j / page_size] * page_size + j % page_size;
   };
-  // K and V rows of keys [from, to) of KV head kvh, asked for ahead of use (pages: a page-table row)
-  auto prefetch_keys = [&](const int64_t* pages, int64_t kvh, int64_t from, int64_t to) {
+  // K and V rows of keys [from, to) of KV heads kvh0 .. kvh0 + item_heads - 1, asked for ahead of use
+  // (pages: a page-table row)
+  auto prefetch_keys = [&](const int64_t* pages, int64_t kvh0, int64_t from, int64_t to) {
     for (int64_t j = from; j < to; ++j) {
       const int64_t slot = slot_in(pages, j);
-      prefetch_row(kc + (slot * Hkv + kvh) * D, D);
-      prefetch_row(vc + (slot * Hkv + kvh) * D, D);
+      prefetch_row(kc + (slot * Hkv + kvh0) * D, item_heads * D);
+      prefetch_row(vc + (slot * Hkv + kvh0) * D, item_heads * D);
     }
   };
   at::parallel_for(0, nthreads, 1, [&](int64_t b0, int64_t b1) {
-    // per query row (r, g) of a run, at r * G + g
-    std::vector<float> qf, acc, scores, m(max_run * G), l(max_run * G);
-    std::vector<int64_t> row_end(max_run), row_keys(max_run * G);
+    // per query row (h, r, g) of an item (head h of its group, row r of its run), at (h R + r) G + g
+    const int64_t most_rows = item_heads * max_run * G;
+    std::vector<float> qf, acc, scores, m(most_rows), l(most_rows);
+    std::vector<int64_t> row_end(max_run), row_keys(max_run * G), slots(kKeyTile);
     const CT* keys[kKeyTile];
     const CT* values[kKeyTile + 1];  // one more: tile_attend_bf16 pairs an odd tile's last key
 #if defined(__AVX512BF16__)
-    std::vector<const c10::BFloat16*> qrows(max_run * G);
-    std::unique_ptr<DecodeRowsBf16> rows_bf16;
-    if (bf16_dots) rows_bf16 = std::make_unique<DecodeRowsBf16>(max_run * G, D);
+    std::vector<const c10::BFloat16*> qrows(most_rows);
+    std::vector<std::unique_ptr<DecodeRowsBf16>> rows_bf16;  // per head of an item
+    if (bf16_dots) {
+      for (int64_t h = 0; h < item_heads; ++h) rows_bf16.push_back(std::make_unique<DecodeRowsBf16>(max_run * G, D));
+    }
 #endif
     if (!bf16_dots) {
-      qf.resize(max_run * G * D);
-      acc.resize(max_run * G * D);
-      scores.resize(max_run * G * kKeyTile);
+      qf.resize(most_rows * D);
+      acc.resize(most_rows * D);
+      scores.resize(most_rows * kKeyTile);
     }
     for (int64_t at_item = bounds[b0]; at_item < bounds[b1]; ++at_item) {
       const int64_t item = order[at_item];
       const int64_t split = item % splits, rk = item / splits;
-      const int64_t run = rk / Hkv, kvh = rk % Hkv;
-      const int64_t t0 = runs[run], R = runs[run + 1] - t0, last = t0 + R - 1;
+      const int64_t run = rk / head_groups, kvh0 = rk % head_groups * item_heads;
+      const int64_t t0 = runs[run], R = runs[run + 1] - t0, last = t0 + R - 1, RG = R * G;
       const auto [first, jbeg, jend] = key_range(run, split);
       for (int64_t r = 0; r < R; ++r) {  // below their own ends, the run's tokens share the range
         row_end[r] = std::min(pos[t0 + r] + 1, first + (split + 1) * kSplitKeys);  // keys [jbeg, row_end)
       }
       const int64_t* pages = pt + own[last] * pages_per_row;
-      // query row i's softmax state before its keys: in the first range, the sink joins it as a score
-      // with no value (exp(sink - m) = 1); else nothing yet
+      // query row i of KV head kvh: its softmax state before its keys: in the first range, the sink
+      // joins it as a score with no value (exp(sink - m) = 1); else nothing yet
       const bool sink_here = sinks && split == 0;
-      auto start_max = [&](int64_t i) {
+      auto start_max = [&](int64_t kvh, int64_t i) {
         return sink_here ? sinks[kvh * G + i % G] : -std::numeric_limits<float>::infinity();
       };
       const float start_sum = sink_here ? 1.f : 0.f;
-      float* accp = acc.data();
 #if defined(__AVX512BF16__)
       if (bf16_dots) {
-        DecodeRowsBf16& st = *rows_bf16;
-        accp = st.acc.data();
-        for (int64_t i = 0; i < R * G; ++i) {
-          qrows[i] = reinterpret_cast<const c10::BFloat16*>(qp + (t0 + i / G) * q_stride + (kvh * G + i % G) * D);
-          st.m[i] = start_max(i);
-          std::fill(st.l.begin() + 16 * i, st.l.begin() + 16 * (i + 1), 0.f);
-          st.l[16 * i] = start_sum;
+        for (int64_t h = 0; h < item_heads; ++h) {
+          DecodeRowsBf16& st = *rows_bf16[h];
+          for (int64_t i = 0; i < RG; ++i) {
+            qrows[h * RG + i] = reinterpret_cast<const c10::BFloat16*>(qp + (t0 + i / G) * q_stride +
+                                                                       ((kvh0 + h) * G + i % G) * D);
+            st.m[i] = start_max(kvh0 + h, i);
+            std::fill(st.l.begin() + 16 * i, st.l.begin() + 16 * (i + 1), 0.f);
+            st.l[16 * i] = start_sum;
+          }
+          std::fill(st.acc.begin(), st.acc.begin() + RG * D, 0.f);
         }
-        std::fill(st.acc.begin(), st.acc.begin() + R * G * D, 0.f);
       }
 #endif
       if (!bf16_dots) {
-        for (int64_t r = 0; r < R; ++r) {
-          for (int64_t g = 0; g < G; ++g) {
-            const QT* src = qp + (t0 + r) * q_stride + (kvh * G + g) * D;
-            for (int64_t d = 0; d < D; ++d) qf[(r * G + g) * D + d] = to_f(src[d]) * fscale;
-          }
-        }
-        std::fill(acc.begin(), acc.begin() + R * G * D, 0.f);
-        for (int64_t i = 0; i < R * G; ++i) {
-          m[i] = start_max(i);
+        for (int64_t i = 0; i < item_heads * RG; ++i) {
+          const int64_t h = i / RG, r = i % RG / G, g = i % G;
+          const QT* src = qp + (t0 + r) * q_stride + ((kvh0 + h) * G + g) * D;
+          for (int64_t d = 0; d < D; ++d) qf[i * D + d] = to_f(src[d]) * fscale;
+          m[i] = start_max(kvh0 + h, i % RG);
           l[i] = start_sum;
         }
+        std::fill(acc.begin(), acc.begin() + item_heads * RG * D, 0.f);
       }
       for (int64_t j0 = jbeg; j0 < jend; j0 += kKeyTile) {
         const int64_t jn = std::min(kKeyTile, jend - j0);
-        for (int64_t jj = 0; jj < jn; ++jj) {
-          const int64_t slot = slot_in(pages, j0 + jj);
-          keys[jj] = kc + (slot * Hkv + kvh) * D;
-          values[jj] = vc + (slot * Hkv + kvh) * D;
-        }
+        for (int64_t jj = 0; jj < jn; ++jj) slots[jj] = slot_in(pages, j0 + jj);
         // The next tile's keys and values asked for while this one is attended (on the last tile, the
         // first of the thread's next item; on the first, its own values, read after its scores): a
         // request's slots need not be consecutive (concurrent requests interleave their decode slots,
         // a cached prefix sits wherever it was written), and the hardware prefetcher follows only
         // regular strides.
         if (j0 == jbeg) {
-          for (int64_t jj = 0; jj < jn; ++jj) prefetch_row(values[jj], D);
+          for (int64_t jj = 0; jj < jn; ++jj) prefetch_row(vc + (slots[jj] * Hkv + kvh0) * D, item_heads * D);
         }
         if (j0 + kKeyTile < jend) {
-          prefetch_keys(pages, kvh, j0 + kKeyTile, std::min(jend, j0 + 2 * kKeyTile));
+          prefetch_keys(pages, kvh0, j0 + kKeyTile, std::min(jend, j0 + 2 * kKeyTile));
         } else if (at_item + 1 < bounds[b1]) {
-          const int64_t next = order[at_item + 1], next_run = next / splits / Hkv;
+          const int64_t next = order[at_item + 1], next_rk = next / splits, next_run = next_rk / head_groups;
           const KeyRange kr = key_range(next_run, next % splits);
-          prefetch_keys(pt + own[runs[next_run + 1] - 1] * pages_per_row, next / splits % Hkv, kr.jbeg,
-                        std::min(kr.jend, kr.jbeg + kKeyTile));
+          prefetch_keys(pt + own[runs[next_run + 1] - 1] * pages_per_row, next_rk % head_groups * item_heads,
+                        kr.jbeg, std::min(kr.jend, kr.jbeg + kKeyTile));
         }
+        for (int64_t h = 0; h < item_heads; ++h) {
+          const int64_t kvh = kvh0 + h;
+          for (int64_t jj = 0; jj < jn; ++jj) {
+            keys[jj] = kc + (slots[jj] * Hkv + kvh) * D;
+            values[jj] = vc + (slots[jj] * Hkv + kvh) * D;
+          }
 #if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
-          if (bf16_dots) {
-            for (int64_t i = 0; i < R * G; ++i) row_keys[i] = std::min(jn, row_end[i / G] - j0);
-            tile_attend_bf16(qrows.data(), R * G, D, keys, values, jn, row_keys.data(), fscale, softcap, *rows_bf16);
-            continue;
-          }
-        }
-#endif
-        tile_scores<CT>(qf.data(), R * G, D, keys, jn, scores.data());
-        const int64_t simd = simd_keys<CT>(D, jn);
-        for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
-          const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
-          if (rn > 0 && own_simd < simd) {
-            scalar_scores<CT>(qf.data() + r * G * D, G, D, keys, own_simd, rn, scores.data() + r * G * kKeyTile);
-          }
-        }
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t rn = std::min(jn, row_end[r] - j0);  // this row's keys in the tile
-          for (int64_t g = 0; g < G; ++g) {
-            const int64_t i = r * G + g;
-            float* sg = scores.data() + i * kKeyTile;
-            if (rn <= 0) {  // past this row's keys: no weight, its state untouched
-              std::fill(sg, sg + jn, 0.f);
+          if constexpr (std::is_same_v<QT, c10::BFloat16> && std::is_same_v<CT, c10::BFloat16>) {
+            if (bf16_dots) {
+              for (int64_t i = 0; i < RG; ++i) row_keys[i] = std::min(jn, row_end[i / G] - j0);
+              tile_attend_bf16(qrows.data() + h * RG, RG, D, keys, values, jn, row_keys.data(), fscale, softcap,
+                               *rows_bf16[h]);
               continue;
             }
-            if (softcap > 0) softcap_scores(sg, rn, softcap);
-            const float new_max = std::max(m[i], max_of(sg, rn));
-            const float correction = std::exp(m[i] - new_max);  // exp(-inf) = 0 on the first tile
-            l[i] = l[i] * correction + exp_shifted(sg, rn, new_max);
-            m[i] = new_max;
-            if (correction != 1.f) {
-              float* ag = acc.data() + i * D;
-              for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
-            }
-            std::fill(sg + rn, sg + jn, 0.f);
           }
-        }
-        tile_values<CT>(scores.data(), R * G, D, values, jn, acc.data());
-      }
-#if defined(__AVX512BF16__)
-      if (bf16_dots) {  // the lanes' sums added up, acc back in dimension order
-        const DecodeRowsBf16& st = *rows_bf16;
-        for (int64_t i = 0; i < R * G; ++i) {
-          m[i] = st.m[i];
-          l[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(st.l.data() + 16 * i));
-          values_unpermute(accp + i * D, D);
-        }
-      }
 #endif
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t t = t0 + r;
-        if (splits > 1) {
-          const int64_t base = ((t * Hkv + kvh) * splits + split) * G;
-          for (int64_t g = 0; g < G; ++g) {
-            part_m[base + g] = m[r * G + g];
-            part_l[base + g] = l[r * G + g];
-            std::copy(accp + (r * G + g) * D, accp + (r * G + g + 1) * D, part_acc.get() + (base + g) * D);
+          const float* qh = qf.data() + h * RG * D;
+          float *sh = scores.data() + h * RG * kKeyTile, *ah = acc.data() + h * RG * D;
+          float *mh = m.data() + h * RG, *lh = l.data() + h * RG;
+          tile_scores<CT>(qh, RG, D, keys, jn, sh);
+          const int64_t simd = simd_keys<CT>(D, jn);
+          for (int64_t r = 0; r < R; ++r) {  // a shorter row scores its last keys as it would alone
+            const int64_t rn = std::min(jn, row_end[r] - j0), own_simd = simd_keys<CT>(D, rn);
+            if (rn > 0 && own_simd < simd) {
+              scalar_scores<CT>(qh + r * G * D, G, D, keys, own_simd, rn, sh + r * G * kKeyTile);
+            }
           }
-          continue;
+          for (int64_t r = 0; r < R; ++r) {
+            const int64_t rn = std::min(jn, row_end[r] - j0);  // this row's keys in the tile
+            for (int64_t g = 0; g < G; ++g) {
+              const int64_t i = r * G + g;
+              float* sg = sh + i * kKeyTile;
+              if (rn <= 0) {  // past this row's keys: no weight, its state untouched
+                std::fill(sg, sg + jn, 0.f);
+                continue;
+              }
+              if (softcap > 0) softcap_scores(sg, rn, softcap);
+              const float new_max = std::max(mh[i], max_of(sg, rn));
+              const float correction = std::exp(mh[i] - new_max);  // exp(-inf) = 0 on the first tile
+              lh[i] = lh[i] * correction + exp_shifted(sg, rn, new_max);
+              mh[i] = new_max;
+              if (correction != 1.f) {
+                float* ag = ah + i * D;
+                for (int64_t d = 0; d < D; ++d) ag[d] *= correction;
+              }
+              std::fill(sg + rn, sg + jn, 0.f);
+            }
+          }
+          tile_values<CT>(sh, RG, D, values, jn, ah);
         }
-        for (int64_t g = 0; g < G; ++g) {
-          QT* dst = op + (t * H + kvh * G + g) * D;
-          const float inv = 1.f / l[r * G + g];
-          for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(accp[(r * G + g) * D + d] * inv);
+      }
+      for (int64_t h = 0; h < item_heads; ++h) {
+        const int64_t kvh = kvh0 + h;
+        float* accp = acc.data() + h * RG * D;
+        float *mh = m.data() + h * RG, *lh = l.data() + h * RG;
+#if defined(__AVX512BF16__)
+        if (bf16_dots) {  // the lanes' sums added up, acc back in dimension order
+          DecodeRowsBf16& st = *rows_bf16[h];
+          accp = st.acc.data();
+          for (int64_t i = 0; i < RG; ++i) {
+            mh[i] = st.m[i];
+            lh[i] = _mm512_reduce_add_ps(_mm512_loadu_ps(st.l.data() + 16 * i));
+            values_unpermute(accp + i * D, D);
+          }
+        }
+#endif
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t t = t0 + r;
+          if (splits > 1) {
+            const int64_t base = ((t * Hkv + kvh) * splits + split) * G;
+            for (int64_t g = 0; g < G; ++g) {
+              part_m[base + g] = mh[r * G + g];
+              part_l[base + g] = lh[r * G + g];
+              std::copy(accp + (r * G + g) * D, accp + (r * G + g + 1) * D, part_acc.get() + (base + g) * D);
+            }
+            continue;
+          }
+          for (int64_t g = 0; g < G; ++g) {
+            QT* dst = op + (t * H + kvh * G + g) * D;
+            const float inv = 1.f / lh[r * G + g];
+            for (int64_t d = 0; d < D; ++d) dst[d] = round_to<QT>(accp[(r * G + g) * D + d] * inv);
+          }
         }
       }
     }
