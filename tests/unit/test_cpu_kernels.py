@@ -1307,6 +1307,38 @@ def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(
         assert torch.equal(run([b] * 4)[2:3], together[b : b + 1]), lengths[b]
 
 
+def test_a_large_decode_batch_gets_the_bits_each_request_gets_alone(ops):
+    """A call reading more keys than the threads' L2 caches hold asks for the next item's rows ahead
+    (48 requests of 400 keys, ~15 MB of bf16 K/V, each decoded key in a slot of its own): each
+    request's output is still the one it gets alone."""
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, dim, requests, keys = 9, 3, 64, 48, 400
+    k_cache = torch.randn(requests * keys, kv_heads, dim, generator=gen).bfloat16()
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(requests * keys, generator=gen).view(requests, keys)
+    q = torch.randn(requests, heads, dim, generator=gen).bfloat16()
+    positions = torch.full((requests,), keys - 1)
+
+    def run(rows):
+        out = torch.empty(len(rows), heads, dim, dtype=torch.bfloat16)
+        ops.paged_attention(
+            out,
+            q[rows].contiguous(),
+            k_cache,
+            v_cache,
+            table,
+            torch.tensor(rows),
+            positions[rows].contiguous(),
+            1,
+            0.125,
+        )
+        return out
+
+    together = run(list(range(requests)))
+    for b in (0, 17, requests - 1):
+        assert torch.equal(run([b]), together[b : b + 1]), b
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 # (64, 9, 3): the default model; with bf16 on AVX512-BF16, 128, 32 and 576 take the same bf16 kernel (a
 # key tile transposed for all the rows of a work item: 3 to 16 query heads per KV head here; 576 x 16 on
