@@ -1258,6 +1258,28 @@ def test_kernel_info_names_the_build_and_the_cpu(ops):
     assert kernels.describe_kernels(info).startswith(info["cpu_kernels"])
 
 
+def decode_rows(
+    ops, q, k_cache, v_cache, table, positions, rows, page_size=1, window=0, sinks=None
+):
+    """Decode attention of query rows `rows` (indices into q, positions and table's rows) alone."""
+    out = torch.empty(len(rows), *q.shape[1:], dtype=q.dtype)
+    ops.paged_attention(
+        out,
+        q[rows].contiguous(),
+        k_cache,
+        v_cache,
+        table,
+        torch.tensor(rows),
+        positions[rows].contiguous(),
+        page_size,
+        0.125,
+        window=window,
+        softcap=0.0,
+        sinks=sinks,
+    )
+    return out
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window,sinks", [(0, False), (300, True)])
 def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(
@@ -1284,22 +1306,9 @@ def test_a_decode_token_gets_the_same_bits_whatever_it_is_batched_with(
     positions = torch.tensor(lengths) - 1
 
     def run(rows):
-        out = torch.empty(len(rows), heads, dim, dtype=dtype)
-        ops.paged_attention(
-            out,
-            q[rows].contiguous(),
-            k_cache,
-            v_cache,
-            table,
-            torch.tensor(rows),
-            positions[rows].contiguous(),
-            page_size,
-            0.125,
-            window=window,
-            softcap=0.0,
-            sinks=sink,
+        return decode_rows(
+            ops, q, k_cache, v_cache, table, positions, rows, page_size, window, sink
         )
-        return out
 
     together = run(list(range(len(lengths))))
     for b in range(len(lengths)):
@@ -1320,19 +1329,7 @@ def test_a_large_decode_batch_gets_the_bits_each_request_gets_alone(ops):
     positions = torch.full((requests,), keys - 1)
 
     def run(rows):
-        out = torch.empty(len(rows), heads, dim, dtype=torch.bfloat16)
-        ops.paged_attention(
-            out,
-            q[rows].contiguous(),
-            k_cache,
-            v_cache,
-            table,
-            torch.tensor(rows),
-            positions[rows].contiguous(),
-            1,
-            0.125,
-        )
-        return out
+        return decode_rows(ops, q, k_cache, v_cache, table, positions, rows)
 
     together = run(list(range(requests)))
     for b in (0, 17, requests - 1):
