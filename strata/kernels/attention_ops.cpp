@@ -378,6 +378,13 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
     kv_bytes += keys_read * Hkv * D * 2 * static_cast<int64_t>(sizeof(CT));
   }
   const bool lookahead = item_heads == Hkv && Hkv > 1 && kv_bytes > nthreads * l2_bytes();
+  // An item's page-table row, first KV head and key range
+  struct ItemKeys { const int64_t* pages; int64_t kvh0; KeyRange kr; };
+  auto item_keys = [&](int64_t item) {
+    const int64_t rk = item / splits, run = rk / head_groups;
+    return ItemKeys{pt + own[runs[run + 1] - 1] * pages_per_row, rk % head_groups * item_heads,
+                    key_range(run, item % splits)};
+  };
   // K and V rows of keys [from, to) of KV heads kvh0 .. kvh0 + item_heads - 1, asked for ahead of use
   // (pages: a page-table row)
   auto prefetch_keys = [&](const int64_t* pages, int64_t kvh0, int64_t from, int64_t to) {
@@ -460,9 +467,7 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
           for (int64_t jj = 0; jj < jn; ++jj) prefetch_row(vc + (slots[jj] * Hkv + kvh0) * D, item_heads * D);
         }
         if (lookahead && at_item + 1 < bounds[b1]) {  // share ti of ntiles of the next item's rows
-          const int64_t next = order[at_item + 1], next_run = next / splits / head_groups;
-          const KeyRange kr = key_range(next_run, next % splits);
-          const int64_t* next_pages = pt + own[runs[next_run + 1] - 1] * pages_per_row;
+          const auto [next_pages, next_kvh0, kr] = item_keys(order[at_item + 1]);
           const int64_t ntiles = (jend - jbeg + kKeyTile - 1) / kKeyTile, ti = (j0 - jbeg) / kKeyTile;
           const int64_t share = (kr.jend - kr.jbeg + ntiles - 1) / ntiles;
           for (int64_t j = kr.jbeg + ti * share; j < std::min(kr.jend, kr.jbeg + (ti + 1) * share); ++j) {
@@ -473,10 +478,8 @@ void attention_impl(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_ca
         if (j0 + kKeyTile < jend) {
           prefetch_keys(pages, kvh0, j0 + kKeyTile, std::min(jend, j0 + 2 * kKeyTile));
         } else if (at_item + 1 < bounds[b1]) {
-          const int64_t next = order[at_item + 1], next_rk = next / splits, next_run = next_rk / head_groups;
-          const KeyRange kr = key_range(next_run, next % splits);
-          prefetch_keys(pt + own[runs[next_run + 1] - 1] * pages_per_row, next_rk % head_groups * item_heads,
-                        kr.jbeg, std::min(kr.jend, kr.jbeg + kKeyTile));
+          const auto [next_pages, next_kvh0, kr] = item_keys(order[at_item + 1]);
+          prefetch_keys(next_pages, next_kvh0, kr.jbeg, std::min(kr.jend, kr.jbeg + kKeyTile));
         }
         for (int64_t h = 0; h < item_heads; ++h) {
           const int64_t kvh = kvh0 + h;
